@@ -1,0 +1,134 @@
+//! The storage-medium contract.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::BackendError;
+use crate::metrics::MetricSource;
+use crate::transfer_ref::{MemoryRegistrar, TransferRef};
+use crate::types::{
+    AllocateRequest, AllocateResult, BufferDesc, CommitRequest, CommitResult, EvictResult, KvEvent, ResolvedEntry,
+    TierCapacity, TierType,
+};
+
+/// The callback a backend runs when its unshipped outbox reaches the auto-flush threshold.
+///
+/// It runs **under the backend's lock**: it must be cheap, must not block and must not call back into
+/// the backend. Signal the heartbeat thread and return.
+pub type AutoFlushHook = Arc<dyn Fn() + Send + Sync>;
+
+/// One storage medium of a node: it owns bytes, the key → pages map, leases, capacity and the event
+/// outbox, and publishes descriptors for its buffers. **It never moves bytes**: `init` receives only a
+/// [`MemoryRegistrar`].
+///
+/// Every method takes `&self` and may be called concurrently from peer-service handlers and the
+/// heartbeat thread; implementations lock internally.
+///
+/// # Contracts the compiler cannot check
+/// `umbp_testkit::conformance::run` tests each of these against any implementation.
+/// - Events go to the heartbeat in one stream under one sequence space per node
+///   ([`drain_all_backends`](crate::drain_all_backends)); a backend never numbers its own bundles.
+/// - [`snapshot_owned_keys_for_full_sync`](Self::snapshot_owned_keys_for_full_sync) clears the outbox
+///   in the same critical section as the snapshot; [`snapshot_owned_keys`](Self::snapshot_owned_keys)
+///   does not mutate.
+/// - `FailedNoSpace` only when another peer could succeed; a key larger than the medium can ever hold
+///   (or of size 0) is `Failed`.
+/// - [`evict`](Self::evict) returns one result per key in request order; unknown, freed, leased or
+///   pinned keys report 0 bytes.
+/// - [`batch_abort`](Self::batch_abort) is idempotent (an unknown slot reports `true`). Commit of an
+///   unknown, reaped, aborted or pre-clear slot reports `false`. Two commits of one key: the first
+///   wins, the second frees its pages and reports success with the first value's size.
+/// - [`init`](Self::init) is idempotent and leaves the backend fully live (its own reaper started);
+///   [`shutdown`](Self::shutdown) tolerates a failed `init` and deregisters before releasing memory.
+/// - No new owned key appears between [`clear_local`](Self::clear_local) and
+///   [`clear_full_sync_acked`](Self::clear_full_sync_acked).
+/// - The auto-flush hook fires exactly once each time the unshipped outbox grows to the threshold
+///   (length == threshold after a push); draining or snapshotting for full sync re-arms it; a
+///   threshold of 0 disables it.
+pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
+    // --- identity -------------------------------------------------------------------------------
+
+    /// The tier this medium serves. One instance is one medium; no method takes a tier.
+    fn tier(&self) -> TierType;
+
+    /// A short, stable name for logs and the `backend=` metric label.
+    fn name(&self) -> &str;
+
+    // --- ownership ------------------------------------------------------------------------------
+
+    /// Obtains the medium's memory, registers every buffer with `registrar` and starts any background
+    /// work (the reaper). Idempotent: a second call on a live backend returns `Ok` and does nothing.
+    fn init(&self, registrar: &dyn MemoryRegistrar) -> Result<(), BackendError>;
+
+    /// Stops background work, deregisters every buffer and then releases the memory. Tolerates a
+    /// failed or missing `init`; a second call is a no-op. Must not run concurrently with other calls.
+    fn shutdown(&self);
+
+    // --- control plane --------------------------------------------------------------------------
+
+    /// Total and available allocatable bytes.
+    fn capacity(&self) -> TierCapacity;
+
+    /// How many keys the medium owns.
+    fn owned_key_count(&self) -> usize;
+
+    /// Returns and clears the outbox of ownership changes not yet shipped to the master.
+    fn drain_pending_events(&self) -> Vec<KvEvent>;
+
+    /// Every owned key as an `Add` event. Does not touch the outbox.
+    fn snapshot_owned_keys(&self) -> Vec<KvEvent>;
+
+    /// Every owned key as an `Add` event, clearing the outbox in the same critical section so no event
+    /// committed in between is lost or duplicated.
+    fn snapshot_owned_keys_for_full_sync(&self) -> Vec<KvEvent>;
+
+    /// Drops every owned key (no `Remove` events: the empty full sync that follows is authoritative),
+    /// invalidates pending slots, clears the outbox and gates allocation until
+    /// [`clear_full_sync_acked`](Self::clear_full_sync_acked).
+    fn clear_local(&self);
+
+    /// The master acknowledged the empty full sync after a clear: allocation opens again.
+    fn clear_full_sync_acked(&self);
+
+    /// Whether a clear is waiting for its full sync to be acknowledged.
+    fn is_clear_full_sync_pending(&self) -> bool;
+
+    /// Installs (or, with `None`, removes) the auto-flush hook. See the trait docs for when it fires.
+    fn set_auto_flush_hook(&self, threshold: usize, hook: Option<AutoFlushHook>);
+
+    // --- slot lifecycle -------------------------------------------------------------------------
+
+    /// Reserves room for each request; one result per request, in request order. An empty batch
+    /// returns an empty vector.
+    fn batch_allocate(&self, requests: &[AllocateRequest]) -> Vec<AllocateResult>;
+
+    /// Commits each slot under its key; one result per request, in request order.
+    fn batch_commit(&self, requests: &[CommitRequest]) -> Vec<CommitResult>;
+
+    /// Releases each pending slot; `true` for every id, known or not (idempotent).
+    fn batch_abort(&self, slot_ids: &[u64]) -> Vec<bool>;
+
+    /// Looks each key up and takes a read lease on every hit, protecting its pages from eviction
+    /// while a reader copies. Misses take no lease. One entry per key, in request order.
+    fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry>;
+
+    /// Frees each key that is owned and neither leased nor pinned; one result per key, in request
+    /// order, with 0 bytes for every key it did not free.
+    fn evict(&self, keys: &[String]) -> Vec<EvictResult>;
+
+    // --- bootstrap ------------------------------------------------------------------------------
+
+    /// The page size of the medium (every medium on a node shares one).
+    fn page_size(&self) -> u64;
+
+    /// Descriptors of every buffer in ascending buffer index (empty before `init`).
+    fn all_buffer_descs(&self) -> Vec<BufferDesc>;
+
+    // --- local endpoints ------------------------------------------------------------------------
+
+    /// How many buffers the medium publishes.
+    fn buffer_count(&self) -> usize;
+
+    /// The in-process endpoint of buffer `index`; `None` when out of range or before `init`.
+    fn buffer_ref(&self, index: usize) -> Option<TransferRef>;
+}

@@ -1,0 +1,47 @@
+//! The value types and the storage-medium contract of umbp-rs.
+//!
+//! umbp-rs is a distributed KV-cache buffer pool: nodes lend one storage medium each (host DRAM, GPU
+//! HBM, SSD, …), a master decides placement, and a transfer layer moves bytes. This crate is the
+//! vocabulary the three share.
+//!
+//! # Owns
+//! - The wire-stable value types: [`TierType`], [`TierCapacity`], [`PageLocation`], [`KvEvent`], the
+//!   slot-lifecycle requests and results ([`AllocateRequest`], [`AllocateResult`], …) and
+//!   [`BufferDesc`].
+//! - [`TransferRef`], the self-describing endpoint descriptor, and [`LocalRegion`], the one place a raw
+//!   pointer enters the system.
+//! - The medium contract: [`MediumBackend`] (what every storage medium implements) and
+//!   [`MemoryRegistrar`] (the only transfer-layer capability a medium may see: register and
+//!   deregister, never move).
+//! - [`BackendRegistry`] and the event aggregation helpers [`drain_all_backends`] and
+//!   [`snapshot_all_backends_for_full_sync`].
+//! - The metric seam ([`MetricSource`], [`MetricSample`], [`MetricKind`]) and injected time
+//!   ([`Clock`], [`SystemClock`], [`ManualClock`]).
+//!
+//! # Never
+//! Moves bytes, opens sockets, spawns threads or knows a concrete medium. It depends on no other umbp
+//! crate.
+//!
+//! # The rule
+//! **A backend owns bytes and publishes descriptors for them; it never moves them.** The contracts of
+//! [`MediumBackend`] that the compiler cannot check are listed on the trait and tested against every
+//! medium by `umbp_testkit::conformance`.
+
+mod backend;
+mod clock;
+mod error;
+mod metrics;
+mod registry;
+mod transfer_ref;
+mod types;
+
+pub use backend::{AutoFlushHook, MediumBackend};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::{BackendError, RegistrationError, RegistryError};
+pub use metrics::{MetricKind, MetricSample, MetricSource};
+pub use registry::{BackendRegistry, drain_all_backends, snapshot_all_backends_for_full_sync};
+pub use transfer_ref::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegion, TransferRef};
+pub use types::{
+    AllocateOutcome, AllocateRequest, AllocateResult, BufferDesc, CommitRequest, CommitResult, EvictResult, KvEvent,
+    KvEventKind, MAX_BACKENDS_PER_PEER, PageLocation, ResolvedEntry, TierCapacity, TierType,
+};

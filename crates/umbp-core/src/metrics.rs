@@ -1,0 +1,52 @@
+//! The metric seam: components expose samples; a publisher outside them ships them.
+
+/// Counter or gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum MetricKind {
+    /// Monotonic; the publisher ships the increase since the last sample (a decrease rebases).
+    #[default]
+    Counter,
+    /// A reading, shipped as-is every tick.
+    Gauge,
+}
+
+/// One reading of one series.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricSample {
+    /// The generic series name (for a medium: one of the `umbp_backend_medium_*` names, never a name
+    /// carrying the medium).
+    pub name: &'static str,
+    /// Help text.
+    pub help: &'static str,
+    /// Labels specific to the sample (`event=…`, `state=…`). `tier=` and `backend=` are stamped by
+    /// the publisher; a source never sets them.
+    pub labels: Vec<(String, String)>,
+    /// The raw value.
+    pub value: u64,
+    /// Counter or gauge.
+    pub kind: MetricKind,
+    /// Factor applied to the value when shipped (1e-9 turns nanoseconds into seconds).
+    pub scale: f64,
+}
+
+impl MetricSample {
+    /// A counter sample with scale 1.
+    pub fn counter(name: &'static str, help: &'static str, labels: Vec<(String, String)>, value: u64) -> Self {
+        Self { name, help, labels, value, kind: MetricKind::Counter, scale: 1.0 }
+    }
+
+    /// A gauge sample with scale 1.
+    pub fn gauge(name: &'static str, help: &'static str, labels: Vec<(String, String)>, value: u64) -> Self {
+        Self { name, help, labels, value, kind: MetricKind::Gauge, scale: 1.0 }
+    }
+}
+
+/// A component that can report state its interface cannot show from outside.
+///
+/// Called by the publisher, never under a component lock. The default reports nothing.
+pub trait MetricSource {
+    /// The current samples.
+    fn sample_metrics(&self) -> Vec<MetricSample> {
+        Vec::new()
+    }
+}

@@ -1,0 +1,318 @@
+//! Wire-stable value types shared by media, the control plane and the transfer layer.
+
+use std::fmt;
+
+use crate::transfer_ref::{MemoryLocation, RemoteRegion, TransferRef};
+
+/// How many media one node may register; also the width of a reader's per-backend descriptor shelves.
+pub const MAX_BACKENDS_PER_PEER: usize = 8;
+
+/// A storage tier. The numeric values travel on the wire and in metrics and never change; a new medium
+/// takes a new number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[repr(u32)]
+pub enum TierType {
+    /// Not a tier: the value a missing or malformed field decodes to.
+    #[default]
+    Unknown = 0,
+    /// GPU high-bandwidth memory.
+    Hbm = 1,
+    /// Host DRAM.
+    Dram = 2,
+    /// A local drive, staged through host DRAM.
+    Ssd = 3,
+}
+
+impl TierType {
+    /// Every real tier in ascending order (the registry's iteration order).
+    pub const ALL: [TierType; 3] = [TierType::Hbm, TierType::Dram, TierType::Ssd];
+
+    /// The stable wire value.
+    pub const fn wire(self) -> u32 {
+        self as u32
+    }
+
+    /// Decodes a wire value; unknown numbers become [`TierType::Unknown`] rather than an error so an old
+    /// node can read a newer peer's message and ignore the tier it does not know.
+    pub const fn from_wire(value: u32) -> Self {
+        match value {
+            1 => Self::Hbm,
+            2 => Self::Dram,
+            3 => Self::Ssd,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// The upper-case name used in logs and as the `tier=` metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Unknown => "UNKNOWN",
+            Self::Hbm => "HBM",
+            Self::Dram => "DRAM",
+            Self::Ssd => "SSD",
+        }
+    }
+}
+
+impl fmt::Display for TierType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Bytes a medium can hold and bytes still free (pending, owned and deferred pages all count as used).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TierCapacity {
+    /// Allocatable bytes in total.
+    pub total_bytes: u64,
+    /// Allocatable bytes not reserved by any slot, key or deferred free.
+    pub available_bytes: u64,
+}
+
+/// One page of one buffer of a medium. Buffer indexes are local to a backend (every backend numbers
+/// from 0); the wire boundary adds the backend id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct PageLocation {
+    /// Index of the buffer inside its backend.
+    pub buffer_index: u32,
+    /// Index of the page inside the buffer.
+    pub page_index: u32,
+}
+
+impl PageLocation {
+    /// A page location.
+    pub const fn new(buffer_index: u32, page_index: u32) -> Self {
+        Self { buffer_index, page_index }
+    }
+}
+
+/// Whether a key appeared on or disappeared from a medium.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvEventKind {
+    /// The key was committed and is now owned by the medium.
+    Add = 0,
+    /// The key was evicted.
+    Remove = 1,
+}
+
+/// An ownership change the master learns about through the heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KvEvent {
+    /// Add or remove.
+    pub kind: KvEventKind,
+    /// The key.
+    pub key: String,
+    /// The medium the change happened on.
+    pub tier: TierType,
+    /// Value size in bytes; 0 for [`KvEventKind::Remove`].
+    pub size: u64,
+}
+
+impl KvEvent {
+    /// An `Add` event.
+    pub fn add(key: impl Into<String>, tier: TierType, size: u64) -> Self {
+        Self { kind: KvEventKind::Add, key: key.into(), tier, size }
+    }
+
+    /// A `Remove` event (size 0).
+    pub fn remove(key: impl Into<String>, tier: TierType) -> Self {
+        Self { kind: KvEventKind::Remove, key: key.into(), tier, size: 0 }
+    }
+}
+
+/// What a medium did with one allocation request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum AllocateOutcome {
+    /// A slot was reserved; the writer may now write its pages and commit.
+    Allocated,
+    /// The key is already owned here; nothing was reserved and the writer need not write.
+    AlreadyExists,
+    /// The request can never succeed here or elsewhere (zero size, larger than any medium can hold,
+    /// medium clearing). The writer must not retry on another peer.
+    #[default]
+    Failed,
+    /// The medium is full right now; another peer may well succeed.
+    FailedNoSpace,
+}
+
+impl AllocateOutcome {
+    /// Whether the writer holds a usable answer (a fresh slot or an existing copy).
+    pub const fn is_success(self) -> bool {
+        matches!(self, Self::Allocated | Self::AlreadyExists)
+    }
+
+    /// Whether routing should try another peer.
+    pub const fn is_retryable_elsewhere(self) -> bool {
+        matches!(self, Self::FailedNoSpace)
+    }
+}
+
+/// Reserve room for one key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AllocateRequest {
+    /// The key; used for dedup only (commit binds the commit-time key).
+    pub key: String,
+    /// Value size in bytes.
+    pub size: u64,
+}
+
+impl AllocateRequest {
+    /// An allocation request.
+    pub fn new(key: impl Into<String>, size: u64) -> Self {
+        Self { key: key.into(), size }
+    }
+}
+
+/// The answer to one [`AllocateRequest`]. Every field but `outcome` is meaningful only when the outcome
+/// is [`AllocateOutcome::Allocated`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AllocateResult {
+    /// What happened.
+    pub outcome: AllocateOutcome,
+    /// The slot to commit or abort; never 0 for a real slot.
+    pub slot_id: u64,
+    /// The reserved pages, in value order.
+    pub pages: Vec<PageLocation>,
+    /// The requested value size.
+    pub size: u64,
+    /// The medium's page size.
+    pub page_size: u64,
+    /// Descriptors of the buffers the pages live in (deduplicated, ascending buffer index).
+    pub descs: Vec<BufferDesc>,
+    /// How long the slot stays reserved without a commit, in milliseconds.
+    pub pending_ttl_ms: u64,
+}
+
+impl AllocateResult {
+    /// A result carrying only an outcome (every non-`Allocated` answer).
+    pub fn outcome(outcome: AllocateOutcome) -> Self {
+        Self { outcome, ..Self::default() }
+    }
+}
+
+/// Make the pages of a slot the value of a key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CommitRequest {
+    /// The slot from [`AllocateResult::slot_id`].
+    pub slot_id: u64,
+    /// The key the value is stored under (the commit-time key is the one that counts).
+    pub key: String,
+}
+
+impl CommitRequest {
+    /// A commit request.
+    pub fn new(slot_id: u64, key: impl Into<String>) -> Self {
+        Self { slot_id, key: key.into() }
+    }
+}
+
+/// The answer to one [`CommitRequest`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CommitResult {
+    /// False when the slot is unknown, reaped, aborted or from before a clear.
+    pub success: bool,
+    /// Size of the value now owned under the key (the first writer's size on a lost race).
+    pub bytes_committed: u64,
+}
+
+/// Where a key's bytes are, as answered by a resolve.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ResolvedEntry {
+    /// Whether the medium owns the key. A miss carries nothing else.
+    pub found: bool,
+    /// The pages, in value order.
+    pub pages: Vec<PageLocation>,
+    /// Value size in bytes.
+    pub size: u64,
+    /// The medium's page size.
+    pub page_size: u64,
+    /// Buffer descriptors for the pages (empty when not requested or on a miss).
+    pub descs: Vec<BufferDesc>,
+}
+
+impl ResolvedEntry {
+    /// A miss.
+    pub fn miss() -> Self {
+        Self::default()
+    }
+}
+
+/// What evicting one key freed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EvictResult {
+    /// The key, echoed so results can be checked positionally.
+    pub key: String,
+    /// Bytes freed; 0 for an unknown, already freed, leased or pinned key (not an error: the master
+    /// retries protected keys next round).
+    pub bytes_freed: u64,
+}
+
+/// The descriptor of one buffer of a medium as published to other nodes: everything a remote
+/// transfer needs, and nothing process-local (no pointer).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BufferDesc {
+    /// The backend's id on its node. Backends always publish 0; the peer-service wire boundary stamps
+    /// the registry's id, because buffer indexes alone collide across media.
+    pub backend_id: u32,
+    /// Index of the buffer inside its backend.
+    pub buffer_index: u32,
+    /// Allocatable bytes of the buffer.
+    pub size: u64,
+    /// Host or GPU memory.
+    pub location: MemoryLocation,
+    /// The data-plane handle a remote node uses to reach the buffer, if a registering transport is
+    /// active.
+    pub remote: Option<RemoteRegion>,
+}
+
+impl BufferDesc {
+    /// The published form of a buffer's [`TransferRef`] (drops the process-local pointer).
+    pub fn from_ref(buffer_index: u32, r: &TransferRef) -> Self {
+        Self { backend_id: 0, buffer_index, size: r.size(), location: r.location(), remote: r.remote().cloned() }
+    }
+
+    /// The same descriptor with the registry's backend id stamped on it.
+    pub fn with_backend_id(mut self, backend_id: u32) -> Self {
+        self.backend_id = backend_id;
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_wire_values_are_stable() {
+        assert_eq!(TierType::Unknown.wire(), 0);
+        assert_eq!(TierType::Hbm.wire(), 1);
+        assert_eq!(TierType::Dram.wire(), 2);
+        assert_eq!(TierType::Ssd.wire(), 3);
+        for t in TierType::ALL {
+            assert_eq!(TierType::from_wire(t.wire()), t);
+        }
+        assert_eq!(TierType::from_wire(99), TierType::Unknown);
+        assert_eq!(TierType::Dram.to_string(), "DRAM");
+    }
+
+    #[test]
+    fn tiers_order_ascending_by_wire_value() {
+        let mut v = vec![TierType::Ssd, TierType::Hbm, TierType::Dram];
+        v.sort();
+        assert_eq!(v, TierType::ALL);
+    }
+
+    #[test]
+    fn page_locations_order_lexicographically() {
+        assert!(PageLocation::new(0, 5) < PageLocation::new(1, 0));
+        assert!(PageLocation::new(1, 0) < PageLocation::new(1, 1));
+    }
+
+    #[test]
+    fn only_no_space_is_retryable_elsewhere() {
+        assert!(AllocateOutcome::FailedNoSpace.is_retryable_elsewhere());
+        assert!(!AllocateOutcome::Failed.is_retryable_elsewhere());
+        assert!(AllocateOutcome::AlreadyExists.is_success());
+        assert!(!AllocateOutcome::FailedNoSpace.is_success());
+    }
+}
