@@ -58,10 +58,14 @@ pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
 
     /// Obtains the medium's memory, registers every buffer with `registrar` and starts any background
     /// work (the reaper). Idempotent: a second call on a live backend returns `Ok` and does nothing.
-    fn init(&self, registrar: &dyn MemoryRegistrar) -> Result<(), BackendError>;
+    ///
+    /// The backend keeps `registrar` to deregister its buffers in [`shutdown`](Self::shutdown); it is
+    /// the only transfer-layer object a medium ever holds, and it cannot move bytes.
+    fn init(&self, registrar: Arc<dyn MemoryRegistrar>) -> Result<(), BackendError>;
 
-    /// Stops background work, deregisters every buffer and then releases the memory. Tolerates a
-    /// failed or missing `init`; a second call is a no-op. Must not run concurrently with other calls.
+    /// Stops background work, deregisters every buffer (with the registrar given to `init`) and then
+    /// releases the memory. Tolerates a failed or missing `init`; a second call is a no-op. A shut-down
+    /// backend refuses `init`. Must not run concurrently with other calls.
     fn shutdown(&self);
 
     // --- control plane --------------------------------------------------------------------------

@@ -38,7 +38,7 @@ mod types;
 pub use backend::{AutoFlushHook, MediumBackend};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BackendError, RegistrationError, RegistryError};
-pub use metrics::{MetricKind, MetricSample, MetricSource};
+pub use metrics::{MetricKind, MetricSample, MetricSource, names as metric_names};
 pub use registry::{BackendRegistry, drain_all_backends, snapshot_all_backends_for_full_sync};
 pub use transfer_ref::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegion, TransferRef};
 pub use types::{

@@ -1,5 +1,23 @@
 //! The metric seam: components expose samples; a publisher outside them ships them.
 
+/// Generic series a medium may publish from [`MetricSource::sample_metrics`]. A medium puts its
+/// specifics in a label (`event=…`, `state=…`), never in the name, so one dashboard charts every
+/// medium by its `tier=` label.
+pub mod names {
+    /// Counter of medium-internal events, by `event=`.
+    pub const MEDIUM_EVENTS_TOTAL: &str = "umbp_backend_medium_events_total";
+    /// Help text of [`MEDIUM_EVENTS_TOTAL`].
+    pub const MEDIUM_EVENTS_TOTAL_HELP: &str = "Medium-internal events, by event.";
+    /// Counter of medium-internal bytes (device traffic), by `event=`.
+    pub const MEDIUM_BYTES_TOTAL: &str = "umbp_backend_medium_bytes_total";
+    /// Help text of [`MEDIUM_BYTES_TOTAL`].
+    pub const MEDIUM_BYTES_TOTAL_HELP: &str = "Medium-internal bytes moved, by event.";
+    /// Gauge of medium-internal state, by `state=`.
+    pub const MEDIUM_STATE: &str = "umbp_backend_medium_state";
+    /// Help text of [`MEDIUM_STATE`].
+    pub const MEDIUM_STATE_HELP: &str = "Medium-internal state, by state.";
+}
+
 /// Counter or gauge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum MetricKind {
@@ -32,12 +50,26 @@ pub struct MetricSample {
 impl MetricSample {
     /// A counter sample with scale 1.
     pub fn counter(name: &'static str, help: &'static str, labels: Vec<(String, String)>, value: u64) -> Self {
-        Self { name, help, labels, value, kind: MetricKind::Counter, scale: 1.0 }
+        Self {
+            name,
+            help,
+            labels,
+            value,
+            kind: MetricKind::Counter,
+            scale: 1.0,
+        }
     }
 
     /// A gauge sample with scale 1.
     pub fn gauge(name: &'static str, help: &'static str, labels: Vec<(String, String)>, value: u64) -> Self {
-        Self { name, help, labels, value, kind: MetricKind::Gauge, scale: 1.0 }
+        Self {
+            name,
+            help,
+            labels,
+            value,
+            kind: MetricKind::Gauge,
+            scale: 1.0,
+        }
     }
 }
 

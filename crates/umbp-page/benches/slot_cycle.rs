@@ -1,1 +1,144 @@
-fn main() {}
+//! The slot cycle allocate → commit → resolve → evict on `PageBackend`, per key, for batches of 1 and
+//! 128 keys on 1 and 2 threads, beside a same-run baseline: the bare bookkeeping floor of a
+//! `std::collections::HashMap` insert + get + remove of the same keys (what any key → pages map must
+//! pay at least).
+//!
+//! Run: `cargo xtask bench` or `cargo bench -p umbp-page --bench slot_cycle`. Prints a markdown table
+//! of medians over several rounds; `UMBP_BENCH_ROUNDS` (default 7) and `UMBP_BENCH_MILLIS` (per round,
+//! default 300) tune it.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, TierType};
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+use umbp_testkit::LocalOnlyRegistrar;
+
+const PAGE: u64 = 4096;
+const PAGES: u64 = 64 * 1024;
+const KEYS_PER_THREAD: usize = 1024;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn backend() -> PageBackend {
+    // The cycle resolves and then evicts at once; a 1 ns lease has expired by the evict, so the
+    // evict frees the key while the lease bookkeeping (insert, expiry check, erase) is still paid.
+    let config =
+        PageBackendConfig::new(TierType::Dram, PAGE, vec![PAGES * PAGE]).with_read_lease_ttl(Duration::from_nanos(1));
+    let source = HostPageMemorySource::new(HostMemoryOptions::default());
+    let b = PageBackend::new(config, Box::new(source)).expect("config");
+    b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    b
+}
+
+/// One full cycle over `keys` in batches of `batch`; returns keys processed.
+fn cycle(b: &PageBackend, keys: &[String], batch: usize) -> u64 {
+    for chunk in keys.chunks(batch) {
+        let reqs: Vec<AllocateRequest> = chunk.iter().map(|k| AllocateRequest::new(k.clone(), PAGE)).collect();
+        let allocated = b.batch_allocate(&reqs);
+        let commits: Vec<CommitRequest> = allocated
+            .iter()
+            .zip(chunk)
+            .map(|(a, k)| {
+                assert_eq!(a.outcome, AllocateOutcome::Allocated);
+                CommitRequest::new(a.slot_id, k.clone())
+            })
+            .collect();
+        black_box(b.batch_commit(&commits));
+        black_box(b.batch_resolve(chunk, false));
+        let freed = b.evict(chunk);
+        assert!(freed.iter().all(|r| r.bytes_freed == PAGE), "every key evicted");
+    }
+    keys.len() as u64
+}
+
+/// The floor: a key → (pages, size) map's insert, get and remove, with the same key clones.
+fn baseline(map: &mut HashMap<String, (u64, u64)>, keys: &[String], batch: usize) -> u64 {
+    for chunk in keys.chunks(batch) {
+        for (i, k) in chunk.iter().enumerate() {
+            map.insert(k.clone(), (i as u64, PAGE));
+        }
+        for k in chunk {
+            black_box(map.get(k));
+        }
+        for k in chunk {
+            black_box(map.remove(k));
+        }
+    }
+    keys.len() as u64
+}
+
+/// Runs `work` on `threads` threads for `budget`; returns wall-clock ns per key over all threads.
+fn round<S: Send>(
+    threads: usize,
+    budget: Duration,
+    setup: impl Fn(usize) -> S + Sync,
+    work: impl Fn(&mut S, &[String]) -> u64 + Sync,
+) -> f64 {
+    let barrier = std::sync::Barrier::new(threads + 1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (barrier, setup, work) = (&barrier, &setup, &work);
+                s.spawn(move || {
+                    let keys: Vec<String> = (0..KEYS_PER_THREAD).map(|i| format!("t{t}-block-{i:08}")).collect();
+                    let mut state = setup(t);
+                    barrier.wait();
+                    let start = Instant::now();
+                    let mut n = 0u64;
+                    while start.elapsed() < budget {
+                        n += work(&mut state, &keys);
+                    }
+                    n
+                })
+            })
+            .collect();
+        barrier.wait();
+        let start = Instant::now();
+        let keys: u64 = handles.into_iter().map(|h| h.join().expect("bench thread")).sum();
+        start.elapsed().as_nanos() as f64 / keys as f64
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let rounds = env_or("UMBP_BENCH_ROUNDS", 7).max(1);
+    let budget = Duration::from_millis(env_or("UMBP_BENCH_MILLIS", 300));
+    println!("slot cycle: {rounds} rounds of {budget:?} each; medians; ns per key = wall time / keys over all threads");
+    println!();
+    println!(
+        "| workload | threads | batch | PageBackend ns/key | baseline ns/key (HashMap insert+get+remove) | ratio |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for threads in [1usize, 2] {
+        for batch in [1usize, 128] {
+            let b = backend();
+            let mut ours = Vec::new();
+            let mut base = Vec::new();
+            // Interleave the two so machine noise hits both alike.
+            for _ in 0..rounds {
+                ours.push(round(threads, budget, |_| (), |_, keys| cycle(&b, keys, batch)));
+                base.push(round(
+                    threads,
+                    budget,
+                    |_| HashMap::with_capacity(KEYS_PER_THREAD),
+                    |map, keys| baseline(map, keys, batch),
+                ));
+            }
+            let (ours, base) = (median(ours), median(base));
+            println!(
+                "| allocate→commit→resolve→evict | {threads} | {batch} | {ours:.0} | {base:.0} | {:.2} |",
+                ours / base
+            );
+            b.shutdown();
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! The seam a paged medium implements.
+
+use std::fmt;
+use std::ptr::NonNull;
+
+use umbp_core::MemoryLocation;
+
+/// One buffer handed out by a [`PageMemorySource`]: a base address and its **usable** size (which may
+/// exceed the request, e.g. after huge-page rounding; `PageBackend` publishes what is reported).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct RawBuffer {
+    base: NonNull<u8>,
+    len: u64,
+}
+
+// SAFETY: a `RawBuffer` is an address and a length of memory owned by its source; it carries no
+// thread affinity and is only dereferenced by the transfer layer under `LocalRegion`'s invariant.
+unsafe impl Send for RawBuffer {}
+// SAFETY: as above; sharing copies the address only.
+unsafe impl Sync for RawBuffer {}
+
+impl RawBuffer {
+    /// Describes `len` usable bytes at `base`.
+    ///
+    /// # Safety
+    /// `base` must be valid for reads and writes of `len` bytes (in the source's location) until the
+    /// source that produced it is released.
+    pub const unsafe fn new(base: NonNull<u8>, len: u64) -> Self {
+        Self { base, len }
+    }
+
+    /// The base address (a device pointer for GPU sources).
+    pub const fn base(&self) -> NonNull<u8> {
+        self.base
+    }
+
+    /// Usable bytes.
+    pub const fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub const fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl fmt::Debug for RawBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RawBuffer")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Why a source could not provide memory.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SourceError {
+    /// The operating system or device refused the allocation.
+    #[error("{source_name}: allocating {requested} bytes failed")]
+    Allocation {
+        /// The source.
+        source_name: String,
+        /// Bytes asked for in the failing call.
+        requested: u64,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The request can never be served (e.g. a size that overflows when rounded up).
+    #[error("{source_name}: invalid request: {reason}")]
+    Invalid {
+        /// The source.
+        source_name: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Where a paged medium gets memory. Slots, leases and events are [`PageBackend`](crate::PageBackend)'s
+/// job; a source only allocates, releases and says where its memory lives.
+///
+/// [`location`](Self::location) and [`device`](Self::device) are the facts a descriptor cannot
+/// recover: `PageBackend` mirrors them into every [`TransferRef`](umbp_core::TransferRef) it publishes,
+/// and a wrong answer makes a local transfer pick the wrong engine with no error at build or init time.
+pub trait PageMemorySource: Send + Sync + fmt::Debug + 'static {
+    /// One buffer per non-zero size (zero sizes are skipped, so the result may be shorter than
+    /// `sizes`), all or nothing: on failure everything this call obtained is given back and nothing
+    /// from earlier calls is touched. Reports usable sizes.
+    fn allocate(&self, sizes: &[u64]) -> Result<Vec<RawBuffer>, SourceError>;
+
+    /// Gives back every buffer this source handed out. Idempotent. The caller deregisters the buffers
+    /// first.
+    fn release(&self);
+
+    /// Where the memory lives (for GPU memory: which device — fixed at construction, never the calling
+    /// thread's current device).
+    fn location(&self) -> MemoryLocation;
+
+    /// The device ordinal, `None` for host memory. Must agree with [`location`](Self::location).
+    fn device(&self) -> Option<u32> {
+        self.location().device()
+    }
+
+    /// A short name for logs.
+    fn name(&self) -> &str;
+}

@@ -1,0 +1,331 @@
+//! Model-based test of the `PageBackend` slot state machine: random sequences of allocate / commit /
+//! abort / resolve / evict / clear / ack / clock advances / reaper ticks / drains, compared step by
+//! step with a small reference model of owned keys, capacity and emitted events.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, Clock, CommitRequest, KvEvent, ManualClock, MediumBackend, TierType,
+};
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+use umbp_testkit::LocalOnlyRegistrar;
+
+const PAGE: u64 = 1024;
+const BUFFER_PAGES: u64 = 4;
+const BUFFERS: usize = 3;
+const TOTAL_PAGES: u64 = BUFFER_PAGES * BUFFERS as u64;
+const PENDING_TTL: Duration = Duration::from_millis(100);
+const LEASE: Duration = Duration::from_millis(50);
+const KEYS: usize = 6;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Allocate {
+        key: usize,
+        size: u64,
+    },
+    /// Commit the `slot`-th slot ever handed out (or an unknown id when out of range).
+    Commit {
+        slot: usize,
+        key: usize,
+    },
+    Abort {
+        slot: usize,
+    },
+    Resolve {
+        key: usize,
+    },
+    Evict {
+        key: usize,
+    },
+    Clear,
+    Ack,
+    Advance {
+        ms: u64,
+    },
+    Tick,
+    Drain,
+    FullSyncSnapshot,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..KEYS, 0..=4 * PAGE).prop_map(|(key, size)| Op::Allocate { key, size }),
+        6 => (0..24usize, 0..KEYS).prop_map(|(slot, key)| Op::Commit { slot, key }),
+        2 => (0..24usize).prop_map(|slot| Op::Abort { slot }),
+        3 => (0..KEYS).prop_map(|key| Op::Resolve { key }),
+        3 => (0..KEYS).prop_map(|key| Op::Evict { key }),
+        1 => Just(Op::Clear),
+        2 => Just(Op::Ack),
+        3 => (0..80u64).prop_map(|ms| Op::Advance { ms }),
+        2 => Just(Op::Tick),
+        2 => Just(Op::Drain),
+        1 => Just(Op::FullSyncSnapshot),
+    ]
+}
+
+fn key(i: usize) -> String {
+    format!("key-{i}")
+}
+
+#[derive(Debug)]
+struct Slot {
+    pages: u64,
+    size: u64,
+    deadline: Instant,
+    generation: u64,
+}
+
+/// The reference model: page counts instead of page locations (the allocator's own properties are
+/// tested separately; here any `n <= free` succeeds because the greedy strategy scatters).
+#[derive(Debug)]
+struct Model {
+    free: u64,
+    pending: HashMap<u64, Slot>,
+    owned: BTreeMap<String, (u64, u64)>,
+    leases: HashMap<String, Instant>,
+    deferred: Vec<(u64, Instant)>,
+    outbox: Vec<KvEvent>,
+    generation: u64,
+    clearing: bool,
+}
+
+impl Model {
+    fn new() -> Self {
+        Self {
+            free: TOTAL_PAGES,
+            pending: HashMap::new(),
+            owned: BTreeMap::new(),
+            leases: HashMap::new(),
+            deferred: Vec::new(),
+            outbox: Vec::new(),
+            generation: 0,
+            clearing: false,
+        }
+    }
+
+    fn allocate(&mut self, k: &str, size: u64) -> (AllocateOutcome, u64) {
+        let pages = size.div_ceil(PAGE);
+        if size == 0 || self.clearing {
+            return (AllocateOutcome::Failed, 0);
+        }
+        if self.owned.contains_key(k) {
+            return (AllocateOutcome::AlreadyExists, 0);
+        }
+        if pages > TOTAL_PAGES {
+            return (AllocateOutcome::Failed, 0);
+        }
+        if pages > self.free {
+            return (AllocateOutcome::FailedNoSpace, 0);
+        }
+        self.free -= pages;
+        (AllocateOutcome::Allocated, pages)
+    }
+
+    fn commit(&mut self, slot: u64, k: &str, now: Instant) -> (bool, u64) {
+        let Some(s) = self.pending.remove(&slot) else {
+            return (false, 0);
+        };
+        if s.generation != self.generation || s.deadline <= now {
+            self.free += s.pages;
+            return (false, 0);
+        }
+        if let Some((_, size)) = self.owned.get(k) {
+            self.free += s.pages;
+            return (true, *size);
+        }
+        self.owned.insert(k.to_owned(), (s.pages, s.size));
+        self.outbox.push(KvEvent::add(k, TierType::Dram, s.size));
+        (true, s.size)
+    }
+
+    fn abort(&mut self, slot: u64) {
+        if let Some(s) = self.pending.remove(&slot) {
+            self.free += s.pages;
+        }
+    }
+
+    fn resolve(&mut self, k: &str, now: Instant) -> Option<u64> {
+        let size = self.owned.get(k)?.1;
+        let until = now + LEASE;
+        let e = self.leases.entry(k.to_owned()).or_insert(until);
+        *e = (*e).max(until);
+        Some(size)
+    }
+
+    fn evict(&mut self, k: &str, now: Instant) -> u64 {
+        if !self.owned.contains_key(k) {
+            return 0;
+        }
+        if self.leases.get(k).is_some_and(|u| *u > now) {
+            return 0;
+        }
+        self.leases.remove(k);
+        let Some((pages, size)) = self.owned.remove(k) else {
+            return 0;
+        };
+        self.free += pages;
+        self.outbox.push(KvEvent::remove(k, TierType::Dram));
+        size
+    }
+
+    fn clear(&mut self, now: Instant) {
+        self.generation += 1;
+        for (k, (pages, _)) in std::mem::take(&mut self.owned) {
+            match self.leases.get(&k) {
+                Some(u) if *u > now => self.deferred.push((pages, *u)),
+                _ => self.free += pages,
+            }
+        }
+        self.leases.clear();
+        self.outbox.clear();
+        self.clearing = true;
+    }
+
+    fn tick(&mut self, now: Instant) {
+        let expired: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, s)| s.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            self.abort(id);
+        }
+        self.leases.retain(|_, u| *u > now);
+        let mut freed = 0;
+        self.deferred.retain(|(pages, at)| {
+            if *at <= now {
+                freed += pages;
+                false
+            } else {
+                true
+            }
+        });
+        self.free += freed;
+    }
+
+    fn snapshot(&self) -> Vec<KvEvent> {
+        self.owned
+            .iter()
+            .map(|(k, (_, size))| KvEvent::add(k.clone(), TierType::Dram, *size))
+            .collect()
+    }
+}
+
+fn sorted(mut v: Vec<KvEvent>) -> Vec<KvEvent> {
+    v.sort_by(|a, b| a.key.cmp(&b.key));
+    v
+}
+
+fn run(ops: &[Op]) -> Result<(), TestCaseError> {
+    let clock = ManualClock::new();
+    let config = PageBackendConfig::new(TierType::Dram, PAGE, vec![BUFFER_PAGES * PAGE; BUFFERS])
+        .with_pending_ttl(PENDING_TTL)
+        .with_read_lease_ttl(LEASE)
+        // The background reaper must never sweep during the run: the model sweeps only on `Tick`.
+        .with_reaper_interval(Duration::from_secs(3600))
+        .with_clock(clock.clone());
+    let source = HostPageMemorySource::new(HostMemoryOptions {
+        prefault: false,
+        ..HostMemoryOptions::default()
+    });
+    let backend = PageBackend::new(config, Box::new(source)).expect("config");
+    backend.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    let mut model = Model::new();
+    let mut slots: Vec<u64> = Vec::new();
+
+    for (step, op) in ops.iter().enumerate() {
+        let now = clock.now();
+        match op {
+            Op::Allocate { key: k, size } => {
+                let real = backend
+                    .batch_allocate(&[AllocateRequest::new(key(*k), *size)])
+                    .remove(0);
+                let (want, pages) = model.allocate(&key(*k), *size);
+                prop_assert_eq!(real.outcome, want, "step {}: {:?}", step, op);
+                if want == AllocateOutcome::Allocated {
+                    prop_assert_eq!(real.pages.len() as u64, pages);
+                    prop_assert!(real.slot_id != 0);
+                    model.pending.insert(
+                        real.slot_id,
+                        Slot {
+                            pages,
+                            size: *size,
+                            deadline: now + PENDING_TTL,
+                            generation: model.generation,
+                        },
+                    );
+                    slots.push(real.slot_id);
+                }
+            }
+            Op::Commit { slot, key: k } => {
+                let id = slots.get(*slot).copied().unwrap_or(1_000_000 + *slot as u64);
+                let real = backend.batch_commit(&[CommitRequest::new(id, key(*k))]).remove(0);
+                let want = model.commit(id, &key(*k), now);
+                prop_assert_eq!((real.success, real.bytes_committed), want, "step {}: {:?}", step, op);
+            }
+            Op::Abort { slot } => {
+                let id = slots.get(*slot).copied().unwrap_or(1_000_000 + *slot as u64);
+                prop_assert_eq!(backend.batch_abort(&[id]), vec![true]);
+                model.abort(id);
+            }
+            Op::Resolve { key: k } => {
+                let real = backend.batch_resolve(&[key(*k)], false).remove(0);
+                let want = model.resolve(&key(*k), now);
+                prop_assert_eq!(real.found.then_some(real.size), want, "step {}: {:?}", step, op);
+            }
+            Op::Evict { key: k } => {
+                let real = backend.evict(&[key(*k)]).remove(0);
+                prop_assert_eq!(real.bytes_freed, model.evict(&key(*k), now), "step {}: {:?}", step, op);
+            }
+            Op::Clear => {
+                backend.clear_local();
+                model.clear(now);
+            }
+            Op::Ack => {
+                backend.clear_full_sync_acked();
+                model.clearing = false;
+            }
+            Op::Advance { ms } => clock.advance(Duration::from_millis(*ms)),
+            Op::Tick => {
+                backend.reaper_tick();
+                model.tick(now);
+            }
+            Op::Drain => {
+                let real = backend.drain_pending_events();
+                prop_assert_eq!(real, std::mem::take(&mut model.outbox), "step {}", step);
+            }
+            Op::FullSyncSnapshot => {
+                let real = sorted(backend.snapshot_owned_keys_for_full_sync());
+                model.outbox.clear();
+                prop_assert_eq!(real, model.snapshot(), "step {}", step);
+            }
+        }
+        prop_assert_eq!(backend.owned_key_count(), model.owned.len(), "step {}: {:?}", step, op);
+        prop_assert_eq!(
+            backend.capacity().available_bytes,
+            model.free * PAGE,
+            "step {}: {:?}",
+            step,
+            op
+        );
+        prop_assert_eq!(backend.is_clear_full_sync_pending(), model.clearing);
+    }
+    prop_assert_eq!(sorted(backend.snapshot_owned_keys()), model.snapshot());
+    prop_assert_eq!(backend.drain_pending_events(), model.outbox);
+    backend.shutdown();
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn page_backend_matches_the_model(ops in proptest::collection::vec(op(), 1..120)) {
+        run(&ops)?;
+    }
+}

@@ -1,0 +1,259 @@
+//! The conformance suite of [`MediumBackend`](umbp_core::MediumBackend): every contract of the trait
+//! (architecture §5), checked against any medium a factory builds.
+//!
+//! A medium proves itself with one test:
+//!
+//! ```
+//! use std::sync::Arc;
+//! use umbp_testkit::conformance::{self, Subject};
+//! use umbp_testkit::{MockBackend, MockConfig};
+//!
+//! conformance::run(|env| {
+//!     let config = MockConfig { clock: env.clock.clone(), pages: 8, ..MockConfig::default() };
+//!     let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
+//!     let mock = Arc::new(MockBackend::new(config));
+//!     let reaper = Arc::clone(&mock);
+//!     Subject { backend: mock, tick: Box::new(move || reaper.reaper_tick()), read_lease, pending_ttl }
+//! });
+//! ```
+//!
+//! Each check gets fresh subjects and a fresh [`ManualClock`](umbp_core::ManualClock), runs under
+//! [`catch_unwind`](std::panic::catch_unwind) so one failure never hides another, and always ends with
+//! every subject shut down and checked for leftover registrations. Nothing sleeps: time moves only
+//! when a check advances the clock, and expiry is observed after the subject's `tick`. A medium with a
+//! background reaper may let it run against the same clock: every check holds whether a sweep happens
+//! on that thread or in `tick`.
+
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::Duration;
+
+use umbp_core::{Clock, ManualClock, MediumBackend};
+
+mod allocate;
+mod commit;
+mod concurrency;
+mod events;
+mod evict;
+mod fixture;
+mod lifecycle;
+
+use fixture::Fixture;
+
+/// What the suite hands the factory for each subject it builds.
+#[derive(Debug, Clone)]
+pub struct Env {
+    /// The clock the subject must read for every TTL and lease. The suite creates a fresh one per
+    /// check and moves it forward by hand; two subjects built for one check share it.
+    pub clock: Arc<ManualClock>,
+}
+
+impl Env {
+    /// The clock as the trait object media are configured with.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock) as Arc<dyn Clock>
+    }
+}
+
+/// A medium under test, as the factory returns it: **not** initialised (the suite calls `init` with a
+/// [`LocalOnlyRegistrar`](crate::LocalOnlyRegistrar)).
+pub struct Subject {
+    /// The medium.
+    pub backend: Arc<dyn MediumBackend>,
+    /// Runs the medium's reaper sweep once, synchronously: frees expired pending slots, drops expired
+    /// read leases and releases deferred frees, reading [`Env::clock`].
+    pub tick: Box<dyn Fn() + Send + Sync>,
+    /// The read-lease length the medium was configured with.
+    pub read_lease: Duration,
+    /// The pending-slot TTL the medium was configured with.
+    pub pending_ttl: Duration,
+}
+
+impl fmt::Debug for Subject {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Subject")
+            .field("backend", &self.backend)
+            .field("read_lease", &self.read_lease)
+            .field("pending_ttl", &self.pending_ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The outcome of a suite run: every check by name, passed or failed with its message.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Checks that passed, in suite order.
+    pub passed: Vec<&'static str>,
+    /// Checks that failed, in suite order, each with what went wrong.
+    pub failed: Vec<(&'static str, String)>,
+}
+
+impl Report {
+    /// Whether every check passed.
+    pub fn is_ok(&self) -> bool {
+        self.failed.is_empty()
+    }
+
+    /// The names of the failed checks, in suite order.
+    pub fn failed_names(&self) -> Vec<&'static str> {
+        self.failed.iter().map(|(name, _)| *name).collect()
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let total = self.passed.len() + self.failed.len();
+        write!(f, "{} of {total} conformance checks passed", self.passed.len())?;
+        for (name, message) in &self.failed {
+            write!(f, "\n  FAILED {name}: {}", message.replace('\n', "\n    "))?;
+        }
+        Ok(())
+    }
+}
+
+/// One named check of the suite.
+pub struct Check {
+    /// The check's name (its function name), stable across releases.
+    pub name: &'static str,
+    /// The contract it tests, in one line.
+    pub contract: &'static str,
+    body: fn(&Fixture<'_>),
+}
+
+impl fmt::Debug for Check {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Check")
+            .field("name", &self.name)
+            .field("contract", &self.contract)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Check {
+    /// Runs this check alone against media from `factory`: `Err` carries the failure message.
+    pub fn run<F>(&self, factory: F) -> Result<(), String>
+    where
+        F: Fn(&Env) -> Subject,
+    {
+        run_check(self, &factory)
+    }
+}
+
+/// Runs every check against media built by `factory` and panics, listing every failed check by name
+/// and message, if any fails.
+///
+/// # Requirements on the subject
+/// - `factory` returns a fresh, un-initialised medium each call, configured to read [`Env::clock`]
+///   for every TTL and lease, with `tick`, `read_lease` and `pending_ttl` describing it truthfully.
+/// - After `init` its capacity is between 4 and 4096 pages (`capacity().total_bytes / page_size()`),
+///   and it accepts a single value as large as its whole capacity.
+/// - Its reaper may also run in the background, against the same clock.
+///
+/// # Panics
+/// When any check fails.
+pub fn run<F>(factory: F)
+where
+    F: Fn(&Env) -> Subject,
+{
+    let report = run_report(factory);
+    if !report.is_ok() {
+        panic!("{report}");
+    }
+}
+
+/// Runs every check against media built by `factory` and reports, without panicking. See [`run`]
+/// for what the subject must satisfy.
+pub fn run_report<F>(factory: F) -> Report
+where
+    F: Fn(&Env) -> Subject,
+{
+    let mut report = Report::default();
+    for check in checks() {
+        match run_check(check, &factory) {
+            Ok(()) => report.passed.push(check.name),
+            Err(message) => report.failed.push((check.name, message)),
+        }
+    }
+    report
+}
+
+/// Every check of the suite, in the order [`run`] runs them.
+pub fn checks() -> &'static [Check] {
+    CHECKS
+}
+
+fn run_check(check: &Check, factory: &dyn Fn(&Env) -> Subject) -> Result<(), String> {
+    let fixture = Fixture::new(factory);
+    let outcome = catch_unwind(AssertUnwindSafe(|| (check.body)(&fixture)));
+    // Shutdown and the leak check run whether the body passed or not.
+    let leftovers = fixture.finish();
+    let mut problems = Vec::new();
+    if let Err(payload) = outcome {
+        problems.push(fixture::panic_message(payload.as_ref()));
+    }
+    problems.extend(leftovers);
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems.join("\n"))
+    }
+}
+
+macro_rules! checks {
+    ($($module:ident :: $name:ident => $contract:literal,)*) => {
+        static CHECKS: &[Check] = &[$(Check { name: stringify!($name), contract: $contract, body: $module::$name },)*];
+    };
+}
+
+checks! {
+    lifecycle::subject_meets_suite_requirements => "a real tier, a name, a page size and 4..=4096 pages",
+    lifecycle::before_init_publishes_nothing => "no buffer ref or descriptor before init",
+    lifecycle::init_is_idempotent_and_registers_buffers => "init registers each buffer once; a second init does nothing",
+    lifecycle::init_failure_is_reported_and_retryable => "a refused registration fails init, leaks nothing, may be retried",
+    lifecycle::shutdown_deregisters_everything_and_is_idempotent => "shutdown deregisters every buffer; twice is a no-op",
+    lifecycle::shutdown_without_init_is_harmless => "shutdown tolerates a missing init",
+    lifecycle::shut_down_backend_refuses_init => "a shut-down medium refuses init",
+    lifecycle::metric_samples_follow_the_naming_rule => "samples use generic umbp_backend_medium_* names, no tier/backend labels",
+    allocate::empty_batches_return_empty => "every batch method answers an empty batch with an empty vector",
+    allocate::zero_size_is_failed => "a 0-byte value is Failed and reserves nothing",
+    allocate::key_larger_than_medium_is_failed_not_no_space => "a value larger than the medium is Failed, never FailedNoSpace",
+    allocate::value_of_full_capacity_fits_an_empty_medium => "a value as large as the medium fits an empty medium",
+    allocate::full_medium_reports_no_space_then_recovers_after_abort => "a full medium is FailedNoSpace until pages are freed",
+    allocate::allocate_result_describes_its_pages => "an allocation reports its pages, size, page size, TTL and descriptors",
+    allocate::batch_allocate_answers_positionally => "one allocate result per request, in request order",
+    allocate::allocate_dedups_owned_key => "allocating an owned key is AlreadyExists and reserves nothing",
+    allocate::pending_duplicates_are_allowed => "two pending slots for one key are allowed, with distinct ids",
+    commit::commit_makes_key_resolvable => "a commit makes the key resolvable and queues one Add",
+    commit::commit_binds_the_commit_time_key => "the commit-time key is the one stored",
+    commit::commit_race_first_wins => "two commits of one key: the first wins, the second frees its pages and succeeds",
+    commit::commit_unknown_slot_fails => "commit of an unknown slot (incl. 0) fails",
+    commit::commit_after_abort_fails => "commit of an aborted slot fails; slot ids are not reused",
+    commit::commit_consumes_the_slot => "a slot commits once",
+    commit::batch_commit_answers_positionally => "one commit result per request, in request order",
+    commit::abort_is_idempotent => "abort reports true for every id, known or not, and never touches owned keys",
+    commit::pending_slot_expires_after_ttl => "a pending slot lives its TTL, then is reaped silently",
+    evict::evict_results_one_per_key_in_order => "one evict result per key, in request order",
+    evict::evict_unknown_is_zero_and_evict_is_idempotent => "evicting an unknown or freed key frees 0 bytes; one Remove",
+    evict::evict_never_touches_pending_slots => "evict only frees owned keys",
+    evict::read_lease_blocks_evict_until_expiry => "a resolve protects the key from evict until its lease ends",
+    evict::resolve_renews_the_read_lease => "every resolve protects the key for a full lease",
+    evict::resolve_miss_takes_no_lease => "a miss carries nothing and takes no lease",
+    evict::batch_resolve_answers_positionally => "one resolve entry per key, in request order, descs only on request",
+    events::events_follow_operation_order => "the outbox holds Add/Remove in operation order; failures queue nothing",
+    events::snapshot_does_not_mutate_outbox => "snapshot_owned_keys lists owned keys and leaves the outbox alone",
+    events::full_sync_snapshot_clears_outbox => "the full-sync snapshot lists owned keys and empties the outbox",
+    events::clear_local_drops_keys_and_gates_allocation => "clear drops keys silently and gates allocation until acked",
+    events::pre_clear_slot_cannot_commit => "a slot allocated before a clear never commits",
+    events::clear_local_releases_leased_pages_by_lease_end => "a clear frees leased pages by the end of the lease",
+    events::auto_flush_fires_once_at_threshold => "the hook fires once when the outbox reaches the threshold",
+    events::auto_flush_rearms_after_full_sync_snapshot => "draining or a full-sync snapshot re-arms the hook",
+    events::auto_flush_disabled_by_zero_and_none => "threshold 0 or no hook never fires; a new hook replaces the old",
+    events::events_concatenate_across_media_in_one_stream => "drain/snapshot helpers concatenate media in list order",
+    evict::capacity_accounting => "capacity drops at allocate, holds at commit, returns at evict and abort",
+    evict::owned_key_count_tracks_commits_and_evicts => "owned_key_count counts committed, not evicted keys",
+    allocate::pages_of_live_values_never_overlap => "no page is handed out twice",
+    allocate::multi_page_values_round_trip_bookkeeping => "a multi-page value keeps distinct in-range pages through resolve",
+    concurrency::concurrent_clients_keep_accounting_exact => "many threads at once: exact events, keys and capacity",
+    concurrency::concurrent_commits_of_one_key_keep_one_value => "racing commits of one key keep one value and one Add",
+}

@@ -1,0 +1,598 @@
+//! `MockBackend` through the `MediumBackend` interface, `BackendRegistry` routing and event
+//! aggregation over mocks, and proof that the conformance suite fails broken media.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BackendRegistry, BufferDesc,
+    CommitRequest, CommitResult, EvictResult, KvEvent, LocalRegion, MAX_BACKENDS_PER_PEER, ManualClock, MediumBackend,
+    MemoryLocation, MemoryRegistrar, MetricKind, MetricSample, MetricSource, RegistrationError, RegistryError,
+    ResolvedEntry, TierCapacity, TierType, TransferRef, drain_all_backends, snapshot_all_backends_for_full_sync,
+};
+use umbp_testkit::conformance::{self, Env, Subject};
+use umbp_testkit::{FailingRegistrar, LocalOnlyRegistrar, MockBackend, MockConfig};
+
+fn mock(tier: TierType) -> Arc<MockBackend> {
+    Arc::new(MockBackend::new(MockConfig {
+        tier,
+        ..MockConfig::default()
+    }))
+}
+
+/// A live mock behind the interface, with the registrar it was initialised with.
+fn live(tier: TierType) -> (Arc<dyn MediumBackend>, Arc<LocalOnlyRegistrar>) {
+    let backend: Arc<dyn MediumBackend> = mock(tier);
+    let registrar = Arc::new(LocalOnlyRegistrar::new());
+    if let Err(e) = backend.init(Arc::clone(&registrar) as Arc<dyn MemoryRegistrar>) {
+        panic!("init of a mock failed: {e}");
+    }
+    (backend, registrar)
+}
+
+fn put(b: &dyn MediumBackend, key: &str, size: u64) -> AllocateResult {
+    let a = b.batch_allocate(&[AllocateRequest::new(key, size)]).remove(0);
+    assert_eq!(a.outcome, AllocateOutcome::Allocated);
+    assert_eq!(
+        b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].bytes_committed,
+        size
+    );
+    a
+}
+
+fn keys(names: &[&str]) -> Vec<String> {
+    names.iter().map(|n| (*n).to_owned()).collect()
+}
+
+#[test]
+fn defaults_are_documented_values() {
+    let c = MockConfig::default();
+    assert_eq!((c.tier, c.page_size, c.pages), (TierType::Dram, 4096, 16));
+    assert_eq!(
+        (c.pending_ttl, c.read_lease_ttl),
+        (Duration::from_secs(30), Duration::from_millis(500))
+    );
+    let m = MockBackend::new(c);
+    assert_eq!(
+        (m.name(), m.tier(), m.page_size()),
+        ("MockBackend", TierType::Dram, 4096)
+    );
+    assert_eq!(m.capacity(), TierCapacity::default(), "no memory before init");
+}
+
+#[test]
+fn allocate_commit_resolve_evict_round_trip() {
+    let (b, registrar) = live(TierType::Dram);
+    assert_eq!(registrar.last_location(), Some(MemoryLocation::Host));
+    let a = put(&*b, "k", 128);
+    assert_eq!((a.pages.len(), a.page_size, a.descs.len()), (1, 4096, 1));
+
+    // The bytes are real: write through the published pointer, as a transfer engine would.
+    let r = b.buffer_ref(0).unwrap();
+    let base = r.local_region().unwrap().ptr();
+    let offset = a.pages[0].page_index as usize * 4096;
+    let payload: Vec<u8> = (0..128u8).collect();
+    // SAFETY: the page lies inside the registered buffer (checked by the suite's page-range check,
+    // and here by construction: 16 pages of 4096 bytes); the mock stays live until the end of the test.
+    unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), base.as_ptr().add(offset), payload.len()) };
+
+    let resolved = b.batch_resolve(&keys(&["k", "missing"]), true);
+    assert!(resolved[0].found && !resolved[1].found);
+    assert_eq!(
+        (resolved[0].size, resolved[0].pages.as_slice()),
+        (128, a.pages.as_slice())
+    );
+    let mut back = vec![0u8; 128];
+    // SAFETY: as above; nothing writes the page concurrently.
+    unsafe { std::ptr::copy_nonoverlapping(base.as_ptr().add(offset), back.as_mut_ptr(), back.len()) };
+    assert_eq!(back, payload);
+
+    assert_eq!(
+        b.evict(&keys(&["k"]))[0].bytes_freed,
+        0,
+        "the resolve's read lease protects the key"
+    );
+    b.shutdown();
+    assert_eq!((registrar.register_count(), registrar.live_registrations()), (1, 0));
+}
+
+#[test]
+fn evict_frees_once_the_lease_ends() {
+    let clock = ManualClock::new();
+    let m = MockBackend::new(MockConfig {
+        clock: clock.clone(),
+        ..MockConfig::default()
+    });
+    m.init(Arc::new(LocalOnlyRegistrar::new())).unwrap();
+    put(&m, "k", 128);
+    m.batch_resolve(&keys(&["k"]), false);
+    clock.advance(Duration::from_millis(501));
+    assert_eq!(
+        m.evict(&keys(&["k"])),
+        [EvictResult {
+            key: "k".into(),
+            bytes_freed: 128
+        }],
+        "no tick needed"
+    );
+    assert_eq!(m.owned_key_count(), 0);
+}
+
+#[test]
+fn drain_and_snapshot_events() {
+    let (b, _) = live(TierType::Dram);
+    put(&*b, "a", 1);
+    put(&*b, "b", 2);
+    assert_eq!(b.snapshot_owned_keys().len(), 2);
+    assert_eq!(
+        b.drain_pending_events(),
+        [
+            KvEvent::add("a", TierType::Dram, 1),
+            KvEvent::add("b", TierType::Dram, 2)
+        ]
+    );
+    assert!(b.drain_pending_events().is_empty());
+    assert_eq!(b.snapshot_owned_keys().len(), 2, "draining drops no key");
+}
+
+#[test]
+fn reaper_tick_frees_expired_slots_and_counts_calls() {
+    let clock = ManualClock::new();
+    let m = MockBackend::new(MockConfig {
+        clock: clock.clone(),
+        pages: 4,
+        ..MockConfig::default()
+    });
+    m.init(Arc::new(LocalOnlyRegistrar::new())).unwrap();
+    let a = m.batch_allocate(&[AllocateRequest::new("p", 1)]).remove(0);
+    assert_eq!(m.pending_slot_count(), 1);
+    m.reaper_tick();
+    assert_eq!(m.pending_slot_count(), 1, "not yet expired");
+    clock.advance(Duration::from_secs(31));
+    m.reaper_tick();
+    assert_eq!(m.pending_slot_count(), 0);
+    assert_eq!(
+        m.batch_commit(&[CommitRequest::new(a.slot_id, "p")]),
+        [CommitResult::default()]
+    );
+    let calls = m.calls();
+    assert_eq!(
+        (calls.init, calls.batch_allocate, calls.batch_commit, calls.reaper_ticks),
+        (1, 1, 1, 2)
+    );
+}
+
+#[test]
+fn sample_metrics_reports_pages_in_use_as_a_gauge() {
+    let (b, _) = live(TierType::Dram);
+    put(&*b, "k", 4096 * 2 + 1);
+    let samples: Vec<MetricSample> = b.sample_metrics();
+    assert_eq!(samples.len(), 1);
+    let s = &samples[0];
+    assert_eq!(
+        (s.name, s.kind, s.value),
+        ("umbp_backend_medium_state", MetricKind::Gauge, 3)
+    );
+    assert_eq!(s.labels, [("state".to_owned(), "pages_in_use".to_owned())]);
+}
+
+#[test]
+fn init_reports_bad_config_and_refused_registration() {
+    let m = MockBackend::new(MockConfig {
+        page_size: 0,
+        ..MockConfig::default()
+    });
+    assert!(matches!(
+        m.init(Arc::new(LocalOnlyRegistrar::new())),
+        Err(BackendError::InvalidConfig(_))
+    ));
+
+    let m = MockBackend::new(MockConfig::default());
+    let refusing = Arc::new(FailingRegistrar::new());
+    let err = m.init(Arc::clone(&refusing) as Arc<dyn MemoryRegistrar>).unwrap_err();
+    assert!(matches!(err, BackendError::Registration { buffer_index: 0, .. }) && err.is_retryable());
+    assert_eq!(refusing.refused_count(), 1);
+    m.init(Arc::new(LocalOnlyRegistrar::new())).unwrap();
+    assert_eq!(m.buffer_count(), 1, "a retried init brings the mock up");
+}
+
+#[test]
+fn dropping_a_live_mock_deregisters_its_buffer() {
+    let registrar = Arc::new(LocalOnlyRegistrar::new());
+    let m = MockBackend::new(MockConfig::default());
+    m.init(Arc::clone(&registrar) as Arc<dyn MemoryRegistrar>).unwrap();
+    assert_eq!(registrar.live_registrations(), 1);
+    drop(m);
+    assert_eq!(registrar.live_registrations(), 0);
+}
+
+#[test]
+fn registry_routes_by_tier_through_the_interface_only() {
+    let hbm: Arc<dyn MediumBackend> = mock(TierType::Hbm);
+    let mut registry = BackendRegistry::new();
+    assert_eq!(registry.register(Arc::clone(&hbm)), Ok(0));
+    assert!(Arc::ptr_eq(registry.get(TierType::Hbm).unwrap(), &hbm));
+    assert!(registry.get(TierType::Dram).is_none(), "a tier the node does not lend");
+    let all = registry.all();
+    assert_eq!(all.len(), 1);
+    assert!(Arc::ptr_eq(&all[0], &hbm));
+    assert_eq!((registry.backend_id(&hbm), registry.page_size()), (Some(0), 4096));
+}
+
+#[test]
+fn registry_assigns_ids_refuses_mismatches_and_keeps_ids_on_replace() {
+    let mut registry = BackendRegistry::new();
+    let hbm: Arc<dyn MediumBackend> = mock(TierType::Hbm);
+    let dram: Arc<dyn MediumBackend> = mock(TierType::Dram);
+    assert_eq!(registry.register(Arc::clone(&hbm)), Ok(0));
+    assert_eq!(registry.register(Arc::clone(&dram)), Ok(1));
+
+    let odd: Arc<dyn MediumBackend> = Arc::new(MockBackend::new(MockConfig {
+        tier: TierType::Ssd,
+        page_size: 8192,
+        ..MockConfig::default()
+    }));
+    assert_eq!(
+        registry.register(odd),
+        Err(RegistryError::PageSizeMismatch {
+            tier: TierType::Ssd,
+            got: 8192,
+            expected: 4096
+        })
+    );
+    assert!(registry.get(TierType::Ssd).is_none(), "a refusal changes nothing");
+    assert_eq!(
+        registry.register(mock(TierType::Unknown)),
+        Err(RegistryError::UnknownTier(TierType::Unknown))
+    );
+
+    let hbm2: Arc<dyn MediumBackend> = mock(TierType::Hbm);
+    assert_eq!(
+        registry.register(Arc::clone(&hbm2)),
+        Ok(0),
+        "a replacement keeps its tier's id"
+    );
+    assert!(Arc::ptr_eq(registry.by_id(0).unwrap(), &hbm2));
+    assert_eq!(registry.backend_id(&hbm), None, "the replaced backend is gone");
+    assert_eq!(registry.register(mock(TierType::Ssd)), Ok(2));
+    assert_eq!(registry.len(), 3);
+}
+
+#[test]
+fn registry_id_space_is_not_consumed_by_replacements() {
+    // Only three real tiers exist, so a ninth distinct tier (`TooManyBackends`) cannot be built
+    // through the public API. What can be tested: ids stay inside 0..MAX_BACKENDS_PER_PEER and
+    // replacing a tier many times never spends a new id.
+    let mut registry = BackendRegistry::new();
+    for round in 0..3 * MAX_BACKENDS_PER_PEER {
+        for (expected, tier) in TierType::ALL.into_iter().enumerate() {
+            assert_eq!(
+                registry.register(mock(tier)),
+                Ok(expected as u32),
+                "round {round}, {tier}"
+            );
+        }
+    }
+    assert_eq!(registry.len(), TierType::ALL.len());
+    assert!(registry.entries().all(|(id, _)| (id as usize) < MAX_BACKENDS_PER_PEER));
+}
+
+#[test]
+fn registry_iterates_in_ascending_tier_order() {
+    let mut registry = BackendRegistry::new();
+    for tier in [TierType::Ssd, TierType::Hbm, TierType::Dram] {
+        registry.register(mock(tier)).unwrap();
+    }
+    let tiers: Vec<TierType> = registry.all().iter().map(|b| b.tier()).collect();
+    assert_eq!(tiers, TierType::ALL);
+    let ids: Vec<u32> = registry.entries().map(|(id, _)| id).collect();
+    assert_eq!(ids, [1, 2, 0], "ids follow registration order, iteration follows tiers");
+}
+
+#[test]
+fn events_aggregate_across_backends_in_list_order() {
+    let (hbm, _) = live(TierType::Hbm);
+    let (ssd, _) = live(TierType::Ssd);
+    put(&*ssd, "s", 2);
+    put(&*hbm, "h", 1);
+    let media = [Arc::clone(&hbm), Arc::clone(&ssd)];
+    assert_eq!(
+        drain_all_backends(&media),
+        [KvEvent::add("h", TierType::Hbm, 1), KvEvent::add("s", TierType::Ssd, 2)]
+    );
+    assert!(drain_all_backends(&media).is_empty());
+    assert_eq!(snapshot_all_backends_for_full_sync(&media).len(), 2);
+}
+
+#[test]
+fn full_sync_snapshot_also_drops_the_outbox() {
+    let (hbm, _) = live(TierType::Hbm);
+    let (dram, _) = live(TierType::Dram);
+    put(&*hbm, "h", 1);
+    put(&*dram, "d", 1);
+    let media = [hbm, dram];
+    let snapshot = snapshot_all_backends_for_full_sync(&media);
+    assert_eq!(
+        snapshot,
+        [
+            KvEvent::add("h", TierType::Hbm, 1),
+            KvEvent::add("d", TierType::Dram, 1)
+        ]
+    );
+    assert!(drain_all_backends(&media).is_empty());
+}
+
+#[test]
+fn auto_flush_hook_fires_at_threshold() {
+    let m = MockBackend::new(MockConfig::default());
+    m.init(Arc::new(LocalOnlyRegistrar::new())).unwrap();
+    let fired = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&fired);
+    m.set_auto_flush_hook(2, Some(Arc::new(move || _ = counter.fetch_add(1, Ordering::SeqCst))));
+    put(&m, "a", 1);
+    assert_eq!(fired.load(Ordering::SeqCst), 0);
+    put(&m, "b", 1);
+    assert_eq!(fired.load(Ordering::SeqCst), 1, "fires on the 2nd commit");
+    put(&m, "c", 1);
+    assert_eq!(
+        (fired.load(Ordering::SeqCst), m.calls().auto_flushes),
+        (1, 1),
+        "once per crossing"
+    );
+}
+
+// --- the suite can fail -------------------------------------------------------------------------
+
+/// One deliberate contract violation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flaw {
+    /// Multi-key evict answers in reverse order.
+    ReversedEvict,
+    /// Abort of a slot id it never issued reports `false`.
+    StrictAbort,
+    /// The auto-flush hook fires one event early.
+    EarlyAutoFlush,
+    /// A value larger than the medium is `FailedNoSpace` (the reference's defect).
+    OversizeIsNoSpace,
+    /// Shutdown never deregisters (init hands the mock a registrar that drops deregistrations).
+    LeaksRegistrations,
+}
+
+/// A registrar that forwards registrations and swallows deregistrations.
+#[derive(Debug)]
+struct Leaky(Arc<dyn MemoryRegistrar>);
+
+impl MemoryRegistrar for Leaky {
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.0.register_memory(region)
+    }
+    fn deregister(&self, _: &TransferRef) {}
+}
+
+#[derive(Debug)]
+struct Flawed {
+    inner: MockBackend,
+    flaw: Flaw,
+    issued: Mutex<HashSet<u64>>,
+}
+
+impl MetricSource for Flawed {
+    fn sample_metrics(&self) -> Vec<MetricSample> {
+        self.inner.sample_metrics()
+    }
+}
+
+impl MediumBackend for Flawed {
+    fn tier(&self) -> TierType {
+        self.inner.tier()
+    }
+    fn name(&self) -> &str {
+        "Flawed"
+    }
+    fn init(&self, registrar: Arc<dyn MemoryRegistrar>) -> Result<(), BackendError> {
+        match self.flaw {
+            Flaw::LeaksRegistrations => self.inner.init(Arc::new(Leaky(registrar))),
+            _ => self.inner.init(registrar),
+        }
+    }
+    fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+    fn capacity(&self) -> TierCapacity {
+        self.inner.capacity()
+    }
+    fn owned_key_count(&self) -> usize {
+        self.inner.owned_key_count()
+    }
+    fn drain_pending_events(&self) -> Vec<KvEvent> {
+        self.inner.drain_pending_events()
+    }
+    fn snapshot_owned_keys(&self) -> Vec<KvEvent> {
+        self.inner.snapshot_owned_keys()
+    }
+    fn snapshot_owned_keys_for_full_sync(&self) -> Vec<KvEvent> {
+        self.inner.snapshot_owned_keys_for_full_sync()
+    }
+    fn clear_local(&self) {
+        self.inner.clear_local();
+    }
+    fn clear_full_sync_acked(&self) {
+        self.inner.clear_full_sync_acked();
+    }
+    fn is_clear_full_sync_pending(&self) -> bool {
+        self.inner.is_clear_full_sync_pending()
+    }
+    fn set_auto_flush_hook(&self, threshold: usize, hook: Option<AutoFlushHook>) {
+        let threshold = match self.flaw {
+            Flaw::EarlyAutoFlush => threshold.saturating_sub(1),
+            _ => threshold,
+        };
+        self.inner.set_auto_flush_hook(threshold, hook);
+    }
+    fn batch_allocate(&self, requests: &[AllocateRequest]) -> Vec<AllocateResult> {
+        let total = self.inner.capacity().total_bytes;
+        let mut results = self.inner.batch_allocate(requests);
+        self.issued
+            .lock()
+            .extend(results.iter().map(|r| r.slot_id).filter(|id| *id != 0));
+        if self.flaw == Flaw::OversizeIsNoSpace {
+            for (r, q) in results.iter_mut().zip(requests) {
+                if q.size > total {
+                    r.outcome = AllocateOutcome::FailedNoSpace;
+                }
+            }
+        }
+        results
+    }
+    fn batch_commit(&self, requests: &[CommitRequest]) -> Vec<CommitResult> {
+        self.inner.batch_commit(requests)
+    }
+    fn batch_abort(&self, slot_ids: &[u64]) -> Vec<bool> {
+        let mut results = self.inner.batch_abort(slot_ids);
+        if self.flaw == Flaw::StrictAbort {
+            let issued = self.issued.lock();
+            for (ok, id) in results.iter_mut().zip(slot_ids) {
+                *ok = issued.contains(id);
+            }
+        }
+        results
+    }
+    fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry> {
+        self.inner.batch_resolve(keys, include_descs)
+    }
+    fn evict(&self, keys: &[String]) -> Vec<EvictResult> {
+        let mut results = self.inner.evict(keys);
+        if self.flaw == Flaw::ReversedEvict {
+            results.reverse();
+        }
+        results
+    }
+    fn page_size(&self) -> u64 {
+        self.inner.page_size()
+    }
+    fn all_buffer_descs(&self) -> Vec<BufferDesc> {
+        self.inner.all_buffer_descs()
+    }
+    fn buffer_count(&self) -> usize {
+        self.inner.buffer_count()
+    }
+    fn buffer_ref(&self, index: usize) -> Option<TransferRef> {
+        self.inner.buffer_ref(index)
+    }
+}
+
+fn failed_checks(flaw: Flaw) -> BTreeSet<&'static str> {
+    let report = conformance::run_report(move |env: &Env| {
+        let config = MockConfig {
+            clock: env.clock(),
+            pages: 8,
+            ..MockConfig::default()
+        };
+        let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
+        let flawed = Arc::new(Flawed {
+            inner: MockBackend::new(config),
+            flaw,
+            issued: Mutex::default(),
+        });
+        let reaper = Arc::clone(&flawed);
+        Subject {
+            backend: flawed,
+            tick: Box::new(move || reaper.inner.reaper_tick()),
+            read_lease,
+            pending_ttl,
+        }
+    });
+    assert_eq!(report.passed.len() + report.failed.len(), conformance::checks().len());
+    report.failed_names().into_iter().collect()
+}
+
+#[test]
+fn suite_fails_reversed_evict_results() {
+    assert_eq!(
+        failed_checks(Flaw::ReversedEvict),
+        BTreeSet::from([
+            "evict_results_one_per_key_in_order",
+            "evict_unknown_is_zero_and_evict_is_idempotent"
+        ])
+    );
+}
+
+#[test]
+fn suite_fails_abort_that_is_not_idempotent() {
+    assert_eq!(
+        failed_checks(Flaw::StrictAbort),
+        BTreeSet::from(["abort_is_idempotent", "events_follow_operation_order"])
+    );
+}
+
+#[test]
+fn suite_fails_an_early_auto_flush() {
+    assert_eq!(
+        failed_checks(Flaw::EarlyAutoFlush),
+        BTreeSet::from([
+            "auto_flush_fires_once_at_threshold",
+            "auto_flush_rearms_after_full_sync_snapshot",
+            "auto_flush_disabled_by_zero_and_none",
+        ])
+    );
+}
+
+#[test]
+fn suite_fails_no_space_for_an_impossible_value() {
+    assert_eq!(
+        failed_checks(Flaw::OversizeIsNoSpace),
+        BTreeSet::from([
+            "key_larger_than_medium_is_failed_not_no_space",
+            "batch_allocate_answers_positionally"
+        ])
+    );
+}
+
+#[test]
+fn suite_fails_every_check_after_which_registrations_leak() {
+    let never_initialised = ["before_init_publishes_nothing", "shutdown_without_init_is_harmless"];
+    let expected: BTreeSet<&str> = conformance::checks()
+        .iter()
+        .map(|c| c.name)
+        .filter(|n| !never_initialised.contains(n))
+        .collect();
+    assert_eq!(failed_checks(Flaw::LeaksRegistrations), expected);
+}
+
+#[test]
+fn run_panics_with_every_failed_check_by_name() {
+    let result = std::panic::catch_unwind(|| {
+        conformance::run(|env: &Env| {
+            let config = MockConfig {
+                clock: env.clock(),
+                pages: 8,
+                ..MockConfig::default()
+            };
+            let flawed = Arc::new(Flawed {
+                inner: MockBackend::new(config),
+                flaw: Flaw::ReversedEvict,
+                issued: Mutex::default(),
+            });
+            let reaper = Arc::clone(&flawed);
+            Subject {
+                backend: flawed,
+                tick: Box::new(move || reaper.inner.reaper_tick()),
+                read_lease: Duration::from_millis(500),
+                pending_ttl: Duration::from_secs(30),
+            }
+        });
+    });
+    let payload = result.unwrap_err();
+    let message = payload.downcast_ref::<String>().unwrap();
+    assert!(
+        message.contains("FAILED evict_results_one_per_key_in_order: "),
+        "{message}"
+    );
+    assert!(
+        message.contains("FAILED evict_unknown_is_zero_and_evict_is_idempotent: "),
+        "{message}"
+    );
+}

@@ -1,0 +1,81 @@
+//! `MockBackend` passes the conformance suite, at the smallest and at a larger geometry.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use umbp_core::TierType;
+use umbp_testkit::conformance::{self, Env, Subject};
+use umbp_testkit::{MockBackend, MockConfig};
+
+fn subject(env: &Env, config: MockConfig) -> Subject {
+    let config = MockConfig {
+        clock: env.clock(),
+        ..config
+    };
+    let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
+    let mock = Arc::new(MockBackend::new(config));
+    let reaper = Arc::clone(&mock);
+    Subject {
+        backend: mock,
+        tick: Box::new(move || reaper.reaper_tick()),
+        read_lease,
+        pending_ttl,
+    }
+}
+
+#[test]
+fn mock_backend_conforms() {
+    conformance::run(|env| subject(env, MockConfig::default()));
+}
+
+#[test]
+fn mock_backend_conforms_at_the_smallest_geometry() {
+    // 4 one-byte pages and a lease longer than the pending TTL: the suite's edge of what it accepts.
+    conformance::run(|env| {
+        let config = MockConfig {
+            tier: TierType::Hbm,
+            page_size: 1,
+            pages: 4,
+            pending_ttl: Duration::from_millis(3),
+            read_lease_ttl: Duration::from_millis(7),
+            ..MockConfig::default()
+        };
+        subject(env, config)
+    });
+}
+
+#[test]
+fn mock_backend_conforms_at_the_largest_geometry() {
+    conformance::run(|env| {
+        subject(
+            env,
+            MockConfig {
+                pages: 4096,
+                page_size: 512,
+                ..MockConfig::default()
+            },
+        )
+    });
+}
+
+#[test]
+fn every_check_has_a_distinct_name_and_a_contract() {
+    let checks = conformance::checks();
+    assert!(checks.len() >= 24, "the suite has only {} checks", checks.len());
+    let mut names: Vec<_> = checks.iter().map(|c| c.name).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), checks.len(), "two checks share a name");
+    assert!(checks.iter().all(|c| !c.contract.is_empty()));
+}
+
+#[test]
+fn a_single_check_runs_alone() {
+    let Some(check) = conformance::checks()
+        .iter()
+        .find(|c| c.name == "commit_race_first_wins")
+    else {
+        panic!("commit_race_first_wins is missing");
+    };
+    assert_eq!(check.run(|env| subject(env, MockConfig::default())), Ok(()));
+}

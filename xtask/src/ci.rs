@@ -1,0 +1,289 @@
+//! `cargo xtask ci`: every check CI runs, in order, stopping at the first failure.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use cargo_metadata::MetadataCommand;
+
+use crate::layering;
+
+/// A step of `cargo xtask ci`, in the order they run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// `cargo fmt --all -- --check`.
+    Fmt,
+    /// `cargo clippy --workspace --all-targets -- -D warnings`.
+    Clippy,
+    /// The layering check ([`crate::layering`]).
+    Layering,
+    /// `cargo deny check bans licenses sources`, when cargo-deny is installed.
+    Deny,
+    /// `cargo nextest run --workspace` and `cargo test --workspace --doc`, or `cargo test --workspace`.
+    Test,
+    /// `cargo build --workspace --benches`: benches compile; they are never timed here.
+    Benches,
+    /// `cargo package --workspace --no-verify --allow-dirty`.
+    Package,
+}
+
+impl Step {
+    /// Every step, in order.
+    pub const ALL: [Step; 7] = [
+        Step::Fmt,
+        Step::Clippy,
+        Step::Layering,
+        Step::Deny,
+        Step::Test,
+        Step::Benches,
+        Step::Package,
+    ];
+
+    /// The step's name, as `--skip` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Step::Fmt => "fmt",
+            Step::Clippy => "clippy",
+            Step::Layering => "layering",
+            Step::Deny => "deny",
+            Step::Test => "test",
+            Step::Benches => "benches",
+            Step::Package => "package",
+        }
+    }
+
+    /// One line on what the step does.
+    pub fn about(self) -> &'static str {
+        match self {
+            Step::Fmt => "formatting (cargo fmt --all -- --check)",
+            Step::Clippy => "lints (cargo clippy --workspace --all-targets -- -D warnings)",
+            Step::Layering => "no backend crate depends on transfer/peer/master/proto, tonic or tokio",
+            Step::Deny => "dependency bans, licenses and sources (cargo deny check bans licenses sources)",
+            Step::Test => "tests (cargo nextest run --workspace + doc tests, or cargo test --workspace)",
+            Step::Benches => "benches compile (cargo build --workspace --benches)",
+            Step::Package => "every publishable crate packages (cargo package --workspace --no-verify)",
+        }
+    }
+
+    /// Whether `--fast` skips this step.
+    pub fn skipped_by_fast(self) -> bool {
+        matches!(self, Step::Deny | Step::Package)
+    }
+
+    /// Parses a step name.
+    pub fn from_name(name: &str) -> Option<Step> {
+        Step::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+/// Options of `cargo xtask ci`.
+#[derive(Debug, Clone, Default)]
+pub struct CiOptions {
+    /// Steps not to run.
+    pub skip: Vec<Step>,
+    /// Skip the slow, rarely-failing steps ([`Step::skipped_by_fast`]).
+    pub fast: bool,
+}
+
+enum StepResult {
+    Passed,
+    Skipped(String),
+}
+
+/// Runs `cargo xtask ci` in the workspace at `root`.
+pub fn run(root: &Path, options: &CiOptions) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let names: Vec<&str> = Step::ALL.iter().map(|s| s.name()).collect();
+    println!(
+        "xtask ci: {} steps ({}) in {}",
+        Step::ALL.len(),
+        names.join(", "),
+        root.display()
+    );
+
+    let mut summary: Vec<(Step, String, Duration)> = Vec::new();
+    let total = Step::ALL.len();
+    for (i, step) in Step::ALL.into_iter().enumerate() {
+        println!();
+        println!("==> [{}/{total}] {}: {}", i + 1, step.name(), step.about());
+        let step_started = Instant::now();
+        let result = if options.skip.contains(&step) {
+            Ok(StepResult::Skipped("--skip".to_owned()))
+        } else if options.fast && step.skipped_by_fast() {
+            Ok(StepResult::Skipped("--fast".to_owned()))
+        } else {
+            run_step(step, root)
+        };
+        let elapsed = step_started.elapsed();
+        match result {
+            Ok(StepResult::Passed) => {
+                println!("<== {}: ok ({})", step.name(), secs(elapsed));
+                summary.push((step, "ok".to_owned(), elapsed));
+            }
+            Ok(StepResult::Skipped(why)) => {
+                println!("<== {}: skipped: {why}", step.name());
+                summary.push((step, format!("skipped: {why}"), elapsed));
+            }
+            Err(err) => {
+                println!("<== {}: FAILED ({})", step.name(), secs(elapsed));
+                summary.push((step, "FAILED".to_owned(), elapsed));
+                print_summary(&summary, started.elapsed());
+                return Err(err.context(format!("xtask ci: step `{}` failed", step.name())));
+            }
+        }
+    }
+    print_summary(&summary, started.elapsed());
+    let skipped = summary.iter().filter(|(_, status, _)| status != "ok").count();
+    let skipped = if skipped == 0 {
+        String::new()
+    } else {
+        format!(" ({skipped} skipped)")
+    };
+    println!("xtask ci: all steps passed{skipped} in {}", secs(started.elapsed()));
+    Ok(())
+}
+
+fn print_summary(summary: &[(Step, String, Duration)], total: Duration) {
+    let mut out = String::from("\nxtask ci summary:\n");
+    for (step, status, elapsed) in summary {
+        let _ = writeln!(out, "  {:<9} {:>7}  {status}", step.name(), secs(*elapsed));
+    }
+    let _ = write!(out, "  {:<9} {:>7}", "total", secs(total));
+    println!("{out}");
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.1}s", d.as_secs_f64())
+}
+
+fn run_step(step: Step, root: &Path) -> anyhow::Result<StepResult> {
+    match step {
+        Step::Fmt => run_cargo(root, &["fmt", "--all", "--", "--check"])?,
+        Step::Clippy => run_cargo(
+            root,
+            &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        )?,
+        Step::Layering => {
+            let outcome = layering::check_workspace(Some(&root.join("Cargo.toml")))?;
+            println!("{outcome}");
+            if !outcome.is_ok() {
+                bail!("the layering check found forbidden dependencies (see above)");
+            }
+        }
+        Step::Deny => {
+            if !cargo_subcommand_available(root, "deny") {
+                return Ok(StepResult::Skipped(
+                    "cargo-deny is not installed (install it with `cargo install cargo-deny --locked`; \
+                     .ci/run does)"
+                        .to_owned(),
+                ));
+            }
+            // Advisories need the network (the advisory database); bans, licenses and sources do not.
+            run_cargo(root, &["deny", "check", "bans", "licenses", "sources"])?;
+        }
+        Step::Test => {
+            if cargo_subcommand_available(root, "nextest") {
+                run_cargo(root, &["nextest", "run", "--workspace", "--profile", "ci"])?;
+                // nextest does not run doc tests.
+                run_cargo(root, &["test", "--workspace", "--doc"])?;
+            } else {
+                println!("cargo-nextest is not installed: running `cargo test` instead");
+                run_cargo(root, &["test", "--workspace"])?;
+            }
+        }
+        Step::Benches => run_cargo(root, &["build", "--workspace", "--benches"])?,
+        Step::Package => package(root)?,
+    }
+    Ok(StepResult::Passed)
+}
+
+/// `cargo package --workspace --no-verify --allow-dirty`, leaving out `publish = false` members.
+///
+/// `--workspace` packages the members together (cargo ≥ 1.90), so an internal dependency resolves to its
+/// sibling's fresh package through a temporary local registry rather than to crates.io, where it does
+/// not exist yet. `cargo package` does not skip `publish = false` members by itself, so they are
+/// excluded by name, read from the metadata. Offline first: the earlier steps have fetched everything.
+fn package(root: &Path) -> anyhow::Result<()> {
+    let metadata = MetadataCommand::new()
+        .manifest_path(root.join("Cargo.toml"))
+        .no_deps()
+        .other_options(vec!["--offline".to_owned()])
+        .exec()
+        .context("`cargo metadata --no-deps` failed")?;
+    let mut args: Vec<String> = ["package", "--workspace", "--no-verify", "--allow-dirty"]
+        .map(String::from)
+        .into();
+    for package in metadata.workspace_packages() {
+        if package.publish.as_ref().is_some_and(Vec::is_empty) {
+            args.extend(["--exclude".to_owned(), package.name.to_string()]);
+        }
+    }
+    let mut offline = args.clone();
+    offline.push("--offline".to_owned());
+    if run_cargo_owned(root, &offline).is_err() {
+        println!("offline packaging failed; retrying online");
+        run_cargo_owned(root, &args)?;
+    }
+    Ok(())
+}
+
+/// The cargo that runs us (`cargo xtask` sets `CARGO`), else the one on `PATH`.
+pub fn cargo_path() -> PathBuf {
+    std::env::var_os("CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from)
+}
+
+/// Runs `cargo ARGS` in `root`, printing the command line first; fails naming the command.
+pub fn run_cargo(root: &Path, args: &[&str]) -> anyhow::Result<()> {
+    let owned: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    run_cargo_owned(root, &owned)
+}
+
+/// [`run_cargo`] with owned arguments.
+pub fn run_cargo_owned(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    let line = format!("cargo {}", args.join(" "));
+    println!("$ {line}");
+    let status = Command::new(cargo_path())
+        .args(args)
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("could not start `{line}`"))?;
+    if !status.success() {
+        bail!("`{line}` exited with {status}");
+    }
+    Ok(())
+}
+
+fn cargo_subcommand_available(root: &Path, subcommand: &str) -> bool {
+    Command::new(cargo_path())
+        .args([subcommand, "--version"])
+        .current_dir(root)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_names_round_trip_and_are_unique() {
+        for step in Step::ALL {
+            assert_eq!(Step::from_name(step.name()), Some(step));
+        }
+        assert_eq!(Step::from_name("nope"), None);
+    }
+
+    #[test]
+    fn fast_skips_deny_and_package_only() {
+        let fast: Vec<&str> = Step::ALL
+            .iter()
+            .filter(|s| s.skipped_by_fast())
+            .map(|s| s.name())
+            .collect();
+        assert_eq!(fast, ["deny", "package"]);
+    }
+}
