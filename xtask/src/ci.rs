@@ -31,15 +31,8 @@ pub enum Step {
 
 impl Step {
     /// Every step, in order.
-    pub const ALL: [Step; 7] = [
-        Step::Fmt,
-        Step::Clippy,
-        Step::Layering,
-        Step::Deny,
-        Step::Test,
-        Step::Benches,
-        Step::Package,
-    ];
+    pub const ALL: [Step; 7] =
+        [Step::Fmt, Step::Clippy, Step::Layering, Step::Deny, Step::Test, Step::Benches, Step::Package];
 
     /// The step's name, as `--skip` takes it.
     pub fn name(self) -> &'static str {
@@ -96,12 +89,7 @@ enum StepResult {
 pub fn run(root: &Path, options: &CiOptions) -> anyhow::Result<()> {
     let started = Instant::now();
     let names: Vec<&str> = Step::ALL.iter().map(|s| s.name()).collect();
-    println!(
-        "xtask ci: {} steps ({}) in {}",
-        Step::ALL.len(),
-        names.join(", "),
-        root.display()
-    );
+    println!("xtask ci: {} steps ({}) in {}", Step::ALL.len(), names.join(", "), root.display());
 
     let mut summary: Vec<(Step, String, Duration)> = Vec::new();
     let total = Step::ALL.len();
@@ -136,11 +124,7 @@ pub fn run(root: &Path, options: &CiOptions) -> anyhow::Result<()> {
     }
     print_summary(&summary, started.elapsed());
     let skipped = summary.iter().filter(|(_, status, _)| status != "ok").count();
-    let skipped = if skipped == 0 {
-        String::new()
-    } else {
-        format!(" ({skipped} skipped)")
-    };
+    let skipped = if skipped == 0 { String::new() } else { format!(" ({skipped} skipped)") };
     println!("xtask ci: all steps passed{skipped} in {}", secs(started.elapsed()));
     Ok(())
 }
@@ -161,10 +145,7 @@ fn secs(d: Duration) -> String {
 fn run_step(step: Step, root: &Path) -> anyhow::Result<StepResult> {
     match step {
         Step::Fmt => run_cargo(root, &["fmt", "--all", "--", "--check"])?,
-        Step::Clippy => run_cargo(
-            root,
-            &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
-        )?,
+        Step::Clippy => run_cargo(root, &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?,
         Step::Layering => {
             let outcome = layering::check_workspace(Some(&root.join("Cargo.toml")))?;
             println!("{outcome}");
@@ -212,9 +193,7 @@ fn package(root: &Path) -> anyhow::Result<()> {
         .other_options(vec!["--offline".to_owned()])
         .exec()
         .context("`cargo metadata --no-deps` failed")?;
-    let mut args: Vec<String> = ["package", "--workspace", "--no-verify", "--allow-dirty"]
-        .map(String::from)
-        .into();
+    let mut args: Vec<String> = ["package", "--workspace", "--no-verify", "--allow-dirty"].map(String::from).into();
     for package in metadata.workspace_packages() {
         if package.publish.as_ref().is_some_and(Vec::is_empty) {
             args.extend(["--exclude".to_owned(), package.name.to_string()]);
@@ -279,11 +258,7 @@ mod tests {
 
     #[test]
     fn fast_skips_deny_and_package_only() {
-        let fast: Vec<&str> = Step::ALL
-            .iter()
-            .filter(|s| s.skipped_by_fast())
-            .map(|s| s.name())
-            .collect();
+        let fast: Vec<&str> = Step::ALL.iter().filter(|s| s.skipped_by_fast()).map(|s| s.name()).collect();
         assert_eq!(fast, ["deny", "package"]);
     }
 }

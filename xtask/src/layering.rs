@@ -118,22 +118,14 @@ impl Graph {
 
     /// Adds (or replaces) a package.
     pub fn add_package(&mut self, id: &str, name: &str, layer: Option<&str>) -> &mut Self {
-        let package = Package {
-            id: id.to_owned(),
-            name: name.to_owned(),
-            layer: layer.map(str::to_owned),
-        };
+        let package = Package { id: id.to_owned(), name: name.to_owned(), layer: layer.map(str::to_owned) };
         self.packages.insert(id.to_owned(), package);
         self
     }
 
     /// Adds an edge `from -> to`. An id with no package is its own name.
     pub fn add_edge(&mut self, from: &str, to: &str, kind: DepKind) -> &mut Self {
-        self.edges.insert(Edge {
-            from: from.to_owned(),
-            to: to.to_owned(),
-            kind,
-        });
+        self.edges.insert(Edge { from: from.to_owned(), to: to.to_owned(), kind });
         self
     }
 
@@ -184,11 +176,7 @@ impl Violation {
 
     /// `build` when any hop is a build dependency, else `normal`.
     pub fn kind(&self) -> DepKind {
-        if self.path.iter().any(|h| h.kind == DepKind::Build) {
-            DepKind::Build
-        } else {
-            DepKind::Normal
-        }
+        if self.path.iter().any(|h| h.kind == DepKind::Build) { DepKind::Build } else { DepKind::Normal }
     }
 
     /// The path as `a -> b -> c`, with non-normal hops marked, e.g. `a -> b (build) -> c`.
@@ -253,11 +241,7 @@ impl fmt::Display for Outcome {
         for (name, layer) in &self.unknown_layers {
             let known: BTreeSet<&str> = RULES.iter().map(|r| r.layer).collect();
             let known: Vec<&str> = known.into_iter().collect();
-            writeln!(
-                f,
-                "forbidden: {name} declares unknown layer {layer:?} (known layers: {})",
-                known.join(", ")
-            )?;
+            writeln!(f, "forbidden: {name} declares unknown layer {layer:?} (known layers: {})", known.join(", "))?;
         }
         for v in &self.violations {
             writeln!(f, "forbidden edge: {v}")?;
@@ -298,12 +282,7 @@ pub fn check(graph: &Graph, rules: &[LayerRule]) -> Outcome {
             outcome.unknown_layers.push((package.name.clone(), layer.to_owned()));
             continue;
         }
-        let forbidden_reason = |name: &str| {
-            layer_rules
-                .iter()
-                .find(|r| r.forbidden.contains(&name))
-                .map(|r| r.reason)
-        };
+        let forbidden_reason = |name: &str| layer_rules.iter().find(|r| r.forbidden.contains(&name)).map(|r| r.reason);
 
         // Breadth-first from the package; `parent` records how each id was first reached.
         let mut parent: BTreeMap<&str, (&str, DepKind)> = BTreeMap::new();
@@ -335,9 +314,7 @@ pub fn check(graph: &Graph, rules: &[LayerRule]) -> Outcome {
     }
     outcome.checked.sort();
     outcome.unknown_layers.sort();
-    outcome
-        .violations
-        .sort_by(|a, b| (&a.package, &a.forbidden).cmp(&(&b.package, &b.forbidden)));
+    outcome.violations.sort_by(|a, b| (&a.package, &a.forbidden).cmp(&(&b.package, &b.forbidden)));
     outcome
 }
 
@@ -346,10 +323,7 @@ fn path_to(graph: &Graph, parent: &BTreeMap<&str, (&str, DepKind)>, start: &str,
     let mut at = end;
     while at != start {
         let Some(&(from, kind)) = parent.get(at) else { break };
-        hops.push(Hop {
-            to: graph.name_of(at).to_owned(),
-            kind,
-        });
+        hops.push(Hop { to: graph.name_of(at).to_owned(), kind });
         at = from;
     }
     hops.reverse();
@@ -371,9 +345,9 @@ pub fn load_metadata(manifest_path: Option<&Path>) -> anyhow::Result<Metadata> {
     };
     match command(true).exec() {
         Ok(metadata) => Ok(metadata),
-        Err(offline_err) => command(false)
-            .exec()
-            .with_context(|| format!("`cargo metadata` failed (offline attempt: {offline_err})")),
+        Err(offline_err) => {
+            command(false).exec().with_context(|| format!("`cargo metadata` failed (offline attempt: {offline_err})"))
+        }
     }
 }
 
@@ -391,11 +365,7 @@ pub fn graph_from_metadata(metadata: &Metadata) -> anyhow::Result<Graph> {
     let mut graph = Graph::new();
     for package in &metadata.packages {
         let id = package.id.repr.as_str();
-        let layer = if members.contains(id) {
-            declared_layer(package)?
-        } else {
-            None
-        };
+        let layer = if members.contains(id) { declared_layer(package)? } else { None };
         graph.add_package(id, &package.name, layer.as_deref());
     }
     for node in &resolve.nodes {
@@ -416,20 +386,14 @@ pub fn graph_from_metadata(metadata: &Metadata) -> anyhow::Result<Graph> {
     }
 
     // Declared but unresolved (optional, not enabled) dependencies of layered members.
-    let layered: Vec<(String, String)> = graph
-        .packages()
-        .filter(|p| p.layer.is_some())
-        .map(|p| (p.id.clone(), p.name.clone()))
-        .collect();
+    let layered: Vec<(String, String)> =
+        graph.packages().filter(|p| p.layer.is_some()).map(|p| (p.id.clone(), p.name.clone())).collect();
     for (id, _) in &layered {
         let Some(package) = metadata.packages.iter().find(|p| p.id.repr == *id) else {
             continue;
         };
-        let resolved: BTreeSet<&str> = graph
-            .edges()
-            .filter(|e| e.from == *id && e.kind != DepKind::Dev)
-            .map(|e| graph.name_of(&e.to))
-            .collect();
+        let resolved: BTreeSet<&str> =
+            graph.edges().filter(|e| e.from == *id && e.kind != DepKind::Dev).map(|e| graph.name_of(&e.to)).collect();
         let mut missing = Vec::new();
         for dep in &package.dependencies {
             let kind = match dep.kind {
@@ -458,10 +422,7 @@ fn declared_layer(package: &cargo_metadata::Package) -> anyhow::Result<Option<St
         None => Ok(None),
         Some(layer) => match layer.as_str() {
             Some(layer) => Ok(Some(layer.to_owned())),
-            None => bail!(
-                "{}: [package.metadata.umbp] layer must be a string, found {layer}",
-                package.manifest_path
-            ),
+            None => bail!("{}: [package.metadata.umbp] layer must be a string, found {layer}", package.manifest_path),
         },
     }
 }
@@ -493,13 +454,7 @@ mod tests {
     #[test]
     fn clean_graph_passes() {
         let g = graph(
-            &[
-                ("umbp-core", None),
-                ("umbp-page", BACKEND),
-                ("rustix", None),
-                ("umbp-peer", None),
-                ("tokio", None),
-            ],
+            &[("umbp-core", None), ("umbp-page", BACKEND), ("rustix", None), ("umbp-peer", None), ("tokio", None)],
             &[
                 ("umbp-page", "umbp-core", DepKind::Normal),
                 ("umbp-page", "rustix", DepKind::Normal),
@@ -516,10 +471,7 @@ mod tests {
     fn direct_forbidden_edge_fails_naming_the_edge() {
         let g = graph(
             &[("umbp-page", BACKEND), ("tokio", None), ("umbp-core", None)],
-            &[
-                ("umbp-page", "umbp-core", DepKind::Normal),
-                ("umbp-page", "tokio", DepKind::Normal),
-            ],
+            &[("umbp-page", "umbp-core", DepKind::Normal), ("umbp-page", "tokio", DepKind::Normal)],
         );
         let outcome = check(&g, RULES);
         assert!(!outcome.is_ok());
@@ -527,36 +479,21 @@ mod tests {
         let v = &outcome.violations[0];
         assert!(v.is_direct());
         assert_eq!(v.to_string(), "umbp-page -> tokio (normal dependency)");
-        assert!(
-            outcome
-                .to_string()
-                .contains("forbidden edge: umbp-page -> tokio (normal dependency)")
-        );
+        assert!(outcome.to_string().contains("forbidden edge: umbp-page -> tokio (normal dependency)"));
     }
 
     #[test]
     fn direct_build_dependency_counts() {
-        let g = graph(
-            &[("umbp-ssd", BACKEND), ("tonic", None)],
-            &[("umbp-ssd", "tonic", DepKind::Build)],
-        );
+        let g = graph(&[("umbp-ssd", BACKEND), ("tonic", None)], &[("umbp-ssd", "tonic", DepKind::Build)]);
         let outcome = check(&g, RULES);
         assert_eq!(outcome.violations.len(), 1);
-        assert_eq!(
-            outcome.violations[0].to_string(),
-            "umbp-ssd -> tonic (build dependency)"
-        );
+        assert_eq!(outcome.violations[0].to_string(), "umbp-ssd -> tonic (build dependency)");
     }
 
     #[test]
     fn transitive_forbidden_edge_fails_naming_the_path() {
         let g = graph(
-            &[
-                ("umbp-page", BACKEND),
-                ("helper", None),
-                ("inner", None),
-                ("tokio", None),
-            ],
+            &[("umbp-page", BACKEND), ("helper", None), ("inner", None), ("tokio", None)],
             &[
                 ("umbp-page", "helper", DepKind::Normal),
                 ("helper", "inner", DepKind::Normal),
@@ -578,10 +515,7 @@ mod tests {
     fn a_build_hop_makes_the_path_a_build_dependency() {
         let g = graph(
             &[("umbp-page", BACKEND), ("codegen", None), ("umbp-proto", None)],
-            &[
-                ("umbp-page", "codegen", DepKind::Build),
-                ("codegen", "umbp-proto", DepKind::Normal),
-            ],
+            &[("umbp-page", "codegen", DepKind::Build), ("codegen", "umbp-proto", DepKind::Normal)],
         );
         let v = &check(&g, RULES).violations[0];
         assert_eq!(v.kind(), DepKind::Build);
@@ -609,10 +543,7 @@ mod tests {
         // umbp-transfer -> tokio is the transfer layer's business; only the backend's edge is reported.
         let g = graph(
             &[("umbp-page", BACKEND), ("umbp-transfer", None), ("tokio", None)],
-            &[
-                ("umbp-page", "umbp-transfer", DepKind::Normal),
-                ("umbp-transfer", "tokio", DepKind::Normal),
-            ],
+            &[("umbp-page", "umbp-transfer", DepKind::Normal), ("umbp-transfer", "tokio", DepKind::Normal)],
         );
         let outcome = check(&g, RULES);
         let names: Vec<&str> = outcome.violations.iter().map(|v| v.forbidden.as_str()).collect();
@@ -622,12 +553,7 @@ mod tests {
     #[test]
     fn dev_dependencies_are_ignored() {
         let g = graph(
-            &[
-                ("umbp-page", BACKEND),
-                ("umbp-testkit", None),
-                ("tokio", None),
-                ("umbp-core", None),
-            ],
+            &[("umbp-page", BACKEND), ("umbp-testkit", None), ("tokio", None), ("umbp-core", None)],
             &[
                 ("umbp-page", "tokio", DepKind::Dev),
                 ("umbp-page", "umbp-core", DepKind::Normal),
@@ -643,12 +569,7 @@ mod tests {
     #[test]
     fn a_non_backend_crate_may_depend_on_tokio() {
         let g = graph(
-            &[
-                ("umbp-page", BACKEND),
-                ("umbp-peer", None),
-                ("tokio", None),
-                ("tonic", None),
-            ],
+            &[("umbp-page", BACKEND), ("umbp-peer", None), ("tokio", None), ("tonic", None)],
             &[
                 ("umbp-peer", "umbp-page", DepKind::Normal),
                 ("umbp-peer", "tokio", DepKind::Normal),
@@ -663,23 +584,14 @@ mod tests {
         let g = graph(&[("umbp-hbm", Some("backned"))], &[]);
         let outcome = check(&g, RULES);
         assert!(!outcome.is_ok());
-        assert_eq!(
-            outcome.unknown_layers,
-            vec![("umbp-hbm".to_owned(), "backned".to_owned())]
-        );
+        assert_eq!(outcome.unknown_layers, vec![("umbp-hbm".to_owned(), "backned".to_owned())]);
         assert!(outcome.to_string().contains("unknown layer \"backned\""));
     }
 
     #[test]
     fn every_backend_is_checked_and_every_forbidden_crate_reported() {
         let g = graph(
-            &[
-                ("umbp-page", BACKEND),
-                ("umbp-hbm", BACKEND),
-                ("umbp-peer", None),
-                ("tonic", None),
-                ("tokio", None),
-            ],
+            &[("umbp-page", BACKEND), ("umbp-hbm", BACKEND), ("umbp-peer", None), ("tonic", None), ("tokio", None)],
             &[
                 ("umbp-hbm", "umbp-page", DepKind::Normal),
                 ("umbp-page", "tonic", DepKind::Normal),
@@ -688,30 +600,20 @@ mod tests {
             ],
         );
         let outcome = check(&g, RULES);
-        let found: Vec<String> = outcome
-            .violations
-            .iter()
-            .map(|v| format!("{}:{}", v.package, v.forbidden))
-            .collect();
+        let found: Vec<String> = outcome.violations.iter().map(|v| format!("{}:{}", v.package, v.forbidden)).collect();
         assert_eq!(found, ["umbp-hbm:tonic", "umbp-hbm:umbp-peer", "umbp-page:tonic"]);
     }
 
     #[test]
     fn rules_are_extensible() {
-        const EXTRA: &[LayerRule] = &[LayerRule {
-            layer: "control",
-            forbidden: &["umbp-page"],
-            reason: "the control plane knows no media",
-        }];
+        const EXTRA: &[LayerRule] =
+            &[LayerRule { layer: "control", forbidden: &["umbp-page"], reason: "the control plane knows no media" }];
         let g = graph(
             &[("umbp-master", Some("control")), ("umbp-page", None)],
             &[("umbp-master", "umbp-page", DepKind::Normal)],
         );
         let outcome = check(&g, EXTRA);
-        assert_eq!(
-            outcome.violations[0].to_string(),
-            "umbp-master -> umbp-page (normal dependency)"
-        );
+        assert_eq!(outcome.violations[0].to_string(), "umbp-master -> umbp-page (normal dependency)");
         assert_eq!(outcome.violations[0].reason, "the control plane knows no media");
     }
 }

@@ -35,9 +35,7 @@ tasks:
 /// The workspace root: the parent of this crate's manifest directory.
 pub fn workspace_root() -> PathBuf {
     let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest_dir
-        .parent()
-        .map_or_else(|| manifest_dir.to_path_buf(), Path::to_path_buf)
+    manifest_dir.parent().map_or_else(|| manifest_dir.to_path_buf(), Path::to_path_buf)
 }
 
 /// Runs the task named by `args` (the arguments after `cargo xtask`).
@@ -85,19 +83,13 @@ fn parse_ci(args: &[String]) -> anyhow::Result<Option<ci::CiOptions>> {
             "--fast" => options.fast = true,
             "--list" => {
                 for step in ci::Step::ALL {
-                    let fast = if step.skipped_by_fast() {
-                        "  [skipped by --fast]"
-                    } else {
-                        ""
-                    };
+                    let fast = if step.skipped_by_fast() { "  [skipped by --fast]" } else { "" };
                     println!("{:<9} {}{fast}", step.name(), step.about());
                 }
                 return Ok(None);
             }
             "--skip" => {
-                let Some(name) = args.next() else {
-                    bail!("--skip needs a step name")
-                };
+                let Some(name) = args.next() else { bail!("--skip needs a step name") };
                 options.skip.push(parse_step(name)?);
             }
             other => match other.strip_prefix("--skip=") {
@@ -125,9 +117,7 @@ fn parse_layering(args: &[String]) -> anyhow::Result<Option<PathBuf>> {
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--manifest-path" => {
-                let Some(path) = args.next() else {
-                    bail!("--manifest-path needs a path")
-                };
+                let Some(path) = args.next() else { bail!("--manifest-path needs a path") };
                 manifest_path = Some(PathBuf::from(path));
             }
             other => match other.strip_prefix("--manifest-path=") {
@@ -172,9 +162,7 @@ mod tests {
 
     #[test]
     fn ci_options_parse() {
-        let options = parse_ci(&strings(&["--skip", "deny", "--skip=package", "--fast"]))
-            .unwrap()
-            .unwrap();
+        let options = parse_ci(&strings(&["--skip", "deny", "--skip=package", "--fast"])).unwrap().unwrap();
         assert_eq!(options.skip, [ci::Step::Deny, ci::Step::Package]);
         assert!(options.fast);
         assert!(parse_ci(&strings(&["--skip", "bogus"])).is_err());

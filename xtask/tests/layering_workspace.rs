@@ -61,31 +61,19 @@ fn write(path: &Path, text: &str) {
 }
 
 fn text(output: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
 
 const BACKEND: &str = "\n[package.metadata.umbp]\nlayer = \"backend\"";
 
 #[test]
 fn a_backend_depending_on_tokio_fails_naming_the_edge() {
-    let ws = Workspace::new(
-        "direct",
-        &[
-            ("fake-medium", BACKEND, "tokio = { path = \"../tokio\" }"),
-            ("tokio", "", ""),
-        ],
-    );
+    let ws =
+        Workspace::new("direct", &[("fake-medium", BACKEND, "tokio = { path = \"../tokio\" }"), ("tokio", "", "")]);
     let output = ws.layering();
     let out = text(&output);
     assert!(!output.status.success(), "the check passed:\n{out}");
-    assert!(
-        out.contains("forbidden edge: fake-medium -> tokio (normal dependency)"),
-        "{out}"
-    );
+    assert!(out.contains("forbidden edge: fake-medium -> tokio (normal dependency)"), "{out}");
 }
 
 #[test]
@@ -101,14 +89,7 @@ fn the_same_workspace_without_the_edge_passes() {
 fn a_dev_dependency_on_tokio_passes() {
     let ws = Workspace::new(
         "dev",
-        &[
-            (
-                "fake-medium",
-                BACKEND,
-                "\n[dev-dependencies]\ntokio = { path = \"../tokio\" }",
-            ),
-            ("tokio", "", ""),
-        ],
+        &[("fake-medium", BACKEND, "\n[dev-dependencies]\ntokio = { path = \"../tokio\" }"), ("tokio", "", "")],
     );
     let output = ws.layering();
     assert!(output.status.success(), "the check failed:\n{}", text(&output));
@@ -137,44 +118,24 @@ fn a_transitive_edge_fails_naming_the_path() {
 fn an_optional_edge_that_is_not_enabled_still_fails() {
     let ws = Workspace::new(
         "optional",
-        &[
-            (
-                "fake-medium",
-                BACKEND,
-                "tokio = { path = \"../tokio\", optional = true }",
-            ),
-            ("tokio", "", ""),
-        ],
+        &[("fake-medium", BACKEND, "tokio = { path = \"../tokio\", optional = true }"), ("tokio", "", "")],
     );
     let output = ws.layering();
     let out = text(&output);
     assert!(!output.status.success(), "the check passed:\n{out}");
-    assert!(
-        out.contains("forbidden edge: fake-medium -> tokio (normal dependency)"),
-        "{out}"
-    );
+    assert!(out.contains("forbidden edge: fake-medium -> tokio (normal dependency)"), "{out}");
 }
 
 #[test]
 fn a_build_dependency_fails() {
     let ws = Workspace::new(
         "build",
-        &[
-            (
-                "fake-medium",
-                BACKEND,
-                "\n[build-dependencies]\ntokio = { path = \"../tokio\" }",
-            ),
-            ("tokio", "", ""),
-        ],
+        &[("fake-medium", BACKEND, "\n[build-dependencies]\ntokio = { path = \"../tokio\" }"), ("tokio", "", "")],
     );
     let output = ws.layering();
     let out = text(&output);
     assert!(!output.status.success(), "the check passed:\n{out}");
-    assert!(
-        out.contains("forbidden edge: fake-medium -> tokio (build dependency)"),
-        "{out}"
-    );
+    assert!(out.contains("forbidden edge: fake-medium -> tokio (build dependency)"), "{out}");
 }
 
 #[test]
@@ -193,8 +154,5 @@ fn an_optional_edge_is_not_hidden_by_a_dev_edge_to_the_same_crate() {
     let output = ws.layering();
     let out = text(&output);
     assert!(!output.status.success(), "the check passed:\n{out}");
-    assert!(
-        out.contains("forbidden edge: fake-medium -> tokio (normal dependency)"),
-        "{out}"
-    );
+    assert!(out.contains("forbidden edge: fake-medium -> tokio (normal dependency)"), "{out}");
 }

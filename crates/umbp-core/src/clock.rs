@@ -39,9 +39,7 @@ pub struct ManualClock {
 impl ManualClock {
     /// A clock frozen at the current real instant.
     pub fn new() -> Arc<Self> {
-        Arc::new(Self {
-            now: Mutex::new(Instant::now()),
-        })
+        Arc::new(Self { now: Mutex::new(Instant::now()) })
     }
 
     /// Moves the clock forward.

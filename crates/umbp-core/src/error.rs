@@ -50,10 +50,7 @@ pub enum BackendError {
 impl BackendError {
     /// Whether retrying `init` later (with the same configuration) may succeed.
     pub fn is_retryable(&self) -> bool {
-        matches!(
-            self,
-            Self::OutOfMemory { .. } | Self::Registration { .. } | Self::Io { .. }
-        )
+        matches!(self, Self::OutOfMemory { .. } | Self::Registration { .. } | Self::Io { .. })
     }
 }
 

@@ -50,26 +50,12 @@ pub struct MetricSample {
 impl MetricSample {
     /// A counter sample with scale 1.
     pub fn counter(name: &'static str, help: &'static str, labels: Vec<(String, String)>, value: u64) -> Self {
-        Self {
-            name,
-            help,
-            labels,
-            value,
-            kind: MetricKind::Counter,
-            scale: 1.0,
-        }
+        Self { name, help, labels, value, kind: MetricKind::Counter, scale: 1.0 }
     }
 
     /// A gauge sample with scale 1.
     pub fn gauge(name: &'static str, help: &'static str, labels: Vec<(String, String)>, value: u64) -> Self {
-        Self {
-            name,
-            help,
-            labels,
-            value,
-            kind: MetricKind::Gauge,
-            scale: 1.0,
-        }
+        Self { name, help, labels, value, kind: MetricKind::Gauge, scale: 1.0 }
     }
 }
 

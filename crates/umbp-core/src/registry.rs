@@ -42,19 +42,13 @@ impl BackendRegistry {
         // A lone backend being replaced may change the page size: nothing else shares it.
         let others_present = self.by_tier.keys().any(|t| *t != tier);
         if others_present && page_size != self.page_size {
-            return Err(RegistryError::PageSizeMismatch {
-                tier,
-                got: page_size,
-                expected: self.page_size,
-            });
+            return Err(RegistryError::PageSizeMismatch { tier, got: page_size, expected: self.page_size });
         }
         let id = match self.by_tier.get(&tier) {
             Some(existing) => existing.id,
             None => {
                 if self.next_id as usize >= MAX_BACKENDS_PER_PEER {
-                    return Err(RegistryError::TooManyBackends {
-                        max: MAX_BACKENDS_PER_PEER,
-                    });
+                    return Err(RegistryError::TooManyBackends { max: MAX_BACKENDS_PER_PEER });
                 }
                 let id = self.next_id;
                 self.next_id += 1;
@@ -68,10 +62,7 @@ impl BackendRegistry {
 
     /// The id of a registered backend (compared by identity), or `None`.
     pub fn backend_id(&self, backend: &Arc<dyn MediumBackend>) -> Option<u32> {
-        self.by_tier
-            .values()
-            .find(|e| Arc::ptr_eq(&e.backend, backend))
-            .map(|e| e.id)
+        self.by_tier.values().find(|e| Arc::ptr_eq(&e.backend, backend)).map(|e| e.id)
     }
 
     /// The id of the backend serving `tier`.
@@ -126,8 +117,5 @@ pub fn drain_all_backends<'a>(backends: impl IntoIterator<Item = &'a Arc<dyn Med
 pub fn snapshot_all_backends_for_full_sync<'a>(
     backends: impl IntoIterator<Item = &'a Arc<dyn MediumBackend>>,
 ) -> Vec<KvEvent> {
-    backends
-        .into_iter()
-        .flat_map(|b| b.snapshot_owned_keys_for_full_sync())
-        .collect()
+    backends.into_iter().flat_map(|b| b.snapshot_owned_keys_for_full_sync()).collect()
 }

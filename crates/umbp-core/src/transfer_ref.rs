@@ -124,22 +124,12 @@ pub struct TransferRef {
 impl TransferRef {
     /// A ref for process-local memory with no transport handle yet.
     pub fn local(region: LocalRegion) -> Self {
-        Self {
-            size: region.len(),
-            location: region.location(),
-            local: Some(region),
-            remote: None,
-        }
+        Self { size: region.len(), location: region.location(), local: Some(region), remote: None }
     }
 
     /// A ref for memory owned by another node, reachable only through `remote`.
     pub fn remote_only(remote: RemoteRegion, size: u64, location: MemoryLocation) -> Self {
-        Self {
-            size,
-            location,
-            local: None,
-            remote: Some(remote),
-        }
+        Self { size, location, local: None, remote: Some(remote) }
     }
 
     /// The same ref with a remote handle attached (what registration with a data plane adds).
@@ -218,10 +208,7 @@ mod tests {
         let region = unsafe { LocalRegion::new(NonNull::from(&mut buf).cast(), 64, MemoryLocation::Host) };
         let r = TransferRef::local(region);
         assert!(r.has_local() && !r.has_remote() && r.is_valid());
-        let r = r.with_remote(RemoteRegion {
-            endpoint: "127.0.0.1:1".into(),
-            region_id: 7,
-        });
+        let r = r.with_remote(RemoteRegion { endpoint: "127.0.0.1:1".into(), region_id: 7 });
         assert!(r.has_local() && r.has_remote());
         assert_eq!(r.clone().truncated(1000).size(), 64, "truncation never grows a ref");
         assert_eq!(r.clone().truncated(32).size(), 32);

@@ -82,10 +82,7 @@ pub struct PageLocation {
 impl PageLocation {
     /// A page location.
     pub const fn new(buffer_index: u32, page_index: u32) -> Self {
-        Self {
-            buffer_index,
-            page_index,
-        }
+        Self { buffer_index, page_index }
     }
 }
 
@@ -114,22 +111,12 @@ pub struct KvEvent {
 impl KvEvent {
     /// An `Add` event.
     pub fn add(key: impl Into<String>, tier: TierType, size: u64) -> Self {
-        Self {
-            kind: KvEventKind::Add,
-            key: key.into(),
-            tier,
-            size,
-        }
+        Self { kind: KvEventKind::Add, key: key.into(), tier, size }
     }
 
     /// A `Remove` event (size 0).
     pub fn remove(key: impl Into<String>, tier: TierType) -> Self {
-        Self {
-            kind: KvEventKind::Remove,
-            key: key.into(),
-            tier,
-            size: 0,
-        }
+        Self { kind: KvEventKind::Remove, key: key.into(), tier, size: 0 }
     }
 }
 
@@ -199,10 +186,7 @@ pub struct AllocateResult {
 impl AllocateResult {
     /// A result carrying only an outcome (every non-`Allocated` answer).
     pub fn outcome(outcome: AllocateOutcome) -> Self {
-        Self {
-            outcome,
-            ..Self::default()
-        }
+        Self { outcome, ..Self::default() }
     }
 }
 
@@ -218,10 +202,7 @@ pub struct CommitRequest {
 impl CommitRequest {
     /// A commit request.
     pub fn new(slot_id: u64, key: impl Into<String>) -> Self {
-        Self {
-            slot_id,
-            key: key.into(),
-        }
+        Self { slot_id, key: key.into() }
     }
 }
 
@@ -287,13 +268,7 @@ pub struct BufferDesc {
 impl BufferDesc {
     /// The published form of a buffer's [`TransferRef`] (drops the process-local pointer).
     pub fn from_ref(buffer_index: u32, r: &TransferRef) -> Self {
-        Self {
-            backend_id: 0,
-            buffer_index,
-            size: r.size(),
-            location: r.location(),
-            remote: r.remote().cloned(),
-        }
+        Self { backend_id: 0, buffer_index, size: r.size(), location: r.location(), remote: r.remote().cloned() }
     }
 
     /// The same descriptor with the registry's backend id stamped on it.

@@ -33,10 +33,7 @@ pub enum AllocatorError {
     #[error("page size must be greater than zero")]
     ZeroPageSize,
     /// One buffer holds more pages than a [`PageLocation`] can address.
-    #[error(
-        "buffer {buffer_index} holds {pages} pages, more than the {} a page index can address",
-        u32::MAX
-    )]
+    #[error("buffer {buffer_index} holds {pages} pages, more than the {} a page index can address", u32::MAX)]
     TooManyPages {
         /// The offending buffer.
         buffer_index: usize,
@@ -72,27 +69,15 @@ struct RunSummary {
 
 impl RunSummary {
     fn of_word(word: u64) -> Self {
-        Self {
-            low: word.trailing_zeros(),
-            high: word.leading_zeros(),
-            best: longest_run_in_word(!word),
-        }
+        Self { low: word.trailing_zeros(), high: word.leading_zeros(), best: longest_run_in_word(!word) }
     }
 
     /// The summary of two adjacent subtrees of `child_pages` pages each.
     fn merge(low: Self, high: Self, child_pages: u64) -> Self {
         // The sums count distinct free pages of one buffer, so they fit a u32.
         Self {
-            low: if u64::from(low.low) == child_pages {
-                low.low + high.low
-            } else {
-                low.low
-            },
-            high: if u64::from(high.high) == child_pages {
-                high.high + low.high
-            } else {
-                high.high
-            },
+            low: if u64::from(low.low) == child_pages { low.low + high.low } else { low.low },
+            high: if u64::from(high.high) == child_pages { high.high + low.high } else { high.high },
             best: low.best.max(high.best).max(low.high + high.low),
         }
     }
@@ -292,11 +277,7 @@ impl BufferBitmap {
         // A leaf whose own longest run fits, so `n <= 64`; runs reaching into neighbours were
         // handled above.
         let word = self.words[node - self.leaves];
-        let offset = if n == WORD_BITS {
-            Some(0)
-        } else {
-            first_run_in_word(!word, n)
-        };
+        let offset = if n == WORD_BITS { Some(0) } else { first_run_in_word(!word, n) };
         debug_assert!(offset.is_some(), "run tree out of sync with the bitmap");
         offset.map(|o| start + o)
     }
@@ -336,11 +317,7 @@ impl BufferBitmap {
             run_start = base + WORD_BITS - top_free;
         }
         // Words below the hint are full, so a scan that reached the end saw every candidate.
-        if self.hint.saturating_add(max_words) >= self.words.len() {
-            Scan::Absent
-        } else {
-            Scan::GaveUp
-        }
+        if self.hint.saturating_add(max_words) >= self.words.len() { Scan::Absent } else { Scan::GaveUp }
     }
 
     /// Marks pages `start..start + n` used; they must be free.
@@ -350,11 +327,7 @@ impl BufferBitmap {
         while page < end {
             let bit = page % WORD_BITS;
             let span = (WORD_BITS - bit).min(end - page);
-            let mask = if span == WORD_BITS {
-                FULL
-            } else {
-                ((1u64 << span) - 1) << bit
-            };
+            let mask = if span == WORD_BITS { FULL } else { ((1u64 << span) - 1) << bit };
             let index = (page / WORD_BITS) as usize;
             debug_assert_eq!(self.words[index] & mask, 0, "marking a used page");
             self.set_word(index, self.words[index] | mask);
@@ -383,10 +356,7 @@ impl BufferBitmap {
                 left -= WORD_BITS;
             } else {
                 while free != 0 && left > 0 {
-                    out.push(PageLocation::new(
-                        buffer_index,
-                        (base + u64::from(free.trailing_zeros())) as u32,
-                    ));
+                    out.push(PageLocation::new(buffer_index, (base + u64::from(free.trailing_zeros())) as u32));
                     free &= free - 1;
                     left -= 1;
                 }
@@ -513,12 +483,7 @@ impl PageBitmapAllocator {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let total_pages = buffers.iter().map(|b| b.total_pages).sum();
-        Ok(Self {
-            page_size,
-            buffers,
-            total_pages,
-            free_pages: total_pages,
-        })
+        Ok(Self { page_size, buffers, total_pages, free_pages: total_pages })
     }
 
     /// Reserves `n` pages, all or nothing, returned in the order chosen (see the type docs). `None`
@@ -623,9 +588,7 @@ impl PageBitmapAllocator {
     /// Whether `page` exists and is free.
     pub fn is_free(&self, page: PageLocation) -> bool {
         let index = u64::from(page.page_index);
-        self.buffers
-            .get(page.buffer_index as usize)
-            .is_some_and(|b| index < b.total_pages && !b.is_used(index))
+        self.buffers.get(page.buffer_index as usize).is_some_and(|b| index < b.total_pages && !b.is_used(index))
     }
 
     /// Whether every buffer's run tree matches its bitmap and its free count its set bits.
@@ -648,10 +611,7 @@ impl PageBitmapAllocator {
     /// The observable state (bitmaps and counters, not the caches), for "nothing changed" checks.
     #[cfg(test)]
     fn state(&self) -> (Vec<(Vec<u64>, u64)>, u64) {
-        (
-            self.buffers.iter().map(|b| (b.words.clone(), b.free_count)).collect(),
-            self.free_pages,
-        )
+        (self.buffers.iter().map(|b| (b.words.clone(), b.free_count)).collect(), self.free_pages)
     }
 }
 
@@ -675,10 +635,7 @@ mod tests {
 
     #[test]
     fn zero_page_size_is_invalid() {
-        assert_eq!(
-            PageBitmapAllocator::new(0, &[4 * KIB]).unwrap_err(),
-            AllocatorError::ZeroPageSize
-        );
+        assert_eq!(PageBitmapAllocator::new(0, &[4 * KIB]).unwrap_err(), AllocatorError::ZeroPageSize);
     }
 
     #[test]
@@ -881,17 +838,9 @@ mod tests {
         a.deallocate(&all[150..152]);
         assert_eq!(a.buffers[0].longest_run(), 80);
         assert!(a.consistent());
-        assert_eq!(
-            a.allocate(81).map(|p| p[0]),
-            Some(loc(0, 60)),
-            "strategy 2, no run of 81"
-        );
+        assert_eq!(a.allocate(81).map(|p| p[0]), Some(loc(0, 60)), "strategy 2, no run of 81");
         a.deallocate(&all);
-        assert_eq!(
-            a.buffers[0].longest_run(),
-            200,
-            "the tail padding stops the run at the last page"
-        );
+        assert_eq!(a.buffers[0].longest_run(), 200, "the tail padding stops the run at the last page");
         assert!(a.consistent());
     }
 
@@ -940,9 +889,7 @@ mod tests {
 
     impl Model {
         fn new(page_size: u64, sizes: &[u64]) -> Self {
-            Self {
-                used: sizes.iter().map(|&s| vec![false; (s / page_size) as usize]).collect(),
-            }
+            Self { used: sizes.iter().map(|&s| vec![false; (s / page_size) as usize]).collect() }
         }
 
         fn free_in(&self, b: usize) -> usize {
@@ -950,11 +897,7 @@ mod tests {
         }
 
         fn lowest_free(&self, b: usize, k: usize) -> Vec<PageLocation> {
-            (0..self.used[b].len())
-                .filter(|&p| !self.used[b][p])
-                .take(k)
-                .map(|p| loc(b as u32, p as u32))
-                .collect()
+            (0..self.used[b].len()).filter(|&p| !self.used[b][p]).take(k).map(|p| loc(b as u32, p as u32)).collect()
         }
 
         fn allocate(&mut self, n: usize) -> Option<Vec<PageLocation>> {
@@ -995,10 +938,8 @@ mod tests {
 
         fn deallocate(&mut self, pages: &[PageLocation]) {
             for p in pages {
-                if let Some(slot) = self
-                    .used
-                    .get_mut(p.buffer_index as usize)
-                    .and_then(|b| b.get_mut(p.page_index as usize))
+                if let Some(slot) =
+                    self.used.get_mut(p.buffer_index as usize).and_then(|b| b.get_mut(p.page_index as usize))
                 {
                     *slot = false;
                 }

@@ -67,12 +67,7 @@ impl PageBackendConfig {
     /// A config for `tier` with the given page size and buffers and every other setting at its
     /// default.
     pub fn new(tier: TierType, page_size: u64, buffer_sizes: Vec<u64>) -> Self {
-        Self {
-            tier,
-            page_size,
-            buffer_sizes,
-            ..Self::default()
-        }
+        Self { tier, page_size, buffer_sizes, ..Self::default() }
     }
 
     /// Sets the pending-slot TTL.
@@ -104,19 +99,13 @@ impl PageBackendConfig {
             return Err(BackendError::InvalidConfig("page_size must be greater than 0".into()));
         }
         if self.tier == TierType::Unknown {
-            return Err(BackendError::InvalidConfig(
-                "tier must be a real tier, not UNKNOWN".into(),
-            ));
+            return Err(BackendError::InvalidConfig("tier must be a real tier, not UNKNOWN".into()));
         }
         if self.read_lease_ttl.is_zero() {
-            return Err(BackendError::InvalidConfig(
-                "read_lease_ttl must be at least 1 ms".into(),
-            ));
+            return Err(BackendError::InvalidConfig("read_lease_ttl must be at least 1 ms".into()));
         }
         if self.reaper_interval.is_zero() {
-            return Err(BackendError::InvalidConfig(
-                "reaper_interval must be greater than 0".into(),
-            ));
+            return Err(BackendError::InvalidConfig("reaper_interval must be greater than 0".into()));
         }
         Ok(())
     }
@@ -239,12 +228,7 @@ impl State {
     }
 
     fn sweep(&mut self, now: Instant, long_pin: Duration, tier: TierType) {
-        let expired: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| p.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let expired: Vec<u64> = self.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| *id).collect();
         for id in expired {
             if let Some(p) = self.pending.remove(&id) {
                 self.free(&p.pages);
@@ -309,9 +293,7 @@ struct Inner {
 impl Inner {
     fn sweep(&self) {
         let now = self.config.clock.now();
-        self.state
-            .lock()
-            .sweep(now, self.config.long_pin_warning, self.config.tier);
+        self.state.lock().sweep(now, self.config.long_pin_warning, self.config.tier);
     }
 
     fn descs_for_pages(published: Option<&Published>, pages: &[PageLocation]) -> Vec<BufferDesc> {
@@ -319,10 +301,7 @@ impl Inner {
         let mut indexes: Vec<u32> = pages.iter().map(|p| p.buffer_index).collect();
         indexes.sort_unstable();
         indexes.dedup();
-        indexes
-            .into_iter()
-            .filter_map(|i| published.descs.get(i as usize).cloned())
-            .collect()
+        indexes.into_iter().filter_map(|i| published.descs.get(i as usize).cloned()).collect()
     }
 }
 
@@ -376,10 +355,7 @@ impl PageBackend {
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
-                state: Mutex::new(State {
-                    next_pin_token: 1,
-                    ..State::default()
-                }),
+                state: Mutex::new(State { next_pin_token: 1, ..State::default() }),
                 published: RwLock::new(None),
                 next_slot_id: AtomicU64::new(1),
                 clear_pending: AtomicBool::new(false),
@@ -418,29 +394,14 @@ impl PageBackend {
             .map(|p| {
                 let len = remaining.min(page_size);
                 remaining -= len;
-                CopySegment {
-                    buffer_index: p.buffer_index,
-                    offset: u64::from(p.page_index) * page_size,
-                    len,
-                }
+                CopySegment { buffer_index: p.buffer_index, offset: u64::from(p.page_index) * page_size, len }
             })
             .collect();
         let total_size = owned.size;
         let token = state.next_pin_token;
         state.next_pin_token += 1;
-        state.pins.insert(
-            key.to_owned(),
-            Pin {
-                token,
-                acquired_at: now,
-                warned: false,
-            },
-        );
-        Some(CopyPin {
-            segments,
-            total_size,
-            token,
-        })
+        state.pins.insert(key.to_owned(), Pin { token, acquired_at: now, warned: false });
+        Some(CopyPin { segments, total_size, token })
     }
 
     /// Releases a copy pin. An unknown key or a wrong token is ignored.
@@ -455,9 +416,8 @@ impl PageBackend {
         let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
         let inner = Arc::clone(&self.inner);
         let interval = inner.config.reaper_interval;
-        let thread = std::thread::Builder::new()
-            .name(format!("umbp-reaper-{}", inner.config.tier))
-            .spawn(move || {
+        let thread =
+            std::thread::Builder::new().name(format!("umbp-reaper-{}", inner.config.tier)).spawn(move || {
                 loop {
                     match stopped.recv_timeout(interval) {
                         Err(RecvTimeoutError::Timeout) => inner.sweep(),
@@ -521,12 +481,7 @@ impl MetricSource for PageBackend {
     fn sample_metrics(&self) -> Vec<MetricSample> {
         let (pending, deferred, leases, pins) = {
             let state = self.inner.state.lock();
-            (
-                state.pending.len(),
-                state.deferred.len(),
-                state.leases.len(),
-                state.pins.len(),
-            )
+            (state.pending.len(), state.deferred.len(), state.leases.len(), state.pins.len())
         };
         let gauge = |state: &str, value: usize| {
             MetricSample::gauge(
@@ -563,14 +518,11 @@ impl MediumBackend for PageBackend {
         }
         let config = &self.inner.config;
         let requested: u64 = config.buffer_sizes.iter().fold(0u64, |a, b| a.saturating_add(*b));
-        let buffers = self
-            .source
-            .allocate(&config.buffer_sizes)
-            .map_err(|e| BackendError::OutOfMemory {
-                medium: self.source.name().to_owned(),
-                requested,
-                reason: e.to_string(),
-            })?;
+        let buffers = self.source.allocate(&config.buffer_sizes).map_err(|e| BackendError::OutOfMemory {
+            medium: self.source.name().to_owned(),
+            requested,
+            reason: e.to_string(),
+        })?;
         let usable: Vec<u64> = buffers.iter().map(RawBuffer::len).collect();
         let allocator = match PageBitmapAllocator::new(config.page_size, &usable) {
             Ok(a) => a,
@@ -591,11 +543,8 @@ impl MediumBackend for PageBackend {
             .enumerate()
             .map(|(i, r)| r.clone().truncated(allocator.buffer_pages(i) * config.page_size))
             .collect();
-        let descs = refs
-            .iter()
-            .enumerate()
-            .map(|(i, r)| BufferDesc::from_ref(i as u32, r))
-            .collect::<Vec<BufferDesc>>();
+        let descs =
+            refs.iter().enumerate().map(|(i, r)| BufferDesc::from_ref(i as u32, r)).collect::<Vec<BufferDesc>>();
         let reaper = match self.start_reaper() {
             Ok(r) => r,
             Err(e) => {
@@ -611,12 +560,7 @@ impl MediumBackend for PageBackend {
             }
         };
         self.inner.state.lock().allocator = Some(allocator);
-        *self.inner.published.write() = Some(Arc::new(Published {
-            registrar,
-            registered,
-            refs,
-            descs,
-        }));
+        *self.inner.published.write() = Some(Arc::new(Published { registrar, registered, refs, descs }));
         *self.reaper.lock() = Some(reaper);
         *lifecycle = Lifecycle::Live;
         tracing::debug!(tier = %config.tier, source = self.source.name(), buffers = buffers.len(), "page backend live");
@@ -637,22 +581,15 @@ impl MediumBackend for PageBackend {
         self.source.release();
         let mut state = self.inner.state.lock();
         let auto_flush = state.auto_flush.take();
-        *state = State {
-            next_pin_token: state.next_pin_token,
-            auto_flush,
-            ..State::default()
-        };
+        *state = State { next_pin_token: state.next_pin_token, auto_flush, ..State::default() };
     }
 
     fn capacity(&self) -> TierCapacity {
         let state = self.inner.state.lock();
-        state
-            .allocator
-            .as_ref()
-            .map_or_else(TierCapacity::default, |a| TierCapacity {
-                total_bytes: a.total_bytes(),
-                available_bytes: a.available_bytes(),
-            })
+        state.allocator.as_ref().map_or_else(TierCapacity::default, |a| TierCapacity {
+            total_bytes: a.total_bytes(),
+            available_bytes: a.available_bytes(),
+        })
     }
 
     fn owned_key_count(&self) -> usize {
@@ -666,22 +603,14 @@ impl MediumBackend for PageBackend {
     fn snapshot_owned_keys(&self) -> Vec<KvEvent> {
         let tier = self.inner.config.tier;
         let state = self.inner.state.lock();
-        state
-            .owned
-            .iter()
-            .map(|(k, o)| KvEvent::add(k.clone(), tier, o.size))
-            .collect()
+        state.owned.iter().map(|(k, o)| KvEvent::add(k.clone(), tier, o.size)).collect()
     }
 
     fn snapshot_owned_keys_for_full_sync(&self) -> Vec<KvEvent> {
         let tier = self.inner.config.tier;
         let mut state = self.inner.state.lock();
         state.outbox.clear();
-        state
-            .owned
-            .iter()
-            .map(|(k, o)| KvEvent::add(k.clone(), tier, o.size))
-            .collect()
+        state.owned.iter().map(|(k, o)| KvEvent::add(k.clone(), tier, o.size)).collect()
     }
 
     fn clear_local(&self) {
@@ -698,10 +627,7 @@ impl MediumBackend for PageBackend {
         for (key, o) in owned {
             match leases.get(&key) {
                 // A reader may still be copying out of these pages: free them when its lease ends.
-                Some(until) if *until > now => state.deferred.push(Deferred {
-                    pages: o.pages,
-                    release_at: *until,
-                }),
+                Some(until) if *until > now => state.deferred.push(Deferred { pages: o.pages, release_at: *until }),
                 _ => state.free(&o.pages),
             }
         }
@@ -762,15 +688,7 @@ impl MediumBackend for PageBackend {
             };
             let slot_id = self.inner.next_slot_id.fetch_add(1, Ordering::Relaxed);
             let descs = Inner::descs_for_pages(published.as_deref(), &pages);
-            state.pending.insert(
-                slot_id,
-                Pending {
-                    pages: pages.clone(),
-                    size: req.size,
-                    deadline,
-                    generation,
-                },
-            );
+            state.pending.insert(slot_id, Pending { pages: pages.clone(), size: req.size, deadline, generation });
             results.push(AllocateResult {
                 outcome: AllocateOutcome::Allocated,
                 slot_id,
@@ -808,24 +726,12 @@ impl MediumBackend for PageBackend {
                 // Lost a race with another writer of the same key: the first value stays.
                 let bytes_committed = existing.size;
                 state.free(&slot.pages);
-                results.push(CommitResult {
-                    success: true,
-                    bytes_committed,
-                });
+                results.push(CommitResult { success: true, bytes_committed });
                 continue;
             }
-            state.owned.insert(
-                req.key.clone(),
-                Owned {
-                    pages: slot.pages,
-                    size: slot.size,
-                },
-            );
+            state.owned.insert(req.key.clone(), Owned { pages: slot.pages, size: slot.size });
             state.push_event(KvEvent::add(req.key.clone(), tier, slot.size));
-            results.push(CommitResult {
-                success: true,
-                bytes_committed: slot.size,
-            });
+            results.push(CommitResult { success: true, bytes_committed: slot.size });
         }
         results
     }
@@ -848,11 +754,7 @@ impl MediumBackend for PageBackend {
             return Vec::new();
         }
         let config = &self.inner.config;
-        let published = if include_descs {
-            self.inner.published.read().clone()
-        } else {
-            None
-        };
+        let published = if include_descs { self.inner.published.read().clone() } else { None };
         let lease_until = config.clock.now() + config.read_lease_ttl;
         let mut state = self.inner.state.lock();
         let mut results = Vec::with_capacity(keys.len());
@@ -895,10 +797,7 @@ impl MediumBackend for PageBackend {
                 }
                 None => 0,
             };
-            results.push(EvictResult {
-                key: key.clone(),
-                bytes_freed,
-            });
+            results.push(EvictResult { key: key.clone(), bytes_freed });
         }
         results
     }
@@ -908,12 +807,7 @@ impl MediumBackend for PageBackend {
     }
 
     fn all_buffer_descs(&self) -> Vec<BufferDesc> {
-        self.inner
-            .published
-            .read()
-            .as_ref()
-            .map(|p| p.descs.clone())
-            .unwrap_or_default()
+        self.inner.published.read().as_ref().map(|p| p.descs.clone()).unwrap_or_default()
     }
 
     fn buffer_count(&self) -> usize {
@@ -921,10 +815,6 @@ impl MediumBackend for PageBackend {
     }
 
     fn buffer_ref(&self, index: usize) -> Option<TransferRef> {
-        self.inner
-            .published
-            .read()
-            .as_ref()
-            .and_then(|p| p.refs.get(index).cloned())
+        self.inner.published.read().as_ref().and_then(|p| p.refs.get(index).cloned())
     }
 }

@@ -43,12 +43,7 @@ pub struct HostMemoryOptions {
 
 impl Default for HostMemoryOptions {
     fn default() -> Self {
-        Self {
-            use_hugepages: false,
-            hugepage_size: 2 * 1024 * 1024,
-            numa_node: None,
-            prefault: true,
-        }
+        Self { use_hugepages: false, hugepage_size: 2 * 1024 * 1024, numa_node: None, prefault: true }
     }
 }
 
@@ -81,10 +76,7 @@ impl HostPageMemorySource {
     /// A source that maps memory as `options` say. Nothing is mapped until
     /// [`allocate`](PageMemorySource::allocate).
     pub fn new(options: HostMemoryOptions) -> Self {
-        Self {
-            options,
-            state: Mutex::new(State::default()),
-        }
+        Self { options, state: Mutex::new(State::default()) }
     }
 
     /// The settings.
@@ -115,10 +107,7 @@ impl HostPageMemorySource {
     }
 
     fn invalid(reason: String) -> SourceError {
-        SourceError::Invalid {
-            source_name: NAME.to_owned(),
-            reason,
-        }
+        SourceError::Invalid { source_name: NAME.to_owned(), reason }
     }
 
     /// Maps, binds and prefaults one buffer of at least `size` bytes.
@@ -171,11 +160,7 @@ impl HostPageMemorySource {
             let _bound = bind_to_node(&mapping.buffer, node);
         }
         if self.options.prefault {
-            let stride = if mapping.hugetlb {
-                self.options.hugepage_size
-            } else {
-                BASE_PAGE
-            };
+            let stride = if mapping.hugetlb { self.options.hugepage_size } else { BASE_PAGE };
             prefault(&mapping.buffer, stride);
         }
         Ok(mapping)
@@ -192,9 +177,7 @@ impl PageMemorySource for HostPageMemorySource {
     fn allocate(&self, sizes: &[u64]) -> Result<Vec<RawBuffer>, SourceError> {
         let huge = self.options.hugepage_size;
         if self.options.use_hugepages && (!huge.is_power_of_two() || huge < BASE_PAGE) {
-            return Err(Self::invalid(format!(
-                "hugepage_size {huge} is not a power of two of at least {BASE_PAGE}"
-            )));
+            return Err(Self::invalid(format!("hugepage_size {huge} is not a power of two of at least {BASE_PAGE}")));
         }
         // Held across the mmaps: allocation happens at init, and a concurrent release must not miss
         // buffers of a call in flight.
@@ -349,11 +332,7 @@ fn hugepage_meminfo() -> String {
                 .filter(|l| l.starts_with("HugePages_Total") || l.starts_with("HugePages_Free"))
                 .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
                 .collect();
-            if lines.is_empty() {
-                "no HugePages lines in /proc/meminfo".to_owned()
-            } else {
-                lines.join(", ")
-            }
+            if lines.is_empty() { "no HugePages lines in /proc/meminfo".to_owned() } else { lines.join(", ") }
         }
         Err(err) => format!("/proc/meminfo unreadable: {err}"),
     }
@@ -381,12 +360,7 @@ mod tests {
         for (i, b) in bytes.iter_mut().enumerate() {
             *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
         }
-        assert!(
-            bytes
-                .iter()
-                .enumerate()
-                .all(|(i, &b)| b == (i as u8).wrapping_mul(31).wrapping_add(seed))
-        );
+        assert!(bytes.iter().enumerate().all(|(i, &b)| b == (i as u8).wrapping_mul(31).wrapping_add(seed)));
     }
 
     #[test]
@@ -472,10 +446,7 @@ mod tests {
     #[test]
     fn hugepages_fall_back_and_warn_once() {
         let warns = Arc::new(AtomicUsize::new(0));
-        let s = source(HostMemoryOptions {
-            use_hugepages: true,
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { use_hugepages: true, ..HostMemoryOptions::default() });
         tracing::subscriber::with_default(WarnCounter(Arc::clone(&warns)), || {
             let a = s.allocate(&[3 << 20, 4096]).unwrap();
             let b = s.allocate(&[1 << 20]).unwrap();
@@ -498,39 +469,23 @@ mod tests {
 
     #[test]
     fn hugepage_size_must_be_a_power_of_two_of_at_least_4k() {
-        let s = source(HostMemoryOptions {
-            use_hugepages: true,
-            hugepage_size: 3 << 20,
-            ..HostMemoryOptions::default()
-        });
+        let s =
+            source(HostMemoryOptions { use_hugepages: true, hugepage_size: 3 << 20, ..HostMemoryOptions::default() });
         assert!(matches!(s.allocate(&[4096]), Err(SourceError::Invalid { .. })));
         assert_eq!(s.mapping_count(), 0);
-        let s = source(HostMemoryOptions {
-            use_hugepages: true,
-            hugepage_size: 2048,
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { use_hugepages: true, hugepage_size: 2048, ..HostMemoryOptions::default() });
         assert!(matches!(s.allocate(&[4096]), Err(SourceError::Invalid { .. })));
         // Without huge pages the size is not used, so it is not checked.
-        let s = source(HostMemoryOptions {
-            hugepage_size: 3 << 20,
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { hugepage_size: 3 << 20, ..HostMemoryOptions::default() });
         assert_eq!(s.allocate(&[4096]).unwrap().len(), 1);
     }
 
     #[test]
     fn absurd_size_fails_without_leaking_the_call() {
-        let s = source(HostMemoryOptions {
-            prefault: false,
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
         let kept = s.allocate(&[8192]).unwrap();
         let err = s.allocate(&[4096, u64::MAX / 2]).unwrap_err();
-        assert!(
-            matches!(err, SourceError::Allocation { requested, .. } if requested == u64::MAX / 2),
-            "{err:?}"
-        );
+        assert!(matches!(err, SourceError::Allocation { requested, .. } if requested == u64::MAX / 2), "{err:?}");
         // Earlier calls untouched, this call's first buffer given back.
         assert_eq!(s.mapping_count(), 1);
         check_round_trip(&kept[0], 1);
@@ -541,27 +496,15 @@ mod tests {
     #[test]
     fn overflowing_size_is_invalid() {
         let s = source(HostMemoryOptions::default());
-        assert!(matches!(
-            s.allocate(&[4096, u64::MAX]),
-            Err(SourceError::Invalid { .. })
-        ));
-        let s = source(HostMemoryOptions {
-            use_hugepages: true,
-            ..HostMemoryOptions::default()
-        });
-        assert!(matches!(
-            s.allocate(&[u64::MAX - 4096]),
-            Err(SourceError::Invalid { .. })
-        ));
+        assert!(matches!(s.allocate(&[4096, u64::MAX]), Err(SourceError::Invalid { .. })));
+        let s = source(HostMemoryOptions { use_hugepages: true, ..HostMemoryOptions::default() });
+        assert!(matches!(s.allocate(&[u64::MAX - 4096]), Err(SourceError::Invalid { .. })));
         assert_eq!(s.mapping_count(), 0);
     }
 
     #[test]
     fn numa_node_zero_binds_on_a_single_node_machine() {
-        let s = source(HostMemoryOptions {
-            numa_node: Some(0),
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { numa_node: Some(0), ..HostMemoryOptions::default() });
         let b = s.allocate(&[1 << 20]).unwrap();
         check_round_trip(&b[0], 3);
         // Whether mbind itself is permitted depends on the kernel (CONFIG_NUMA) and the sandbox
@@ -576,26 +519,17 @@ mod tests {
 
     #[test]
     fn missing_numa_node_only_warns() {
-        let s = source(HostMemoryOptions {
-            numa_node: Some(u32::MAX),
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { numa_node: Some(u32::MAX), ..HostMemoryOptions::default() });
         let b = s.allocate(&[4096]).unwrap();
         check_round_trip(&b[0], 4);
-        let s = source(HostMemoryOptions {
-            numa_node: Some(1000),
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { numa_node: Some(1000), ..HostMemoryOptions::default() });
         let b = s.allocate(&[4096]).unwrap();
         check_round_trip(&b[0], 5);
     }
 
     #[test]
     fn without_prefault() {
-        let s = source(HostMemoryOptions {
-            prefault: false,
-            ..HostMemoryOptions::default()
-        });
+        let s = source(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
         let b = s.allocate(&[256 * 1024]).unwrap();
         check_round_trip(&b[0], 6);
     }

@@ -47,10 +47,7 @@ impl RawBuffer {
 
 impl fmt::Debug for RawBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RawBuffer")
-            .field("base", &self.base)
-            .field("len", &self.len)
-            .finish()
+        f.debug_struct("RawBuffer").field("base", &self.base).field("len", &self.len).finish()
     }
 }
 

@@ -186,12 +186,7 @@ impl Model {
     }
 
     fn tick(&mut self, now: Instant) {
-        let expired: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, s)| s.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let expired: Vec<u64> = self.pending.iter().filter(|(_, s)| s.deadline <= now).map(|(id, _)| *id).collect();
         for id in expired {
             self.abort(id);
         }
@@ -209,10 +204,7 @@ impl Model {
     }
 
     fn snapshot(&self) -> Vec<KvEvent> {
-        self.owned
-            .iter()
-            .map(|(k, (_, size))| KvEvent::add(k.clone(), TierType::Dram, *size))
-            .collect()
+        self.owned.iter().map(|(k, (_, size))| KvEvent::add(k.clone(), TierType::Dram, *size)).collect()
     }
 }
 
@@ -229,10 +221,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
         // The background reaper must never sweep during the run: the model sweeps only on `Tick`.
         .with_reaper_interval(Duration::from_secs(3600))
         .with_clock(clock.clone());
-    let source = HostPageMemorySource::new(HostMemoryOptions {
-        prefault: false,
-        ..HostMemoryOptions::default()
-    });
+    let source = HostPageMemorySource::new(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
     let backend = PageBackend::new(config, Box::new(source)).expect("config");
     backend.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
     let mut model = Model::new();
@@ -242,9 +231,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
         let now = clock.now();
         match op {
             Op::Allocate { key: k, size } => {
-                let real = backend
-                    .batch_allocate(&[AllocateRequest::new(key(*k), *size)])
-                    .remove(0);
+                let real = backend.batch_allocate(&[AllocateRequest::new(key(*k), *size)]).remove(0);
                 let (want, pages) = model.allocate(&key(*k), *size);
                 prop_assert_eq!(real.outcome, want, "step {}: {:?}", step, op);
                 if want == AllocateOutcome::Allocated {
@@ -252,12 +239,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                     prop_assert!(real.slot_id != 0);
                     model.pending.insert(
                         real.slot_id,
-                        Slot {
-                            pages,
-                            size: *size,
-                            deadline: now + PENDING_TTL,
-                            generation: model.generation,
-                        },
+                        Slot { pages, size: *size, deadline: now + PENDING_TTL, generation: model.generation },
                     );
                     slots.push(real.slot_id);
                 }
@@ -306,13 +288,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             }
         }
         prop_assert_eq!(backend.owned_key_count(), model.owned.len(), "step {}: {:?}", step, op);
-        prop_assert_eq!(
-            backend.capacity().available_bytes,
-            model.free * PAGE,
-            "step {}: {:?}",
-            step,
-            op
-        );
+        prop_assert_eq!(backend.capacity().available_bytes, model.free * PAGE, "step {}: {:?}", step, op);
         prop_assert_eq!(backend.is_clear_full_sync_pending(), model.clearing);
     }
     prop_assert_eq!(sorted(backend.snapshot_owned_keys()), model.snapshot());

@@ -29,18 +29,11 @@ fn fixture_with(tier: TierType, pending_ttl: Duration, lease: Duration) -> Fixtu
         .with_pending_ttl(pending_ttl)
         .with_read_lease_ttl(lease)
         .with_clock(clock.clone());
-    let source = HostPageMemorySource::new(HostMemoryOptions {
-        prefault: false,
-        ..HostMemoryOptions::default()
-    });
+    let source = HostPageMemorySource::new(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
     let backend = PageBackend::new(config, Box::new(source)).expect("valid config");
     let registrar = Arc::new(LocalOnlyRegistrar::new());
     backend.init(registrar.clone()).expect("init");
-    Fixture {
-        backend,
-        clock,
-        registrar,
-    }
+    Fixture { backend, clock, registrar }
 }
 
 fn fixture() -> Fixture {
@@ -87,10 +80,7 @@ fn commit_makes_key_resolvable() {
     let r = &f.backend.batch_resolve(&keys(&["k"]), false)[0];
     assert!(r.found);
     assert_eq!((r.pages.clone(), r.size, r.page_size), (a.pages, 1500, PAGE));
-    assert_eq!(
-        f.backend.drain_pending_events(),
-        vec![KvEvent::add("k", TierType::Dram, 1500)]
-    );
+    assert_eq!(f.backend.drain_pending_events(), vec![KvEvent::add("k", TierType::Dram, 1500)]);
 }
 
 #[test]
@@ -118,10 +108,7 @@ fn allocate_does_not_reject_on_pending_duplicate() {
     let f = fixture();
     let a = alloc(&f.backend, "k", 100);
     let b = alloc(&f.backend, "k", 100);
-    assert_eq!(
-        (a.outcome, b.outcome),
-        (AllocateOutcome::Allocated, AllocateOutcome::Allocated)
-    );
+    assert_eq!((a.outcome, b.outcome), (AllocateOutcome::Allocated, AllocateOutcome::Allocated));
     assert_ne!(a.slot_id, b.slot_id);
     assert!(a.slot_id != 0 && b.slot_id != 0);
 }
@@ -134,39 +121,19 @@ fn duplicate_commit_is_idempotent_and_keeps_first() {
     assert_eq!(commit(&f.backend, a.slot_id, "k"), (true, 1000));
     let events = f.backend.drain_pending_events();
     assert_eq!(events.len(), 1);
-    assert_eq!(
-        commit(&f.backend, b.slot_id, "k"),
-        (true, 1000),
-        "second commit reports the first value's size"
-    );
-    assert!(
-        f.backend.drain_pending_events().is_empty(),
-        "the losing commit emits nothing"
-    );
-    assert_eq!(
-        f.backend.batch_resolve(&keys(&["k"]), false)[0].pages,
-        a.pages,
-        "first pages kept"
-    );
-    assert_eq!(
-        available_pages(&f.backend),
-        TOTAL_PAGES - 1,
-        "second slot's pages freed"
-    );
+    assert_eq!(commit(&f.backend, b.slot_id, "k"), (true, 1000), "second commit reports the first value's size");
+    assert!(f.backend.drain_pending_events().is_empty(), "the losing commit emits nothing");
+    assert_eq!(f.backend.batch_resolve(&keys(&["k"]), false)[0].pages, a.pages, "first pages kept");
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 1, "second slot's pages freed");
     assert_eq!(f.backend.batch_abort(&[b.slot_id]), vec![true]);
 }
 
 #[test]
 fn allocate_fails_with_no_space_when_full_and_recovers_after_abort() {
     let f = fixture();
-    let slots: Vec<_> = (0..TOTAL_PAGES)
-        .map(|i| alloc(&f.backend, &format!("k{i}"), PAGE))
-        .collect();
+    let slots: Vec<_> = (0..TOTAL_PAGES).map(|i| alloc(&f.backend, &format!("k{i}"), PAGE)).collect();
     assert!(slots.iter().all(|s| s.outcome == AllocateOutcome::Allocated));
-    assert_eq!(
-        alloc(&f.backend, "one-more", PAGE).outcome,
-        AllocateOutcome::FailedNoSpace
-    );
+    assert_eq!(alloc(&f.backend, "one-more", PAGE).outcome, AllocateOutcome::FailedNoSpace);
     f.backend.batch_abort(&[slots[3].slot_id]);
     assert_eq!(alloc(&f.backend, "one-more", PAGE).outcome, AllocateOutcome::Allocated);
 }
@@ -188,11 +155,7 @@ fn expired_slot_cannot_commit_even_before_the_reaper_runs() {
     let a = alloc(&f.backend, "k", PAGE);
     f.clock.advance(Duration::from_millis(10));
     assert_eq!(commit(&f.backend, a.slot_id, "k"), (false, 0));
-    assert_eq!(
-        available_pages(&f.backend),
-        TOTAL_PAGES,
-        "the failing commit frees the pages"
-    );
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES, "the failing commit frees the pages");
 }
 
 #[test]
@@ -212,10 +175,7 @@ fn evict_removes_key_and_queues_event() {
     put(&f.backend, "k", PAGE);
     f.backend.drain_pending_events();
     assert_eq!(evict(&f.backend, &["k", "ghost"]), vec![PAGE, 0]);
-    assert_eq!(
-        f.backend.drain_pending_events(),
-        vec![KvEvent::remove("k", TierType::Dram)]
-    );
+    assert_eq!(f.backend.drain_pending_events(), vec![KvEvent::remove("k", TierType::Dram)]);
     assert!(!found(&f.backend, "k"));
     assert_eq!(evict(&f.backend, &["k"]), vec![0]);
     assert!(f.backend.drain_pending_events().is_empty());
@@ -232,10 +192,7 @@ fn evict_defers_when_read_lease_active() {
     f.clock.advance(Duration::from_millis(501));
     f.backend.reaper_tick();
     assert_eq!(evict(&f.backend, &["k"]), vec![PAGE]);
-    assert_eq!(
-        f.backend.drain_pending_events(),
-        vec![KvEvent::remove("k", TierType::Dram)]
-    );
+    assert_eq!(f.backend.drain_pending_events(), vec![KvEvent::remove("k", TierType::Dram)]);
 }
 
 #[test]
@@ -246,9 +203,7 @@ fn snapshot_owned_keys_returns_every_add_and_leaves_the_outbox() {
     }
     let mut snap = f.backend.snapshot_owned_keys();
     snap.sort_by(|a, b| a.key.cmp(&b.key));
-    let want: Vec<_> = (0..5)
-        .map(|i| KvEvent::add(format!("k{i}"), TierType::Dram, 100 + i))
-        .collect();
+    let want: Vec<_> = (0..5).map(|i| KvEvent::add(format!("k{i}"), TierType::Dram, 100 + i)).collect();
     assert_eq!(snap, want);
     assert_eq!(f.backend.drain_pending_events().len(), 5, "outbox not disturbed");
 }
@@ -302,10 +257,7 @@ fn batch_allocate_mixed_outcomes_and_descs() {
         ]
     );
     assert!(r[0].descs.is_empty());
-    assert_eq!(
-        r[1].descs.iter().map(|d| d.buffer_index).collect::<Vec<_>>(),
-        vec![0, 1]
-    );
+    assert_eq!(r[1].descs.iter().map(|d| d.buffer_index).collect::<Vec<_>>(), vec![0, 1]);
 }
 
 #[test]
@@ -382,11 +334,7 @@ fn batch_resolve_lease_expires_like_single_key_resolve() {
     f.backend.batch_resolve(&keys(&["a", "b"]), false);
     assert_eq!(evict(&f.backend, &["a", "b"]), vec![0, 0]);
     f.clock.advance(Duration::from_millis(100));
-    assert_eq!(
-        evict(&f.backend, &["a", "b"]),
-        vec![10, 10],
-        "an expired lease no longer protects"
-    );
+    assert_eq!(evict(&f.backend, &["a", "b"]), vec![10, 10], "an expired lease no longer protects");
 }
 
 #[test]
@@ -425,10 +373,7 @@ fn clear_local_releases_owned_and_cancels_pending() {
     assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 1);
     assert_eq!(commit(&f.backend, pending.slot_id, "pending"), (false, 0));
     assert_eq!(available_pages(&f.backend), TOTAL_PAGES);
-    assert!(
-        f.backend.drain_pending_events().is_empty(),
-        "no ADD for a pre-clear slot"
-    );
+    assert!(f.backend.drain_pending_events().is_empty(), "no ADD for a pre-clear slot");
 }
 
 #[test]
@@ -488,11 +433,7 @@ fn clear_local_defers_leased_owned_pages() {
     assert!(found(&f.backend, "k"));
     f.backend.clear_local();
     assert!(!found(&f.backend, "k"), "logically gone at once");
-    assert_eq!(
-        available_pages(&f.backend),
-        TOTAL_PAGES - 2,
-        "pages held while the reader may copy"
-    );
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 2, "pages held while the reader may copy");
     f.backend.reaper_tick();
     assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 2);
     f.clock.advance(Duration::from_millis(501));
@@ -550,10 +491,7 @@ fn separate_instances_per_medium_are_independent() {
     assert_eq!(hbm.backend.tier(), TierType::Hbm);
     assert!(found(&dram.backend, "d") && !found(&dram.backend, "h"));
     assert!(found(&hbm.backend, "h") && !found(&hbm.backend, "d"));
-    assert_eq!(
-        hbm.backend.drain_pending_events(),
-        vec![KvEvent::add("h", TierType::Hbm, 20)]
-    );
+    assert_eq!(hbm.backend.drain_pending_events(), vec![KvEvent::add("h", TierType::Hbm, 20)]);
     assert_eq!(dram.backend.owned_key_count(), 1);
 }
 
@@ -631,10 +569,7 @@ fn init_registers_each_buffer_and_shutdown_deregisters_before_release() {
     assert_eq!(f.backend.buffer_count(), 0);
     f.backend.shutdown();
     assert_eq!(f.registrar.deregister_count(), BUFFERS, "second shutdown is a no-op");
-    assert!(
-        f.backend.init(f.registrar.clone()).is_err(),
-        "a shut-down backend stays down"
-    );
+    assert!(f.backend.init(f.registrar.clone()).is_err(), "a shut-down backend stays down");
 }
 
 #[test]
@@ -653,13 +588,7 @@ fn pages_are_real_writable_memory() {
         }
     }
     assert!(a.pages.iter().all(|p| u64::from(p.page_index) < PAGES_PER_BUFFER));
-    assert_eq!(
-        a.pages
-            .iter()
-            .collect::<std::collections::HashSet<&PageLocation>>()
-            .len(),
-        3
-    );
+    assert_eq!(a.pages.iter().collect::<std::collections::HashSet<&PageLocation>>().len(), 3);
 }
 
 #[test]
@@ -673,11 +602,7 @@ fn zero_page_size_is_an_invalid_config() {
 #[test]
 fn operations_before_init_are_harmless() {
     let source = HostPageMemorySource::new(HostMemoryOptions::default());
-    let b = PageBackend::new(
-        PageBackendConfig::new(TierType::Dram, PAGE, vec![4096]),
-        Box::new(source),
-    )
-    .expect("ok");
+    let b = PageBackend::new(PageBackendConfig::new(TierType::Dram, PAGE, vec![4096]), Box::new(source)).expect("ok");
     assert_eq!(alloc(&b, "k", 10).outcome, AllocateOutcome::Failed);
     assert_eq!(b.capacity().total_bytes, 0);
     assert!(b.buffer_ref(0).is_none());

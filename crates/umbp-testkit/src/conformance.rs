@@ -123,10 +123,7 @@ pub struct Check {
 
 impl fmt::Debug for Check {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Check")
-            .field("name", &self.name)
-            .field("contract", &self.contract)
-            .finish_non_exhaustive()
+        f.debug_struct("Check").field("name", &self.name).field("contract", &self.contract).finish_non_exhaustive()
     }
 }
 
@@ -193,11 +190,7 @@ fn run_check(check: &Check, factory: &dyn Fn(&Env) -> Subject) -> Result<(), Str
         problems.push(fixture::panic_message(payload.as_ref()));
     }
     problems.extend(leftovers);
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(problems.join("\n"))
-    }
+    if problems.is_empty() { Ok(()) } else { Err(problems.join("\n")) }
 }
 
 macro_rules! checks {

@@ -228,10 +228,7 @@ impl State {
     }
 
     fn descs(&self) -> Vec<BufferDesc> {
-        self.memory
-            .as_ref()
-            .map(|m| vec![BufferDesc::from_ref(0, &m.published)])
-            .unwrap_or_default()
+        self.memory.as_ref().map(|m| vec![BufferDesc::from_ref(0, &m.published)]).unwrap_or_default()
     }
 }
 
@@ -242,11 +239,7 @@ fn locations(pages: &[u32]) -> Vec<PageLocation> {
 impl MockBackend {
     /// A mock that allocates nothing until `init`.
     pub fn new(config: MockConfig) -> Self {
-        Self {
-            config,
-            state: Mutex::new(State::new()),
-            calls: Counters::default(),
-        }
+        Self { config, state: Mutex::new(State::new()), calls: Counters::default() }
     }
 
     /// The settings the mock was built with.
@@ -283,21 +276,14 @@ impl MockBackend {
         let now = self.config.clock.now();
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let expired: Vec<u64> = state
-            .pending
-            .iter()
-            .filter(|(_, p)| p.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
+        let expired: Vec<u64> = state.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| *id).collect();
         for id in expired {
             if let Some(p) = state.pending.remove(&id) {
                 state.free.extend(p.pages);
             }
         }
         state.leases.retain(|_, until| *until > now);
-        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut state.deferred)
-            .into_iter()
-            .partition(|d| d.1 <= now);
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut state.deferred).into_iter().partition(|d| d.1 <= now);
         state.deferred = keep;
         for (pages, _) in due {
             state.free.extend(pages);
@@ -349,44 +335,23 @@ impl MockBackend {
 
     fn commit_one(&self, state: &mut State, request: &CommitRequest) -> CommitResult {
         let Some(slot) = state.pending.remove(&request.slot_id) else {
-            return CommitResult {
-                success: false,
-                bytes_committed: 0,
-            };
+            return CommitResult { success: false, bytes_committed: 0 };
         };
         if slot.generation != state.generation {
             // Written before a clear: the master has already been told this node holds nothing.
             state.free_pages(slot.pages);
-            return CommitResult {
-                success: false,
-                bytes_committed: 0,
-            };
+            return CommitResult { success: false, bytes_committed: 0 };
         }
         if let Some(existing) = state.owned.get(&request.key) {
             // Lost a commit race: the first value stays, the writer still succeeded.
             let bytes_committed = existing.size;
             state.free_pages(slot.pages);
-            return CommitResult {
-                success: true,
-                bytes_committed,
-            };
+            return CommitResult { success: true, bytes_committed };
         }
         let size = slot.size;
-        state.owned.insert(
-            request.key.clone(),
-            Owned {
-                pages: slot.pages,
-                size,
-            },
-        );
-        state.push(
-            KvEvent::add(request.key.clone(), self.config.tier, size),
-            &self.calls.auto_flushes,
-        );
-        CommitResult {
-            success: true,
-            bytes_committed: size,
-        }
+        state.owned.insert(request.key.clone(), Owned { pages: slot.pages, size });
+        state.push(KvEvent::add(request.key.clone(), self.config.tier, size), &self.calls.auto_flushes);
+        CommitResult { success: true, bytes_committed: size }
     }
 
     fn evict_one(&self, state: &mut State, key: &str, now: Instant) -> u64 {
@@ -407,22 +372,13 @@ impl MockBackend {
     }
 
     fn snapshot(&self, state: &State) -> Vec<KvEvent> {
-        state
-            .owned
-            .iter()
-            .map(|(k, o)| KvEvent::add(k.clone(), self.config.tier, o.size))
-            .collect()
+        state.owned.iter().map(|(k, o)| KvEvent::add(k.clone(), self.config.tier, o.size)).collect()
     }
 
     fn shutdown_inner(&self) {
         let mut state = self.state.lock();
         if let Some(memory) = state.memory.take() {
-            let LiveMemory {
-                arena,
-                registrar,
-                registered,
-                published: _,
-            } = memory;
+            let LiveMemory { arena, registrar, registered, published: _ } = memory;
             // Deregister first: the registrar may still map these pages.
             registrar.deregister(&registered);
             drop(arena);
@@ -462,11 +418,7 @@ impl MetricSource for MockBackend {
     fn sample_metrics(&self) -> Vec<MetricSample> {
         let in_use = {
             let state = self.state.lock();
-            if state.memory.is_some() {
-                u64::from(self.config.pages) - state.free.len() as u64
-            } else {
-                0
-            }
+            if state.memory.is_some() { u64::from(self.config.pages) - state.free.len() as u64 } else { 0 }
         };
         vec![MetricSample::gauge(
             umbp_core::metric_names::MEDIUM_STATE,
@@ -509,21 +461,14 @@ impl MediumBackend for MockBackend {
             reason: e.to_string(),
         })?;
         // On refusal the arena drops here, unregistered; the mock stays `New`, so init may be retried.
-        let registered = registrar
-            .register_memory(arena.region)
-            .map_err(|source| BackendError::Registration {
-                medium: NAME.into(),
-                buffer_index: 0,
-                source,
-            })?;
+        let registered = registrar.register_memory(arena.region).map_err(|source| BackendError::Registration {
+            medium: NAME.into(),
+            buffer_index: 0,
+            source,
+        })?;
         let published = registered.clone().truncated(total);
         state.free = (0..pages).rev().collect();
-        state.memory = Some(LiveMemory {
-            arena,
-            registrar,
-            registered,
-            published,
-        });
+        state.memory = Some(LiveMemory { arena, registrar, registered, published });
         state.lifecycle = Lifecycle::Live;
         Ok(())
     }
@@ -652,10 +597,7 @@ impl MediumBackend for MockBackend {
         let now = self.config.clock.now();
         let mut state = self.state.lock();
         keys.iter()
-            .map(|key| EvictResult {
-                key: key.clone(),
-                bytes_freed: self.evict_one(&mut state, key, now),
-            })
+            .map(|key| EvictResult { key: key.clone(), bytes_freed: self.evict_one(&mut state, key, now) })
             .collect()
     }
 
@@ -673,10 +615,6 @@ impl MediumBackend for MockBackend {
 
     fn buffer_ref(&self, index: usize) -> Option<TransferRef> {
         let state = self.state.lock();
-        state
-            .memory
-            .as_ref()
-            .filter(|_| index == 0)
-            .map(|m| m.published.clone())
+        state.memory.as_ref().filter(|_| index == 0).map(|m| m.published.clone())
     }
 }

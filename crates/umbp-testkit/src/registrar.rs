@@ -102,11 +102,7 @@ impl FailingRegistrar {
 
     /// Accepts the first `n` registrations, then refuses every other one.
     pub fn allowing(n: usize) -> Self {
-        Self {
-            allow: n,
-            refused: Mutex::new(0),
-            accepted: LocalOnlyRegistrar::new(),
-        }
+        Self { allow: n, refused: Mutex::new(0), accepted: LocalOnlyRegistrar::new() }
     }
 
     /// How many registrations were refused.
@@ -163,11 +159,7 @@ mod tests {
 
         reg.deregister(&ra.clone().truncated(32));
         reg.deregister(&ra);
-        assert_eq!(
-            (reg.deregister_count(), reg.live_registrations()),
-            (2, 1),
-            "a second deregister is a no-op"
-        );
+        assert_eq!((reg.deregister_count(), reg.live_registrations()), (2, 1), "a second deregister is a no-op");
         assert!(!reg.is_registered(&region(&mut a)) && reg.is_registered(&region(&mut b)));
         reg.deregister(&rb);
         assert_eq!(reg.live_registrations(), 0);
@@ -178,10 +170,7 @@ mod tests {
         let mut a = [0u8; 64];
         let reg = FailingRegistrar::allowing(1);
         assert!(reg.register_memory(region(&mut a)).is_ok());
-        assert!(matches!(
-            reg.register_memory(region(&mut a)),
-            Err(RegistrationError::Refused { .. })
-        ));
+        assert!(matches!(reg.register_memory(region(&mut a)), Err(RegistrationError::Refused { .. })));
         assert!(reg.register_memory(region(&mut a)).is_err());
         assert_eq!((reg.accepted().live_registrations(), reg.refused_count()), (1, 2));
         assert!(FailingRegistrar::new().register_memory(region(&mut a)).is_err());

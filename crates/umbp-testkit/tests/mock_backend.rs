@@ -17,10 +17,7 @@ use umbp_testkit::conformance::{self, Env, Subject};
 use umbp_testkit::{FailingRegistrar, LocalOnlyRegistrar, MockBackend, MockConfig};
 
 fn mock(tier: TierType) -> Arc<MockBackend> {
-    Arc::new(MockBackend::new(MockConfig {
-        tier,
-        ..MockConfig::default()
-    }))
+    Arc::new(MockBackend::new(MockConfig { tier, ..MockConfig::default() }))
 }
 
 /// A live mock behind the interface, with the registrar it was initialised with.
@@ -36,10 +33,7 @@ fn live(tier: TierType) -> (Arc<dyn MediumBackend>, Arc<LocalOnlyRegistrar>) {
 fn put(b: &dyn MediumBackend, key: &str, size: u64) -> AllocateResult {
     let a = b.batch_allocate(&[AllocateRequest::new(key, size)]).remove(0);
     assert_eq!(a.outcome, AllocateOutcome::Allocated);
-    assert_eq!(
-        b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].bytes_committed,
-        size
-    );
+    assert_eq!(b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].bytes_committed, size);
     a
 }
 
@@ -51,15 +45,9 @@ fn keys(names: &[&str]) -> Vec<String> {
 fn defaults_are_documented_values() {
     let c = MockConfig::default();
     assert_eq!((c.tier, c.page_size, c.pages), (TierType::Dram, 4096, 16));
-    assert_eq!(
-        (c.pending_ttl, c.read_lease_ttl),
-        (Duration::from_secs(30), Duration::from_millis(500))
-    );
+    assert_eq!((c.pending_ttl, c.read_lease_ttl), (Duration::from_secs(30), Duration::from_millis(500)));
     let m = MockBackend::new(c);
-    assert_eq!(
-        (m.name(), m.tier(), m.page_size()),
-        ("MockBackend", TierType::Dram, 4096)
-    );
+    assert_eq!((m.name(), m.tier(), m.page_size()), ("MockBackend", TierType::Dram, 4096));
     assert_eq!(m.capacity(), TierCapacity::default(), "no memory before init");
 }
 
@@ -81,20 +69,13 @@ fn allocate_commit_resolve_evict_round_trip() {
 
     let resolved = b.batch_resolve(&keys(&["k", "missing"]), true);
     assert!(resolved[0].found && !resolved[1].found);
-    assert_eq!(
-        (resolved[0].size, resolved[0].pages.as_slice()),
-        (128, a.pages.as_slice())
-    );
+    assert_eq!((resolved[0].size, resolved[0].pages.as_slice()), (128, a.pages.as_slice()));
     let mut back = vec![0u8; 128];
     // SAFETY: as above; nothing writes the page concurrently.
     unsafe { std::ptr::copy_nonoverlapping(base.as_ptr().add(offset), back.as_mut_ptr(), back.len()) };
     assert_eq!(back, payload);
 
-    assert_eq!(
-        b.evict(&keys(&["k"]))[0].bytes_freed,
-        0,
-        "the resolve's read lease protects the key"
-    );
+    assert_eq!(b.evict(&keys(&["k"]))[0].bytes_freed, 0, "the resolve's read lease protects the key");
     b.shutdown();
     assert_eq!((registrar.register_count(), registrar.live_registrations()), (1, 0));
 }
@@ -102,22 +83,12 @@ fn allocate_commit_resolve_evict_round_trip() {
 #[test]
 fn evict_frees_once_the_lease_ends() {
     let clock = ManualClock::new();
-    let m = MockBackend::new(MockConfig {
-        clock: clock.clone(),
-        ..MockConfig::default()
-    });
+    let m = MockBackend::new(MockConfig { clock: clock.clone(), ..MockConfig::default() });
     m.init(Arc::new(LocalOnlyRegistrar::new())).unwrap();
     put(&m, "k", 128);
     m.batch_resolve(&keys(&["k"]), false);
     clock.advance(Duration::from_millis(501));
-    assert_eq!(
-        m.evict(&keys(&["k"])),
-        [EvictResult {
-            key: "k".into(),
-            bytes_freed: 128
-        }],
-        "no tick needed"
-    );
+    assert_eq!(m.evict(&keys(&["k"])), [EvictResult { key: "k".into(), bytes_freed: 128 }], "no tick needed");
     assert_eq!(m.owned_key_count(), 0);
 }
 
@@ -127,13 +98,7 @@ fn drain_and_snapshot_events() {
     put(&*b, "a", 1);
     put(&*b, "b", 2);
     assert_eq!(b.snapshot_owned_keys().len(), 2);
-    assert_eq!(
-        b.drain_pending_events(),
-        [
-            KvEvent::add("a", TierType::Dram, 1),
-            KvEvent::add("b", TierType::Dram, 2)
-        ]
-    );
+    assert_eq!(b.drain_pending_events(), [KvEvent::add("a", TierType::Dram, 1), KvEvent::add("b", TierType::Dram, 2)]);
     assert!(b.drain_pending_events().is_empty());
     assert_eq!(b.snapshot_owned_keys().len(), 2, "draining drops no key");
 }
@@ -141,11 +106,7 @@ fn drain_and_snapshot_events() {
 #[test]
 fn reaper_tick_frees_expired_slots_and_counts_calls() {
     let clock = ManualClock::new();
-    let m = MockBackend::new(MockConfig {
-        clock: clock.clone(),
-        pages: 4,
-        ..MockConfig::default()
-    });
+    let m = MockBackend::new(MockConfig { clock: clock.clone(), pages: 4, ..MockConfig::default() });
     m.init(Arc::new(LocalOnlyRegistrar::new())).unwrap();
     let a = m.batch_allocate(&[AllocateRequest::new("p", 1)]).remove(0);
     assert_eq!(m.pending_slot_count(), 1);
@@ -154,15 +115,9 @@ fn reaper_tick_frees_expired_slots_and_counts_calls() {
     clock.advance(Duration::from_secs(31));
     m.reaper_tick();
     assert_eq!(m.pending_slot_count(), 0);
-    assert_eq!(
-        m.batch_commit(&[CommitRequest::new(a.slot_id, "p")]),
-        [CommitResult::default()]
-    );
+    assert_eq!(m.batch_commit(&[CommitRequest::new(a.slot_id, "p")]), [CommitResult::default()]);
     let calls = m.calls();
-    assert_eq!(
-        (calls.init, calls.batch_allocate, calls.batch_commit, calls.reaper_ticks),
-        (1, 1, 1, 2)
-    );
+    assert_eq!((calls.init, calls.batch_allocate, calls.batch_commit, calls.reaper_ticks), (1, 1, 1, 2));
 }
 
 #[test]
@@ -172,23 +127,14 @@ fn sample_metrics_reports_pages_in_use_as_a_gauge() {
     let samples: Vec<MetricSample> = b.sample_metrics();
     assert_eq!(samples.len(), 1);
     let s = &samples[0];
-    assert_eq!(
-        (s.name, s.kind, s.value),
-        ("umbp_backend_medium_state", MetricKind::Gauge, 3)
-    );
+    assert_eq!((s.name, s.kind, s.value), ("umbp_backend_medium_state", MetricKind::Gauge, 3));
     assert_eq!(s.labels, [("state".to_owned(), "pages_in_use".to_owned())]);
 }
 
 #[test]
 fn init_reports_bad_config_and_refused_registration() {
-    let m = MockBackend::new(MockConfig {
-        page_size: 0,
-        ..MockConfig::default()
-    });
-    assert!(matches!(
-        m.init(Arc::new(LocalOnlyRegistrar::new())),
-        Err(BackendError::InvalidConfig(_))
-    ));
+    let m = MockBackend::new(MockConfig { page_size: 0, ..MockConfig::default() });
+    assert!(matches!(m.init(Arc::new(LocalOnlyRegistrar::new())), Err(BackendError::InvalidConfig(_))));
 
     let m = MockBackend::new(MockConfig::default());
     let refusing = Arc::new(FailingRegistrar::new());
@@ -230,31 +176,17 @@ fn registry_assigns_ids_refuses_mismatches_and_keeps_ids_on_replace() {
     assert_eq!(registry.register(Arc::clone(&hbm)), Ok(0));
     assert_eq!(registry.register(Arc::clone(&dram)), Ok(1));
 
-    let odd: Arc<dyn MediumBackend> = Arc::new(MockBackend::new(MockConfig {
-        tier: TierType::Ssd,
-        page_size: 8192,
-        ..MockConfig::default()
-    }));
+    let odd: Arc<dyn MediumBackend> =
+        Arc::new(MockBackend::new(MockConfig { tier: TierType::Ssd, page_size: 8192, ..MockConfig::default() }));
     assert_eq!(
         registry.register(odd),
-        Err(RegistryError::PageSizeMismatch {
-            tier: TierType::Ssd,
-            got: 8192,
-            expected: 4096
-        })
+        Err(RegistryError::PageSizeMismatch { tier: TierType::Ssd, got: 8192, expected: 4096 })
     );
     assert!(registry.get(TierType::Ssd).is_none(), "a refusal changes nothing");
-    assert_eq!(
-        registry.register(mock(TierType::Unknown)),
-        Err(RegistryError::UnknownTier(TierType::Unknown))
-    );
+    assert_eq!(registry.register(mock(TierType::Unknown)), Err(RegistryError::UnknownTier(TierType::Unknown)));
 
     let hbm2: Arc<dyn MediumBackend> = mock(TierType::Hbm);
-    assert_eq!(
-        registry.register(Arc::clone(&hbm2)),
-        Ok(0),
-        "a replacement keeps its tier's id"
-    );
+    assert_eq!(registry.register(Arc::clone(&hbm2)), Ok(0), "a replacement keeps its tier's id");
     assert!(Arc::ptr_eq(registry.by_id(0).unwrap(), &hbm2));
     assert_eq!(registry.backend_id(&hbm), None, "the replaced backend is gone");
     assert_eq!(registry.register(mock(TierType::Ssd)), Ok(2));
@@ -269,11 +201,7 @@ fn registry_id_space_is_not_consumed_by_replacements() {
     let mut registry = BackendRegistry::new();
     for round in 0..3 * MAX_BACKENDS_PER_PEER {
         for (expected, tier) in TierType::ALL.into_iter().enumerate() {
-            assert_eq!(
-                registry.register(mock(tier)),
-                Ok(expected as u32),
-                "round {round}, {tier}"
-            );
+            assert_eq!(registry.register(mock(tier)), Ok(expected as u32), "round {round}, {tier}");
         }
     }
     assert_eq!(registry.len(), TierType::ALL.len());
@@ -299,10 +227,7 @@ fn events_aggregate_across_backends_in_list_order() {
     put(&*ssd, "s", 2);
     put(&*hbm, "h", 1);
     let media = [Arc::clone(&hbm), Arc::clone(&ssd)];
-    assert_eq!(
-        drain_all_backends(&media),
-        [KvEvent::add("h", TierType::Hbm, 1), KvEvent::add("s", TierType::Ssd, 2)]
-    );
+    assert_eq!(drain_all_backends(&media), [KvEvent::add("h", TierType::Hbm, 1), KvEvent::add("s", TierType::Ssd, 2)]);
     assert!(drain_all_backends(&media).is_empty());
     assert_eq!(snapshot_all_backends_for_full_sync(&media).len(), 2);
 }
@@ -315,13 +240,7 @@ fn full_sync_snapshot_also_drops_the_outbox() {
     put(&*dram, "d", 1);
     let media = [hbm, dram];
     let snapshot = snapshot_all_backends_for_full_sync(&media);
-    assert_eq!(
-        snapshot,
-        [
-            KvEvent::add("h", TierType::Hbm, 1),
-            KvEvent::add("d", TierType::Dram, 1)
-        ]
-    );
+    assert_eq!(snapshot, [KvEvent::add("h", TierType::Hbm, 1), KvEvent::add("d", TierType::Dram, 1)]);
     assert!(drain_all_backends(&media).is_empty());
 }
 
@@ -337,11 +256,7 @@ fn auto_flush_hook_fires_at_threshold() {
     put(&m, "b", 1);
     assert_eq!(fired.load(Ordering::SeqCst), 1, "fires on the 2nd commit");
     put(&m, "c", 1);
-    assert_eq!(
-        (fired.load(Ordering::SeqCst), m.calls().auto_flushes),
-        (1, 1),
-        "once per crossing"
-    );
+    assert_eq!((fired.load(Ordering::SeqCst), m.calls().auto_flushes), (1, 1), "once per crossing");
 }
 
 // --- the suite can fail -------------------------------------------------------------------------
@@ -435,9 +350,7 @@ impl MediumBackend for Flawed {
     fn batch_allocate(&self, requests: &[AllocateRequest]) -> Vec<AllocateResult> {
         let total = self.inner.capacity().total_bytes;
         let mut results = self.inner.batch_allocate(requests);
-        self.issued
-            .lock()
-            .extend(results.iter().map(|r| r.slot_id).filter(|id| *id != 0));
+        self.issued.lock().extend(results.iter().map(|r| r.slot_id).filter(|id| *id != 0));
         if self.flaw == Flaw::OversizeIsNoSpace {
             for (r, q) in results.iter_mut().zip(requests) {
                 if q.size > total {
@@ -486,24 +399,11 @@ impl MediumBackend for Flawed {
 
 fn failed_checks(flaw: Flaw) -> BTreeSet<&'static str> {
     let report = conformance::run_report(move |env: &Env| {
-        let config = MockConfig {
-            clock: env.clock(),
-            pages: 8,
-            ..MockConfig::default()
-        };
+        let config = MockConfig { clock: env.clock(), pages: 8, ..MockConfig::default() };
         let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
-        let flawed = Arc::new(Flawed {
-            inner: MockBackend::new(config),
-            flaw,
-            issued: Mutex::default(),
-        });
+        let flawed = Arc::new(Flawed { inner: MockBackend::new(config), flaw, issued: Mutex::default() });
         let reaper = Arc::clone(&flawed);
-        Subject {
-            backend: flawed,
-            tick: Box::new(move || reaper.inner.reaper_tick()),
-            read_lease,
-            pending_ttl,
-        }
+        Subject { backend: flawed, tick: Box::new(move || reaper.inner.reaper_tick()), read_lease, pending_ttl }
     });
     assert_eq!(report.passed.len() + report.failed.len(), conformance::checks().len());
     report.failed_names().into_iter().collect()
@@ -513,10 +413,7 @@ fn failed_checks(flaw: Flaw) -> BTreeSet<&'static str> {
 fn suite_fails_reversed_evict_results() {
     assert_eq!(
         failed_checks(Flaw::ReversedEvict),
-        BTreeSet::from([
-            "evict_results_one_per_key_in_order",
-            "evict_unknown_is_zero_and_evict_is_idempotent"
-        ])
+        BTreeSet::from(["evict_results_one_per_key_in_order", "evict_unknown_is_zero_and_evict_is_idempotent"])
     );
 }
 
@@ -544,21 +441,15 @@ fn suite_fails_an_early_auto_flush() {
 fn suite_fails_no_space_for_an_impossible_value() {
     assert_eq!(
         failed_checks(Flaw::OversizeIsNoSpace),
-        BTreeSet::from([
-            "key_larger_than_medium_is_failed_not_no_space",
-            "batch_allocate_answers_positionally"
-        ])
+        BTreeSet::from(["key_larger_than_medium_is_failed_not_no_space", "batch_allocate_answers_positionally"])
     );
 }
 
 #[test]
 fn suite_fails_every_check_after_which_registrations_leak() {
     let never_initialised = ["before_init_publishes_nothing", "shutdown_without_init_is_harmless"];
-    let expected: BTreeSet<&str> = conformance::checks()
-        .iter()
-        .map(|c| c.name)
-        .filter(|n| !never_initialised.contains(n))
-        .collect();
+    let expected: BTreeSet<&str> =
+        conformance::checks().iter().map(|c| c.name).filter(|n| !never_initialised.contains(n)).collect();
     assert_eq!(failed_checks(Flaw::LeaksRegistrations), expected);
 }
 
@@ -566,11 +457,7 @@ fn suite_fails_every_check_after_which_registrations_leak() {
 fn run_panics_with_every_failed_check_by_name() {
     let result = std::panic::catch_unwind(|| {
         conformance::run(|env: &Env| {
-            let config = MockConfig {
-                clock: env.clock(),
-                pages: 8,
-                ..MockConfig::default()
-            };
+            let config = MockConfig { clock: env.clock(), pages: 8, ..MockConfig::default() };
             let flawed = Arc::new(Flawed {
                 inner: MockBackend::new(config),
                 flaw: Flaw::ReversedEvict,
@@ -587,12 +474,6 @@ fn run_panics_with_every_failed_check_by_name() {
     });
     let payload = result.unwrap_err();
     let message = payload.downcast_ref::<String>().unwrap();
-    assert!(
-        message.contains("FAILED evict_results_one_per_key_in_order: "),
-        "{message}"
-    );
-    assert!(
-        message.contains("FAILED evict_unknown_is_zero_and_evict_is_idempotent: "),
-        "{message}"
-    );
+    assert!(message.contains("FAILED evict_results_one_per_key_in_order: "), "{message}");
+    assert!(message.contains("FAILED evict_unknown_is_zero_and_evict_is_idempotent: "), "{message}");
 }

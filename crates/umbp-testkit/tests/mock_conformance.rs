@@ -8,19 +8,11 @@ use umbp_testkit::conformance::{self, Env, Subject};
 use umbp_testkit::{MockBackend, MockConfig};
 
 fn subject(env: &Env, config: MockConfig) -> Subject {
-    let config = MockConfig {
-        clock: env.clock(),
-        ..config
-    };
+    let config = MockConfig { clock: env.clock(), ..config };
     let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
     let mock = Arc::new(MockBackend::new(config));
     let reaper = Arc::clone(&mock);
-    Subject {
-        backend: mock,
-        tick: Box::new(move || reaper.reaper_tick()),
-        read_lease,
-        pending_ttl,
-    }
+    Subject { backend: mock, tick: Box::new(move || reaper.reaper_tick()), read_lease, pending_ttl }
 }
 
 #[test]
@@ -46,16 +38,7 @@ fn mock_backend_conforms_at_the_smallest_geometry() {
 
 #[test]
 fn mock_backend_conforms_at_the_largest_geometry() {
-    conformance::run(|env| {
-        subject(
-            env,
-            MockConfig {
-                pages: 4096,
-                page_size: 512,
-                ..MockConfig::default()
-            },
-        )
-    });
+    conformance::run(|env| subject(env, MockConfig { pages: 4096, page_size: 512, ..MockConfig::default() }));
 }
 
 #[test]
@@ -71,10 +54,7 @@ fn every_check_has_a_distinct_name_and_a_contract() {
 
 #[test]
 fn a_single_check_runs_alone() {
-    let Some(check) = conformance::checks()
-        .iter()
-        .find(|c| c.name == "commit_race_first_wins")
-    else {
+    let Some(check) = conformance::checks().iter().find(|c| c.name == "commit_race_first_wins") else {
         panic!("commit_race_first_wins is missing");
     };
     assert_eq!(check.run(|env| subject(env, MockConfig::default())), Ok(()));

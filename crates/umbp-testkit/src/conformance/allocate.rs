@@ -12,14 +12,8 @@ pub(super) fn empty_batches_return_empty(fx: &Fixture<'_>) {
     assert!(b.batch_allocate(&[]).is_empty(), "batch_allocate([]) is not empty");
     assert!(b.batch_commit(&[]).is_empty(), "batch_commit([]) is not empty");
     assert!(b.batch_abort(&[]).is_empty(), "batch_abort([]) is not empty");
-    assert!(
-        b.batch_resolve(&[], true).is_empty(),
-        "batch_resolve([], true) is not empty"
-    );
-    assert!(
-        b.batch_resolve(&[], false).is_empty(),
-        "batch_resolve([], false) is not empty"
-    );
+    assert!(b.batch_resolve(&[], true).is_empty(), "batch_resolve([], true) is not empty");
+    assert!(b.batch_resolve(&[], false).is_empty(), "batch_resolve([], false) is not empty");
     assert!(b.evict(&[]).is_empty(), "evict([]) is not empty");
     assert!(s.drain().is_empty(), "empty batches queued events");
     assert_eq!(s.available(), s.total(), "empty batches changed capacity");
@@ -28,20 +22,10 @@ pub(super) fn empty_batches_return_empty(fx: &Fixture<'_>) {
 pub(super) fn zero_size_is_failed(fx: &Fixture<'_>) {
     let s = fx.live();
     assert_eq!(s.alloc("zero", 0).outcome, AllocateOutcome::Failed, "a 0-byte value");
-    let r = s
-        .backend
-        .batch_allocate(&[AllocateRequest::new("zero", 0), AllocateRequest::new("one", 1)]);
+    let r = s.backend.batch_allocate(&[AllocateRequest::new("zero", 0), AllocateRequest::new("one", 1)]);
     let outcomes: Vec<_> = r.iter().map(|r| r.outcome).collect();
-    assert_eq!(
-        outcomes,
-        [AllocateOutcome::Failed, AllocateOutcome::Allocated],
-        "a 0-byte value beside a 1-byte one"
-    );
-    assert_eq!(
-        s.available(),
-        s.total() - s.ps(),
-        "only the 1-byte value reserves a page"
-    );
+    assert_eq!(outcomes, [AllocateOutcome::Failed, AllocateOutcome::Allocated], "a 0-byte value beside a 1-byte one");
+    assert_eq!(s.available(), s.total() - s.ps(), "only the 1-byte value reserves a page");
     assert!(s.drain().is_empty(), "allocation queued events");
 }
 
@@ -60,17 +44,9 @@ pub(super) fn key_larger_than_medium_is_failed_not_no_space(fx: &Fixture<'_>) {
     // the medium but not its free space is FailedNoSpace (an emptier peer could take it).
     s.put("resident", 1);
     for size in too_big {
-        assert_eq!(
-            s.alloc("huge", size).outcome,
-            AllocateOutcome::Failed,
-            "{size} bytes on a partly full medium"
-        );
+        assert_eq!(s.alloc("huge", size).outcome, AllocateOutcome::Failed, "{size} bytes on a partly full medium");
     }
-    assert_eq!(
-        s.alloc("whole", total).outcome,
-        AllocateOutcome::FailedNoSpace,
-        "a medium-sized value, partly full"
-    );
+    assert_eq!(s.alloc("whole", total).outcome, AllocateOutcome::FailedNoSpace, "a medium-sized value, partly full");
     assert_eq!(s.available(), total - ps, "failed allocations reserved pages");
 }
 
@@ -78,11 +54,7 @@ pub(super) fn value_of_full_capacity_fits_an_empty_medium(fx: &Fixture<'_>) {
     let s = fx.live();
     let total = s.total();
     let r = s.alloc_ok("whole", total);
-    assert_eq!(
-        r.pages.len() as u64,
-        s.pages_total(),
-        "a medium-sized value takes every page"
-    );
+    assert_eq!(r.pages.len() as u64, s.pages_total(), "a medium-sized value takes every page");
     s.assert_pages_valid(&r.pages, "medium-sized value");
     assert_eq!(s.available(), 0, "a medium-sized slot leaves nothing available");
     assert!(s.commit(r.slot_id, "whole").success, "commit of the medium-sized value");
@@ -99,32 +71,17 @@ pub(super) fn full_medium_reports_no_space_then_recovers_after_abort(fx: &Fixtur
     let filled = s.backend.batch_allocate(&requests);
     assert_eq!(filled.len() as u64, n, "one result per request");
     for (i, r) in filled.iter().enumerate() {
-        assert_eq!(
-            r.outcome,
-            AllocateOutcome::Allocated,
-            "one-page value {i} of {n} on a {n}-page medium"
-        );
+        assert_eq!(r.outcome, AllocateOutcome::Allocated, "one-page value {i} of {n} on a {n}-page medium");
     }
     assert_eq!(s.available(), 0, "every page is reserved");
-    assert_eq!(
-        s.alloc("extra", 1).outcome,
-        AllocateOutcome::FailedNoSpace,
-        "one byte more on a full medium"
-    );
+    assert_eq!(s.alloc("extra", 1).outcome, AllocateOutcome::FailedNoSpace, "one byte more on a full medium");
     assert!(s.abort(filled[0].slot_id), "abort of a pending slot");
     assert_eq!(s.available(), ps, "an abort returns its page");
     let again = s.alloc_ok("extra", 1);
-    assert_eq!(
-        s.alloc("extra-2", 1).outcome,
-        AllocateOutcome::FailedNoSpace,
-        "full again"
-    );
+    assert_eq!(s.alloc("extra-2", 1).outcome, AllocateOutcome::FailedNoSpace, "full again");
     let mut slots: Vec<u64> = filled.iter().skip(1).map(|r| r.slot_id).collect();
     slots.push(again.slot_id);
-    assert!(
-        s.backend.batch_abort(&slots).iter().all(|ok| *ok),
-        "abort of every pending slot"
-    );
+    assert!(s.backend.batch_abort(&slots).iter().all(|ok| *ok), "abort of every pending slot");
     assert_eq!(s.available(), s.total(), "aborting everything frees everything");
 }
 
@@ -135,18 +92,10 @@ pub(super) fn allocate_result_describes_its_pages(fx: &Fixture<'_>) {
     let r = s.alloc_ok("three-pages", size);
     assert_eq!(r.pages.len(), 3, "a value of 2 pages + 1 byte takes 3 pages");
     s.assert_pages_valid(&r.pages, "allocate");
-    assert_eq!(
-        (r.size, r.page_size),
-        (size, ps),
-        "allocate echoes the size and reports the page size"
-    );
+    assert_eq!((r.size, r.page_size), (size, ps), "allocate echoes the size and reports the page size");
     let ttl_ms = u64::try_from(s.pending_ttl.as_millis()).unwrap_or(u64::MAX);
     assert_eq!(r.pending_ttl_ms, ttl_ms, "pending_ttl_ms is the configured pending TTL");
-    assert_eq!(
-        r.descs,
-        s.descs_for(&r.pages),
-        "descs: one per buffer the pages use, ascending"
-    );
+    assert_eq!(r.descs, s.descs_for(&r.pages), "descs: one per buffer the pages use, ascending");
     assert_eq!(s.available(), s.total() - 3 * ps, "the slot reserves its pages");
     assert!(s.drain().is_empty(), "an allocation queues no event");
 }
@@ -165,17 +114,9 @@ pub(super) fn batch_allocate_answers_positionally(fx: &Fixture<'_>) {
     let r = s.backend.batch_allocate(&requests);
     let outcomes: Vec<_> = r.iter().map(|r| r.outcome).collect();
     use AllocateOutcome::{Allocated, AlreadyExists, Failed};
-    assert_eq!(
-        outcomes,
-        [Allocated, Failed, AlreadyExists, Failed, Allocated],
-        "outcomes in request order"
-    );
+    assert_eq!(outcomes, [Allocated, Failed, AlreadyExists, Failed, Allocated], "outcomes in request order");
     assert_eq!((r[0].size, r[4].size), (ps, 2 * ps), "sizes echo their own requests");
-    assert_eq!(
-        (r[0].pages.len(), r[4].pages.len()),
-        (1, 2),
-        "page counts follow their own requests"
-    );
+    assert_eq!((r[0].pages.len(), r[4].pages.len()), (1, 2), "page counts follow their own requests");
     assert_ne!(r[0].slot_id, r[4].slot_id, "two slots share an id");
     assert_eq!(s.available(), s.total() - 4 * ps, "capacity after the batch");
 }
@@ -186,11 +127,7 @@ pub(super) fn allocate_dedups_owned_key(fx: &Fixture<'_>) {
     s.put("k", ps);
     let available = s.available();
     for size in [ps, 2 * ps, 1] {
-        assert_eq!(
-            s.alloc("k", size).outcome,
-            AllocateOutcome::AlreadyExists,
-            "allocate of an owned key ({size} B)"
-        );
+        assert_eq!(s.alloc("k", size).outcome, AllocateOutcome::AlreadyExists, "allocate of an owned key ({size} B)");
     }
     assert_eq!(s.available(), available, "AlreadyExists reserved pages");
     assert_eq!(s.drain(), [s.add("k", ps)], "only the first commit queued an event");
@@ -201,31 +138,18 @@ pub(super) fn allocate_dedups_owned_key(fx: &Fixture<'_>) {
 pub(super) fn pending_duplicates_are_allowed(fx: &Fixture<'_>) {
     let s = fx.live();
     let ps = s.ps();
-    let r = s
-        .backend
-        .batch_allocate(&[AllocateRequest::new("k", ps), AllocateRequest::new("k", ps)]);
+    let r = s.backend.batch_allocate(&[AllocateRequest::new("k", ps), AllocateRequest::new("k", ps)]);
     assert_eq!(r.len(), 2, "one result per request");
     let third = s.alloc_ok("k", ps);
     let all = [&r[0], &r[1], &third];
     for (i, a) in all.iter().enumerate() {
-        assert_eq!(
-            a.outcome,
-            AllocateOutcome::Allocated,
-            "pending slot {i} for one key (pending never dedups)"
-        );
+        assert_eq!(a.outcome, AllocateOutcome::Allocated, "pending slot {i} for one key (pending never dedups)");
     }
     let ids: BTreeSet<u64> = all.iter().map(|a| a.slot_id).collect();
-    assert!(
-        ids.len() == 3 && !ids.contains(&0),
-        "slot ids must be distinct and non-zero: {ids:?}"
-    );
+    assert!(ids.len() == 3 && !ids.contains(&0), "slot ids must be distinct and non-zero: {ids:?}");
     let pages: Vec<PageLocation> = all.iter().flat_map(|a| a.pages.clone()).collect();
     s.assert_pages_valid(&pages, "three pending slots of one key");
-    assert_eq!(
-        s.available(),
-        s.total() - 3 * ps,
-        "each pending slot holds its own page"
-    );
+    assert_eq!(s.available(), s.total() - 3 * ps, "each pending slot holds its own page");
     let ids: Vec<u64> = ids.into_iter().collect();
     assert_eq!(s.backend.batch_abort(&ids), [true; 3], "abort");
     assert_eq!(s.available(), s.total(), "aborts free everything");
@@ -257,20 +181,11 @@ pub(super) fn pages_of_live_values_never_overlap(fx: &Fixture<'_>) {
             slots.push(r.slot_id);
         }
     }
-    assert_eq!(
-        pages.len() as u64,
-        s.pages_total(),
-        "filling the medium used every page"
-    );
+    assert_eq!(pages.len() as u64, s.pages_total(), "filling the medium used every page");
     assert_eq!(s.available(), 0, "a filled medium has nothing available");
     assert!(s.backend.batch_abort(&slots).iter().all(|ok| *ok), "abort");
-    let freed = s
-        .backend
-        .evict(&keys(&committed.iter().map(String::as_str).collect::<Vec<_>>()));
-    assert!(
-        freed.iter().all(|e| e.bytes_freed > 0),
-        "evicting unleased keys frees them: {freed:?}"
-    );
+    let freed = s.backend.evict(&keys(&committed.iter().map(String::as_str).collect::<Vec<_>>()));
+    assert!(freed.iter().all(|e| e.bytes_freed > 0), "evicting unleased keys frees them: {freed:?}");
     assert_eq!(s.available(), s.total(), "freeing everything restores capacity");
 }
 
@@ -283,17 +198,10 @@ pub(super) fn multi_page_values_round_trip_bookkeeping(fx: &Fixture<'_>) {
     assert_eq!(a.pages.len(), 3, "2 pages + 1 byte takes 3 pages");
     s.assert_pages_valid(&a.pages, "a three-page value");
     let one = s.resolve("one", false);
-    assert!(
-        a.pages.iter().all(|p| !one.pages.contains(p)),
-        "two values share a page"
-    );
+    assert!(a.pages.iter().all(|p| !one.pages.contains(p)), "two values share a page");
     let r = s.resolve("three", true);
     assert!(r.found, "a committed three-page value resolves");
-    assert_eq!(
-        (r.pages.as_slice(), r.size, r.page_size),
-        (a.pages.as_slice(), size, ps),
-        "resolve"
-    );
+    assert_eq!((r.pages.as_slice(), r.size, r.page_size), (a.pages.as_slice(), size, ps), "resolve");
     assert_eq!(r.descs, s.descs_for(&r.pages), "resolve descs");
     s.expire(s.read_lease);
     let before = s.available();

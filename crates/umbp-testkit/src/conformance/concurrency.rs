@@ -43,14 +43,7 @@ fn client(s: &Live, t: usize) -> ClientLog {
             // Only two clients keep a key, one page each, so the others never starve.
             2 if t < 2 && log.survivors.is_empty() => {
                 let c = s.commit(a.slot_id, &key);
-                assert_eq!(
-                    c,
-                    CommitResult {
-                        success: true,
-                        bytes_committed: size
-                    },
-                    "client {t}: commit {key}"
-                );
+                assert_eq!(c, CommitResult { success: true, bytes_committed: size }, "client {t}: commit {key}");
                 log.committed.push((key.clone(), size));
                 assert_eq!(s.resolve(&key, false).size, size, "client {t}: resolve {key}");
                 assert_eq!(s.evict(&key), 0, "client {t}: evict of leased {key}");
@@ -58,21 +51,11 @@ fn client(s: &Live, t: usize) -> ClientLog {
             }
             _ => {
                 let c = s.commit(a.slot_id, &key);
-                assert_eq!(
-                    c,
-                    CommitResult {
-                        success: true,
-                        bytes_committed: size
-                    },
-                    "client {t}: commit {key}"
-                );
+                assert_eq!(c, CommitResult { success: true, bytes_committed: size }, "client {t}: commit {key}");
                 log.committed.push((key.clone(), size));
                 assert_eq!(s.evict(&key), size, "client {t}: evict of {key}");
                 log.evicted.push(key.clone());
-                assert!(
-                    !s.resolve(&key, false).found,
-                    "client {t}: {key} resolves after its evict"
-                );
+                assert!(!s.resolve(&key, false).found, "client {t}: {key} resolves after its evict");
                 assert_eq!(s.evict(&key), 0, "client {t}: second evict of {key}");
             }
         }
@@ -101,58 +84,36 @@ pub(super) fn concurrent_clients_keep_accounting_exact(fx: &Fixture<'_>) {
         let joined: Vec<_> = clients.into_iter().map(|c| c.join()).collect();
         done.store(true, Ordering::Release);
         let shipped = heartbeat.join().unwrap_or_else(|p| resume_unwind(p));
-        let logs: Vec<ClientLog> = joined
-            .into_iter()
-            .map(|j| j.unwrap_or_else(|p| resume_unwind(p)))
-            .collect();
+        let logs: Vec<ClientLog> = joined.into_iter().map(|j| j.unwrap_or_else(|p| resume_unwind(p))).collect();
         (logs, shipped)
     });
 
     let mut events = shipped;
     events.extend(s.drain());
-    let committed: BTreeMap<&str, u64> = logs
-        .iter()
-        .flat_map(|l| &l.committed)
-        .map(|(k, n)| (k.as_str(), *n))
-        .collect();
+    let committed: BTreeMap<&str, u64> =
+        logs.iter().flat_map(|l| &l.committed).map(|(k, n)| (k.as_str(), *n)).collect();
     let evicted: BTreeSet<&str> = logs.iter().flat_map(|l| &l.evicted).map(String::as_str).collect();
     let survivors: Vec<&(String, u64)> = logs.iter().flat_map(|l| &l.survivors).collect();
     assert!(!committed.is_empty(), "no client managed a single commit");
 
-    assert_eq!(
-        events.len(),
-        committed.len() + evicted.len(),
-        "one Add per commit and one Remove per evict"
-    );
+    assert_eq!(events.len(), committed.len() + evicted.len(), "one Add per commit and one Remove per evict");
     let mut added = BTreeMap::new();
     for (i, e) in events.iter().enumerate() {
         assert_eq!(e.tier, s.backend.tier(), "event {e:?} names another tier");
         match e.kind {
             KvEventKind::Add => {
-                assert_eq!(
-                    committed.get(e.key.as_str()),
-                    Some(&e.size),
-                    "Add {e:?} for no commit of that size"
-                );
+                assert_eq!(committed.get(e.key.as_str()), Some(&e.size), "Add {e:?} for no commit of that size");
                 assert!(added.insert(e.key.as_str(), i).is_none(), "a second Add for {}", e.key);
             }
             KvEventKind::Remove => {
                 assert!(evicted.contains(e.key.as_str()), "Remove {e:?} for no evict");
-                assert!(
-                    added.contains_key(e.key.as_str()),
-                    "the Remove of {} came before its Add",
-                    e.key
-                );
+                assert!(added.contains_key(e.key.as_str()), "the Remove of {} came before its Add", e.key);
             }
         }
     }
 
     let ps = s.ps();
-    assert_eq!(
-        s.backend.owned_key_count(),
-        survivors.len(),
-        "owned keys after the clients finished"
-    );
+    assert_eq!(s.backend.owned_key_count(), survivors.len(), "owned keys after the clients finished");
     let held: u64 = survivors.iter().map(|(_, n)| s.pages_of(*n) * ps).sum();
     assert_eq!(s.available(), s.total() - held, "only the survivors' pages are in use");
     let snapshot: BTreeSet<String> = s.backend.snapshot_owned_keys().into_iter().map(|e| e.key).collect();
@@ -163,11 +124,7 @@ pub(super) fn concurrent_clients_keep_accounting_exact(fx: &Fixture<'_>) {
     for (key, size) in &survivors {
         assert_eq!(s.evict(key), *size, "evict of survivor {key} once its lease ended");
     }
-    assert_eq!(
-        (s.available(), s.backend.owned_key_count()),
-        (s.total(), 0),
-        "everything freed at the end"
-    );
+    assert_eq!((s.available(), s.backend.owned_key_count()), (s.total(), 0), "everything freed at the end");
 }
 
 pub(super) fn concurrent_commits_of_one_key_keep_one_value(fx: &Fixture<'_>) {
@@ -196,32 +153,15 @@ pub(super) fn concurrent_commits_of_one_key_keep_one_value(fx: &Fixture<'_>) {
                 })
                 .collect();
             let joined: Vec<_> = handles.into_iter().map(|h| h.join()).collect();
-            joined
-                .into_iter()
-                .map(|j| j.unwrap_or_else(|p| resume_unwind(p)))
-                .collect()
+            joined.into_iter().map(|j| j.unwrap_or_else(|p| resume_unwind(p))).collect()
         });
         let winner = s.resolve(&key, false);
         assert!(winner.found, "round {round}: no commit stored the key");
-        assert!(
-            slots.iter().any(|(_, n)| *n == winner.size),
-            "round {round}: stored size is nobody's"
-        );
+        assert!(slots.iter().any(|(_, n)| *n == winner.size), "round {round}: stored size is nobody's");
         for r in &results {
-            assert_eq!(
-                *r,
-                CommitResult {
-                    success: true,
-                    bytes_committed: winner.size
-                },
-                "round {round}: {results:?}"
-            );
+            assert_eq!(*r, CommitResult { success: true, bytes_committed: winner.size }, "round {round}: {results:?}");
         }
-        assert_eq!(
-            s.available(),
-            s.total() - ps,
-            "round {round}: the losers' pages are freed"
-        );
+        assert_eq!(s.available(), s.total() - ps, "round {round}: the losers' pages are freed");
         assert_eq!(s.drain(), [s.add(&key, winner.size)], "round {round}: one Add");
         s.expire(s.read_lease);
         assert_eq!(s.evict(&key), winner.size, "round {round}: evict");

@@ -10,18 +10,9 @@ pub(super) fn evict_results_one_per_key_in_order(fx: &Fixture<'_>) {
     s.put("k", size);
     let r = s.backend.evict(&keys(&["miss-1", "k", "miss-2"]));
     let expected = [
-        EvictResult {
-            key: "miss-1".into(),
-            bytes_freed: 0,
-        },
-        EvictResult {
-            key: "k".into(),
-            bytes_freed: size,
-        },
-        EvictResult {
-            key: "miss-2".into(),
-            bytes_freed: 0,
-        },
+        EvictResult { key: "miss-1".into(), bytes_freed: 0 },
+        EvictResult { key: "k".into(), bytes_freed: size },
+        EvictResult { key: "miss-2".into(), bytes_freed: 0 },
     ];
     assert_eq!(r, expected, "evict results are positional");
     assert_eq!(s.drain(), [s.add("k", size), s.remove("k")], "events");
@@ -34,11 +25,7 @@ pub(super) fn evict_unknown_is_zero_and_evict_is_idempotent(fx: &Fixture<'_>) {
     s.put("k", ps);
     let r = s.backend.evict(&keys(&["k", "k"]));
     let freed: Vec<u64> = r.iter().map(|e| e.bytes_freed).collect();
-    assert_eq!(
-        freed,
-        [ps, 0],
-        "one key twice in one evict: freed once, in request order"
-    );
+    assert_eq!(freed, [ps, 0], "one key twice in one evict: freed once, in request order");
     assert_eq!(s.evict("k"), 0, "evict of an already evicted key");
     assert_eq!(s.backend.owned_key_count(), 0, "owned keys");
     assert_eq!(s.available(), s.total(), "capacity");
@@ -50,10 +37,7 @@ pub(super) fn evict_never_touches_pending_slots(fx: &Fixture<'_>) {
     let a = s.alloc_ok("p", s.ps());
     assert_eq!(s.evict("p"), 0, "evict of a key that is only pending");
     assert_eq!(s.available(), s.total() - s.ps(), "evict freed a pending slot's pages");
-    assert!(
-        s.commit(a.slot_id, "p").success,
-        "the pending slot still commits after an evict of its key"
-    );
+    assert!(s.commit(a.slot_id, "p").success, "the pending slot still commits after an evict of its key");
     assert_eq!(s.drain(), [s.add("p", s.ps())], "no Remove for a pending key");
 }
 
@@ -70,11 +54,7 @@ pub(super) fn read_lease_blocks_evict_until_expiry(fx: &Fixture<'_>) {
     s.expire(s.read_lease);
     assert_eq!(s.evict("k"), ps, "evict after the lease ended");
     assert_eq!(s.available(), s.total(), "capacity");
-    assert_eq!(
-        s.drain(),
-        [s.add("k", ps), s.remove("k")],
-        "one Remove, only for the successful evict"
-    );
+    assert_eq!(s.drain(), [s.add("k", ps), s.remove("k")], "one Remove, only for the successful evict");
 }
 
 pub(super) fn resolve_renews_the_read_lease(fx: &Fixture<'_>) {
@@ -87,11 +67,7 @@ pub(super) fn resolve_renews_the_read_lease(fx: &Fixture<'_>) {
     // Past the first lease, inside the second.
     s.advance(lease * 3 / 4);
     s.tick();
-    assert_eq!(
-        s.evict("k"),
-        0,
-        "a later reader's lease must protect the key for its full length"
-    );
+    assert_eq!(s.evict("k"), 0, "a later reader's lease must protect the key for its full length");
     s.expire(lease);
     assert_eq!(s.evict("k"), 1, "evict once every lease ended");
 }
@@ -99,11 +75,7 @@ pub(super) fn resolve_renews_the_read_lease(fx: &Fixture<'_>) {
 pub(super) fn resolve_miss_takes_no_lease(fx: &Fixture<'_>) {
     let s = fx.live();
     for include_descs in [false, true] {
-        assert_eq!(
-            s.resolve("k", include_descs),
-            ResolvedEntry::miss(),
-            "a miss carries nothing"
-        );
+        assert_eq!(s.resolve("k", include_descs), ResolvedEntry::miss(), "a miss carries nothing");
     }
     s.put("k", 1);
     assert_eq!(s.evict("k"), 1, "a miss before the commit took a lease on the key");
@@ -121,20 +93,10 @@ pub(super) fn batch_resolve_answers_positionally(fx: &Fixture<'_>) {
     assert_eq!(r[1], ResolvedEntry::miss(), "a miss carries nothing");
     for (i, (alloc, size)) in [(0, (&b, 2 * ps + 1)), (2, (&a, 1)), (3, (&b, 2 * ps + 1))] {
         let e = &r[i];
-        assert_eq!(
-            (e.pages.as_slice(), e.size, e.page_size),
-            (alloc.pages.as_slice(), size, ps),
-            "entry {i}"
-        );
+        assert_eq!((e.pages.as_slice(), e.size, e.page_size), (alloc.pages.as_slice(), size, ps), "entry {i}");
         assert_eq!(e.descs, s.descs_for(&e.pages), "entry {i} descs");
     }
-    assert!(
-        s.backend
-            .batch_resolve(&keys(&["a", "b"]), false)
-            .iter()
-            .all(|e| e.descs.is_empty()),
-        "unasked descs"
-    );
+    assert!(s.backend.batch_resolve(&keys(&["a", "b"]), false).iter().all(|e| e.descs.is_empty()), "unasked descs");
 }
 
 pub(super) fn capacity_accounting(fx: &Fixture<'_>) {
@@ -147,11 +109,7 @@ pub(super) fn capacity_accounting(fx: &Fixture<'_>) {
     assert_eq!(s.alloc("k", ps).outcome, AllocateOutcome::AlreadyExists, "dedup");
     assert_eq!(s.alloc("zero", 0).outcome, AllocateOutcome::Failed, "zero size");
     assert!(s.resolve("k", false).found, "resolve");
-    assert_eq!(
-        s.available(),
-        total - 2 * ps,
-        "dedup, failures and resolve reserve nothing"
-    );
+    assert_eq!(s.available(), total - 2 * ps, "dedup, failures and resolve reserve nothing");
     let b = s.alloc_ok("p", ps);
     assert_eq!(s.available(), total - 3 * ps, "a second slot");
     assert!(s.abort(b.slot_id), "abort");

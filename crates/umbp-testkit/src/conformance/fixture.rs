@@ -50,28 +50,14 @@ pub(crate) struct Fixture<'f> {
 
 impl<'f> Fixture<'f> {
     pub(crate) fn new(factory: &'f dyn Fn(&Env) -> Subject) -> Self {
-        Self {
-            factory,
-            env: Env {
-                clock: ManualClock::new(),
-            },
-            made: Mutex::new(Vec::new()),
-        }
+        Self { factory, env: Env { clock: ManualClock::new() }, made: Mutex::new(Vec::new()) }
     }
 
     /// A fresh subject, not initialised.
     pub(crate) fn uninit(&self) -> Live {
-        let Subject {
-            backend,
-            tick,
-            read_lease,
-            pending_ttl,
-        } = (self.factory)(&self.env);
+        let Subject { backend, tick, read_lease, pending_ttl } = (self.factory)(&self.env);
         let mut made = self.made.lock();
-        made.push(Tracked {
-            backend: Arc::clone(&backend),
-            probes: Vec::new(),
-        });
+        made.push(Tracked { backend: Arc::clone(&backend), probes: Vec::new() });
         Live {
             backend,
             tick,
@@ -97,11 +83,7 @@ impl<'f> Fixture<'f> {
             (MIN_PAGES..=MAX_PAGES).contains(&pages),
             "subject violates the suite's requirements: {pages} pages of {ps} bytes (needs {MIN_PAGES}..={MAX_PAGES})"
         );
-        assert_eq!(
-            s.available(),
-            s.total(),
-            "a fresh medium has all its capacity available"
-        );
+        assert_eq!(s.available(), s.total(), "a fresh medium has all its capacity available");
         s
     }
 
@@ -125,16 +107,11 @@ impl<'f> Fixture<'f> {
         let mut problems = Vec::new();
         for (i, t) in made.iter().enumerate() {
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| t.backend.shutdown())) {
-                problems.push(format!(
-                    "shutdown of subject {i} panicked: {}",
-                    panic_message(payload.as_ref())
-                ));
+                problems.push(format!("shutdown of subject {i} panicked: {}", panic_message(payload.as_ref())));
             }
             let outstanding: usize = t.probes.iter().map(|p| p.outstanding()).sum();
             if outstanding > 0 {
-                problems.push(format!(
-                    "after shutdown, subject {i} left {outstanding} buffer registration(s) behind"
-                ));
+                problems.push(format!("after shutdown, subject {i} left {outstanding} buffer registration(s) behind"));
             }
         }
         problems
@@ -218,15 +195,8 @@ impl Live {
 
     pub(crate) fn alloc_ok(&self, key: &str, size: u64) -> AllocateResult {
         let r = self.alloc(key, size);
-        assert_eq!(
-            r.outcome,
-            AllocateOutcome::Allocated,
-            "allocate({key:?}, {size} bytes) on a medium with room"
-        );
-        assert_ne!(
-            r.slot_id, 0,
-            "allocate({key:?}) returned slot id 0, which is never a real slot"
-        );
+        assert_eq!(r.outcome, AllocateOutcome::Allocated, "allocate({key:?}, {size} bytes) on a medium with room");
+        assert_ne!(r.slot_id, 0, "allocate({key:?}) returned slot id 0, which is never a real slot");
         r
     }
 
@@ -240,10 +210,7 @@ impl Live {
     pub(crate) fn put(&self, key: &str, size: u64) -> AllocateResult {
         let a = self.alloc_ok(key, size);
         let c = self.commit(a.slot_id, key);
-        assert!(
-            c.success && c.bytes_committed == size,
-            "commit of fresh key {key:?} ({size} bytes) returned {c:?}"
-        );
+        assert!(c.success && c.bytes_committed == size, "commit of fresh key {key:?} ({size} bytes) returned {c:?}");
         a
     }
 
@@ -286,17 +253,10 @@ impl Live {
         assert_eq!(distinct.len(), pages.len(), "{what}: a page appears twice in {pages:?}");
         for p in pages {
             let Some(r) = self.backend.buffer_ref(p.buffer_index as usize) else {
-                panic!(
-                    "{what}: page {p:?} names buffer {} which has no buffer_ref",
-                    p.buffer_index
-                );
+                panic!("{what}: page {p:?} names buffer {} which has no buffer_ref", p.buffer_index);
             };
             let end = (u64::from(p.page_index) + 1) * ps;
-            assert!(
-                end <= r.size(),
-                "{what}: page {p:?} ends at byte {end}, past its buffer's {} bytes",
-                r.size()
-            );
+            assert!(end <= r.size(), "{what}: page {p:?} ends at byte {end}, past its buffer's {} bytes", r.size());
         }
     }
 
