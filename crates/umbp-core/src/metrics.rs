@@ -16,6 +16,21 @@ pub mod names {
     pub const MEDIUM_STATE: &str = "umbp_backend_medium_state";
     /// Help text of [`MEDIUM_STATE`].
     pub const MEDIUM_STATE_HELP: &str = "Medium-internal state, by state.";
+
+    /// Counter of transfer plans by `engine=`, `direction=` and `status=` (`ok`, `failed`; and
+    /// `engine="none", direction="none", status="rejected"` for items no engine would take).
+    pub const TRANSFER_OPS_TOTAL: &str = "umbp_transfer_ops_total";
+    /// Help text of [`TRANSFER_OPS_TOTAL`].
+    pub const TRANSFER_OPS_TOTAL_HELP: &str = "Transfer plans by engine, direction and status.";
+    /// Counter of bytes moved by `engine=` and `direction=`.
+    pub const TRANSFER_BYTES_TOTAL: &str = "umbp_transfer_bytes_total";
+    /// Help text of [`TRANSFER_BYTES_TOTAL`].
+    pub const TRANSFER_BYTES_TOTAL_HELP: &str = "Bytes moved by successful transfer plans, by engine and direction.";
+    /// Counter of seconds from submit to completion, by `engine=` and `direction=`.
+    pub const TRANSFER_SECONDS_TOTAL: &str = "umbp_transfer_seconds_total";
+    /// Help text of [`TRANSFER_SECONDS_TOTAL`].
+    pub const TRANSFER_SECONDS_TOTAL_HELP: &str =
+        "Seconds from submit to completion of transfer plans, by engine and direction.";
 }
 
 /// Counter or gauge.

@@ -1,0 +1,659 @@
+//! `CompositeTransferEngine`: the one engine a node holds.
+
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use umbp_core::{
+    LocalRegion, MemoryLocation, MemoryRegistrar, MetricSample, MetricSource, RegistrationError, TransferRef,
+    metric_names,
+};
+
+use crate::engine::{
+    BounceCopy, FailureKind, PlanSet, Staging, TransferDirection, TransferEngine, TransferFailure, TransferHandle,
+    TransferItem, TransferPlan,
+};
+use crate::planning::in_range;
+
+/// Staged items start on this alignment inside the bounce pool (a cache line: copies stay aligned).
+const BOUNCE_ALIGN: u64 = 64;
+
+/// Settings of a [`CompositeTransferEngine`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompositeConfig {
+    /// Size of the bounce pool that stages caller memory no engine can address directly (0 disables
+    /// staging). A batch larger than the pool runs in pool-sized rounds; a single item larger than the
+    /// pool is rejected. Default: 64 MiB.
+    pub bounce_bytes: u64,
+}
+
+impl Default for CompositeConfig {
+    fn default() -> Self {
+        Self { bounce_bytes: 64 << 20 }
+    }
+}
+
+/// Per engine and direction: plans, failed plans, bytes of successful plans, nanoseconds from
+/// submit to completion.
+#[derive(Debug, Default)]
+struct DirStats {
+    plans: AtomicU64,
+    failed: AtomicU64,
+    bytes: AtomicU64,
+    nanos: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    /// `[engine][direction]`.
+    engines: Vec<[DirStats; 3]>,
+    rejected_items: AtomicU64,
+}
+
+impl Stats {
+    fn charge(&self, engine: usize, dir: TransferDirection, plans: u64, failed: u64, bytes: u64, nanos: u64) {
+        if let Some(s) = self.engines.get(engine).map(|e| &e[dir.index()]) {
+            s.plans.fetch_add(plans, Ordering::Relaxed);
+            s.failed.fetch_add(failed, Ordering::Relaxed);
+            s.bytes.fetch_add(bytes, Ordering::Relaxed);
+            s.nanos.fetch_add(nanos, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The bounce pool: one anonymous host mapping, registered with every engine.
+struct Bounce {
+    base: NonNull<u8>,
+    len: usize,
+    /// The merged registration of the whole pool.
+    r: TransferRef,
+    /// One staged round at a time owns the pool.
+    lock: Mutex<()>,
+}
+
+// SAFETY: the mapping is plain memory owned by the pool for its whole life; access to its bytes is
+// serialised by `lock` (one round at a time).
+unsafe impl Send for Bounce {}
+// SAFETY: as above.
+unsafe impl Sync for Bounce {}
+
+impl fmt::Debug for Bounce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Bounce").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+/// The engine a node holds: registration fans out to every engine and the handles merge into one
+/// [`TransferRef`]; each (src, dst) pair goes to the first engine that can handle it (engines are
+/// added in preference order and are disjoint in practice); caller memory that no engine can address
+/// (for example an unregistered buffer going to a peer) is staged through one bounce pool in
+/// pool-sized rounds; items nobody can move are rejected by tag. Every engine is measured per
+/// direction (plans, failures, bytes, seconds) through [`MetricSource`]; an engine never used
+/// publishes nothing.
+pub struct CompositeTransferEngine {
+    engines: Vec<Arc<dyn TransferEngine>>,
+    stats: Arc<Stats>,
+    bounce: Option<Bounce>,
+}
+
+impl fmt::Debug for CompositeTransferEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = self.engines.iter().map(|e| e.name()).collect();
+        f.debug_struct("CompositeTransferEngine").field("engines", &names).field("bounce", &self.bounce).finish()
+    }
+}
+
+/// A staged item: the item with the caller side replaced by the bounce pool.
+struct StagedItem {
+    engine: usize,
+    round: u32,
+    item: TransferItem,
+    copy: BounceCopy,
+}
+
+impl CompositeTransferEngine {
+    /// A composite over `engines` (in preference order). Maps and registers the bounce pool when
+    /// `config.bounce_bytes > 0`.
+    pub fn new(engines: Vec<Arc<dyn TransferEngine>>, config: CompositeConfig) -> Result<Self, RegistrationError> {
+        let stats = Arc::new(Stats {
+            engines: engines.iter().map(|_| Default::default()).collect(),
+            rejected_items: AtomicU64::new(0),
+        });
+        let mut this = Self { engines, stats, bounce: None };
+        if config.bounce_bytes > 0 {
+            this.bounce = Some(this.map_bounce(config.bounce_bytes)?);
+        }
+        Ok(this)
+    }
+
+    /// The engines, in preference order.
+    pub fn engines(&self) -> &[Arc<dyn TransferEngine>] {
+        &self.engines
+    }
+
+    /// Bytes of the bounce pool (0 when staging is off).
+    pub fn bounce_bytes(&self) -> u64 {
+        self.bounce.as_ref().map_or(0, |b| b.len as u64)
+    }
+
+    fn map_bounce(&self, bytes: u64) -> Result<Bounce, RegistrationError> {
+        let refused = |reason: String| RegistrationError::Refused { transport: "bounce pool".into(), reason };
+        let len =
+            usize::try_from(bytes).map_err(|_| refused(format!("{bytes} bytes do not fit this address space")))?;
+        // SAFETY: a fresh private anonymous mapping aliases nothing; it is unmapped in `Drop`.
+        let ptr = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        }
+        .map_err(|e| refused(format!("mapping {bytes} bytes: {e}")))?;
+        let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| refused("mmap returned null".into()))?;
+        // SAFETY: the mapping is valid for `len` bytes until `Drop`, which deregisters first.
+        let region = unsafe { LocalRegion::new(base, bytes, MemoryLocation::Host) };
+        match self.register_memory(region) {
+            Ok(r) => Ok(Bounce { base, len, r, lock: Mutex::new(()) }),
+            Err(e) => {
+                // SAFETY: nothing registered the mapping; it is ours to unmap.
+                let _ = unsafe { rustix::mm::munmap(ptr, len) };
+                Err(e)
+            }
+        }
+    }
+
+    fn select(&self, src: &TransferRef, dst: &TransferRef) -> Option<usize> {
+        self.engines.iter().position(|e| e.can_handle(src, dst))
+    }
+
+    /// Re-targets an item no engine takes as given through the bounce pool, if possible: returns the
+    /// engine, the item with the caller side replaced by the pool (at offset 0), the copy to make and
+    /// whether the pool is the item's source (a push).
+    fn stage(&self, item: &TransferItem) -> Option<(usize, TransferItem, BounceCopy, bool)> {
+        let bounce = self.bounce.as_ref()?;
+        let host = |r: &TransferRef| r.local_region().is_some_and(|l| l.location().is_host());
+        if item.size > bounce.len as u64 {
+            return None;
+        }
+        let copy = |user: &TransferRef, user_offset| BounceCopy {
+            user: user.clone(),
+            user_offset,
+            bounce_offset: 0,
+            len: item.size,
+            tag: item.tag,
+        };
+        if host(&item.src)
+            && in_range(&item.src, item.src_offset, item.size)
+            && let Some(e) = self.select(&bounce.r, &item.dst)
+        {
+            let staged = TransferItem { src: bounce.r.clone(), src_offset: 0, ..item.clone() };
+            return Some((e, staged, copy(&item.src, item.src_offset), true));
+        }
+        if host(&item.dst)
+            && in_range(&item.dst, item.dst_offset, item.size)
+            && let Some(e) = self.select(&item.src, &bounce.r)
+        {
+            let staged = TransferItem { dst: bounce.r.clone(), dst_offset: 0, ..item.clone() };
+            return Some((e, staged, copy(&item.dst, item.dst_offset), false));
+        }
+        None
+    }
+
+    fn plan_staged(&self, staged: Vec<StagedItem>, set: &mut PlanSet) {
+        // Group by (round, engine) in first-appearance order.
+        let mut groups: Vec<((u32, usize), Vec<StagedItem>)> = Vec::new();
+        for s in staged {
+            let key = (s.round, s.engine);
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, v)) => v.push(s),
+                None => groups.push((key, vec![s])),
+            }
+        }
+        for ((round, engine), group) in groups {
+            let items: Vec<TransferItem> = group.iter().map(|s| s.item.clone()).collect();
+            let sub = self.engines[engine].plan(&items);
+            self.stats.rejected_items.fetch_add(sub.rejected_tags.len() as u64, Ordering::Relaxed);
+            set.rejected_tags.extend(sub.rejected_tags);
+            for mut plan in sub.plans {
+                // The bounce side of each plan is the side that is the pool.
+                let bounce_is_src = plan.direction == TransferDirection::Push;
+                let copies = group
+                    .iter()
+                    .filter(|s| {
+                        plan.segments.iter().any(|seg| {
+                            let (off, len) =
+                                if bounce_is_src { (seg.src_offset, seg.len) } else { (seg.dst_offset, seg.len) };
+                            s.copy.bounce_offset >= off && s.copy.bounce_offset + s.copy.len <= off + len
+                        })
+                    })
+                    .map(|s| s.copy.clone())
+                    .collect();
+                plan.engine = Some(engine);
+                plan.staging = Some(Staging { round, copies });
+                set.plans.push(plan);
+            }
+        }
+    }
+
+    /// Runs the staged plans round by round under the pool lock: copy in, transfer, wait, copy out.
+    fn run_staged(&self, plans: Vec<TransferPlan>, failures: &mut Vec<TransferFailure>) {
+        let Some(bounce) = self.bounce.as_ref() else {
+            for p in plans {
+                failures.push(TransferFailure::new(
+                    p.tags,
+                    FailureKind::Local,
+                    "no bounce pool",
+                    "CompositeTransferEngine",
+                ));
+            }
+            return;
+        };
+        let mut rounds: Vec<(u32, Vec<TransferPlan>)> = Vec::new();
+        for p in plans {
+            let round = p.staging.as_ref().map_or(0, |s| s.round);
+            match rounds.iter_mut().find(|(r, _)| *r == round) {
+                Some((_, v)) => v.push(p),
+                None => rounds.push((round, vec![p])),
+            }
+        }
+        rounds.sort_by_key(|(r, _)| *r);
+        let _pool = bounce.lock.lock();
+        for (_, plans) in rounds {
+            for plan in &plans {
+                if plan.direction == TransferDirection::Push {
+                    for c in plan.staging.iter().flat_map(|s| &s.copies) {
+                        copy_user_bounce(bounce, c, true);
+                    }
+                }
+            }
+            let mut by_engine: Vec<(usize, Vec<TransferPlan>)> = Vec::new();
+            for p in plans {
+                let e = p.engine.unwrap_or(usize::MAX);
+                match by_engine.iter_mut().find(|(k, _)| *k == e) {
+                    Some((_, v)) => v.push(p),
+                    None => by_engine.push((e, vec![p])),
+                }
+            }
+            for (engine, plans) in by_engine {
+                let pulls: Vec<TransferPlan> =
+                    plans.iter().filter(|p| p.direction == TransferDirection::Pull).cloned().collect();
+                let mut handle = self.submit_group(engine, plans);
+                let round_failures = handle.wait();
+                let failed = crate::engine::failed_tags(&round_failures);
+                for plan in &pulls {
+                    for c in plan.staging.iter().flat_map(|s| &s.copies) {
+                        if failed.binary_search(&c.tag).is_err() {
+                            copy_user_bounce(bounce, c, false);
+                        }
+                    }
+                }
+                failures.extend(round_failures);
+            }
+        }
+    }
+
+    /// Submits one engine's plans and returns a handle that charges the stats when waited.
+    fn submit_group(&self, engine: usize, plans: Vec<TransferPlan>) -> SubHandle {
+        let charges: Vec<(TransferDirection, u64, Vec<u64>)> =
+            plans.iter().map(|p| (p.direction, p.bytes(), p.tags.clone())).collect();
+        let start = Instant::now();
+        let Some(e) = self.engines.get(engine) else {
+            let tags = charges.iter().flat_map(|c| c.2.iter().copied()).collect();
+            return SubHandle::settled(vec![TransferFailure::new(
+                tags,
+                FailureKind::Local,
+                "plan has no owning engine",
+                "CompositeTransferEngine",
+            )]);
+        };
+        match e.submit(plans) {
+            Ok(handle) => SubHandle {
+                engine,
+                start,
+                charges,
+                handle: Some(handle),
+                settled: Vec::new(),
+                stats: Some(Arc::clone(&self.stats)),
+            },
+            Err(mut failure) => {
+                failure.tags = charges.iter().flat_map(|c| c.2.iter().copied()).collect();
+                if failure.message.is_empty() {
+                    failure.message = format!("{} submitted nothing", e.name());
+                }
+                for (dir, _, _) in &charges {
+                    self.stats.charge(engine, *dir, 1, 1, 0, 0);
+                }
+                SubHandle::settled(vec![failure])
+            }
+        }
+    }
+}
+
+/// Copies one staged item between the caller's memory and the pool (`into_bounce`: caller → pool).
+fn copy_user_bounce(bounce: &Bounce, c: &BounceCopy, into_bounce: bool) {
+    let Some(user) = c.user.local_region() else { return };
+    let in_user = in_range(&c.user, c.user_offset, c.len) && c.user.size() <= user.len();
+    let in_pool = c.bounce_offset.checked_add(c.len).is_some_and(|end| end <= bounce.len as u64);
+    let (Ok(user_off), Ok(pool_off), Ok(len)) =
+        (usize::try_from(c.user_offset), usize::try_from(c.bounce_offset), usize::try_from(c.len))
+    else {
+        return;
+    };
+    if !in_user || !in_pool {
+        return;
+    }
+    // SAFETY: both ranges were checked just above against the caller's region (valid under
+    // `LocalRegion`'s invariant for the duration of the transfer) and the pool mapping (held under
+    // its lock by the caller of this function); the caller's memory is never the pool itself.
+    unsafe {
+        let user_ptr = user.ptr().as_ptr().add(user_off);
+        let pool_ptr = bounce.base.as_ptr().add(pool_off);
+        if into_bounce {
+            std::ptr::copy(user_ptr, pool_ptr, len);
+        } else {
+            std::ptr::copy(pool_ptr, user_ptr, len);
+        }
+    }
+}
+
+impl Drop for CompositeTransferEngine {
+    fn drop(&mut self) {
+        if let Some(bounce) = self.bounce.take() {
+            let _guard = bounce.lock.lock();
+            self.deregister(&bounce.r);
+            // SAFETY: deregistered above; no engine or round references the mapping any more.
+            let _ = unsafe { rustix::mm::munmap(bounce.base.as_ptr().cast(), bounce.len) };
+        }
+    }
+}
+
+/// One engine's submitted group: waits, then charges the engine's stats.
+struct SubHandle {
+    engine: usize,
+    start: Instant,
+    /// (direction, bytes, tags) per plan.
+    charges: Vec<(TransferDirection, u64, Vec<u64>)>,
+    handle: Option<Box<dyn TransferHandle>>,
+    settled: Vec<TransferFailure>,
+    stats: Option<Arc<Stats>>,
+}
+
+impl fmt::Debug for SubHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SubHandle").field("engine", &self.engine).field("plans", &self.charges.len()).finish()
+    }
+}
+
+impl SubHandle {
+    fn settled(failures: Vec<TransferFailure>) -> Self {
+        Self {
+            engine: usize::MAX,
+            start: Instant::now(),
+            charges: Vec::new(),
+            handle: None,
+            settled: failures,
+            stats: None,
+        }
+    }
+
+    fn wait(&mut self) -> Vec<TransferFailure> {
+        let mut failures = std::mem::take(&mut self.settled);
+        let Some(mut handle) = self.handle.take() else { return failures };
+        let sub = handle.wait();
+        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if let Some(stats) = &self.stats {
+            let failed = crate::engine::failed_tags(&sub);
+            // Time is charged to each direction in proportion to its plans (one wait covers them all).
+            let total_plans = self.charges.len().max(1) as u64;
+            for dir in TransferDirection::ALL {
+                let mine: Vec<_> = self.charges.iter().filter(|c| c.0 == dir).collect();
+                if mine.is_empty() {
+                    continue;
+                }
+                let failed_plans =
+                    mine.iter().filter(|c| c.2.iter().any(|t| failed.binary_search(t).is_ok())).count() as u64;
+                let ok_bytes: u64 =
+                    mine.iter().filter(|c| !c.2.iter().any(|t| failed.binary_search(t).is_ok())).map(|c| c.1).sum();
+                let share = nanos / total_plans * mine.len() as u64;
+                stats.charge(self.engine, dir, mine.len() as u64, failed_plans, ok_bytes, share);
+            }
+        }
+        failures.extend(sub);
+        failures
+    }
+}
+
+/// The composite's handle: failures settled at submit (staged rounds, engines that posted nothing)
+/// plus one sub-handle per engine.
+#[derive(Debug)]
+struct FanOutHandle {
+    settled: Vec<TransferFailure>,
+    subs: Vec<SubHandle>,
+    waited: bool,
+}
+
+impl TransferHandle for FanOutHandle {
+    fn wait(&mut self) -> Vec<TransferFailure> {
+        if self.waited {
+            return Vec::new();
+        }
+        self.waited = true;
+        let mut failures = std::mem::take(&mut self.settled);
+        for sub in &mut self.subs {
+            failures.extend(sub.wait());
+        }
+        failures
+    }
+}
+
+impl Drop for FanOutHandle {
+    fn drop(&mut self) {
+        // The work may still touch caller memory: drain it before the caller may free that memory.
+        let _ = self.wait();
+    }
+}
+
+impl MemoryRegistrar for CompositeTransferEngine {
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        let mut merged = TransferRef::local(region);
+        let mut claimed = false;
+        let mut first_error = None;
+        for engine in &self.engines {
+            match engine.register_memory(region) {
+                Ok(part) => {
+                    claimed = true;
+                    if let Some(remote) = part.remote() {
+                        if merged.remote().is_none() {
+                            merged = merged.with_remote(remote.clone());
+                        } else {
+                            // One remote handle per ref: a second transport's would be unreachable.
+                            tracing::warn!(
+                                engine = engine.name(),
+                                "a second engine published a remote handle; dropping it"
+                            );
+                            engine.deregister(&part);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(engine = engine.name(), error = %e, "engine did not register the region");
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if claimed {
+            Ok(merged)
+        } else {
+            Err(first_error
+                .unwrap_or(RegistrationError::Unsupported { len: region.len(), location: region.location() }))
+        }
+    }
+
+    fn deregister(&self, r: &TransferRef) {
+        for engine in &self.engines {
+            engine.deregister(r);
+        }
+    }
+}
+
+impl MetricSource for CompositeTransferEngine {
+    fn sample_metrics(&self) -> Vec<MetricSample> {
+        let label = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+        let mut out = Vec::new();
+        for (engine, dirs) in self.engines.iter().zip(&self.stats.engines) {
+            for dir in TransferDirection::ALL {
+                let s = &dirs[dir.index()];
+                let plans = s.plans.load(Ordering::Relaxed);
+                if plans == 0 {
+                    continue;
+                }
+                let failed = s.failed.load(Ordering::Relaxed);
+                let base = vec![label("engine", engine.name()), label("direction", dir.as_str())];
+                let with_status = |status: &str| {
+                    let mut l = base.clone();
+                    l.push(label("status", status));
+                    l
+                };
+                out.push(MetricSample::counter(
+                    metric_names::TRANSFER_OPS_TOTAL,
+                    metric_names::TRANSFER_OPS_TOTAL_HELP,
+                    with_status("ok"),
+                    plans.saturating_sub(failed),
+                ));
+                if failed > 0 {
+                    out.push(MetricSample::counter(
+                        metric_names::TRANSFER_OPS_TOTAL,
+                        metric_names::TRANSFER_OPS_TOTAL_HELP,
+                        with_status("failed"),
+                        failed,
+                    ));
+                }
+                out.push(MetricSample::counter(
+                    metric_names::TRANSFER_BYTES_TOTAL,
+                    metric_names::TRANSFER_BYTES_TOTAL_HELP,
+                    base.clone(),
+                    s.bytes.load(Ordering::Relaxed),
+                ));
+                let mut seconds = MetricSample::counter(
+                    metric_names::TRANSFER_SECONDS_TOTAL,
+                    metric_names::TRANSFER_SECONDS_TOTAL_HELP,
+                    base,
+                    s.nanos.load(Ordering::Relaxed),
+                );
+                seconds.scale = 1e-9;
+                out.push(seconds);
+            }
+            for mut sample in engine.sample_metrics() {
+                sample.labels.insert(0, label("engine", engine.name()));
+                out.push(sample);
+            }
+        }
+        let rejected = self.stats.rejected_items.load(Ordering::Relaxed);
+        if rejected > 0 {
+            out.push(MetricSample::counter(
+                metric_names::TRANSFER_OPS_TOTAL,
+                metric_names::TRANSFER_OPS_TOTAL_HELP,
+                vec![label("engine", "none"), label("direction", "none"), label("status", "rejected")],
+                rejected,
+            ));
+        }
+        out
+    }
+}
+
+impl TransferEngine for CompositeTransferEngine {
+    fn name(&self) -> &str {
+        "CompositeTransferEngine"
+    }
+
+    fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool {
+        if self.select(src, dst).is_some() {
+            return true;
+        }
+        let probe = TransferItem { src: src.clone(), src_offset: 0, dst: dst.clone(), dst_offset: 0, size: 1, tag: 0 };
+        self.stage(&probe).is_some()
+    }
+
+    fn plan(&self, items: &[TransferItem]) -> PlanSet {
+        let mut set = PlanSet::default();
+        let mut direct: Vec<Vec<TransferItem>> = vec![Vec::new(); self.engines.len()];
+        let mut staged = Vec::new();
+        let (mut round, mut cursor) = (0u32, 0u64);
+        let pool = self.bounce_bytes();
+        for item in items {
+            if item.size == 0 {
+                continue;
+            }
+            if let Some(e) = self.select(&item.src, &item.dst) {
+                direct[e].push(item.clone());
+                continue;
+            }
+            let Some((engine, mut staged_item, mut copy, bounce_is_src)) = self.stage(item) else {
+                self.stats.rejected_items.fetch_add(1, Ordering::Relaxed);
+                set.rejected_tags.push(item.tag);
+                continue;
+            };
+            // Place the item in the current round, or open the next one (chunking, not failing).
+            let mut offset = cursor.next_multiple_of(BOUNCE_ALIGN);
+            if offset + item.size > pool {
+                round += 1;
+                offset = 0;
+            }
+            cursor = offset + item.size;
+            copy.bounce_offset = offset;
+            if bounce_is_src {
+                staged_item.src_offset = offset;
+            } else {
+                staged_item.dst_offset = offset;
+            }
+            staged.push(StagedItem { engine, round, item: staged_item, copy });
+        }
+        for (engine, items) in direct.into_iter().enumerate() {
+            if items.is_empty() {
+                continue;
+            }
+            let sub = self.engines[engine].plan(&items);
+            self.stats.rejected_items.fetch_add(sub.rejected_tags.len() as u64, Ordering::Relaxed);
+            set.rejected_tags.extend(sub.rejected_tags);
+            set.plans.extend(sub.plans.into_iter().map(|mut p| {
+                p.engine = Some(engine);
+                p
+            }));
+        }
+        if !staged.is_empty() {
+            self.plan_staged(staged, &mut set);
+        }
+        set
+    }
+
+    fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure> {
+        let mut settled = Vec::new();
+        let mut direct: Vec<(usize, Vec<TransferPlan>)> = Vec::new();
+        let mut staged = Vec::new();
+        for plan in plans {
+            match (plan.engine, plan.staging.is_some()) {
+                (Some(e), false) if e < self.engines.len() => match direct.iter_mut().find(|(k, _)| *k == e) {
+                    Some((_, v)) => v.push(plan),
+                    None => direct.push((e, vec![plan])),
+                },
+                (Some(e), true) if e < self.engines.len() => staged.push(plan),
+                _ => settled.push(TransferFailure::new(
+                    plan.tags,
+                    FailureKind::NotSubmitted,
+                    "plan has no owning engine",
+                    self.name(),
+                )),
+            }
+        }
+        // Direct plans go first so they overlap with the staged rounds, which complete inline.
+        let subs: Vec<SubHandle> = direct.into_iter().map(|(e, plans)| self.submit_group(e, plans)).collect();
+        if !staged.is_empty() {
+            self.run_staged(staged, &mut settled);
+        }
+        Ok(Box::new(FanOutHandle { settled, subs, waited: false }))
+    }
+}

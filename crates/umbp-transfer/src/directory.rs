@@ -1,0 +1,138 @@
+//! Which remote buffers this node knows, per peer and per backend id.
+
+use std::collections::HashMap;
+
+use parking_lot::RwLock;
+use umbp_core::{BufferDesc, MAX_BACKENDS_PER_PEER, TransferRef};
+
+/// One peer's published buffers: a shelf per backend id, indexed by buffer index.
+#[derive(Debug, Default, Clone)]
+struct PeerBuffers {
+    shelves: [Vec<Option<TransferRef>>; MAX_BACKENDS_PER_PEER],
+}
+
+/// The remote buffers this node has learned from its peers (first contact: the peer's `GetPeerInfo`
+/// descriptors are cached here), handed out as one snapshot per batch.
+///
+/// A cached descriptor is kept until the peer is forgotten: a later, different descriptor for the
+/// same slot is ignored with a warning (a restarted peer must be forgotten first, which callers do
+/// when a transfer to it fails).
+#[derive(Debug, Default)]
+pub struct PeerDirectory {
+    peers: RwLock<HashMap<String, PeerBuffers>>,
+}
+
+impl PeerDirectory {
+    /// An empty directory.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Caches the descriptors `node` published. Descriptors with a backend id of 8 or more, or with
+    /// no remote handle, are skipped. Returns how many new descriptors were cached.
+    pub fn cache_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
+        let mut peers = self.peers.write();
+        let entry = peers.entry(node.to_owned()).or_default();
+        let mut cached = 0;
+        for desc in descs {
+            let Some(shelf) = entry.shelves.get_mut(desc.backend_id as usize) else {
+                tracing::warn!(
+                    node,
+                    backend_id = desc.backend_id,
+                    "ignoring a descriptor with an out-of-range backend id"
+                );
+                continue;
+            };
+            let Some(remote) = desc.remote.clone() else {
+                tracing::warn!(node, buffer = desc.buffer_index, "ignoring a descriptor with no data-plane handle");
+                continue;
+            };
+            let index = desc.buffer_index as usize;
+            if shelf.len() <= index {
+                shelf.resize(index + 1, None);
+            }
+            let incoming = TransferRef::remote_only(remote, desc.size, desc.location);
+            match &shelf[index] {
+                Some(existing) if *existing != incoming => tracing::warn!(
+                    node,
+                    backend_id = desc.backend_id,
+                    buffer = desc.buffer_index,
+                    "peer published a different descriptor for a cached buffer; keeping the cached one until the peer is forgotten"
+                ),
+                Some(_) => {}
+                None => {
+                    shelf[index] = Some(incoming);
+                    cached += 1;
+                }
+            }
+        }
+        cached
+    }
+
+    /// Whether any buffer of `node` is cached.
+    pub fn has_remote_buffers(&self, node: &str) -> bool {
+        self.peers.read().get(node).is_some_and(|p| p.shelves.iter().any(|s| s.iter().any(Option::is_some)))
+    }
+
+    /// The buffers of one backend of `node`, by buffer index (`None` where nothing is cached). Empty
+    /// for an unknown node or a backend id of 8 or more.
+    pub fn remote_buffer_snapshot(&self, node: &str, backend_id: u32) -> Vec<Option<TransferRef>> {
+        self.peers.read().get(node).and_then(|p| p.shelves.get(backend_id as usize)).cloned().unwrap_or_default()
+    }
+
+    /// Drops everything known about `node`.
+    pub fn forget(&self, node: &str) {
+        self.peers.write().remove(node);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use umbp_core::{MemoryLocation, RemoteRegion};
+
+    use super::*;
+
+    fn desc(backend_id: u32, buffer_index: u32, region_id: u64) -> BufferDesc {
+        BufferDesc {
+            backend_id,
+            buffer_index,
+            size: 4096,
+            location: MemoryLocation::Host,
+            remote: Some(RemoteRegion { endpoint: "127.0.0.1:9".into(), region_id }),
+        }
+    }
+
+    #[test]
+    fn caches_per_backend_shelves_and_forgets() {
+        let d = PeerDirectory::new();
+        assert!(!d.has_remote_buffers("n1"));
+        assert_eq!(d.cache_remote_buffers("n1", &[desc(0, 0, 1), desc(1, 2, 2), desc(8, 0, 3)]), 2);
+        assert!(d.has_remote_buffers("n1"));
+        let shelf = d.remote_buffer_snapshot("n1", 1);
+        assert_eq!(shelf.len(), 3);
+        assert!(shelf[0].is_none() && shelf[1].is_none());
+        assert_eq!(shelf[2].as_ref().and_then(|r| r.remote()).map(|r| r.region_id), Some(2));
+        assert!(d.remote_buffer_snapshot("n1", 8).is_empty());
+        assert!(d.remote_buffer_snapshot("nobody", 0).is_empty());
+        d.forget("n1");
+        assert!(!d.has_remote_buffers("n1"));
+    }
+
+    #[test]
+    fn keeps_the_incumbent_descriptor() {
+        let d = PeerDirectory::new();
+        d.cache_remote_buffers("n1", &[desc(0, 0, 1)]);
+        assert_eq!(d.cache_remote_buffers("n1", &[desc(0, 0, 99)]), 0);
+        let r = d.remote_buffer_snapshot("n1", 0).remove(0);
+        assert_eq!(r.and_then(|r| r.remote().map(|x| x.region_id)), Some(1));
+    }
+
+    #[test]
+    fn skips_descriptors_without_a_handle() {
+        let d = PeerDirectory::new();
+        let mut no_handle = desc(0, 0, 1);
+        no_handle.remote = None;
+        assert_eq!(d.cache_remote_buffers("n1", &[no_handle]), 0);
+        assert!(!d.has_remote_buffers("n1"));
+    }
+}

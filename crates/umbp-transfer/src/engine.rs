@@ -1,0 +1,260 @@
+//! The engine contract: items in, plans out, handles to wait on.
+
+use std::fmt;
+
+use umbp_core::{MemoryRegistrar, MetricSource, TransferRef};
+
+/// One copy the caller wants: `size` bytes from `src` at `src_offset` to `dst` at `dst_offset`.
+/// `tag` names the caller's unit of failure (usually a key's index in a batch); several items may
+/// share a tag, and a failed plan fails every tag in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferItem {
+    /// Where the bytes are.
+    pub src: TransferRef,
+    /// Byte offset inside `src`.
+    pub src_offset: u64,
+    /// Where the bytes go.
+    pub dst: TransferRef,
+    /// Byte offset inside `dst`.
+    pub dst_offset: u64,
+    /// Bytes to copy; a 0-byte item is skipped, not rejected.
+    pub size: u64,
+    /// The caller's failure unit.
+    pub tag: u64,
+}
+
+/// Which way bytes cross the process boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TransferDirection {
+    /// Local memory to a remote node (a remote write).
+    Push,
+    /// A remote node to local memory (a remote read).
+    Pull,
+    /// Both sides in this process.
+    Local,
+}
+
+impl TransferDirection {
+    /// Every direction, in metric order.
+    pub const ALL: [TransferDirection; 3] = [Self::Push, Self::Pull, Self::Local];
+
+    /// The `direction=` metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Push => "push",
+            Self::Pull => "pull",
+            Self::Local => "local",
+        }
+    }
+
+    pub(crate) const fn index(self) -> usize {
+        match self {
+            Self::Push => 0,
+            Self::Pull => 1,
+            Self::Local => 2,
+        }
+    }
+}
+
+/// A contiguous run of one plan: `len` bytes from `src_offset` in the plan's `src` to `dst_offset` in
+/// its `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Segment {
+    /// Offset inside the plan's source.
+    pub src_offset: u64,
+    /// Offset inside the plan's destination.
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Copies the composite engine performs around a staged plan: caller memory that no engine could
+/// address directly goes through the bounce pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Staging {
+    /// The bounce round the plan belongs to; rounds run one after another, each filling the pool once.
+    pub round: u32,
+    /// Caller ↔ bounce copies of the plan's items.
+    pub copies: Vec<BounceCopy>,
+}
+
+/// One caller ↔ bounce copy of a staged item.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BounceCopy {
+    /// The caller's memory (a ref with a local region).
+    pub user: TransferRef,
+    /// Offset inside `user`.
+    pub user_offset: u64,
+    /// Offset inside the bounce pool.
+    pub bounce_offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// The item's tag.
+    pub tag: u64,
+}
+
+/// Work for one engine between one (src, dst) pair of buffers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferPlan {
+    /// The source buffer.
+    pub src: TransferRef,
+    /// The destination buffer.
+    pub dst: TransferRef,
+    /// The runs to copy, coalesced where adjacent on both sides.
+    pub segments: Vec<Segment>,
+    /// The tags of the items in the plan (consecutive duplicates removed).
+    pub tags: Vec<u64>,
+    /// Push, pull or local.
+    pub direction: TransferDirection,
+    /// Set by the composite engine: the index of the engine that owns the plan.
+    pub engine: Option<usize>,
+    /// Set by the composite engine when the plan moves staged caller memory.
+    pub staging: Option<Staging>,
+}
+
+impl TransferPlan {
+    /// Total bytes of the plan.
+    pub fn bytes(&self) -> u64 {
+        self.segments.iter().map(|s| s.len).sum()
+    }
+}
+
+/// The result of planning: the plans, and the tags of items no plan could take (out of range,
+/// unaddressable, too large to stage). The caller must treat rejected tags as failed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlanSet {
+    /// Plans to submit.
+    pub plans: Vec<TransferPlan>,
+    /// Tags that will not be moved.
+    pub rejected_tags: Vec<u64>,
+}
+
+/// Why a plan failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// Planning refused the item (no engine, out of range, too large for the bounce pool).
+    Rejected,
+    /// The engine posted nothing for the plan.
+    NotSubmitted,
+    /// The remote side refused the range (beyond the registered region).
+    OutOfRange,
+    /// The remote side does not know the region (never registered, or deregistered).
+    UnknownRegion,
+    /// The peer refused the cluster token.
+    Unauthorized,
+    /// The connection broke or could not be made.
+    ConnectionLost,
+    /// The peer did not answer in time.
+    Timeout,
+    /// The peer sent something that is not the protocol.
+    Protocol,
+    /// A local error (a GPU runtime call, an invalid plan handed to submit).
+    Local,
+}
+
+/// One failed plan: every tag in it failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{kind:?} via {endpoint}: {message}")]
+pub struct TransferFailure {
+    /// The tags of the failed plan.
+    pub tags: Vec<u64>,
+    /// What kind of failure.
+    pub kind: FailureKind,
+    /// What happened, for logs.
+    pub message: String,
+    /// The engine or peer it happened at.
+    pub endpoint: String,
+}
+
+impl TransferFailure {
+    /// A failure of `tags`.
+    pub fn new(tags: Vec<u64>, kind: FailureKind, message: impl Into<String>, endpoint: impl Into<String>) -> Self {
+        Self { tags, kind, message: message.into(), endpoint: endpoint.into() }
+    }
+}
+
+/// Every tag named by `failures`, sorted and deduplicated.
+pub fn failed_tags(failures: &[TransferFailure]) -> Vec<u64> {
+    let mut tags: Vec<u64> = failures.iter().flat_map(|f| f.tags.iter().copied()).collect();
+    tags.sort_unstable();
+    tags.dedup();
+    tags
+}
+
+/// Submitted work. [`wait`](Self::wait) blocks until every plan has finished (bounded: engines put a
+/// deadline on every wait) and reports one failure per failed plan; it never stops at the first
+/// failure. A second `wait` returns nothing. Dropping a handle that was never waited on waits for
+/// the work first, because the work may still be reading or writing memory the caller owns.
+pub trait TransferHandle: Send + fmt::Debug {
+    /// Waits for everything and returns the failures.
+    fn wait(&mut self) -> Vec<TransferFailure>;
+}
+
+/// A handle whose work finished inside `submit`.
+#[derive(Debug, Default)]
+pub struct CompletedHandle {
+    failures: Vec<TransferFailure>,
+}
+
+impl CompletedHandle {
+    /// A settled handle carrying `failures`.
+    pub fn new(failures: Vec<TransferFailure>) -> Self {
+        Self { failures }
+    }
+}
+
+impl TransferHandle for CompletedHandle {
+    fn wait(&mut self) -> Vec<TransferFailure> {
+        std::mem::take(&mut self.failures)
+    }
+}
+
+/// A way to move bytes between [`TransferRef`]s: it registers memory (so it is a
+/// [`MemoryRegistrar`]), says which pairs of endpoints it can serve, turns items into plans and runs
+/// them.
+pub trait TransferEngine: MemoryRegistrar + MetricSource {
+    /// A short, stable name (the `engine=` metric label).
+    fn name(&self) -> &str;
+
+    /// Whether this engine can move bytes from `src` to `dst`. Pair-based: one side alone never
+    /// decides.
+    fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool;
+
+    /// Groups `items` into plans. Pure: nothing moves. Items this engine cannot handle, or whose range
+    /// lies outside either ref, are rejected by tag; 0-byte items are skipped.
+    fn plan(&self, items: &[TransferItem]) -> PlanSet;
+
+    /// Starts the plans. `Err` means nothing was posted and every tag of every plan failed. Engines
+    /// re-check each plan's ranges here: a hand-built plan never reaches memory out of range.
+    fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure>;
+}
+
+/// Plans, submits and waits: for callers with nothing to overlap. `Ok` when every item moved;
+/// otherwise every failure, rejected items included.
+pub fn transfer(engine: &dyn TransferEngine, items: &[TransferItem]) -> Result<(), Vec<TransferFailure>> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let PlanSet { plans, rejected_tags } = engine.plan(items);
+    let mut failures = Vec::new();
+    if !rejected_tags.is_empty() {
+        failures.push(TransferFailure::new(
+            rejected_tags,
+            FailureKind::Rejected,
+            "no engine can move these items as given",
+            engine.name(),
+        ));
+    }
+    if !plans.is_empty() {
+        let tags: Vec<u64> = plans.iter().flat_map(|p| p.tags.iter().copied()).collect();
+        match engine.submit(plans) {
+            Ok(mut handle) => failures.extend(handle.wait()),
+            Err(mut failure) => {
+                failure.tags = tags;
+                failures.push(failure);
+            }
+        }
+    }
+    if failures.is_empty() { Ok(()) } else { Err(failures) }
+}

@@ -1,0 +1,36 @@
+//! The transfer layer: the only code in umbp-rs that moves bytes.
+//!
+//! Storage media publish self-describing [`TransferRef`](umbp_core::TransferRef)s and never copy;
+//! this crate copies between them. A [`TransferEngine`] is a
+//! [`MemoryRegistrar`](umbp_core::MemoryRegistrar) that can also plan and run copies:
+//!
+//! - [`LocalCopyEngine`] — host ↔ host inside one process (coalescing, parallel for large batches);
+//! - [`TcpEngine`] and its [`DataServer`] — the remote data plane for machines without RDMA: a node
+//!   serves its registered regions over TCP, peers read and write them by (region id, offset, length);
+//! - [`CompositeTransferEngine`] — what a node actually holds: registration fans out to every engine,
+//!   each (src, dst) pair goes to the first engine that can handle it, caller memory no engine can
+//!   address is staged through one bounce pool, and every engine is measured per direction.
+//!
+//! # Owns
+//! Engines, their connections and threads, the data server's region table, the bounce pool and the
+//! peer directory (which remote buffers this node knows).
+//!
+//! # Never
+//! Knows a storage medium, a key or a tier. Descriptors are self-describing, so adding a medium never
+//! edits this crate.
+
+mod composite;
+mod directory;
+mod engine;
+mod local;
+mod planning;
+// TEMP mod tcp;
+
+pub use composite::{CompositeConfig, CompositeTransferEngine};
+pub use directory::PeerDirectory;
+pub use engine::{
+    BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, TransferDirection, TransferEngine,
+    TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
+};
+pub use local::{LocalCopyConfig, LocalCopyEngine};
+// TEMP pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig};
