@@ -143,6 +143,10 @@ impl TransferRef {
     /// Never grows the ref: a larger `size` is clamped to the current one.
     pub fn truncated(mut self, size: u64) -> Self {
         self.size = self.size.min(size);
+        // Narrow the local view too, so no engine can bound a copy by the wider mapped length.
+        if let Some(local) = self.local.as_mut() {
+            local.len = local.len.min(self.size);
+        }
         self
     }
 
@@ -212,6 +216,11 @@ mod tests {
         assert!(r.has_local() && r.has_remote());
         assert_eq!(r.clone().truncated(1000).size(), 64, "truncation never grows a ref");
         assert_eq!(r.clone().truncated(32).size(), 32);
+        assert_eq!(
+            r.clone().truncated(32).local_region().map(LocalRegion::len),
+            Some(32),
+            "the local view narrows too"
+        );
         let empty = TransferRef::local(region).truncated(0);
         assert!(!empty.is_valid());
     }

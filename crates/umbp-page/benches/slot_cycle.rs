@@ -8,35 +8,40 @@
 //! default 300) tune it.
 
 use std::collections::HashMap;
+
+use parking_lot::Mutex;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, TierType};
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, ManualClock, MediumBackend, TierType};
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_testkit::LocalOnlyRegistrar;
 
 const PAGE: u64 = 4096;
 const PAGES: u64 = 64 * 1024;
 const KEYS_PER_THREAD: usize = 1024;
+const LEASE: Duration = Duration::from_millis(500);
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn backend() -> PageBackend {
-    // The cycle resolves and then evicts at once; a 1 ns lease has expired by the evict, so the
-    // evict frees the key while the lease bookkeeping (insert, expiry check, erase) is still paid.
-    let config =
-        PageBackendConfig::new(TierType::Dram, PAGE, vec![PAGES * PAGE]).with_read_lease_ttl(Duration::from_nanos(1));
+/// A backend on a manual clock: the cycle moves time past the read lease between resolve and evict,
+/// so the evict frees the key while the lease bookkeeping (insert, expiry check, erase) is still paid.
+fn backend() -> (PageBackend, Arc<ManualClock>) {
+    let clock = ManualClock::new();
+    let config = PageBackendConfig::new(TierType::Dram, PAGE, vec![PAGES * PAGE])
+        .with_read_lease_ttl(LEASE)
+        .with_clock(clock.clone());
     let source = HostPageMemorySource::new(HostMemoryOptions::default());
     let b = PageBackend::new(config, Box::new(source)).expect("config");
     b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
-    b
+    (b, clock)
 }
 
 /// One full cycle over `keys` in batches of `batch`; returns keys processed.
-fn cycle(b: &PageBackend, keys: &[String], batch: usize) -> u64 {
+fn cycle(b: &PageBackend, clock: &ManualClock, keys: &[String], batch: usize) -> u64 {
     for chunk in keys.chunks(batch) {
         let reqs: Vec<AllocateRequest> = chunk.iter().map(|k| AllocateRequest::new(k.clone(), PAGE)).collect();
         let allocated = b.batch_allocate(&reqs);
@@ -50,26 +55,38 @@ fn cycle(b: &PageBackend, keys: &[String], batch: usize) -> u64 {
             .collect();
         black_box(b.batch_commit(&commits));
         black_box(b.batch_resolve(chunk, false));
+        clock.advance(LEASE);
         let freed = b.evict(chunk);
         assert!(freed.iter().all(|r| r.bytes_freed == PAGE), "every key evicted");
     }
-    // The heartbeat ships the outbox (auto-flush fires at 128 events by default); here once per
-    // 1024-key pass, so the outbox stays bounded as it does in a node.
+    // A node's heartbeat ships the outbox regularly; here once per 1024-key pass, so the outbox stays
+    // bounded as it does in a node.
     black_box(b.drain_pending_events());
     keys.len() as u64
 }
 
-/// The floor: a key → (pages, size) map's insert, get and remove, with the same key clones.
-fn baseline(map: &mut HashMap<String, (u64, u64)>, keys: &[String], batch: usize) -> u64 {
+/// The floor: a key → (pages, size) map's insert, get and remove, with the same key clones, behind one
+/// lock shared by every thread and taken once per phase of a batch (as the backend takes its lock once
+/// per batch call), so the 2-thread rows compare contended lock against contended lock.
+fn baseline(map: &Mutex<HashMap<String, (u64, u64)>>, keys: &[String], batch: usize) -> u64 {
     for chunk in keys.chunks(batch) {
-        for (i, k) in chunk.iter().enumerate() {
-            map.insert(k.clone(), (i as u64, PAGE));
+        {
+            let mut m = map.lock();
+            for (i, k) in chunk.iter().enumerate() {
+                m.insert(k.clone(), (i as u64, PAGE));
+            }
         }
-        for k in chunk {
-            black_box(map.get(k));
+        {
+            let m = map.lock();
+            for k in chunk {
+                black_box(m.get(k));
+            }
         }
-        for k in chunk {
-            black_box(map.remove(k));
+        {
+            let mut m = map.lock();
+            for k in chunk {
+                black_box(m.remove(k));
+            }
         }
     }
     keys.len() as u64
@@ -118,23 +135,19 @@ fn main() {
     println!("slot cycle: {rounds} rounds of {budget:?} each; medians; ns per key = wall time / keys over all threads");
     println!();
     println!(
-        "| workload | threads | batch | PageBackend ns/key | baseline ns/key (HashMap insert+get+remove) | ratio |"
+        "| workload | threads | batch | PageBackend ns/key | baseline ns/key (locked HashMap insert+get+remove) | ratio |"
     );
     println!("|---|---|---|---|---|---|");
     for threads in [1usize, 2] {
         for batch in [1usize, 128] {
-            let b = backend();
+            let (b, clock) = backend();
             let mut ours = Vec::new();
             let mut base = Vec::new();
             // Interleave the two so machine noise hits both alike.
             for _ in 0..rounds {
-                ours.push(round(threads, budget, |_| (), |_, keys| cycle(&b, keys, batch)));
-                base.push(round(
-                    threads,
-                    budget,
-                    |_| HashMap::with_capacity(KEYS_PER_THREAD),
-                    |map, keys| baseline(map, keys, batch),
-                ));
+                ours.push(round(threads, budget, |_| (), |_, keys| cycle(&b, &clock, keys, batch)));
+                let map = Mutex::new(HashMap::with_capacity(KEYS_PER_THREAD * threads));
+                base.push(round(threads, budget, |_| (), |_, keys| baseline(&map, keys, batch)));
             }
             let (ours, base) = (median(ours), median(base));
             println!(

@@ -26,9 +26,13 @@ use umbp_core::{
 };
 
 use crate::allocator::PageBitmapAllocator;
-use crate::source::{PageMemorySource, RawBuffer};
+use crate::source::{PageMemorySource, RawBuffer, SourceError};
 
-/// Settings of a [`PageBackend`].
+/// The longest TTL, lease or interval a config may set (30 days).
+const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Settings of a [`PageBackend`]. Every duration must be greater than 0 and at most 30 days, and at
+/// least one buffer must hold a whole page.
 #[derive(Clone)]
 pub struct PageBackendConfig {
     /// The tier the backend serves. Default: DRAM.
@@ -90,6 +94,12 @@ impl PageBackendConfig {
         self
     }
 
+    /// Sets the age at which a held copy pin is reported.
+    pub fn with_long_pin_warning(mut self, after: Duration) -> Self {
+        self.long_pin_warning = after;
+        self
+    }
+
     /// Sets the clock.
     pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
@@ -97,17 +107,32 @@ impl PageBackendConfig {
     }
 
     fn validate(&self) -> Result<(), BackendError> {
+        let invalid = |msg: String| Err(BackendError::InvalidConfig(msg));
         if self.page_size == 0 {
-            return Err(BackendError::InvalidConfig("page_size must be greater than 0".into()));
+            return invalid("page_size must be greater than 0".into());
         }
         if self.tier == TierType::Unknown {
-            return Err(BackendError::InvalidConfig("tier must be a real tier, not UNKNOWN".into()));
+            return invalid("tier must be a real tier, not UNKNOWN".into());
         }
-        if self.read_lease_ttl.is_zero() {
-            return Err(BackendError::InvalidConfig("read_lease_ttl must be at least 1 ms".into()));
+        if !self.buffer_sizes.iter().any(|size| *size >= self.page_size) {
+            return invalid(format!(
+                "buffer_sizes {:?} hold no whole page of {} bytes: the medium would have no capacity",
+                self.buffer_sizes, self.page_size
+            ));
         }
-        if self.reaper_interval.is_zero() {
-            return Err(BackendError::InvalidConfig("reaper_interval must be greater than 0".into()));
+        for (name, value) in [
+            ("pending_ttl", self.pending_ttl),
+            ("read_lease_ttl", self.read_lease_ttl),
+            ("reaper_interval", self.reaper_interval),
+            ("long_pin_warning", self.long_pin_warning),
+        ] {
+            if value.is_zero() {
+                return invalid(format!("{name} must be greater than 0"));
+            }
+            // Deadlines are `now + ttl`; a bound keeps that addition far from overflow.
+            if value > MAX_DURATION {
+                return invalid(format!("{name} of {value:?} exceeds the maximum of {MAX_DURATION:?}"));
+            }
         }
         Ok(())
     }
@@ -179,6 +204,16 @@ struct Deferred {
     release_at: Instant,
 }
 
+/// The pages of a key dropped by `clear_local` while a copier held its pin: they stay reserved until
+/// the pin is released (and, if a reader also held a lease, until that lease ends too).
+#[derive(Debug)]
+struct OrphanedPin {
+    pages: Vec<PageLocation>,
+    not_before: Instant,
+    acquired_at: Instant,
+    warned: bool,
+}
+
 struct AutoFlush {
     threshold: usize,
     hook: AutoFlushHook,
@@ -193,6 +228,8 @@ struct State {
     owned: HashMap<String, Owned>,
     leases: HashMap<String, Instant>,
     pins: HashMap<String, Pin>,
+    /// Pins of keys that `clear_local` dropped, by token.
+    orphaned_pins: HashMap<u64, OrphanedPin>,
     deferred: Vec<Deferred>,
     outbox: Vec<KvEvent>,
     generation: u64,
@@ -241,6 +278,12 @@ impl State {
             if !pin.warned && now.saturating_duration_since(pin.acquired_at) >= long_pin {
                 pin.warned = true;
                 tracing::warn!(%tier, key = %key, held = ?now.saturating_duration_since(pin.acquired_at), "copy pin held unusually long; its key cannot be evicted");
+            }
+        }
+        for (token, pin) in &mut self.orphaned_pins {
+            if !pin.warned && now.saturating_duration_since(pin.acquired_at) >= long_pin {
+                pin.warned = true;
+                tracing::warn!(%tier, token, held = ?now.saturating_duration_since(pin.acquired_at), "copy pin of a cleared key held unusually long; its pages stay reserved");
             }
         }
         let mut due = Vec::new();
@@ -406,11 +449,19 @@ impl PageBackend {
         Some(CopyPin { segments, total_size, token })
     }
 
-    /// Releases a copy pin. An unknown key or a wrong token is ignored.
+    /// Releases a copy pin. An unknown key or a wrong token is ignored. Releasing the pin of a key
+    /// that `clear_local` dropped frees its pages (or defers them to the end of a reader's lease).
     pub fn release_copy_pin(&self, key: &str, token: u64) {
+        let now = self.inner.config.clock.now();
         let mut state = self.inner.state.lock();
         if state.pins.get(key).is_some_and(|p| p.token == token) {
             state.pins.remove(key);
+        } else if let Some(orphan) = state.orphaned_pins.remove(&token) {
+            if orphan.not_before <= now {
+                state.free(&orphan.pages);
+            } else {
+                state.deferred.push(Deferred { pages: orphan.pages, release_at: orphan.not_before });
+            }
         }
     }
 
@@ -520,10 +571,14 @@ impl MediumBackend for PageBackend {
         }
         let config = &self.inner.config;
         let requested: u64 = config.buffer_sizes.iter().fold(0u64, |a, b| a.saturating_add(*b));
-        let buffers = self.source.allocate(&config.buffer_sizes).map_err(|e| BackendError::OutOfMemory {
-            medium: self.source.name().to_owned(),
-            requested,
-            reason: e.to_string(),
+        let buffers = self.source.allocate(&config.buffer_sizes).map_err(|e| match e {
+            // A request the source can never serve is a configuration error, not a retryable one.
+            SourceError::Invalid { .. } => BackendError::InvalidConfig(format!("{}: {e}", self.source.name())),
+            _ => BackendError::OutOfMemory {
+                medium: self.source.name().to_owned(),
+                requested,
+                reason: std::error::Error::source(&e).map_or_else(|| e.to_string(), |cause| format!("{e}: {cause}")),
+            },
         })?;
         let usable: Vec<u64> = buffers.iter().map(RawBuffer::len).collect();
         let allocator = match PageBitmapAllocator::new(config.page_size, &usable) {
@@ -561,8 +616,9 @@ impl MediumBackend for PageBackend {
                 });
             }
         };
-        self.inner.state.lock().allocator = Some(allocator);
+        // Publish before opening allocation, so no allocation ever sees missing descriptors.
         *self.inner.published.write() = Some(Arc::new(Published { registrar, registered, refs, descs }));
+        self.inner.state.lock().allocator = Some(allocator);
         *self.reaper.lock() = Some(reaper);
         *lifecycle = Lifecycle::Live;
         tracing::debug!(tier = %config.tier, source = self.source.name(), buffers = buffers.len(), "page backend live");
@@ -576,14 +632,19 @@ impl MediumBackend for PageBackend {
         }
         *lifecycle = Lifecycle::ShutDown;
         self.stop_reaper();
+        // First close the state, so every later call fails cleanly instead of handing out pages of
+        // memory about to be unmapped; the hook is dropped outside the lock (it may own anything).
+        let old = {
+            let mut state = self.inner.state.lock();
+            let next_pin_token = state.next_pin_token;
+            std::mem::replace(&mut *state, State { next_pin_token, ..State::default() })
+        };
+        drop(old);
         // Deregister before release: a transport may still map these pages.
         if let Some(published) = self.inner.published.write().take() {
             published.deregister_all();
         }
         self.source.release();
-        let mut state = self.inner.state.lock();
-        let auto_flush = state.auto_flush.take();
-        *state = State { next_pin_token: state.next_pin_token, auto_flush, ..State::default() };
     }
 
     fn capacity(&self) -> TierCapacity {
@@ -620,20 +681,31 @@ impl MediumBackend for PageBackend {
         let mut state = self.inner.state.lock();
         state.generation += 1;
         if !state.pins.is_empty() {
-            // The copier must be quiesced before a clear; its pins die with the keys.
-            tracing::error!(tier = %self.inner.config.tier, pins = state.pins.len(), "clear_local with copy pins held");
-            debug_assert!(state.pins.is_empty(), "clear_local with copy pins held");
+            // A copier should be quiesced before a clear. If it was not, its pages must outlive the
+            // key: they stay reserved until the pin is released, never handed to another writer.
+            tracing::error!(tier = %self.inner.config.tier, pins = state.pins.len(), "clear_local with copy pins held; their pages stay reserved until released");
         }
         let owned = std::mem::take(&mut state.owned);
         let leases = std::mem::take(&mut state.leases);
+        let mut pins = std::mem::take(&mut state.pins);
         for (key, o) in owned {
-            match leases.get(&key) {
+            let lease = leases.get(&key).copied().filter(|until| *until > now);
+            if let Some(pin) = pins.remove(&key) {
+                let orphan = OrphanedPin {
+                    pages: o.pages,
+                    not_before: lease.unwrap_or(now),
+                    acquired_at: pin.acquired_at,
+                    warned: pin.warned,
+                };
+                state.orphaned_pins.insert(pin.token, orphan);
+                continue;
+            }
+            match lease {
                 // A reader may still be copying out of these pages: free them when its lease ends.
-                Some(until) if *until > now => state.deferred.push(Deferred { pages: o.pages, release_at: *until }),
-                _ => state.free(&o.pages),
+                Some(until) => state.deferred.push(Deferred { pages: o.pages, release_at: until }),
+                None => state.free(&o.pages),
             }
         }
-        state.pins.clear();
         state.outbox.clear();
         // Set under the lock so no allocation can slip between the generation bump and the gate.
         self.inner.clear_pending.store(true, Ordering::Release);

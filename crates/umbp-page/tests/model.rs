@@ -23,14 +23,13 @@ const KEYS: usize = 6;
 
 #[derive(Debug, Clone)]
 enum Op {
+    /// One batch of 1-4 requests (keys may repeat inside a batch).
     Allocate {
-        key: usize,
-        size: u64,
+        reqs: Vec<(usize, u64)>,
     },
-    /// Commit the `slot`-th slot ever handed out (or an unknown id when out of range).
+    /// Commit the `slot`-th slot ever handed out (or an unknown id when out of range), in batches.
     Commit {
-        slot: usize,
-        key: usize,
+        reqs: Vec<(usize, usize)>,
     },
     Abort {
         slot: usize,
@@ -49,12 +48,20 @@ enum Op {
     Tick,
     Drain,
     FullSyncSnapshot,
+    Pin {
+        key: usize,
+    },
+    /// Release the `pin`-th pin ever taken (with its key), possibly again.
+    Unpin {
+        pin: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..KEYS, 0..=4 * PAGE).prop_map(|(key, size)| Op::Allocate { key, size }),
-        6 => (0..24usize, 0..KEYS).prop_map(|(slot, key)| Op::Commit { slot, key }),
+        // Up to 14 pages: values larger than the whole 12-page medium must be Failed, not NoSpace.
+        6 => proptest::collection::vec((0..KEYS, 0..=(TOTAL_PAGES + 2) * PAGE), 1..=4).prop_map(|reqs| Op::Allocate { reqs }),
+        6 => proptest::collection::vec((0..24usize, 0..KEYS), 1..=4).prop_map(|reqs| Op::Commit { reqs }),
         2 => (0..24usize).prop_map(|slot| Op::Abort { slot }),
         3 => (0..KEYS).prop_map(|key| Op::Resolve { key }),
         3 => (0..KEYS).prop_map(|key| Op::Evict { key }),
@@ -64,6 +71,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => Just(Op::Tick),
         2 => Just(Op::Drain),
         1 => Just(Op::FullSyncSnapshot),
+        2 => (0..KEYS).prop_map(|key| Op::Pin { key }),
+        2 => (0..8usize).prop_map(|pin| Op::Unpin { pin }),
     ]
 }
 
@@ -91,6 +100,9 @@ struct Model {
     outbox: Vec<KvEvent>,
     generation: u64,
     clearing: bool,
+    pins: HashMap<String, u64>,
+    /// Pins of cleared keys: token -> (pages, not before).
+    orphans: HashMap<u64, (u64, Instant)>,
 }
 
 impl Model {
@@ -104,6 +116,8 @@ impl Model {
             outbox: Vec::new(),
             generation: 0,
             clearing: false,
+            pins: HashMap::new(),
+            orphans: HashMap::new(),
         }
     }
 
@@ -160,7 +174,7 @@ impl Model {
         if !self.owned.contains_key(k) {
             return 0;
         }
-        if self.leases.get(k).is_some_and(|u| *u > now) {
+        if self.leases.get(k).is_some_and(|u| *u > now) || self.pins.contains_key(k) {
             return 0;
         }
         self.leases.remove(k);
@@ -174,10 +188,16 @@ impl Model {
 
     fn clear(&mut self, now: Instant) {
         self.generation += 1;
+        let mut pins = std::mem::take(&mut self.pins);
         for (k, (pages, _)) in std::mem::take(&mut self.owned) {
-            match self.leases.get(&k) {
-                Some(u) if *u > now => self.deferred.push((pages, *u)),
-                _ => self.free += pages,
+            let lease = self.leases.get(&k).copied().filter(|u| *u > now);
+            if let Some(token) = pins.remove(&k) {
+                self.orphans.insert(token, (pages, lease.unwrap_or(now)));
+                continue;
+            }
+            match lease {
+                Some(u) => self.deferred.push((pages, u)),
+                None => self.free += pages,
             }
         }
         self.leases.clear();
@@ -203,6 +223,25 @@ impl Model {
         self.free += freed;
     }
 
+    fn pin(&mut self, k: &str) -> bool {
+        if !self.owned.contains_key(k) || self.pins.contains_key(k) {
+            return false;
+        }
+        true
+    }
+
+    fn unpin(&mut self, k: &str, token: u64, now: Instant) {
+        if self.pins.get(k) == Some(&token) {
+            self.pins.remove(k);
+        } else if let Some((pages, not_before)) = self.orphans.remove(&token) {
+            if not_before <= now {
+                self.free += pages;
+            } else {
+                self.deferred.push((pages, not_before));
+            }
+        }
+    }
+
     fn snapshot(&self) -> Vec<KvEvent> {
         self.owned.iter().map(|(k, (_, size))| KvEvent::add(k.clone(), TierType::Dram, *size)).collect()
     }
@@ -226,29 +265,43 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
     backend.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
     let mut model = Model::new();
     let mut slots: Vec<u64> = Vec::new();
+    let mut pins: Vec<(String, u64)> = Vec::new();
 
     for (step, op) in ops.iter().enumerate() {
         let now = clock.now();
         match op {
-            Op::Allocate { key: k, size } => {
-                let real = backend.batch_allocate(&[AllocateRequest::new(key(*k), *size)]).remove(0);
-                let (want, pages) = model.allocate(&key(*k), *size);
-                prop_assert_eq!(real.outcome, want, "step {}: {:?}", step, op);
-                if want == AllocateOutcome::Allocated {
-                    prop_assert_eq!(real.pages.len() as u64, pages);
-                    prop_assert!(real.slot_id != 0);
-                    model.pending.insert(
-                        real.slot_id,
-                        Slot { pages, size: *size, deadline: now + PENDING_TTL, generation: model.generation },
-                    );
-                    slots.push(real.slot_id);
+            Op::Allocate { reqs } => {
+                let batch: Vec<AllocateRequest> =
+                    reqs.iter().map(|(k, size)| AllocateRequest::new(key(*k), *size)).collect();
+                let real = backend.batch_allocate(&batch);
+                prop_assert_eq!(real.len(), reqs.len());
+                for ((k, size), real) in reqs.iter().zip(real) {
+                    let (want, pages) = model.allocate(&key(*k), *size);
+                    prop_assert_eq!(real.outcome, want, "step {}: {:?}", step, op);
+                    if want == AllocateOutcome::Allocated {
+                        prop_assert_eq!(real.pages.len() as u64, pages);
+                        prop_assert!(real.slot_id != 0);
+                        model.pending.insert(
+                            real.slot_id,
+                            Slot { pages, size: *size, deadline: now + PENDING_TTL, generation: model.generation },
+                        );
+                        slots.push(real.slot_id);
+                    }
                 }
             }
-            Op::Commit { slot, key: k } => {
-                let id = slots.get(*slot).copied().unwrap_or(1_000_000 + *slot as u64);
-                let real = backend.batch_commit(&[CommitRequest::new(id, key(*k))]).remove(0);
-                let want = model.commit(id, &key(*k), now);
-                prop_assert_eq!((real.success, real.bytes_committed), want, "step {}: {:?}", step, op);
+            Op::Commit { reqs } => {
+                let ids: Vec<u64> = reqs
+                    .iter()
+                    .map(|(slot, _)| slots.get(*slot).copied().unwrap_or(1_000_000 + *slot as u64))
+                    .collect();
+                let batch: Vec<CommitRequest> =
+                    ids.iter().zip(reqs).map(|(id, (_, k))| CommitRequest::new(*id, key(*k))).collect();
+                let real = backend.batch_commit(&batch);
+                prop_assert_eq!(real.len(), reqs.len());
+                for ((id, (_, k)), real) in ids.iter().zip(reqs).zip(real) {
+                    let want = model.commit(*id, &key(*k), now);
+                    prop_assert_eq!((real.success, real.bytes_committed), want, "step {}: {:?}", step, op);
+                }
             }
             Op::Abort { slot } => {
                 let id = slots.get(*slot).copied().unwrap_or(1_000_000 + *slot as u64);
@@ -280,6 +333,20 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             Op::Drain => {
                 let real = backend.drain_pending_events();
                 prop_assert_eq!(real, std::mem::take(&mut model.outbox), "step {}", step);
+            }
+            Op::Pin { key: k } => {
+                let real = backend.acquire_copy_pin(&key(*k));
+                prop_assert_eq!(real.is_some(), model.pin(&key(*k)), "step {}: {:?}", step, op);
+                if let Some(pin) = real {
+                    model.pins.insert(key(*k), pin.token);
+                    pins.push((key(*k), pin.token));
+                }
+            }
+            Op::Unpin { pin } => {
+                if let Some((k, token)) = pins.get(*pin).cloned() {
+                    backend.release_copy_pin(&k, token);
+                    model.unpin(&k, token, now);
+                }
             }
             Op::FullSyncSnapshot => {
                 let real = sorted(backend.snapshot_owned_keys_for_full_sync());

@@ -5,11 +5,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use umbp_core::{
-    AllocateOutcome, AllocateRequest, AllocateResult, CommitRequest, KvEvent, KvEventKind, ManualClock, MediumBackend,
-    MemoryLocation, PageLocation, TierType,
+    AllocateOutcome, AllocateRequest, AllocateResult, BackendError, CommitRequest, KvEvent, KvEventKind, LocalRegion,
+    ManualClock, MediumBackend, MemoryLocation, MemoryRegistrar, PageLocation, RegistrationError, TierType,
+    TransferRef,
 };
-use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+use umbp_page::{
+    HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig, PageMemorySource, RawBuffer, SourceError,
+};
 use umbp_testkit::LocalOnlyRegistrar;
 
 const PAGE: u64 = 1024;
@@ -28,6 +32,8 @@ fn fixture_with(tier: TierType, pending_ttl: Duration, lease: Duration) -> Fixtu
     let config = PageBackendConfig::new(tier, PAGE, vec![PAGE * PAGES_PER_BUFFER; BUFFERS])
         .with_pending_ttl(pending_ttl)
         .with_read_lease_ttl(lease)
+        // Only `reaper_tick` sweeps in these tests: the background reaper must not race them.
+        .with_reaper_interval(Duration::from_secs(3600))
         .with_clock(clock.clone());
     let source = HostPageMemorySource::new(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
     let backend = PageBackend::new(config, Box::new(source)).expect("valid config");
@@ -607,5 +613,156 @@ fn operations_before_init_are_harmless() {
     assert_eq!(b.capacity().total_bytes, 0);
     assert!(b.buffer_ref(0).is_none());
     assert!(b.all_buffer_descs().is_empty());
+    b.shutdown();
+}
+
+#[test]
+fn clear_local_keeps_pinned_pages_reserved_until_the_pin_is_released() {
+    let f = fixture();
+    put(&f.backend, "k", 2 * PAGE);
+    let pin = f.backend.acquire_copy_pin("k").expect("pin");
+    f.backend.clear_local();
+    f.backend.clear_full_sync_acked();
+    assert!(!found(&f.backend, "k"), "the key is gone at once");
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 2, "but the copier's pages are not reusable");
+    // The same key can be written and pinned again: the old pin does not block it.
+    put(&f.backend, "k", PAGE);
+    let again = f.backend.acquire_copy_pin("k").expect("a new pin on the new value");
+    f.backend.release_copy_pin("k", again.token);
+    assert_eq!(evict(&f.backend, &["k"]), vec![PAGE]);
+    f.backend.release_copy_pin("k", pin.token);
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES, "releasing the orphaned pin frees its pages");
+}
+
+#[test]
+fn a_pinned_and_leased_key_cleared_waits_for_both() {
+    let f = fixture();
+    put(&f.backend, "k", PAGE);
+    let pin = f.backend.acquire_copy_pin("k").expect("pin");
+    assert!(found(&f.backend, "k"));
+    f.backend.clear_local();
+    f.backend.release_copy_pin("k", pin.token);
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 1, "the reader's lease still holds the page");
+    f.clock.advance(Duration::from_millis(501));
+    f.backend.reaper_tick();
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES);
+}
+
+fn invalid(config: PageBackendConfig) -> String {
+    let source = HostPageMemorySource::new(HostMemoryOptions::default());
+    match PageBackend::new(config, Box::new(source)) {
+        Err(e @ BackendError::InvalidConfig(_)) => {
+            assert!(!e.is_retryable(), "a bad config is never retryable");
+            e.to_string()
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_configs_are_refused_with_the_setting_named() {
+    let base = || PageBackendConfig::new(TierType::Dram, PAGE, vec![4 * PAGE]);
+    assert!(invalid(base().with_pending_ttl(Duration::ZERO)).contains("pending_ttl"));
+    assert!(invalid(base().with_read_lease_ttl(Duration::from_secs(u64::MAX))).contains("read_lease_ttl"));
+    assert!(invalid(base().with_reaper_interval(Duration::ZERO)).contains("reaper_interval"));
+    assert!(invalid(PageBackendConfig::new(TierType::Dram, PAGE, vec![])).contains("no whole page"));
+    assert!(invalid(PageBackendConfig::new(TierType::Dram, PAGE, vec![PAGE - 1, 10])).contains("no whole page"));
+    assert!(invalid(PageBackendConfig::new(TierType::Unknown, PAGE, vec![PAGE])).contains("tier"));
+}
+
+#[test]
+fn a_source_config_error_is_an_invalid_config_not_out_of_memory() {
+    let config = PageBackendConfig::new(TierType::Dram, PAGE, vec![4 * PAGE]);
+    let options = HostMemoryOptions { use_hugepages: true, hugepage_size: 3 << 20, ..HostMemoryOptions::default() };
+    let b = PageBackend::new(config, Box::new(HostPageMemorySource::new(options))).expect("config");
+    let err = b.init(Arc::new(LocalOnlyRegistrar::new())).expect_err("3 MiB is no hugepage size");
+    assert!(matches!(err, BackendError::InvalidConfig(_)), "{err:?}");
+    assert!(!err.is_retryable());
+}
+
+#[test]
+fn shutdown_closes_the_state_and_drops_the_hook() {
+    let f = fixture();
+    let hook: umbp_core::AutoFlushHook = Arc::new(|| {});
+    f.backend.set_auto_flush_hook(3, Some(hook.clone()));
+    put(&f.backend, "k", 10);
+    f.backend.shutdown();
+    assert_eq!(Arc::strong_count(&hook), 1, "the backend no longer holds the hook");
+    assert_eq!(alloc(&f.backend, "x", 10).outcome, AllocateOutcome::Failed);
+    assert!(!found(&f.backend, "k"));
+    assert_eq!(f.backend.capacity().total_bytes, 0);
+}
+
+/// Records deregistrations and releases in one log, to check their order.
+#[derive(Debug, Default)]
+struct Log(Mutex<Vec<&'static str>>);
+
+#[derive(Debug)]
+struct LoggingSource {
+    inner: HostPageMemorySource,
+    log: Arc<Log>,
+}
+
+impl PageMemorySource for LoggingSource {
+    fn allocate(&self, sizes: &[u64]) -> Result<Vec<RawBuffer>, SourceError> {
+        self.inner.allocate(sizes)
+    }
+    fn release(&self) {
+        if self.inner.mapped_bytes() > 0 {
+            self.log.0.lock().push("release");
+        }
+        self.inner.release();
+    }
+    fn location(&self) -> MemoryLocation {
+        self.inner.location()
+    }
+    fn name(&self) -> &str {
+        "LoggingSource"
+    }
+}
+
+#[derive(Debug)]
+struct LoggingRegistrar {
+    log: Arc<Log>,
+}
+
+impl MemoryRegistrar for LoggingRegistrar {
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        Ok(TransferRef::local(region))
+    }
+    fn deregister(&self, _r: &TransferRef) {
+        self.log.0.lock().push("deregister");
+    }
+}
+
+#[test]
+fn shutdown_deregisters_every_buffer_before_releasing_memory() {
+    let log = Arc::new(Log::default());
+    let source = LoggingSource { inner: HostPageMemorySource::new(HostMemoryOptions::default()), log: log.clone() };
+    let b = PageBackend::new(PageBackendConfig::new(TierType::Dram, PAGE, vec![4 * PAGE; 3]), Box::new(source))
+        .expect("config");
+    b.init(Arc::new(LoggingRegistrar { log: log.clone() })).expect("init");
+    b.shutdown();
+    assert_eq!(*log.0.lock(), vec!["deregister", "deregister", "deregister", "release"]);
+}
+
+#[test]
+fn init_starts_a_reaper_that_sweeps_on_its_own() {
+    let clock = ManualClock::new();
+    let config = PageBackendConfig::new(TierType::Dram, PAGE, vec![4 * PAGE])
+        .with_pending_ttl(Duration::from_secs(1))
+        .with_reaper_interval(Duration::from_millis(1))
+        .with_clock(clock.clone());
+    let b = PageBackend::new(config, Box::new(HostPageMemorySource::new(HostMemoryOptions::default()))).expect("ok");
+    b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    alloc(&b, "k", PAGE);
+    assert_eq!(b.capacity().available_bytes, 3 * PAGE);
+    clock.advance(Duration::from_secs(2));
+    // No reaper_tick: only the background thread can free the expired slot.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while b.capacity().available_bytes != 4 * PAGE {
+        assert!(std::time::Instant::now() < deadline, "the reaper thread never swept");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     b.shutdown();
 }
