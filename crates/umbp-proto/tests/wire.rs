@@ -1,0 +1,66 @@
+//! The wire is stable: field numbers and enum values are pinned here by golden encodings, so an
+//! accidental renumbering in a `.proto` file fails a test instead of breaking old peers.
+
+use prost::Message;
+use umbp_proto::v1;
+
+#[test]
+fn tier_values_are_the_core_wire_values() {
+    assert_eq!(v1::TierType::TierUnknown as i32, 0);
+    assert_eq!(v1::TierType::TierHbm as i32, 1);
+    assert_eq!(v1::TierType::TierDram as i32, 2);
+    assert_eq!(v1::TierType::TierSsd as i32, 3);
+    assert_eq!(v1::AllocateOutcome::AllocateSuccessAllocated as i32, 1);
+    assert_eq!(v1::AllocateOutcome::AllocateFailedNoSpace as i32, 4);
+    assert_eq!(v1::NodeStatus::Alive as i32, 1);
+    assert_eq!(v1::RoutePutOutcome::RoutePutAlreadyExists as i32, 2);
+}
+
+#[test]
+fn heartbeat_field_numbers_are_pinned() {
+    let req = v1::HeartbeatRequest {
+        node_id: "n".into(),
+        is_full_sync: true,
+        delta_seq_baseline: 7,
+        full_sync_chunk: 2,
+        full_sync_final: true,
+        ..Default::default()
+    };
+    // field 1 (len) "n", field 3 (varint) 1, field 6 (varint) 7, field 8 (varint) 2, field 9 (varint) 1.
+    assert_eq!(req.encode_to_vec(), vec![0x0a, 1, b'n', 0x18, 1, 0x30, 7, 0x40, 2, 0x48, 1]);
+}
+
+#[test]
+fn buffer_desc_field_numbers_are_pinned() {
+    let d = v1::BufferDesc {
+        backend_id: 1,
+        buffer_index: 2,
+        size: 3,
+        location: v1::MemoryKind::MemoryGpu as i32,
+        device: 5,
+        tcp: Some(v1::RemoteRegion { endpoint: "e".into(), region_id: 9 }),
+    };
+    assert_eq!(d.encode_to_vec(), vec![0x08, 1, 0x10, 2, 0x18, 3, 0x20, 1, 0x28, 5, 0x32, 5, 0x0a, 1, b'e', 0x10, 9]);
+    let back = v1::BufferDesc::decode(d.encode_to_vec().as_slice()).expect("decodes");
+    assert_eq!(back, d);
+}
+
+#[test]
+fn columnar_route_get_reply_round_trips() {
+    let r = v1::BatchRouteGetResponse {
+        nodes: vec![v1::NodeInfo { node_id: "a".into(), peer_address: "127.0.0.1:1".into() }],
+        node_ref: vec![1, 0, 1],
+        tier: vec![v1::TierType::TierDram as i32; 3],
+        size: vec![10, 0, 30],
+    };
+    assert_eq!(v1::BatchRouteGetResponse::decode(r.encode_to_vec().as_slice()).expect("decodes"), r);
+}
+
+#[test]
+fn an_unknown_enum_value_still_decodes() {
+    // A newer peer's tier 9 decodes (as an unknown i32), it does not fail the message.
+    let bytes = vec![0x08, 9, 0x10, 100, 0x18, 50];
+    let cap = v1::TierCapacity::decode(bytes.as_slice()).expect("decodes");
+    assert_eq!(cap.tier, 9);
+    assert!(v1::TierType::try_from(cap.tier).is_err());
+}
