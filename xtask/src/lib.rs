@@ -8,6 +8,8 @@
 //! This crate owns the workspace's build policy: the layering rule table ([`layering::RULES`]) lives here
 //! and nowhere else. It must never be published (`publish = false`) nor depended on by a library crate.
 
+#![forbid(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 
 use anyhow::bail;

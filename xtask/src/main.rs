@@ -1,4 +1,5 @@
 //! `cargo xtask`: see the library docs (`xtask/src/lib.rs`) for the tasks.
+#![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 

@@ -1,8 +1,9 @@
-//! The layering check run for real: `cargo xtask layering --manifest-path …` on throwaway workspaces.
+//! The layering check run for real: `cargo xtask layering --manifest-path …` on throwaway workspaces,
+//! and on this repository's own workspace.
 //!
-//! Each workspace has a `layer = "backend"` crate and a local path crate named `tokio` (a fake, so no
-//! network is needed); the check must fail naming the edge when the backend depends on it, and pass when
-//! it does not.
+//! Each throwaway workspace has a `layer = "backend"` crate and a local path crate named `tokio` (a
+//! fake, so no network is needed); the check must fail naming the edge when the backend depends on it,
+//! and pass when it does not.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -155,4 +156,33 @@ fn an_optional_edge_is_not_hidden_by_a_dev_edge_to_the_same_crate() {
     let out = text(&output);
     assert!(!output.status.success(), "the check passed:\n{out}");
     assert!(out.contains("forbidden edge: fake-medium -> tokio (normal dependency)"), "{out}");
+}
+
+/// The media of this workspace that must be checked as backends. Deleting `layer = "backend"` from
+/// one of their manifests silently exempts it from the check, so that fails here.
+const OUR_BACKENDS: &[&str] = &["umbp-page"];
+
+#[test]
+fn this_workspace_passes_and_checks_every_medium_as_a_backend() {
+    let manifest = xtask::workspace_root().join("Cargo.toml");
+    let outcome = match xtask::layering::check_workspace(Some(&manifest)) {
+        Ok(outcome) => outcome,
+        Err(err) => panic!("the layering check could not load {}: {err:#}", manifest.display()),
+    };
+    assert!(outcome.is_ok(), "this workspace breaks the layering rules:\n{outcome}");
+    for medium in OUR_BACKENDS {
+        assert!(
+            outcome.checked.iter().any(|(name, layer)| name == medium && layer == "backend"),
+            "{medium} is not checked as a backend (is `[package.metadata.umbp] layer = \"backend\"` missing \
+             from its manifest?):\n{outcome}"
+        );
+    }
+}
+
+#[test]
+fn cargo_xtask_layering_defaults_to_this_workspace() {
+    let output = Command::new(env!("CARGO_BIN_EXE_xtask")).arg("layering").output().expect("run xtask");
+    let out = text(&output);
+    assert!(output.status.success(), "the check failed on this workspace:\n{out}");
+    assert!(out.contains("umbp-page (backend)") && out.contains("layering: ok"), "{out}");
 }

@@ -3,15 +3,32 @@
 //! Each buffer is one `mmap`, rounded up to 4 KiB. With huge pages requested, hugetlb is tried first
 //! and any failure (commonly: no pages reserved in `/proc/sys/vm/nr_hugepages`) falls back to a normal
 //! mapping advised `MADV_HUGEPAGE`, so transparent huge pages still apply where the kernel allows;
-//! the fallback is logged once per source. After mapping: optional NUMA binding (`mbind`, failure
-//! only warns) and optional prefault (`MADV_POPULATE_WRITE`, else one write per page), so the first
-//! transfer into a page does not pay for the page fault.
+//! the fallback is logged once per source. After mapping: optional NUMA binding (`mbind`; failure
+//! only warns, once per source) and optional prefault (`MADV_POPULATE_WRITE`), so the first transfer
+//! into a page does not pay for the page fault. Only a kernel without `MADV_POPULATE_WRITE` (before
+//! 5.14) gets the fallback of one write per page; any other populate failure means the memory cannot
+//! be backed, and the allocation fails instead of touching it (which would be an OOM kill or a
+//! `SIGBUS`).
+//!
+//! # Platforms
+//! Linux only: `mbind` (`SYS_mbind`), `MAP_HUGETLB` with `MAP_HUGE_SHIFT`, `MADV_POPULATE_WRITE` and
+//! `/proc/meminfo` have no portable equivalent.
+
+// Fail the build on other targets with one clear message instead of a screen of unresolved `libc`
+// and `rustix` names: every piece of this source (hugetlb flags, `mbind`, `MADV_POPULATE_WRITE`,
+// `/proc/meminfo`) is Linux-specific, and `PageBackend` without a host source is not a useful crate.
+#[cfg(not(target_os = "linux"))]
+compile_error!(
+    "umbp-page supports Linux only: HostPageMemorySource needs mmap with MAP_HUGETLB/MAP_HUGE_SHIFT, \
+     mbind (SYS_mbind) and madvise(MADV_POPULATE_WRITE)"
+);
 
 use std::ffi::c_void;
 use std::io;
 use std::ptr::{self, NonNull};
 
 use parking_lot::Mutex;
+use rustix::io::Errno;
 use rustix::mm::{Advice, MapFlags, ProtFlags};
 use umbp_core::MemoryLocation;
 
@@ -34,10 +51,11 @@ pub struct HostMemoryOptions {
     /// The hugetlb page size; with `use_hugepages` set it must be a power of two of at least 4 KiB
     /// (the kernel picks the pool by its log2). Default: 2 MiB.
     pub hugepage_size: u64,
-    /// Bind each buffer to this NUMA node (`MPOL_BIND`); a failing bind only warns. Default: `None`
-    /// (the kernel's policy).
+    /// Bind each buffer to this NUMA node (`MPOL_BIND`); a failing bind only warns, once per source.
+    /// Default: `None` (the kernel's policy).
     pub numa_node: Option<u32>,
-    /// Fault every page in at allocation time. Default: `true`.
+    /// Fault every page in at allocation time; memory the kernel cannot back then fails the
+    /// allocation. Default: `true`.
     pub prefault: bool,
 }
 
@@ -61,7 +79,12 @@ struct State {
     mappings: Vec<Mapping>,
     /// The hugetlb fallback has been logged.
     warned_hugetlb_fallback: bool,
+    /// A failed NUMA bind has been logged.
+    warned_numa_bind: bool,
 }
+
+/// How a buffer is populated: `madvise(MADV_POPULATE_WRITE)` outside tests.
+type Populate = fn(&RawBuffer) -> rustix::io::Result<()>;
 
 /// Host memory from private anonymous mappings; see the module docs.
 ///
@@ -70,13 +93,21 @@ struct State {
 pub struct HostPageMemorySource {
     options: HostMemoryOptions,
     state: Mutex<State>,
+    populate: Populate,
 }
 
 impl HostPageMemorySource {
     /// A source that maps memory as `options` say. Nothing is mapped until
     /// [`allocate`](PageMemorySource::allocate).
     pub fn new(options: HostMemoryOptions) -> Self {
-        Self { options, state: Mutex::new(State::default()) }
+        Self { options, state: Mutex::new(State::default()), populate: populate_write }
+    }
+
+    /// A source whose prefault step calls `populate` instead of `MADV_POPULATE_WRITE`, to inject its
+    /// failures.
+    #[cfg(test)]
+    fn with_populate(options: HostMemoryOptions, populate: Populate) -> Self {
+        Self { options, state: Mutex::new(State::default()), populate }
     }
 
     /// The settings.
@@ -100,6 +131,18 @@ impl HostPageMemorySource {
         self.state.lock().warned_hugetlb_fallback
     }
 
+    /// Whether the failed-bind warning has been emitted.
+    #[cfg(test)]
+    pub(crate) fn warned_numa_bind(&self) -> bool {
+        self.state.lock().warned_numa_bind
+    }
+
+    /// Whether the held buffer at `base` is backed by hugetlb pages; `None` when no buffer starts there.
+    #[cfg(test)]
+    pub(crate) fn hugetlb_at(&self, base: NonNull<u8>) -> Option<bool> {
+        self.state.lock().mappings.iter().find(|m| m.buffer.base() == base).map(|m| m.hugetlb)
+    }
+
     /// Buffers currently held.
     #[cfg(test)]
     pub(crate) fn mapping_count(&self) -> usize {
@@ -110,7 +153,8 @@ impl HostPageMemorySource {
         SourceError::Invalid { source_name: NAME.to_owned(), reason }
     }
 
-    /// Maps, binds and prefaults one buffer of at least `size` bytes.
+    /// Maps, binds and prefaults one buffer of at least `size` bytes. On error nothing of this buffer
+    /// stays mapped.
     fn map_one(&self, state: &mut State, size: u64) -> Result<Mapping, SourceError> {
         let len = round_up(size, BASE_PAGE)
             .ok_or_else(|| Self::invalid(format!("{size} bytes overflow when rounded up to {BASE_PAGE}")))?;
@@ -155,13 +199,24 @@ impl HostPageMemorySource {
                 Mapping { buffer, hugetlb: false }
             }
         };
-        if let Some(node) = self.options.numa_node {
-            // Failure already warned; the memory is still usable, only not placed.
-            let _bound = bind_to_node(&mapping.buffer, node);
+        if let Some(node) = self.options.numa_node
+            && let Err(reason) = bind_to_node(&mapping.buffer, node)
+            && !state.warned_numa_bind
+        {
+            // The memory is still usable, only not placed; one warning per source is enough.
+            state.warned_numa_bind = true;
+            tracing::warn!(source = NAME, node, error = %reason, "mbind(MPOL_BIND) failed; memory not bound");
         }
         if self.options.prefault {
             let stride = if mapping.hugetlb { self.options.hugepage_size } else { BASE_PAGE };
-            prefault(&mapping.buffer, stride);
+            if let Err(errno) = prefault_with(&mapping.buffer, stride, self.populate) {
+                unmap(&mapping.buffer);
+                return Err(SourceError::Allocation {
+                    source_name: NAME.to_owned(),
+                    requested: size,
+                    source: io::Error::from_raw_os_error(errno.raw_os_error()),
+                });
+            }
         }
         Ok(mapping)
     }
@@ -267,11 +322,14 @@ fn unmap(buffer: &RawBuffer) {
     }
 }
 
-/// Binds `buffer` to NUMA node `node` with `MPOL_BIND`; failure only warns. Returns whether it bound.
-fn bind_to_node(buffer: &RawBuffer, node: u32) -> bool {
+/// Binds `buffer` to NUMA node `node` with `MPOL_BIND`; the error says why it did not bind (the
+/// caller decides whether to warn).
+fn bind_to_node(buffer: &RawBuffer, node: u32) -> io::Result<()> {
     if node > MAX_NUMA_NODE {
-        tracing::warn!(source = NAME, node, "NUMA node out of range; memory not bound");
-        return false;
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("NUMA node {node} is out of range (at most {MAX_NUMA_NODE})"),
+        ));
     }
     let bits = libc::c_ulong::BITS;
     let mut mask = vec![0 as libc::c_ulong; node as usize / bits as usize + 1];
@@ -291,24 +349,49 @@ fn bind_to_node(buffer: &RawBuffer, node: u32) -> bool {
             0 as libc::c_ulong,
         )
     };
-    if rc != 0 {
-        tracing::warn!(
-            source = NAME,
-            node,
-            error = %io::Error::last_os_error(),
-            "mbind(MPOL_BIND) failed; memory not bound"
-        );
-    }
-    rc == 0
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
-/// Faults every page of `buffer` in: `MADV_POPULATE_WRITE` (Linux 5.14+), else one write per `stride`.
-fn prefault(buffer: &RawBuffer, stride: u64) {
+/// `madvise(MADV_POPULATE_WRITE)` over the whole buffer (Linux 5.14+).
+fn populate_write(buffer: &RawBuffer) -> rustix::io::Result<()> {
     // SAFETY: populating only faults pages of our own live mapping in; contents stay zero.
-    let populated = unsafe { rustix::mm::madvise(buffer_ptr(buffer), map_len(buffer), Advice::LinuxPopulateWrite) };
-    if let Err(err) = populated {
-        tracing::debug!(source = NAME, error = %err, "MADV_POPULATE_WRITE failed; touching each page");
-        touch_pages(buffer, stride);
+    unsafe { rustix::mm::madvise(buffer_ptr(buffer), map_len(buffer), Advice::LinuxPopulateWrite) }
+}
+
+/// What a failed `MADV_POPULATE_WRITE` means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PopulateFailure {
+    /// The kernel does not know the advice (`EINVAL` before 5.14, `ENOSYS`, `EOPNOTSUPP`): touching
+    /// each page is the fallback.
+    Unsupported,
+    /// The memory cannot be backed (`ENOMEM`, `EFAULT`: a fault would `SIGBUS`, `EHWPOISON`, …):
+    /// touching it would get the process OOM-killed or `SIGBUS`ed, so the allocation fails.
+    CannotBack,
+}
+
+fn classify_populate_error(errno: Errno) -> PopulateFailure {
+    if errno == Errno::INVAL || errno == Errno::NOSYS || errno == Errno::OPNOTSUPP {
+        PopulateFailure::Unsupported
+    } else {
+        PopulateFailure::CannotBack
+    }
+}
+
+/// Faults every page of `buffer` in with `populate`; where the kernel lacks it, one write per
+/// `stride`. Memory the kernel cannot back is an error, and nothing is touched.
+fn prefault_with(
+    buffer: &RawBuffer,
+    stride: u64,
+    populate: impl FnOnce(&RawBuffer) -> rustix::io::Result<()>,
+) -> Result<(), Errno> {
+    let Err(errno) = populate(buffer) else { return Ok(()) };
+    match classify_populate_error(errno) {
+        PopulateFailure::Unsupported => {
+            tracing::debug!(source = NAME, error = %errno, "MADV_POPULATE_WRITE unsupported; touching each page");
+            touch_pages(buffer, stride);
+            Ok(())
+        }
+        PopulateFailure::CannotBack => Err(errno),
     }
 }
 
@@ -326,20 +409,25 @@ fn touch_pages(buffer: &RawBuffer, stride: u64) {
 /// The `HugePages_Total` and `HugePages_Free` lines of `/proc/meminfo`, for the fallback warning.
 fn hugepage_meminfo() -> String {
     match std::fs::read_to_string("/proc/meminfo") {
-        Ok(text) => {
-            let lines: Vec<String> = text
-                .lines()
-                .filter(|l| l.starts_with("HugePages_Total") || l.starts_with("HugePages_Free"))
-                .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-                .collect();
-            if lines.is_empty() { "no HugePages lines in /proc/meminfo".to_owned() } else { lines.join(", ") }
-        }
+        Ok(text) => hugepage_lines(&text),
         Err(err) => format!("/proc/meminfo unreadable: {err}"),
     }
 }
 
+/// The `HugePages_Total` and `HugePages_Free` lines of a `/proc/meminfo` text, whitespace collapsed
+/// and joined by `", "`.
+fn hugepage_lines(meminfo: &str) -> String {
+    let lines: Vec<String> = meminfo
+        .lines()
+        .filter(|l| l.starts_with("HugePages_Total:") || l.starts_with("HugePages_Free:"))
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    if lines.is_empty() { "no HugePages lines in /proc/meminfo".to_owned() } else { lines.join(", ") }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::process::Command;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -361,6 +449,24 @@ mod tests {
             *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
         }
         assert!(bytes.iter().enumerate().all(|(i, &b)| b == (i as u8).wrapping_mul(31).wrapping_add(seed)));
+    }
+
+    /// `mincore` over `[addr, addr + len)`: one residency byte per 4 KiB page, or `ENOMEM` when part
+    /// of the range is not mapped. `out` is reused so that the call itself allocates nothing.
+    fn mincore(addr: *mut u8, len: usize, out: &mut Vec<u8>) -> Result<(), Errno> {
+        out.clear();
+        out.resize(len.div_ceil(4096), 0);
+        // SAFETY: `mincore` only reads the page tables of the range and writes `len / 4096` bytes
+        // (rounded up) to `out`, which holds that many.
+        let rc = unsafe { libc::mincore(addr.cast(), len, out.as_mut_ptr()) };
+        if rc == 0 { Ok(()) } else { Err(Errno::from_io_error(&io::Error::last_os_error()).unwrap_or(Errno::IO)) }
+    }
+
+    /// How many 4 KiB pages of `buffer` are resident.
+    fn resident_pages(buffer: &RawBuffer) -> usize {
+        let mut out = Vec::new();
+        mincore(buffer.base().as_ptr(), map_len(buffer), &mut out).unwrap();
+        out.iter().filter(|&&b| b & 1 != 0).count()
     }
 
     #[test]
@@ -390,6 +496,7 @@ mod tests {
         assert_eq!(buffers[1].len(), 64 * 1024);
         for (i, b) in buffers.iter().enumerate() {
             assert_eq!(b.len() % 4096, 0);
+            assert_eq!(resident_pages(b), map_len(b) / 4096, "prefault faulted every page in");
             check_round_trip(b, i as u8);
         }
         assert_ne!(buffers[0].base(), buffers[1].base());
@@ -443,28 +550,45 @@ mod tests {
         fn exit(&self, _: &span::Id) {}
     }
 
-    #[test]
-    fn hugepages_fall_back_and_warn_once() {
+    /// Runs `f` and returns the WARN events it emitted on this thread.
+    fn warnings_of(f: impl FnOnce()) -> usize {
         let warns = Arc::new(AtomicUsize::new(0));
+        tracing::subscriber::with_default(WarnCounter(Arc::clone(&warns)), f);
+        warns.load(Ordering::SeqCst)
+    }
+
+    #[test]
+    fn hugepages_fall_back_per_buffer_and_warn_once() {
+        const HUGE: u64 = 2 << 20;
         let s = source(HostMemoryOptions { use_hugepages: true, ..HostMemoryOptions::default() });
-        tracing::subscriber::with_default(WarnCounter(Arc::clone(&warns)), || {
-            let a = s.allocate(&[3 << 20, 4096]).unwrap();
-            let b = s.allocate(&[1 << 20]).unwrap();
-            for (i, buf) in a.iter().chain(&b).enumerate() {
-                check_round_trip(buf, i as u8);
-            }
-            if s.used_hugetlb() {
-                // A machine with reserved hugetlb pages: buffers are hugepage multiples, no fallback.
-                assert!(a.iter().chain(&b).all(|buf| buf.len() % (2 << 20) == 0));
-            } else {
-                assert_eq!(a[0].len(), 3 << 20);
-                assert_eq!(a[1].len(), 4096);
+        let calls: [&[u64]; 2] = [&[3 << 20, 4096], &[1 << 20]];
+        let mut fell_back = 0;
+        let warns = warnings_of(|| {
+            for (c, sizes) in calls.iter().enumerate() {
+                let buffers = s.allocate(sizes).unwrap();
+                assert_eq!(buffers.len(), sizes.len());
+                for (i, (buf, &size)) in buffers.iter().zip(sizes.iter()).enumerate() {
+                    check_round_trip(buf, (c * 8 + i) as u8);
+                    // Each buffer on its own: hugetlb may run out part way through (a few pages
+                    // reserved), so some buffers get huge pages and later ones fall back.
+                    match s.hugetlb_at(buf.base()) {
+                        Some(true) => {
+                            assert_eq!(buf.len() % HUGE, 0, "a hugetlb buffer is a hugepage multiple: {buf:?}");
+                            assert!(buf.len() >= size && buf.len() - size < HUGE, "{buf:?} for {size} bytes");
+                        }
+                        Some(false) => {
+                            fell_back += 1;
+                            assert_eq!(buf.len(), size.next_multiple_of(BASE_PAGE), "a fallback buffer is 4 KiB pages");
+                        }
+                        None => panic!("buffer {buf:?} is not held by the source"),
+                    }
+                }
             }
         });
-        if !s.used_hugetlb() {
-            assert!(s.warned_hugetlb_fallback());
-            assert_eq!(warns.load(Ordering::SeqCst), 1, "one fallback warning per source");
-        }
+        eprintln!("note: {fell_back} of 3 buffers fell back to normal pages");
+        assert_eq!(s.warned_hugetlb_fallback(), fell_back > 0);
+        assert_eq!(warns, usize::from(fell_back > 0), "one fallback warning per source, none without a fallback");
+        assert_eq!(s.used_hugetlb(), fell_back < 3);
     }
 
     #[test]
@@ -502,58 +626,226 @@ mod tests {
         assert_eq!(s.mapping_count(), 0);
     }
 
+    /// The memory policy `/proc/self/numa_maps` shows for the mapping containing `addr` (the line with
+    /// the greatest start address not above it), or why it cannot be read.
+    fn numa_policy_at(addr: usize) -> Result<String, String> {
+        let text = std::fs::read_to_string("/proc/self/numa_maps").map_err(|e| e.to_string())?;
+        let mut best: Option<(usize, &str)> = None;
+        for line in text.lines() {
+            let mut fields = line.split_whitespace();
+            let (Some(start), Some(policy)) = (fields.next(), fields.next()) else { continue };
+            let Ok(start) = usize::from_str_radix(start, 16) else { continue };
+            if start <= addr && best.is_none_or(|(b, _)| start > b) {
+                best = Some((start, policy));
+            }
+        }
+        best.map(|(_, p)| p.to_owned()).ok_or_else(|| format!("no mapping at {addr:#x}"))
+    }
+
     #[test]
-    fn numa_node_zero_binds_on_a_single_node_machine() {
+    fn numa_node_zero_binds_when_mbind_is_permitted() {
         let s = source(HostMemoryOptions { numa_node: Some(0), ..HostMemoryOptions::default() });
         let b = s.allocate(&[1 << 20]).unwrap();
         check_round_trip(&b[0], 3);
         // Whether mbind itself is permitted depends on the kernel (CONFIG_NUMA) and the sandbox
-        // (container seccomp profiles often refuse it), so only report it.
-        let extra = map_anonymous(4096, None).unwrap();
-        if !bind_to_node(&extra, 0) {
-            eprintln!("note: mbind to node 0 refused here: {}", io::Error::last_os_error());
+        // (container seccomp profiles often refuse it): probe it on a mapping of our own.
+        let probe = map_anonymous(4096, None).unwrap();
+        let permitted = bind_to_node(&probe, 0);
+        assert!(bind_to_node(&probe, 1000).is_err(), "a node this machine lacks cannot be bound");
+        unmap(&probe);
+        match permitted {
+            Ok(()) => {
+                assert!(!s.warned_numa_bind(), "mbind to node 0 works here, yet the source warned");
+                match numa_policy_at(b[0].base().as_ptr() as usize) {
+                    Ok(policy) => assert_eq!(policy, "bind:0", "the buffer's policy in /proc/self/numa_maps"),
+                    Err(why) => eprintln!("note: /proc/self/numa_maps unreadable ({why}); bind not verified"),
+                }
+            }
+            Err(err) => {
+                eprintln!("note: mbind to node 0 refused here ({err}); only the warning is checked");
+                assert!(s.warned_numa_bind(), "a refused bind must be reported");
+            }
         }
-        assert!(!bind_to_node(&extra, 1000), "a node this machine lacks cannot be bound");
-        unmap(&extra);
     }
 
     #[test]
-    fn missing_numa_node_only_warns() {
-        let s = source(HostMemoryOptions { numa_node: Some(u32::MAX), ..HostMemoryOptions::default() });
-        let b = s.allocate(&[4096]).unwrap();
-        check_round_trip(&b[0], 4);
-        let s = source(HostMemoryOptions { numa_node: Some(1000), ..HostMemoryOptions::default() });
-        let b = s.allocate(&[4096]).unwrap();
-        check_round_trip(&b[0], 5);
+    fn failed_numa_bind_warns_once_per_source() {
+        for node in [1000, u32::MAX] {
+            let s = source(HostMemoryOptions { numa_node: Some(node), ..HostMemoryOptions::default() });
+            let warns = warnings_of(|| {
+                let a = s.allocate(&[4096, 8192]).unwrap();
+                let b = s.allocate(&[4096]).unwrap();
+                for (i, buf) in a.iter().chain(&b).enumerate() {
+                    check_round_trip(buf, i as u8);
+                }
+            });
+            assert_eq!(warns, 1, "node {node}: three unbound buffers, one warning");
+            assert!(s.warned_numa_bind());
+            // A second source warns for itself.
+            let t = source(HostMemoryOptions { numa_node: Some(node), ..HostMemoryOptions::default() });
+            assert_eq!(warnings_of(|| drop(t.allocate(&[4096]).unwrap())), 1, "node {node}: a second source");
+        }
     }
 
     #[test]
     fn without_prefault() {
         let s = source(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
         let b = s.allocate(&[256 * 1024]).unwrap();
+        assert_eq!(resident_pages(&b[0]), 0, "nothing faulted in without prefault");
         check_round_trip(&b[0], 6);
     }
 
     #[test]
-    fn touch_fallback_faults_pages_and_keeps_them_zero() {
-        // MADV_POPULATE_WRITE normally succeeds here, so exercise the fallback directly.
-        let buffer = map_anonymous(5 * 4096, None).unwrap();
-        touch_pages(&buffer, BASE_PAGE);
-        check_round_trip(&buffer, 8);
-        unmap(&buffer);
+    fn populate_errors_are_classified() {
+        for errno in [Errno::INVAL, Errno::NOSYS, Errno::OPNOTSUPP, Errno::NOTSUP] {
+            assert_eq!(classify_populate_error(errno), PopulateFailure::Unsupported, "{errno:?}");
+        }
+        for errno in [Errno::NOMEM, Errno::FAULT, Errno::HWPOISON, Errno::PERM, Errno::AGAIN, Errno::INTR] {
+            assert_eq!(classify_populate_error(errno), PopulateFailure::CannotBack, "{errno:?}");
+        }
     }
 
     #[test]
-    fn drop_releases() {
-        let s = source(HostMemoryOptions::default());
-        s.allocate(&[4096, 8192]).unwrap();
-        drop(s);
+    fn unsupported_populate_touches_every_page() {
+        for errno in [Errno::INVAL, Errno::NOSYS, Errno::OPNOTSUPP] {
+            let buffer = map_anonymous(5 * 4096, None).unwrap();
+            assert_eq!(resident_pages(&buffer), 0);
+            assert_eq!(prefault_with(&buffer, BASE_PAGE, |_| Err(errno)), Ok(()), "{errno:?}");
+            assert_eq!(resident_pages(&buffer), 5, "{errno:?}: the fallback faulted each page in");
+            check_round_trip(&buffer, 8);
+            unmap(&buffer);
+        }
+    }
+
+    #[test]
+    fn unbackable_populate_fails_without_touching() {
+        for errno in [Errno::NOMEM, Errno::FAULT, Errno::HWPOISON] {
+            let buffer = map_anonymous(5 * 4096, None).unwrap();
+            assert_eq!(prefault_with(&buffer, BASE_PAGE, |_| Err(errno)), Err(errno));
+            assert_eq!(resident_pages(&buffer), 0, "{errno:?}: no page was touched");
+            unmap(&buffer);
+        }
+    }
+
+    /// Populate that reports `ENOMEM` for 3-page buffers and really populates the others.
+    fn enomem_for_three_pages(buffer: &RawBuffer) -> rustix::io::Result<()> {
+        if buffer.len() == 3 * 4096 { Err(Errno::NOMEM) } else { populate_write(buffer) }
+    }
+
+    #[test]
+    fn unbackable_memory_fails_the_allocation_and_gives_back_the_call() {
+        let s = HostPageMemorySource::with_populate(HostMemoryOptions::default(), enomem_for_three_pages);
+        let kept = s.allocate(&[4096]).unwrap();
+        let err = s.allocate(&[8192, 3 * 4096, 4096]).unwrap_err();
+        let SourceError::Allocation { requested, source, .. } = &err else { panic!("{err:?}") };
+        assert_eq!((*requested, source.raw_os_error()), (3 * 4096, Some(libc::ENOMEM)), "{err}");
+        assert_eq!((s.mapping_count(), s.mapped_bytes()), (1, 4096), "the failed call's buffers are gone");
+        check_round_trip(&kept[0], 9);
+        // Without prefault the same source never populates, so the size is fine.
+        let s = HostPageMemorySource::with_populate(
+            HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() },
+            enomem_for_three_pages,
+        );
+        assert_eq!(s.allocate(&[3 * 4096]).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn populating_hugetlb_memory_without_reserved_pages_is_an_error_not_a_sigbus() {
+        // A MAP_NORESERVE hugetlb mapping with no free huge pages maps fine but cannot be backed: a
+        // write would SIGBUS this process. MADV_POPULATE_WRITE reports that instead, and must not be
+        // "worked around" by touching.
+        let plain = map_anonymous(4096, None).unwrap();
+        let supported = populate_write(&plain);
+        unmap(&plain);
+        if let Err(errno) = supported {
+            eprintln!("skipped: MADV_POPULATE_WRITE unsupported here ({errno})");
+            return;
+        }
+        let huge = 2usize << 20;
+        let flags = MapFlags::PRIVATE
+            | MapFlags::HUGETLB
+            | MapFlags::NORESERVE
+            | MapFlags::from_bits_retain(21 << libc::MAP_HUGE_SHIFT);
+        // SAFETY: a null hint and no MAP_FIXED: a fresh range, unmapped below.
+        let mapped =
+            unsafe { rustix::mm::mmap_anonymous(ptr::null_mut(), huge, ProtFlags::READ | ProtFlags::WRITE, flags) };
+        let ptr = match mapped {
+            Ok(ptr) => ptr,
+            Err(errno) => {
+                eprintln!("skipped: no hugetlb support here ({errno})");
+                return;
+            }
+        };
+        let Some(base) = NonNull::new(ptr.cast::<u8>()) else { panic!("mmap returned null") };
+        // SAFETY: a fresh mapping of `huge` bytes, unmapped below and never read or written.
+        let buffer = unsafe { RawBuffer::new(base, huge as u64) };
+        match prefault_with(&buffer, huge as u64, populate_write) {
+            Ok(()) => eprintln!("note: a free huge page backed the mapping; nothing to check"),
+            Err(errno) => assert_eq!(classify_populate_error(errno), PopulateFailure::CannotBack, "{errno:?}"),
+        }
+        unmap(&buffer);
+    }
+
+    /// Set in the child process [`drop_unmaps_every_buffer`] starts.
+    const DROP_CHILD: &str = "UMBP_PAGE_HOST_DROP_CHILD";
+
+    #[test]
+    fn drop_unmaps_every_buffer() {
+        // "Unmapped" is only observable while no other thread maps into the freed range, and sibling
+        // tests map memory all the time; so the check runs in a child process that runs this test alone.
+        if std::env::var_os(DROP_CHILD).is_some() {
+            let s = source(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
+            let buffers = s.allocate(&[4096, 8192, 3 << 20]).unwrap();
+            let mut scratch = Vec::with_capacity(1024);
+            for b in &buffers {
+                assert_eq!(mincore(b.base().as_ptr(), map_len(b), &mut scratch), Ok(()), "{b:?} mapped before drop");
+            }
+            drop(s);
+            for b in &buffers {
+                let after = mincore(b.base().as_ptr(), map_len(b), &mut scratch);
+                assert_eq!(after, Err(Errno::NOMEM), "{b:?} still mapped after the source dropped");
+            }
+            return;
+        }
+        let exe = std::env::current_exe().unwrap();
+        let output = Command::new(exe)
+            .args(["--exact", "host::tests::drop_unmaps_every_buffer", "--test-threads=1", "--nocapture"])
+            .env(DROP_CHILD, "1")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        assert!(output.status.success(), "the child failed:\n{text}");
+        assert!(text.contains("1 passed"), "the child ran no test:\n{text}");
     }
 
     #[test]
     fn meminfo_lines_are_extracted() {
+        let sample = "MemTotal:       16384 kB\nHugePages_Total:     512\nHugePages_Free:      500\n\
+                      HugePages_Rsvd:        3\nHugepagesize:       2048 kB\n";
+        assert_eq!(hugepage_lines(sample), "HugePages_Total: 512, HugePages_Free: 500");
+        assert_eq!(hugepage_lines("MemTotal: 1 kB\n"), "no HugePages lines in /proc/meminfo");
+
+        // This machine's, when it has the lines: exactly `HugePages_Total: N, HugePages_Free: M`, M ≤ N.
+        let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else {
+            assert!(hugepage_meminfo().starts_with("/proc/meminfo unreadable: "));
+            return;
+        };
         let text = hugepage_meminfo();
-        assert!(!text.is_empty());
+        if !meminfo.contains("HugePages_Total:") {
+            assert_eq!(text, "no HugePages lines in /proc/meminfo");
+            return;
+        }
+        let fields: Vec<(&str, u64)> = text
+            .split(", ")
+            .map(|part| match part.split_once(": ") {
+                Some((name, n)) => (name, n.parse().unwrap_or_else(|e| panic!("{part:?} in {text:?}: {e}"))),
+                None => panic!("{part:?} in {text:?} is not `name: count`"),
+            })
+            .collect();
+        let [("HugePages_Total", total), ("HugePages_Free", free)] = fields[..] else {
+            panic!("unexpected shape: {text:?}");
+        };
+        assert!(free <= total, "{text}");
     }
 
     #[test]

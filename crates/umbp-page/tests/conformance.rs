@@ -14,7 +14,7 @@ fn subject(env: &Env, config: PageBackendConfig) -> Subject {
     let source = HostPageMemorySource::new(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
     let backend = Arc::new(PageBackend::new(config, Box::new(source)).expect("valid config"));
     let reaper = Arc::clone(&backend);
-    Subject { backend, tick: Box::new(move || reaper.reaper_tick()), read_lease, pending_ttl }
+    Subject { backend, tick: Box::new(move || reaper.reaper_tick()), read_lease, pending_ttl, background_reaper: true }
 }
 
 #[test]

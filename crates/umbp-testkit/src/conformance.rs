@@ -13,16 +13,24 @@
 //!     let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
 //!     let mock = Arc::new(MockBackend::new(config));
 //!     let reaper = Arc::clone(&mock);
-//!     Subject { backend: mock, tick: Box::new(move || reaper.reaper_tick()), read_lease, pending_ttl }
+//!     Subject {
+//!         backend: mock,
+//!         tick: Box::new(move || reaper.reaper_tick()),
+//!         read_lease,
+//!         pending_ttl,
+//!         background_reaper: false,
+//!     }
 //! });
 //! ```
 //!
 //! Each check gets fresh subjects and a fresh [`ManualClock`](umbp_core::ManualClock), runs under
 //! [`catch_unwind`](std::panic::catch_unwind) so one failure never hides another, and always ends with
-//! every subject shut down and checked for leftover registrations. Nothing sleeps: time moves only
-//! when a check advances the clock, and expiry is observed after the subject's `tick`. A medium with a
-//! background reaper may let it run against the same clock: every check holds whether a sweep happens
-//! on that thread or in `tick`.
+//! every subject shut down and checked for leftover registrations. Time moves only when a check
+//! advances the clock, and expiry is observed after the subject's `tick`. A medium with a background
+//! reaper may let it run against the same clock: every check holds whether a sweep happens on that
+//! thread or in `tick`. Nothing sleeps, except the one check of a background reaper (see
+//! [`Subject::background_reaper`](crate::conformance::Subject::background_reaper)), which polls it in
+//! real time and is skipped for media without one.
 
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -68,6 +76,11 @@ pub struct Subject {
     pub read_lease: Duration,
     /// The pending-slot TTL the medium was configured with.
     pub pending_ttl: Duration,
+    /// Whether the medium promises that `init` starts a reaper thread that sweeps on its own (without
+    /// `tick`), reading [`Env::clock`] as often as it likes. When `true`, the check
+    /// `background_reaper_sweeps_without_tick` waits (in real time, up to 3 s) for that thread to free
+    /// an expired slot; when `false` that check is skipped and listed in [`Report::skipped`].
+    pub background_reaper: bool,
 }
 
 impl fmt::Debug for Subject {
@@ -76,17 +89,22 @@ impl fmt::Debug for Subject {
             .field("backend", &self.backend)
             .field("read_lease", &self.read_lease)
             .field("pending_ttl", &self.pending_ttl)
+            .field("background_reaper", &self.background_reaper)
             .finish_non_exhaustive()
     }
 }
 
-/// The outcome of a suite run: every check by name, passed or failed with its message.
+/// The outcome of a suite run: every check by name, passed, failed with its message, or skipped
+/// with the reason.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Report {
     /// Checks that passed, in suite order.
     pub passed: Vec<&'static str>,
     /// Checks that failed, in suite order, each with what went wrong.
     pub failed: Vec<(&'static str, String)>,
+    /// Checks that did not apply to the subject (an opt-in capability it does not claim), in suite
+    /// order, each with why. A skipped check counts as neither passed nor failed.
+    pub skipped: Vec<(&'static str, String)>,
 }
 
 impl Report {
@@ -105,8 +123,14 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let total = self.passed.len() + self.failed.len();
         write!(f, "{} of {total} conformance checks passed", self.passed.len())?;
+        if !self.skipped.is_empty() {
+            write!(f, " ({} skipped)", self.skipped.len())?;
+        }
         for (name, message) in &self.failed {
             write!(f, "\n  FAILED {name}: {}", message.replace('\n', "\n    "))?;
+        }
+        for (name, reason) in &self.skipped {
+            write!(f, "\n  skipped {name}: {reason}")?;
         }
         Ok(())
     }
@@ -128,13 +152,37 @@ impl fmt::Debug for Check {
 }
 
 impl Check {
-    /// Runs this check alone against media from `factory`: `Err` carries the failure message.
+    /// Runs this check alone against media from `factory`: `Err` carries the failure message. A
+    /// check that does not apply to the subject passes trivially; [`outcome`](Self::outcome) tells
+    /// the two apart.
     pub fn run<F>(&self, factory: F) -> Result<(), String>
+    where
+        F: Fn(&Env) -> Subject,
+    {
+        match run_check(self, &factory) {
+            Outcome::Passed | Outcome::Skipped(_) => Ok(()),
+            Outcome::Failed(message) => Err(message),
+        }
+    }
+
+    /// Runs this check alone against media from `factory` and says how it ended.
+    pub fn outcome<F>(&self, factory: F) -> Outcome
     where
         F: Fn(&Env) -> Subject,
     {
         run_check(self, &factory)
     }
+}
+
+/// How one check ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every assertion held.
+    Passed,
+    /// What went wrong.
+    Failed(String),
+    /// The check does not apply to the subject, and why.
+    Skipped(String),
 }
 
 /// Runs every check against media built by `factory` and panics, listing every failed check by name
@@ -145,7 +193,8 @@ impl Check {
 ///   for every TTL and lease, with `tick`, `read_lease` and `pending_ttl` describing it truthfully.
 /// - After `init` its capacity is between 4 and 4096 pages (`capacity().total_bytes / page_size()`),
 ///   and it accepts a single value as large as its whole capacity.
-/// - Its reaper may also run in the background, against the same clock.
+/// - Its reaper may also run in the background, against the same clock; with
+///   [`Subject::background_reaper`] set it must.
 ///
 /// # Panics
 /// When any check fails.
@@ -168,8 +217,9 @@ where
     let mut report = Report::default();
     for check in checks() {
         match run_check(check, &factory) {
-            Ok(()) => report.passed.push(check.name),
-            Err(message) => report.failed.push((check.name, message)),
+            Outcome::Passed => report.passed.push(check.name),
+            Outcome::Failed(message) => report.failed.push((check.name, message)),
+            Outcome::Skipped(reason) => report.skipped.push((check.name, reason)),
         }
     }
     report
@@ -180,7 +230,7 @@ pub fn checks() -> &'static [Check] {
     CHECKS
 }
 
-fn run_check(check: &Check, factory: &dyn Fn(&Env) -> Subject) -> Result<(), String> {
+fn run_check(check: &Check, factory: &dyn Fn(&Env) -> Subject) -> Outcome {
     let fixture = Fixture::new(factory);
     let outcome = catch_unwind(AssertUnwindSafe(|| (check.body)(&fixture)));
     // Shutdown and the leak check run whether the body passed or not.
@@ -190,7 +240,13 @@ fn run_check(check: &Check, factory: &dyn Fn(&Env) -> Subject) -> Result<(), Str
         problems.push(fixture::panic_message(payload.as_ref()));
     }
     problems.extend(leftovers);
-    if problems.is_empty() { Ok(()) } else { Err(problems.join("\n")) }
+    if !problems.is_empty() {
+        Outcome::Failed(problems.join("\n"))
+    } else if let Some(reason) = fixture.skipped() {
+        Outcome::Skipped(reason)
+    } else {
+        Outcome::Passed
+    }
 }
 
 macro_rules! checks {
@@ -226,6 +282,8 @@ checks! {
     commit::batch_commit_answers_positionally => "one commit result per request, in request order",
     commit::abort_is_idempotent => "abort reports true for every id, known or not, and never touches owned keys",
     commit::pending_slot_expires_after_ttl => "a pending slot lives its TTL, then is reaped silently",
+    commit::commit_after_ttl_fails_without_a_tick => "a slot past its TTL never commits, swept or not; the failed commit frees its pages",
+    commit::background_reaper_sweeps_without_tick => "a medium that claims a background reaper frees an expired slot without tick",
     evict::evict_results_one_per_key_in_order => "one evict result per key, in request order",
     evict::evict_unknown_is_zero_and_evict_is_idempotent => "evicting an unknown or freed key frees 0 bytes; one Remove",
     evict::evict_never_touches_pending_slots => "evict only frees owned keys",
@@ -249,4 +307,6 @@ checks! {
     allocate::multi_page_values_round_trip_bookkeeping => "a multi-page value keeps distinct in-range pages through resolve",
     concurrency::concurrent_clients_keep_accounting_exact => "many threads at once: exact events, keys and capacity",
     concurrency::concurrent_commits_of_one_key_keep_one_value => "racing commits of one key keep one value and one Add",
+    concurrency::full_sync_snapshot_is_atomic_under_concurrent_commits => "full syncs and drains racing writers rebuild exactly the owned set",
+    concurrency::clear_local_races_no_new_owned_key_before_ack => "racing a clear, no allocation succeeds and no key is owned until the ack",
 }

@@ -13,8 +13,9 @@
 //!
 //! # Never
 //! Depends on a concrete medium crate (media depend on this crate for their conformance tests, never
-//! the other way round), moves bytes, or sleeps: the suite drives time with
-//! [`ManualClock`](umbp_core::ManualClock) and each subject's reaper `tick`.
+//! the other way round) or moves bytes. Never sleeps, save in the one opt-in check of a background
+//! reaper thread (`background_reaper_sweeps_without_tick`, which only that thread can pass): the
+//! suite drives time with [`ManualClock`](umbp_core::ManualClock) and each subject's reaper `tick`.
 
 mod mock;
 mod registrar;

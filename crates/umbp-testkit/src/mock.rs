@@ -100,7 +100,13 @@ fn bump(counter: &AtomicU64) {
 /// # Reaping
 /// There is no background thread. Expired pending slots, read leases and deferred frees are swept by
 /// [`reaper_tick`](Self::reaper_tick), which a test calls after advancing its
-/// [`ManualClock`](umbp_core::ManualClock). Expired leases are also ignored by `evict` without a sweep.
+/// [`ManualClock`](umbp_core::ManualClock). Expired leases are also ignored by `evict` without a sweep,
+/// and a slot past its TTL fails its commit (freeing its pages) whether or not a sweep ran.
+///
+/// # Ownership
+/// The mock holds no `Arc` back to itself. The auto-flush hook is dropped at `shutdown` (outside the
+/// lock), and a hook set after shutdown is dropped at once, so a hook that captures the backend's own
+/// `Arc` forms a cycle only while the mock is live.
 pub struct MockBackend {
     config: MockConfig,
     state: Mutex<State>,
@@ -333,12 +339,13 @@ impl MockBackend {
         result
     }
 
-    fn commit_one(&self, state: &mut State, request: &CommitRequest) -> CommitResult {
+    fn commit_one(&self, state: &mut State, request: &CommitRequest, now: Instant) -> CommitResult {
         let Some(slot) = state.pending.remove(&request.slot_id) else {
             return CommitResult { success: false, bytes_committed: 0 };
         };
-        if slot.generation != state.generation {
-            // Written before a clear: the master has already been told this node holds nothing.
+        // Written before a clear (the master has already been told this node holds nothing), or past
+        // its TTL whether or not a reaper swept it yet: the slot is gone and its pages come back.
+        if slot.generation != state.generation || slot.deadline <= now {
             state.free_pages(slot.pages);
             return CommitResult { success: false, bytes_committed: 0 };
         }
@@ -535,8 +542,17 @@ impl MediumBackend for MockBackend {
     fn set_auto_flush_hook(&self, threshold: usize, hook: Option<AutoFlushHook>) {
         let old = {
             let mut state = self.state.lock();
+            if state.lifecycle == Lifecycle::ShutDown {
+                // Nothing will ever fire it, and keeping it could keep alive whatever it captured
+                // (often an `Arc` of this very backend) until the mock itself drops.
+                drop(state);
+                drop(hook);
+                return;
+            }
             std::mem::replace(&mut state.auto_flush, hook.map(|h| (threshold, h)))
         };
+        // The old hook may own resources whose drop takes locks (even this backend's); drop it
+        // outside ours.
         drop(old);
     }
 
@@ -549,8 +565,9 @@ impl MediumBackend for MockBackend {
 
     fn batch_commit(&self, requests: &[CommitRequest]) -> Vec<CommitResult> {
         bump(&self.calls.batch_commit);
+        let now = self.config.clock.now();
         let mut state = self.state.lock();
-        requests.iter().map(|r| self.commit_one(&mut state, r)).collect()
+        requests.iter().map(|r| self.commit_one(&mut state, r, now)).collect()
     }
 
     fn batch_abort(&self, slot_ids: &[u64]) -> Vec<bool> {

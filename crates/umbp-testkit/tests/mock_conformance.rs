@@ -12,7 +12,13 @@ fn subject(env: &Env, config: MockConfig) -> Subject {
     let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
     let mock = Arc::new(MockBackend::new(config));
     let reaper = Arc::clone(&mock);
-    Subject { backend: mock, tick: Box::new(move || reaper.reaper_tick()), read_lease, pending_ttl }
+    Subject {
+        backend: mock,
+        tick: Box::new(move || reaper.reaper_tick()),
+        read_lease,
+        pending_ttl,
+        background_reaper: false,
+    }
 }
 
 #[test]
@@ -58,4 +64,32 @@ fn a_single_check_runs_alone() {
         panic!("commit_race_first_wins is missing");
     };
     assert_eq!(check.run(|env| subject(env, MockConfig::default())), Ok(()));
+}
+
+#[test]
+fn mock_backend_conforms_with_a_background_reaper_thread() {
+    // A thread sweeps every millisecond against the suite's clock, racing every check's own ticks; the
+    // subject claims it, so the background-reaper check runs instead of being skipped.
+    let report = conformance::run_report(|env| {
+        let config = MockConfig { clock: env.clock(), pages: 64, ..MockConfig::default() };
+        let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
+        let mock = Arc::new(MockBackend::new(config));
+        let weak = Arc::downgrade(&mock);
+        std::thread::spawn(move || {
+            while let Some(mock) = weak.upgrade() {
+                mock.reaper_tick();
+                drop(mock);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let reaper = Arc::clone(&mock);
+        Subject {
+            backend: mock,
+            tick: Box::new(move || reaper.reaper_tick()),
+            read_lease,
+            pending_ttl,
+            background_reaper: true,
+        }
+    });
+    assert!(report.is_ok() && report.skipped.is_empty(), "{report}");
 }

@@ -1,6 +1,7 @@
 //! Commit, abort and the pending-slot TTL.
 
-use std::time::Duration;
+use std::thread;
+use std::time::{Duration, Instant};
 
 use umbp_core::{CommitRequest, CommitResult};
 
@@ -143,4 +144,56 @@ pub(super) fn pending_slot_expires_after_ttl(fx: &Fixture<'_>) {
     assert!(s.abort(late.slot_id), "abort of a reaped slot");
     assert!(!s.resolve("late", false).found, "an expired slot stored its key");
     assert_eq!(s.drain(), [s.add("early", ps)], "reaping queues no event");
+}
+
+pub(super) fn commit_after_ttl_fails_without_a_tick(fx: &Fixture<'_>) {
+    let s = fx.live();
+    let ps = s.ps();
+    let late = s.alloc_ok("late", 2 * ps);
+    assert_eq!(s.available(), s.total() - 2 * ps, "the slot holds its pages");
+    // No tick: a commit must check the TTL itself, not rely on a sweep having happened.
+    s.advance(s.pending_ttl + Duration::from_millis(1));
+    assert_eq!(s.commit(late.slot_id, "late"), FAILED, "commit of a slot past its TTL, before any sweep");
+    assert_eq!(s.available(), s.total(), "the failed commit freed the expired slot's pages");
+    assert!(!s.resolve("late", false).found, "an expired slot stored its key");
+    assert_eq!(s.backend.owned_key_count(), 0, "an expired slot became an owned key");
+    assert!(s.abort(late.slot_id), "abort of the expired slot");
+    s.tick();
+    assert_eq!(s.available(), s.total(), "a sweep after the failed commit freed the pages a second time");
+    // The clock moving on does not spoil fresh slots.
+    s.put("fresh", ps);
+    assert_eq!(s.drain(), [s.add("fresh", ps)], "the expired slot queued no event");
+}
+
+/// How long [`background_reaper_sweeps_without_tick`] waits for the reaper thread, in real time.
+const REAPER_DEADLINE: Duration = Duration::from_secs(3);
+/// The pause between two polls of the capacity.
+const REAPER_POLL: Duration = Duration::from_millis(5);
+
+pub(super) fn background_reaper_sweeps_without_tick(fx: &Fixture<'_>) {
+    let s = fx.live();
+    if !s.background_reaper {
+        fx.skip("the subject claims no background reaper (Subject::background_reaper is false)");
+        return;
+    }
+    let ps = s.ps();
+    let abandoned = s.alloc_ok("abandoned", 2 * ps);
+    assert_eq!(s.available(), s.total() - 2 * ps, "the slot holds its pages");
+    s.advance(s.pending_ttl + Duration::from_millis(1));
+    // Never `tick`: only the medium's own thread may sweep.
+    let start = Instant::now();
+    while s.available() != s.total() {
+        assert!(
+            start.elapsed() < REAPER_DEADLINE,
+            "the background reaper did not free an expired slot within {REAPER_DEADLINE:?} of real time \
+             ({} of {} bytes available, tick never called)",
+            s.available(),
+            s.total()
+        );
+        thread::sleep(REAPER_POLL);
+    }
+    assert_eq!(s.commit(abandoned.slot_id, "abandoned"), FAILED, "commit of a reaped slot");
+    assert!(s.abort(abandoned.slot_id), "abort of a reaped slot");
+    assert_eq!(s.available(), s.total(), "the reaped pages are freed once");
+    assert!(s.drain().is_empty(), "reaping queues no event");
 }

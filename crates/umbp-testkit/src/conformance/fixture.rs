@@ -46,16 +46,23 @@ pub(crate) struct Fixture<'f> {
     factory: &'f dyn Fn(&Env) -> Subject,
     env: Env,
     made: Mutex<Vec<Tracked>>,
+    /// Set by [`Fixture::skip`]: the check does not apply to the subject, and why.
+    skipped: Mutex<Option<String>>,
 }
 
 impl<'f> Fixture<'f> {
     pub(crate) fn new(factory: &'f dyn Fn(&Env) -> Subject) -> Self {
-        Self { factory, env: Env { clock: ManualClock::new() }, made: Mutex::new(Vec::new()) }
+        Self {
+            factory,
+            env: Env { clock: ManualClock::new() },
+            made: Mutex::new(Vec::new()),
+            skipped: Mutex::new(None),
+        }
     }
 
     /// A fresh subject, not initialised.
     pub(crate) fn uninit(&self) -> Live {
-        let Subject { backend, tick, read_lease, pending_ttl } = (self.factory)(&self.env);
+        let Subject { backend, tick, read_lease, pending_ttl, background_reaper } = (self.factory)(&self.env);
         let mut made = self.made.lock();
         made.push(Tracked { backend: Arc::clone(&backend), probes: Vec::new() });
         Live {
@@ -63,6 +70,7 @@ impl<'f> Fixture<'f> {
             tick,
             read_lease,
             pending_ttl,
+            background_reaper,
             clock: Arc::clone(&self.env.clock),
             registrar: Arc::new(LocalOnlyRegistrar::new()),
             index: made.len() - 1,
@@ -100,6 +108,16 @@ impl<'f> Fixture<'f> {
         s.backend.init(registrar)
     }
 
+    /// Marks the check as not applicable to the subject; the body should return right after.
+    pub(crate) fn skip(&self, reason: impl Into<String>) {
+        *self.skipped.lock() = Some(reason.into());
+    }
+
+    /// Why the check was skipped, if it was.
+    pub(crate) fn skipped(&self) -> Option<String> {
+        self.skipped.lock().clone()
+    }
+
     /// Shuts every subject down (each under its own `catch_unwind`) and reports what went wrong:
     /// a panicking shutdown, or registrations still outstanding afterwards.
     pub(crate) fn finish(&self) -> Vec<String> {
@@ -135,6 +153,8 @@ pub(crate) struct Live {
     tick: Box<dyn Fn() + Send + Sync>,
     pub(crate) read_lease: Duration,
     pub(crate) pending_ttl: Duration,
+    /// The subject claims a reaper thread that sweeps without `tick`.
+    pub(crate) background_reaper: bool,
     clock: Arc<ManualClock>,
     /// The registrar [`Fixture::init`] uses.
     pub(crate) registrar: Arc<LocalOnlyRegistrar>,

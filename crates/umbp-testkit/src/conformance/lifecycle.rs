@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use umbp_core::TierType;
+use umbp_core::{MediumBackend, TierType};
 
 use super::fixture::Fixture;
 use crate::registrar::{FailingRegistrar, LocalOnlyRegistrar};
@@ -101,10 +101,19 @@ pub(super) fn shutdown_deregisters_everything_and_is_idempotent(fx: &Fixture<'_>
     s.backend.shutdown();
     assert_eq!(s.registrar.live_registrations(), 0, "shutdown left buffers registered");
     assert!(s.registrar.deregister_count() >= n, "shutdown deregistered fewer buffers than it registered");
+    assert_published_nothing(&s.backend, "after shutdown");
     let d = s.registrar.deregister_count();
     s.backend.shutdown();
     assert_eq!(s.registrar.deregister_count(), d, "a second shutdown deregistered again");
     assert_eq!(s.registrar.register_count(), n, "shutdown registered something");
+    assert_published_nothing(&s.backend, "after a second shutdown");
+}
+
+/// A shut-down medium publishes no buffer: its memory is gone, so a ref to it would dangle.
+fn assert_published_nothing(b: &Arc<dyn MediumBackend>, when: &str) {
+    assert_eq!(b.buffer_count(), 0, "buffer_count() {when}");
+    assert!(b.buffer_ref(0).is_none(), "buffer_ref(0) is Some {when}");
+    assert!(b.all_buffer_descs().is_empty(), "all_buffer_descs is not empty {when}");
 }
 
 pub(super) fn shutdown_without_init_is_harmless(fx: &Fixture<'_>) {
