@@ -24,7 +24,7 @@ mod directory;
 mod engine;
 mod local;
 mod planning;
-// TEMP mod tcp;
+mod tcp;
 
 pub use composite::{CompositeConfig, CompositeTransferEngine};
 pub use directory::PeerDirectory;
@@ -33,4 +33,4 @@ pub use engine::{
     TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
 };
 pub use local::{LocalCopyConfig, LocalCopyEngine};
-// TEMP pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig};
+pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig};

@@ -1,0 +1,167 @@
+//! Socket helpers shared by the server and the client.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use crate::engine::FailureKind;
+
+/// Writes every byte of `bufs` (a gather write: headers and region memory in one system call).
+pub(crate) fn write_all_vectored(stream: &mut TcpStream, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match stream.write_vectored(bufs) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket accepted no bytes")),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Whether `e` is a socket timeout (`SO_RCVTIMEO` / `SO_SNDTIMEO` report `WouldBlock` on Unix).
+pub(crate) fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock)
+}
+
+/// The failure kind of a broken socket operation.
+pub(crate) fn failure_kind(e: &io::Error) -> FailureKind {
+    if is_timeout(e) { FailureKind::Timeout } else { FailureKind::ConnectionLost }
+}
+
+/// A socket timeout: `None` (blocking forever) is never used; zero is raised to 1 ms because the
+/// socket API rejects a zero timeout.
+pub(crate) fn timeout(d: Duration) -> Option<Duration> {
+    Some(d.max(Duration::from_millis(1)))
+}
+
+/// Applies the data plane's socket settings: no Nagle delay, and a timeout on every read and write.
+pub(crate) fn configure(stream: &TcpStream, io_timeout: Duration) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(timeout(io_timeout))?;
+    stream.set_write_timeout(timeout(io_timeout))?;
+    Ok(())
+}
+
+/// Compares tokens without an early exit on the first differing byte.
+pub(crate) fn tokens_equal(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// A socket reader for frames: headers come through a small buffer (so tiny requests share system
+/// calls), payloads go straight into the caller's slice.
+///
+/// A payload read is a vectored read into (the rest of the payload, the buffer), so bytes that
+/// follow the payload land in the buffer without another system call. After a payload of at least
+/// the buffer's size, only `lookahead` bytes (one header) are read ahead: the next payload then
+/// again arrives straight in its destination, and the only bytes ever copied are the read-ahead of
+/// small frames.
+#[derive(Debug)]
+pub(crate) struct FrameReader {
+    stream: TcpStream,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    lookahead: usize,
+}
+
+impl FrameReader {
+    /// A reader of `capacity` buffered bytes that reads `lookahead` bytes past a large payload.
+    pub(crate) fn new(stream: TcpStream, capacity: usize, lookahead: usize) -> Self {
+        let capacity = capacity.max(lookahead).max(1);
+        Self { stream, buf: vec![0u8; capacity].into_boxed_slice(), start: 0, end: 0, lookahead: lookahead.max(1) }
+    }
+
+    /// The socket.
+    pub(crate) fn get_ref(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Bytes read and not consumed yet.
+    pub(crate) fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Reads into the empty buffer once, unless something is buffered already; returns the
+    /// buffered count (0 at end of stream). Errors (timeouts included) are returned as they are.
+    pub(crate) fn fill(&mut self) -> io::Result<usize> {
+        if self.buffered() == 0 {
+            self.start = 0;
+            self.end = 0;
+            let n = self.stream.read(&mut self.buf)?;
+            self.end = n;
+        }
+        Ok(self.buffered())
+    }
+
+    /// Fills `dst` completely: buffered bytes first, then vectored reads into (`dst`, buffer).
+    pub(crate) fn read_exact_into(&mut self, dst: &mut [u8]) -> io::Result<()> {
+        let take = self.buffered().min(dst.len());
+        let (head, mut rest) = dst.split_at_mut(take);
+        head.copy_from_slice(&self.buf[self.start..self.start + take]);
+        self.start += take;
+        if rest.is_empty() {
+            return Ok(());
+        }
+        // The buffer is empty now.
+        let ahead = if rest.len() >= self.buf.len() { self.lookahead } else { self.buf.len() };
+        while !rest.is_empty() {
+            let wanted = rest.len();
+            let n = {
+                let (spare, _) = self.buf.split_at_mut(ahead.min(self.buf.len()));
+                let mut bufs = [IoSliceMut::new(rest), IoSliceMut::new(spare)];
+                match self.stream.read_vectored(&mut bufs) {
+                    Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                }
+            };
+            if n < wanted {
+                rest = &mut rest[n..];
+            } else {
+                self.start = 0;
+                self.end = n - wanted;
+                rest = &mut [];
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    #[test]
+    fn frame_reader_reads_payloads_and_headers_in_any_split() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut tx = TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (rx, _) = listener.accept().expect("accept");
+        // Frames: an 8-byte header then a payload of the size the header names.
+        let sizes = [0usize, 1, 7, 100, 4096, 4097, 70_000, 3, 200_000, 5];
+        let writer = std::thread::spawn(move || {
+            for (i, &n) in sizes.iter().enumerate() {
+                tx.write_all(&(n as u64).to_le_bytes()).expect("header");
+                let payload: Vec<u8> = (0..n).map(|j| (i * 31 + j) as u8).collect();
+                for piece in payload.chunks(777) {
+                    tx.write_all(piece).expect("payload");
+                }
+            }
+        });
+        let mut r = FrameReader::new(rx, 64, 8);
+        for (i, &n) in sizes.iter().enumerate() {
+            let mut head = [0u8; 8];
+            r.read_exact_into(&mut head).expect("header");
+            assert_eq!(u64::from_le_bytes(head), n as u64);
+            let mut payload = vec![0u8; n];
+            r.read_exact_into(&mut payload).expect("payload");
+            assert!(payload.iter().enumerate().all(|(j, &b)| b == (i * 31 + j) as u8), "frame {i}");
+        }
+        writer.join().expect("writer");
+        assert_eq!(r.fill().expect("eof"), 0);
+    }
+}

@@ -1,0 +1,294 @@
+//! `TcpEngine`: the remote data plane for machines without RDMA.
+//!
+//! Each node runs one [`DataServer`] over the host regions registered with its [`TcpEngine`]. A
+//! registered region gets an id (fresh, never reused) and its [`TransferRef`] carries
+//! (data endpoint, region id), so a peer can address it. A peer reads or writes a range of it by
+//! (region id, offset, length); the server bounds-checks every request against the registered region
+//! before touching memory and streams the payload straight between the socket and the region.
+//! Connections to a peer are pooled and striped, and a batch is pipelined. The wire format is in
+//! [`protocol`]; the contract mirrors the RDMA engine of the reference (`MoriIoEngine`): the local
+//! side of a pair must be memory registered with this engine — caller memory that is not is staged
+//! through the composite engine's bounce pool.
+//!
+//! # Threads
+//! The server: an acceptor and one thread per connection. The client: per peer and connection, a
+//! writer thread (lives as long as the engine) and a reader thread (lives as long as the
+//! connection). No thread per request.
+
+mod client;
+mod io;
+pub(crate) mod protocol;
+mod regions;
+mod server;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, MetricSource, RegistrationError, TransferRef};
+
+use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandle};
+use self::protocol::{MAX_REQUEST_BYTES, Op};
+pub use self::server::{DataServer, DataServerConfig};
+use crate::engine::{
+    CompletedHandle, FailureKind, PlanSet, TransferDirection, TransferEngine, TransferFailure, TransferHandle,
+    TransferItem, TransferPlan,
+};
+use crate::planning::{SideKey, plan_in_range, plan_pairs};
+
+/// Settings of a [`TcpEngine`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpEngineConfig {
+    /// The engine's own data server (where peers reach this node's registered regions). Default:
+    /// [`DataServerConfig::default`] (loopback, OS-chosen port, no token).
+    pub server: DataServerConfig,
+    /// Connections per peer; a batch is striped over them. Default: 4.
+    pub connections_per_peer: usize,
+    /// Timeout of a connection attempt. Default: 5 s.
+    pub connect_timeout: Duration,
+    /// Timeout of every socket read and write of the client (and of its handshake). A peer that
+    /// makes no progress for this long fails every request on that connection with
+    /// [`FailureKind::Timeout`]. Default: 30 s.
+    pub io_timeout: Duration,
+    /// The cluster token this engine presents to peers. Default: `None` (an empty token).
+    pub token: Option<String>,
+    /// The largest request: runs longer than this are split, so the stripes of a batch balance.
+    /// Clamped to `1 ..= 1 GiB`. Default: 4 MiB.
+    pub chunk_size: u64,
+}
+
+impl Default for TcpEngineConfig {
+    fn default() -> Self {
+        Self {
+            server: DataServerConfig::default(),
+            connections_per_peer: 4,
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+            token: None,
+            chunk_size: 4 << 20,
+        }
+    }
+}
+
+/// Grace for stopping the engine's threads on drop (they finish queued work first).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+const CONNECTIONS_OPENED_TOTAL: &str = "umbp_transfer_tcp_connections_opened_total";
+const CONNECTIONS_OPENED_HELP: &str = "Connections this TCP engine opened to peers.";
+const CONNECT_FAILURES_TOTAL: &str = "umbp_transfer_tcp_connect_failures_total";
+const CONNECT_FAILURES_HELP: &str = "Failed connection attempts of this TCP engine, by reason.";
+
+/// The TCP data plane: serves this node's registered host regions through its [`DataServer`] and
+/// reads and writes peers' regions over pooled, striped, pipelined connections.
+///
+/// A ref is *remote* for this engine when it has a remote handle naming another endpoint. The engine
+/// handles a pair when exactly one side is remote and the other is host memory registered with this
+/// engine (and still registered).
+#[derive(Debug)]
+pub struct TcpEngine {
+    config: TcpEngineConfig,
+    server: DataServer,
+    client: Arc<ClientShared>,
+    peers: Peers,
+}
+
+impl TcpEngine {
+    /// Starts the engine and its data server.
+    ///
+    /// # Errors
+    /// The server cannot bind its address or spawn its thread; or the token is longer than the
+    /// protocol allows (1024 bytes).
+    pub fn new(config: TcpEngineConfig) -> std::io::Result<Self> {
+        let token = config.token.as_deref().unwrap_or("").as_bytes();
+        let hello = protocol::encode_hello(token)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let server = DataServer::start(config.server.clone())?;
+        let client = Arc::new(ClientShared {
+            connect_timeout: config.connect_timeout,
+            io_timeout: config.io_timeout,
+            hello,
+            metrics: client::ClientMetrics::default(),
+        });
+        Ok(Self { config, server, client, peers: Peers::default() })
+    }
+
+    /// The data endpoint of this node (`host:port`), as carried by registered refs.
+    pub fn endpoint(&self) -> &str {
+        self.server.endpoint()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TcpEngineConfig {
+        &self.config
+    }
+
+    /// The engine's data server.
+    pub fn server(&self) -> &DataServer {
+        &self.server
+    }
+
+    /// Closes the connections to `endpoint` once the work already submitted to it has finished (a
+    /// later transfer to it connects again). For a peer that left the cluster.
+    pub fn forget_peer(&self, endpoint: &str) {
+        self.peers.forget(endpoint, Instant::now() + SHUTDOWN_GRACE);
+    }
+
+    /// Whether `r` names a region of another node.
+    fn is_remote(&self, r: &TransferRef) -> bool {
+        r.remote().is_some_and(|rr| rr.endpoint != self.endpoint())
+    }
+
+    fn chunk(&self) -> u64 {
+        self.config.chunk_size.clamp(1, MAX_REQUEST_BYTES)
+    }
+
+    fn pool(&self, endpoint: &str) -> Arc<PeerPool> {
+        self.peers.get(&self.client, endpoint, self.config.connections_per_peer.max(1))
+    }
+
+    /// Validates one plan and cuts it into requests; `Err` is the reason it fails locally.
+    fn requests(&self, index: u32, plan: &TransferPlan, out: &mut Vec<Req>) -> Result<client::Guarded, String> {
+        let (local, remote, op) = if self.is_remote(&plan.dst) && !self.is_remote(&plan.src) {
+            (&plan.src, &plan.dst, Op::Write)
+        } else if self.is_remote(&plan.src) && !self.is_remote(&plan.dst) {
+            (&plan.dst, &plan.src, Op::Read)
+        } else {
+            return Err("plan does not have exactly one remote side".into());
+        };
+        if !plan_in_range(plan) {
+            return Err("plan reaches outside its buffers".into());
+        }
+        let guard = self.server.guard(local).ok_or("local side is not a live region of this engine")?;
+        let Some(rr) = remote.remote() else { return Err("remote side has no remote handle".into()) };
+        let chunk = self.chunk();
+        for s in &plan.segments {
+            let (local_off, remote_off) =
+                if op == Op::Write { (s.src_offset, s.dst_offset) } else { (s.dst_offset, s.src_offset) };
+            let mut done = 0u64;
+            while done < s.len {
+                let len = (s.len - done).min(chunk);
+                let local_at = local_off.checked_add(done).ok_or("offset overflow")?;
+                let remote_at = remote_off.checked_add(done).ok_or("offset overflow")?;
+                let (ptr, _) = guard.range(local_at, len).map_err(|_| "plan reaches outside its local region")?;
+                out.push(Req { plan: index, op, region: rr.region_id, remote_offset: remote_at, local: ptr, len });
+                done += len;
+            }
+        }
+        Ok(client::Guarded { guard, endpoint: rr.endpoint.clone() })
+    }
+}
+
+impl Drop for TcpEngine {
+    fn drop(&mut self) {
+        // Client workers first (they finish queued work); the server stops when its field drops.
+        self.peers.shutdown(Instant::now() + SHUTDOWN_GRACE);
+    }
+}
+
+impl MemoryRegistrar for TcpEngine {
+    /// Host memory only (GPU memory → [`RegistrationError::Unsupported`]). The ref carries `region`
+    /// and (this engine's endpoint, a fresh region id).
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.server.register_memory(region)
+    }
+
+    /// Peers' later requests for the region fail with "unknown region"; blocks until every server
+    /// request and local transfer touching the region has finished, so the caller may free the
+    /// memory on return. A ref of another engine, or a second call, is a no-op.
+    fn deregister(&self, r: &TransferRef) {
+        self.server.deregister(r);
+    }
+}
+
+impl MetricSource for TcpEngine {
+    fn sample_metrics(&self) -> Vec<MetricSample> {
+        let mut out = Vec::new();
+        let m = &self.client.metrics;
+        let opened = m.connections_opened.load(Ordering::Relaxed);
+        if opened > 0 {
+            out.push(MetricSample::counter(CONNECTIONS_OPENED_TOTAL, CONNECTIONS_OPENED_HELP, Vec::new(), opened));
+        }
+        let failed = m.connect_failed.load(Ordering::Relaxed);
+        let unauthorized = m.unauthorized.load(Ordering::Relaxed);
+        for (reason, v) in [("unauthorized", unauthorized), ("other", failed.saturating_sub(unauthorized))] {
+            if v > 0 {
+                out.push(MetricSample::counter(
+                    CONNECT_FAILURES_TOTAL,
+                    CONNECT_FAILURES_HELP,
+                    vec![("reason".to_owned(), reason.to_owned())],
+                    v,
+                ));
+            }
+        }
+        self.server.sample_metrics(&mut out);
+        out
+    }
+}
+
+impl TransferEngine for TcpEngine {
+    fn name(&self) -> &str {
+        "TcpEngine"
+    }
+
+    fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool {
+        (self.is_remote(dst) && self.server.owns(src)) || (self.is_remote(src) && self.server.owns(dst))
+    }
+
+    fn plan(&self, items: &[TransferItem]) -> PlanSet {
+        plan_pairs(items, |item| {
+            if !self.can_handle(&item.src, &item.dst) {
+                return None;
+            }
+            if self.is_remote(&item.dst) {
+                Some((TransferDirection::Push, SideKey::local(&item.src)?, SideKey::remote(&item.dst)?))
+            } else {
+                Some((TransferDirection::Pull, SideKey::remote(&item.src)?, SideKey::local(&item.dst)?))
+            }
+        })
+    }
+
+    fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure> {
+        let mut presettled = Vec::new();
+        let mut metas = Vec::with_capacity(plans.len());
+        let mut guards = Vec::new();
+        let mut by_peer: HashMap<String, Vec<Req>> = HashMap::new();
+        let mut total = 0usize;
+        let mut reqs = Vec::new();
+        for (index, plan) in plans.iter().enumerate() {
+            let Ok(index32) = u32::try_from(index) else {
+                metas.push(PlanMeta { tags: Vec::new(), endpoint: String::new() });
+                presettled.push(TransferFailure::new(
+                    plan.tags.clone(),
+                    FailureKind::Local,
+                    "too many plans",
+                    self.name(),
+                ));
+                continue;
+            };
+            reqs.clear();
+            match self.requests(index32, plan, &mut reqs) {
+                Ok(client::Guarded { guard, endpoint }) => {
+                    metas.push(PlanMeta { tags: plan.tags.clone(), endpoint: endpoint.clone() });
+                    if !reqs.is_empty() {
+                        guards.push(guard);
+                        total += reqs.len();
+                        by_peer.entry(endpoint).or_default().append(&mut reqs);
+                    }
+                }
+                Err(message) => {
+                    metas.push(PlanMeta { tags: Vec::new(), endpoint: String::new() });
+                    presettled.push(TransferFailure::new(plan.tags.clone(), FailureKind::Local, message, self.name()));
+                }
+            }
+        }
+        if total == 0 {
+            return Ok(Box::new(CompletedHandle::new(presettled)));
+        }
+        let batch = Arc::new(Batch::new(metas, total, guards));
+        for (endpoint, reqs) in by_peer {
+            self.pool(&endpoint).submit(&batch, reqs);
+        }
+        Ok(Box::new(TcpHandle::new(batch, presettled)))
+    }
+}

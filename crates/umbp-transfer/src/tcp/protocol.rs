@@ -1,0 +1,426 @@
+//! The wire protocol of the TCP data plane, byte by byte.
+//!
+//! Every integer is little-endian. Every frame starts with the magic `"UMBP"` (the bytes
+//! `55 4d 42 50`, read as the little-endian `u32` `0x504d_4255`) and the protocol version
+//! ([`VERSION`], currently 1).
+//!
+//! # Handshake
+//! The client speaks first, once per connection:
+//!
+//! | bytes | field     | meaning                                             |
+//! |-------|-----------|-----------------------------------------------------|
+//! | 0..4  | magic     | `"UMBP"`                                            |
+//! | 4..6  | version   | the client's protocol version                       |
+//! | 6..8  | token_len | length of the cluster token, at most [`MAX_TOKEN_LEN`] |
+//! | 8..   | token     | `token_len` bytes (empty when the client has none)  |
+//!
+//! The server answers with 8 bytes: magic, version (`u16`), status (`u8`: [`HelloStatus`]) and one
+//! reserved zero byte. A server configured with a token accepts only that exact token; a server
+//! without one accepts any. On any status but `OK` the server closes the connection after the
+//! answer; a bad magic or an over-long token closes it without an answer. Either way the reason is
+//! logged (`tracing::warn`) and no other connection is affected.
+//!
+//! # Requests (client → server), 40 bytes
+//!
+//! | bytes  | field      | meaning                                            |
+//! |--------|------------|----------------------------------------------------|
+//! | 0..4   | magic      | `"UMBP"`                                           |
+//! | 4..6   | version    | [`VERSION`]                                        |
+//! | 6      | op         | `1` = READ, `2` = WRITE ([`Op`])                   |
+//! | 7      | flags      | must be 0 (reserved)                               |
+//! | 8..16  | request_id | chosen by the client, echoed in the reply          |
+//! | 16..24 | region_id  | the region, as assigned by the server at registration |
+//! | 24..32 | offset     | byte offset inside the region                      |
+//! | 32..40 | length     | bytes to move, at most [`MAX_REQUEST_BYTES`]       |
+//!
+//! A WRITE header is followed by exactly `length` payload bytes, always — whether or not the server
+//! accepts the request. A READ header is followed by nothing.
+//!
+//! # Replies (server → client), 24 bytes
+//!
+//! | bytes  | field      | meaning                                            |
+//! |--------|------------|----------------------------------------------------|
+//! | 0..4   | magic      | `"UMBP"`                                           |
+//! | 4..6   | version    | [`VERSION`]                                        |
+//! | 6      | status     | [`Status`]                                         |
+//! | 7      | reserved   | 0                                                  |
+//! | 8..16  | request_id | the request's id                                   |
+//! | 16..24 | length     | payload bytes that follow                          |
+//!
+//! A successful READ reply carries `length` (= the request's length) payload bytes; every other
+//! reply carries none (`length` = 0).
+//!
+//! # Ordering and pipelining
+//! A server handles a connection's requests strictly in order and answers each one, so replies come
+//! back in request order. A client writes many requests back to back and reads replies as they
+//! come (it must keep reading while it writes, or both sides stall on full socket buffers).
+//!
+//! # What the server does with a bad request
+//! - Unknown region, a range outside the region (checked arithmetic, before any memory is touched) or
+//!   non-zero flags: the request gets a status ([`Status::UnknownRegion`], [`Status::OutOfRange`],
+//!   [`Status::BadRequest`]); the payload of such a WRITE is read and discarded (through a small
+//!   fixed scratch buffer) so the connection stays in sync and keeps serving.
+//! - Bad magic, bad version, unknown op, or `length` > [`MAX_REQUEST_BYTES`]: the stream can no
+//!   longer be trusted, so the server logs the reason and closes that connection.
+//!
+//! # Where the bytes go
+//! Payload bytes move straight between the socket and the registered region: a `readv`/`writev`
+//! system call on slices over the region memory, gathered with the headers. Each side reads headers
+//! through a small (4 KiB) buffer so that tiny frames share system calls; a payload smaller than
+//! that buffer may arrive in it as read-ahead and is copied out, while a larger payload is read
+//! with only one header's worth of read-ahead, so it lands in region memory directly. Nothing is
+//! ever allocated from a length a peer sent.
+
+/// The frame magic: the bytes `"UMBP"`.
+pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"UMBP");
+/// The protocol version this build speaks.
+pub(crate) const VERSION: u16 = 1;
+/// Bytes of the fixed part of the client hello (the token follows).
+pub(crate) const HELLO_LEN: usize = 8;
+/// Bytes of the server's answer to a hello.
+pub(crate) const HELLO_REPLY_LEN: usize = 8;
+/// Longest cluster token accepted.
+pub(crate) const MAX_TOKEN_LEN: usize = 1024;
+/// Bytes of a request header.
+pub(crate) const REQUEST_LEN: usize = 40;
+/// Bytes of a reply header.
+pub(crate) const REPLY_LEN: usize = 24;
+/// The most bytes one request may move. A peer claiming more is not speaking the protocol; the
+/// client splits larger runs into several requests.
+pub(crate) const MAX_REQUEST_BYTES: u64 = 1 << 30;
+
+/// What a request does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// Region → socket.
+    Read = 1,
+    /// Socket → region.
+    Write = 2,
+}
+
+impl Op {
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(Self::Read),
+            2 => Some(Self::Write),
+            _ => None,
+        }
+    }
+}
+
+/// The outcome of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Status {
+    /// Done; a READ reply carries the payload.
+    Ok = 0,
+    /// No live region has this id (never registered, or deregistered).
+    UnknownRegion = 1,
+    /// `offset + length` lies beyond the region (or overflows).
+    OutOfRange = 2,
+    /// The request is well-framed but not acceptable (non-zero flags).
+    BadRequest = 3,
+}
+
+impl Status {
+    /// Every status, in wire order.
+    pub(crate) const ALL: [Status; 4] = [Self::Ok, Self::UnknownRegion, Self::OutOfRange, Self::BadRequest];
+
+    fn from_u8(v: u8) -> Option<Self> {
+        Self::ALL.get(usize::from(v)).copied()
+    }
+
+    /// The `status=` metric label.
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::UnknownRegion => "unknown_region",
+            Self::OutOfRange => "out_of_range",
+            Self::BadRequest => "bad_request",
+        }
+    }
+}
+
+/// The server's answer to a hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HelloStatus {
+    /// Authenticated; requests may follow.
+    Ok = 0,
+    /// The token did not match.
+    Unauthorized = 1,
+    /// The server does not speak the client's version.
+    BadVersion = 2,
+}
+
+impl HelloStatus {
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            0 => Some(Self::Ok),
+            1 => Some(Self::Unauthorized),
+            2 => Some(Self::BadVersion),
+            _ => None,
+        }
+    }
+}
+
+/// Why bytes are not a frame of this protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum FrameError {
+    /// The first four bytes are not `"UMBP"`.
+    #[error("bad magic {0:#010x}")]
+    BadMagic(u32),
+    /// A version this build does not speak.
+    #[error("unsupported protocol version {0}")]
+    BadVersion(u16),
+    /// An op code that is neither READ nor WRITE.
+    #[error("unknown op {0}")]
+    BadOp(u8),
+    /// A status code outside [`Status`] or [`HelloStatus`].
+    #[error("unknown status {0}")]
+    BadStatus(u8),
+    /// A length beyond what the protocol allows.
+    #[error("length {0} exceeds the protocol limit")]
+    TooLong(u64),
+    /// A token longer than [`MAX_TOKEN_LEN`].
+    #[error("token of {0} bytes exceeds {MAX_TOKEN_LEN}")]
+    TokenTooLong(usize),
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    let mut x = [0u8; 2];
+    x.copy_from_slice(&b[at..at + 2]);
+    u16::from_le_bytes(x)
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut x = [0u8; 4];
+    x.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(x)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+fn check_prefix(b: &[u8]) -> Result<(), FrameError> {
+    let magic = u32_at(b, 0);
+    if magic != MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    let version = u16_at(b, 4);
+    if version != VERSION {
+        return Err(FrameError::BadVersion(version));
+    }
+    Ok(())
+}
+
+/// The fixed part of a client hello.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    /// The client's version.
+    pub(crate) version: u16,
+    /// Length of the token that follows.
+    pub(crate) token_len: usize,
+}
+
+/// Encodes a client hello including its token.
+pub(crate) fn encode_hello(token: &[u8]) -> Result<Vec<u8>, FrameError> {
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(FrameError::TokenTooLong(token.len()));
+    }
+    let mut out = Vec::with_capacity(HELLO_LEN + token.len());
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    // `token.len() <= MAX_TOKEN_LEN` (1024) fits a u16.
+    out.extend_from_slice(&u16::try_from(token.len()).unwrap_or(u16::MAX).to_le_bytes());
+    out.extend_from_slice(token);
+    Ok(out)
+}
+
+/// Decodes the fixed part of a client hello. The version is returned, not checked: the server
+/// answers a foreign version with [`HelloStatus::BadVersion`].
+pub(crate) fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<Hello, FrameError> {
+    let magic = u32_at(b, 0);
+    if magic != MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    let token_len = usize::from(u16_at(b, 6));
+    if token_len > MAX_TOKEN_LEN {
+        return Err(FrameError::TokenTooLong(token_len));
+    }
+    Ok(Hello { version: u16_at(b, 4), token_len })
+}
+
+/// Encodes the server's answer to a hello.
+pub(crate) fn encode_hello_reply(status: HelloStatus) -> [u8; HELLO_REPLY_LEN] {
+    let mut out = [0u8; HELLO_REPLY_LEN];
+    out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    out[6] = status as u8;
+    out
+}
+
+/// Decodes the server's answer to a hello.
+pub(crate) fn decode_hello_reply(b: &[u8; HELLO_REPLY_LEN]) -> Result<HelloStatus, FrameError> {
+    let magic = u32_at(b, 0);
+    if magic != MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    // The version is not checked here: a server of another version says so in the status.
+    HelloStatus::from_u8(b[6]).ok_or(FrameError::BadStatus(b[6]))
+}
+
+/// A request header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Request {
+    /// READ or WRITE.
+    pub(crate) op: Op,
+    /// Reserved, 0.
+    pub(crate) flags: u8,
+    /// Echoed in the reply.
+    pub(crate) id: u64,
+    /// The region.
+    pub(crate) region: u64,
+    /// Offset inside the region.
+    pub(crate) offset: u64,
+    /// Bytes.
+    pub(crate) length: u64,
+}
+
+impl Request {
+    /// The 40 header bytes.
+    pub(crate) fn encode(&self) -> [u8; REQUEST_LEN] {
+        let mut out = [0u8; REQUEST_LEN];
+        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        out[6] = self.op as u8;
+        out[7] = self.flags;
+        out[8..16].copy_from_slice(&self.id.to_le_bytes());
+        out[16..24].copy_from_slice(&self.region.to_le_bytes());
+        out[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        out[32..40].copy_from_slice(&self.length.to_le_bytes());
+        out
+    }
+
+    /// Parses a header; any error means the connection is out of sync and must be closed.
+    pub(crate) fn decode(b: &[u8; REQUEST_LEN]) -> Result<Self, FrameError> {
+        check_prefix(b)?;
+        let op = Op::from_u8(b[6]).ok_or(FrameError::BadOp(b[6]))?;
+        let length = u64_at(b, 32);
+        if length > MAX_REQUEST_BYTES {
+            return Err(FrameError::TooLong(length));
+        }
+        Ok(Self { op, flags: b[7], id: u64_at(b, 8), region: u64_at(b, 16), offset: u64_at(b, 24), length })
+    }
+}
+
+/// A reply header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reply {
+    /// The outcome.
+    pub(crate) status: Status,
+    /// The request's id.
+    pub(crate) id: u64,
+    /// Payload bytes that follow.
+    pub(crate) length: u64,
+}
+
+impl Reply {
+    /// The 24 header bytes.
+    pub(crate) fn encode(&self) -> [u8; REPLY_LEN] {
+        let mut out = [0u8; REPLY_LEN];
+        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        out[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        out[6] = self.status as u8;
+        out[8..16].copy_from_slice(&self.id.to_le_bytes());
+        out[16..24].copy_from_slice(&self.length.to_le_bytes());
+        out
+    }
+
+    /// Parses a header; any error means the connection is out of sync and must be closed.
+    pub(crate) fn decode(b: &[u8; REPLY_LEN]) -> Result<Self, FrameError> {
+        check_prefix(b)?;
+        let status = Status::from_u8(b[6]).ok_or(FrameError::BadStatus(b[6]))?;
+        let length = u64_at(b, 16);
+        if length > MAX_REQUEST_BYTES {
+            return Err(FrameError::TooLong(length));
+        }
+        Ok(Self { status, id: u64_at(b, 8), length })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[test]
+    fn magic_is_umbp_on_the_wire() {
+        let r = Request { op: Op::Read, flags: 0, id: 1, region: 2, offset: 3, length: 4 };
+        assert_eq!(&r.encode()[0..4], b"UMBP");
+        assert_eq!(&encode_hello_reply(HelloStatus::Ok)[0..4], b"UMBP");
+    }
+
+    #[test]
+    fn hello_round_trips_and_rejects_long_tokens() {
+        let bytes = encode_hello(b"secret").expect("short token");
+        let mut head = [0u8; HELLO_LEN];
+        head.copy_from_slice(&bytes[..HELLO_LEN]);
+        assert_eq!(decode_hello(&head), Ok(Hello { version: VERSION, token_len: 6 }));
+        assert_eq!(&bytes[HELLO_LEN..], b"secret");
+        assert!(encode_hello(&[0u8; MAX_TOKEN_LEN + 1]).is_err());
+        head[6..8].copy_from_slice(&u16::MAX.to_le_bytes());
+        assert_eq!(decode_hello(&head), Err(FrameError::TokenTooLong(usize::from(u16::MAX))));
+        for s in [HelloStatus::Ok, HelloStatus::Unauthorized, HelloStatus::BadVersion] {
+            assert_eq!(decode_hello_reply(&encode_hello_reply(s)), Ok(s));
+        }
+    }
+
+    #[test]
+    fn malformed_headers_are_rejected() {
+        let good = Request { op: Op::Write, flags: 0, id: 9, region: 1, offset: 0, length: 10 }.encode();
+        let mut b = good;
+        b[0] = b'X';
+        assert!(matches!(Request::decode(&b), Err(FrameError::BadMagic(_))));
+        let mut b = good;
+        b[4] = 99;
+        assert_eq!(Request::decode(&b), Err(FrameError::BadVersion(99)));
+        let mut b = good;
+        b[6] = 7;
+        assert_eq!(Request::decode(&b), Err(FrameError::BadOp(7)));
+        let mut b = good;
+        b[32..40].copy_from_slice(&(MAX_REQUEST_BYTES + 1).to_le_bytes());
+        assert_eq!(Request::decode(&b), Err(FrameError::TooLong(MAX_REQUEST_BYTES + 1)));
+        let mut r = Reply { status: Status::Ok, id: 1, length: 0 }.encode();
+        r[6] = 200;
+        assert_eq!(Reply::decode(&r), Err(FrameError::BadStatus(200)));
+    }
+
+    proptest! {
+        #[test]
+        fn requests_round_trip(write in any::<bool>(), flags in any::<u8>(), id in any::<u64>(),
+                               region in any::<u64>(), offset in any::<u64>(), length in 0..=MAX_REQUEST_BYTES) {
+            let op = if write { Op::Write } else { Op::Read };
+            let r = Request { op, flags, id, region, offset, length };
+            prop_assert_eq!(Request::decode(&r.encode()), Ok(r));
+        }
+
+        #[test]
+        fn replies_round_trip(status in 0usize..4, id in any::<u64>(), length in 0..=MAX_REQUEST_BYTES) {
+            let r = Reply { status: Status::ALL[status], id, length };
+            prop_assert_eq!(Reply::decode(&r.encode()), Ok(r));
+        }
+
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), REQUEST_LEN)) {
+            let mut b = [0u8; REQUEST_LEN];
+            b.copy_from_slice(&bytes);
+            let _ = Request::decode(&b);
+            let mut r = [0u8; REPLY_LEN];
+            r.copy_from_slice(&bytes[..REPLY_LEN]);
+            let _ = Reply::decode(&r);
+        }
+    }
+}

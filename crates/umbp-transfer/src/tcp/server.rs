@@ -1,0 +1,603 @@
+//! The data server: serves the regions registered on this node to peers over TCP.
+//!
+//! One acceptor thread, one thread per connection (capped by
+//! [`max_connections`](DataServerConfig::max_connections)). A connection thread reads request
+//! headers through a small buffer, streams WRITE payloads from the socket straight into region
+//! memory, and answers with gather writes (reply headers and READ payloads, the latter straight from
+//! region memory). See [`protocol`](super::protocol) for the bytes.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, RegistrationError, RemoteRegion, TransferRef};
+
+use super::io::{FrameReader, configure, is_timeout, tokens_equal, write_all_vectored};
+use super::protocol::{
+    self, FrameError, HELLO_LEN, HelloStatus, MAX_TOKEN_LEN, Op, REQUEST_LEN, Reply, Request, Status,
+};
+use super::regions::{RegionGuard, RegionTable};
+
+/// Settings of a [`DataServer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataServerConfig {
+    /// Address to listen on. Default: `127.0.0.1:0` (loopback, a port chosen by the OS).
+    pub listen: SocketAddr,
+    /// The endpoint peers are told to use (`host:port`), for when `listen` is a wildcard address or
+    /// the node is reached through another name. Default: `None` — the address actually bound.
+    pub advertise: Option<String>,
+    /// The cluster token a peer must present in the handshake. Default: `None` (no authentication:
+    /// any peer that speaks the protocol is served).
+    pub token: Option<String>,
+    /// Connections served at once; one beyond this is closed right after it is accepted (and
+    /// logged). Default: 256.
+    pub max_connections: usize,
+    /// Timeout of every socket read and write once a request has started (and of the handshake).
+    /// A connection idle between requests is kept open. Default: 30 s.
+    pub io_timeout: Duration,
+}
+
+impl Default for DataServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            advertise: None,
+            token: None,
+            max_connections: 256,
+            io_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Replies gathered before one `writev`: at most this many.
+const MAX_QUEUED_REPLIES: usize = 256;
+/// …or this many READ payload bytes (large reads go out one by one, as soon as they are known).
+const MAX_QUEUED_PAYLOAD: usize = 4 << 20;
+/// Buffer for request headers (read-ahead bytes of small frames are copied out of it).
+const READ_BUFFER: usize = 4 << 10;
+/// Scratch for discarding the payload of a refused WRITE.
+const DISCARD_BUFFER: usize = 16 << 10;
+/// How long `Drop` waits for the server's threads.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Counters of a data server.
+#[derive(Debug, Default)]
+pub(crate) struct ServerMetrics {
+    accepted: AtomicU64,
+    refused_limit: AtomicU64,
+    refused_unauthorized: AtomicU64,
+    refused_version: AtomicU64,
+    refused_malformed: AtomicU64,
+    malformed_frames: AtomicU64,
+    requests: [AtomicU64; 4],
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+fn label(k: &str, v: &str) -> Vec<(String, String)> {
+    vec![(k.to_owned(), v.to_owned())]
+}
+
+/// A server-side request count by status.
+pub(crate) const SERVER_REQUESTS_TOTAL: &str = "umbp_transfer_tcp_server_requests_total";
+const SERVER_REQUESTS_HELP: &str = "Requests served by the TCP data server, by status.";
+/// Connections open on the data server now.
+pub(crate) const SERVER_CONNECTIONS: &str = "umbp_transfer_tcp_server_connections";
+const SERVER_CONNECTIONS_HELP: &str = "Connections open on the TCP data server.";
+/// Connections the data server refused, by reason.
+pub(crate) const SERVER_REFUSED_TOTAL: &str = "umbp_transfer_tcp_server_connections_refused_total";
+const SERVER_REFUSED_HELP: &str = "Connections refused or closed by the TCP data server, by reason.";
+
+/// State shared by the acceptor and the connection threads.
+#[derive(Debug)]
+struct Shared {
+    config: DataServerConfig,
+    regions: Arc<RegionTable>,
+    stop: AtomicBool,
+    conns: Mutex<HashMap<u64, ConnRecord>>,
+    next_conn: AtomicU64,
+    metrics: ServerMetrics,
+}
+
+#[derive(Debug)]
+struct ConnRecord {
+    /// A clone of the socket, to shut it down on server shutdown.
+    stream: TcpStream,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A node's data server: serves the regions registered with it to peers, by (region id, offset,
+/// length). [`TcpEngine`](super::TcpEngine) starts one and shares its region table; it is also
+/// usable alone (it is a [`MemoryRegistrar`]: registered refs carry this server's endpoint and the
+/// region id).
+///
+/// Dropping it stops accepting, closes every connection and joins the threads (waiting at most a
+/// few seconds).
+#[derive(Debug)]
+pub struct DataServer {
+    shared: Arc<Shared>,
+    local_addr: SocketAddr,
+    endpoint: String,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl DataServer {
+    /// Binds `config.listen` and starts serving an empty region table.
+    pub fn start(config: DataServerConfig) -> io::Result<Self> {
+        Self::start_with(config, Arc::new(RegionTable::default()))
+    }
+
+    /// Binds `config.listen` and starts serving `regions`.
+    pub(crate) fn start_with(config: DataServerConfig, regions: Arc<RegionTable>) -> io::Result<Self> {
+        let listener = TcpListener::bind(config.listen)?;
+        let local_addr = listener.local_addr()?;
+        let endpoint = config.advertise.clone().unwrap_or_else(|| local_addr.to_string());
+        let shared = Arc::new(Shared {
+            config,
+            regions,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            metrics: ServerMetrics::default(),
+        });
+        let acceptor = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new().name("umbp-tcp-accept".into()).spawn(move || accept_loop(&shared, &listener))?
+        };
+        tracing::debug!(%endpoint, "tcp data server listening");
+        Ok(Self { shared, local_addr, endpoint, acceptor: Some(acceptor) })
+    }
+
+    /// The endpoint peers use to reach this server (`host:port`): the advertised one if configured,
+    /// else the address actually bound.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DataServerConfig {
+        &self.shared.config
+    }
+
+    /// Regions registered now.
+    pub fn region_count(&self) -> usize {
+        self.shared.regions.len()
+    }
+
+    /// Connections open now.
+    pub fn connection_count(&self) -> usize {
+        self.shared.conns.lock().len()
+    }
+
+    /// The server's samples.
+    pub(crate) fn sample_metrics(&self, out: &mut Vec<MetricSample>) {
+        let m = &self.shared.metrics;
+        if m.accepted.load(Ordering::Relaxed) > 0 {
+            let open = u64::try_from(self.connection_count()).unwrap_or(u64::MAX);
+            out.push(MetricSample::gauge(SERVER_CONNECTIONS, SERVER_CONNECTIONS_HELP, Vec::new(), open));
+        }
+        for (status, count) in Status::ALL.iter().zip(&m.requests) {
+            let v = count.load(Ordering::Relaxed);
+            if v > 0 {
+                out.push(MetricSample::counter(
+                    SERVER_REQUESTS_TOTAL,
+                    SERVER_REQUESTS_HELP,
+                    label("status", status.as_str()),
+                    v,
+                ));
+            }
+        }
+        for (reason, count) in [
+            ("limit", &m.refused_limit),
+            ("unauthorized", &m.refused_unauthorized),
+            ("bad_version", &m.refused_version),
+            ("malformed_hello", &m.refused_malformed),
+            ("malformed_frame", &m.malformed_frames),
+        ] {
+            let v = count.load(Ordering::Relaxed);
+            if v > 0 {
+                out.push(MetricSample::counter(SERVER_REFUSED_TOTAL, SERVER_REFUSED_HELP, label("reason", reason), v));
+            }
+        }
+    }
+
+    /// Whether `r` carries a live registration of this server.
+    pub(crate) fn owns(&self, r: &TransferRef) -> bool {
+        match (r.local_region(), r.remote()) {
+            (Some(local), Some(remote)) => {
+                local.location().is_host()
+                    && remote.endpoint == self.endpoint
+                    && self.shared.regions.is_registered(remote.region_id, local)
+            }
+            _ => false,
+        }
+    }
+
+    /// A guard over the registration `r` carries, when it is live and `r` lies inside it.
+    pub(crate) fn guard(&self, r: &TransferRef) -> Option<RegionGuard> {
+        let (local, remote) = (r.local_region()?, r.remote()?);
+        if remote.endpoint != self.endpoint {
+            return None;
+        }
+        let guard = self.shared.regions.acquire(remote.region_id)?;
+        (guard.region() == local && r.size() <= local.len()).then_some(guard)
+    }
+}
+
+impl MemoryRegistrar for DataServer {
+    /// Host memory only. The returned ref carries `region` and this server's (endpoint, region id);
+    /// the id is fresh and never reused.
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        if !region.location().is_host() {
+            return Err(RegistrationError::Unsupported { len: region.len(), location: region.location() });
+        }
+        let region_id = self.shared.regions.insert(region);
+        Ok(TransferRef::local(region).with_remote(RemoteRegion { endpoint: self.endpoint.clone(), region_id }))
+    }
+
+    /// Makes later requests for the region fail with "unknown region", then blocks until every
+    /// request already touching it has finished (each is bounded by the IO timeout), so the caller
+    /// may free the memory when this returns. A ref of another server, or one already deregistered,
+    /// is a no-op.
+    fn deregister(&self, r: &TransferRef) {
+        if let (Some(local), Some(remote)) = (r.local_region(), r.remote())
+            && remote.endpoint == self.endpoint
+        {
+            self.shared.regions.remove(remote.region_id, local);
+        }
+    }
+}
+
+impl Drop for DataServer {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Wake the acceptor, blocked in `accept`, with a connection of our own.
+        let wake = match self.local_addr.ip() {
+            IpAddr::V4(ip) if ip.is_unspecified() => {
+                SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), self.local_addr.port())
+            }
+            IpAddr::V6(ip) if ip.is_unspecified() => {
+                SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), self.local_addr.port())
+            }
+            _ => self.local_addr,
+        };
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        if let Some(acceptor) = self.acceptor.take() {
+            join_until(acceptor, deadline);
+        }
+        let conns: Vec<ConnRecord> = self.shared.conns.lock().drain().map(|(_, c)| c).collect();
+        for c in &conns {
+            let _ = c.stream.shutdown(Shutdown::Both);
+        }
+        for c in conns {
+            if let Some(t) = c.thread {
+                join_until(t, deadline);
+            }
+        }
+    }
+}
+
+/// Joins `t` if it finishes before `deadline`; otherwise leaves it detached (it holds only shared
+/// state and finishes on its own once its socket call returns).
+fn join_until(t: JoinHandle<()>, deadline: Instant) {
+    while !t.is_finished() {
+        if Instant::now() >= deadline {
+            tracing::warn!("tcp data server thread did not stop in time; leaving it detached");
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let _ = t.join();
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
+    loop {
+        let accepted = listener.accept();
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let (stream, peer) = match accepted {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(error = %e, "tcp data server: accept failed");
+                // Out of descriptors and the like: back off instead of spinning.
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        bump(&shared.metrics.accepted);
+        let mut conns = shared.conns.lock();
+        if conns.len() >= shared.config.max_connections {
+            drop(conns);
+            bump(&shared.metrics.refused_limit);
+            tracing::warn!(%peer, limit = shared.config.max_connections, "tcp data server: connection limit reached; closing");
+            continue;
+        }
+        let (Ok(()), Ok(clone)) = (configure(&stream, shared.config.io_timeout), stream.try_clone()) else {
+            tracing::warn!(%peer, "tcp data server: cannot configure the socket; closing");
+            continue;
+        };
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        conns.insert(id, ConnRecord { stream: clone, thread: None });
+        drop(conns);
+        let spawned = {
+            let shared = Arc::clone(shared);
+            std::thread::Builder::new().name("umbp-tcp-serve".into()).spawn(move || {
+                serve(&shared, stream, peer);
+                shared.conns.lock().remove(&id);
+            })
+        };
+        match spawned {
+            Ok(t) => {
+                if let Some(rec) = shared.conns.lock().get_mut(&id) {
+                    rec.thread = Some(t);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "tcp data server: cannot spawn a connection thread");
+                shared.conns.lock().remove(&id);
+            }
+        }
+    }
+}
+
+/// Why a connection ended.
+#[derive(Debug)]
+enum End {
+    /// The peer closed it, or the server is stopping.
+    Closed,
+    /// A socket error (including a timeout in the middle of a request).
+    Io(io::Error),
+    /// The peer sent something that is not the protocol.
+    Malformed(FrameError),
+}
+
+impl From<io::Error> for End {
+    fn from(e: io::Error) -> Self {
+        Self::Io(e)
+    }
+}
+
+fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
+    match handshake(shared, &mut stream) {
+        Ok(()) => {}
+        Err(reason) => {
+            tracing::warn!(%peer, %reason, "tcp data server: handshake refused; closing the connection");
+            return;
+        }
+    }
+    tracing::debug!(%peer, "tcp data server: connection authenticated");
+    let Ok(write_half) = stream.try_clone() else {
+        tracing::warn!(%peer, "tcp data server: cannot clone the socket; closing");
+        return;
+    };
+    let mut conn = ServerConn {
+        shared,
+        reader: FrameReader::new(stream, READ_BUFFER, REQUEST_LEN),
+        writer: write_half,
+        replies: ReplyQueue::default(),
+        scratch: vec![0u8; DISCARD_BUFFER].into_boxed_slice(),
+    };
+    match conn.run() {
+        Ok(()) | Err(End::Closed) => tracing::debug!(%peer, "tcp data server: connection closed"),
+        Err(End::Io(e)) => tracing::debug!(%peer, error = %e, "tcp data server: connection dropped"),
+        Err(End::Malformed(e)) => {
+            bump(&shared.metrics.malformed_frames);
+            tracing::warn!(%peer, reason = %e, "tcp data server: malformed frame; closing the connection");
+        }
+    }
+}
+
+/// Runs the server side of the handshake; `Err` carries the reason to log.
+fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<(), String> {
+    let metrics = &shared.metrics;
+    let mut head = [0u8; HELLO_LEN];
+    stream.read_exact(&mut head).map_err(|e| format!("reading the hello: {e}"))?;
+    let hello = protocol::decode_hello(&head).map_err(|e| {
+        bump(&metrics.refused_malformed);
+        format!("malformed hello: {e}")
+    })?;
+    let mut token = [0u8; MAX_TOKEN_LEN];
+    let token = token.get_mut(..hello.token_len).ok_or("token length beyond the limit")?;
+    stream.read_exact(token).map_err(|e| format!("reading the token: {e}"))?;
+    let status = if hello.version != protocol::VERSION {
+        bump(&metrics.refused_version);
+        HelloStatus::BadVersion
+    } else if shared.config.token.as_ref().is_some_and(|t| !tokens_equal(t.as_bytes(), token)) {
+        bump(&metrics.refused_unauthorized);
+        HelloStatus::Unauthorized
+    } else {
+        HelloStatus::Ok
+    };
+    stream.write_all(&protocol::encode_hello_reply(status)).map_err(|e| format!("answering the hello: {e}"))?;
+    match status {
+        HelloStatus::Ok => Ok(()),
+        HelloStatus::Unauthorized => Err("wrong cluster token".into()),
+        HelloStatus::BadVersion => {
+            Err(format!("protocol version {} (this server speaks {})", hello.version, protocol::VERSION))
+        }
+    }
+}
+
+/// Replies waiting for one gather write.
+#[derive(Debug, Default)]
+struct ReplyQueue {
+    headers: Vec<[u8; protocol::REPLY_LEN]>,
+    /// Per header: the READ payload that follows it, if any (a range of a guarded region).
+    payloads: Vec<Option<(*const u8, usize)>>,
+    /// Keeps the regions of queued payloads registered until they are written.
+    guards: Vec<RegionGuard>,
+    payload_bytes: usize,
+}
+
+impl ReplyQueue {
+    fn full(&self) -> bool {
+        self.headers.len() >= MAX_QUEUED_REPLIES || self.payload_bytes >= MAX_QUEUED_PAYLOAD
+    }
+}
+
+struct ServerConn<'a> {
+    shared: &'a Shared,
+    reader: FrameReader,
+    writer: TcpStream,
+    replies: ReplyQueue,
+    scratch: Box<[u8]>,
+}
+
+impl ServerConn<'_> {
+    fn run(&mut self) -> Result<(), End> {
+        loop {
+            if self.reader.buffered() == 0 && !self.replies.headers.is_empty() && !self.more_pending() {
+                // About to block on the socket: everything answered so far goes out first. (While
+                // the client keeps sending, replies accumulate and leave in one gather write.)
+                self.flush()?;
+            }
+            let Some(head) = self.next_header()? else {
+                // The peer finished sending; it may still be reading.
+                return self.flush();
+            };
+            let request = Request::decode(&head).map_err(End::Malformed)?;
+            self.handle(request)?;
+            if self.replies.full() {
+                self.flush()?;
+            }
+        }
+    }
+
+    /// Whether request bytes can be read right now without blocking (a non-blocking fill of the
+    /// header buffer). Errors count as "no": the blocking read that follows reports them.
+    fn more_pending(&mut self) -> bool {
+        let stream = self.reader.get_ref();
+        if stream.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let more = matches!(self.reader.fill(), Ok(n) if n > 0);
+        let restored = self.reader.get_ref().set_nonblocking(false).is_ok();
+        more && restored
+    }
+
+    /// The next request header; `None` when the peer closed the connection between requests or the
+    /// server is stopping. Between requests the connection may idle for any time; once a header has
+    /// started, every read is bounded by the IO timeout.
+    fn next_header(&mut self) -> Result<Option<[u8; REQUEST_LEN]>, End> {
+        loop {
+            match self.reader.fill() {
+                Ok(0) => return Ok(None),
+                Ok(_) => break,
+                Err(e) if is_timeout(&e) || e.kind() == io::ErrorKind::Interrupted => {
+                    if self.shared.stop.load(Ordering::Relaxed) {
+                        return Err(End::Closed);
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let mut head = [0u8; REQUEST_LEN];
+        self.reader.read_exact_into(&mut head)?;
+        Ok(Some(head))
+    }
+
+    /// The region range a request names, or the status refusing it. Nothing is touched here.
+    fn resolve(&self, r: &Request) -> Result<(RegionGuard, *mut u8, usize), Status> {
+        if r.flags != 0 {
+            return Err(Status::BadRequest);
+        }
+        let guard = self.shared.regions.acquire(r.region).ok_or(Status::UnknownRegion)?;
+        let (ptr, len) = guard.range(r.offset, r.length)?;
+        Ok((guard, ptr, len))
+    }
+
+    fn handle(&mut self, r: Request) -> Result<(), End> {
+        let resolved = self.resolve(&r);
+        let status = match (r.op, resolved) {
+            (Op::Write, Ok((guard, ptr, len))) => {
+                // SAFETY: `ptr..ptr + len` lies inside the region (bounds-checked by
+                // `RegionGuard::range` in `resolve`), which stays registered — so valid, per
+                // `LocalRegion`'s invariant — while `guard` lives, i.e. until after this read. The
+                // slice is only handed to the kernel's `recv`; the medium guarantees nobody else
+                // uses bytes a transfer is writing.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+                self.reader.read_exact_into(dst)?;
+                drop(guard);
+                self.queue(Reply { status: Status::Ok, id: r.id, length: 0 }, None);
+                Status::Ok
+            }
+            (Op::Write, Err(status)) => {
+                self.discard(r.length)?;
+                self.queue(Reply { status, id: r.id, length: 0 }, None);
+                status
+            }
+            (Op::Read, Ok((guard, ptr, len))) => {
+                self.queue(Reply { status: Status::Ok, id: r.id, length: r.length }, Some((guard, ptr, len)));
+                Status::Ok
+            }
+            (Op::Read, Err(status)) => {
+                self.queue(Reply { status, id: r.id, length: 0 }, None);
+                status
+            }
+        };
+        bump(&self.shared.metrics.requests[status as usize]);
+        Ok(())
+    }
+
+    fn queue(&mut self, reply: Reply, payload: Option<(RegionGuard, *mut u8, usize)>) {
+        self.replies.headers.push(reply.encode());
+        match payload {
+            Some((guard, ptr, len)) => {
+                self.replies.payloads.push(Some((ptr.cast_const(), len)));
+                self.replies.guards.push(guard);
+                self.replies.payload_bytes += len;
+            }
+            None => self.replies.payloads.push(None),
+        }
+    }
+
+    /// Reads and drops `len` payload bytes of a refused WRITE, keeping the stream in sync.
+    fn discard(&mut self, mut len: u64) -> Result<(), End> {
+        while len > 0 {
+            let n = usize::try_from(len).unwrap_or(usize::MAX).min(self.scratch.len());
+            let buf = self.scratch.get_mut(..n).ok_or(End::Closed)?;
+            self.reader.read_exact_into(buf)?;
+            len -= n as u64;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), End> {
+        if self.replies.headers.is_empty() {
+            return Ok(());
+        }
+        let q = &self.replies;
+        let mut slices = Vec::with_capacity(q.headers.len() * 2);
+        for (head, payload) in q.headers.iter().zip(&q.payloads) {
+            slices.push(IoSlice::new(head));
+            if let Some((ptr, len)) = *payload {
+                // SAFETY: `ptr..ptr + len` was bounds-checked against its region by
+                // `RegionGuard::range`, and the region stays registered (so valid) while the guard in
+                // `q.guards` lives, which is until after this write. The slice is only read (by the
+                // kernel's `send`).
+                slices.push(IoSlice::new(unsafe { std::slice::from_raw_parts(ptr, len) }));
+            }
+        }
+        let result = write_all_vectored(&mut self.writer, &mut slices);
+        drop(slices);
+        self.replies.headers.clear();
+        self.replies.payloads.clear();
+        self.replies.guards.clear();
+        self.replies.payload_bytes = 0;
+        result.map_err(End::Io)
+    }
+}
