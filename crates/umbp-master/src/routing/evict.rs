@@ -1,0 +1,192 @@
+//! Eviction policy: which (node, tier) must shed bytes and which keys go first.
+//!
+//! The master decides and the peer makes it final: the manager sends the chosen keys in `EvictKey`
+//! and changes no state of its own. A key the peer protects (leased or pinned) frees 0 bytes, stays
+//! indexed, and is simply chosen again on the next tick while the pressure lasts.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use umbp_core::TierType;
+
+use super::error::RoutingConfigError;
+use super::types::{Candidate, TierSlot};
+
+/// The eviction manager's settings. The defaults are the reference's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvictionConfig {
+    /// A (node, tier) whose used fraction reaches this is under pressure (default 0.9).
+    pub high_watermark: f64,
+    /// Pressure is relieved down to this used fraction (default 0.7); the gap to the high mark keeps
+    /// the manager from evicting a few bytes on every tick.
+    pub low_watermark: f64,
+    /// How often the manager looks for pressure (`UMBP_EVICTION_CHECK_INTERVAL_SEC`, default 5 s).
+    pub check_interval: Duration,
+    /// How long a routed get protects its key from eviction (`UMBP_LEASE_DURATION_SEC`, default
+    /// 2 s): long enough for the reader to resolve the key on the peer, which then takes its own lease.
+    pub lease_duration: Duration,
+    /// Deadline of one `EvictKey` call (`UMBP_EVICTKEY_DEADLINE_MS`, default 1 s), so a hung peer
+    /// cannot stall the eviction of the others.
+    pub evict_deadline: Duration,
+}
+
+impl Default for EvictionConfig {
+    fn default() -> Self {
+        Self {
+            high_watermark: 0.9,
+            low_watermark: 0.7,
+            check_interval: Duration::from_secs(5),
+            lease_duration: Duration::from_secs(2),
+            evict_deadline: Duration::from_secs(1),
+        }
+    }
+}
+
+impl EvictionConfig {
+    /// Checks `0 < low < high <= 1` (which also rejects NaN) and that every duration is non-zero.
+    pub fn validate(&self) -> Result<(), RoutingConfigError> {
+        let (high, low) = (self.high_watermark, self.low_watermark);
+        if !(0.0 < low && low < high && high <= 1.0) {
+            return Err(RoutingConfigError::InvalidWatermarks { high, low });
+        }
+        for (name, value) in [
+            ("check_interval", self.check_interval),
+            ("lease_duration", self.lease_duration),
+            ("evict_deadline", self.evict_deadline),
+        ] {
+            if value.is_zero() {
+                return Err(RoutingConfigError::ZeroDuration { name });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A node and its media, as [`plan_eviction`] reads them; implemented for [`Candidate`] (the same
+/// alive list put routing uses) and for a plain `(node_id, tiers)` pair.
+pub trait NodeTiers {
+    /// The node's id.
+    fn node_id(&self) -> &Arc<str>;
+    /// The node's media and their capacity.
+    fn tiers(&self) -> &[TierSlot];
+}
+
+impl NodeTiers for Candidate {
+    fn node_id(&self) -> &Arc<str> {
+        &self.node_id
+    }
+
+    fn tiers(&self) -> &[TierSlot] {
+        &self.tiers
+    }
+}
+
+impl NodeTiers for (Arc<str>, Vec<TierSlot>) {
+    fn node_id(&self) -> &Arc<str> {
+        &self.0
+    }
+
+    fn tiers(&self) -> &[TierSlot] {
+        &self.1
+    }
+}
+
+/// Bytes to free on one (node, tier).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Bucket {
+    /// The node under pressure.
+    pub node_id: Arc<str>,
+    /// The medium under pressure.
+    pub tier: TierType,
+    /// Bytes to free to come back to the low watermark.
+    pub budget_bytes: u64,
+}
+
+/// A key the store offers for eviction: unleased, with its location and last access.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct EvictionCandidate {
+    /// The key.
+    pub key: String,
+    /// The node holding this copy.
+    pub node_id: Arc<str>,
+    /// The medium holding this copy.
+    pub tier: TierType,
+    /// Bytes the copy occupies.
+    pub size: u64,
+    /// When a get last routed to the key (ms on the master's clock); smaller is older.
+    pub last_accessed_ms: u64,
+}
+
+/// The (node, tier) buckets that must shed bytes, in input order.
+///
+/// For each medium with `total > 0`: `used = total - available` (0 if a node reports more free than
+/// total); if `used / total >= high`, the budget is `used - floor(total × low)`. Every medium is
+/// treated alike, SSD included. `high` and `low` are expected to have passed
+/// [`EvictionConfig::validate`].
+///
+/// The arithmetic is done in integers with the watermarks rounded to a millionth, so the budget is
+/// exact for the decimal the operator wrote: `0.7` of 80 GiB is 60129542144 bytes, where the binary
+/// `0.7 × total` of the reference comes out one byte short.
+pub fn plan_eviction<N: NodeTiers>(nodes: &[N], high: f64, low: f64) -> Vec<Bucket> {
+    let (high, low) = (parts_per_million(high), parts_per_million(low));
+    let mut buckets = Vec::new();
+    for node in nodes {
+        for slot in node.tiers() {
+            if slot.total_bytes == 0 {
+                continue;
+            }
+            let total = u128::from(slot.total_bytes);
+            let used = u128::from(slot.total_bytes.saturating_sub(slot.available_bytes));
+            if used * PPM < total * high {
+                continue;
+            }
+            let budget = used.saturating_sub(total * low / PPM);
+            // `budget <= used <= total`, so it always fits back into u64.
+            let budget_bytes = u64::try_from(budget).unwrap_or(u64::MAX);
+            if budget_bytes > 0 {
+                buckets.push(Bucket { node_id: node.node_id().clone(), tier: slot.tier, budget_bytes });
+            }
+        }
+    }
+    buckets
+}
+
+const PPM: u128 = 1_000_000;
+
+/// A watermark as an integer count of millionths, clamped to `0..=1` (NaN reads as 0).
+fn parts_per_million(fraction: f64) -> u128 {
+    // `as` saturates and maps NaN to 0; the clamp keeps an unvalidated value inside 0..=1.
+    ((fraction * 1e6).round() as u128).min(PPM)
+}
+
+/// Least recently used victims, grouped by node, each node's keys oldest first.
+///
+/// Candidates are sorted oldest first (stable, so equal stamps keep the store's order); a candidate
+/// is taken while its own (node, tier) budget is still positive, and its size is subtracted from that
+/// budget only, so buckets are independent. The last victim of a bucket may overshoot the budget: a
+/// key cannot be half evicted. Candidates of a (node, tier) without a bucket are never taken.
+pub fn select_victims(mut candidates: Vec<EvictionCandidate>, buckets: &[Bucket]) -> HashMap<Arc<str>, Vec<String>> {
+    let mut budgets: foldhash::HashMap<(Arc<str>, TierType), u64> = buckets
+        .iter()
+        .filter(|bucket| bucket.budget_bytes > 0)
+        .map(|bucket| ((bucket.node_id.clone(), bucket.tier), bucket.budget_bytes))
+        .collect();
+    let mut victims: HashMap<Arc<str>, Vec<String>> = HashMap::new();
+    if budgets.is_empty() {
+        return victims;
+    }
+    candidates.sort_by_key(|candidate| candidate.last_accessed_ms);
+    for EvictionCandidate { key, node_id, tier, size, .. } in candidates {
+        let bucket = (node_id, tier);
+        let Some(budget) = budgets.get_mut(&bucket) else {
+            continue;
+        };
+        if *budget == 0 {
+            continue;
+        }
+        *budget = budget.saturating_sub(size);
+        victims.entry(bucket.0).or_default().push(key);
+    }
+    victims
+}

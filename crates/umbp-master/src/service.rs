@@ -1,0 +1,404 @@
+//! The `UMBPMaster` gRPC service: glue between the wire, the metadata store and the routing
+//! strategies. Every handler is short: validate, call the store, call a strategy, encode.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tonic::{Request, Response, Status};
+use umbp_core::{KvEvent, KvEventKind, TierType};
+use umbp_proto::v1;
+use umbp_proto::v1::umbp_master_server::UmbpMaster;
+
+use crate::config::MasterConfig;
+use crate::routing::{Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
+use crate::store::{
+    HeartbeatApply, HeartbeatKind, HeartbeatOutcome, MetadataStore, NodeStatus, RegisterOutcome, Registration,
+    StoreError, TierCap,
+};
+
+/// Wall-clock milliseconds: store timestamps must mean the same across restarts and replicas.
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+pub(crate) fn tier_from_wire(value: i32) -> TierType {
+    u32::try_from(value).map_or(TierType::Unknown, TierType::from_wire)
+}
+
+pub(crate) fn tier_to_wire(tier: TierType) -> i32 {
+    i32::try_from(tier.wire()).unwrap_or(0)
+}
+
+fn caps_from_wire(caps: &[v1::TierCapacity]) -> Vec<TierCap> {
+    caps.iter()
+        .map(|c| TierCap::new(tier_from_wire(c.tier), c.total_bytes, c.available_bytes))
+        .filter(|c| c.tier != TierType::Unknown)
+        .collect()
+}
+
+fn caps_to_wire(caps: &[TierCap]) -> Vec<v1::TierCapacity> {
+    caps.iter()
+        .map(|c| v1::TierCapacity {
+            tier: tier_to_wire(c.tier),
+            total_bytes: c.total_bytes,
+            available_bytes: c.available_bytes,
+        })
+        .collect()
+}
+
+fn events_from_wire(events: Vec<v1::KvEvent>) -> Vec<KvEvent> {
+    events
+        .into_iter()
+        .map(|e| KvEvent {
+            kind: if e.kind == v1::KvEventKind::KvEventRemove as i32 { KvEventKind::Remove } else { KvEventKind::Add },
+            key: e.key,
+            tier: tier_from_wire(e.tier),
+            size: e.size,
+        })
+        .collect()
+}
+
+fn store_status(e: StoreError) -> Status {
+    // The master never crashes on a store failure: the caller retries, or another replica answers.
+    tracing::warn!(error = %e, "metadata store call failed");
+    match e {
+        StoreError::InvalidArgument { reason } => Status::invalid_argument(reason),
+        other => Status::unavailable(other.to_string()),
+    }
+}
+
+impl crate::routing::ReplicaNode for crate::store::Location {
+    fn node_id(&self) -> &str {
+        &self.node_id
+    }
+}
+
+/// Counters the service keeps for operators and tests.
+#[derive(Debug, Default)]
+pub(crate) struct ServiceStats {
+    pub(crate) heartbeats: AtomicU64,
+    pub(crate) events_applied: AtomicU64,
+    pub(crate) seq_gaps: AtomicU64,
+    pub(crate) reacked: AtomicU64,
+    pub(crate) route_put_keys: AtomicU64,
+    pub(crate) route_get_keys: AtomicU64,
+}
+
+/// The `UMBPMaster` implementation.
+#[derive(Debug, Clone)]
+pub(crate) struct MasterService {
+    pub(crate) config: Arc<MasterConfig>,
+    pub(crate) store: Arc<dyn MetadataStore>,
+    pub(crate) put: Arc<RoutePutStrategy>,
+    pub(crate) get: Arc<RouteGetStrategy>,
+    pub(crate) stats: Arc<ServiceStats>,
+}
+
+impl MasterService {
+    /// Every ALIVE node with a reachable peer service and at least one medium, as put candidates.
+    fn put_candidates(&self) -> Result<Vec<Candidate>, Status> {
+        let nodes = self.store.list_alive().map_err(store_status)?;
+        Ok(nodes
+            .into_iter()
+            .filter(|n| n.status == NodeStatus::Alive && !n.peer_address.is_empty() && !n.caps.is_empty())
+            .map(|n| Candidate {
+                node_id: n.node_id,
+                peer_address: n.peer_address,
+                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+            })
+            .collect())
+    }
+
+    fn route_put_batch(
+        &self,
+        requester: &str,
+        keys: &[String],
+        sizes: &[u64],
+        exclude: &[String],
+    ) -> Result<Vec<v1::RoutePutEntry>, Status> {
+        if keys.len() != sizes.len() {
+            return Err(Status::invalid_argument(format!(
+                "{} keys but {} block sizes: the arrays must be parallel",
+                keys.len(),
+                sizes.len()
+            )));
+        }
+        if keys.iter().any(String::is_empty) {
+            return Err(Status::invalid_argument("a key must not be empty"));
+        }
+        let exists = self.store.batch_exists(keys).map_err(store_status)?;
+        let candidates = self.put_candidates()?;
+        let decisions = self.put.select_batch(requester, sizes, &exists, &candidates, exclude, &mut rand::rng());
+        self.stats.route_put_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
+        Ok(decisions
+            .into_iter()
+            .map(|d| match d {
+                PutDecision::Routed(p) => v1::RoutePutEntry {
+                    outcome: v1::RoutePutOutcome::RoutePutRouted as i32,
+                    node_id: p.node_id.to_string(),
+                    tier: tier_to_wire(p.tier),
+                    peer_address: p.peer_address.to_string(),
+                },
+                PutDecision::AlreadyExists => v1::RoutePutEntry {
+                    outcome: v1::RoutePutOutcome::RoutePutAlreadyExists as i32,
+                    ..Default::default()
+                },
+                PutDecision::Unavailable => v1::RoutePutEntry::default(),
+            })
+            .collect())
+    }
+
+    /// The columnar route-get answer; never names a node that is not ALIVE.
+    fn route_get_batch(
+        &self,
+        requester: &str,
+        keys: &[String],
+        exclude: &[String],
+    ) -> Result<v1::BatchRouteGetResponse, Status> {
+        if keys.iter().any(String::is_empty) {
+            return Err(Status::invalid_argument("a key must not be empty"));
+        }
+        let lease_ms = u64::try_from(self.config.route_get_lease.as_millis()).unwrap_or(u64::MAX);
+        let per_key = self.store.batch_lookup_for_route_get(keys, exclude, now_ms(), lease_ms).map_err(store_status)?;
+        // The store returns ALIVE nodes only; the view closes the race with an expiry in between.
+        let view = self.store.alive_peer_view().map_err(store_status)?;
+        let mut rng = rand::rng();
+        let mut reply = v1::BatchRouteGetResponse {
+            nodes: Vec::new(),
+            node_ref: Vec::with_capacity(keys.len()),
+            tier: Vec::with_capacity(keys.len()),
+            size: Vec::with_capacity(keys.len()),
+        };
+        let mut node_index: HashMap<Arc<str>, u32> = HashMap::new();
+        for locations in &per_key {
+            let alive: Vec<_> = locations.iter().filter(|l| view.contains_key(&l.node_id)).collect();
+            let picked = self.get.select(requester, &alive, &mut rng).and_then(|i| alive.get(i).copied());
+            match picked {
+                Some(loc) => {
+                    let next = node_index.len() as u32 + 1;
+                    let index = *node_index.entry(loc.node_id.clone()).or_insert_with(|| {
+                        let peer = view.get(&loc.node_id).map(|p| p.to_string()).unwrap_or_default();
+                        reply.nodes.push(v1::NodeInfo { node_id: loc.node_id.to_string(), peer_address: peer });
+                        next
+                    });
+                    reply.node_ref.push(index);
+                    reply.tier.push(tier_to_wire(loc.tier));
+                    reply.size.push(loc.size);
+                }
+                None => {
+                    reply.node_ref.push(0);
+                    reply.tier.push(0);
+                    reply.size.push(0);
+                }
+            }
+        }
+        self.stats.route_get_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
+        Ok(reply)
+    }
+}
+
+#[tonic::async_trait]
+impl UmbpMaster for MasterService {
+    async fn register_client(
+        &self,
+        request: Request<v1::RegisterClientRequest>,
+    ) -> Result<Response<v1::RegisterClientResponse>, Status> {
+        let r = request.into_inner();
+        if r.node_id.is_empty() {
+            return Err(Status::invalid_argument("node_id must not be empty"));
+        }
+        let node_id = r.node_id.clone();
+        let reg = Registration {
+            node_id: r.node_id,
+            node_address: r.node_address,
+            peer_address: r.peer_address,
+            data_endpoint: r.data_endpoint,
+            tier_capacities: caps_from_wire(&r.tier_capacities),
+            tags: r.tags,
+        };
+        let stale_after = u64::try_from(self.config.expiry_after().as_millis()).unwrap_or(u64::MAX);
+        match self.store.register(reg, now_ms(), stale_after).map_err(store_status)? {
+            RegisterOutcome::Registered => {
+                tracing::info!(node = %node_id, "node registered");
+                let interval = u64::try_from(self.config.heartbeat_interval().as_millis()).unwrap_or(u64::MAX);
+                Ok(Response::new(v1::RegisterClientResponse { heartbeat_interval_ms: interval }))
+            }
+            RegisterOutcome::AlreadyExists => Err(Status::already_exists(format!(
+                "node {node_id} is registered and alive; a restarted node must wait for its old record to expire or unregister first"
+            ))),
+        }
+    }
+
+    async fn unregister_client(
+        &self,
+        request: Request<v1::UnregisterClientRequest>,
+    ) -> Result<Response<v1::UnregisterClientResponse>, Status> {
+        let node_id = request.into_inner().node_id;
+        if self.store.unregister(&node_id).map_err(store_status)? {
+            tracing::info!(node = %node_id, "node unregistered");
+        }
+        Ok(Response::new(v1::UnregisterClientResponse {}))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<v1::HeartbeatRequest>,
+    ) -> Result<Response<v1::HeartbeatResponse>, Status> {
+        let r = request.into_inner();
+        self.stats.heartbeats.fetch_add(1, Ordering::Relaxed);
+        let caps = caps_from_wire(&r.tier_capacities);
+        let now = now_ms();
+        let apply = |kind| HeartbeatApply { node_id: r.node_id.clone(), now_ms: now, caps: caps.clone(), kind };
+        let unknown = || v1::HeartbeatResponse { status: v1::NodeStatus::Unknown as i32, ..Default::default() };
+        let alive = |acked_seq, request_full_sync| v1::HeartbeatResponse {
+            status: v1::NodeStatus::Alive as i32,
+            acked_seq,
+            request_full_sync,
+        };
+        if r.is_full_sync {
+            let events: Vec<KvEvent> = r.bundles.into_iter().flat_map(|b| events_from_wire(b.events)).collect();
+            let n = events.len() as u64;
+            let kind = HeartbeatKind::FullSyncChunk {
+                baseline_seq: r.delta_seq_baseline,
+                chunk_index: r.full_sync_chunk,
+                is_final: r.full_sync_final,
+                events,
+            };
+            // A chunk can carry ~100k events (tens of ms): keep it off the async workers.
+            let (store, hb) = (Arc::clone(&self.store), apply(kind));
+            let outcome = tokio::task::spawn_blocking(move || store.apply_heartbeat(hb))
+                .await
+                .map_err(|e| Status::internal(format!("full-sync apply task failed: {e}")))?
+                .map_err(store_status)?;
+            return Ok(Response::new(match outcome {
+                HeartbeatOutcome::Unknown => unknown(),
+                HeartbeatOutcome::SeqGap { acked_seq } => {
+                    self.stats.seq_gaps.fetch_add(1, Ordering::Relaxed);
+                    alive(acked_seq, true)
+                }
+                HeartbeatOutcome::Applied { acked_seq } | HeartbeatOutcome::AlreadyApplied { acked_seq } => {
+                    self.stats.events_applied.fetch_add(n, Ordering::Relaxed);
+                    alive(acked_seq, false)
+                }
+            }));
+        }
+        if r.bundles.is_empty() {
+            // A keepalive refreshes liveness and capacity; it never asks for a full sync.
+            let outcome = self.store.apply_heartbeat(apply(HeartbeatKind::Keepalive)).map_err(store_status)?;
+            return Ok(Response::new(match outcome.acked_seq() {
+                None => unknown(),
+                Some(acked) => alive(acked, false),
+            }));
+        }
+        let mut acked = 0;
+        for bundle in r.bundles {
+            let n = bundle.events.len() as u64;
+            let kind = HeartbeatKind::Delta { seq: bundle.seq, events: events_from_wire(bundle.events) };
+            match self.store.apply_heartbeat(apply(kind)).map_err(store_status)? {
+                HeartbeatOutcome::Unknown => return Ok(Response::new(unknown())),
+                HeartbeatOutcome::SeqGap { acked_seq } => {
+                    // Bundles before the gap stay applied; the node heals with a full sync.
+                    self.stats.seq_gaps.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Response::new(alive(acked_seq, true)));
+                }
+                HeartbeatOutcome::AlreadyApplied { acked_seq } => {
+                    // A re-send after a lost ack: acknowledge again, never punish with a full sync.
+                    self.stats.reacked.fetch_add(1, Ordering::Relaxed);
+                    acked = acked_seq;
+                }
+                HeartbeatOutcome::Applied { acked_seq } => {
+                    self.stats.events_applied.fetch_add(n, Ordering::Relaxed);
+                    acked = acked_seq;
+                }
+            }
+        }
+        Ok(Response::new(alive(acked, false)))
+    }
+
+    async fn route_put(&self, request: Request<v1::RoutePutRequest>) -> Result<Response<v1::RoutePutResponse>, Status> {
+        let r = request.into_inner();
+        let entry =
+            self.route_put_batch(&r.node_id, &[r.key], &[r.block_size], &r.exclude_nodes)?.pop().unwrap_or_default();
+        Ok(Response::new(v1::RoutePutResponse {
+            outcome: entry.outcome,
+            node_id: entry.node_id,
+            tier: entry.tier,
+            peer_address: entry.peer_address,
+        }))
+    }
+
+    async fn route_get(&self, request: Request<v1::RouteGetRequest>) -> Result<Response<v1::RouteGetResponse>, Status> {
+        let r = request.into_inner();
+        let reply = self.route_get_batch(&r.node_id, &[r.key], &r.exclude_nodes)?;
+        let hit = reply.node_ref.first().copied().unwrap_or(0);
+        let node = (hit as usize).checked_sub(1).and_then(|i| reply.nodes.get(i));
+        Ok(Response::new(match node {
+            Some(node) => v1::RouteGetResponse {
+                found: true,
+                node_id: node.node_id.clone(),
+                tier: reply.tier.first().copied().unwrap_or(0),
+                size: reply.size.first().copied().unwrap_or(0),
+                peer_address: node.peer_address.clone(),
+            },
+            None => v1::RouteGetResponse::default(),
+        }))
+    }
+
+    async fn batch_route_put(
+        &self,
+        request: Request<v1::BatchRoutePutRequest>,
+    ) -> Result<Response<v1::BatchRoutePutResponse>, Status> {
+        let r = request.into_inner();
+        let entries = self.route_put_batch(&r.node_id, &r.keys, &r.block_sizes, &r.exclude_nodes)?;
+        Ok(Response::new(v1::BatchRoutePutResponse { entries }))
+    }
+
+    async fn batch_route_get(
+        &self,
+        request: Request<v1::BatchRouteGetRequest>,
+    ) -> Result<Response<v1::BatchRouteGetResponse>, Status> {
+        let r = request.into_inner();
+        Ok(Response::new(self.route_get_batch(&r.node_id, &r.keys, &r.exclude_nodes)?))
+    }
+
+    async fn batch_lookup(
+        &self,
+        request: Request<v1::BatchLookupRequest>,
+    ) -> Result<Response<v1::BatchLookupResponse>, Status> {
+        let keys = request.into_inner().keys;
+        let found = self.store.batch_exists(&keys).map_err(store_status)?;
+        Ok(Response::new(v1::BatchLookupResponse { found }))
+    }
+
+    async fn get_cluster_status(
+        &self,
+        _request: Request<v1::GetClusterStatusRequest>,
+    ) -> Result<Response<v1::GetClusterStatusResponse>, Status> {
+        let now = now_ms();
+        let nodes = self.store.list_nodes().map_err(store_status)?;
+        let mut out = Vec::with_capacity(nodes.len());
+        for n in nodes {
+            let key_count = self.store.node_key_count(&n.node_id).map_err(store_status)?;
+            out.push(v1::NodeStatusInfo {
+                node_id: n.node_id.to_string(),
+                node_address: n.node_address,
+                peer_address: n.peer_address.to_string(),
+                data_endpoint: n.data_endpoint,
+                status: match n.status {
+                    NodeStatus::Alive => v1::NodeStatus::Alive as i32,
+                    NodeStatus::Expired => v1::NodeStatus::Expired as i32,
+                },
+                tier_capacities: caps_to_wire(&n.caps),
+                key_count,
+                last_heartbeat_age_ms: now.saturating_sub(n.last_heartbeat_ms),
+                last_applied_seq: n.last_applied_seq,
+                tags: n.tags,
+            });
+        }
+        out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        let total_keys = self.store.key_count().map_err(store_status)?;
+        Ok(Response::new(v1::GetClusterStatusResponse { nodes: out, total_keys }))
+    }
+}

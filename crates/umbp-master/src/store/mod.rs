@@ -1,0 +1,494 @@
+//! The master's metadata store: node membership and the `key → [location]` index.
+//!
+//! [`MetadataStore`] is the contract the gRPC service, the reaper, routing and eviction run against;
+//! [`InMemoryStore`] is its sharded in-process implementation. The trait is synchronous, object-safe
+//! and takes every timestamp from the caller (`now_ms`, wall-clock milliseconds) so that a store shared
+//! by several masters (Redis and the like) can implement it later with the same answers.
+//!
+//! # The contract
+//! - **Membership** ([`register`](MetadataStore::register), [`unregister`](MetadataStore::unregister),
+//!   [`expire_stale`](MetadataStore::expire_stale)). A node is absent, [`NodeStatus::Alive`] or
+//!   [`NodeStatus::Expired`]. Registering inserts an ALIVE record at seq 0 and replaces an EXPIRED or
+//!   stale one; a fresh ALIVE record answers [`RegisterOutcome::AlreadyExists`]. Registering **wipes
+//!   every location the node held** (the reference kept them, so its first delta after a restart built
+//!   on phantom entries). Expiry keeps the row and wipes the locations; unregistering erases both.
+//! - **The index is built only from heartbeats** ([`apply_heartbeat`](MetadataStore::apply_heartbeat)).
+//!   There is no erase-key call: locations change through heartbeats, unregister and expiry. A delta
+//!   applies iff its seq is `last_applied + 1`; an older seq is re-acknowledged without being applied
+//!   again ([`HeartbeatOutcome::AlreadyApplied`]), a newer one is a gap
+//!   ([`HeartbeatOutcome::SeqGap`]: send a full sync). A full sync arrives in chunks; chunk 0 replaces
+//!   the node's locations, the final chunk moves the seq to the sync's baseline. Every accepted
+//!   heartbeat of an ALIVE node — keepalive, gap and re-ack included — refreshes its liveness and its
+//!   reported capacity.
+//! - **Reads** see only ALIVE nodes' locations. The route-get read also grants a lease and stamps the
+//!   access time of every key it found, which is what eviction's LRU order and lease skip read.
+//!
+//! # Errors
+//! Contract outcomes (unknown node, a seq gap, a duplicate registration) are values. [`StoreError`] is
+//! reserved for invalid arguments and for a backend that failed; [`InMemoryStore`] only ever returns
+//! the former.
+
+mod memory;
+
+use std::collections::HashMap;
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+
+use umbp_core::{KvEvent, TierType};
+
+pub use memory::{DEFAULT_SHARDS, InMemoryStore, KeyStats, MAX_SHARDS};
+
+/// Capacity of one tier of one node, as the node last reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct TierCap {
+    /// The medium.
+    pub tier: TierType,
+    /// Allocatable bytes in total.
+    pub total_bytes: u64,
+    /// Bytes free at the report.
+    pub available_bytes: u64,
+}
+
+impl TierCap {
+    /// The capacity of `tier`: `available_bytes` free of `total_bytes`.
+    pub const fn new(tier: TierType, total_bytes: u64, available_bytes: u64) -> Self {
+        Self { tier, total_bytes, available_bytes }
+    }
+}
+
+/// Everything a node says about itself when it registers.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Registration {
+    /// The node's unique id (must not be empty).
+    pub node_id: String,
+    /// The node's host, without a port.
+    pub node_address: String,
+    /// `host:port` of the node's peer service; empty for a client-only node.
+    pub peer_address: String,
+    /// `host:port` of the node's data-plane server.
+    pub data_endpoint: String,
+    /// Capacity of every medium the node lends.
+    pub tier_capacities: Vec<TierCap>,
+    /// Operator tags, `k=v`.
+    pub tags: Vec<String>,
+}
+
+/// Liveness of a node that has a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeStatus {
+    /// Heartbeating: its locations are routable.
+    Alive,
+    /// Missed heartbeats for longer than the TTL: the row is kept for operators, its locations are
+    /// gone, and its heartbeats are answered [`HeartbeatOutcome::Unknown`] until it registers again.
+    Expired,
+}
+
+/// A node's record as the store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRecord {
+    /// The node's id.
+    pub node_id: Arc<str>,
+    /// The node's host, without a port.
+    pub node_address: String,
+    /// `host:port` of the node's peer service.
+    pub peer_address: Arc<str>,
+    /// `host:port` of the node's data-plane server.
+    pub data_endpoint: String,
+    /// Operator tags.
+    pub tags: Vec<String>,
+    /// Alive or expired.
+    pub status: NodeStatus,
+    /// When the last heartbeat (of any kind) or the registration arrived; never moves backwards while
+    /// the registration lasts (a heartbeat stamped earlier than the last one leaves it as is).
+    pub last_heartbeat_ms: u64,
+    /// When the record was created by [`MetadataStore::register`].
+    pub registered_at_ms: u64,
+    /// The highest event seq applied for the node (0 after registration).
+    pub last_applied_seq: u64,
+    /// The capacity the node last reported (registration, then every accepted heartbeat).
+    pub caps: Vec<TierCap>,
+}
+
+/// One replica of a key: which node holds it, on which tier, and its size.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Location {
+    /// The holding node.
+    pub node_id: Arc<str>,
+    /// The medium on that node.
+    pub tier: TierType,
+    /// Value size in bytes, as the node's last `ADD` for it reported.
+    pub size: u64,
+}
+
+/// One key an eviction round may pick: a replica that no route-get lease protects.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct EvictionCandidate {
+    /// The key.
+    pub key: Arc<str>,
+    /// The node holding the replica.
+    pub node_id: Arc<str>,
+    /// The medium holding the replica.
+    pub tier: TierType,
+    /// Value size in bytes.
+    pub size: u64,
+    /// When a route-get last found the key (its creation time if never).
+    pub last_accessed_ms: u64,
+}
+
+/// What [`MetadataStore::register`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RegisterOutcome {
+    /// A new ALIVE record at seq 0 now stands (inserted, or replacing an expired or stale one); the
+    /// node holds no locations until it full-syncs.
+    Registered,
+    /// An ALIVE record that heartbeated within `stale_after_ms` exists; nothing changed.
+    AlreadyExists,
+}
+
+/// What a heartbeat carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeartbeatKind {
+    /// No events: liveness and capacity only.
+    Keepalive,
+    /// One bundle of ownership changes under a sequence number.
+    Delta {
+        /// The bundle's seq; applied iff it is the node's `last_applied_seq + 1`.
+        seq: u64,
+        /// `ADD`s and `REMOVE`s, applied in order.
+        events: Vec<KvEvent>,
+    },
+    /// One chunk of a full sync: the node's complete ownership as of `baseline_seq`.
+    FullSyncChunk {
+        /// The seq the node's stream stands at; becomes `last_applied_seq` when the final chunk lands.
+        baseline_seq: u64,
+        /// 0 for the first chunk (which drops every location of the node), then 1, 2, … in order.
+        chunk_index: u32,
+        /// Whether this chunk completes the sync. A single-chunk sync is chunk 0 with `is_final`.
+        is_final: bool,
+        /// The node's keys; only `ADD`s count (`REMOVE`s are ignored).
+        events: Vec<KvEvent>,
+    },
+}
+
+/// One heartbeat (one bundle or one full-sync chunk) of one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatApply {
+    /// The sending node.
+    pub node_id: String,
+    /// When the master received it (wall-clock milliseconds).
+    pub now_ms: u64,
+    /// The node's capacity now; replaces the stored capacity on every outcome except `Unknown`.
+    pub caps: Vec<TierCap>,
+    /// Keepalive, delta or full-sync chunk.
+    pub kind: HeartbeatKind,
+}
+
+/// What [`MetadataStore::apply_heartbeat`] did. Every variant but `Unknown` refreshed the node's
+/// liveness and capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HeartbeatOutcome {
+    /// Accepted: a keepalive, an applied delta, or an accepted full-sync chunk. `acked_seq` is the
+    /// node's `last_applied_seq` afterwards (unchanged by a keepalive and by a non-final chunk).
+    Applied {
+        /// The node's last applied seq.
+        acked_seq: u64,
+    },
+    /// A delta with `seq <= last_applied_seq`, or a full-sync chunk whose baseline is older than
+    /// `last_applied_seq`: a re-send whose first copy was already applied. Nothing was applied again;
+    /// the sender treats it as acknowledged.
+    AlreadyApplied {
+        /// The node's last applied seq.
+        acked_seq: u64,
+    },
+    /// The master cannot apply this heartbeat in order: a delta seq beyond `last_applied_seq + 1`, a
+    /// delta during an unfinished full sync, or a full-sync chunk that does not follow the previous
+    /// chunk of the same baseline. Events were dropped and the seq is unchanged; the node must
+    /// (re)start a full sync from chunk 0.
+    SeqGap {
+        /// The node's last applied seq.
+        acked_seq: u64,
+    },
+    /// No record, or an expired one: the node must register again, then full-sync.
+    Unknown,
+}
+
+impl HeartbeatOutcome {
+    /// The acknowledged seq, if the node is known.
+    pub const fn acked_seq(self) -> Option<u64> {
+        match self {
+            Self::Applied { acked_seq } | Self::AlreadyApplied { acked_seq } | Self::SeqGap { acked_seq } => {
+                Some(acked_seq)
+            }
+            Self::Unknown => None,
+        }
+    }
+
+    /// Whether the node must send a full sync (the gRPC reply's `request_full_sync`).
+    pub const fn requests_full_sync(self) -> bool {
+        matches!(self, Self::SeqGap { .. })
+    }
+}
+
+/// Errors from a metadata store. Contract outcomes are values, not errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A shard count outside `1..=MAX_SHARDS`.
+    #[error("index shard count {shards} is outside 1..={max}")]
+    InvalidShardCount {
+        /// The rejected count.
+        shards: usize,
+        /// The largest count accepted.
+        max: usize,
+    },
+    /// An argument no store could accept (an empty node id).
+    #[error("invalid argument: {reason}")]
+    InvalidArgument {
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// The backing service failed or could not be reached (for remote stores).
+    #[error("metadata backend failed: {message}")]
+    Backend {
+        /// What failed.
+        message: String,
+        /// Whether the same call may succeed if repeated.
+        retryable: bool,
+        /// The underlying error, if any.
+        #[source]
+        source: Option<Box<dyn StdError + Send + Sync + 'static>>,
+    },
+}
+
+impl StoreError {
+    /// Whether the same call may succeed if repeated later.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Backend { retryable, .. } => *retryable,
+            Self::InvalidShardCount { .. } | Self::InvalidArgument { .. } => false,
+        }
+    }
+}
+
+/// The master's membership and key index. All methods are synchronous and thread-safe; each write is
+/// atomic with respect to the node it concerns (writes of one node are serialized; writes of different
+/// nodes run in parallel).
+///
+/// See the [module documentation](self) for the contract.
+pub trait MetadataStore: Send + Sync + fmt::Debug {
+    /// Registers a node: inserts an ALIVE record (`last_applied_seq = 0`, `last_heartbeat_ms =
+    /// registered_at_ms = now_ms`, caps from the registration), replacing an EXPIRED record or an ALIVE
+    /// one whose last heartbeat is more than `stale_after_ms` old. Replacing or not, every location the
+    /// node held is wiped. A fresh ALIVE record is left alone: [`RegisterOutcome::AlreadyExists`].
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidArgument`] for an empty node id; backend failures.
+    fn register(&self, reg: Registration, now_ms: u64, stale_after_ms: u64) -> Result<RegisterOutcome, StoreError>;
+
+    /// Erases a node's record and every location it held. Returns whether a record existed;
+    /// unregistering an absent node is a no-op.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn unregister(&self, node_id: &str) -> Result<bool, StoreError>;
+
+    /// Applies one heartbeat (see [`HeartbeatKind`] and [`HeartbeatOutcome`]).
+    ///
+    /// Delta `ADD` inserts `(node, tier, size)`; a duplicate `(key, node, tier)` **overwrites the
+    /// size** with the newer report. Delta `REMOVE` deletes exactly `(key, node, tier)` (no-op if
+    /// absent); a key goes with its last location. Events with [`TierType::Unknown`] are skipped.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError>;
+
+    /// Expires every ALIVE node whose last heartbeat is older than `cutoff_ms` (strictly): the row is
+    /// kept as EXPIRED, its locations are wiped. Returns the ids expired by this call (none on a repeat).
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn expire_stale(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError>;
+
+    /// The key's locations on ALIVE nodes. No side effects.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError>;
+
+    /// For each key, its locations on ALIVE nodes not in `exclude`, in request order. Every key with at
+    /// least one such location gets `lease_until = now_ms + lease_ms` (never shortened),
+    /// `last_accessed = now_ms` (never moved back) and one more access; other keys are untouched.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn batch_lookup_for_route_get(
+        &self,
+        keys: &[String],
+        exclude: &[String],
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<Vec<Vec<Location>>, StoreError>;
+
+    /// For each key, whether an ALIVE node holds it. No side effects.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, StoreError>;
+
+    /// Replicas eviction may pick on the given `(node, tier)` buckets: only those of ALIVE nodes whose
+    /// key holds no lease at `now_ms`. Grouped by bucket in request order (a repeated bucket counts
+    /// once), oldest `last_accessed_ms` first within a bucket (ties by key), at most `max_per_bucket`
+    /// each (0 = no cap).
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn enumerate_eviction_candidates(
+        &self,
+        buckets: &[(String, TierType)],
+        now_ms: u64,
+        max_per_bucket: usize,
+    ) -> Result<Vec<EvictionCandidate>, StoreError>;
+
+    /// The node's record, alive or expired.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn get_node(&self, node_id: &str) -> Result<Option<NodeRecord>, StoreError>;
+
+    /// Whether the node has an ALIVE record.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn is_alive(&self, node_id: &str) -> Result<bool, StoreError>;
+
+    /// Every ALIVE record, sorted by node id.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn list_alive(&self) -> Result<Vec<NodeRecord>, StoreError>;
+
+    /// Every record, alive or expired, sorted by node id (for cluster status).
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
+
+    /// `node_id → peer_address` of every ALIVE node.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, Arc<str>>, StoreError>;
+
+    /// Distinct keys in the index.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn key_count(&self) -> Result<u64, StoreError>;
+
+    /// Distinct keys the node holds (on any tier).
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Mock;
+
+    #[expect(unused_variables, reason = "a mock that only has to compile")]
+    impl MetadataStore for Mock {
+        fn register(&self, reg: Registration, now_ms: u64, stale: u64) -> Result<RegisterOutcome, StoreError> {
+            Ok(RegisterOutcome::Registered)
+        }
+        fn unregister(&self, node_id: &str) -> Result<bool, StoreError> {
+            Ok(false)
+        }
+        fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError> {
+            Ok(HeartbeatOutcome::Unknown)
+        }
+        fn expire_stale(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn batch_lookup_for_route_get(
+            &self,
+            keys: &[String],
+            exclude: &[String],
+            now_ms: u64,
+            lease_ms: u64,
+        ) -> Result<Vec<Vec<Location>>, StoreError> {
+            Ok(vec![Vec::new(); keys.len()])
+        }
+        fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+            Ok(vec![false; keys.len()])
+        }
+        fn enumerate_eviction_candidates(
+            &self,
+            buckets: &[(String, TierType)],
+            now_ms: u64,
+            max: usize,
+        ) -> Result<Vec<EvictionCandidate>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn get_node(&self, node_id: &str) -> Result<Option<NodeRecord>, StoreError> {
+            Ok(None)
+        }
+        fn is_alive(&self, node_id: &str) -> Result<bool, StoreError> {
+            Ok(false)
+        }
+        fn list_alive(&self) -> Result<Vec<NodeRecord>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, Arc<str>>, StoreError> {
+            Ok(HashMap::new())
+        }
+        fn key_count(&self) -> Result<u64, StoreError> {
+            Ok(0)
+        }
+        fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
+            Ok(0)
+        }
+    }
+
+    #[test]
+    fn trait_is_object_safe_and_a_mock_compiles() {
+        let store: Arc<dyn MetadataStore> = Arc::new(Mock);
+        assert_eq!(
+            store
+                .apply_heartbeat(HeartbeatApply {
+                    node_id: "n".into(),
+                    now_ms: 0,
+                    caps: Vec::new(),
+                    kind: HeartbeatKind::Keepalive,
+                })
+                .ok(),
+            Some(HeartbeatOutcome::Unknown)
+        );
+        let real: Arc<dyn MetadataStore> = Arc::new(InMemoryStore::new());
+        assert_eq!(real.key_count().ok(), Some(0));
+    }
+
+    #[test]
+    fn outcome_helpers() {
+        assert_eq!(HeartbeatOutcome::SeqGap { acked_seq: 3 }.acked_seq(), Some(3));
+        assert!(HeartbeatOutcome::SeqGap { acked_seq: 3 }.requests_full_sync());
+        assert!(!HeartbeatOutcome::AlreadyApplied { acked_seq: 3 }.requests_full_sync());
+        assert_eq!(HeartbeatOutcome::Unknown.acked_seq(), None);
+    }
+
+    const _: () = {
+        const fn ok<T: Send + Sync>() {}
+        ok::<InMemoryStore>();
+        ok::<StoreError>();
+    };
+}

@@ -1,0 +1,262 @@
+//! Heartbeat ingestion of the in-memory metadata store: deltas, seq gaps, re-acks, chunked full syncs
+//! and capacity refresh.
+
+mod store_support;
+
+use store_support::*;
+use umbp_core::{KvEvent, TierType};
+use umbp_master::store::{HeartbeatOutcome, InMemoryStore, MetadataStore, TierCap};
+
+fn dram(node: &str, size: u64) -> (String, TierType, u64) {
+    (node.to_owned(), TierType::Dram, size)
+}
+
+#[test]
+fn delta_add_and_remove() {
+    for store in stores() {
+        register(&store, "a", 0);
+        let events = vec![add("k1", 10), KvEvent::add("k1", TierType::Hbm, 11), add("k2", 20), rm("k2")];
+        assert_eq!(delta(&store, "a", 1, 1, events), HeartbeatOutcome::Applied { acked_seq: 1 });
+        assert_eq!(locs(&store, "k1"), vec![("a".to_owned(), TierType::Hbm, 11), dram("a", 10)]);
+        assert!(locs(&store, "k2").is_empty(), "ADD then REMOVE in one bundle applies in order");
+        // REMOVE deletes exactly (key, node, tier).
+        assert_eq!(delta(&store, "a", 2, 2, vec![rm("k1")]).acked_seq(), Some(2));
+        assert_eq!(locs(&store, "k1"), vec![("a".to_owned(), TierType::Hbm, 11)]);
+        assert_eq!(store.node_key_count("a").unwrap(), 1);
+        // REMOVE of something absent is a no-op; the key goes with its last location.
+        assert_eq!(
+            delta(&store, "a", 3, 3, vec![rm("nope"), KvEvent::remove("k1", TierType::Hbm)]).acked_seq(),
+            Some(3)
+        );
+        assert_eq!(store.key_count().unwrap(), 0);
+        assert_eq!(store.node_key_count("a").unwrap(), 0);
+        assert_eq!(store.get_node("a").unwrap().unwrap().last_applied_seq, 3);
+    }
+}
+
+#[test]
+fn remove_only_touches_the_sending_node() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    register(&store, "b", 0);
+    delta(&store, "a", 1, 1, vec![add("k", 1)]);
+    delta(&store, "b", 1, 1, vec![add("k", 1)]);
+    delta(&store, "b", 2, 2, vec![rm("k")]);
+    assert_eq!(locs(&store, "k"), vec![dram("a", 1)]);
+}
+
+#[test]
+fn duplicate_add_overwrites_the_size() {
+    for store in stores() {
+        register(&store, "a", 0);
+        delta(&store, "a", 1, 1, vec![add("k", 100)]);
+        delta(&store, "a", 2, 2, vec![add("k", 300)]);
+        // One location, with the newer report's size (the reference kept the old size, §7.7).
+        assert_eq!(locs(&store, "k"), vec![dram("a", 300)]);
+        assert_eq!(store.node_key_count("a").unwrap(), 1);
+    }
+}
+
+#[test]
+fn unknown_tier_events_are_skipped() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    assert_eq!(
+        delta(&store, "a", 1, 1, vec![KvEvent::add("k", TierType::Unknown, 1), add("ok", 1)]).acked_seq(),
+        Some(1)
+    );
+    assert!(store.lookup("k").unwrap().is_empty());
+    assert_eq!(store.key_count().unwrap(), 1);
+}
+
+#[test]
+fn seq_gap_keeps_liveness_and_caps_but_not_seq_or_events() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    assert_eq!(delta(&store, "a", 10, 1, vec![add("k1", 1)]).acked_seq(), Some(1));
+    let gap = delta(&store, "a", 20, 3, vec![add("k3", 1)]);
+    assert_eq!(gap, HeartbeatOutcome::SeqGap { acked_seq: 1 });
+    assert!(gap.requests_full_sync());
+    let rec = store.get_node("a").unwrap().unwrap();
+    assert_eq!((rec.last_heartbeat_ms, rec.last_applied_seq), (20, 1));
+    assert_eq!(rec.caps, caps(), "§7.3 fix: a gap refreshes capacity too");
+    assert!(store.lookup("k3").unwrap().is_empty());
+    // Liveness was refreshed: a reaper with cutoff 15 leaves it alone.
+    assert!(store.expire_stale(15).unwrap().is_empty());
+    // The stream resumes where the master stands.
+    assert_eq!(delta(&store, "a", 30, 2, vec![add("k2", 1)]), HeartbeatOutcome::Applied { acked_seq: 2 });
+}
+
+#[test]
+fn resent_applied_delta_is_reacked_without_reapplying() {
+    for store in stores() {
+        register(&store, "a", 0);
+        assert_eq!(delta(&store, "a", 1, 1, vec![add("k", 1)]).acked_seq(), Some(1));
+        assert_eq!(delta(&store, "a", 2, 2, vec![rm("k")]).acked_seq(), Some(2));
+        // A re-send of seq 1 (its ack was lost) must not resurrect k, nor ask for a full sync (§7.4).
+        let again = delta(&store, "a", 3, 1, vec![add("k", 1)]);
+        assert_eq!(again, HeartbeatOutcome::AlreadyApplied { acked_seq: 2 });
+        assert!(!again.requests_full_sync());
+        assert!(store.lookup("k").unwrap().is_empty());
+        // Re-sending the latest one is also a re-ack.
+        assert_eq!(delta(&store, "a", 4, 2, vec![rm("k")]), HeartbeatOutcome::AlreadyApplied { acked_seq: 2 });
+        let rec = store.get_node("a").unwrap().unwrap();
+        assert_eq!((rec.last_applied_seq, rec.last_heartbeat_ms), (2, 4));
+        assert_eq!(delta(&store, "a", 5, 3, vec![add("k", 7)]), HeartbeatOutcome::Applied { acked_seq: 3 });
+        assert_eq!(locs(&store, "k"), vec![dram("a", 7)]);
+    }
+}
+
+#[test]
+fn keepalive_refreshes_caps_and_liveness_and_acks_last_applied() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    delta(&store, "a", 1, 1, vec![add("k", 1)]);
+    let new_caps = vec![TierCap::new(TierType::Dram, 1 << 30, 12345), TierCap::new(TierType::Hbm, 10, 5)];
+    assert_eq!(keepalive(&store, "a", 500, new_caps.clone()), HeartbeatOutcome::Applied { acked_seq: 1 });
+    let rec = store.get_node("a").unwrap().unwrap();
+    assert_eq!(rec.caps, new_caps, "§7.3 fix: keepalives refresh capacity");
+    assert_eq!((rec.last_heartbeat_ms, rec.last_applied_seq), (500, 1));
+    assert_eq!(locs(&store, "k"), vec![dram("a", 1)]);
+}
+
+#[test]
+fn liveness_never_moves_backwards() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    keepalive(&store, "a", 500, caps());
+    keepalive(&store, "a", 400, caps());
+    assert_eq!(store.get_node("a").unwrap().unwrap().last_heartbeat_ms, 500);
+}
+
+#[test]
+fn full_sync_replaces_the_nodes_locations_only() {
+    for store in stores() {
+        register(&store, "a", 0);
+        register(&store, "b", 0);
+        delta(&store, "a", 1, 1, vec![add("gone", 1), add("kept", 1), add("shared", 1)]);
+        delta(&store, "b", 1, 1, vec![add("shared", 2)]);
+        // REMOVEs in a full sync are ignored.
+        let sync = vec![add("kept", 5), add("fresh", 6), rm("kept")];
+        assert_eq!(full_sync(&store, "a", 2, 9, sync), HeartbeatOutcome::Applied { acked_seq: 9 });
+        assert!(store.lookup("gone").unwrap().is_empty());
+        assert_eq!(locs(&store, "kept"), vec![dram("a", 5)]);
+        assert_eq!(locs(&store, "fresh"), vec![dram("a", 6)]);
+        assert_eq!(locs(&store, "shared"), vec![dram("b", 2)]);
+        assert_eq!(store.get_node("a").unwrap().unwrap().last_applied_seq, 9);
+        assert_eq!(delta(&store, "a", 3, 10, vec![add("next", 1)]), HeartbeatOutcome::Applied { acked_seq: 10 });
+    }
+}
+
+#[test]
+fn empty_full_sync_clears_the_node() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    delta(&store, "a", 1, 1, (0..100).map(|i| add(&format!("k{i}"), 1)).collect());
+    assert_eq!(full_sync(&store, "a", 2, 1, Vec::new()), HeartbeatOutcome::Applied { acked_seq: 1 });
+    assert_eq!(store.key_count().unwrap(), 0);
+}
+
+#[test]
+fn full_sync_heals_a_gap() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    delta(&store, "a", 1, 1, vec![add("k1", 1)]);
+    assert!(delta(&store, "a", 2, 5, vec![add("k5", 1)]).requests_full_sync());
+    assert_eq!(full_sync(&store, "a", 3, 5, vec![add("k1", 1), add("k5", 1)]).acked_seq(), Some(5));
+    assert_eq!(store.key_count().unwrap(), 2);
+    assert_eq!(delta(&store, "a", 4, 6, vec![rm("k1")]).acked_seq(), Some(6));
+}
+
+#[test]
+fn chunked_full_sync_then_delta_lines_up_at_baseline_plus_one() {
+    for store in stores() {
+        register(&store, "a", 0);
+        delta(&store, "a", 1, 1, vec![add("stale", 1)]);
+        let keys: Vec<String> = (0..300).map(|i| format!("key-{i}")).collect();
+        let part = |range: std::ops::Range<usize>| keys[range].iter().map(|k| add(k, 64)).collect::<Vec<_>>();
+        assert_eq!(chunk(&store, "a", 2, 40, 0, false, part(0..100)), HeartbeatOutcome::Applied { acked_seq: 1 });
+        // Chunk 0 already replaced the node's locations.
+        assert!(store.lookup("stale").unwrap().is_empty());
+        assert_eq!(chunk(&store, "a", 3, 40, 1, false, part(100..200)), HeartbeatOutcome::Applied { acked_seq: 1 });
+        assert_eq!(store.get_node("a").unwrap().unwrap().last_applied_seq, 1, "seq moves on the final chunk only");
+        assert_eq!(chunk(&store, "a", 4, 40, 2, true, part(200..300)), HeartbeatOutcome::Applied { acked_seq: 40 });
+        assert_eq!(store.key_count().unwrap(), 300);
+        assert_eq!(store.node_key_count("a").unwrap(), 300);
+        assert_eq!(store.batch_exists(&keys).unwrap(), vec![true; 300]);
+        assert_eq!(delta(&store, "a", 5, 41, vec![rm("key-0")]), HeartbeatOutcome::Applied { acked_seq: 41 });
+        assert_eq!(store.key_count().unwrap(), 299);
+    }
+}
+
+#[test]
+fn out_of_order_chunk_is_a_gap_and_the_sync_restarts_from_chunk_zero() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    // Chunk 1 without chunk 0.
+    assert_eq!(chunk(&store, "a", 1, 10, 1, true, vec![add("x", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 0 });
+    assert!(store.lookup("x").unwrap().is_empty());
+    // Chunk 2 after chunk 0 (chunk 1 lost): refused, and the in-progress sync is abandoned.
+    chunk(&store, "a", 2, 10, 0, false, vec![add("c0", 1)]);
+    assert_eq!(chunk(&store, "a", 3, 10, 2, false, vec![add("c2", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 0 });
+    assert_eq!(chunk(&store, "a", 4, 10, 1, true, vec![add("c1", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 0 });
+    // A chunk of another baseline does not continue the sync either.
+    chunk(&store, "a", 5, 10, 0, false, vec![add("c0", 1)]);
+    assert_eq!(chunk(&store, "a", 6, 11, 1, true, vec![add("c1", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 0 });
+    // Restart from chunk 0.
+    chunk(&store, "a", 7, 12, 0, false, vec![add("c0", 1)]);
+    assert_eq!(chunk(&store, "a", 8, 12, 1, true, vec![add("c1", 1)]), HeartbeatOutcome::Applied { acked_seq: 12 });
+    assert_eq!(store.key_count().unwrap(), 2);
+    assert!(store.lookup("c2").unwrap().is_empty());
+}
+
+#[test]
+fn delta_during_unfinished_full_sync_is_a_gap() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    delta(&store, "a", 1, 1, vec![add("k", 1)]);
+    chunk(&store, "a", 2, 5, 0, false, vec![add("c0", 1)]);
+    assert_eq!(delta(&store, "a", 3, 2, vec![add("d", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 1 });
+    assert!(store.lookup("d").unwrap().is_empty());
+    // The sync was abandoned: its next chunk is refused.
+    assert!(chunk(&store, "a", 4, 5, 1, true, vec![add("c1", 1)]).requests_full_sync());
+    // A re-send of an applied delta is still just a re-ack, even mid-sync.
+    chunk(&store, "a", 5, 5, 0, false, Vec::new());
+    assert_eq!(delta(&store, "a", 6, 1, vec![add("k", 1)]), HeartbeatOutcome::AlreadyApplied { acked_seq: 1 });
+    assert_eq!(chunk(&store, "a", 7, 5, 1, true, vec![add("c1", 1)]), HeartbeatOutcome::Applied { acked_seq: 5 });
+}
+
+#[test]
+fn keepalive_does_not_disturb_a_chunked_sync() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    chunk(&store, "a", 1, 3, 0, false, vec![add("c0", 1)]);
+    assert_eq!(keepalive(&store, "a", 2, caps()), HeartbeatOutcome::Applied { acked_seq: 0 });
+    assert_eq!(chunk(&store, "a", 3, 3, 1, true, vec![add("c1", 1)]), HeartbeatOutcome::Applied { acked_seq: 3 });
+}
+
+#[test]
+fn full_sync_older_than_last_applied_is_a_stale_copy() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    full_sync(&store, "a", 1, 4, vec![add("k", 1)]);
+    delta(&store, "a", 2, 5, vec![rm("k")]);
+    // A delayed duplicate of the baseline-4 sync must not resurrect k.
+    assert_eq!(full_sync(&store, "a", 3, 4, vec![add("k", 1)]), HeartbeatOutcome::AlreadyApplied { acked_seq: 5 });
+    assert!(store.lookup("k").unwrap().is_empty());
+    // A sync at the current seq (e.g. after a local clear) is accepted.
+    assert_eq!(full_sync(&store, "a", 4, 5, Vec::new()), HeartbeatOutcome::Applied { acked_seq: 5 });
+}
+
+#[test]
+fn reregistration_wipes_and_requires_a_fresh_stream() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 0);
+    full_sync(&store, "a", 1, 7, vec![add("k", 1)]);
+    store.expire_stale(100).unwrap();
+    register(&store, "a", 200);
+    assert!(store.lookup("k").unwrap().is_empty());
+    // The master restarts the node's stream at 0; the node full-syncs at its own seq.
+    assert_eq!(full_sync(&store, "a", 201, 7, vec![add("k", 1)]), HeartbeatOutcome::Applied { acked_seq: 7 });
+    assert_eq!(locs(&store, "k"), vec![dram("a", 1)]);
+}
