@@ -221,7 +221,8 @@ pub async fn start_with_store(
     );
     let mut server_stop = stopped.clone();
     let server = tokio::spawn(tonic::transport::Server::builder().add_service(grpc).serve_with_incoming_shutdown(
-        tonic::transport::server::TcpIncoming::from(listener),
+        // Without TCP_NODELAY, Nagle holds a reply's second write for the client's delayed ACK (~40 ms).
+        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
         async move {
             let _ = server_stop.wait_for(|s| *s).await;
         },
