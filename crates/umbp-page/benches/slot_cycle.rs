@@ -21,7 +21,10 @@ use umbp_testkit::LocalOnlyRegistrar;
 const PAGE: u64 = 4096;
 const PAGES: u64 = 64 * 1024;
 const KEYS_PER_THREAD: usize = 1024;
-const LEASE: Duration = Duration::from_millis(500);
+/// A short lease keeps the shared manual clock's total advance (one lease per chunk, from every thread)
+/// far below the pending TTL, so another thread's advances never expire a slot mid-cycle.
+const LEASE: Duration = Duration::from_millis(1);
+const PENDING_TTL: Duration = Duration::from_secs(24 * 3600);
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -33,6 +36,7 @@ fn backend() -> (PageBackend, Arc<ManualClock>) {
     let clock = ManualClock::new();
     let config = PageBackendConfig::new(TierType::Dram, PAGE, vec![PAGES * PAGE])
         .with_read_lease_ttl(LEASE)
+        .with_pending_ttl(PENDING_TTL)
         .with_clock(clock.clone());
     let source = HostPageMemorySource::new(HostMemoryOptions::default());
     let b = PageBackend::new(config, Box::new(source)).expect("config");
