@@ -1,0 +1,329 @@
+//! Settings of the master client: defaults, then `UMBP_*` environment variables (the reference's names
+//! where one exists).
+
+use std::fmt;
+use std::time::Duration;
+
+/// A setting that can never work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// An environment variable holds something that is not a valid value.
+    #[error("{var}={value:?} is invalid: expected {expected}")]
+    BadEnv {
+        /// The variable.
+        var: &'static str,
+        /// What it held.
+        value: String,
+        /// What it should hold.
+        expected: String,
+    },
+    /// A field of [`MasterClientConfig`] is out of range.
+    #[error("invalid master client setting `{setting}`: {reason}")]
+    Invalid {
+        /// The field.
+        setting: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Settings of a [`MasterClient`](super::MasterClient).
+///
+/// Every field has a default (in its doc) and, where noted, an environment override read by
+/// [`from_env`](Self::from_env). The heartbeat interval is not here: the master hands it out in its
+/// registration reply.
+#[derive(Clone)]
+pub struct MasterClientConfig {
+    /// Deadline of one `Heartbeat` RPC (a delta, a keepalive or one full-sync chunk). Env
+    /// `UMBP_HEARTBEAT_RPC_TIMEOUT_MS`. Default: 3000 ms.
+    pub heartbeat_rpc_timeout: Duration,
+    /// Most events in one delta bundle (one sequence number). Env `UMBP_HEARTBEAT_EVENTS_PER_BUNDLE`.
+    /// Default: 1024.
+    pub events_per_bundle: usize,
+    /// Most delta bundles in one `Heartbeat` RPC; a longer backlog goes in back-to-back RPCs. Env
+    /// `UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC`. Default: 16.
+    pub max_bundles_per_rpc: usize,
+    /// A backend whose unshipped outbox reaches this many events wakes the heartbeat loop at once;
+    /// 0 disables it. Env `UMBP_AUTO_FLUSH_EVENT_THRESHOLD`. Default: 128.
+    pub auto_flush_event_threshold: usize,
+    /// Deadline of the `UnregisterClient` call made by [`shutdown`](super::MasterClient::shutdown).
+    /// Env `UMBP_RPC_SHUTDOWN_TIMEOUT_MS`. Default: 3000 ms.
+    pub shutdown_timeout: Duration,
+    /// Most events the client keeps queued (unacknowledged) for the master. When a drain would exceed
+    /// it, the queued deltas are dropped and a full sync is sent instead, so a master outage never
+    /// grows memory without bound. Env `UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS`. Default: 1 000 000.
+    pub max_outbox_events: usize,
+    /// Most events in one full-sync chunk. Env `UMBP_FULL_SYNC_CHUNK_EVENTS`. Default: 32 768.
+    pub full_sync_chunk_events: usize,
+    /// Largest encoded `Heartbeat` request the client builds: caps each full-sync chunk and the
+    /// bundles of one delta RPC (one bundle, or one event of a chunk, always goes even if larger). Far
+    /// below the 64 MiB gRPC limit even with long keys. Env `UMBP_HEARTBEAT_MAX_REQUEST_BYTES`.
+    /// Default: 4 MiB.
+    pub max_request_bytes: usize,
+    /// Deadline of every other RPC (registration, routing, lookup, cluster status, unregister outside
+    /// shutdown). Env `UMBP_MASTER_RPC_TIMEOUT_MS`. Default: 3000 ms.
+    pub rpc_timeout: Duration,
+    /// Deadline for opening the connection to the master. Env `UMBP_MASTER_CONNECT_TIMEOUT_MS`.
+    /// Default: 3000 ms.
+    pub connect_timeout: Duration,
+    /// How long [`clear`](super::MasterClient::clear) retries the empty full sync before it returns an
+    /// error (the heartbeat loop keeps retrying afterwards). Env `UMBP_CLEAR_TIMEOUT_MS`.
+    /// Default: 30 000 ms.
+    pub clear_timeout: Duration,
+    /// The heartbeat interval used when the master's registration reply carries 0. Default: 5000 ms
+    /// (the reference's).
+    pub default_heartbeat_interval: Duration,
+    /// Largest gRPC message sent or accepted. Default: 64 MiB (the master's limit).
+    pub max_message_bytes: usize,
+    /// Sent as `x-umbp-token` metadata on every call when set. Env `UMBP_CLUSTER_TOKEN` (an empty value
+    /// means none). Default: none.
+    pub cluster_token: Option<String>,
+}
+
+impl Default for MasterClientConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_rpc_timeout: Duration::from_millis(3000),
+            events_per_bundle: 1024,
+            max_bundles_per_rpc: 16,
+            auto_flush_event_threshold: 128,
+            shutdown_timeout: Duration::from_millis(3000),
+            max_outbox_events: 1_000_000,
+            full_sync_chunk_events: 32_768,
+            max_request_bytes: 4 << 20,
+            rpc_timeout: Duration::from_millis(3000),
+            connect_timeout: Duration::from_millis(3000),
+            clear_timeout: Duration::from_millis(30_000),
+            default_heartbeat_interval: Duration::from_millis(5000),
+            max_message_bytes: 64 << 20,
+            cluster_token: None,
+        }
+    }
+}
+
+impl fmt::Debug for MasterClientConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MasterClientConfig")
+            .field("heartbeat_rpc_timeout", &self.heartbeat_rpc_timeout)
+            .field("events_per_bundle", &self.events_per_bundle)
+            .field("max_bundles_per_rpc", &self.max_bundles_per_rpc)
+            .field("auto_flush_event_threshold", &self.auto_flush_event_threshold)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("max_outbox_events", &self.max_outbox_events)
+            .field("full_sync_chunk_events", &self.full_sync_chunk_events)
+            .field("max_request_bytes", &self.max_request_bytes)
+            .field("rpc_timeout", &self.rpc_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("clear_timeout", &self.clear_timeout)
+            .field("default_heartbeat_interval", &self.default_heartbeat_interval)
+            .field("max_message_bytes", &self.max_message_bytes)
+            // Never print the secret.
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<set>"))
+            .finish()
+    }
+}
+
+/// The smallest request cap: room for the request's fixed fields and a few events.
+const MIN_REQUEST_BYTES: usize = 4 << 10;
+
+/// Reads `var` through `get` and parses it with `valid`; absent means `None`.
+fn parse<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    var: &'static str,
+    expected: &str,
+    valid: impl Fn(&T) -> bool,
+) -> Result<Option<T>, ConfigError> {
+    let Some(value) = get(var) else { return Ok(None) };
+    match value.trim().parse::<T>() {
+        Ok(v) if valid(&v) => Ok(Some(v)),
+        _ => Err(ConfigError::BadEnv { var, value, expected: expected.to_owned() }),
+    }
+}
+
+impl MasterClientConfig {
+    /// Defaults overridden by the process environment; a malformed value is an error naming the
+    /// variable, never a silent default.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::default().with_env(&|var| std::env::var(var).ok())
+    }
+
+    /// `self` overridden by the variables `get` returns (tests pass a map instead of the process
+    /// environment). A malformed value is an error naming the variable.
+    pub fn with_env(mut self, get: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let millis = |var: &'static str| parse::<u64>(get, var, "milliseconds >= 1", |m| *m >= 1);
+        let count = |var: &'static str, min: usize| {
+            parse::<usize>(get, var, &format!("an integer >= {min}"), move |n| *n >= min)
+        };
+        if let Some(ms) = millis("UMBP_HEARTBEAT_RPC_TIMEOUT_MS")? {
+            self.heartbeat_rpc_timeout = Duration::from_millis(ms);
+        }
+        if let Some(n) = count("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", 1)? {
+            self.events_per_bundle = n;
+        }
+        if let Some(n) = count("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", 1)? {
+            self.max_bundles_per_rpc = n;
+        }
+        if let Some(n) = count("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", 0)? {
+            self.auto_flush_event_threshold = n;
+        }
+        if let Some(ms) = millis("UMBP_RPC_SHUTDOWN_TIMEOUT_MS")? {
+            self.shutdown_timeout = Duration::from_millis(ms);
+        }
+        if let Some(n) = count("UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS", 1)? {
+            self.max_outbox_events = n;
+        }
+        if let Some(n) = count("UMBP_FULL_SYNC_CHUNK_EVENTS", 1)? {
+            self.full_sync_chunk_events = n;
+        }
+        if let Some(n) = count("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", MIN_REQUEST_BYTES)? {
+            self.max_request_bytes = n;
+        }
+        if let Some(ms) = millis("UMBP_MASTER_RPC_TIMEOUT_MS")? {
+            self.rpc_timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = millis("UMBP_MASTER_CONNECT_TIMEOUT_MS")? {
+            self.connect_timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = millis("UMBP_CLEAR_TIMEOUT_MS")? {
+            self.clear_timeout = Duration::from_millis(ms);
+        }
+        if let Some(token) = get("UMBP_CLUSTER_TOKEN") {
+            self.cluster_token = Some(token).filter(|t| !t.is_empty());
+        }
+        Ok(self)
+    }
+
+    /// Checks every field's range (called by [`MasterClient::connect`](super::MasterClient::connect)).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |setting: &'static str, reason: String| Err(ConfigError::Invalid { setting, reason });
+        for (setting, value) in [
+            ("heartbeat_rpc_timeout", self.heartbeat_rpc_timeout),
+            ("shutdown_timeout", self.shutdown_timeout),
+            ("rpc_timeout", self.rpc_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("clear_timeout", self.clear_timeout),
+            ("default_heartbeat_interval", self.default_heartbeat_interval),
+        ] {
+            if value.is_zero() {
+                return invalid(setting, "must be greater than 0".into());
+            }
+        }
+        for (setting, value) in [
+            ("events_per_bundle", self.events_per_bundle),
+            ("max_bundles_per_rpc", self.max_bundles_per_rpc),
+            ("max_outbox_events", self.max_outbox_events),
+            ("full_sync_chunk_events", self.full_sync_chunk_events),
+        ] {
+            if value == 0 {
+                return invalid(setting, "must be at least 1".into());
+            }
+        }
+        if self.max_request_bytes < MIN_REQUEST_BYTES {
+            return invalid(
+                "max_request_bytes",
+                format!("{} is below the minimum of {MIN_REQUEST_BYTES}", self.max_request_bytes),
+            );
+        }
+        if self.max_request_bytes > self.max_message_bytes / 2 {
+            return invalid(
+                "max_request_bytes",
+                format!(
+                    "{} leaves no headroom under max_message_bytes {} (at most half of it)",
+                    self.max_request_bytes, self.max_message_bytes
+                ),
+            );
+        }
+        if let Some(token) = &self.cluster_token
+            && tonic::metadata::MetadataValue::<tonic::metadata::Ascii>::try_from(token.as_str()).is_err()
+        {
+            return invalid("cluster_token", "must be visible ASCII (it travels as gRPC metadata)".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        move |var| map.get(var).cloned()
+    }
+
+    #[test]
+    fn defaults_are_the_reference_values_and_valid() {
+        let c = MasterClientConfig::default();
+        assert_eq!(c.heartbeat_rpc_timeout, Duration::from_millis(3000));
+        assert_eq!(c.events_per_bundle, 1024);
+        assert_eq!(c.max_bundles_per_rpc, 16);
+        assert_eq!(c.auto_flush_event_threshold, 128);
+        assert_eq!(c.shutdown_timeout, Duration::from_millis(3000));
+        assert!(c.cluster_token.is_none());
+        c.validate().expect("defaults are valid");
+    }
+
+    #[test]
+    fn env_overrides_defaults() {
+        let c = MasterClientConfig::default()
+            .with_env(&env(&[
+                ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "250"),
+                ("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", "8"),
+                ("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", "2"),
+                ("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", "0"),
+                ("UMBP_RPC_SHUTDOWN_TIMEOUT_MS", "100"),
+                ("UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS", "64"),
+                ("UMBP_FULL_SYNC_CHUNK_EVENTS", "10"),
+                ("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", "65536"),
+                ("UMBP_MASTER_RPC_TIMEOUT_MS", "500"),
+                ("UMBP_CLEAR_TIMEOUT_MS", "700"),
+                ("UMBP_CLUSTER_TOKEN", "s3cret"),
+            ]))
+            .expect("valid env");
+        assert_eq!(c.heartbeat_rpc_timeout, Duration::from_millis(250));
+        assert_eq!(c.events_per_bundle, 8);
+        assert_eq!(c.max_bundles_per_rpc, 2);
+        assert_eq!(c.auto_flush_event_threshold, 0);
+        assert_eq!(c.shutdown_timeout, Duration::from_millis(100));
+        assert_eq!(c.max_outbox_events, 64);
+        assert_eq!(c.full_sync_chunk_events, 10);
+        assert_eq!(c.max_request_bytes, 65536);
+        assert_eq!(c.rpc_timeout, Duration::from_millis(500));
+        assert_eq!(c.clear_timeout, Duration::from_millis(700));
+        assert_eq!(c.cluster_token.as_deref(), Some("s3cret"));
+        c.validate().expect("valid");
+        assert!(!format!("{c:?}").contains("s3cret"), "Debug must not print the token");
+    }
+
+    #[test]
+    fn garbage_in_the_environment_is_an_error_naming_the_variable() {
+        for (var, value) in [
+            ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "soon"),
+            ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "0"),
+            ("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", "-1"),
+            ("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", "0"),
+            ("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", "1.5"),
+            ("UMBP_RPC_SHUTDOWN_TIMEOUT_MS", ""),
+            ("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", "100"),
+        ] {
+            let err = MasterClientConfig::default().with_env(&env(&[(var, value)])).expect_err(value);
+            assert!(err.to_string().contains(var), "{err} names {var}");
+        }
+    }
+
+    #[test]
+    fn validate_rejects_impossible_settings() {
+        let bad = [
+            MasterClientConfig { events_per_bundle: 0, ..Default::default() },
+            MasterClientConfig { rpc_timeout: Duration::ZERO, ..Default::default() },
+            MasterClientConfig { max_request_bytes: 48 << 20, ..Default::default() },
+            MasterClientConfig { cluster_token: Some("bad\ntoken".into()), ..Default::default() },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+    }
+}

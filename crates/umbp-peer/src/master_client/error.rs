@@ -1,0 +1,120 @@
+//! Errors of the master client.
+
+use std::time::Duration;
+
+use super::config::ConfigError;
+
+/// Why a call to the master failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MasterClientError {
+    /// The configuration can never work.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The master address or the node's registration record is unusable.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The connection to the master could not be opened.
+    #[error("connecting to the master at {addr}")]
+    Connect {
+        /// The master address.
+        addr: String,
+        /// The transport's error.
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The master did not answer within the deadline (it may be down, overloaded or hung).
+    #[error("{rpc} timed out after {after:?}")]
+    Timeout {
+        /// The RPC.
+        rpc: &'static str,
+        /// The deadline.
+        after: Duration,
+    },
+    /// The master (or the transport) answered with an error status.
+    #[error("{rpc} failed: {status}")]
+    Rpc {
+        /// The RPC.
+        rpc: &'static str,
+        /// The status.
+        #[source]
+        status: Box<tonic::Status>,
+    },
+    /// The first registration found a live node with this id at the master: another process runs
+    /// under the same id, or a restarted node must wait until its old record expires.
+    #[error("node {node_id} is already registered and alive at the master")]
+    AlreadyRegistered {
+        /// The node id.
+        node_id: String,
+    },
+    /// The master's reply breaks the protocol (for example arrays of the wrong length); nothing of it
+    /// was used.
+    #[error("malformed {rpc} reply: {reason}")]
+    MalformedReply {
+        /// The RPC.
+        rpc: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The master answered, but refused what was asked (for example it no longer knows the node, or
+    /// asked for a full sync instead of acknowledging an empty one).
+    #[error("{rpc} refused: {reason}")]
+    Refused {
+        /// The RPC.
+        rpc: &'static str,
+        /// What the master said.
+        reason: String,
+    },
+    /// The call needs a successful [`register`](super::MasterClient::register) first.
+    #[error("the node is not registered with the master yet")]
+    NotRegistered,
+    /// The client was shut down.
+    #[error("the master client is shut down")]
+    ShutDown,
+    /// [`start_heartbeat`](super::MasterClient::start_heartbeat) was called outside a tokio runtime.
+    #[error("the heartbeat loop needs a tokio runtime")]
+    NoRuntime,
+    /// The master did not acknowledge a clear before the deadline. Writes stay gated; the heartbeat
+    /// loop (when running) keeps retrying and reopens them once the master acknowledges.
+    #[error("the master did not acknowledge the clear within {after:?} ({attempts} attempts)")]
+    ClearNotAcknowledged {
+        /// Attempts made.
+        attempts: u32,
+        /// The deadline.
+        after: Duration,
+        /// The last attempt's error, if it failed with one.
+        #[source]
+        last: Option<Box<MasterClientError>>,
+    },
+}
+
+impl MasterClientError {
+    /// Whether the same call may succeed later (the master or the network may recover).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Self::Connect { .. } | Self::Timeout { .. } | Self::Refused { .. } | Self::ClearNotAcknowledged { .. } => {
+                true
+            }
+            Self::Rpc { status, .. } => matches!(
+                status.code(),
+                tonic::Code::Unavailable
+                    | tonic::Code::DeadlineExceeded
+                    | tonic::Code::ResourceExhausted
+                    | tonic::Code::Aborted
+                    | tonic::Code::Unknown
+                    | tonic::Code::Internal
+                    | tonic::Code::Cancelled
+            ),
+            Self::AlreadyRegistered { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// The gRPC status of an [`Rpc`](Self::Rpc) error.
+    pub fn status(&self) -> Option<&tonic::Status> {
+        match self {
+            Self::Rpc { status, .. } => Some(status),
+            _ => None,
+        }
+    }
+}

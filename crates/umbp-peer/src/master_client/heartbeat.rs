@@ -1,0 +1,487 @@
+//! The heartbeat state machine: registration, delta rounds, chunked full sync and clear. Every
+//! function here runs with the send lock held (or takes it), so rounds never interleave.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use prost::Message;
+use umbp_core::{drain_all_backends, snapshot_all_backends_for_full_sync};
+use umbp_proto::v1 as pb;
+
+use super::error::MasterClientError;
+use super::{Inner, bump, wire};
+
+/// First pause between two attempts of a clear.
+const CLEAR_BACKOFF_START: Duration = Duration::from_millis(50);
+/// Longest pause between two attempts of a clear.
+const CLEAR_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// The shortest heartbeat interval a master can impose.
+const MIN_INTERVAL: Duration = Duration::from_millis(1);
+/// The longest heartbeat interval a master can impose (a larger value is clamped to it).
+const MAX_INTERVAL: Duration = Duration::from_secs(3600);
+
+/// The client's half of the seq contract.
+pub(super) struct HbState {
+    /// A registration succeeded (and no unregister followed).
+    pub(super) registered: bool,
+    /// The master forgot the node: re-register before anything else.
+    pub(super) needs_register: bool,
+    /// The heartbeat interval (from the registration reply).
+    pub(super) interval: Duration,
+    /// Delta bundles not yet acknowledged, ascending consecutive seqs.
+    pub(super) outbox: VecDeque<pb::EventBundle>,
+    /// Events in `outbox`.
+    pub(super) outbox_events: usize,
+    /// The seq of the next delta bundle.
+    pub(super) next_seq: u64,
+    /// The highest seq the master acknowledged.
+    pub(super) acked: u64,
+    /// The next round sends a full sync.
+    pub(super) full_sync_pending: bool,
+    /// The media are cleared and gated: the next acknowledged full sync reopens them.
+    pub(super) clear_pending: bool,
+}
+
+impl std::fmt::Debug for HbState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Counts only: the outbox may hold a million events.
+        f.debug_struct("HbState")
+            .field("registered", &self.registered)
+            .field("needs_register", &self.needs_register)
+            .field("interval", &self.interval)
+            .field("outbox_bundles", &self.outbox.len())
+            .field("outbox_events", &self.outbox_events)
+            .field("next_seq", &self.next_seq)
+            .field("acked", &self.acked)
+            .field("full_sync_pending", &self.full_sync_pending)
+            .field("clear_pending", &self.clear_pending)
+            .finish()
+    }
+}
+
+impl HbState {
+    pub(super) fn new(interval: Duration) -> Self {
+        Self {
+            registered: false,
+            needs_register: false,
+            interval,
+            outbox: VecDeque::new(),
+            outbox_events: 0,
+            next_seq: 1,
+            acked: 0,
+            full_sync_pending: false,
+            clear_pending: false,
+        }
+    }
+
+    /// Forgets every queued delta (a full sync supersedes them).
+    fn drop_outbox(&mut self) {
+        self.outbox.clear();
+        self.outbox_events = 0;
+    }
+
+    /// The master forgot the node: re-register, then full sync.
+    fn master_forgot(&mut self) {
+        self.needs_register = true;
+        self.acked = 0;
+        self.full_sync_pending = true;
+    }
+}
+
+/// What the loop does after a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Next {
+    /// Wait for the interval or a wake-up.
+    Wait,
+    /// Run another round at once (a backlog is draining, or a re-registration wants its full sync).
+    Now,
+}
+
+fn alive(resp: &pb::HeartbeatResponse) -> bool {
+    resp.status == pb::NodeStatus::Alive as i32
+}
+
+impl Inner {
+    /// The live capacity of every medium with total > 0, and the key count of every medium.
+    fn caps_and_counts(&self) -> (Vec<pb::TierCapacity>, Vec<pb::TierKvCount>) {
+        let mut caps = Vec::with_capacity(self.registry.len());
+        let mut counts = Vec::with_capacity(self.registry.len());
+        for (_, backend) in self.registry.entries() {
+            let tier = backend.tier();
+            let cap = backend.capacity();
+            if cap.total_bytes > 0 {
+                caps.push(wire::capacity_to_wire(tier, cap));
+            }
+            counts.push(pb::TierKvCount { tier: wire::tier_to_wire(tier), count: backend.owned_key_count() as u64 });
+        }
+        (caps, counts)
+    }
+
+    /// Registers with the full record (FIX §7.2: the re-registration too). With `again`,
+    /// `ALREADY_EXISTS` counts as success (the master kept a live record of ours). Caller holds the
+    /// send lock.
+    pub(super) async fn register_locked(&self, again: bool) -> Result<(), MasterClientError> {
+        let (caps, _) = self.caps_and_counts();
+        let request = pb::RegisterClientRequest {
+            node_id: self.node.node_id.clone(),
+            node_address: self.node.node_address.clone(),
+            tier_capacities: caps,
+            peer_address: self.node.peer_address.clone(),
+            data_endpoint: self.node.data_endpoint.clone(),
+            tags: self.node.tags.clone(),
+        };
+        let reply =
+            self.call("RegisterClient", self.config.rpc_timeout, request, |mut c, r| async move {
+                c.register_client(r).await
+            })
+            .await;
+        let interval_ms = match reply {
+            Ok(reply) => Some(reply.heartbeat_interval_ms),
+            Err(MasterClientError::Rpc { status, .. }) if status.code() == tonic::Code::AlreadyExists => {
+                if !again {
+                    return Err(MasterClientError::AlreadyRegistered { node_id: self.node.node_id.clone() });
+                }
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        // Keys owned before this registration may have left their media's outboxes already (an
+        // earlier client drained them): a full sync, not the deltas, must tell the master.
+        let owns_keys = self.registry.entries().any(|(_, b)| b.owned_key_count() > 0);
+        let mut st = self.state.lock();
+        if let Some(ms) = interval_ms {
+            st.interval = if ms == 0 {
+                self.config.default_heartbeat_interval
+            } else {
+                Duration::from_millis(ms).clamp(MIN_INTERVAL, MAX_INTERVAL)
+            };
+        }
+        // The master starts this node at seq 0. Anything sent before is gone from its view: only a
+        // full sync (baseline = next_seq - 1) lines the two up again.
+        let had_history = st.next_seq > 1 || !st.outbox.is_empty() || owns_keys;
+        st.acked = 0;
+        st.needs_register = false;
+        st.registered = true;
+        if again || had_history {
+            st.full_sync_pending = true;
+        }
+        drop(st);
+        bump(&self.stats.registrations, 1);
+        if again {
+            bump(&self.stats.re_registrations, 1);
+        }
+        tracing::info!(node = %self.node.node_id, again, "registered with the master");
+        Ok(())
+    }
+
+    /// One heartbeat round under the send lock.
+    pub(super) async fn tick(&self) -> Result<Next, MasterClientError> {
+        let _send = self.send_lock.lock().await;
+        let needs_register = self.state.lock().needs_register;
+        if needs_register && let Err(e) = self.register_locked(true).await {
+            tracing::warn!(node = %self.node.node_id, error = %e, "re-registration failed; retrying next tick");
+            return Err(e);
+        }
+        if self.state.lock().full_sync_pending {
+            return self.full_sync_locked().await;
+        }
+
+        // One stream for every medium, numbered from one seq space.
+        let events = drain_all_backends(self.registry.entries().map(|(_, b)| b));
+        if !events.is_empty() && !self.enqueue(events) {
+            bump(&self.stats.outbox_overflows, 1);
+            return self.full_sync_locked().await;
+        }
+
+        let (caps, counts) = self.caps_and_counts();
+        let mut request = pb::HeartbeatRequest {
+            node_id: self.node.node_id.clone(),
+            tier_capacities: caps,
+            tier_kv_counts: counts,
+            ..Default::default()
+        };
+        let budget = self.config.max_request_bytes.saturating_sub(request.encoded_len());
+        {
+            let st = self.state.lock();
+            let mut bytes = 0usize;
+            for bundle in st.outbox.iter().filter(|b| b.seq > st.acked).take(self.config.max_bundles_per_rpc) {
+                let len = wire::bundle_len(bundle);
+                if !request.bundles.is_empty() && bytes + len > budget {
+                    break;
+                }
+                bytes += len;
+                request.bundles.push(bundle.clone());
+            }
+        }
+        bump(&self.stats.heartbeats_sent, 1);
+        if request.bundles.is_empty() {
+            bump(&self.stats.keepalives_sent, 1);
+        } else {
+            bump(&self.stats.bundles_sent, request.bundles.len() as u64);
+        }
+        let reply =
+            self.call("Heartbeat", self.config.heartbeat_rpc_timeout, request, |mut c, r| async move {
+                c.heartbeat(r).await
+            })
+            .await;
+        match reply {
+            // Nothing changes: the same seqs go again next tick.
+            Err(e) => {
+                tracing::debug!(node = %self.node.node_id, error = %e, "heartbeat failed; resending next tick");
+                Err(e)
+            }
+            Ok(reply) => self.on_delta_reply(reply).await,
+        }
+    }
+
+    /// Numbers `events` into bundles and queues them; `false` when they would overflow the outbox,
+    /// in which case the queued deltas are dropped and a full sync is pending instead (FIX §7.9: never
+    /// grow without bound; the full sync's snapshot covers every change these deltas describe).
+    fn enqueue(&self, events: Vec<umbp_core::KvEvent>) -> bool {
+        let mut st = self.state.lock();
+        if st.outbox_events.saturating_add(events.len()) > self.config.max_outbox_events {
+            tracing::warn!(
+                node = %self.node.node_id,
+                queued = st.outbox_events,
+                new = events.len(),
+                limit = self.config.max_outbox_events,
+                "heartbeat outbox full: dropping queued deltas and sending a full sync"
+            );
+            st.drop_outbox();
+            st.full_sync_pending = true;
+            return false;
+        }
+        let mut events = events.into_iter().map(wire::event_to_wire).peekable();
+        while events.peek().is_some() {
+            let bundle: Vec<pb::KvEvent> = events.by_ref().take(self.config.events_per_bundle).collect();
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            st.outbox_events += bundle.len();
+            st.outbox.push_back(pb::EventBundle { seq, events: bundle });
+        }
+        true
+    }
+
+    async fn on_delta_reply(&self, reply: pb::HeartbeatResponse) -> Result<Next, MasterClientError> {
+        if !alive(&reply) {
+            tracing::info!(node = %self.node.node_id, "the master does not know this node: re-registering");
+            self.state.lock().master_forgot();
+            return match self.register_locked(true).await {
+                Ok(()) => Ok(Next::Now),
+                Err(e) => {
+                    tracing::warn!(node = %self.node.node_id, error = %e, "re-registration failed; retrying next tick");
+                    Err(e)
+                }
+            };
+        }
+        if reply.request_full_sync {
+            tracing::info!(node = %self.node.node_id, acked = reply.acked_seq, "the master asked for a full sync");
+            self.state.lock().full_sync_pending = true;
+            return self.full_sync_locked().await;
+        }
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        if reply.acked_seq >= st.next_seq {
+            tracing::warn!(
+                node = %self.node.node_id,
+                acked = reply.acked_seq,
+                next_seq = st.next_seq,
+                "the master acknowledged seqs this node never sent; resynchronising with a full sync"
+            );
+            st.full_sync_pending = true;
+            return Ok(Next::Now);
+        }
+        let progress = reply.acked_seq > st.acked;
+        st.acked = st.acked.max(reply.acked_seq);
+        while st.outbox.front().is_some_and(|b| b.seq <= st.acked) {
+            if let Some(bundle) = st.outbox.pop_front() {
+                st.outbox_events = st.outbox_events.saturating_sub(bundle.events.len());
+            }
+        }
+        let backlog = !st.outbox.is_empty();
+        Ok(if backlog && progress { Next::Now } else { Next::Wait })
+    }
+
+    /// Sends a full sync in chunks. Success clears `full_sync_pending`, sets `acked = baseline` and
+    /// reopens writes gated by a clear; any failure leaves it pending for the next tick, which starts
+    /// again from chunk 0 with a fresh snapshot.
+    async fn full_sync_locked(&self) -> Result<Next, MasterClientError> {
+        let snapshot = snapshot_all_backends_for_full_sync(self.registry.entries().map(|(_, b)| b));
+        let baseline = {
+            let mut st = self.state.lock();
+            // The snapshot is authoritative: every queued delta is in it (or was undone).
+            st.drop_outbox();
+            st.full_sync_pending = true;
+            st.next_seq - 1
+        };
+        bump(&self.stats.full_syncs_started, 1);
+        let (caps, counts) = self.caps_and_counts();
+        let template = pb::HeartbeatRequest {
+            node_id: self.node.node_id.clone(),
+            bundles: Vec::new(),
+            is_full_sync: true,
+            tier_capacities: caps,
+            delta_seq_baseline: baseline,
+            tier_kv_counts: counts,
+            // The largest values, so the budget holds for every chunk.
+            full_sync_chunk: u32::MAX,
+            full_sync_final: true,
+        };
+        let budget = self.config.max_request_bytes.saturating_sub(template.encoded_len());
+        let total = snapshot.len();
+        let events: Vec<pb::KvEvent> = snapshot.into_iter().map(wire::event_to_wire).collect();
+        let mut chunks = wire::split_into_chunks(events, self.config.full_sync_chunk_events, budget, baseline);
+        if chunks.is_empty() {
+            chunks.push(Vec::new());
+        }
+        let n = chunks.len();
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let bundles =
+                if chunk.is_empty() { Vec::new() } else { vec![pb::EventBundle { seq: baseline, events: chunk }] };
+            let request = pb::HeartbeatRequest {
+                bundles,
+                full_sync_chunk: u32::try_from(i).unwrap_or(u32::MAX),
+                full_sync_final: i + 1 == n,
+                ..template.clone()
+            };
+            bump(&self.stats.heartbeats_sent, 1);
+            bump(&self.stats.full_sync_chunks_sent, 1);
+            let reply = self
+                .call("Heartbeat", self.config.heartbeat_rpc_timeout, request, |mut c, r| async move {
+                    c.heartbeat(r).await
+                })
+                .await;
+            let refused = |reason: &str| {
+                tracing::warn!(node = %self.node.node_id, chunk = i, chunks = n, reason, "full sync chunk failed; restarting from chunk 0 next tick");
+                MasterClientError::Refused { rpc: "Heartbeat", reason: format!("full sync chunk {i} of {n}: {reason}") }
+            };
+            match reply {
+                Err(e) => {
+                    tracing::warn!(node = %self.node.node_id, chunk = i, chunks = n, error = %e, "full sync chunk failed; restarting from chunk 0 next tick");
+                    return Err(e);
+                }
+                Ok(reply) if !alive(&reply) => {
+                    self.state.lock().master_forgot();
+                    return Err(refused("the master does not know this node"));
+                }
+                Ok(reply) if reply.request_full_sync => return Err(refused("the master asked to start over")),
+                Ok(_) => {}
+            }
+        }
+        let reopen = {
+            let mut st = self.state.lock();
+            st.acked = baseline;
+            st.full_sync_pending = false;
+            std::mem::take(&mut st.clear_pending)
+        };
+        if reopen {
+            self.reopen_writes();
+        }
+        bump(&self.stats.full_syncs_completed, 1);
+        tracing::info!(node = %self.node.node_id, events = total, chunks = n, baseline, "full sync acknowledged");
+        Ok(Next::Wait)
+    }
+
+    fn reopen_writes(&self) {
+        for (_, backend) in self.registry.entries() {
+            backend.clear_full_sync_acked();
+        }
+    }
+
+    /// Clears every medium, then sends the empty full sync until the master acknowledges it or
+    /// `deadline` passes (FIX §7.8).
+    pub(super) async fn clear(&self, deadline: Duration) -> Result<(), MasterClientError> {
+        let started = Instant::now();
+        let _send = self.send_lock.lock().await;
+        for (_, backend) in self.registry.entries() {
+            backend.clear_local();
+        }
+        let registered = {
+            let mut st = self.state.lock();
+            st.drop_outbox();
+            st.clear_pending = true;
+            st.registered
+        };
+        if !registered {
+            // The master holds nothing of this node's: a registration starts it empty.
+            self.state.lock().clear_pending = false;
+            self.reopen_writes();
+            return Ok(());
+        }
+        let mut attempts = 0u32;
+        let mut backoff = CLEAR_BACKOFF_START;
+        loop {
+            attempts += 1;
+            let remaining = deadline.saturating_sub(started.elapsed());
+            let error = match self.clear_attempt(remaining).await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            let remaining = deadline.saturating_sub(started.elapsed());
+            if remaining.is_zero() {
+                // Writes stay gated; the loop's next full sync (empty: the media are gated) finishes
+                // the clear.
+                self.state.lock().full_sync_pending = true;
+                if self.running.load(std::sync::atomic::Ordering::Acquire) {
+                    self.wake.notify_one();
+                }
+                tracing::warn!(node = %self.node.node_id, attempts, error = %error, "clear not acknowledged; writes stay gated until the heartbeat loop delivers it");
+                return Err(MasterClientError::ClearNotAcknowledged {
+                    attempts,
+                    after: deadline,
+                    last: Some(Box::new(error)),
+                });
+            }
+            tracing::debug!(node = %self.node.node_id, attempts, error = %error, "clear not acknowledged yet; retrying");
+            tokio::time::sleep(backoff.min(remaining)).await;
+            backoff = (backoff * 2).min(CLEAR_BACKOFF_MAX);
+        }
+    }
+
+    async fn clear_attempt(&self, remaining: Duration) -> Result<(), MasterClientError> {
+        if self.state.lock().needs_register {
+            self.register_locked(true).await?;
+        }
+        let baseline = self.state.lock().next_seq - 1;
+        let (caps, counts) = self.caps_and_counts();
+        let request = pb::HeartbeatRequest {
+            node_id: self.node.node_id.clone(),
+            bundles: Vec::new(),
+            is_full_sync: true,
+            tier_capacities: caps,
+            delta_seq_baseline: baseline,
+            tier_kv_counts: counts,
+            full_sync_chunk: 0,
+            full_sync_final: true,
+        };
+        bump(&self.stats.heartbeats_sent, 1);
+        bump(&self.stats.full_syncs_started, 1);
+        bump(&self.stats.full_sync_chunks_sent, 1);
+        let timeout = self.config.heartbeat_rpc_timeout.min(remaining).max(Duration::from_millis(1));
+        let reply = self.call("Heartbeat", timeout, request, |mut c, r| async move { c.heartbeat(r).await }).await?;
+        if !alive(&reply) {
+            self.state.lock().master_forgot();
+            return Err(MasterClientError::Refused {
+                rpc: "Heartbeat",
+                reason: "the master does not know this node (re-registering)".into(),
+            });
+        }
+        if reply.request_full_sync {
+            return Err(MasterClientError::Refused {
+                rpc: "Heartbeat",
+                reason: "the master asked for a full sync instead of acknowledging the clear".into(),
+            });
+        }
+        {
+            let mut st = self.state.lock();
+            st.acked = baseline;
+            st.full_sync_pending = false;
+            st.clear_pending = false;
+        }
+        self.reopen_writes();
+        bump(&self.stats.full_syncs_completed, 1);
+        tracing::info!(node = %self.node.node_id, baseline, "clear acknowledged; writes reopen");
+        Ok(())
+    }
+}

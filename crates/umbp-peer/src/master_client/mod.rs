@@ -1,0 +1,559 @@
+//! The client half of the master protocol: registration with the full record, the heartbeat contract
+//! (one sequence stream for every medium, bounded delta bundles, acks, chunked full sync, keepalive),
+//! `clear`, and the routing calls, every one with a deadline.
+//!
+//! # The heartbeat contract (control-plane spec §3.4, with our fixes)
+//! - **One seq stream for all media.** Each round drains every backend of the [`BackendRegistry`]
+//!   into one list, cuts it into bundles of at most
+//!   [`events_per_bundle`](MasterClientConfig::events_per_bundle) events with consecutive seqs and
+//!   appends them to the outbox.
+//! - **Send** the bundles with `seq > acked`, at most
+//!   [`max_bundles_per_rpc`](MasterClientConfig::max_bundles_per_rpc) (and
+//!   [`max_request_bytes`](MasterClientConfig::max_request_bytes)) per RPC, with the live capacity of
+//!   every medium and its key count. An empty outbox sends a keepalive (capacity included).
+//! - **Reply:** `acked = max(acked, acked_seq)`, acknowledged bundles leave the outbox; a backlog left
+//!   after progress re-ticks at once. `UNKNOWN` re-registers with the full record (FIX §7.2) and
+//!   sends a full sync; `request_full_sync` sends one now; an RPC error changes nothing (the same seqs
+//!   go again next tick — the master re-acks seqs it already applied).
+//! - **Bounded outbox** (FIX §7.9): when queued events would exceed
+//!   [`max_outbox_events`](MasterClientConfig::max_outbox_events), the queued deltas are dropped and
+//!   a full sync replaces them.
+//! - **Full sync**, chunked (FIX §7.9): `baseline = next_seq - 1`, a snapshot of every medium (which
+//!   empties their outboxes in the same critical section), split into chunks `0..n` of bounded events
+//!   and bytes, sent in order with `is_full_sync`, `full_sync_chunk`, `full_sync_final` on the last
+//!   and `delta_seq_baseline = baseline` on all. Any failed chunk restarts from chunk 0 next tick with
+//!   a fresh snapshot.
+//! - **Wake-ups:** the interval from the registration reply, [`MasterClient::flush`], and each
+//!   backend's auto-flush hook (which only signals: it runs under the backend's lock).
+//! - [`MasterClient::clear`] clears every medium, sends an empty full sync and reopens writes once it
+//!   is acknowledged, retrying with backoff until then (FIX §7.8); if its deadline passes, the
+//!   heartbeat loop keeps retrying and reopens writes when the master acknowledges.
+//!
+//! # What the master must do
+//! Answer `RegisterClient` with `ALREADY_EXISTS` for a fresh live node; ack delta bundles in order,
+//! re-ack a bundle whose seq is already applied (never ask for a full sync for it); answer a keepalive
+//! with the last applied seq; flatten the bundles of a full-sync chunk, replace the node's locations
+//! on chunk 0, add on later chunks, adopt `delta_seq_baseline` on the final one and reply
+//! `acked_seq = baseline`; refuse an out-of-order chunk with `request_full_sync`; reply
+//! `NODE_STATUS_UNKNOWN` for a node it has no record of.
+
+mod config;
+mod error;
+mod heartbeat;
+mod types;
+mod wire;
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use umbp_core::BackendRegistry;
+use umbp_proto::v1 as pb;
+use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
+
+pub use config::{ConfigError, MasterClientConfig};
+pub use error::MasterClientError;
+pub use types::{
+    ClusterStatus, MasterClientStats, NodeLiveness, NodeRegistration, NodeStatusReport, RouteGetHit, RoutePutDecision,
+};
+
+use heartbeat::{HbState, Next};
+
+/// The metadata key that carries the cluster token on every call.
+pub const TOKEN_METADATA: &str = "x-umbp-token";
+
+/// Most heartbeat rounds one wake-up runs back to back before it yields to the loop's wait (which
+/// then returns at once); keeps a producer that outpaces the master from starving shutdown.
+const MAX_BACK_TO_BACK_ROUNDS: u32 = 64;
+
+type Grpc = UmbpMasterClient<InterceptedService<Channel, TokenInterceptor>>;
+
+/// Adds the cluster token to every request.
+#[derive(Clone)]
+struct TokenInterceptor(Option<MetadataValue<Ascii>>);
+
+impl Interceptor for TokenInterceptor {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            request.metadata_mut().insert(TOKEN_METADATA, token.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// Monotonic counters behind [`MasterClientStats`].
+#[derive(Debug, Default)]
+struct Counters {
+    heartbeats_sent: AtomicU64,
+    bundles_sent: AtomicU64,
+    keepalives_sent: AtomicU64,
+    full_syncs_started: AtomicU64,
+    full_syncs_completed: AtomicU64,
+    full_sync_chunks_sent: AtomicU64,
+    registrations: AtomicU64,
+    re_registrations: AtomicU64,
+    outbox_overflows: AtomicU64,
+    rpc_errors: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Ordering::Relaxed);
+}
+
+/// Everything the heartbeat task shares with the handle.
+struct Inner {
+    config: MasterClientConfig,
+    node: NodeRegistration,
+    registry: Arc<BackendRegistry>,
+    grpc: Grpc,
+    state: Mutex<HbState>,
+    /// Serialises every heartbeat, full sync, registration and clear (the reference's
+    /// `hb_send_mutex_`).
+    send_lock: tokio::sync::Mutex<()>,
+    /// Wakes the loop: `flush`, the auto-flush hooks, and a capped backlog. Shared with the hooks,
+    /// which must not keep `Inner` alive (the registry holds the backends that hold the hooks).
+    wake: Arc<Notify>,
+    /// The loop runs (between `start_heartbeat` and `unregister`/`shutdown`).
+    running: AtomicBool,
+    shut_down: AtomicBool,
+    stats: Counters,
+}
+
+impl fmt::Debug for Inner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MasterClient")
+            .field("node", &self.node)
+            .field("config", &self.config)
+            .field("media", &self.registry.len())
+            .field("state", &*self.state.lock())
+            .field("running", &self.running.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Inner {
+    /// Sends one RPC with `timeout` as both the gRPC deadline and a local bound, so a master that
+    /// accepts the connection and never answers still returns control in time.
+    async fn call<Req, Resp, Fut>(
+        &self,
+        rpc: &'static str,
+        timeout: Duration,
+        message: Req,
+        send: impl FnOnce(Grpc, tonic::Request<Req>) -> Fut,
+    ) -> Result<Resp, MasterClientError>
+    where
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(timeout);
+        let result = match tokio::time::timeout(timeout, send(self.grpc.clone(), request)).await {
+            Err(_elapsed) => Err(MasterClientError::Timeout { rpc, after: timeout }),
+            Ok(Err(status)) if deadline_passed(&status) => Err(MasterClientError::Timeout { rpc, after: timeout }),
+            Ok(Err(status)) => Err(MasterClientError::Rpc { rpc, status: Box::new(status) }),
+            Ok(Ok(response)) => Ok(response.into_inner()),
+        };
+        if result.is_err() {
+            bump(&self.stats.rpc_errors, 1);
+        }
+        result
+    }
+
+    /// Installs (`on`) or removes the auto-flush hook on every medium.
+    fn set_hooks(&self, on: bool) {
+        let threshold = self.config.auto_flush_event_threshold;
+        for (_, backend) in self.registry.entries() {
+            if on && threshold > 0 {
+                let wake = Arc::clone(&self.wake);
+                backend.set_auto_flush_hook(threshold, Some(Arc::new(move || wake.notify_one())));
+            } else {
+                backend.set_auto_flush_hook(0, None);
+            }
+        }
+    }
+
+    async fn unregister(&self, timeout: Duration) -> Result<(), MasterClientError> {
+        let request = pb::UnregisterClientRequest { node_id: self.node.node_id.clone() };
+        self.call("UnregisterClient", timeout, request, |mut c, r| async move { c.unregister_client(r).await }).await?;
+        let mut st = self.state.lock();
+        st.registered = false;
+        st.needs_register = false;
+        Ok(())
+    }
+}
+
+/// Whether `status` reports the call's deadline: the server's `DEADLINE_EXCEEDED`, or the channel's own
+/// enforcement of the `grpc-timeout` header (a `CANCELLED` caused by `TimeoutExpired`).
+fn deadline_passed(status: &tonic::Status) -> bool {
+    if status.code() == tonic::Code::DeadlineExceeded {
+        return true;
+    }
+    // tonic flattens the cause into the message when it builds the status from the error chain.
+    if status.code() == tonic::Code::Cancelled && status.message() == tonic::TimeoutExpired(()).to_string() {
+        return true;
+    }
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if err.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
+/// The loop: wait for the interval or a wake-up, then run heartbeat rounds while a backlog shrinks.
+async fn run_loop(inner: Arc<Inner>) {
+    loop {
+        let interval = inner.state.lock().interval;
+        tokio::select! {
+            () = inner.wake.notified() => {}
+            () = tokio::time::sleep(interval) => {}
+        }
+        let mut rounds = 0;
+        while let Ok(Next::Now) = inner.tick().await {
+            rounds += 1;
+            if rounds >= MAX_BACK_TO_BACK_ROUNDS {
+                inner.wake.notify_one();
+                break;
+            }
+        }
+    }
+}
+
+/// A node's connection to the master: registration, the heartbeat loop and the routing calls.
+///
+/// Every method takes `&self`; share it behind an `Arc`. Dropping it stops the heartbeat loop without
+/// unregistering; [`shutdown`](Self::shutdown) stops the loop and unregisters, bounded by
+/// [`shutdown_timeout`](MasterClientConfig::shutdown_timeout) even when the master hangs.
+///
+/// ```no_run
+/// # async fn demo(registry: std::sync::Arc<umbp_core::BackendRegistry>) -> Result<(), Box<dyn std::error::Error>> {
+/// use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
+///
+/// let node = NodeRegistration::new("node-1", "10.0.0.5")
+///     .with_peer_address("10.0.0.5:7001")
+///     .with_data_endpoint("10.0.0.5:7002");
+/// let client = MasterClient::connect("10.0.0.1:50051", MasterClientConfig::from_env()?, node, registry).await?;
+/// client.register().await?;
+/// client.start_heartbeat()?;
+/// let hits = client.batch_route_get(&["key".to_owned()], &[]).await?;
+/// client.shutdown().await?;
+/// # Ok(()) }
+/// ```
+pub struct MasterClient {
+    inner: Arc<Inner>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for MasterClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl MasterClient {
+    /// Opens the connection to the master at `master_addr` (`host:port`, or a `http://` URI), bounded
+    /// by [`connect_timeout`](MasterClientConfig::connect_timeout). Nothing is registered yet; the
+    /// channel reconnects by itself if the master restarts later.
+    pub async fn connect(
+        master_addr: &str,
+        config: MasterClientConfig,
+        node: NodeRegistration,
+        registry: Arc<BackendRegistry>,
+    ) -> Result<Self, MasterClientError> {
+        config.validate()?;
+        if node.node_id.is_empty() {
+            return Err(MasterClientError::InvalidArgument("node_id must not be empty".into()));
+        }
+        let token =
+            match &config.cluster_token {
+                Some(t) => Some(MetadataValue::<Ascii>::try_from(t.as_str()).map_err(|_| {
+                    MasterClientError::InvalidArgument("the cluster token must be visible ASCII".into())
+                })?),
+                None => None,
+            };
+        let uri = if master_addr.contains("://") { master_addr.to_owned() } else { format!("http://{master_addr}") };
+        let endpoint = Endpoint::from_shared(uri)
+            .map_err(|e| MasterClientError::InvalidArgument(format!("master address {master_addr:?}: {e}")))?
+            .connect_timeout(config.connect_timeout)
+            .tcp_nodelay(true);
+        let channel = match tokio::time::timeout(config.connect_timeout, endpoint.connect()).await {
+            Err(_elapsed) => return Err(MasterClientError::Timeout { rpc: "connect", after: config.connect_timeout }),
+            Ok(Err(source)) => return Err(MasterClientError::Connect { addr: master_addr.to_owned(), source }),
+            Ok(Ok(channel)) => channel,
+        };
+        let grpc = UmbpMasterClient::with_interceptor(channel, TokenInterceptor(token))
+            .max_decoding_message_size(config.max_message_bytes)
+            .max_encoding_message_size(config.max_message_bytes);
+        let state = HbState::new(config.default_heartbeat_interval);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                node,
+                registry,
+                grpc,
+                state: Mutex::new(state),
+                send_lock: tokio::sync::Mutex::new(()),
+                wake: Arc::new(Notify::new()),
+                running: AtomicBool::new(false),
+                shut_down: AtomicBool::new(false),
+                stats: Counters::default(),
+            }),
+            task: Mutex::new(None),
+        })
+    }
+
+    /// Registers the node with its full record: the capacity of every medium with total > 0, the peer
+    /// address, the data endpoint and the tags. Adopts the heartbeat interval of the reply.
+    ///
+    /// Fails with [`AlreadyRegistered`](MasterClientError::AlreadyRegistered) when a live node with
+    /// this id exists. (The re-registration the heartbeat loop makes after the master forgot the node
+    /// counts `ALREADY_EXISTS` as success.) The first heartbeat round after a registration is a full
+    /// sync when the node already owns keys or has heartbeated before (the master starts it empty at
+    /// seq 0); otherwise deltas start at seq 1.
+    pub async fn register(&self) -> Result<(), MasterClientError> {
+        if self.inner.shut_down.load(Ordering::Acquire) {
+            return Err(MasterClientError::ShutDown);
+        }
+        let _send = self.inner.send_lock.lock().await;
+        self.inner.register_locked(false).await
+    }
+
+    /// Spawns the heartbeat loop on the current tokio runtime and installs the auto-flush hook on every
+    /// medium. Idempotent while running. Needs a successful [`register`](Self::register).
+    pub fn start_heartbeat(&self) -> Result<(), MasterClientError> {
+        if self.inner.shut_down.load(Ordering::Acquire) {
+            return Err(MasterClientError::ShutDown);
+        }
+        if !self.inner.state.lock().registered {
+            return Err(MasterClientError::NotRegistered);
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| MasterClientError::NoRuntime)?;
+        let mut task = self.task.lock();
+        if task.is_some() {
+            return Ok(());
+        }
+        self.inner.set_hooks(true);
+        self.inner.running.store(true, Ordering::Release);
+        *task = Some(runtime.spawn(run_loop(Arc::clone(&self.inner))));
+        Ok(())
+    }
+
+    /// Wakes the heartbeat loop now (an in-flight heartbeat is followed at once by another). A no-op
+    /// when the loop is not running.
+    pub fn flush(&self) {
+        if self.inner.running.load(Ordering::Acquire) {
+            self.inner.wake.notify_one();
+        }
+    }
+
+    /// Runs one heartbeat round now, whether or not the loop runs: a pending re-registration or full
+    /// sync, else a delta of what the media queued (or a keepalive). Errors are those of the round's
+    /// RPC; the state machine has already handled them (nothing acknowledged is ever lost).
+    pub async fn heartbeat_once(&self) -> Result<(), MasterClientError> {
+        if self.inner.shut_down.load(Ordering::Acquire) {
+            return Err(MasterClientError::ShutDown);
+        }
+        if !self.inner.state.lock().registered {
+            return Err(MasterClientError::NotRegistered);
+        }
+        self.inner.tick().await.map(|_| ())
+    }
+
+    /// Clears the node: every medium drops its keys and gates allocation, the master gets an empty full
+    /// sync, and writes reopen once it is acknowledged. Retries with backoff for
+    /// [`clear_timeout`](MasterClientConfig::clear_timeout); see [`clear_within`](Self::clear_within).
+    pub async fn clear(&self) -> Result<(), MasterClientError> {
+        self.clear_within(self.inner.config.clear_timeout).await
+    }
+
+    /// [`clear`](Self::clear) with an explicit deadline. On
+    /// [`ClearNotAcknowledged`](MasterClientError::ClearNotAcknowledged) writes stay gated and a full
+    /// sync stays pending: the heartbeat loop (when running) keeps retrying and reopens writes once the
+    /// master acknowledges. A node that never registered only clears locally.
+    pub async fn clear_within(&self, deadline: Duration) -> Result<(), MasterClientError> {
+        if self.inner.shut_down.load(Ordering::Acquire) {
+            return Err(MasterClientError::ShutDown);
+        }
+        self.inner.clear(deadline).await
+    }
+
+    /// Stops the heartbeat loop and unregisters (with [`rpc_timeout`](MasterClientConfig::rpc_timeout)).
+    /// The loop stays stopped even if the call fails; [`register`](Self::register) and
+    /// [`start_heartbeat`](Self::start_heartbeat) may rejoin later.
+    pub async fn unregister(&self) -> Result<(), MasterClientError> {
+        self.stop_loop().await;
+        self.inner.unregister(self.inner.config.rpc_timeout).await
+    }
+
+    /// Stops the loop and unregisters within [`shutdown_timeout`](MasterClientConfig::shutdown_timeout),
+    /// even when the master hangs. Idempotent: later calls return `Ok` and do nothing, and every other
+    /// method then fails with [`ShutDown`](MasterClientError::ShutDown). An error means only that the
+    /// unregister did not land (the master expires the node later).
+    pub async fn shutdown(&self) -> Result<(), MasterClientError> {
+        if self.inner.shut_down.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        self.stop_loop().await;
+        if !self.inner.state.lock().registered {
+            return Ok(());
+        }
+        self.inner.unregister(self.inner.config.shutdown_timeout).await
+    }
+
+    async fn stop_loop(&self) {
+        self.inner.running.store(false, Ordering::Release);
+        let task = self.task.lock().take();
+        if let Some(task) = task {
+            self.inner.set_hooks(false);
+            // Dropping an in-flight heartbeat is safe: nothing is popped from the outbox before an ack.
+            task.abort();
+            let _ = task.await;
+        }
+    }
+
+    /// Where to write each key: one decision per key, in order. `sizes` is parallel to `keys`;
+    /// `exclude` names nodes to avoid.
+    pub async fn batch_route_put(
+        &self,
+        keys: &[String],
+        sizes: &[u64],
+        exclude: &[String],
+    ) -> Result<Vec<RoutePutDecision>, MasterClientError> {
+        if keys.len() != sizes.len() {
+            return Err(MasterClientError::InvalidArgument(format!("{} keys but {} sizes", keys.len(), sizes.len())));
+        }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let request = pb::BatchRoutePutRequest {
+            node_id: self.inner.node.node_id.clone(),
+            keys: keys.to_vec(),
+            block_sizes: sizes.to_vec(),
+            exclude_nodes: exclude.to_vec(),
+        };
+        let reply = self
+            .inner
+            .call("BatchRoutePut", self.inner.config.rpc_timeout, request, |mut c, r| async move {
+                c.batch_route_put(r).await
+            })
+            .await?;
+        wire::decode_route_put(keys.len(), reply)
+            .map_err(|reason| MasterClientError::MalformedReply { rpc: "BatchRoutePut", reason })
+    }
+
+    /// Where to read each key: `None` for a key no (non-excluded) node holds. The master grants each
+    /// hit a short lease. The columnar reply is validated whole; a malformed one is an error.
+    pub async fn batch_route_get(
+        &self,
+        keys: &[String],
+        exclude: &[String],
+    ) -> Result<Vec<Option<RouteGetHit>>, MasterClientError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let request = pb::BatchRouteGetRequest {
+            node_id: self.inner.node.node_id.clone(),
+            keys: keys.to_vec(),
+            exclude_nodes: exclude.to_vec(),
+        };
+        let reply = self
+            .inner
+            .call("BatchRouteGet", self.inner.config.rpc_timeout, request, |mut c, r| async move {
+                c.batch_route_get(r).await
+            })
+            .await?;
+        wire::decode_route_get(keys.len(), reply)
+            .map_err(|reason| MasterClientError::MalformedReply { rpc: "BatchRouteGet", reason })
+    }
+
+    /// Whether the master's index holds each key (no lease, no access stamp).
+    pub async fn batch_lookup(&self, keys: &[String]) -> Result<Vec<bool>, MasterClientError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let request = pb::BatchLookupRequest { keys: keys.to_vec() };
+        let reply =
+            self.inner
+                .call("BatchLookup", self.inner.config.rpc_timeout, request, |mut c, r| async move {
+                    c.batch_lookup(r).await
+                })
+                .await?;
+        wire::decode_lookup(keys.len(), reply)
+            .map_err(|reason| MasterClientError::MalformedReply { rpc: "BatchLookup", reason })
+    }
+
+    /// The cluster as an operator sees it.
+    pub async fn cluster_status(&self) -> Result<ClusterStatus, MasterClientError> {
+        let reply = self
+            .inner
+            .call(
+                "GetClusterStatus",
+                self.inner.config.rpc_timeout,
+                pb::GetClusterStatusRequest {},
+                |mut c, r| async move { c.get_cluster_status(r).await },
+            )
+            .await?;
+        Ok(wire::decode_cluster_status(reply))
+    }
+
+    /// Counters and heartbeat state.
+    pub fn stats(&self) -> MasterClientStats {
+        let c = &self.inner.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let st = self.inner.state.lock();
+        MasterClientStats {
+            heartbeats_sent: get(&c.heartbeats_sent),
+            bundles_sent: get(&c.bundles_sent),
+            keepalives_sent: get(&c.keepalives_sent),
+            full_syncs_started: get(&c.full_syncs_started),
+            full_syncs_completed: get(&c.full_syncs_completed),
+            full_sync_chunks_sent: get(&c.full_sync_chunks_sent),
+            registrations: get(&c.registrations),
+            re_registrations: get(&c.re_registrations),
+            outbox_overflows: get(&c.outbox_overflows),
+            rpc_errors: get(&c.rpc_errors),
+            next_seq: st.next_seq,
+            acked_seq: st.acked,
+            outbox_bundles: st.outbox.len(),
+            outbox_events: st.outbox_events,
+            full_sync_pending: st.full_sync_pending,
+            clear_pending: st.clear_pending,
+            heartbeat_interval: st.interval,
+        }
+    }
+
+    /// The node's registration record.
+    pub fn node(&self) -> &NodeRegistration {
+        &self.inner.node
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &MasterClientConfig {
+        &self.inner.config
+    }
+}
+
+// The handle is shared across tasks.
+const _: () = {
+    const fn ok<T: Send + Sync>() {}
+    ok::<MasterClient>();
+};
+
+impl Drop for MasterClient {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.get_mut().take() {
+            task.abort();
+            self.inner.set_hooks(false);
+        }
+    }
+}

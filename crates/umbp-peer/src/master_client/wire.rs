@@ -1,0 +1,344 @@
+//! Pure conversions between `umbp-core` values and the `umbp.v1` messages, the full-sync chunker and
+//! the validating decoders of the routing replies. No I/O here, so every rule is unit-tested.
+
+use std::time::Duration;
+
+use prost::Message;
+use umbp_core::{KvEvent, KvEventKind, TierCapacity, TierType};
+use umbp_proto::v1 as pb;
+
+use super::types::{ClusterStatus, NodeLiveness, NodeStatusReport, RouteGetHit, RoutePutDecision};
+
+/// The wire value of a tier.
+pub(crate) fn tier_to_wire(tier: TierType) -> i32 {
+    // The values are 0..=3: always representable.
+    i32::try_from(tier.wire()).unwrap_or(0)
+}
+
+/// A tier from the wire; negative or unknown numbers become [`TierType::Unknown`].
+pub(crate) fn tier_from_wire(value: i32) -> TierType {
+    u32::try_from(value).map_or(TierType::Unknown, TierType::from_wire)
+}
+
+/// An event as the master receives it.
+pub(crate) fn event_to_wire(event: KvEvent) -> pb::KvEvent {
+    let kind = match event.kind {
+        KvEventKind::Add => pb::KvEventKind::KvEventAdd,
+        KvEventKind::Remove => pb::KvEventKind::KvEventRemove,
+    };
+    pb::KvEvent { kind: kind as i32, key: event.key, tier: tier_to_wire(event.tier), size: event.size }
+}
+
+/// One tier's capacity as the master receives it.
+pub(crate) fn capacity_to_wire(tier: TierType, cap: TierCapacity) -> pb::TierCapacity {
+    pb::TierCapacity { tier: tier_to_wire(tier), total_bytes: cap.total_bytes, available_bytes: cap.available_bytes }
+}
+
+/// Bytes a message adds to its parent when it is one element of a repeated message field (tag, length
+/// prefix and body).
+pub(crate) fn nested_len(body: usize) -> usize {
+    1 + prost::encoding::encoded_len_varint(body as u64) + body
+}
+
+/// Bytes `event` adds to a bundle.
+pub(crate) fn event_len(event: &pb::KvEvent) -> usize {
+    nested_len(event.encoded_len())
+}
+
+/// Bytes `bundle` adds to a request.
+pub(crate) fn bundle_len(bundle: &pb::EventBundle) -> usize {
+    nested_len(bundle.encoded_len())
+}
+
+/// Splits a full-sync snapshot into chunks of at most `max_events` events whose bundle (at `seq`)
+/// encodes to at most `max_bytes`. A chunk always holds at least one event, so a single oversized
+/// event still goes (alone). Order is kept; an empty snapshot gives no chunks.
+pub(crate) fn split_into_chunks(
+    events: Vec<pb::KvEvent>,
+    max_events: usize,
+    max_bytes: usize,
+    seq: u64,
+) -> Vec<Vec<pb::KvEvent>> {
+    let max_events = max_events.max(1);
+    // The bundle's own header: its seq field and its length prefix inside the request (bounded by
+    // the varint of max_bytes).
+    let header =
+        1 + prost::encoding::encoded_len_varint(seq) + 1 + prost::encoding::encoded_len_varint(max_bytes as u64);
+    let budget = max_bytes.saturating_sub(header);
+    let mut chunks = Vec::new();
+    let mut current: Vec<pb::KvEvent> = Vec::new();
+    let mut bytes = 0usize;
+    for event in events {
+        let len = event_len(&event);
+        if !current.is_empty() && (current.len() >= max_events || bytes + len > budget) {
+            chunks.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+        bytes += len;
+        current.push(event);
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
+/// Decodes a `BatchRoutePut` reply for `keys` keys. Every entry must be present; a `ROUTED` entry
+/// must name a node. Unknown outcome numbers (a newer master) read as `Unavailable`: never write on a
+/// decision the client does not understand.
+pub(crate) fn decode_route_put(keys: usize, reply: pb::BatchRoutePutResponse) -> Result<Vec<RoutePutDecision>, String> {
+    if reply.entries.len() != keys {
+        return Err(format!("{} entries for {keys} keys", reply.entries.len()));
+    }
+    reply
+        .entries
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| match pb::RoutePutOutcome::try_from(e.outcome) {
+            Ok(pb::RoutePutOutcome::RoutePutRouted) => {
+                if e.node_id.is_empty() {
+                    return Err(format!("entry {i} is ROUTED without a node id"));
+                }
+                Ok(RoutePutDecision::Routed {
+                    node_id: e.node_id,
+                    tier: tier_from_wire(e.tier),
+                    peer_address: e.peer_address,
+                })
+            }
+            Ok(pb::RoutePutOutcome::RoutePutAlreadyExists) => Ok(RoutePutDecision::AlreadyExists),
+            Ok(pb::RoutePutOutcome::RoutePutUnavailable) | Err(_) => Ok(RoutePutDecision::Unavailable),
+        })
+        .collect()
+}
+
+/// Decodes the columnar `BatchRouteGet` reply for `keys` keys (FIX over the reference, which trusted
+/// it): `node_ref`, `tier` and `size` must each have exactly `keys` entries; a ref is 1-based into
+/// `nodes` with 0 meaning "not found"; a ref past `nodes.len()` or a referenced node without an id is
+/// an error. A malformed reply is rejected whole, never turned into a wrong hit.
+pub(crate) fn decode_route_get(
+    keys: usize,
+    reply: pb::BatchRouteGetResponse,
+) -> Result<Vec<Option<RouteGetHit>>, String> {
+    for (name, len) in [("node_ref", reply.node_ref.len()), ("tier", reply.tier.len()), ("size", reply.size.len())] {
+        if len != keys {
+            return Err(format!("{name} has {len} entries for {keys} keys"));
+        }
+    }
+    let mut hits = Vec::with_capacity(keys);
+    for (i, &node_ref) in reply.node_ref.iter().enumerate() {
+        if node_ref == 0 {
+            hits.push(None);
+            continue;
+        }
+        let node = usize::try_from(node_ref - 1).ok().and_then(|n| reply.nodes.get(n)).ok_or_else(|| {
+            format!("key {i} refers to node {node_ref} but the reply lists {} nodes", reply.nodes.len())
+        })?;
+        if node.node_id.is_empty() {
+            return Err(format!("node {node_ref} (referenced by key {i}) has no node id"));
+        }
+        hits.push(Some(RouteGetHit {
+            node_id: node.node_id.clone(),
+            peer_address: node.peer_address.clone(),
+            tier: tier_from_wire(reply.tier[i]),
+            size: reply.size[i],
+        }));
+    }
+    Ok(hits)
+}
+
+/// Decodes a `BatchLookup` reply for `keys` keys.
+pub(crate) fn decode_lookup(keys: usize, reply: pb::BatchLookupResponse) -> Result<Vec<bool>, String> {
+    if reply.found.len() != keys {
+        return Err(format!("{} answers for {keys} keys", reply.found.len()));
+    }
+    Ok(reply.found)
+}
+
+/// Converts the operator view.
+pub(crate) fn decode_cluster_status(reply: pb::GetClusterStatusResponse) -> ClusterStatus {
+    let nodes = reply
+        .nodes
+        .into_iter()
+        .map(|n| NodeStatusReport {
+            status: match pb::NodeStatus::try_from(n.status) {
+                Ok(pb::NodeStatus::Alive) => NodeLiveness::Alive,
+                Ok(pb::NodeStatus::Expired) => NodeLiveness::Expired,
+                Ok(pb::NodeStatus::Unknown) | Err(_) => NodeLiveness::Unknown,
+            },
+            tier_capacities: n
+                .tier_capacities
+                .iter()
+                .map(|c| {
+                    (
+                        tier_from_wire(c.tier),
+                        TierCapacity { total_bytes: c.total_bytes, available_bytes: c.available_bytes },
+                    )
+                })
+                .collect(),
+            node_id: n.node_id,
+            node_address: n.node_address,
+            peer_address: n.peer_address,
+            data_endpoint: n.data_endpoint,
+            key_count: n.key_count,
+            last_heartbeat_age: Duration::from_millis(n.last_heartbeat_age_ms),
+            last_applied_seq: n.last_applied_seq,
+            tags: n.tags,
+        })
+        .collect();
+    ClusterStatus { nodes, total_keys: reply.total_keys }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str) -> pb::NodeInfo {
+        pb::NodeInfo { node_id: id.into(), peer_address: format!("{id}:7000") }
+    }
+
+    fn reply(nodes: &[&str], refs: &[u32], tiers: &[TierType], sizes: &[u64]) -> pb::BatchRouteGetResponse {
+        pb::BatchRouteGetResponse {
+            nodes: nodes.iter().map(|n| node(n)).collect(),
+            node_ref: refs.to_vec(),
+            tier: tiers.iter().map(|t| tier_to_wire(*t)).collect(),
+            size: sizes.to_vec(),
+        }
+    }
+
+    #[test]
+    fn columnar_reply_dedups_nodes_with_one_based_refs() {
+        let r = reply(
+            &["a", "b"],
+            &[1, 2, 1, 0],
+            &[TierType::Dram, TierType::Hbm, TierType::Ssd, TierType::Unknown],
+            &[10, 20, 30, 0],
+        );
+        let hits = decode_route_get(4, r).expect("valid");
+        let a = hits[0].as_ref().expect("hit");
+        assert_eq!((a.node_id.as_str(), a.peer_address.as_str(), a.tier, a.size), ("a", "a:7000", TierType::Dram, 10));
+        let b = hits[1].as_ref().expect("hit");
+        assert_eq!((b.node_id.as_str(), b.tier, b.size), ("b", TierType::Hbm, 20));
+        let a2 = hits[2].as_ref().expect("hit");
+        assert_eq!((a2.node_id.as_str(), a2.tier, a2.size), ("a", TierType::Ssd, 30));
+        assert!(hits[3].is_none(), "ref 0 is a miss");
+    }
+
+    #[test]
+    fn columnar_reply_all_misses_and_empty() {
+        let hits = decode_route_get(3, reply(&[], &[0, 0, 0], &[TierType::Unknown; 3], &[0, 0, 0])).expect("valid");
+        assert_eq!(hits, vec![None, None, None]);
+        assert!(decode_route_get(0, pb::BatchRouteGetResponse::default()).expect("valid").is_empty());
+    }
+
+    #[test]
+    fn columnar_reply_with_wrong_lengths_is_an_error() {
+        let t = TierType::Dram;
+        for (r, what) in [
+            (reply(&["a"], &[1], &[t, t], &[1, 1]), "node_ref"),
+            (reply(&["a"], &[1, 1], &[t], &[1, 1]), "tier"),
+            (reply(&["a"], &[1, 1], &[t, t], &[1]), "size"),
+            (reply(&["a"], &[1, 1, 1], &[t, t, t], &[1, 1, 1]), "node_ref"),
+        ] {
+            let err = decode_route_get(2, r).expect_err(what);
+            assert!(err.contains(what), "{err}");
+        }
+        // Keys present but an empty reply: the reference's silent mismatch.
+        assert!(decode_route_get(2, pb::BatchRouteGetResponse::default()).is_err());
+    }
+
+    #[test]
+    fn columnar_reply_with_out_of_range_ref_is_an_error() {
+        let t = TierType::Dram;
+        assert!(decode_route_get(2, reply(&["a"], &[1, 2], &[t, t], &[1, 1])).is_err());
+        assert!(decode_route_get(1, reply(&[], &[1], &[t], &[1])).is_err());
+        assert!(decode_route_get(1, reply(&["a"], &[u32::MAX], &[t], &[1])).is_err());
+        // A referenced node without an id cannot be routed to.
+        assert!(decode_route_get(1, reply(&[""], &[1], &[t], &[1])).is_err());
+        // An unreferenced bad node is harmless.
+        assert_eq!(decode_route_get(1, reply(&[""], &[0], &[t], &[0])).expect("valid"), vec![None]);
+    }
+
+    #[test]
+    fn route_put_decoding_validates_lengths_and_routed_entries() {
+        let routed = |id: &str| pb::RoutePutEntry {
+            outcome: pb::RoutePutOutcome::RoutePutRouted as i32,
+            node_id: id.into(),
+            tier: tier_to_wire(TierType::Dram),
+            peer_address: "p:1".into(),
+        };
+        let exists =
+            pb::RoutePutEntry { outcome: pb::RoutePutOutcome::RoutePutAlreadyExists as i32, ..Default::default() };
+        let unknown = pb::RoutePutEntry { outcome: 42, ..Default::default() };
+        let ok = decode_route_put(
+            4,
+            pb::BatchRoutePutResponse { entries: vec![routed("a"), exists, pb::RoutePutEntry::default(), unknown] },
+        )
+        .expect("valid");
+        assert_eq!(
+            ok,
+            vec![
+                RoutePutDecision::Routed { node_id: "a".into(), tier: TierType::Dram, peer_address: "p:1".into() },
+                RoutePutDecision::AlreadyExists,
+                RoutePutDecision::Unavailable,
+                RoutePutDecision::Unavailable,
+            ]
+        );
+        assert!(decode_route_put(2, pb::BatchRoutePutResponse { entries: vec![routed("a")] }).is_err());
+        assert!(decode_route_put(1, pb::BatchRoutePutResponse { entries: vec![routed("")] }).is_err());
+    }
+
+    #[test]
+    fn lookup_decoding_validates_length() {
+        assert_eq!(decode_lookup(2, pb::BatchLookupResponse { found: vec![true, false] }).expect("ok"), [true, false]);
+        assert!(decode_lookup(3, pb::BatchLookupResponse { found: vec![true] }).is_err());
+    }
+
+    fn events(n: usize, key_len: usize) -> Vec<pb::KvEvent> {
+        (0..n)
+            .map(|i| {
+                let mut key = format!("k{i}-");
+                key.extend(std::iter::repeat_n('x', key_len.saturating_sub(key.len())));
+                event_to_wire(KvEvent::add(key, TierType::Dram, 4096))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn chunks_respect_the_event_cap_and_keep_order() {
+        let evs = events(25, 8);
+        let chunks = split_into_chunks(evs.clone(), 10, 1 << 20, 7);
+        assert_eq!(chunks.iter().map(Vec::len).collect::<Vec<_>>(), [10, 10, 5]);
+        assert_eq!(chunks.concat(), evs);
+        assert!(split_into_chunks(Vec::new(), 10, 1 << 20, 7).is_empty());
+    }
+
+    #[test]
+    fn chunks_respect_the_byte_cap() {
+        let max_bytes = 8 << 10;
+        let evs = events(1000, 200);
+        let chunks = split_into_chunks(evs.clone(), usize::MAX, max_bytes, u64::MAX);
+        assert!(chunks.len() > 1);
+        for c in &chunks {
+            let bundle = pb::EventBundle { seq: u64::MAX, events: c.clone() };
+            assert!(bundle_len(&bundle) <= max_bytes, "{} > {max_bytes}", bundle_len(&bundle));
+        }
+        assert_eq!(chunks.concat(), evs);
+    }
+
+    #[test]
+    fn an_oversized_event_travels_alone() {
+        let mut evs = events(3, 8);
+        evs.insert(1, events(1, 10_000).remove(0));
+        let chunks = split_into_chunks(evs, 100, 4096, 1);
+        assert_eq!(chunks.iter().map(Vec::len).collect::<Vec<_>>(), [1, 1, 2]);
+    }
+
+    #[test]
+    fn tiers_round_trip_and_garbage_is_unknown() {
+        for t in TierType::ALL {
+            assert_eq!(tier_from_wire(tier_to_wire(t)), t);
+        }
+        assert_eq!(tier_from_wire(-3), TierType::Unknown);
+        assert_eq!(tier_from_wire(99), TierType::Unknown);
+    }
+}

@@ -1,0 +1,429 @@
+//! Registration, full sync, clear and shutdown against a fake master (the reference's
+//! `test_master_client_lifecycle`, plus our fixes: the full record on re-registration, chunked full
+//! sync, the bounded outbox, clear retried until acknowledged, a bounded shutdown).
+
+mod master_client_support;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use master_client_support::{Action, FakeMaster, client, commit, keys, node, page_backend, registry, test_config};
+use parking_lot::Mutex;
+use prost::Message;
+use umbp_core::{AllocateOutcome, AllocateRequest, MediumBackend, TierType};
+use umbp_peer::master_client::{MasterClient, MasterClientConfig, MasterClientError};
+use umbp_proto::v1 as pb;
+
+const LONG_INTERVAL_MS: u64 = 60_000;
+const PAGE: u64 = 4096;
+const WAIT: Duration = Duration::from_secs(3);
+
+fn quiet_config() -> MasterClientConfig {
+    MasterClientConfig { auto_flush_event_threshold: 0, ..test_config() }
+}
+
+fn is_delta(h: &pb::HeartbeatRequest) -> bool {
+    !h.is_full_sync && !h.bundles.is_empty()
+}
+
+/// Every key of every chunk of the full syncs recorded so far.
+fn full_sync_keys(chunks: &[&pb::HeartbeatRequest]) -> Vec<String> {
+    chunks.iter().flat_map(|h| h.bundles.iter().flat_map(|b| b.events.iter().map(|e| e.key.clone()))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn register_sends_the_full_record_and_adopts_the_interval() {
+    let master = FakeMaster::start(1234).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    {
+        let rec = master.fake.rec.lock();
+        let r = &rec.registers[0];
+        assert_eq!(r.node_id, "node-a");
+        assert_eq!(r.node_address, "127.0.0.1");
+        assert_eq!(r.peer_address, "127.0.0.1:7001");
+        assert_eq!(r.data_endpoint, "127.0.0.1:7002");
+        assert_eq!(r.tags, ["rack=r1"]);
+        assert_eq!(r.tier_capacities.len(), 1);
+        assert_eq!(r.tier_capacities[0].tier, pb::TierType::TierDram as i32);
+        assert_eq!(r.tier_capacities[0].total_bytes, 64 * PAGE);
+    }
+    let stats = client.stats();
+    assert_eq!(stats.heartbeat_interval, Duration::from_millis(1234));
+    assert_eq!((stats.registrations, stats.re_registrations, stats.full_sync_pending), (1, 0, false));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registering_while_owning_keys_starts_with_a_full_sync() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    commit(&dram, &keys("old", 3));
+    // An earlier client shipped (drained) these events; the new one must not rely on the outbox.
+    assert_eq!(dram.drain_pending_events().len(), 3);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    assert!(client.stats().full_sync_pending);
+    client.heartbeat_once().await.expect("full sync");
+    let chunks = master.fake.rec.lock().full_sync_chunks().len();
+    assert_eq!(chunks, 1);
+    assert_eq!(master.fake.model.lock().index.len(), 3);
+    assert_eq!(client.stats().acked_seq, 0, "baseline 0: deltas start at seq 1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_registration_that_finds_a_live_node_is_an_error() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    master.fake.on_register(|_| Action::Fail(tonic::Code::AlreadyExists));
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client =
+        MasterClient::connect(&master.addr(), quiet_config(), node(), registry(&[dram])).await.expect("connect");
+    let err = client.register().await.expect_err("a live node with this id exists");
+    assert!(matches!(err, MasterClientError::AlreadyRegistered { ref node_id } if node_id == "node-a"), "{err}");
+    assert!(matches!(client.start_heartbeat(), Err(MasterClientError::NotRegistered)));
+    assert!(matches!(client.heartbeat_once().await, Err(MasterClientError::NotRegistered)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_re_registers_with_the_full_record_then_full_syncs() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("before", 5));
+    client.heartbeat_once().await.expect("delta");
+    assert_eq!(master.fake.model.lock().index.len(), 5);
+
+    master.fake.forget(); // the master restarted
+    commit(&dram, &keys("after", 2));
+    client.start_heartbeat().expect("start");
+    client.flush();
+    assert!(master.wait_until(WAIT, |_, m| m.full_syncs_applied == 1 && m.index.len() == 7).await);
+
+    {
+        let rec = master.fake.rec.lock();
+        assert_eq!(rec.registers.len(), 2);
+        let again = &rec.registers[1];
+        assert_eq!(again.peer_address, "127.0.0.1:7001", "FIX §7.2: the peer address is sent again");
+        assert_eq!(again.data_endpoint, "127.0.0.1:7002", "and the data endpoint");
+        assert_eq!(again.tags, ["rack=r1"]);
+        assert_eq!(again.tier_capacities.len(), 1);
+        let chunks = rec.full_sync_chunks();
+        assert_eq!(chunks.len(), 1);
+        let mut synced = full_sync_keys(&chunks);
+        synced.sort();
+        let mut owned: Vec<String> = keys("before", 5).into_iter().chain(keys("after", 2)).collect();
+        owned.sort();
+        assert_eq!(synced, owned, "the full sync carries every owned key");
+        // The delta of the two new keys was drained (seq 2) before the UNKNOWN; the baseline covers it.
+        assert_eq!(chunks[0].delta_seq_baseline, 2);
+        assert!(chunks[0].full_sync_final && chunks[0].full_sync_chunk == 0);
+    }
+    let stats = client.stats();
+    assert_eq!((stats.re_registrations, stats.acked_seq, stats.next_seq), (1, 2, 3));
+
+    // Deltas continue from the baseline.
+    commit(&dram, &keys("later", 1));
+    client.flush();
+    assert!(master.wait_until(WAIT, |_, m| m.last_applied == 3 && m.index.len() == 8).await);
+    client.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn already_exists_on_re_registration_counts_as_success() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let unknown_once = Arc::new(AtomicBool::new(true));
+    let u = Arc::clone(&unknown_once);
+    master.fake.on_heartbeat(move |h| {
+        if is_delta(h) && u.swap(false, Ordering::SeqCst) { Action::Unknown } else { Action::Normal }
+    });
+    let registers = Arc::new(AtomicUsize::new(0));
+    let r = Arc::clone(&registers);
+    master.fake.on_register(move |_| {
+        if r.fetch_add(1, Ordering::SeqCst) == 0 { Action::Normal } else { Action::Fail(tonic::Code::AlreadyExists) }
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("k", 3));
+    client.heartbeat_once().await.expect("answered UNKNOWN, re-registered");
+    assert_eq!(client.stats().re_registrations, 1, "ALREADY_EXISTS is success here");
+    client.heartbeat_once().await.expect("full sync");
+    assert_eq!(master.fake.model.lock().index.len(), 3);
+    assert_eq!(client.stats().full_syncs_completed, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_full_sync_sends_a_full_sync_at_once() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let once = Arc::new(AtomicBool::new(true));
+    let o = Arc::clone(&once);
+    master.fake.on_heartbeat(move |h| {
+        if is_delta(h) && o.swap(false, Ordering::SeqCst) { Action::RequestFullSync } else { Action::Normal }
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("k", 4));
+    client.heartbeat_once().await.expect("delta refused, full sync sent in the same round");
+    {
+        let rec = master.fake.rec.lock();
+        assert_eq!(rec.heartbeats.len(), 2);
+        assert!(rec.heartbeats[1].1.is_full_sync);
+        assert_eq!(rec.heartbeats[1].1.delta_seq_baseline, 1);
+    }
+    assert_eq!(master.fake.model.lock().index.len(), 4);
+    let stats = client.stats();
+    assert_eq!((stats.full_syncs_completed, stats.acked_seq, stats.outbox_bundles), (1, 1, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_100k_key_full_sync_arrives_in_chunks_under_the_byte_cap() {
+    const N: usize = 100_000;
+    const CAP: usize = 1 << 20;
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let once = Arc::new(AtomicBool::new(true));
+    let o = Arc::clone(&once);
+    master.fake.on_heartbeat(move |h| {
+        if is_delta(h) && o.swap(false, Ordering::SeqCst) { Action::RequestFullSync } else { Action::Normal }
+    });
+    let dram = page_backend(TierType::Dram, 64, N as u64);
+    let config = MasterClientConfig { max_request_bytes: CAP, ..quiet_config() };
+    let client = client(&master, config, registry(&[Arc::clone(&dram)])).await;
+    let owned: Vec<String> = (0..N).map(|i| format!("kv-block-{i:06}-0123456789abcdef0123456789")).collect();
+    commit(&dram, &owned);
+    client.heartbeat_once().await.expect("full sync");
+
+    let baseline = N.div_ceil(1024) as u64;
+    {
+        let rec = master.fake.rec.lock();
+        let chunks = rec.full_sync_chunks();
+        assert!(chunks.len() >= 4, "several chunks: {}", chunks.len());
+        assert_eq!(chunks[0].delta_seq_baseline, baseline, "baseline = next_seq - 1 after the refused delta");
+        for (i, c) in chunks.iter().enumerate() {
+            assert_eq!(c.full_sync_chunk as usize, i, "chunks in order from 0");
+            assert_eq!(c.full_sync_final, i + 1 == chunks.len(), "final only on the last");
+            assert_eq!(c.delta_seq_baseline, baseline);
+            assert!(c.encoded_len() <= CAP, "chunk {i} is {} bytes", c.encoded_len());
+        }
+        let synced = full_sync_keys(&chunks);
+        assert_eq!(synced.len(), N, "no duplicates");
+        assert_eq!(synced.into_iter().collect::<BTreeSet<_>>(), owned.iter().cloned().collect());
+    }
+    assert_eq!(master.fake.model.lock().index.len(), N);
+    let stats = client.stats();
+    assert_eq!((stats.acked_seq, stats.outbox_events, stats.full_sync_pending), (baseline, 0, false));
+    assert_eq!(stats.full_sync_chunks_sent as usize, master.fake.rec.lock().full_sync_chunks().len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_middle_chunk_restarts_from_chunk_zero() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let refused = Arc::new(AtomicBool::new(false));
+    let failed = Arc::new(AtomicBool::new(false));
+    let (r, f) = (Arc::clone(&refused), Arc::clone(&failed));
+    master.fake.on_heartbeat(move |h| {
+        if is_delta(h) && !r.swap(true, Ordering::SeqCst) {
+            return Action::RequestFullSync;
+        }
+        if h.is_full_sync && h.full_sync_chunk == 2 && !f.swap(true, Ordering::SeqCst) {
+            return Action::Fail(tonic::Code::Unavailable);
+        }
+        Action::Normal
+    });
+    let dram = page_backend(TierType::Dram, 64, 2000);
+    let config = MasterClientConfig { full_sync_chunk_events: 500, ..quiet_config() };
+    let client = client(&master, config, registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("k", 2000));
+    let err = client.heartbeat_once().await.expect_err("chunk 2 fails");
+    assert!(err.is_retryable(), "{err}");
+    assert!(client.stats().full_sync_pending);
+    commit(&dram, &keys("late", 3));
+    client.heartbeat_once().await.expect("the retry starts over and completes");
+
+    {
+        let rec = master.fake.rec.lock();
+        let chunks = rec.full_sync_chunks();
+        let order: Vec<(u32, bool)> = chunks.iter().map(|c| (c.full_sync_chunk, c.full_sync_final)).collect();
+        assert_eq!(
+            order,
+            [(0, false), (1, false), (2, false), (0, false), (1, false), (2, false), (3, false), (4, true)],
+            "restart from chunk 0 with a fresh snapshot (2003 keys: 5 chunks)"
+        );
+        assert_eq!(full_sync_keys(&chunks[3..]).len(), 2003);
+    }
+    assert_eq!(master.fake.model.lock().index.len(), 2003);
+    let stats = client.stats();
+    assert_eq!((stats.full_syncs_started, stats.full_syncs_completed), (2, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflowing_outbox_turns_into_a_full_sync_instead_of_growing() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let fail_deltas = Arc::new(AtomicBool::new(true));
+    let fail_syncs = Arc::new(AtomicBool::new(true));
+    let (d, s) = (Arc::clone(&fail_deltas), Arc::clone(&fail_syncs));
+    master.fake.on_heartbeat(move |h| {
+        let fail = if h.is_full_sync { s.load(Ordering::SeqCst) } else { d.load(Ordering::SeqCst) };
+        if fail { Action::Fail(tonic::Code::Unavailable) } else { Action::Normal }
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 256);
+    let config = MasterClientConfig { max_outbox_events: 64, events_per_bundle: 16, ..quiet_config() };
+    let client = client(&master, config, registry(&[Arc::clone(&dram)])).await;
+
+    commit(&dram, &keys("a", 40));
+    assert!(client.heartbeat_once().await.is_err());
+    assert_eq!((client.stats().outbox_events, client.stats().outbox_bundles), (40, 3), "queued for a resend");
+
+    commit(&dram, &keys("b", 40)); // 80 > 64
+    assert!(client.heartbeat_once().await.is_err(), "the full sync fails too");
+    let stats = client.stats();
+    assert_eq!(stats.outbox_overflows, 1);
+    assert_eq!(stats.outbox_events, 0, "deltas dropped, not grown");
+    assert!(stats.full_sync_pending);
+
+    commit(&dram, &keys("c", 100));
+    assert!(client.heartbeat_once().await.is_err());
+    assert_eq!(client.stats().outbox_events, 0, "while a full sync is pending nothing queues");
+
+    fail_syncs.store(false, Ordering::SeqCst);
+    client.heartbeat_once().await.expect("the full sync lands");
+    assert_eq!(master.fake.model.lock().index.len(), 180, "nothing lost");
+    {
+        let rec = master.fake.rec.lock();
+        let last = rec.full_sync_chunks().last().map(|c| (c.delta_seq_baseline, c.full_sync_final));
+        assert_eq!(last, Some((3, true)), "baseline = next_seq - 1 (3 bundles were numbered)");
+    }
+
+    fail_deltas.store(false, Ordering::SeqCst);
+    commit(&dram, &keys("d", 2));
+    client.heartbeat_once().await.expect("deltas resume at baseline + 1");
+    assert_eq!(master.fake.model.lock().last_applied, 4);
+    assert_eq!(master.fake.model.lock().index.len(), 182);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clear_is_retried_until_acknowledged_and_writes_stay_gated_until_then() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let seen_at_ack: Arc<Mutex<Option<(bool, AllocateOutcome)>>> = Arc::new(Mutex::new(None));
+    let (a, seen, b) = (Arc::clone(&attempts), Arc::clone(&seen_at_ack), Arc::clone(&dram));
+    master.fake.on_heartbeat(move |h| {
+        if !(h.is_full_sync && h.bundles.is_empty()) {
+            return Action::Normal;
+        }
+        if a.fetch_add(1, Ordering::SeqCst) < 2 {
+            return Action::Fail(tonic::Code::Unavailable);
+        }
+        // The third attempt: the gate must still be closed while the master has not answered.
+        let outcome = b.batch_allocate(&[AllocateRequest::new("during", PAGE)])[0].outcome;
+        *seen.lock() = Some((b.is_clear_full_sync_pending(), outcome));
+        Action::Normal
+    });
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("k", 5));
+    client.heartbeat_once().await.expect("delta");
+    assert_eq!(master.fake.model.lock().index.len(), 5);
+
+    client.clear().await.expect("acknowledged on the third attempt");
+    assert_eq!(attempts.load(Ordering::SeqCst), 3);
+    assert_eq!(*seen_at_ack.lock(), Some((true, AllocateOutcome::Failed)), "gated until the ack");
+    assert!(!dram.is_clear_full_sync_pending(), "reopened after the ack");
+    assert_eq!(dram.owned_key_count(), 0);
+    assert!(master.fake.model.lock().index.is_empty(), "the master dropped the node's locations");
+    commit(&dram, &keys("new", 1));
+    let stats = client.stats();
+    assert!(!stats.clear_pending && !stats.full_sync_pending);
+    assert_eq!(stats.acked_seq, 1, "baseline = next_seq - 1");
+    client.heartbeat_once().await.expect("delta");
+    assert_eq!(master.fake.model.lock().keys(), [("new-0".to_owned(), pb::TierType::TierDram as i32)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clear_past_its_deadline_is_finished_by_the_heartbeat_loop() {
+    let master = FakeMaster::start(50).await;
+    let down = Arc::new(AtomicBool::new(false));
+    let d = Arc::clone(&down);
+    master.fake.on_heartbeat(move |_| {
+        if d.load(Ordering::SeqCst) { Action::Fail(tonic::Code::Unavailable) } else { Action::Normal }
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("k", 3));
+    client.heartbeat_once().await.expect("delta");
+
+    down.store(true, Ordering::SeqCst);
+    let t0 = Instant::now();
+    let err = client.clear_within(Duration::from_millis(300)).await.expect_err("the master is down");
+    assert!(t0.elapsed() < Duration::from_millis(1300), "bounded by the deadline: {:?}", t0.elapsed());
+    assert!(matches!(err, MasterClientError::ClearNotAcknowledged { attempts, .. } if attempts >= 2), "{err}");
+    assert!(dram.is_clear_full_sync_pending(), "writes stay gated");
+    assert!(client.stats().clear_pending);
+
+    client.start_heartbeat().expect("start");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(dram.is_clear_full_sync_pending(), "still gated while the master is down");
+    down.store(false, Ordering::SeqCst);
+    let deadline = Instant::now() + WAIT;
+    while dram.is_clear_full_sync_pending() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!dram.is_clear_full_sync_pending(), "the loop delivered the clear and reopened writes");
+    assert!(master.fake.model.lock().index.is_empty());
+    client.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_is_bounded_when_the_master_hangs() {
+    let master = FakeMaster::start(50).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let config = MasterClientConfig {
+        heartbeat_rpc_timeout: Duration::from_millis(2000),
+        shutdown_timeout: Duration::from_millis(300),
+        ..quiet_config()
+    };
+    let client = client(&master, config, registry(&[Arc::clone(&dram)])).await;
+    client.start_heartbeat().expect("start");
+    master.fake.hang_all.store(true, Ordering::SeqCst);
+    commit(&dram, &keys("k", 2));
+    client.flush();
+    tokio::time::sleep(Duration::from_millis(100)).await; // a heartbeat now hangs in flight
+
+    let t0 = Instant::now();
+    let err = client.shutdown().await.expect_err("the unregister cannot land");
+    let took = t0.elapsed();
+    assert!(took < Duration::from_millis(300 + 700), "bounded: {took:?}");
+    assert!(matches!(err, MasterClientError::Timeout { rpc: "UnregisterClient", .. }), "{err}");
+    client.shutdown().await.expect("a second shutdown is a no-op");
+    assert!(matches!(client.register().await, Err(MasterClientError::ShutDown)));
+    assert!(matches!(client.start_heartbeat(), Err(MasterClientError::ShutDown)));
+    client.flush(); // a no-op
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_stops_the_loop_and_unregisters() {
+    let master = FakeMaster::start(30).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    client.start_heartbeat().expect("start");
+    assert!(master.wait_until(WAIT, |r, _| r.heartbeats.len() >= 2).await);
+    client.shutdown().await.expect("shutdown");
+    assert_eq!(master.fake.rec.lock().unregisters, ["node-a"]);
+    let sent = master.fake.rec.lock().heartbeats.len();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(master.fake.rec.lock().heartbeats.len(), sent, "no heartbeat after shutdown");
+    // The hook is gone: committing past the threshold wakes nothing (and must not panic).
+    commit(&dram, &keys("after", 3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_client_stops_the_loop() {
+    let master = FakeMaster::start(30).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    client.start_heartbeat().expect("start");
+    assert!(master.wait_until(WAIT, |r, _| !r.heartbeats.is_empty()).await);
+    drop(client);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = master.fake.rec.lock().heartbeats.len();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(master.fake.rec.lock().heartbeats.len(), sent);
+}

@@ -1,0 +1,473 @@
+//! A fake `UMBPMaster` for the master-client tests: a tonic server on 127.0.0.1:0 that records every
+//! request, models the (fixed) master's seq contract for one node, and lets each test script the
+//! replies (fail, UNKNOWN, request_full_sync, apply-then-delay, hang).
+
+#![expect(dead_code, reason = "each test binary uses a different subset of the helpers")]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tonic::{Request, Response, Status};
+use umbp_core::{AllocateOutcome, AllocateRequest, BackendRegistry, CommitRequest, MediumBackend, TierType};
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
+use umbp_proto::v1 as pb;
+use umbp_proto::v1::umbp_master_server::{UmbpMaster, UmbpMasterServer};
+
+/// What the fake does with one request.
+#[derive(Debug, Clone)]
+pub(crate) enum Action {
+    /// Apply it as the fixed master would and answer.
+    Normal,
+    /// Answer with this error status and change nothing.
+    Fail(tonic::Code),
+    /// Answer `NODE_STATUS_UNKNOWN` and change nothing.
+    Unknown,
+    /// Answer ALIVE with `request_full_sync` and change nothing.
+    RequestFullSync,
+    /// Apply it, then wait this long before answering (a lost ack once the client's deadline passes).
+    ApplyThenDelay(Duration),
+    /// Wait this long, then apply and answer.
+    DelayThenApply(Duration),
+    /// Never answer.
+    Hang,
+}
+
+type HeartbeatScript = Box<dyn FnMut(&pb::HeartbeatRequest) -> Action + Send>;
+type RegisterScript = Box<dyn FnMut(&pb::RegisterClientRequest) -> Action + Send>;
+
+/// The fixed master's view of one node.
+#[derive(Debug, Default)]
+pub(crate) struct Model {
+    pub(crate) registered: bool,
+    pub(crate) last_applied: u64,
+    /// (key, tier) -> size.
+    pub(crate) index: BTreeMap<(String, i32), u64>,
+    /// A full sync in progress: (next chunk, baseline, events so far).
+    sync: Option<(u32, u64, Vec<pb::KvEvent>)>,
+    pub(crate) full_syncs_applied: u64,
+    pub(crate) reacked_bundles: u64,
+    pub(crate) seq_gaps: u64,
+}
+
+impl Model {
+    fn apply_events(&mut self, events: &[pb::KvEvent]) {
+        for e in events {
+            if e.kind == pb::KvEventKind::KvEventAdd as i32 {
+                self.index.entry((e.key.clone(), e.tier)).or_insert(e.size);
+            } else {
+                self.index.remove(&(e.key.clone(), e.tier));
+            }
+        }
+    }
+
+    fn heartbeat(&mut self, r: &pb::HeartbeatRequest) -> pb::HeartbeatResponse {
+        let alive = |acked_seq, request_full_sync| pb::HeartbeatResponse {
+            status: pb::NodeStatus::Alive as i32,
+            acked_seq,
+            request_full_sync,
+        };
+        if !self.registered {
+            return pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, ..Default::default() };
+        }
+        if r.is_full_sync {
+            let events = r.bundles.iter().flat_map(|b| b.events.iter().cloned());
+            if r.full_sync_chunk == 0 {
+                self.sync = Some((0, r.delta_seq_baseline, Vec::new()));
+            }
+            match &mut self.sync {
+                Some((next, baseline, buffer)) if *next == r.full_sync_chunk && *baseline == r.delta_seq_baseline => {
+                    buffer.extend(events);
+                    *next += 1;
+                }
+                _ => {
+                    self.sync = None;
+                    self.seq_gaps += 1;
+                    return alive(self.last_applied, true);
+                }
+            }
+            if r.full_sync_final
+                && let Some((_, baseline, buffer)) = self.sync.take()
+            {
+                self.index.clear();
+                let adds: Vec<_> =
+                    buffer.into_iter().filter(|e| e.kind == pb::KvEventKind::KvEventAdd as i32).collect();
+                self.apply_events(&adds);
+                self.last_applied = baseline;
+                self.full_syncs_applied += 1;
+            }
+            return alive(self.last_applied, false);
+        }
+        for b in &r.bundles {
+            if b.seq <= self.last_applied {
+                self.reacked_bundles += 1;
+                continue;
+            }
+            if b.seq != self.last_applied + 1 {
+                self.seq_gaps += 1;
+                return alive(self.last_applied, true);
+            }
+            self.apply_events(&b.events);
+            self.last_applied = b.seq;
+        }
+        alive(self.last_applied, false)
+    }
+
+    /// The keys the model indexes, with their tiers.
+    pub(crate) fn keys(&self) -> Vec<(String, i32)> {
+        self.index.keys().cloned().collect()
+    }
+}
+
+/// Everything the fake recorded.
+#[derive(Debug, Default)]
+pub(crate) struct Recorded {
+    pub(crate) registers: Vec<pb::RegisterClientRequest>,
+    /// Every heartbeat, in arrival order, with its arrival time.
+    pub(crate) heartbeats: Vec<(Instant, pb::HeartbeatRequest)>,
+    pub(crate) unregisters: Vec<String>,
+    /// The `x-umbp-token` of every call of any RPC.
+    pub(crate) tokens: Vec<Option<String>>,
+}
+
+impl Recorded {
+    /// The delta heartbeats (not full sync, with bundles).
+    pub(crate) fn deltas(&self) -> Vec<&pb::HeartbeatRequest> {
+        self.heartbeats.iter().map(|(_, h)| h).filter(|h| !h.is_full_sync && !h.bundles.is_empty()).collect()
+    }
+
+    /// The full-sync chunks.
+    pub(crate) fn full_sync_chunks(&self) -> Vec<&pb::HeartbeatRequest> {
+        self.heartbeats.iter().map(|(_, h)| h).filter(|h| h.is_full_sync).collect()
+    }
+
+    /// Every event of every delta bundle, as (seq, key).
+    pub(crate) fn delta_events(&self) -> Vec<(u64, String)> {
+        self.deltas()
+            .into_iter()
+            .flat_map(|h| h.bundles.iter().flat_map(|b| b.events.iter().map(move |e| (b.seq, e.key.clone()))))
+            .collect()
+    }
+}
+
+/// The shared state behind the fake service.
+pub(crate) struct Fake {
+    pub(crate) rec: Mutex<Recorded>,
+    pub(crate) model: Mutex<Model>,
+    pub(crate) interval_ms: AtomicU64,
+    pub(crate) hang_all: AtomicBool,
+    heartbeat_script: Mutex<HeartbeatScript>,
+    register_script: Mutex<RegisterScript>,
+    pub(crate) route_get_reply: Mutex<pb::BatchRouteGetResponse>,
+    pub(crate) route_put_reply: Mutex<pb::BatchRoutePutResponse>,
+    pub(crate) lookup_reply: Mutex<pb::BatchLookupResponse>,
+    pub(crate) cluster_reply: Mutex<pb::GetClusterStatusResponse>,
+    pub(crate) last_route_get: Mutex<Option<pb::BatchRouteGetRequest>>,
+}
+
+impl Fake {
+    /// Scripts the heartbeat replies (the default answers every request normally).
+    pub(crate) fn on_heartbeat(&self, script: impl FnMut(&pb::HeartbeatRequest) -> Action + Send + 'static) {
+        *self.heartbeat_script.lock() = Box::new(script);
+    }
+
+    /// Scripts the registration replies.
+    pub(crate) fn on_register(&self, script: impl FnMut(&pb::RegisterClientRequest) -> Action + Send + 'static) {
+        *self.register_script.lock() = Box::new(script);
+    }
+
+    /// Forgets the node, as a restarted master would.
+    pub(crate) fn forget(&self) {
+        *self.model.lock() = Model::default();
+    }
+
+    fn record_token<T>(&self, request: &Request<T>) {
+        let token = request.metadata().get("x-umbp-token").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        self.rec.lock().tokens.push(token);
+    }
+
+    async fn maybe_hang(&self) {
+        if self.hang_all.load(Ordering::Acquire) {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The tonic service over the shared state.
+struct FakeService(Arc<Fake>);
+
+impl std::ops::Deref for FakeService {
+    type Target = Fake;
+    fn deref(&self) -> &Fake {
+        &self.0
+    }
+}
+
+#[tonic::async_trait]
+impl UmbpMaster for FakeService {
+    async fn register_client(
+        &self,
+        request: Request<pb::RegisterClientRequest>,
+    ) -> Result<Response<pb::RegisterClientResponse>, Status> {
+        self.record_token(&request);
+        self.maybe_hang().await;
+        let r = request.into_inner();
+        self.rec.lock().registers.push(r.clone());
+        let action = (self.register_script.lock())(&r);
+        match action {
+            Action::Fail(code) => return Err(Status::new(code, "scripted")),
+            Action::Hang => std::future::pending::<()>().await,
+            _ => {}
+        }
+        {
+            let mut m = self.model.lock();
+            m.registered = true;
+            m.last_applied = 0;
+            m.index.clear();
+            m.sync = None;
+        }
+        Ok(Response::new(pb::RegisterClientResponse {
+            heartbeat_interval_ms: self.interval_ms.load(Ordering::Relaxed),
+        }))
+    }
+
+    async fn unregister_client(
+        &self,
+        request: Request<pb::UnregisterClientRequest>,
+    ) -> Result<Response<pb::UnregisterClientResponse>, Status> {
+        self.record_token(&request);
+        self.maybe_hang().await;
+        self.rec.lock().unregisters.push(request.into_inner().node_id);
+        self.forget();
+        Ok(Response::new(pb::UnregisterClientResponse {}))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        self.record_token(&request);
+        self.maybe_hang().await;
+        let r = request.into_inner();
+        self.rec.lock().heartbeats.push((Instant::now(), r.clone()));
+        let action = (self.heartbeat_script.lock())(&r);
+        let reply = match action {
+            Action::Normal => self.model.lock().heartbeat(&r),
+            Action::Fail(code) => return Err(Status::new(code, "scripted")),
+            Action::Unknown => pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, ..Default::default() },
+            Action::RequestFullSync => {
+                let acked = self.model.lock().last_applied;
+                pb::HeartbeatResponse {
+                    status: pb::NodeStatus::Alive as i32,
+                    acked_seq: acked,
+                    request_full_sync: true,
+                }
+            }
+            Action::ApplyThenDelay(d) => {
+                let reply = self.model.lock().heartbeat(&r);
+                tokio::time::sleep(d).await;
+                reply
+            }
+            Action::DelayThenApply(d) => {
+                tokio::time::sleep(d).await;
+                self.model.lock().heartbeat(&r)
+            }
+            Action::Hang => std::future::pending().await,
+        };
+        Ok(Response::new(reply))
+    }
+
+    async fn route_put(&self, _: Request<pb::RoutePutRequest>) -> Result<Response<pb::RoutePutResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn route_get(&self, _: Request<pb::RouteGetRequest>) -> Result<Response<pb::RouteGetResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn batch_route_put(
+        &self,
+        request: Request<pb::BatchRoutePutRequest>,
+    ) -> Result<Response<pb::BatchRoutePutResponse>, Status> {
+        self.record_token(&request);
+        self.maybe_hang().await;
+        Ok(Response::new(self.route_put_reply.lock().clone()))
+    }
+
+    async fn batch_route_get(
+        &self,
+        request: Request<pb::BatchRouteGetRequest>,
+    ) -> Result<Response<pb::BatchRouteGetResponse>, Status> {
+        self.record_token(&request);
+        self.maybe_hang().await;
+        *self.last_route_get.lock() = Some(request.into_inner());
+        Ok(Response::new(self.route_get_reply.lock().clone()))
+    }
+
+    async fn batch_lookup(
+        &self,
+        request: Request<pb::BatchLookupRequest>,
+    ) -> Result<Response<pb::BatchLookupResponse>, Status> {
+        self.record_token(&request);
+        self.maybe_hang().await;
+        Ok(Response::new(self.lookup_reply.lock().clone()))
+    }
+
+    async fn get_cluster_status(
+        &self,
+        request: Request<pb::GetClusterStatusRequest>,
+    ) -> Result<Response<pb::GetClusterStatusResponse>, Status> {
+        self.record_token(&request);
+        self.maybe_hang().await;
+        Ok(Response::new(self.cluster_reply.lock().clone()))
+    }
+}
+
+/// A running fake master.
+pub(crate) struct FakeMaster {
+    pub(crate) addr: SocketAddr,
+    pub(crate) fake: Arc<Fake>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl FakeMaster {
+    /// Starts a fake that hands out `interval_ms` as the heartbeat interval.
+    pub(crate) async fn start(interval_ms: u64) -> Self {
+        let fake = Arc::new(Fake {
+            rec: Mutex::new(Recorded::default()),
+            model: Mutex::new(Model::default()),
+            interval_ms: AtomicU64::new(interval_ms),
+            hang_all: AtomicBool::new(false),
+            heartbeat_script: Mutex::new(Box::new(|_| Action::Normal)),
+            register_script: Mutex::new(Box::new(|_| Action::Normal)),
+            route_get_reply: Mutex::new(pb::BatchRouteGetResponse::default()),
+            route_put_reply: Mutex::new(pb::BatchRoutePutResponse::default()),
+            lookup_reply: Mutex::new(pb::BatchLookupResponse::default()),
+            cluster_reply: Mutex::new(pb::GetClusterStatusResponse::default()),
+            last_route_get: Mutex::new(None),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let service = UmbpMasterServer::new(FakeService(Arc::clone(&fake)))
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20);
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        Self { addr, fake, stop: Some(stop) }
+    }
+
+    pub(crate) fn addr(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Polls `cond` over the recorded requests and the model until it holds or `timeout` passes.
+    pub(crate) async fn wait_until(&self, timeout: Duration, cond: impl Fn(&Recorded, &Model) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            {
+                let rec = self.fake.rec.lock();
+                let model = self.fake.model.lock();
+                if cond(&rec, &model) {
+                    return true;
+                }
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+impl Drop for FakeMaster {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// A live DRAM-style paged medium of `pages` pages of `page_size` bytes, serving `tier`.
+pub(crate) fn page_backend(tier: TierType, page_size: u64, pages: u64) -> Arc<PageBackend> {
+    let backend = PageBackend::new(
+        PageBackendConfig::new(tier, page_size, vec![pages * page_size]),
+        Box::new(HostPageMemorySource::new(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() })),
+    )
+    .expect("valid config");
+    backend.init(Arc::new(umbp_testkit::LocalOnlyRegistrar::new())).expect("init");
+    Arc::new(backend)
+}
+
+/// A registry of `backends`.
+pub(crate) fn registry(backends: &[Arc<PageBackend>]) -> Arc<BackendRegistry> {
+    let mut registry = BackendRegistry::new();
+    for b in backends {
+        registry.register(Arc::clone(b) as Arc<dyn MediumBackend>).expect("register");
+    }
+    Arc::new(registry)
+}
+
+/// Allocates and commits every key (one page each); panics if any fails.
+pub(crate) fn commit(backend: &PageBackend, keys: &[String]) {
+    let size = backend.page_size();
+    let requests: Vec<AllocateRequest> = keys.iter().map(|k| AllocateRequest::new(k.clone(), size)).collect();
+    let slots = backend.batch_allocate(&requests);
+    let commits: Vec<CommitRequest> = slots
+        .iter()
+        .zip(keys)
+        .map(|(s, k)| {
+            assert_eq!(s.outcome, AllocateOutcome::Allocated, "allocate {k}");
+            CommitRequest::new(s.slot_id, k.clone())
+        })
+        .collect();
+    for (r, k) in backend.batch_commit(&commits).iter().zip(keys) {
+        assert!(r.success, "commit {k}");
+    }
+}
+
+/// Keys `prefix-0 .. prefix-(n-1)`.
+pub(crate) fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+/// A config with short deadlines for tests.
+pub(crate) fn test_config() -> MasterClientConfig {
+    MasterClientConfig {
+        heartbeat_rpc_timeout: Duration::from_millis(1000),
+        rpc_timeout: Duration::from_millis(1000),
+        connect_timeout: Duration::from_millis(1000),
+        shutdown_timeout: Duration::from_millis(1000),
+        clear_timeout: Duration::from_millis(3000),
+        ..MasterClientConfig::default()
+    }
+}
+
+/// The node record the tests register.
+pub(crate) fn node() -> NodeRegistration {
+    NodeRegistration::new("node-a", "127.0.0.1")
+        .with_peer_address("127.0.0.1:7001")
+        .with_data_endpoint("127.0.0.1:7002")
+        .with_tags(vec!["rack=r1".into()])
+}
+
+/// Connects and registers a client over `registry`.
+pub(crate) async fn client(
+    master: &FakeMaster,
+    config: MasterClientConfig,
+    registry: Arc<BackendRegistry>,
+) -> MasterClient {
+    let client = MasterClient::connect(&master.addr(), config, node(), registry).await.expect("connect");
+    client.register().await.expect("register");
+    client
+}
