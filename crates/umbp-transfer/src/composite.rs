@@ -1,5 +1,6 @@
 //! `CompositeTransferEngine`: the one engine a node holds.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -97,6 +98,8 @@ pub struct CompositeTransferEngine {
     engines: Vec<Arc<dyn TransferEngine>>,
     stats: Arc<Stats>,
     bounce: Option<Bounce>,
+    /// The epoch of the next `plan` call that stages anything.
+    next_epoch: AtomicU64,
 }
 
 impl fmt::Debug for CompositeTransferEngine {
@@ -110,6 +113,8 @@ impl fmt::Debug for CompositeTransferEngine {
 struct StagedItem {
     engine: usize,
     round: u32,
+    /// Whether the pool is the item's source (a push through the pool).
+    pool_is_src: bool,
     item: TransferItem,
     copy: BounceCopy,
 }
@@ -122,7 +127,7 @@ impl CompositeTransferEngine {
             engines: engines.iter().map(|_| Default::default()).collect(),
             rejected_items: AtomicU64::new(0),
         });
-        let mut this = Self { engines, stats, bounce: None };
+        let mut this = Self { engines, stats, bounce: None, next_epoch: AtomicU64::new(1) };
         if config.bounce_bytes > 0 {
             this.bounce = Some(this.map_bounce(config.bounce_bytes)?);
         }
@@ -156,7 +161,7 @@ impl CompositeTransferEngine {
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| refused("mmap returned null".into()))?;
         // SAFETY: the mapping is valid for `len` bytes until `Drop`, which deregisters first.
         let region = unsafe { LocalRegion::new(base, bytes, MemoryLocation::Host) };
-        match self.register_memory(region) {
+        match self.register_local_only(region) {
             Ok(r) => Ok(Bounce { base, len, r, lock: Mutex::new(()) }),
             Err(e) => {
                 // SAFETY: nothing registered the mapping; it is ours to unmap.
@@ -203,69 +208,133 @@ impl CompositeTransferEngine {
         None
     }
 
-    fn plan_staged(&self, staged: Vec<StagedItem>, set: &mut PlanSet) {
-        // Group by (round, engine) in first-appearance order.
-        let mut groups: Vec<((u32, usize), Vec<StagedItem>)> = Vec::new();
+    fn plan_staged(&self, epoch: u64, staged: Vec<StagedItem>, set: &mut PlanSet) {
+        // Group by (round, engine, pool side) in first-appearance order: every plan of a group has
+        // the pool on the same side.
+        let mut groups: Vec<((u32, usize, bool), Vec<StagedItem>)> = Vec::new();
         for s in staged {
-            let key = (s.round, s.engine);
+            let key = (s.round, s.engine, s.pool_is_src);
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, v)) => v.push(s),
                 None => groups.push((key, vec![s])),
             }
         }
-        for ((round, engine), group) in groups {
+        for ((round, engine, pool_is_src), group) in groups {
             let items: Vec<TransferItem> = group.iter().map(|s| s.item.clone()).collect();
             let sub = self.engines[engine].plan(&items);
             self.stats.rejected_items.fetch_add(sub.rejected_tags.len() as u64, Ordering::Relaxed);
             set.rejected_tags.extend(sub.rejected_tags);
-            for mut plan in sub.plans {
-                // The bounce side of each plan is the side that is the pool.
-                let bounce_is_src = plan.direction == TransferDirection::Push;
-                let copies = group
-                    .iter()
-                    .filter(|s| {
-                        plan.segments.iter().any(|seg| {
-                            let (off, len) =
-                                if bounce_is_src { (seg.src_offset, seg.len) } else { (seg.dst_offset, seg.len) };
-                            s.copy.bounce_offset >= off && s.copy.bounce_offset + s.copy.len <= off + len
-                        })
-                    })
-                    .map(|s| s.copy.clone())
-                    .collect();
+            // Which plan each staged item landed in: its pool range lies inside one of that plan's
+            // segments (pool offsets are unique within a round). Sorted ranges, binary search.
+            let mut ranges: Vec<(u64, u64, usize)> = Vec::new();
+            for (index, plan) in sub.plans.iter().enumerate() {
+                for seg in &plan.segments {
+                    let off = if pool_is_src { seg.src_offset } else { seg.dst_offset };
+                    ranges.push((off, off.saturating_add(seg.len), index));
+                }
+            }
+            ranges.sort_unstable();
+            let mut copies: Vec<Vec<BounceCopy>> = vec![Vec::new(); sub.plans.len()];
+            for s in &group {
+                if let Some(index) = containing(&ranges, s.copy.bounce_offset, s.copy.len) {
+                    copies[index].push(s.copy.clone());
+                }
+            }
+            for (mut plan, copies) in sub.plans.into_iter().zip(copies) {
                 plan.engine = Some(engine);
-                plan.staging = Some(Staging { round, copies });
+                plan.staging = Some(Staging { epoch, round, pool_is_src, copies });
                 set.plans.push(plan);
             }
         }
     }
 
-    /// Runs the staged plans round by round under the pool lock: copy in, transfer, wait, copy out.
+    /// Checks a staged plan before any byte moves: its pool side is this composite's pool and its
+    /// segments stay inside it, and every copy names host caller memory in range (not the pool) and a
+    /// pool range the plan's segments carry. Returns the plan's pool ranges.
+    fn validate_staged(&self, bounce: &Bounce, plan: &TransferPlan) -> Result<Vec<(u64, u64)>, &'static str> {
+        let staging = plan.staging.as_ref().ok_or("plan is not staged")?;
+        let pool_side = if staging.pool_is_src { &plan.src } else { &plan.dst };
+        if pool_side.local_region().map(|l| l.ptr()) != Some(bounce.base) || pool_side.size() > bounce.len as u64 {
+            return Err("the staged side of the plan is not this engine's bounce pool");
+        }
+        if !crate::planning::plan_in_range(plan) {
+            return Err("plan reaches outside its buffers");
+        }
+        let mut ranges: Vec<(u64, u64, usize)> = plan
+            .segments
+            .iter()
+            .map(|seg| {
+                let off = if staging.pool_is_src { seg.src_offset } else { seg.dst_offset };
+                (off, off + seg.len, 0)
+            })
+            .collect();
+        ranges.sort_unstable();
+        let pool_start = bounce.base.as_ptr() as usize;
+        let pool_end = pool_start + bounce.len;
+        for c in &staging.copies {
+            let user =
+                c.user.local_region().filter(|l| l.location().is_host()).ok_or("a staged copy has no host memory")?;
+            if !in_range(&c.user, c.user_offset, c.len) || c.user.size() > user.len() {
+                return Err("a staged copy reaches outside the caller's buffer");
+            }
+            let (Ok(user_off), Ok(len)) = (usize::try_from(c.user_offset), usize::try_from(c.len)) else {
+                return Err("a staged copy does not fit this address space");
+            };
+            let user_start = user.ptr().as_ptr() as usize + user_off;
+            if user_start < pool_end && pool_start < user_start + len {
+                return Err("a staged copy's caller memory is the bounce pool");
+            }
+            if containing(&ranges, c.bounce_offset, c.len).is_none() {
+                return Err("a staged copy's pool range is not part of the plan");
+            }
+        }
+        Ok(ranges.into_iter().map(|(a, b, _)| (a, b)).collect())
+    }
+
+    /// Runs the staged plans round by round under the pool lock: check, copy in, transfer, wait,
+    /// copy out. Rounds are keyed by (epoch, round), so plan sets from different `plan` calls never
+    /// share the pool; plans of one round whose pool ranges collide fail instead of corrupting each
+    /// other.
     fn run_staged(&self, plans: Vec<TransferPlan>, failures: &mut Vec<TransferFailure>) {
+        let fail = |failures: &mut Vec<TransferFailure>, p: TransferPlan, message: &str| {
+            failures.push(TransferFailure::new(p.tags, FailureKind::Local, message, "CompositeTransferEngine"));
+        };
         let Some(bounce) = self.bounce.as_ref() else {
             for p in plans {
-                failures.push(TransferFailure::new(
-                    p.tags,
-                    FailureKind::Local,
-                    "no bounce pool",
-                    "CompositeTransferEngine",
-                ));
+                fail(failures, p, "no bounce pool");
             }
             return;
         };
-        let mut rounds: Vec<(u32, Vec<TransferPlan>)> = Vec::new();
+        let mut rounds: BTreeMap<(u64, u32), Vec<TransferPlan>> = BTreeMap::new();
         for p in plans {
-            let round = p.staging.as_ref().map_or(0, |s| s.round);
-            match rounds.iter_mut().find(|(r, _)| *r == round) {
-                Some((_, v)) => v.push(p),
-                None => rounds.push((round, vec![p])),
-            }
+            let key = p.staging.as_ref().map_or((0, 0), |s| (s.epoch, s.round));
+            rounds.entry(key).or_default().push(p);
         }
-        rounds.sort_by_key(|(r, _)| *r);
         let _pool = bounce.lock.lock();
-        for (_, plans) in rounds {
+        for (_, round) in rounds {
+            let mut checked = Vec::with_capacity(round.len());
+            let mut ranges: Vec<(u64, u64, usize)> = Vec::new();
+            for p in round {
+                match self.validate_staged(bounce, &p) {
+                    Ok(r) => {
+                        ranges.extend(r.into_iter().map(|(a, b)| (a, b, checked.len())));
+                        checked.push(p);
+                    }
+                    Err(message) => fail(failures, p, message),
+                }
+            }
+            let colliding = colliding_owners(ranges, checked.len());
+            let mut plans = Vec::with_capacity(checked.len());
+            for (p, collides) in checked.into_iter().zip(colliding) {
+                if collides {
+                    fail(failures, p, "staged plans of one round share bounce-pool bytes");
+                } else {
+                    plans.push(p);
+                }
+            }
             for plan in &plans {
-                if plan.direction == TransferDirection::Push {
-                    for c in plan.staging.iter().flat_map(|s| &s.copies) {
+                if let Some(s) = plan.staging.as_ref().filter(|s| s.pool_is_src) {
+                    for c in &s.copies {
                         copy_user_bounce(bounce, c, true);
                     }
                 }
@@ -279,16 +348,14 @@ impl CompositeTransferEngine {
                 }
             }
             for (engine, plans) in by_engine {
-                let pulls: Vec<TransferPlan> =
-                    plans.iter().filter(|p| p.direction == TransferDirection::Pull).cloned().collect();
+                let pulls: Vec<Staging> =
+                    plans.iter().filter_map(|p| p.staging.clone()).filter(|s| !s.pool_is_src).collect();
                 let mut handle = self.submit_group(engine, plans);
                 let round_failures = handle.wait();
                 let failed = crate::engine::failed_tags(&round_failures);
-                for plan in &pulls {
-                    for c in plan.staging.iter().flat_map(|s| &s.copies) {
-                        if failed.binary_search(&c.tag).is_err() {
-                            copy_user_bounce(bounce, c, false);
-                        }
+                for c in pulls.iter().flat_map(|s| &s.copies) {
+                    if failed.binary_search(&c.tag).is_err() {
+                        copy_user_bounce(bounce, c, false);
                     }
                 }
                 failures.extend(round_failures);
@@ -333,7 +400,42 @@ impl CompositeTransferEngine {
     }
 }
 
+/// The owner (third field) of the range in `ranges` (sorted by start) that contains
+/// `[offset, offset + len)`, if any.
+fn containing(ranges: &[(u64, u64, usize)], offset: u64, len: u64) -> Option<usize> {
+    let end = offset.checked_add(len)?;
+    let at = ranges.partition_point(|r| r.0 <= offset).checked_sub(1)?;
+    let (start, stop, owner) = ranges[at];
+    (start <= offset && end <= stop).then_some(owner)
+}
+
+/// For each of `owners` owners, whether one of its ranges overlaps a range of another owner.
+fn colliding_owners(mut ranges: Vec<(u64, u64, usize)>, owners: usize) -> Vec<bool> {
+    let mut hit = vec![false; owners];
+    ranges.retain(|r| r.1 > r.0);
+    ranges.sort_unstable();
+    // The range reaching furthest so far and its owner: a later range starting before that end
+    // overlaps it (and every range overlapping an earlier one is found this way or through the
+    // range that reaches further).
+    let mut reach: Option<(u64, usize)> = None;
+    for (start, end, owner) in ranges {
+        if let Some((far, far_owner)) = reach
+            && start < far
+            && far_owner != owner
+        {
+            hit[owner] = true;
+            hit[far_owner] = true;
+        }
+        if reach.is_none_or(|(far, _)| end > far) {
+            reach = Some((end, owner));
+        }
+    }
+    hit
+}
+
 /// Copies one staged item between the caller's memory and the pool (`into_bounce`: caller → pool).
+/// The copy was checked by `validate_staged`; the checks here only keep the pointer arithmetic in
+/// bounds should that ever change.
 fn copy_user_bounce(bounce: &Bounce, c: &BounceCopy, into_bounce: bool) {
     let Some(user) = c.user.local_region() else { return };
     let in_user = in_range(&c.user, c.user_offset, c.len) && c.user.size() <= user.len();
@@ -348,7 +450,8 @@ fn copy_user_bounce(bounce: &Bounce, c: &BounceCopy, into_bounce: bool) {
     }
     // SAFETY: both ranges were checked just above against the caller's region (valid under
     // `LocalRegion`'s invariant for the duration of the transfer) and the pool mapping (held under
-    // its lock by the caller of this function); the caller's memory is never the pool itself.
+    // its lock by the caller of this function); `copy` (memmove) is defined even if they overlapped,
+    // which `validate_staged` refuses anyway.
     unsafe {
         let user_ptr = user.ptr().as_ptr().add(user_off);
         let pool_ptr = bounce.base.as_ptr().add(pool_off);
@@ -457,13 +560,16 @@ impl Drop for FanOutHandle {
     }
 }
 
-impl MemoryRegistrar for CompositeTransferEngine {
-    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+impl CompositeTransferEngine {
+    /// Registers `region` with every engine (`local_only`: as memory peers must never address) and
+    /// merges the handles.
+    fn register_with_all(&self, region: LocalRegion, local_only: bool) -> Result<TransferRef, RegistrationError> {
         let mut merged = TransferRef::local(region);
         let mut claimed = false;
         let mut first_error = None;
         for engine in &self.engines {
-            match engine.register_memory(region) {
+            let part = if local_only { engine.register_local_only(region) } else { engine.register_memory(region) };
+            match part {
                 Ok(part) => {
                     claimed = true;
                     if let Some(remote) = part.remote() {
@@ -491,6 +597,12 @@ impl MemoryRegistrar for CompositeTransferEngine {
             Err(first_error
                 .unwrap_or(RegistrationError::Unsupported { len: region.len(), location: region.location() }))
         }
+    }
+}
+
+impl MemoryRegistrar for CompositeTransferEngine {
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.register_with_all(region, false)
     }
 
     fn deregister(&self, r: &TransferRef) {
@@ -570,6 +682,10 @@ impl TransferEngine for CompositeTransferEngine {
         "CompositeTransferEngine"
     }
 
+    fn register_local_only(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.register_with_all(region, true)
+    }
+
     fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool {
         if self.select(src, dst).is_some() {
             return true;
@@ -610,7 +726,7 @@ impl TransferEngine for CompositeTransferEngine {
             } else {
                 staged_item.dst_offset = offset;
             }
-            staged.push(StagedItem { engine, round, item: staged_item, copy });
+            staged.push(StagedItem { engine, round, pool_is_src: bounce_is_src, item: staged_item, copy });
         }
         for (engine, items) in direct.into_iter().enumerate() {
             if items.is_empty() {
@@ -625,7 +741,8 @@ impl TransferEngine for CompositeTransferEngine {
             }));
         }
         if !staged.is_empty() {
-            self.plan_staged(staged, &mut set);
+            let epoch = self.next_epoch.fetch_add(1, Ordering::Relaxed);
+            self.plan_staged(epoch, staged, &mut set);
         }
         set
     }

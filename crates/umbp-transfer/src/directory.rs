@@ -1,14 +1,19 @@
 //! Which remote buffers this node knows, per peer and per backend id.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use parking_lot::RwLock;
 use umbp_core::{BufferDesc, MAX_BACKENDS_PER_PEER, TransferRef};
 
-/// One peer's published buffers: a shelf per backend id, indexed by buffer index.
+/// The most buffers one backend of a peer may publish: a descriptor with a larger buffer index is
+/// skipped with a warning. Indexes come from peers, so they never size an allocation unchecked.
+pub const MAX_BUFFERS_PER_BACKEND: u32 = 1 << 16;
+
+/// One peer's published buffers: a shelf per backend id, keyed by buffer index (sparse: a peer
+/// naming index 60 000 costs one entry, not 60 000).
 #[derive(Debug, Default, Clone)]
 struct PeerBuffers {
-    shelves: [Vec<Option<TransferRef>>; MAX_BACKENDS_PER_PEER],
+    shelves: [BTreeMap<u32, TransferRef>; MAX_BACKENDS_PER_PEER],
 }
 
 /// The remote buffers this node has learned from its peers (first contact: the peer's `GetPeerInfo`
@@ -28,8 +33,8 @@ impl PeerDirectory {
         Self::default()
     }
 
-    /// Caches the descriptors `node` published. Descriptors with a backend id of 8 or more, or with
-    /// no remote handle, are skipped. Returns how many new descriptors were cached.
+    /// Caches the descriptors `node` published. Descriptors with a backend id of 8 or more, a buffer
+    /// index of [`MAX_BUFFERS_PER_BACKEND`] or more, or no remote handle, are skipped. Returns how many new descriptors were cached.
     pub fn cache_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
         let mut peers = self.peers.write();
         let entry = peers.entry(node.to_owned()).or_default();
@@ -47,12 +52,17 @@ impl PeerDirectory {
                 tracing::warn!(node, buffer = desc.buffer_index, "ignoring a descriptor with no data-plane handle");
                 continue;
             };
-            let index = desc.buffer_index as usize;
-            if shelf.len() <= index {
-                shelf.resize(index + 1, None);
+            if desc.buffer_index >= MAX_BUFFERS_PER_BACKEND {
+                tracing::warn!(
+                    node,
+                    buffer = desc.buffer_index,
+                    limit = MAX_BUFFERS_PER_BACKEND,
+                    "ignoring a descriptor with an out-of-range buffer index"
+                );
+                continue;
             }
             let incoming = TransferRef::remote_only(remote, desc.size, desc.location);
-            match &shelf[index] {
+            match shelf.get(&desc.buffer_index) {
                 Some(existing) if *existing != incoming => tracing::warn!(
                     node,
                     backend_id = desc.backend_id,
@@ -61,7 +71,7 @@ impl PeerDirectory {
                 ),
                 Some(_) => {}
                 None => {
-                    shelf[index] = Some(incoming);
+                    shelf.insert(desc.buffer_index, incoming);
                     cached += 1;
                 }
             }
@@ -71,13 +81,23 @@ impl PeerDirectory {
 
     /// Whether any buffer of `node` is cached.
     pub fn has_remote_buffers(&self, node: &str) -> bool {
-        self.peers.read().get(node).is_some_and(|p| p.shelves.iter().any(|s| s.iter().any(Option::is_some)))
+        self.peers.read().get(node).is_some_and(|p| p.shelves.iter().any(|s| !s.is_empty()))
     }
 
-    /// The buffers of one backend of `node`, by buffer index (`None` where nothing is cached). Empty
-    /// for an unknown node or a backend id of 8 or more.
+    /// The buffers of one backend of `node`, by buffer index (`None` where nothing is cached), up to
+    /// the largest cached index (so at most [`MAX_BUFFERS_PER_BACKEND`] entries). Empty for an
+    /// unknown node or a backend id of 8 or more.
     pub fn remote_buffer_snapshot(&self, node: &str, backend_id: u32) -> Vec<Option<TransferRef>> {
-        self.peers.read().get(node).and_then(|p| p.shelves.get(backend_id as usize)).cloned().unwrap_or_default()
+        let peers = self.peers.read();
+        let Some(shelf) = peers.get(node).and_then(|p| p.shelves.get(backend_id as usize)) else {
+            return Vec::new();
+        };
+        let len = shelf.last_key_value().map_or(0, |(index, _)| *index as usize + 1);
+        let mut out = vec![None; len];
+        for (index, r) in shelf {
+            out[*index as usize] = Some(r.clone());
+        }
+        out
     }
 
     /// Drops everything known about `node`.
@@ -134,5 +154,18 @@ mod tests {
         no_handle.remote = None;
         assert_eq!(d.cache_remote_buffers("n1", &[no_handle]), 0);
         assert!(!d.has_remote_buffers("n1"));
+    }
+
+    #[test]
+    fn a_huge_buffer_index_is_skipped_not_allocated() {
+        let d = PeerDirectory::new();
+        assert_eq!(d.cache_remote_buffers("n1", &[desc(0, u32::MAX, 1), desc(0, MAX_BUFFERS_PER_BACKEND, 2)]), 0);
+        assert!(!d.has_remote_buffers("n1"));
+        assert!(d.remote_buffer_snapshot("n1", 0).is_empty());
+        // The largest index allowed is cached, sparsely, and the snapshot reaches it.
+        assert_eq!(d.cache_remote_buffers("n1", &[desc(0, MAX_BUFFERS_PER_BACKEND - 1, 3)]), 1);
+        let shelf = d.remote_buffer_snapshot("n1", 0);
+        assert_eq!(shelf.len(), MAX_BUFFERS_PER_BACKEND as usize);
+        assert!(shelf[..shelf.len() - 1].iter().all(Option::is_none));
     }
 }

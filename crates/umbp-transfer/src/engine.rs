@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use umbp_core::{MemoryRegistrar, MetricSource, TransferRef};
+use umbp_core::{LocalRegion, MemoryRegistrar, MetricSource, RegistrationError, TransferRef};
 
 /// One copy the caller wants: `size` bytes from `src` at `src_offset` to `dst` at `dst_offset`.
 /// `tag` names the caller's unit of failure (usually a key's index in a batch); several items may
@@ -72,8 +72,15 @@ pub struct Segment {
 /// address directly goes through the bounce pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Staging {
-    /// The bounce round the plan belongs to; rounds run one after another, each filling the pool once.
+    /// The `plan` call that made the plan: unique per call, so rounds of plan sets submitted
+    /// together never share the pool.
+    pub epoch: u64,
+    /// The bounce round the plan belongs to within its epoch; rounds run one after another, each
+    /// filling the pool once.
     pub round: u32,
+    /// Whether the pool is the plan's source (caller memory is copied into the pool before the
+    /// transfer) or its destination (copied out of the pool after it).
+    pub pool_is_src: bool,
     /// Caller ↔ bounce copies of the plan's items.
     pub copies: Vec<BounceCopy>,
 }
@@ -147,6 +154,8 @@ pub enum FailureKind {
     ConnectionLost,
     /// The peer did not answer in time.
     Timeout,
+    /// The peer serves its maximum of connections; retry later or elsewhere.
+    Busy,
     /// The peer sent something that is not the protocol.
     Protocol,
     /// A local error (a GPU runtime call, an invalid plan handed to submit).
@@ -224,6 +233,13 @@ pub trait TransferEngine: MemoryRegistrar + MetricSource {
     /// Groups `items` into plans. Pure: nothing moves. Items this engine cannot handle, or whose range
     /// lies outside either ref, are rejected by tag; 0-byte items are skipped.
     fn plan(&self, items: &[TransferItem]) -> PlanSet;
+
+    /// Registers `region` for use as the local side of this engine's own transfers only: peers must
+    /// never be able to address it (the composite engine's bounce pool). Engines that publish
+    /// nothing to peers register it as usual (the default).
+    fn register_local_only(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.register_memory(region)
+    }
 
     /// Starts the plans. `Err` means nothing was posted and every tag of every plan failed. Engines
     /// re-check each plan's ranges here: a hand-built plan never reaches memory out of range.

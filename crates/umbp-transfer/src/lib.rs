@@ -27,10 +27,17 @@ mod planning;
 mod tcp;
 
 pub use composite::{CompositeConfig, CompositeTransferEngine};
-pub use directory::PeerDirectory;
+pub use directory::{MAX_BUFFERS_PER_BACKEND, PeerDirectory};
 pub use engine::{
     BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, TransferDirection, TransferEngine,
     TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
 };
 pub use local::{LocalCopyConfig, LocalCopyEngine};
-pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig};
+pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig, TcpStartError};
+
+const _: () = {
+    const fn pin<T: Send + Sync>() {}
+    pin::<LocalCopyEngine>();
+    pin::<CompositeTransferEngine>();
+    pin::<PeerDirectory>();
+};

@@ -85,6 +85,31 @@ fn local_host(r: &TransferRef) -> Option<&LocalRegion> {
     r.local_region().filter(|l| l.location().is_host())
 }
 
+/// Whether any destination range of `jobs` overlaps another job's source or destination range, or
+/// its own source range: then the jobs must not be split over threads. A sweep over the ranges sorted
+/// by start: a range overlaps an earlier one exactly when it starts before the largest end seen so
+/// far; source–source overlaps are harmless (both only read).
+fn any_overlap(jobs: &[Job]) -> bool {
+    let mut ranges: Vec<(usize, usize, bool)> = Vec::with_capacity(jobs.len() * 2);
+    for j in jobs.iter().filter(|j| j.len > 0) {
+        let (src, dst) = (j.src.as_ptr() as usize, j.dst.as_ptr() as usize);
+        ranges.push((src, src.saturating_add(j.len), false));
+        ranges.push((dst, dst.saturating_add(j.len), true));
+    }
+    ranges.sort_unstable_by_key(|r| r.0);
+    let (mut end_any, mut end_dst) = (0usize, 0usize);
+    for (start, end, is_dst) in ranges {
+        if start < end_dst || (is_dst && start < end_any) {
+            return true;
+        }
+        end_any = end_any.max(end);
+        if is_dst {
+            end_dst = end_dst.max(end);
+        }
+    }
+    false
+}
+
 /// Splits `jobs` into at most `parts` groups of roughly equal bytes, cutting large jobs into pieces
 /// of at least `min_chunk`.
 fn balance(jobs: Vec<Job>, parts: usize, min_chunk: usize) -> Vec<Vec<Job>> {
@@ -162,21 +187,38 @@ impl TransferEngine for LocalCopyEngine {
                 ));
                 continue;
             }
-            for s in &plan.segments {
+            let mut mine = Vec::with_capacity(plan.segments.len());
+            let mut bytes = 0u64;
+            let mut fits = true;
+            for s in plan.segments.iter().filter(|s| s.len > 0) {
                 let (Ok(src_off), Ok(dst_off), Ok(len)) =
                     (usize::try_from(s.src_offset), usize::try_from(s.dst_offset), usize::try_from(s.len))
                 else {
-                    continue;
+                    fits = false;
+                    break;
                 };
                 // SAFETY: `src_off + len <= plan.src.size() <= src.len()` (checked above), so the
                 // pointers stay inside the regions, which are valid under `LocalRegion`'s invariant.
-                let job = unsafe { Job { src: src.ptr().add(src_off), dst: dst.ptr().add(dst_off), len } };
-                total += s.len;
-                jobs.push(job);
+                mine.push(unsafe { Job { src: src.ptr().add(src_off), dst: dst.ptr().add(dst_off), len } });
+                bytes += s.len;
             }
+            if !fits {
+                failures.push(TransferFailure::new(
+                    plan.tags.clone(),
+                    FailureKind::Local,
+                    "a segment does not fit this address space",
+                    self.name(),
+                ));
+                continue;
+            }
+            total += bytes;
+            jobs.append(&mut mine);
         }
         let threads = self.config.threads;
-        if threads <= 1 || total < self.config.parallel_threshold || jobs.is_empty() {
+        if threads <= 1 || total < self.config.parallel_threshold || jobs.is_empty() || any_overlap(&jobs) {
+            // One thread, in item order, memmove per job: overlapping jobs (a destination that is
+            // another job's source or destination, or its own source) copy exactly as if each item
+            // ran after the one before it. Splitting such jobs over threads would race.
             jobs.into_iter().for_each(Job::run);
         } else {
             let min_chunk = usize::try_from(self.config.min_chunk).unwrap_or(usize::MAX).max(1);
@@ -213,5 +255,21 @@ mod tests {
         assert!(sizes.iter().all(|s| *s <= (10 << 20) / 4 + 1));
         let groups = balance(vec![Job { len: 4096, ..job }], 4, 1 << 20);
         assert_eq!(groups.len(), 1, "small work is not split below min_chunk");
+    }
+
+    #[test]
+    fn overlap_detection_ignores_shared_sources_only() {
+        let mut a = vec![0u8; 1 << 16];
+        let base = NonNull::new(a.as_mut_ptr()).expect("non-null");
+        // SAFETY: offsets stay inside `a`; the jobs are only inspected, never run.
+        let at = |off: usize| unsafe { base.add(off) };
+        let job = |src: usize, dst: usize, len: usize| Job { src: at(src), dst: at(dst), len };
+        assert!(!any_overlap(&[job(0, 1000, 100), job(0, 2000, 100)]), "two reads of one source");
+        assert!(any_overlap(&[job(0, 50, 100)]), "a job onto its own source");
+        assert!(any_overlap(&[job(0, 1000, 100), job(1050, 3000, 100)]), "a destination another job reads");
+        assert!(any_overlap(&[job(1050, 3000, 100), job(0, 1000, 100)]), "in either order");
+        assert!(any_overlap(&[job(0, 1000, 100), job(200, 1099, 10)]), "two destinations");
+        assert!(!any_overlap(&[job(0, 100, 100), job(200, 300, 100)]), "adjacent ranges do not overlap");
+        assert!(!any_overlap(&[job(0, 0, 0)]), "empty jobs never overlap");
     }
 }

@@ -10,21 +10,22 @@ use crate::engine::{PlanSet, Segment, TransferDirection, TransferItem, TransferP
 /// Identifies one side of a pair: the same buffer always gives the same key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum SideKey {
-    /// Process-local memory, by base address.
-    Local(usize),
-    /// A region on a data server.
-    Remote(String, u64),
+    /// Process-local memory, by base address and the ref's size (a truncated and a full ref of one
+    /// buffer are different sides: a plan is checked against the size of the ref it carries).
+    Local(usize, u64),
+    /// A region on a data server, and the ref's size.
+    Remote(String, u64, u64),
 }
 
 impl SideKey {
-    /// The local identity of a ref (its base address), if it has one.
+    /// The local identity of a ref (its base address and size), if it has one.
     pub(crate) fn local(r: &TransferRef) -> Option<Self> {
-        r.local_region().map(|l| Self::Local(l.ptr().as_ptr() as usize))
+        r.local_region().map(|l| Self::Local(l.ptr().as_ptr() as usize, r.size()))
     }
 
     /// The remote identity of a ref, if it has one.
     pub(crate) fn remote(r: &TransferRef) -> Option<Self> {
-        r.remote().map(|rr| Self::Remote(rr.endpoint.clone(), rr.region_id))
+        r.remote().map(|rr| Self::Remote(rr.endpoint.clone(), rr.region_id, r.size()))
     }
 }
 

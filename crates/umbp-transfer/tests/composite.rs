@@ -31,7 +31,10 @@ struct FakeWire {
     planned_items: AtomicUsize,
     deregistered: AtomicUsize,
     submit_nothing: bool,
-    /// Set when a handle of this engine is waited (or drained on drop).
+    /// Label every plan `Local` instead of push or pull (an engine whose directions say nothing
+    /// about which side is the caller's).
+    direction_local: bool,
+    /// Set when a handle of this engine is waited.
     waited: Arc<AtomicBool>,
 }
 
@@ -45,6 +48,7 @@ impl FakeWire {
             planned_items: AtomicUsize::new(0),
             deregistered: AtomicUsize::new(0),
             submit_nothing: false,
+            direction_local: false,
             waited: Arc::new(AtomicBool::new(false)),
         })
     }
@@ -63,22 +67,39 @@ impl FakeWire {
     }
 }
 
+/// One copy a fake handle makes when waited.
+#[derive(Debug, Clone, Copy)]
+struct FakeCopy {
+    src: LocalRegion,
+    dst: LocalRegion,
+    src_offset: u64,
+    dst_offset: u64,
+    len: u64,
+}
+
+/// Moves its bytes in `wait` only — never on drop — so a caller that drops it unwaited loses them.
 #[derive(Debug)]
 struct FlagHandle {
+    copies: Vec<FakeCopy>,
     inner: CompletedHandle,
     waited: Arc<AtomicBool>,
 }
 
 impl TransferHandle for FlagHandle {
     fn wait(&mut self) -> Vec<TransferFailure> {
+        for c in self.copies.drain(..) {
+            // SAFETY: ranges were checked at plan time against refs no larger than their regions;
+            // every region in these tests outlives its transfers.
+            unsafe {
+                std::ptr::copy(
+                    c.src.ptr().as_ptr().add(c.src_offset as usize),
+                    c.dst.ptr().as_ptr().add(c.dst_offset as usize),
+                    c.len as usize,
+                )
+            };
+        }
         self.waited.store(true, Ordering::SeqCst);
         self.inner.wait()
-    }
-}
-
-impl Drop for FlagHandle {
-    fn drop(&mut self) {
-        self.waited.store(true, Ordering::SeqCst);
     }
 }
 
@@ -123,7 +144,13 @@ impl TransferEngine for FakeWire {
                 set.rejected_tags.push(it.tag);
                 continue;
             }
-            let direction = if self.is_peer(&it.dst) { TransferDirection::Push } else { TransferDirection::Pull };
+            let direction = if self.direction_local {
+                TransferDirection::Local
+            } else if self.is_peer(&it.dst) {
+                TransferDirection::Push
+            } else {
+                TransferDirection::Pull
+            };
             set.plans.push(TransferPlan {
                 src: it.src.clone(),
                 dst: it.dst.clone(),
@@ -145,23 +172,24 @@ impl TransferEngine for FakeWire {
         if self.submit_nothing {
             return Err(TransferFailure::new(vec![], FailureKind::NotSubmitted, "", self.name()));
         }
+        let mut copies = Vec::new();
+        let mut failures = Vec::new();
         for p in &plans {
             let src = if self.is_mine(&p.src) { p.src.local_region().copied() } else { self.resolve(&p.src) };
             let dst = if self.is_mine(&p.dst) { p.dst.local_region().copied() } else { self.resolve(&p.dst) };
-            let (Some(src), Some(dst)) = (src, dst) else { continue };
-            for s in &p.segments {
-                // SAFETY: ranges were checked at plan time against refs no larger than their regions;
-                // every region in this test outlives the transfer.
-                unsafe {
-                    std::ptr::copy(
-                        src.ptr().as_ptr().add(s.src_offset as usize),
-                        dst.ptr().as_ptr().add(s.dst_offset as usize),
-                        s.len as usize,
-                    )
-                };
-            }
+            let (Some(src), Some(dst)) = (src, dst) else {
+                failures.push(TransferFailure::new(p.tags.clone(), FailureKind::UnknownRegion, "no such region", "b"));
+                continue;
+            };
+            copies.extend(p.segments.iter().map(|s| FakeCopy {
+                src,
+                dst,
+                src_offset: s.src_offset,
+                dst_offset: s.dst_offset,
+                len: s.len,
+            }));
         }
-        Ok(Box::new(FlagHandle { inner: CompletedHandle::default(), waited: self.waited.clone() }))
+        Ok(Box::new(FlagHandle { copies, inner: CompletedHandle::new(failures), waited: self.waited.clone() }))
     }
 }
 
@@ -381,8 +409,10 @@ fn dropping_an_unwaited_handle_drains_it() {
     let set = n.composite.plan(&[item(&ra, 0, &rp, 0, 64, 0)]);
     let handle = n.composite.submit(set.plans).expect("submitted");
     assert!(!n.wire.waited.load(Ordering::SeqCst));
+    assert!(p.0.iter().all(|x| *x == 0), "the fake moves bytes only when waited");
     drop(handle);
     assert!(n.wire.waited.load(Ordering::SeqCst), "drop waited for the sub-engine's work");
+    assert_eq!(p.0, a.0, "and the work finished before drop returned");
 }
 
 #[test]
@@ -394,4 +424,131 @@ fn a_plan_without_an_engine_fails_by_tag() {
     let failures = n.composite.submit(set.plans).expect("handle").wait();
     assert_eq!(failed_tags(&failures), vec![3]);
     assert!(b.0.iter().all(|x| *x == 0));
+}
+
+#[test]
+fn plan_sets_submitted_together_do_not_share_the_pool() {
+    // Two plan calls each stage one round at pool offset 0; joined in one submit they must run as
+    // separate rounds.
+    let n = net(4096);
+    let mut peer = Buf(vec![0; 8192]);
+    let rp = remote_view(&n.peer_wire.register_memory(peer.region()).expect("reg"));
+    let (mut u1, mut u2) = (Buf::pattern(4096, 1), Buf::pattern(4096, 2));
+    let (r1, r2) = (u1.unregistered(), u2.unregistered());
+    let first = n.composite.plan(&[item(&r1, 0, &rp, 0, 4096, 1)]);
+    let second = n.composite.plan(&[item(&r2, 0, &rp, 4096, 4096, 2)]);
+    let epochs: Vec<u64> =
+        first.plans.iter().chain(&second.plans).filter_map(|p| p.staging.as_ref().map(|s| s.epoch)).collect();
+    assert_eq!(epochs.len(), 2);
+    assert_ne!(epochs[0], epochs[1], "every plan call has its own epoch");
+    let plans = first.plans.into_iter().chain(second.plans).collect();
+    assert!(n.composite.submit(plans).expect("submitted").wait().is_empty());
+    assert_eq!(peer.0[..4096], u1.0[..]);
+    assert_eq!(peer.0[4096..], u2.0[..]);
+
+    // The same for pulls.
+    let (mut b1, mut b2) = (Buf(vec![0; 4096]), Buf(vec![0; 4096]));
+    let (rb1, rb2) = (b1.unregistered(), b2.unregistered());
+    let first = n.composite.plan(&[item(&rp, 0, &rb1, 0, 4096, 1)]);
+    let second = n.composite.plan(&[item(&rp, 4096, &rb2, 0, 4096, 2)]);
+    let plans = first.plans.into_iter().chain(second.plans).collect();
+    assert!(n.composite.submit(plans).expect("submitted").wait().is_empty());
+    assert_eq!(b1.0, u1.0);
+    assert_eq!(b2.0, u2.0);
+}
+
+#[test]
+fn staged_plans_that_share_pool_bytes_fail_instead_of_corrupting() {
+    let n = net(4096);
+    let mut peer = Buf(vec![0; 8192]);
+    let rp = remote_view(&n.peer_wire.register_memory(peer.region()).expect("reg"));
+    let (mut u1, mut u2) = (Buf::pattern(4096, 1), Buf::pattern(4096, 2));
+    let (r1, r2) = (u1.unregistered(), u2.unregistered());
+    let first = n.composite.plan(&[item(&r1, 0, &rp, 0, 4096, 1)]);
+    let mut second = n.composite.plan(&[item(&r2, 0, &rp, 4096, 4096, 2)]);
+    // Forge the second set into the first one's round.
+    let epoch = first.plans[0].staging.as_ref().expect("staged").epoch;
+    second.plans[0].staging.as_mut().expect("staged").epoch = epoch;
+    let plans = first.plans.into_iter().chain(second.plans).collect();
+    let failures = n.composite.submit(plans).expect("submitted").wait();
+    assert_eq!(failed_tags(&failures), vec![1, 2]);
+    assert!(peer.0.iter().all(|x| *x == 0), "no byte of a colliding plan moved");
+}
+
+#[test]
+fn a_bad_staged_copy_fails_its_plan_before_any_byte_moves() {
+    let n = net(4096);
+    let mut peer = Buf::pattern(8192, 9);
+    let before = peer.0.clone();
+    let rp = remote_view(&n.peer_wire.register_memory(peer.region()).expect("reg"));
+    let mut user = Buf::pattern(4096, 1);
+    let ru = user.unregistered();
+    // A push whose copy reaches past the caller's buffer, beside a good one.
+    let mut set = n.composite.plan(&[item(&ru, 0, &rp, 0, 2048, 1), item(&ru, 2048, &rp, 4096, 2048, 2)]);
+    assert_eq!(set.plans.len(), 2, "the fake makes one plan per item");
+    set.plans[0].staging.as_mut().expect("staged").copies[0].user_offset = 1 << 20;
+    let failures = n.composite.submit(set.plans).expect("submitted").wait();
+    assert_eq!(failed_tags(&failures), vec![1]);
+    assert_eq!(failures[0].kind, FailureKind::Local);
+    assert_eq!(peer.0[..4096], before[..4096], "no byte of the bad plan reached the wire");
+    assert_eq!(peer.0[4096..6144], user.0[2048..], "the good plan moved");
+
+    // A pull whose copy names a pool range the plan does not carry: the caller's buffer stays as it was.
+    let mut back = Buf(vec![0xAA; 4096]);
+    let rb = back.unregistered();
+    let mut set = n.composite.plan(&[item(&rp, 0, &rb, 0, 4096, 3)]);
+    set.plans[0].staging.as_mut().expect("staged").copies[0].bounce_offset = 64;
+    let failures = n.composite.submit(set.plans).expect("submitted").wait();
+    assert_eq!(failed_tags(&failures), vec![3]);
+    assert!(back.0.iter().all(|x| *x == 0xAA), "a failed staged pull leaves the caller's buffer untouched");
+}
+
+#[test]
+fn a_failed_staged_pull_leaves_the_caller_buffer_untouched() {
+    let n = net(4096);
+    let gone =
+        TransferRef::remote_only(RemoteRegion { endpoint: "b".into(), region_id: 77 }, 4096, MemoryLocation::Host);
+    let mut back = Buf(vec![0xAA; 4096]);
+    let rb = back.unregistered();
+    let failures = transfer(&n.composite, &[item(&gone, 0, &rb, 0, 4096, 4)]).expect_err("no such region");
+    assert_eq!(failed_tags(&failures), vec![4]);
+    assert!(back.0.iter().all(|x| *x == 0xAA));
+}
+
+#[test]
+fn the_pool_side_comes_from_planning_not_from_the_direction_label() {
+    let fabric = Fabric::default();
+    let wire =
+        Arc::new(FakeWire { direction_local: true, ..Arc::into_inner(FakeWire::new("a", &fabric)).expect("sole") });
+    let peer_wire = FakeWire::new("b", &fabric);
+    let composite =
+        CompositeTransferEngine::new(vec![wire.clone()], CompositeConfig { bounce_bytes: 4096 }).expect("c");
+    let mut peer = Buf(vec![0; 4096]);
+    let rp = remote_view(&peer_wire.register_memory(peer.region()).expect("reg"));
+    let mut user = Buf::pattern(2048, 5);
+    let ru = user.unregistered();
+    transfer(&composite, &[item(&ru, 0, &rp, 1024, 2048, 1)]).expect("staged push");
+    assert_eq!(peer.0[1024..3072], user.0[..]);
+    let mut back = Buf(vec![0; 2048]);
+    let rb = back.unregistered();
+    transfer(&composite, &[item(&rp, 1024, &rb, 0, 2048, 2)]).expect("staged pull");
+    assert_eq!(back.0, user.0);
+}
+
+#[test]
+fn push_and_pull_staged_in_one_round() {
+    let n = net(8192);
+    let mut peer = Buf::pattern(8192, 3);
+    let original = peer.0.clone();
+    let rp = remote_view(&n.peer_wire.register_memory(peer.region()).expect("reg"));
+    let mut user = Buf::pattern(2048, 4);
+    let mut back = Buf(vec![0; 2048]);
+    let (ru, rb) = (user.unregistered(), back.unregistered());
+    let set = n.composite.plan(&[item(&ru, 0, &rp, 0, 2048, 1), item(&rp, 4096, &rb, 0, 2048, 2)]);
+    let rounds: std::collections::BTreeSet<(u64, u32)> =
+        set.plans.iter().filter_map(|p| p.staging.as_ref().map(|s| (s.epoch, s.round))).collect();
+    assert_eq!(rounds.len(), 1, "both fit one round");
+    assert!(n.composite.submit(set.plans).expect("submitted").wait().is_empty());
+    assert_eq!(peer.0[..2048], user.0[..]);
+    assert_eq!(back.0[..], original[4096..6144]);
 }

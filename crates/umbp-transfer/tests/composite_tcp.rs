@@ -46,8 +46,8 @@ fn registration_merges_the_tcp_handle() {
 
 #[test]
 fn zero_copy_and_staged_puts_and_gets_are_byte_exact() {
-    let (a, b) = (node(256 << 10), node(0));
     let mut remote = vec![0u8; 4 << 20];
+    let (a, b) = (node(256 << 10), node(0));
     let owned = b.register_memory(region(&mut remote)).expect("owner registers its medium");
     let target = published(&owned);
 
@@ -82,8 +82,8 @@ fn zero_copy_and_staged_puts_and_gets_are_byte_exact() {
 
 #[test]
 fn an_item_larger_than_the_pool_fails_alone() {
-    let (a, b) = (node(64 << 10), node(0));
     let mut remote = vec![0u8; 1 << 20];
+    let (a, b) = (node(64 << 10), node(0));
     let owned = b.register_memory(region(&mut remote)).expect("registered");
     let target = published(&owned);
     let mut user = vec![7u8; 1 << 20];
@@ -103,8 +103,8 @@ fn an_item_larger_than_the_pool_fails_alone() {
 
 #[test]
 fn a_deregistered_remote_region_fails_its_items() {
-    let (a, b) = (node(64 << 10), node(0));
     let mut remote = vec![0u8; 8192];
+    let (a, b) = (node(64 << 10), node(0));
     let owned = b.register_memory(region(&mut remote)).expect("registered");
     let target = published(&owned);
     b.deregister(&owned);

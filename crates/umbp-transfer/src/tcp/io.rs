@@ -2,7 +2,7 @@
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::engine::FailureKind;
 
@@ -44,6 +44,104 @@ pub(crate) fn configure(stream: &TcpStream, io_timeout: Duration) -> io::Result<
     Ok(())
 }
 
+/// How far a socket timeout may drift from the exact time left before it is set again (setting it
+/// is a system call; without slack a deadline would cost one per read).
+const TIMEOUT_SLACK: Duration = Duration::from_millis(5);
+
+/// The timeout currently set on one direction of a socket, moved towards a deadline when one is
+/// armed: a read or write then never blocks past the deadline, whatever pace the peer keeps.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SocketClock {
+    /// The timeout of one socket call when no deadline is nearer.
+    base: Duration,
+    /// What is set on the socket now.
+    set: Duration,
+}
+
+impl SocketClock {
+    /// A clock for a socket configured with `base` (see [`configure`]).
+    pub(crate) fn new(base: Duration) -> Self {
+        let base = base.max(Duration::from_millis(1));
+        Self { base, set: base }
+    }
+
+    /// Before a socket call: `Err(TimedOut)` when `deadline` has passed; otherwise the timeout to
+    /// set, if it must change (`apply` sets it).
+    pub(crate) fn arm(
+        &mut self,
+        deadline: Option<Instant>,
+        apply: impl FnOnce(Option<Duration>) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let want = match deadline {
+            None => self.base,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+                }
+                left.min(self.base)
+            }
+        };
+        if want.abs_diff(self.set) > TIMEOUT_SLACK || (want < self.set && want <= TIMEOUT_SLACK) {
+            apply(timeout(want))?;
+            self.set = want;
+        }
+        Ok(())
+    }
+}
+
+/// Reads exactly `buf` from `stream` before `deadline` (each read's timeout shrinks to the time
+/// left), then restores the socket's read timeout to `clock`'s base.
+pub(crate) fn read_exact_until(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    clock: &mut SocketClock,
+) -> io::Result<()> {
+    let mut filled = 0;
+    let mut result = Ok(());
+    while filled < buf.len() {
+        if let Err(e) = clock.arm(Some(deadline), |t| stream.set_read_timeout(t)) {
+            result = Err(e);
+            break;
+        }
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => {
+                result = Err(io::ErrorKind::UnexpectedEof.into());
+                break;
+            }
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                result = Err(e);
+                break;
+            }
+        }
+    }
+    clock.arm(None, |t| stream.set_read_timeout(t))?;
+    result
+}
+
+/// Writes every byte of `bufs` before `deadline` (see [`write_all_vectored`]).
+pub(crate) fn write_all_vectored_until(
+    stream: &mut TcpStream,
+    mut bufs: &mut [IoSlice<'_>],
+    deadline: Instant,
+    clock: &mut SocketClock,
+) -> io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        clock.arm(Some(deadline), |t| stream.set_write_timeout(t))?;
+        match stream.write_vectored(bufs) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket accepted no bytes")),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Compares tokens without an early exit on the first differing byte.
 pub(crate) fn tokens_equal(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -64,13 +162,36 @@ pub(crate) struct FrameReader {
     start: usize,
     end: usize,
     lookahead: usize,
+    /// Reads never block past this (see [`SocketClock`]).
+    deadline: Option<Instant>,
+    clock: SocketClock,
 }
 
 impl FrameReader {
-    /// A reader of `capacity` buffered bytes that reads `lookahead` bytes past a large payload.
-    pub(crate) fn new(stream: TcpStream, capacity: usize, lookahead: usize) -> Self {
+    /// A reader of `capacity` buffered bytes that reads `lookahead` bytes past a large payload, over
+    /// a socket whose read timeout is `io_timeout`.
+    pub(crate) fn new(stream: TcpStream, capacity: usize, lookahead: usize, io_timeout: Duration) -> Self {
         let capacity = capacity.max(lookahead).max(1);
-        Self { stream, buf: vec![0u8; capacity].into_boxed_slice(), start: 0, end: 0, lookahead: lookahead.max(1) }
+        Self {
+            stream,
+            buf: vec![0u8; capacity].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            lookahead: lookahead.max(1),
+            deadline: None,
+            clock: SocketClock::new(io_timeout),
+        }
+    }
+
+    /// Every later read fails with `TimedOut` once `deadline` passes (`None`: only the per-read
+    /// timeout applies).
+    pub(crate) fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+    }
+
+    fn arm(&mut self) -> io::Result<()> {
+        let stream = &self.stream;
+        self.clock.arm(self.deadline, |t| stream.set_read_timeout(t))
     }
 
     /// The socket.
@@ -89,6 +210,7 @@ impl FrameReader {
         if self.buffered() == 0 {
             self.start = 0;
             self.end = 0;
+            self.arm()?;
             let n = self.stream.read(&mut self.buf)?;
             self.end = n;
         }
@@ -108,6 +230,7 @@ impl FrameReader {
         let ahead = if rest.len() >= self.buf.len() { self.lookahead } else { self.buf.len() };
         while !rest.is_empty() {
             let wanted = rest.len();
+            self.arm()?;
             let n = {
                 let (spare, _) = self.buf.split_at_mut(ahead.min(self.buf.len()));
                 let mut bufs = [IoSliceMut::new(rest), IoSliceMut::new(spare)];
@@ -152,7 +275,7 @@ mod tests {
                 }
             }
         });
-        let mut r = FrameReader::new(rx, 64, 8);
+        let mut r = FrameReader::new(rx, 64, 8, Duration::from_secs(5));
         for (i, &n) in sizes.iter().enumerate() {
             let mut head = [0u8; 8];
             r.read_exact_into(&mut head).expect("header");

@@ -16,6 +16,7 @@
 //! connection). No thread per request.
 
 mod client;
+mod error;
 mod io;
 pub(crate) mod protocol;
 mod regions;
@@ -29,6 +30,7 @@ use std::time::{Duration, Instant};
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, MetricSource, RegistrationError, TransferRef};
 
 use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandle};
+pub use self::error::TcpStartError;
 use self::protocol::{MAX_REQUEST_BYTES, Op};
 pub use self::server::{DataServer, DataServerConfig};
 use crate::engine::{
@@ -41,18 +43,26 @@ use crate::planning::{SideKey, plan_in_range, plan_pairs};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TcpEngineConfig {
     /// The engine's own data server (where peers reach this node's registered regions). Default:
-    /// [`DataServerConfig::default`] (loopback, OS-chosen port, no token).
+    /// [`DataServerConfig::default`] (loopback, OS-chosen port). Leave its `cluster_token` unset.
     pub server: DataServerConfig,
+    /// The cluster token: presented to peers and required of them. Default: `None` (an empty token
+    /// is presented, and any peer is served).
+    pub cluster_token: Option<String>,
     /// Connections per peer; a batch is striped over them. Default: 4.
     pub connections_per_peer: usize,
     /// Timeout of a connection attempt. Default: 5 s.
     pub connect_timeout: Duration,
-    /// Timeout of every socket read and write of the client (and of its handshake). A peer that
-    /// makes no progress for this long fails every request on that connection with
+    /// Timeout of every socket read and write of the client, and of its whole handshake. A peer
+    /// that makes no progress for this long fails every request on that connection with
     /// [`FailureKind::Timeout`]. Default: 30 s.
     pub io_timeout: Duration,
-    /// The cluster token this engine presents to peers. Default: `None` (an empty token).
-    pub token: Option<String>,
+    /// The longest a submitted batch may take, from `submit` to its last reply, however the peer
+    /// paces its bytes. When it passes, `wait` shuts down the connections carrying the batch (other
+    /// batches on them fail too) and fails what is left with [`FailureKind::Timeout`]. Default: 60 s.
+    pub batch_timeout: Duration,
+    /// A pooled connection unused this long is closed (reconnected on next use). Keep it below the
+    /// peers' server idle timeout. Default: 30 s.
+    pub idle_timeout: Duration,
     /// The largest request: runs longer than this are split, so the stripes of a batch balance.
     /// Clamped to `1 ..= 1 GiB`. Default: 4 MiB.
     pub chunk_size: u64,
@@ -62,10 +72,12 @@ impl Default for TcpEngineConfig {
     fn default() -> Self {
         Self {
             server: DataServerConfig::default(),
+            cluster_token: None,
             connections_per_peer: 4,
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
-            token: None,
+            batch_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(30),
             chunk_size: 4 << 20,
         }
     }
@@ -97,16 +109,22 @@ impl TcpEngine {
     /// Starts the engine and its data server.
     ///
     /// # Errors
-    /// The server cannot bind its address or spawn its thread; or the token is longer than the
-    /// protocol allows (1024 bytes).
-    pub fn new(config: TcpEngineConfig) -> std::io::Result<Self> {
-        let token = config.token.as_deref().unwrap_or("").as_bytes();
+    /// The server cannot bind its address or spawn its thread; the token is longer than the
+    /// protocol allows (1024 bytes) or conflicts with `server.cluster_token`; or the server listens
+    /// on a wildcard address without an advertised endpoint.
+    pub fn new(config: TcpEngineConfig) -> Result<Self, TcpStartError> {
+        if config.server.cluster_token.is_some() && config.server.cluster_token != config.cluster_token {
+            return Err(TcpStartError::ConflictingTokens);
+        }
+        let token = config.cluster_token.as_deref().unwrap_or("").as_bytes();
         let hello = protocol::encode_hello(token)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
-        let server = DataServer::start(config.server.clone())?;
+            .map_err(|_| TcpStartError::TokenTooLong { len: token.len(), max: protocol::MAX_TOKEN_LEN })?;
+        let server_config = DataServerConfig { cluster_token: config.cluster_token.clone(), ..config.server.clone() };
+        let server = DataServer::start(server_config)?;
         let client = Arc::new(ClientShared {
             connect_timeout: config.connect_timeout,
             io_timeout: config.io_timeout,
+            idle_timeout: config.idle_timeout,
             hello,
             metrics: client::ClientMetrics::default(),
         });
@@ -201,6 +219,12 @@ impl MemoryRegistrar for TcpEngine {
     }
 }
 
+const _: () = {
+    const fn pin<T: Send + Sync>() {}
+    pin::<TcpEngine>();
+    pin::<DataServer>();
+};
+
 impl MetricSource for TcpEngine {
     fn sample_metrics(&self) -> Vec<MetricSample> {
         let mut out = Vec::new();
@@ -235,6 +259,12 @@ impl TransferEngine for TcpEngine {
         (self.is_remote(dst) && self.server.owns(src)) || (self.is_remote(src) && self.server.owns(dst))
     }
 
+    /// The region gets an id, so this engine accepts it as the local side, but the data server
+    /// refuses peers' requests for it.
+    fn register_local_only(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.server.register_local_only(region)
+    }
+
     fn plan(&self, items: &[TransferItem]) -> PlanSet {
         plan_pairs(items, |item| {
             if !self.can_handle(&item.src, &item.dst) {
@@ -251,6 +281,7 @@ impl TransferEngine for TcpEngine {
     fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure> {
         let mut presettled = Vec::new();
         let mut metas = Vec::with_capacity(plans.len());
+        let mut per_plan = Vec::with_capacity(plans.len());
         let mut guards = Vec::new();
         let mut by_peer: HashMap<String, Vec<Req>> = HashMap::new();
         let mut total = 0usize;
@@ -258,6 +289,7 @@ impl TransferEngine for TcpEngine {
         for (index, plan) in plans.iter().enumerate() {
             let Ok(index32) = u32::try_from(index) else {
                 metas.push(PlanMeta { tags: Vec::new(), endpoint: String::new() });
+                per_plan.push(0);
                 presettled.push(TransferFailure::new(
                     plan.tags.clone(),
                     FailureKind::Local,
@@ -270,6 +302,7 @@ impl TransferEngine for TcpEngine {
             match self.requests(index32, plan, &mut reqs) {
                 Ok(client::Guarded { guard, endpoint }) => {
                     metas.push(PlanMeta { tags: plan.tags.clone(), endpoint: endpoint.clone() });
+                    per_plan.push(reqs.len());
                     if !reqs.is_empty() {
                         guards.push(guard);
                         total += reqs.len();
@@ -278,6 +311,7 @@ impl TransferEngine for TcpEngine {
                 }
                 Err(message) => {
                     metas.push(PlanMeta { tags: Vec::new(), endpoint: String::new() });
+                    per_plan.push(0);
                     presettled.push(TransferFailure::new(plan.tags.clone(), FailureKind::Local, message, self.name()));
                 }
             }
@@ -285,7 +319,8 @@ impl TransferEngine for TcpEngine {
         if total == 0 {
             return Ok(Box::new(CompletedHandle::new(presettled)));
         }
-        let batch = Arc::new(Batch::new(metas, total, guards));
+        let deadline = Instant::now() + self.config.batch_timeout;
+        let batch = Arc::new(Batch::new(metas, per_plan, guards, deadline));
         for (endpoint, reqs) in by_peer {
             self.pool(&endpoint).submit(&batch, reqs);
         }

@@ -16,9 +16,11 @@
 //!
 //! The server answers with 8 bytes: magic, version (`u16`), status (`u8`: [`HelloStatus`]) and one
 //! reserved zero byte. A server configured with a token accepts only that exact token; a server
-//! without one accepts any. On any status but `OK` the server closes the connection after the
-//! answer; a bad magic or an over-long token closes it without an answer. Either way the reason is
-//! logged (`tracing::warn`) and no other connection is affected.
+//! without one accepts any; a server already serving its maximum of connections answers `BUSY`.
+//! On any status but `OK` the server closes the connection after the answer; a bad magic or an
+//! over-long token closes it without an answer. Either way the reason is logged (`tracing::warn`)
+//! and no other connection is affected. The whole handshake must arrive within the server's
+//! handshake timeout (a few seconds), however the bytes are paced.
 //!
 //! # Requests (client → server), 40 bytes
 //!
@@ -49,6 +51,14 @@
 //!
 //! A successful READ reply carries `length` (= the request's length) payload bytes; every other
 //! reply carries none (`length` = 0).
+//!
+//! # Deadlines and idle connections
+//! Once the first byte of a request header arrives, the server must receive the rest of the header
+//! and the whole WRITE payload within its IO timeout in total, however the bytes are paced; a batch
+//! of replies must leave within the IO timeout too. A request that misses its deadline closes the
+//! connection. A connection with no request for the server's idle timeout is closed; clients close
+//! pooled connections idle for their own (shorter) idle timeout, and check an idle connection for
+//! an end of stream before reusing it.
 //!
 //! # Ordering and pipelining
 //! A server handles a connection's requests strictly in order and answers each one, so replies come
@@ -149,6 +159,8 @@ pub(crate) enum HelloStatus {
     Unauthorized = 1,
     /// The server does not speak the client's version.
     BadVersion = 2,
+    /// The server serves as many connections as it may; try again later or elsewhere.
+    Busy = 3,
 }
 
 impl HelloStatus {
@@ -157,6 +169,7 @@ impl HelloStatus {
             0 => Some(Self::Ok),
             1 => Some(Self::Unauthorized),
             2 => Some(Self::BadVersion),
+            3 => Some(Self::Busy),
             _ => None,
         }
     }
@@ -373,7 +386,7 @@ mod tests {
         assert!(encode_hello(&[0u8; MAX_TOKEN_LEN + 1]).is_err());
         head[6..8].copy_from_slice(&u16::MAX.to_le_bytes());
         assert_eq!(decode_hello(&head), Err(FrameError::TokenTooLong(usize::from(u16::MAX))));
-        for s in [HelloStatus::Ok, HelloStatus::Unauthorized, HelloStatus::BadVersion] {
+        for s in [HelloStatus::Ok, HelloStatus::Unauthorized, HelloStatus::BadVersion, HelloStatus::Busy] {
             assert_eq!(decode_hello_reply(&encode_hello_reply(s)), Ok(s));
         }
     }

@@ -15,6 +15,9 @@ use super::protocol::Status;
 #[derive(Debug)]
 pub(crate) struct RegionEntry {
     region: LocalRegion,
+    /// Whether peers may address the region (false: only this node's own engine uses it, as the
+    /// local side of its transfers — the composite engine's bounce pool).
+    remote: bool,
     state: Mutex<EntryState>,
     idle: Condvar,
 }
@@ -78,25 +81,50 @@ impl Drop for RegionGuard {
     }
 }
 
-/// Registered regions by id. Ids start at 1 and are never reused.
+/// Bits of a region id that count registrations; the bits above them are the table's epoch.
+const COUNTER_BITS: u32 = 40;
+
+/// Registered regions by id. An id is (a random 24-bit epoch per table) << 40 | (a counter from 1),
+/// never reused: a peer holding ids from before this process restarted addresses no live region of
+/// the new process (except with a chance of 1 in 2^24) and gets "unknown region" instead of
+/// another buffer's bytes.
 #[derive(Debug)]
 pub(crate) struct RegionTable {
+    epoch: u64,
     next_id: AtomicU64,
     regions: RwLock<HashMap<u64, Arc<RegionEntry>>>,
 }
 
 impl Default for RegionTable {
     fn default() -> Self {
-        Self { next_id: AtomicU64::new(1), regions: RwLock::new(HashMap::new()) }
+        Self { epoch: random_epoch(), next_id: AtomicU64::new(1), regions: RwLock::new(HashMap::new()) }
     }
 }
 
+/// 24 random bits, never 0 (std's per-process hash keys, mixed with the time and the process id).
+fn random_epoch() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    let bits = h.finish() >> COUNTER_BITS;
+    bits.max(1)
+}
+
+/// Whether `local` (a ref's local view, possibly narrowed by `TransferRef::truncated`) lies inside
+/// the registered `region`: the same base address and location, no longer.
+fn within(region: &LocalRegion, local: &LocalRegion) -> bool {
+    region.ptr() == local.ptr() && region.location() == local.location() && local.len() <= region.len()
+}
+
 impl RegionTable {
-    /// Adds `region` under a fresh id.
-    pub(crate) fn insert(&self, region: LocalRegion) -> u64 {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+    /// Adds `region` under a fresh id; `remote`: whether peers may address it.
+    pub(crate) fn insert(&self, region: LocalRegion, remote: bool) -> u64 {
+        let counter = self.next_id.fetch_add(1, Ordering::Relaxed) & ((1 << COUNTER_BITS) - 1);
+        let id = (self.epoch << COUNTER_BITS) | counter;
         let entry = Arc::new(RegionEntry {
             region,
+            remote,
             state: Mutex::new(EntryState { live: true, in_flight: 0 }),
             idle: Condvar::new(),
         });
@@ -104,9 +132,22 @@ impl RegionTable {
         id
     }
 
-    /// A guard over region `id`, or `None` when no live region has that id.
+    /// A guard over region `id` for this node's own use, or `None` when no live region has that id.
     pub(crate) fn acquire(&self, id: u64) -> Option<RegionGuard> {
+        self.acquire_if(id, |_| true)
+    }
+
+    /// A guard over region `id` for a peer's request: `None` also for regions registered as
+    /// local-only.
+    pub(crate) fn acquire_remote(&self, id: u64) -> Option<RegionGuard> {
+        self.acquire_if(id, |e| e.remote)
+    }
+
+    fn acquire_if(&self, id: u64, allowed: impl FnOnce(&RegionEntry) -> bool) -> Option<RegionGuard> {
         let entry = Arc::clone(self.regions.read().get(&id)?);
+        if !allowed(&entry) {
+            return None;
+        }
         {
             let mut state = entry.state.lock();
             if !state.live {
@@ -117,18 +158,19 @@ impl RegionTable {
         Some(RegionGuard { entry })
     }
 
-    /// Whether `id` is live and describes exactly `region`.
-    pub(crate) fn is_registered(&self, id: u64, region: &LocalRegion) -> bool {
-        self.regions.read().get(&id).is_some_and(|e| e.region == *region)
+    /// Whether `id` is live and `local` lies inside it (see [`within`]).
+    pub(crate) fn is_registered(&self, id: u64, local: &LocalRegion) -> bool {
+        self.regions.read().get(&id).is_some_and(|e| within(&e.region, local))
     }
 
-    /// Removes region `id` if it describes `region`, then blocks until every guard over it is gone.
-    /// Returns whether anything was removed. Unknown ids and mismatching regions are a no-op.
-    pub(crate) fn remove(&self, id: u64, region: &LocalRegion) -> bool {
+    /// Removes region `id` if `local` lies inside it (a truncated ref of the region deregisters it
+    /// too), then blocks until every guard over it is gone. Returns whether anything was removed.
+    /// Unknown ids and foreign regions are a no-op.
+    pub(crate) fn remove(&self, id: u64, local: &LocalRegion) -> bool {
         let entry = {
             let mut map = self.regions.write();
             match map.get(&id) {
-                Some(e) if e.region == *region => map.remove(&id),
+                Some(e) if within(&e.region, local) => map.remove(&id),
                 _ => None,
             }
         };
@@ -136,7 +178,8 @@ impl RegionTable {
         let mut state = entry.state.lock();
         state.live = false;
         while state.in_flight > 0 {
-            // Every guard is held by an operation bounded by socket timeouts, so this ends.
+            // Every guard is held by an operation with a deadline (server requests, client
+            // batches), so this ends.
             entry.idle.wait(&mut state);
         }
         true
@@ -166,7 +209,7 @@ mod tests {
     fn ranges_are_bounds_checked() {
         let mut buf = [0u8; 64];
         let table = RegionTable::default();
-        let id = table.insert(region(&mut buf));
+        let id = table.insert(region(&mut buf), true);
         let guard = table.acquire(id).expect("live");
         assert!(guard.range(0, 64).is_ok());
         assert!(guard.range(64, 0).is_ok());
@@ -182,12 +225,12 @@ mod tests {
         let table = RegionTable::default();
         let ra = region(&mut a);
         let rb = region(&mut b);
-        let id = table.insert(ra);
+        let id = table.insert(ra, true);
         assert!(!table.remove(id, &rb), "a mismatching region is a no-op");
         assert!(table.remove(id, &ra));
         assert!(!table.remove(id, &ra), "twice is a no-op");
         assert!(table.acquire(id).is_none());
-        assert!(table.insert(ra) > id);
+        assert!(table.insert(ra, true) > id);
     }
 
     #[test]
@@ -195,7 +238,7 @@ mod tests {
         let mut buf = [0u8; 64];
         let r = region(&mut buf);
         let table = Arc::new(RegionTable::default());
-        let id = table.insert(r);
+        let id = table.insert(r, true);
         let guard = table.acquire(id).expect("live");
         let second = guard.clone();
         drop(guard);
@@ -212,5 +255,47 @@ mod tests {
         drop(second);
         assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok());
         t.join().expect("join");
+    }
+
+    #[test]
+    fn ids_of_two_tables_differ_in_their_epoch() {
+        let mut buf = [0u8; 64];
+        let r = region(&mut buf);
+        // Two tables (two processes, or one restarted) draw independent 24-bit epochs; retry a few
+        // times so a 1-in-16M coincidence cannot fail the test.
+        let differs = (0..4).any(|_| {
+            let (a, b) = (RegionTable::default(), RegionTable::default());
+            let (x, y) = (a.insert(r, true), b.insert(r, true));
+            x != y && b.acquire(x).is_none()
+        });
+        assert!(differs, "a stale id from another table must not address a live region");
+        let t = RegionTable::default();
+        assert_eq!(t.insert(r, true) >> COUNTER_BITS, t.epoch);
+        assert_ne!(t.epoch, 0);
+    }
+
+    #[test]
+    fn a_truncated_view_matches_and_deregisters_its_region() {
+        let mut buf = [0u8; 64];
+        let full = region(&mut buf);
+        let table = RegionTable::default();
+        let id = table.insert(full, true);
+        // SAFETY: the same memory as `full`, narrowed.
+        let narrow = unsafe { LocalRegion::new(full.ptr(), 32, MemoryLocation::Host) };
+        // SAFETY: never dereferenced.
+        let wider = unsafe { LocalRegion::new(full.ptr(), 128, MemoryLocation::Host) };
+        assert!(table.is_registered(id, &narrow));
+        assert!(!table.is_registered(id, &wider), "a view longer than the registration is refused");
+        assert!(table.remove(id, &narrow));
+        assert!(table.acquire(id).is_none());
+    }
+
+    #[test]
+    fn local_only_regions_are_not_handed_to_peers() {
+        let mut buf = [0u8; 64];
+        let table = RegionTable::default();
+        let id = table.insert(region(&mut buf), false);
+        assert!(table.acquire(id).is_some());
+        assert!(table.acquire_remote(id).is_none());
     }
 }

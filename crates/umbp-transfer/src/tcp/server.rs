@@ -7,17 +7,20 @@
 //! region memory). See [`protocol`](super::protocol) for the bytes.
 
 use std::collections::HashMap;
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, RegistrationError, RemoteRegion, TransferRef};
 
-use super::io::{FrameReader, configure, is_timeout, tokens_equal, write_all_vectored};
+use super::error::TcpStartError;
+use super::io::{
+    FrameReader, SocketClock, configure, is_timeout, read_exact_until, tokens_equal, write_all_vectored_until,
+};
 use super::protocol::{
     self, FrameError, HELLO_LEN, HelloStatus, MAX_TOKEN_LEN, Op, REQUEST_LEN, Reply, Request, Status,
 };
@@ -26,20 +29,31 @@ use super::regions::{RegionGuard, RegionTable};
 /// Settings of a [`DataServer`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DataServerConfig {
-    /// Address to listen on. Default: `127.0.0.1:0` (loopback, a port chosen by the OS).
+    /// Address to listen on. Default: `127.0.0.1:0` (loopback, a port chosen by the OS). A wildcard
+    /// address (`0.0.0.0`, `::`) needs [`advertise`](Self::advertise).
     pub listen: SocketAddr,
     /// The endpoint peers are told to use (`host:port`), for when `listen` is a wildcard address or
     /// the node is reached through another name. Default: `None` — the address actually bound.
     pub advertise: Option<String>,
-    /// The cluster token a peer must present in the handshake. Default: `None` (no authentication:
-    /// any peer that speaks the protocol is served).
-    pub token: Option<String>,
-    /// Connections served at once; one beyond this is closed right after it is accepted (and
-    /// logged). Default: 256.
+    /// The cluster token a peer must present in the handshake, for a server started on its own.
+    /// Inside a [`TcpEngineConfig`](super::TcpEngineConfig) leave it unset: the engine's
+    /// `cluster_token` serves both sides. Default: `None` (no authentication: any peer that speaks
+    /// the protocol is served).
+    pub cluster_token: Option<String>,
+    /// Authenticated connections served at once; a peer beyond this is answered `BUSY` in the
+    /// handshake and closed (and logged). Default: 1024.
     pub max_connections: usize,
-    /// Timeout of every socket read and write once a request has started (and of the handshake).
-    /// A connection idle between requests is kept open. Default: 30 s.
+    /// Connections still in the handshake at once; one beyond this is closed right after it is
+    /// accepted, so silent sockets cannot hold the server's threads. Default: 64.
+    pub max_handshakes: usize,
+    /// The whole handshake must arrive within this, however it is paced. Default: 2 s.
+    pub handshake_timeout: Duration,
+    /// A request must arrive in full (header and WRITE payload) within this once it has started,
+    /// and a batch of replies must be sent within it. A request that misses it closes the
+    /// connection (releasing the regions it touched). Default: 30 s.
     pub io_timeout: Duration,
+    /// A connection with no request for this long is closed. Default: 60 s.
+    pub idle_timeout: Duration,
 }
 
 impl Default for DataServerConfig {
@@ -47,17 +61,23 @@ impl Default for DataServerConfig {
         Self {
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
             advertise: None,
-            token: None,
-            max_connections: 256,
+            cluster_token: None,
+            max_connections: 1024,
+            max_handshakes: 64,
+            handshake_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(60),
         }
     }
 }
 
 /// Replies gathered before one `writev`: at most this many.
 const MAX_QUEUED_REPLIES: usize = 256;
-/// …or this many READ payload bytes (large reads go out one by one, as soon as they are known).
+/// …or this many payload bytes, READ (to send) and WRITE (received) together: large reads go out one
+/// by one as soon as they are known, and a stream of large writes is acknowledged as it lands.
 const MAX_QUEUED_PAYLOAD: usize = 4 << 20;
+/// …or replies this old: a slow stream of requests still gets timely answers.
+const MAX_QUEUED_AGE: Duration = Duration::from_millis(2);
 /// Buffer for request headers (read-ahead bytes of small frames are copied out of it).
 const READ_BUFFER: usize = 4 << 10;
 /// Scratch for discarding the payload of a refused WRITE.
@@ -70,6 +90,9 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub(crate) struct ServerMetrics {
     accepted: AtomicU64,
     refused_limit: AtomicU64,
+    refused_handshake_limit: AtomicU64,
+    handshake_timeouts: AtomicU64,
+    idle_closed: AtomicU64,
     refused_unauthorized: AtomicU64,
     refused_version: AtomicU64,
     refused_malformed: AtomicU64,
@@ -103,7 +126,25 @@ struct Shared {
     stop: AtomicBool,
     conns: Mutex<HashMap<u64, ConnRecord>>,
     next_conn: AtomicU64,
+    /// Connections in the handshake now (capped by `max_handshakes`).
+    handshaking: AtomicUsize,
+    /// Authenticated connections now (capped by `max_connections`).
+    serving: AtomicUsize,
     metrics: ServerMetrics,
+}
+
+/// Decrements a connection count when dropped.
+struct Slot<'a>(&'a AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Takes one of `limit` places in `count`, or `None` when all are taken.
+fn take_slot(count: &AtomicUsize, limit: usize) -> Option<Slot<'_>> {
+    count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < limit).then_some(n + 1)).ok().map(|_| Slot(count))
 }
 
 #[derive(Debug)]
@@ -130,14 +171,22 @@ pub struct DataServer {
 
 impl DataServer {
     /// Binds `config.listen` and starts serving an empty region table.
-    pub fn start(config: DataServerConfig) -> io::Result<Self> {
+    ///
+    /// # Errors
+    /// The address cannot be bound, the acceptor cannot be spawned, or `listen` is a wildcard
+    /// address without `advertise`.
+    pub fn start(config: DataServerConfig) -> Result<Self, TcpStartError> {
         Self::start_with(config, Arc::new(RegionTable::default()))
     }
 
     /// Binds `config.listen` and starts serving `regions`.
-    pub(crate) fn start_with(config: DataServerConfig, regions: Arc<RegionTable>) -> io::Result<Self> {
-        let listener = TcpListener::bind(config.listen)?;
-        let local_addr = listener.local_addr()?;
+    pub(crate) fn start_with(config: DataServerConfig, regions: Arc<RegionTable>) -> Result<Self, TcpStartError> {
+        if config.listen.ip().is_unspecified() && config.advertise.is_none() {
+            return Err(TcpStartError::WildcardWithoutAdvertise { addr: config.listen });
+        }
+        let bind = |source| TcpStartError::Bind { addr: config.listen, source };
+        let listener = TcpListener::bind(config.listen).map_err(bind)?;
+        let local_addr = listener.local_addr().map_err(bind)?;
         let endpoint = config.advertise.clone().unwrap_or_else(|| local_addr.to_string());
         let shared = Arc::new(Shared {
             config,
@@ -145,11 +194,16 @@ impl DataServer {
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            handshaking: AtomicUsize::new(0),
+            serving: AtomicUsize::new(0),
             metrics: ServerMetrics::default(),
         });
         let acceptor = {
             let shared = Arc::clone(&shared);
-            std::thread::Builder::new().name("umbp-tcp-accept".into()).spawn(move || accept_loop(&shared, &listener))?
+            std::thread::Builder::new()
+                .name("umbp-tcp-accept".into())
+                .spawn(move || accept_loop(&shared, &listener))
+                .map_err(TcpStartError::Spawn)?
         };
         tracing::debug!(%endpoint, "tcp data server listening");
         Ok(Self { shared, local_addr, endpoint, acceptor: Some(acceptor) })
@@ -176,9 +230,24 @@ impl DataServer {
         self.shared.regions.len()
     }
 
-    /// Connections open now.
+    /// Connections open now (in the handshake or authenticated).
     pub fn connection_count(&self) -> usize {
         self.shared.conns.lock().len()
+    }
+
+    /// Registers `region` for this node's own transfers only: the ref carries this server's
+    /// (endpoint, region id) so the engine can use it as the local side, but peers' requests for the
+    /// id are refused as an unknown region.
+    pub(crate) fn register_local_only(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.register(region, false)
+    }
+
+    fn register(&self, region: LocalRegion, remote: bool) -> Result<TransferRef, RegistrationError> {
+        if !region.location().is_host() {
+            return Err(RegistrationError::Unsupported { len: region.len(), location: region.location() });
+        }
+        let region_id = self.shared.regions.insert(region, remote);
+        Ok(TransferRef::local(region).with_remote(RemoteRegion { endpoint: self.endpoint.clone(), region_id }))
     }
 
     /// The server's samples.
@@ -201,6 +270,9 @@ impl DataServer {
         }
         for (reason, count) in [
             ("limit", &m.refused_limit),
+            ("handshake_limit", &m.refused_handshake_limit),
+            ("handshake_timeout", &m.handshake_timeouts),
+            ("idle", &m.idle_closed),
             ("unauthorized", &m.refused_unauthorized),
             ("bad_version", &m.refused_version),
             ("malformed_hello", &m.refused_malformed),
@@ -232,7 +304,11 @@ impl DataServer {
             return None;
         }
         let guard = self.shared.regions.acquire(remote.region_id)?;
-        (guard.region() == local && r.size() <= local.len()).then_some(guard)
+        let inside = guard.region().ptr() == local.ptr()
+            && guard.region().location() == local.location()
+            && local.len() <= guard.region().len()
+            && r.size() <= local.len();
+        inside.then_some(guard)
     }
 }
 
@@ -240,17 +316,13 @@ impl MemoryRegistrar for DataServer {
     /// Host memory only. The returned ref carries `region` and this server's (endpoint, region id);
     /// the id is fresh and never reused.
     fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
-        if !region.location().is_host() {
-            return Err(RegistrationError::Unsupported { len: region.len(), location: region.location() });
-        }
-        let region_id = self.shared.regions.insert(region);
-        Ok(TransferRef::local(region).with_remote(RemoteRegion { endpoint: self.endpoint.clone(), region_id }))
+        self.register(region, true)
     }
 
     /// Makes later requests for the region fail with "unknown region", then blocks until every
-    /// request already touching it has finished (each is bounded by the IO timeout), so the caller
-    /// may free the memory when this returns. A ref of another server, or one already deregistered,
-    /// is a no-op.
+    /// request already touching it has finished (each is bounded by the IO timeout in total), so
+    /// the caller may free the memory when this returns. A truncated ref of the region works too. A
+    /// ref of another server, or one already deregistered, is a no-op.
     fn deregister(&self, r: &TransferRef) {
         if let (Some(local), Some(remote)) = (r.local_region(), r.remote())
             && remote.endpoint == self.endpoint
@@ -319,20 +391,19 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
             }
         };
         bump(&shared.metrics.accepted);
-        let mut conns = shared.conns.lock();
-        if conns.len() >= shared.config.max_connections {
-            drop(conns);
-            bump(&shared.metrics.refused_limit);
-            tracing::warn!(%peer, limit = shared.config.max_connections, "tcp data server: connection limit reached; closing");
+        if shared.handshaking.load(Ordering::SeqCst) >= shared.config.max_handshakes {
+            bump(&shared.metrics.refused_handshake_limit);
+            tracing::warn!(%peer, limit = shared.config.max_handshakes, "tcp data server: too many connections in the handshake; closing");
             continue;
         }
         let (Ok(()), Ok(clone)) = (configure(&stream, shared.config.io_timeout), stream.try_clone()) else {
             tracing::warn!(%peer, "tcp data server: cannot configure the socket; closing");
             continue;
         };
+        // Counted here, released by the connection thread once the handshake is over.
+        shared.handshaking.fetch_add(1, Ordering::SeqCst);
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        conns.insert(id, ConnRecord { stream: clone, thread: None });
-        drop(conns);
+        shared.conns.lock().insert(id, ConnRecord { stream: clone, thread: None });
         let spawned = {
             let shared = Arc::clone(shared);
             std::thread::Builder::new().name("umbp-tcp-serve".into()).spawn(move || {
@@ -348,6 +419,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
             }
             Err(e) => {
                 tracing::warn!(%peer, error = %e, "tcp data server: cannot spawn a connection thread");
+                shared.handshaking.fetch_sub(1, Ordering::SeqCst);
                 shared.conns.lock().remove(&id);
             }
         }
@@ -363,6 +435,8 @@ enum End {
     Io(io::Error),
     /// The peer sent something that is not the protocol.
     Malformed(FrameError),
+    /// No request came for the idle timeout.
+    Idle,
 }
 
 impl From<io::Error> for End {
@@ -372,27 +446,37 @@ impl From<io::Error> for End {
 }
 
 fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
-    match handshake(shared, &mut stream) {
-        Ok(()) => {}
+    let handshake = {
+        let _handshaking = Slot(&shared.handshaking);
+        handshake(shared, &mut stream)
+    };
+    let _serving = match handshake {
+        Ok(slot) => slot,
         Err(reason) => {
             tracing::warn!(%peer, %reason, "tcp data server: handshake refused; closing the connection");
             return;
         }
-    }
+    };
     tracing::debug!(%peer, "tcp data server: connection authenticated");
     let Ok(write_half) = stream.try_clone() else {
         tracing::warn!(%peer, "tcp data server: cannot clone the socket; closing");
         return;
     };
+    let io_timeout = shared.config.io_timeout;
     let mut conn = ServerConn {
         shared,
-        reader: FrameReader::new(stream, READ_BUFFER, REQUEST_LEN),
+        reader: FrameReader::new(stream, READ_BUFFER, REQUEST_LEN, io_timeout),
         writer: write_half,
+        write_clock: SocketClock::new(io_timeout),
         replies: ReplyQueue::default(),
         scratch: vec![0u8; DISCARD_BUFFER].into_boxed_slice(),
     };
     match conn.run() {
         Ok(()) | Err(End::Closed) => tracing::debug!(%peer, "tcp data server: connection closed"),
+        Err(End::Idle) => {
+            bump(&shared.metrics.idle_closed);
+            tracing::debug!(%peer, "tcp data server: idle connection closed");
+        }
         Err(End::Io(e)) => tracing::debug!(%peer, error = %e, "tcp data server: connection dropped"),
         Err(End::Malformed(e)) => {
             bump(&shared.metrics.malformed_frames);
@@ -401,34 +485,55 @@ fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
     }
 }
 
-/// Runs the server side of the handshake; `Err` carries the reason to log.
-fn handshake(shared: &Shared, stream: &mut TcpStream) -> Result<(), String> {
+/// Runs the server side of the handshake, all of it within the handshake timeout; `Ok` carries the
+/// connection's place among the served ones, `Err` the reason to log.
+fn handshake<'a>(shared: &'a Shared, stream: &mut TcpStream) -> Result<Slot<'a>, String> {
     let metrics = &shared.metrics;
+    let deadline = Instant::now() + shared.config.handshake_timeout;
+    let mut clock = SocketClock::new(shared.config.io_timeout);
+    let timed = |what: &str, e: io::Error| {
+        if is_timeout(&e) {
+            bump(&metrics.handshake_timeouts);
+        }
+        format!("{what}: {e}")
+    };
     let mut head = [0u8; HELLO_LEN];
-    stream.read_exact(&mut head).map_err(|e| format!("reading the hello: {e}"))?;
+    read_exact_until(stream, &mut head, deadline, &mut clock).map_err(|e| timed("reading the hello", e))?;
     let hello = protocol::decode_hello(&head).map_err(|e| {
         bump(&metrics.refused_malformed);
         format!("malformed hello: {e}")
     })?;
     let mut token = [0u8; MAX_TOKEN_LEN];
     let token = token.get_mut(..hello.token_len).ok_or("token length beyond the limit")?;
-    stream.read_exact(token).map_err(|e| format!("reading the token: {e}"))?;
+    read_exact_until(stream, token, deadline, &mut clock).map_err(|e| timed("reading the token", e))?;
+    let mut slot = None;
     let status = if hello.version != protocol::VERSION {
         bump(&metrics.refused_version);
         HelloStatus::BadVersion
-    } else if shared.config.token.as_ref().is_some_and(|t| !tokens_equal(t.as_bytes(), token)) {
+    } else if shared.config.cluster_token.as_ref().is_some_and(|t| !tokens_equal(t.as_bytes(), token)) {
         bump(&metrics.refused_unauthorized);
         HelloStatus::Unauthorized
     } else {
-        HelloStatus::Ok
+        slot = take_slot(&shared.serving, shared.config.max_connections);
+        if slot.is_some() {
+            HelloStatus::Ok
+        } else {
+            bump(&metrics.refused_limit);
+            HelloStatus::Busy
+        }
     };
-    stream.write_all(&protocol::encode_hello_reply(status)).map_err(|e| format!("answering the hello: {e}"))?;
-    match status {
-        HelloStatus::Ok => Ok(()),
-        HelloStatus::Unauthorized => Err("wrong cluster token".into()),
-        HelloStatus::BadVersion => {
+    let answer = protocol::encode_hello_reply(status);
+    let mut write_clock = SocketClock::new(shared.config.io_timeout);
+    write_all_vectored_until(stream, &mut [IoSlice::new(&answer)], deadline, &mut write_clock)
+        .and_then(|()| write_clock.arm(None, |t| stream.set_write_timeout(t)))
+        .map_err(|e| timed("answering the hello", e))?;
+    match (status, slot) {
+        (HelloStatus::Ok, Some(slot)) => Ok(slot),
+        (HelloStatus::Unauthorized, _) => Err("wrong cluster token".into()),
+        (HelloStatus::BadVersion, _) => {
             Err(format!("protocol version {} (this server speaks {})", hello.version, protocol::VERSION))
         }
+        _ => Err(format!("connection limit of {} reached; answered busy", shared.config.max_connections)),
     }
 }
 
@@ -440,12 +545,17 @@ struct ReplyQueue {
     payloads: Vec<Option<(*const u8, usize)>>,
     /// Keeps the regions of queued payloads registered until they are written.
     guards: Vec<RegionGuard>,
+    /// READ payload bytes to send plus WRITE payload bytes received since the last flush.
     payload_bytes: usize,
+    /// When the oldest queued reply was queued.
+    oldest: Option<Instant>,
 }
 
 impl ReplyQueue {
     fn full(&self) -> bool {
-        self.headers.len() >= MAX_QUEUED_REPLIES || self.payload_bytes >= MAX_QUEUED_PAYLOAD
+        self.headers.len() >= MAX_QUEUED_REPLIES
+            || self.payload_bytes >= MAX_QUEUED_PAYLOAD
+            || self.oldest.is_some_and(|t| t.elapsed() >= MAX_QUEUED_AGE)
     }
 }
 
@@ -453,6 +563,7 @@ struct ServerConn<'a> {
     shared: &'a Shared,
     reader: FrameReader,
     writer: TcpStream,
+    write_clock: SocketClock,
     replies: ReplyQueue,
     scratch: Box<[u8]>,
 }
@@ -489,10 +600,12 @@ impl ServerConn<'_> {
         more && restored
     }
 
-    /// The next request header; `None` when the peer closed the connection between requests or the
-    /// server is stopping. Between requests the connection may idle for any time; once a header has
-    /// started, every read is bounded by the IO timeout.
+    /// The next request header; `None` when the peer closed the connection between requests.
+    /// Between requests the connection may idle up to the idle timeout; once a header has started,
+    /// the request (header and payload) must arrive within the IO timeout in total.
     fn next_header(&mut self) -> Result<Option<[u8; REQUEST_LEN]>, End> {
+        let idle_until = Instant::now() + self.shared.config.idle_timeout;
+        self.reader.set_deadline(Some(idle_until));
         loop {
             match self.reader.fill() {
                 Ok(0) => return Ok(None),
@@ -501,10 +614,14 @@ impl ServerConn<'_> {
                     if self.shared.stop.load(Ordering::Relaxed) {
                         return Err(End::Closed);
                     }
+                    if Instant::now() >= idle_until {
+                        return Err(End::Idle);
+                    }
                 }
                 Err(e) => return Err(e.into()),
             }
         }
+        self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
         let mut head = [0u8; REQUEST_LEN];
         self.reader.read_exact_into(&mut head)?;
         Ok(Some(head))
@@ -515,7 +632,7 @@ impl ServerConn<'_> {
         if r.flags != 0 {
             return Err(Status::BadRequest);
         }
-        let guard = self.shared.regions.acquire(r.region).ok_or(Status::UnknownRegion)?;
+        let guard = self.shared.regions.acquire_remote(r.region).ok_or(Status::UnknownRegion)?;
         let (ptr, len) = guard.range(r.offset, r.length)?;
         Ok((guard, ptr, len))
     }
@@ -532,6 +649,7 @@ impl ServerConn<'_> {
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
                 self.reader.read_exact_into(dst)?;
                 drop(guard);
+                self.replies.payload_bytes += len;
                 self.queue(Reply { status: Status::Ok, id: r.id, length: 0 }, None);
                 Status::Ok
             }
@@ -554,6 +672,7 @@ impl ServerConn<'_> {
     }
 
     fn queue(&mut self, reply: Reply, payload: Option<(RegionGuard, *mut u8, usize)>) {
+        self.replies.oldest.get_or_insert_with(Instant::now);
         self.replies.headers.push(reply.encode());
         match payload {
             Some((guard, ptr, len)) => {
@@ -592,12 +711,14 @@ impl ServerConn<'_> {
                 slices.push(IoSlice::new(unsafe { std::slice::from_raw_parts(ptr, len) }));
             }
         }
-        let result = write_all_vectored(&mut self.writer, &mut slices);
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        let result = write_all_vectored_until(&mut self.writer, &mut slices, deadline, &mut self.write_clock);
         drop(slices);
         self.replies.headers.clear();
         self.replies.payloads.clear();
         self.replies.guards.clear();
         self.replies.payload_bytes = 0;
+        self.replies.oldest = None;
         result.map_err(End::Io)
     }
 }

@@ -32,8 +32,8 @@ impl HostBuf {
     /// The buffer as a host region.
     pub fn region(&mut self) -> LocalRegion {
         let ptr = NonNull::new(self.data.as_mut_ptr()).expect("vec pointer is non-null");
-        // SAFETY: the buffer outlives every engine it is registered with in these tests (the tests
-        // deregister or drop the engine before dropping the buffer).
+        // SAFETY: every test declares its buffers before the engines they are registered with, so
+        // the engines (locals drop in reverse order) stop before the buffers are freed.
         unsafe { LocalRegion::new(ptr, self.data.len() as u64, MemoryLocation::Host) }
     }
 
