@@ -1,12 +1,19 @@
 //! The umbp-rs node.
 //!
 //! # Owns
-//! The master client ([`master_client`]): registration, the heartbeat contract (one sequence stream
-//! for every medium, delta bundles, acks, full sync, keepalive, clear) and the routing calls a client
-//! makes. Later: the `UMBPPeer` service and `PoolClient`, the composition root — the only place that
-//! names concrete media and transfer engines.
+//! - The master client ([`master_client`]): registration, the heartbeat contract (one sequence stream
+//!   for every medium, delta bundles, acks, full sync, keepalive, clear) and the routing calls a
+//!   client makes.
+//! - The peer service ([`peer_service`]): the `UMBPPeer` gRPC server that dispatches slot allocation,
+//!   commit, abort, resolve and evict into the node's media (slot ids tagged with the tier, answers
+//!   per entry in request order, backend ids stamped at the wire), and the struct-of-arrays codec of
+//!   `BatchResolveKeys`.
+//! - [`PoolClient`](pool_client::PoolClient), the composition root — the only place that names
+//!   concrete media and transfer engines — and the client API over the whole pool.
 //!
 //! # Never
 //! Moves bytes itself (the transfer layer does) or decides placement (the master does).
 
 pub mod master_client;
+pub mod peer_service;
+pub mod pool_client;

@@ -1,0 +1,236 @@
+//! The struct-of-arrays codec of `BatchResolveKeys` (the reference's `batch_resolve_codec.h`).
+//!
+//! A reply carries one entry per requested key in parallel arrays (`found`, `tier`, `size`,
+//! `page_count`, `backend_id`) and the pages of every hit flattened into `buffer_index` /
+//! `page_index`: key `i` owns the next `page_count[i]` entries. Buffer descriptors travel once per
+//! batch, deduplicated by `(backend_id, buffer_index)`, instead of once per key.
+//!
+//! Both directions are pure functions. The decoder trusts nothing: a reply whose arrays disagree is
+//! rejected as a whole (an error, never a panic and never a page sliced from the wrong key).
+
+use umbp_core::{BufferDesc, MAX_BACKENDS_PER_PEER, PageLocation, TierType};
+use umbp_proto::v1 as pb;
+
+use super::convert::{desc_from_wire, desc_to_wire, tier_from_wire, tier_to_wire};
+
+/// Where one key's bytes are, as a `BatchResolveKeys` reply states it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ResolvedKey {
+    /// The tier of the medium that serves the key.
+    pub tier: TierType,
+    /// The registry id of that medium on its node (the `backend_id` of its descriptors).
+    pub backend_id: u32,
+    /// Value size in bytes.
+    pub size: u64,
+    /// The pages, in value order; buffer indexes are local to `backend_id`.
+    pub pages: Vec<PageLocation>,
+}
+
+/// A decoded `BatchResolveKeys` reply.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DecodedResolve {
+    /// The node's page size (0 from a node without media).
+    pub page_size: u64,
+    /// Descriptors of the buffers the hits live in, stamped with their backend ids; empty when the
+    /// request set `omit_descs`.
+    pub descs: Vec<BufferDesc>,
+    /// One entry per requested key, in request order; `None` is a miss.
+    pub keys: Vec<Option<ResolvedKey>>,
+}
+
+/// Why a `BatchResolveKeys` reply could not be decoded. Any of these fails the whole batch: the
+/// reader treats the peer as having answered nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CodecError {
+    /// A per-key array is not as long as `found`.
+    #[error("malformed resolve reply: `{field}` has {len} entries for {expected} keys")]
+    MismatchedArrays {
+        /// The offending array.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The length of `found`.
+        expected: usize,
+    },
+    /// The flattened page arrays differ in length.
+    #[error("malformed resolve reply: {buffer_index} buffer indexes but {page_index} page indexes")]
+    MismatchedPageArrays {
+        /// Length of `buffer_index`.
+        buffer_index: usize,
+        /// Length of `page_index`.
+        page_index: usize,
+    },
+    /// The page counts do not add up to the flattened pages.
+    #[error("malformed resolve reply: page counts sum to {declared} but {flattened} pages were sent")]
+    PageCountMismatch {
+        /// Σ `page_count`.
+        declared: u64,
+        /// Length of the flattened arrays.
+        flattened: usize,
+    },
+    /// A missed key claims pages.
+    #[error("malformed resolve reply: key {key_index} is a miss with {page_count} pages")]
+    PagesForMiss {
+        /// Position of the key in the request.
+        key_index: usize,
+        /// Its page count.
+        page_count: u32,
+    },
+    /// A hit's pages cannot hold its value (a reader would run past them).
+    #[error("malformed resolve reply: key {key_index} has {size} bytes in {page_count} pages of {page_size} bytes")]
+    PagesDoNotCoverSize {
+        /// Position of the key in the request.
+        key_index: usize,
+        /// Value size.
+        size: u64,
+        /// Pages sent for it.
+        page_count: u32,
+        /// The reply's page size.
+        page_size: u64,
+    },
+    /// A hit or descriptor names a backend id outside `0..MAX_BACKENDS_PER_PEER`.
+    #[error("malformed resolve reply: backend id {backend_id} is out of range")]
+    BackendIdOutOfRange {
+        /// The id.
+        backend_id: u32,
+    },
+    /// A descriptor's memory kind is unknown to this build.
+    #[error("buffer descriptor with unknown memory kind {value}")]
+    UnknownMemoryKind {
+        /// The wire value.
+        value: i32,
+    },
+}
+
+/// Encodes a `BatchResolveKeys` reply: one entry per key (`None` = miss), the batch's descriptors
+/// (already deduplicated and stamped; pass none when the request set `omit_descs`) and the node's
+/// page size.
+///
+/// A miss is sent as `found = false` with tier, size, backend id and page count 0 and no pages. A key
+/// with more than `u32::MAX` pages cannot be represented; its count saturates and the reply then
+/// decodes as [`CodecError::PageCountMismatch`] rather than as wrong pages.
+pub fn encode_batch_resolve(
+    keys: &[Option<ResolvedKey>],
+    descs: &[BufferDesc],
+    page_size: u64,
+) -> pb::BatchResolveKeysResponse {
+    let n = keys.len();
+    let total_pages: usize = keys.iter().flatten().map(|k| k.pages.len()).sum();
+    let mut out = pb::BatchResolveKeysResponse {
+        descs: descs.iter().map(desc_to_wire).collect(),
+        page_size,
+        found: Vec::with_capacity(n),
+        tier: Vec::with_capacity(n),
+        size: Vec::with_capacity(n),
+        page_count: Vec::with_capacity(n),
+        buffer_index: Vec::with_capacity(total_pages),
+        page_index: Vec::with_capacity(total_pages),
+        backend_id: Vec::with_capacity(n),
+    };
+    for key in keys {
+        match key {
+            Some(k) => {
+                out.found.push(true);
+                out.tier.push(tier_to_wire(k.tier));
+                out.size.push(k.size);
+                out.page_count.push(u32::try_from(k.pages.len()).unwrap_or(u32::MAX));
+                out.backend_id.push(k.backend_id);
+                out.buffer_index.extend(k.pages.iter().map(|p| p.buffer_index));
+                out.page_index.extend(k.pages.iter().map(|p| p.page_index));
+            }
+            None => {
+                out.found.push(false);
+                out.tier.push(tier_to_wire(TierType::Unknown));
+                out.size.push(0);
+                out.page_count.push(0);
+                out.backend_id.push(0);
+            }
+        }
+    }
+    out
+}
+
+/// Decodes a `BatchResolveKeys` reply.
+///
+/// # Errors
+/// Any inconsistency fails the whole batch: a per-key array whose length differs from `found`'s,
+/// flattened arrays of different lengths, page counts that do not sum to the flattened length, a miss
+/// with pages, a hit whose pages cannot hold its size, a backend id ≥ `MAX_BACKENDS_PER_PEER`, or a
+/// descriptor of an unknown memory kind.
+pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<DecodedResolve, CodecError> {
+    let n = resp.found.len();
+    for (field, len) in [
+        ("tier", resp.tier.len()),
+        ("size", resp.size.len()),
+        ("page_count", resp.page_count.len()),
+        ("backend_id", resp.backend_id.len()),
+    ] {
+        if len != n {
+            return Err(CodecError::MismatchedArrays { field, len, expected: n });
+        }
+    }
+    if resp.buffer_index.len() != resp.page_index.len() {
+        return Err(CodecError::MismatchedPageArrays {
+            buffer_index: resp.buffer_index.len(),
+            page_index: resp.page_index.len(),
+        });
+    }
+    let flattened = resp.buffer_index.len();
+    let declared: u64 = resp.page_count.iter().map(|c| u64::from(*c)).sum();
+    if usize::try_from(declared).ok() != Some(flattened) {
+        return Err(CodecError::PageCountMismatch { declared, flattened });
+    }
+    let descs = resp
+        .descs
+        .iter()
+        .map(|d| {
+            check_backend_id(d.backend_id)?;
+            desc_from_wire(d)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let mut keys = Vec::with_capacity(n);
+    let mut at = 0usize;
+    for i in 0..n {
+        // Every index below is < n (checked above) and every page range lies inside the flattened
+        // arrays (counts sum to their length), so no access can panic.
+        let count = resp.page_count[i];
+        if !resp.found[i] {
+            if count != 0 {
+                return Err(CodecError::PagesForMiss { key_index: i, page_count: count });
+            }
+            keys.push(None);
+            continue;
+        }
+        let size = resp.size[i];
+        let backend_id = resp.backend_id[i];
+        check_backend_id(backend_id)?;
+        if u64::from(count).saturating_mul(resp.page_size) < size {
+            return Err(CodecError::PagesDoNotCoverSize {
+                key_index: i,
+                size,
+                page_count: count,
+                page_size: resp.page_size,
+            });
+        }
+        // `count` ≤ Σ page_count = flattened, a usize: the conversion cannot fail.
+        let end = at + usize::try_from(count).unwrap_or(usize::MAX);
+        let pages = resp.buffer_index[at..end]
+            .iter()
+            .zip(&resp.page_index[at..end])
+            .map(|(b, p)| PageLocation::new(*b, *p))
+            .collect();
+        at = end;
+        keys.push(Some(ResolvedKey { tier: tier_from_wire(resp.tier[i]), backend_id, size, pages }));
+    }
+    Ok(DecodedResolve { page_size: resp.page_size, descs, keys })
+}
+
+fn check_backend_id(backend_id: u32) -> Result<(), CodecError> {
+    if usize::try_from(backend_id).is_ok_and(|id| id < MAX_BACKENDS_PER_PEER) {
+        Ok(())
+    } else {
+        Err(CodecError::BackendIdOutOfRange { backend_id })
+    }
+}

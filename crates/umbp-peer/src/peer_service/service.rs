@@ -1,0 +1,409 @@
+//! [`PeerService`]: the `UmbpPeer` handlers. Each handler moves its request into one blocking task
+//! that runs the synchronous dispatch below against the media snapshot.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, AllocateResult, BackendRegistry, BufferDesc, CommitRequest, MediumBackend,
+    ResolvedEntry, TierType,
+};
+use umbp_proto::v1 as pb;
+use umbp_proto::v1::umbp_peer_server::UmbpPeer;
+
+use super::codec::{ResolvedKey, encode_batch_resolve};
+use super::convert::{desc_to_wire, outcome_to_wire, page_to_wire, tier_from_wire, tier_to_wire};
+use super::{slot_local, slot_tier, tag_slot};
+
+/// The `UMBPPeer` service of one node: dispatches every call into the node's media.
+///
+/// Cheap to clone (one `Arc`). The media are the registry's at construction, in its order (ascending
+/// tier); a medium registered later is not seen. See the [module docs](super) for the semantics.
+#[derive(Debug, Clone)]
+pub struct PeerService {
+    inner: Arc<Dispatch>,
+}
+
+impl PeerService {
+    /// A service over the media of `registry`, advertising `data_endpoint` (`host:port` of the node's
+    /// TCP data server) in `GetPeerInfo`. An empty registry is allowed: every allocation fails and
+    /// every resolve misses.
+    pub fn new(registry: Arc<BackendRegistry>, data_endpoint: impl Into<String>) -> Self {
+        let media = registry
+            .entries()
+            .map(|(id, backend)| Medium { id, tier: backend.tier(), backend: Arc::clone(backend) })
+            .collect();
+        Self {
+            inner: Arc::new(Dispatch { media, page_size: registry.page_size(), data_endpoint: data_endpoint.into() }),
+        }
+    }
+
+    /// The data endpoint advertised in `GetPeerInfo`.
+    pub fn data_endpoint(&self) -> &str {
+        &self.inner.data_endpoint
+    }
+
+    /// Runs `f` against the dispatch on the blocking pool.
+    async fn blocking<T, F>(&self, f: F) -> Result<T, Status>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Dispatch) -> T + Send + 'static,
+    {
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || f(&inner)).await.map_err(|e| {
+            tracing::error!(error = %e, "peer service handler panicked");
+            Status::internal("peer service handler failed")
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Medium {
+    id: u32,
+    tier: TierType,
+    backend: Arc<dyn MediumBackend>,
+}
+
+#[derive(Debug)]
+struct Dispatch {
+    /// Ascending tier, as the registry iterates.
+    media: Vec<Medium>,
+    page_size: u64,
+    data_endpoint: String,
+}
+
+fn failed_allocation() -> pb::AllocateSlotResponse {
+    pb::AllocateSlotResponse { outcome: outcome_to_wire(AllocateOutcome::Failed), ..Default::default() }
+}
+
+/// A descriptor as published: stamped with the registry's backend id.
+fn stamped(desc: &BufferDesc, backend_id: u32) -> pb::BufferDesc {
+    let mut wire = desc_to_wire(desc);
+    wire.backend_id = backend_id;
+    wire
+}
+
+/// Whether a medium's hit is usable: its pages can hold its value. A medium that says otherwise is
+/// answered as a miss (and logged), so a reader never runs past the pages it was given.
+fn usable_hit(medium: &Medium, entry: &ResolvedEntry, page_size: u64) -> bool {
+    if !entry.found {
+        return false;
+    }
+    let covered = (entry.pages.len() as u64).saturating_mul(page_size) >= entry.size;
+    if !covered {
+        tracing::warn!(
+            backend = medium.backend.name(),
+            size = entry.size,
+            pages = entry.pages.len(),
+            page_size,
+            "resolve hit whose pages cannot hold its value; answering a miss"
+        );
+    }
+    covered
+}
+
+impl Dispatch {
+    fn peer_info(&self) -> pb::GetPeerInfoResponse {
+        let buffer_descs = self
+            .media
+            .iter()
+            .flat_map(|m| m.backend.all_buffer_descs().into_iter().map(move |d| stamped(&d, m.id)))
+            .collect();
+        pb::GetPeerInfoResponse { data_endpoint: self.data_endpoint.clone(), buffer_descs, page_size: self.page_size }
+    }
+
+    fn allocate(&self, mut entries: Vec<pb::AllocateSlotRequest>) -> Vec<pb::AllocateSlotResponse> {
+        let mut out = vec![failed_allocation(); entries.len()];
+        for medium in &self.media {
+            let mut at = Vec::new();
+            let mut requests = Vec::new();
+            for (i, e) in entries.iter_mut().enumerate() {
+                if tier_from_wire(e.tier) != medium.tier {
+                    continue;
+                }
+                if e.key.is_empty() || e.size == 0 {
+                    tracing::debug!(index = i, size = e.size, "allocate: empty key or size 0");
+                    continue;
+                }
+                at.push(i);
+                requests.push(AllocateRequest { key: std::mem::take(&mut e.key), size: e.size });
+            }
+            if requests.is_empty() {
+                continue;
+            }
+            let results = medium.backend.batch_allocate(&requests);
+            if results.len() != requests.len() {
+                tracing::warn!(
+                    backend = medium.backend.name(),
+                    asked = requests.len(),
+                    answered = results.len(),
+                    "batch_allocate broke its contract; unanswered entries fail"
+                );
+            }
+            let mut refused = Vec::new();
+            for (i, result) in at.into_iter().zip(results) {
+                out[i] = self.allocation_answer(medium, result, &mut refused);
+            }
+            if !refused.is_empty() {
+                // Nobody can ever commit these slots; give their pages back now rather than at TTL.
+                medium.backend.batch_abort(&refused);
+            }
+        }
+        out
+    }
+
+    fn allocation_answer(
+        &self,
+        medium: &Medium,
+        result: AllocateResult,
+        refused: &mut Vec<u64>,
+    ) -> pb::AllocateSlotResponse {
+        if result.outcome != AllocateOutcome::Allocated {
+            return pb::AllocateSlotResponse { outcome: outcome_to_wire(result.outcome), ..Default::default() };
+        }
+        let Some(slot_id) = tag_slot(medium.tier, result.slot_id) else {
+            tracing::error!(
+                backend = medium.backend.name(),
+                slot_id = result.slot_id,
+                "backend slot id does not fit 56 bits; refusing the slot"
+            );
+            refused.push(result.slot_id);
+            return failed_allocation();
+        };
+        pb::AllocateSlotResponse {
+            outcome: outcome_to_wire(AllocateOutcome::Allocated),
+            slot_id,
+            pages: result.pages.into_iter().map(page_to_wire).collect(),
+            page_size: result.page_size,
+            descs: result.descs.iter().map(|d| stamped(d, medium.id)).collect(),
+            pending_ttl_ms: result.pending_ttl_ms,
+            backend_id: medium.id,
+        }
+    }
+
+    fn commit(&self, mut entries: Vec<pb::CommitSlotRequest>) -> Vec<pb::CommitSlotResponse> {
+        let mut out = vec![pb::CommitSlotResponse { success: false, bytes_committed: 0 }; entries.len()];
+        for medium in &self.media {
+            let mut at = Vec::new();
+            let mut requests = Vec::new();
+            for (i, e) in entries.iter_mut().enumerate() {
+                if slot_tier(e.slot_id) != medium.tier || e.key.is_empty() {
+                    continue;
+                }
+                at.push(i);
+                requests.push(CommitRequest { slot_id: slot_local(e.slot_id), key: std::mem::take(&mut e.key) });
+            }
+            if requests.is_empty() {
+                continue;
+            }
+            let results = medium.backend.batch_commit(&requests);
+            if results.len() != requests.len() {
+                tracing::warn!(backend = medium.backend.name(), "batch_commit broke its contract");
+            }
+            for (i, r) in at.into_iter().zip(results) {
+                out[i] = pb::CommitSlotResponse { success: r.success, bytes_committed: r.bytes_committed };
+            }
+        }
+        out
+    }
+
+    fn abort(&self, slot_ids: &[u64]) -> Vec<bool> {
+        let mut out = vec![true; slot_ids.len()];
+        for medium in &self.media {
+            let (at, locals): (Vec<usize>, Vec<u64>) = slot_ids
+                .iter()
+                .enumerate()
+                .filter(|(_, id)| slot_tier(**id) == medium.tier)
+                .map(|(i, id)| (i, slot_local(*id)))
+                .unzip();
+            if locals.is_empty() {
+                continue;
+            }
+            let results = medium.backend.batch_abort(&locals);
+            if results.len() != locals.len() {
+                tracing::warn!(backend = medium.backend.name(), "batch_abort broke its contract");
+            }
+            for (i, ok) in at.into_iter().zip(results) {
+                out[i] = ok;
+            }
+        }
+        out
+    }
+
+    fn resolve_one(&self, key: String) -> pb::ResolveKeyResponse {
+        if key.is_empty() {
+            return pb::ResolveKeyResponse::default();
+        }
+        let keys = [key];
+        for medium in &self.media {
+            let Some(entry) = medium.backend.batch_resolve(&keys, true).into_iter().next() else { continue };
+            if !usable_hit(medium, &entry, self.page_size) {
+                continue;
+            }
+            return pb::ResolveKeyResponse {
+                found: true,
+                pages: entry.pages.into_iter().map(page_to_wire).collect(),
+                page_size: entry.page_size,
+                descs: entry.descs.iter().map(|d| stamped(d, medium.id)).collect(),
+                size: entry.size,
+                backend_id: medium.id,
+                tier: tier_to_wire(medium.tier),
+            };
+        }
+        pb::ResolveKeyResponse::default()
+    }
+
+    /// Each medium, in order, is asked only for the keys no earlier medium answered (see the module
+    /// docs for why this differs from the reference).
+    fn batch_resolve(&self, keys: Vec<String>, omit_descs: bool) -> pb::BatchResolveKeysResponse {
+        let mut answers: Vec<Option<ResolvedKey>> = vec![None; keys.len()];
+        let mut descs: BTreeMap<(u32, u32), BufferDesc> = BTreeMap::new();
+        let mut remaining: Vec<usize> = (0..keys.len()).filter(|i| !keys[*i].is_empty()).collect();
+        for medium in &self.media {
+            if remaining.is_empty() {
+                break;
+            }
+            let ask: Vec<String> = remaining.iter().map(|i| keys[*i].clone()).collect();
+            let entries = medium.backend.batch_resolve(&ask, !omit_descs);
+            if entries.len() != ask.len() {
+                tracing::warn!(backend = medium.backend.name(), "batch_resolve broke its contract");
+            }
+            let mut entries = entries.into_iter();
+            let mut unanswered = Vec::new();
+            for i in remaining {
+                match entries.next() {
+                    Some(entry) if usable_hit(medium, &entry, self.page_size) => {
+                        for d in &entry.descs {
+                            descs
+                                .entry((medium.id, d.buffer_index))
+                                .or_insert_with(|| d.clone().with_backend_id(medium.id));
+                        }
+                        answers[i] = Some(ResolvedKey {
+                            tier: medium.tier,
+                            backend_id: medium.id,
+                            size: entry.size,
+                            pages: entry.pages,
+                        });
+                    }
+                    _ => unanswered.push(i),
+                }
+            }
+            remaining = unanswered;
+        }
+        let descs: Vec<BufferDesc> = if omit_descs { Vec::new() } else { descs.into_values().collect() };
+        encode_batch_resolve(&answers, &descs, self.page_size)
+    }
+
+    fn evict(&self, keys: Vec<String>) -> pb::EvictKeyResponse {
+        let mut freed = vec![0u64; keys.len()];
+        let (at, ask): (Vec<usize>, Vec<String>) =
+            keys.iter().enumerate().filter(|(_, k)| !k.is_empty()).map(|(i, k)| (i, k.clone())).unzip();
+        if !ask.is_empty() {
+            for medium in &self.media {
+                let results = medium.backend.evict(&ask);
+                if results.len() != ask.len() {
+                    tracing::warn!(backend = medium.backend.name(), "evict broke its contract");
+                }
+                for (i, r) in at.iter().zip(results) {
+                    freed[*i] = freed[*i].saturating_add(r.bytes_freed);
+                }
+            }
+        }
+        pb::EvictKeyResponse {
+            evicted: keys
+                .into_iter()
+                .zip(freed)
+                .map(|(key, bytes_freed)| pb::EvictedKey { key, bytes_freed })
+                .collect(),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl UmbpPeer for PeerService {
+    async fn get_peer_info(
+        &self,
+        _request: Request<pb::GetPeerInfoRequest>,
+    ) -> Result<Response<pb::GetPeerInfoResponse>, Status> {
+        self.blocking(Dispatch::peer_info).await.map(Response::new)
+    }
+
+    async fn allocate_slot(
+        &self,
+        request: Request<pb::AllocateSlotRequest>,
+    ) -> Result<Response<pb::AllocateSlotResponse>, Status> {
+        let entry = request.into_inner();
+        let answer = self.blocking(move |d| d.allocate(vec![entry])).await?;
+        Ok(Response::new(answer.into_iter().next().unwrap_or_else(failed_allocation)))
+    }
+
+    async fn batch_allocate_slots(
+        &self,
+        request: Request<pb::BatchAllocateSlotsRequest>,
+    ) -> Result<Response<pb::BatchAllocateSlotsResponse>, Status> {
+        let entries = request.into_inner().entries;
+        let entries = self.blocking(move |d| d.allocate(entries)).await?;
+        Ok(Response::new(pb::BatchAllocateSlotsResponse { entries }))
+    }
+
+    async fn commit_slot(
+        &self,
+        request: Request<pb::CommitSlotRequest>,
+    ) -> Result<Response<pb::CommitSlotResponse>, Status> {
+        let entry = request.into_inner();
+        let answer = self.blocking(move |d| d.commit(vec![entry])).await?;
+        Ok(Response::new(answer.into_iter().next().unwrap_or_default()))
+    }
+
+    async fn batch_commit_slots(
+        &self,
+        request: Request<pb::BatchCommitSlotsRequest>,
+    ) -> Result<Response<pb::BatchCommitSlotsResponse>, Status> {
+        let entries = request.into_inner().entries;
+        let entries = self.blocking(move |d| d.commit(entries)).await?;
+        Ok(Response::new(pb::BatchCommitSlotsResponse { entries }))
+    }
+
+    async fn abort_slot(
+        &self,
+        request: Request<pb::AbortSlotRequest>,
+    ) -> Result<Response<pb::AbortSlotResponse>, Status> {
+        let slot_id = request.into_inner().slot_id;
+        let answer = self.blocking(move |d| d.abort(&[slot_id])).await?;
+        Ok(Response::new(pb::AbortSlotResponse { success: answer.first().copied().unwrap_or(true) }))
+    }
+
+    async fn batch_abort_slots(
+        &self,
+        request: Request<pb::BatchAbortSlotsRequest>,
+    ) -> Result<Response<pb::BatchAbortSlotsResponse>, Status> {
+        let slot_ids = request.into_inner().slot_ids;
+        let success = self.blocking(move |d| d.abort(&slot_ids)).await?;
+        Ok(Response::new(pb::BatchAbortSlotsResponse { success }))
+    }
+
+    async fn resolve_key(
+        &self,
+        request: Request<pb::ResolveKeyRequest>,
+    ) -> Result<Response<pb::ResolveKeyResponse>, Status> {
+        let key = request.into_inner().key;
+        self.blocking(move |d| d.resolve_one(key)).await.map(Response::new)
+    }
+
+    async fn batch_resolve_keys(
+        &self,
+        request: Request<pb::BatchResolveKeysRequest>,
+    ) -> Result<Response<pb::BatchResolveKeysResponse>, Status> {
+        let pb::BatchResolveKeysRequest { keys, omit_descs } = request.into_inner();
+        self.blocking(move |d| d.batch_resolve(keys, omit_descs)).await.map(Response::new)
+    }
+
+    async fn evict_key(&self, request: Request<pb::EvictKeyRequest>) -> Result<Response<pb::EvictKeyResponse>, Status> {
+        let keys = request.into_inner().keys;
+        if keys.is_empty() {
+            return Ok(Response::new(pb::EvictKeyResponse::default()));
+        }
+        self.blocking(move |d| d.evict(keys)).await.map(Response::new)
+    }
+}

@@ -1,0 +1,320 @@
+//! `BatchResolveCodec` of the reference: the struct-of-arrays `BatchResolveKeys` reply, through real
+//! protobuf bytes, plus property tests (round trip; no input makes the decoder panic).
+
+use proptest::prelude::*;
+use prost::Message;
+use umbp_core::{BufferDesc, MemoryLocation, PageLocation, RemoteRegion, TierType};
+use umbp_peer::peer_service::{
+    CodecError, DecodedResolve, ResolvedKey, decode_batch_resolve, desc_to_wire, encode_batch_resolve, page_to_wire,
+    tier_to_wire,
+};
+use umbp_proto::v1 as pb;
+
+const PAGE: u64 = 4096;
+
+fn hit(tier: TierType, backend_id: u32, size: u64, pages: &[(u32, u32)]) -> Option<ResolvedKey> {
+    Some(ResolvedKey { tier, backend_id, size, pages: pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect() })
+}
+
+fn desc(backend_id: u32, buffer_index: u32, location: MemoryLocation, remote: Option<u64>) -> BufferDesc {
+    BufferDesc {
+        backend_id,
+        buffer_index,
+        size: 64 * PAGE,
+        location,
+        remote: remote.map(|region_id| RemoteRegion { endpoint: "127.0.0.1:7000".into(), region_id }),
+    }
+}
+
+/// Encodes, serializes, parses and decodes: what a reader on another node sees.
+fn over_the_wire(keys: &[Option<ResolvedKey>], descs: &[BufferDesc], page_size: u64) -> DecodedResolve {
+    let bytes = encode_batch_resolve(keys, descs, page_size).encode_to_vec();
+    let parsed = pb::BatchResolveKeysResponse::decode(bytes.as_slice()).expect("parse");
+    decode_batch_resolve(&parsed).expect("decode")
+}
+
+fn sample() -> (Vec<Option<ResolvedKey>>, Vec<BufferDesc>) {
+    let keys = vec![
+        hit(TierType::Hbm, 1, 2 * PAGE, &[(0, 3), (0, 4)]),
+        None,
+        hit(TierType::Dram, 0, PAGE + 1, &[(1, 0), (0, 9)]),
+        hit(TierType::Ssd, 2, 5, &[(0, 0)]),
+    ];
+    let descs = vec![
+        desc(0, 0, MemoryLocation::Host, Some(11)),
+        desc(0, 1, MemoryLocation::Host, Some(12)),
+        desc(1, 0, MemoryLocation::Gpu { device: 3 }, None),
+        desc(2, 0, MemoryLocation::Host, Some(13)),
+    ];
+    (keys, descs)
+}
+
+#[test]
+fn round_trip_preserves_every_field() {
+    let (keys, descs) = sample();
+    let decoded = over_the_wire(&keys, &descs, PAGE);
+    assert_eq!(decoded, DecodedResolve { page_size: PAGE, descs, keys });
+}
+
+#[test]
+fn flattened_pages_slice_by_key() {
+    let keys = vec![
+        hit(TierType::Dram, 0, 2 * PAGE, &[(0, 1), (0, 2)]),
+        None,
+        hit(TierType::Dram, 0, 3 * PAGE, &[(1, 7), (1, 8), (0, 0)]),
+    ];
+    let wire = encode_batch_resolve(&keys, &[], PAGE);
+    assert_eq!(wire.found, [true, false, true]);
+    assert_eq!(wire.page_count, [2, 0, 3]);
+    assert_eq!(wire.buffer_index, [0, 0, 1, 1, 0]);
+    assert_eq!(wire.page_index, [1, 2, 7, 8, 0]);
+    let decoded = decode_batch_resolve(&wire).expect("decode");
+    assert_eq!(decoded.keys, keys);
+}
+
+#[test]
+fn omit_descs_round_trips() {
+    let (keys, _) = sample();
+    let decoded = over_the_wire(&keys, &[], PAGE);
+    assert!(decoded.descs.is_empty());
+    assert_eq!(decoded.keys, keys);
+}
+
+#[test]
+fn all_not_found() {
+    let wire = encode_batch_resolve(&[None, None, None], &[], PAGE);
+    assert_eq!(wire.found, [false; 3]);
+    assert_eq!(wire.page_count, [0; 3]);
+    assert!(wire.buffer_index.is_empty() && wire.page_index.is_empty());
+    assert_eq!(over_the_wire(&[None, None, None], &[], PAGE).keys, [None, None, None]);
+}
+
+#[test]
+fn empty_batch() {
+    let decoded = over_the_wire(&[], &[], PAGE);
+    assert_eq!(decoded, DecodedResolve { page_size: PAGE, descs: Vec::new(), keys: Vec::new() });
+}
+
+#[test]
+fn malformed_mismatched_arrays_rejected() {
+    let (keys, descs) = sample();
+    let good = encode_batch_resolve(&keys, &descs, PAGE);
+    type Cut = fn(&mut pb::BatchResolveKeysResponse);
+    let cuts: [(&str, Cut); 5] = [
+        ("tier", |r| {
+            r.tier.pop();
+        }),
+        ("size", |r| {
+            r.size.pop();
+        }),
+        ("page_count", |r| {
+            r.page_count.pop();
+        }),
+        ("backend_id", |r| {
+            r.backend_id.pop();
+        }),
+        ("tier", |r| r.tier.push(0)),
+    ];
+    for (field, cut) in cuts {
+        let mut bad = good.clone();
+        cut(&mut bad);
+        match decode_batch_resolve(&bad) {
+            Err(CodecError::MismatchedArrays { field: f, .. }) => assert_eq!(f, field),
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    // A `found` array shorter than the rest is the same defect, seen from the other side.
+    let mut bad = good.clone();
+    bad.found.pop();
+    assert!(matches!(decode_batch_resolve(&bad), Err(CodecError::MismatchedArrays { .. })));
+    let mut bad = good;
+    bad.page_index.pop();
+    assert!(matches!(decode_batch_resolve(&bad), Err(CodecError::MismatchedPageArrays { .. })));
+}
+
+#[test]
+fn malformed_truncated_pages_rejected() {
+    let (keys, descs) = sample();
+    let good = encode_batch_resolve(&keys, &descs, PAGE);
+    let mut short = good.clone();
+    short.buffer_index.pop();
+    short.page_index.pop();
+    assert_eq!(decode_batch_resolve(&short), Err(CodecError::PageCountMismatch { declared: 5, flattened: 4 }));
+    // Surplus pages would shift nothing, but they mean the writer is broken: refused too.
+    let mut long = good;
+    long.buffer_index.push(0);
+    long.page_index.push(0);
+    assert_eq!(decode_batch_resolve(&long), Err(CodecError::PageCountMismatch { declared: 5, flattened: 6 }));
+}
+
+#[test]
+fn malformed_replies_of_other_shapes_are_rejected() {
+    let (keys, descs) = sample();
+    let good = encode_batch_resolve(&keys, &descs, PAGE);
+
+    // A miss that claims pages (and carries them, so the counts still add up).
+    let mut bad = good.clone();
+    bad.page_count[1] = 1;
+    bad.buffer_index.push(0);
+    bad.page_index.push(0);
+    assert_eq!(decode_batch_resolve(&bad), Err(CodecError::PagesForMiss { key_index: 1, page_count: 1 }));
+
+    // A hit whose pages cannot hold its size.
+    let mut bad = good.clone();
+    bad.size[0] = 2 * PAGE + 1;
+    assert!(matches!(decode_batch_resolve(&bad), Err(CodecError::PagesDoNotCoverSize { key_index: 0, .. })));
+
+    // Backend ids outside the descriptor shelves, on a hit or on a descriptor.
+    let mut bad = good.clone();
+    bad.backend_id[0] = 8;
+    assert_eq!(decode_batch_resolve(&bad), Err(CodecError::BackendIdOutOfRange { backend_id: 8 }));
+    let mut bad = good.clone();
+    bad.descs[0].backend_id = u32::MAX;
+    assert_eq!(decode_batch_resolve(&bad), Err(CodecError::BackendIdOutOfRange { backend_id: u32::MAX }));
+
+    // A memory kind this build does not know.
+    let mut bad = good.clone();
+    bad.descs[0].location = 7;
+    assert_eq!(decode_batch_resolve(&bad), Err(CodecError::UnknownMemoryKind { value: 7 }));
+
+    // Page counts whose sum overflows 32 bits must not wrap around to a "valid" total.
+    let mut bad = good;
+    bad.page_count[0] = u32::MAX;
+    bad.page_count[2] = 4;
+    assert!(matches!(decode_batch_resolve(&bad), Err(CodecError::PageCountMismatch { .. })));
+}
+
+#[test]
+fn optimized_wire_is_smaller_than_per_key_descs() {
+    const KEYS: u32 = 1000;
+    const PAGES: u32 = 8;
+    let descs: Vec<BufferDesc> = (0..4).map(|b| desc(0, b, MemoryLocation::Host, Some(u64::from(b)))).collect();
+    let keys: Vec<Option<ResolvedKey>> = (0..KEYS)
+        .map(|k| {
+            let pages: Vec<(u32, u32)> = (0..PAGES).map(|p| (k % 4, (k * PAGES + p) % 4096)).collect();
+            hit(TierType::Dram, 0, u64::from(PAGES) * PAGE, &pages)
+        })
+        .collect();
+    let soa = encode_batch_resolve(&keys, &descs, PAGE).encoded_len();
+
+    // The per-key shape: one ResolveKeyResponse per key, each carrying its descriptors.
+    let per_key: usize = keys
+        .iter()
+        .flatten()
+        .map(|k| {
+            let own: Vec<pb::BufferDesc> = descs
+                .iter()
+                .filter(|d| k.pages.iter().any(|p| p.buffer_index == d.buffer_index))
+                .map(desc_to_wire)
+                .collect();
+            let msg = pb::ResolveKeyResponse {
+                found: true,
+                pages: k.pages.iter().copied().map(page_to_wire).collect(),
+                page_size: PAGE,
+                descs: own,
+                size: k.size,
+                backend_id: k.backend_id,
+                tier: tier_to_wire(k.tier),
+            };
+            // Framed as an element of a repeated field.
+            let len = msg.encoded_len();
+            1 + prost::encoding::encoded_len_varint(len as u64) + len
+        })
+        .sum();
+    println!("1000 keys x 8 pages: SoA {soa} bytes, per-key {per_key} bytes");
+    assert!(soa < per_key, "SoA {soa} must be smaller than per-key {per_key}");
+    assert!(soa * 2 < per_key, "SoA should at least halve the reply: {soa} vs {per_key}");
+}
+
+// --- properties ----------------------------------------------------------------------------------
+
+fn arb_tier() -> impl Strategy<Value = TierType> {
+    prop::sample::select(TierType::ALL.to_vec())
+}
+
+fn arb_key(page_size: u64) -> impl Strategy<Value = Option<ResolvedKey>> {
+    prop::option::of((arb_tier(), 0u32..8, prop::collection::vec((any::<u32>(), any::<u32>()), 0..12)).prop_flat_map(
+        move |(tier, backend_id, pages)| {
+            let max = pages.len() as u64 * page_size;
+            (0..=max).prop_map(move |size| ResolvedKey {
+                tier,
+                backend_id,
+                size,
+                pages: pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect(),
+            })
+        },
+    ))
+}
+
+fn arb_desc() -> impl Strategy<Value = BufferDesc> {
+    (
+        0u32..8,
+        any::<u32>(),
+        any::<u64>(),
+        prop::option::of(any::<u32>()),
+        prop::option::of(("[a-z0-9.:]{0,20}", any::<u64>())),
+    )
+        .prop_map(|(backend_id, buffer_index, size, gpu, remote)| BufferDesc {
+            backend_id,
+            buffer_index,
+            size,
+            location: gpu.map_or(MemoryLocation::Host, |device| MemoryLocation::Gpu { device }),
+            remote: remote.map(|(endpoint, region_id)| RemoteRegion { endpoint, region_id }),
+        })
+}
+
+fn arb_batch() -> impl Strategy<Value = DecodedResolve> {
+    (1u64..(1 << 22)).prop_flat_map(|page_size| {
+        (prop::collection::vec(arb_key(page_size), 0..40), prop::collection::vec(arb_desc(), 0..6))
+            .prop_map(move |(keys, descs)| DecodedResolve { page_size, descs, keys })
+    })
+}
+
+fn arb_wire() -> impl Strategy<Value = pb::BatchResolveKeysResponse> {
+    let small = 0usize..6;
+    (
+        small.clone(),
+        small.clone(),
+        small.clone(),
+        small,
+        0usize..12,
+        0usize..12,
+        0u64..8,
+        prop::collection::vec(0u32..5, 0..6),
+    )
+        .prop_map(|(found, tier, size, backend, bi, pi, page_size, counts)| pb::BatchResolveKeysResponse {
+            descs: Vec::new(),
+            page_size,
+            found: (0..found).map(|i| i % 2 == 0).collect(),
+            tier: (0..tier).map(|i| i as i32 - 1).collect(),
+            size: (0..size).map(|i| i as u64 * 3).collect(),
+            page_count: counts,
+            buffer_index: (0..bi as u32).collect(),
+            page_index: (0..pi as u32).collect(),
+            backend_id: (0..backend as u32).map(|i| i * 3).collect(),
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn decode_inverts_encode(batch in arb_batch()) {
+        let wire = encode_batch_resolve(&batch.keys, &batch.descs, batch.page_size);
+        let parsed = pb::BatchResolveKeysResponse::decode(wire.encode_to_vec().as_slice()).expect("parse");
+        prop_assert_eq!(decode_batch_resolve(&parsed), Ok(batch));
+    }
+
+    #[test]
+    fn no_reply_makes_the_decoder_panic_or_misslice(wire in arb_wire()) {
+        if let Ok(decoded) = decode_batch_resolve(&wire) {
+            // Whatever it accepts is exactly consistent: every page sent belongs to exactly one key.
+            prop_assert_eq!(decoded.keys.len(), wire.found.len());
+            let pages: usize = decoded.keys.iter().flatten().map(|k| k.pages.len()).sum();
+            prop_assert_eq!(pages, wire.buffer_index.len());
+            let reencoded = encode_batch_resolve(&decoded.keys, &decoded.descs, decoded.page_size);
+            prop_assert_eq!(reencoded.buffer_index, wire.buffer_index);
+            prop_assert_eq!(reencoded.page_index, wire.page_index);
+        }
+    }
+}

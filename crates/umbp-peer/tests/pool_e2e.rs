@@ -1,0 +1,166 @@
+//! End to end in one process: a real master and three `PoolClient` nodes with DRAM media on
+//! 127.0.0.1, bytes moving over the real TCP data plane. Batch put/get byte-exact across local and
+//! remote keys, multi-page values with partial tails, dedup, remove, clear, bad input per key, and a
+//! re-route after a full node.
+
+use std::time::Duration;
+
+use umbp_master::{MasterConfig, MasterHandle};
+use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+
+const PAGE: u64 = 4096;
+
+async fn master() -> MasterHandle {
+    umbp_master::start(MasterConfig { listen: "127.0.0.1:0".parse().expect("addr"), ..MasterConfig::default() })
+        .await
+        .expect("master")
+}
+
+async fn node(master: &MasterHandle, id: &str, capacity: u64) -> PoolClient {
+    let mut config = PoolClientConfig::new(id, master.local_addr().to_string()).with_medium(Medium::Dram(DramConfig {
+        capacity_bytes: capacity,
+        prefault: false,
+        ..DramConfig::default()
+    }));
+    config.page_size = PAGE;
+    config.bounce_bytes = 1 << 20;
+    config.recache = RecachePolicy::Off;
+    PoolClient::start(config).await.expect("node starts")
+}
+
+fn value(seed: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(131)) as u8).collect()
+}
+
+/// Waits until the master indexes `keys` (heartbeats are asynchronous).
+async fn indexed(client: &PoolClient, keys: &[&str]) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = client
+            .master()
+            .batch_lookup(&keys.iter().map(|k| k.to_string()).collect::<Vec<_>>())
+            .await
+            .expect("lookup");
+        if found.iter().all(|f| *f) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "keys never indexed: {found:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_put_and_get_are_byte_exact_across_local_and_remote_nodes() {
+    let m = master().await;
+    let nodes = [node(&m, "n1", 4 << 20).await, node(&m, "n2", 4 << 20).await, node(&m, "n3", 4 << 20).await];
+    // Sizes: sub-page, exactly one page, multi-page with a partial tail.
+    let sizes = [100usize, PAGE as usize, 3 * PAGE as usize + 17, 10 * PAGE as usize - 1];
+    let keys: Vec<String> = (0..24).map(|i| format!("key-{i}")).collect();
+    let values: Vec<Vec<u8>> = keys.iter().enumerate().map(|(i, _)| value(i, sizes[i % sizes.len()])).collect();
+    // Each node writes a third of the keys: most land remotely (most_available spreads them).
+    for (n, node) in nodes.iter().enumerate() {
+        let items: Vec<(&str, &[u8])> = (n * 8..n * 8 + 8).map(|i| (keys[i].as_str(), values[i].as_slice())).collect();
+        for r in node.batch_put(&items).await {
+            r.expect("put");
+        }
+        node.flush();
+    }
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    indexed(&nodes[0], &key_refs).await;
+    // Every node reads every key; buffers are larger than the values (filled up to the size).
+    for node in &nodes {
+        let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0xEE; v.len() + 8]).collect();
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        let results = node.batch_get(&key_refs, &mut slices).await;
+        for (i, r) in results.iter().enumerate() {
+            assert_eq!(r.as_ref().ok().copied(), Some(values[i].len() as u64), "get {} on {}", keys[i], node.node_id());
+            assert_eq!(&bufs[i][..values[i].len()], values[i].as_slice(), "bytes of {}", keys[i]);
+            assert!(bufs[i][values[i].len()..].iter().all(|b| *b == 0xEE), "nothing written past the value");
+        }
+    }
+    let placed: Vec<u64> = nodes.iter().map(|n| n.medium().expect("medium").owned_key_count() as u64).collect();
+    assert_eq!(placed.iter().sum::<u64>(), 24, "each key stored once: {placed:?}");
+    assert!(placed.iter().filter(|c| **c > 0).count() >= 2, "keys spread over nodes: {placed:?}");
+    for n in &nodes {
+        n.close().await;
+    }
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dedup_remove_clear_and_bad_input() {
+    let m = master().await;
+    let a = node(&m, "a", 1 << 20).await;
+    let b = node(&m, "b", 1 << 20).await;
+    let v = value(7, 5000);
+    a.put("k", &v).await.expect("put");
+    a.flush();
+    indexed(&a, &["k"]).await;
+    // Dedup: the second put of the same key is a success and stores nothing new.
+    b.put("k", &v).await.expect("dedup put");
+    let total: usize = [&a, &b].iter().map(|n| n.medium().expect("m").owned_key_count()).sum();
+    assert_eq!(total, 1);
+
+    // Bad input gets a clear error per key and never disturbs its neighbours.
+    let results = a.batch_put(&[("", b"x"), ("empty", b""), ("fine", b"ok")]).await;
+    assert_eq!(results[0], Err(KeyError::EmptyKey));
+    assert_eq!(results[1], Err(KeyError::EmptyValue));
+    assert_eq!(results[2], Ok(()));
+    let huge = vec![0u8; 2 << 20];
+    assert!(a.put("huge", &huge).await.is_err(), "larger than any medium");
+    let mut small = vec![0u8; 10];
+    assert_eq!(b.get("k", &mut small).await, Err(KeyError::BufferTooSmall { needed: 5000, got: 10 }));
+    let mut buf = vec![0u8; 5000];
+    assert_eq!(b.get("missing", &mut buf).await, Err(KeyError::Miss));
+    assert_eq!(b.get("", &mut buf).await, Err(KeyError::EmptyKey));
+
+    // Remove drops every replica the pool knows of. The reads above took a read lease on the holder
+    // (a reader may still be copying), which protects the key for 500 ms: a remove inside it frees 0.
+    assert_eq!(b.remove(&["k"]).await.expect("remove"), vec![0], "a leased key is protected");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let freed = b.remove(&["k"]).await.expect("remove");
+    assert_eq!(freed, vec![5000]);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while a.exists("k").await.expect("exists") {
+        assert!(tokio::time::Instant::now() < deadline, "removed key still indexed");
+        a.flush();
+        b.flush();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(b.get("k", &mut buf).await, Err(KeyError::Miss));
+
+    // Clear: the node's keys are gone at once and writes reopen after the master's ack.
+    a.put("c1", &v).await.expect("put");
+    a.clear().await.expect("clear");
+    assert_eq!(a.medium().expect("m").owned_key_count(), 0);
+    a.put("c2", &v).await.expect("writes reopen after the clear");
+    a.close().await;
+    b.close().await;
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_node_is_excluded_and_the_put_reroutes() {
+    let m = master().await;
+    // "full" advertises the most room, but its pages are all reserved (pending slots the master cannot
+    // see until the next heartbeat): every put routed there gets FailedNoSpace and must re-route.
+    let full = node(&m, "full", 2 << 20).await;
+    let other = node(&m, "other", 1 << 20).await;
+    let medium = full.medium().expect("medium");
+    let hog: Vec<umbp_core::AllocateRequest> =
+        (0..512).map(|i| umbp_core::AllocateRequest::new(format!("hog-{i}"), PAGE)).collect();
+    assert!(medium.batch_allocate(&hog).iter().all(|a| a.outcome == umbp_core::AllocateOutcome::Allocated));
+    let writer = PoolClient::start(PoolClientConfig::new("writer", m.local_addr().to_string())).await.expect("client");
+    let values: Vec<Vec<u8>> = (0..20).map(|i| value(i, PAGE as usize)).collect();
+    let keys: Vec<String> = (0..20).map(|i| format!("r-{i}")).collect();
+    let items: Vec<(&str, &[u8])> = keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    for r in writer.batch_put(&items).await {
+        r.expect("every key lands after a re-route");
+    }
+    assert_eq!(full.medium().expect("m").owned_key_count(), 0, "nothing fit on the full node");
+    assert_eq!(other.medium().expect("m").owned_key_count(), 20, "every key re-routed to the other node");
+    writer.close().await;
+    full.close().await;
+    other.close().await;
+    m.shutdown().await;
+}
