@@ -164,3 +164,68 @@ async fn a_full_node_is_excluded_and_the_put_reroutes() {
     other.close().await;
     m.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pool_pressure_eviction_keeps_puts_succeeding_and_gets_are_exact_or_miss() {
+    let m = umbp_master::start(MasterConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        heartbeat_ttl: Duration::from_millis(400),
+        heartbeat_interval_divisor: 4,
+        eviction_check_interval: Duration::from_millis(100),
+        route_get_lease: Duration::from_millis(50),
+        ..MasterConfig::default()
+    })
+    .await
+    .expect("master");
+    // Three nodes of 64 pages each: 192 pages in the pool; the workload writes 3x that.
+    let nodes = [node(&m, "p1", 64 * PAGE).await, node(&m, "p2", 64 * PAGE).await, node(&m, "p3", 64 * PAGE).await];
+    let total = 3 * 192;
+    let keys: Vec<String> = (0..total).map(|i| format!("pressure-{i:04}")).collect();
+    let values: Vec<Vec<u8>> = (0..total).map(|i| value(i, PAGE as usize - (i % 7) * 13)).collect();
+    let mut retries = 0;
+    for chunk in (0..total).collect::<Vec<_>>().chunks(16) {
+        let writer = &nodes[chunk[0] % 3];
+        let mut pending: Vec<usize> = chunk.to_vec();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !pending.is_empty() {
+            let items: Vec<(&str, &[u8])> =
+                pending.iter().map(|i| (keys[*i].as_str(), values[*i].as_slice())).collect();
+            let results = writer.batch_put(&items).await;
+            let failed: Vec<usize> =
+                pending.iter().zip(&results).filter(|(_, r)| r.is_err()).map(|(i, _)| *i).collect();
+            if failed.is_empty() {
+                break;
+            }
+            // The pool is full until the master's next eviction round frees room.
+            assert!(tokio::time::Instant::now() < deadline, "eviction never made room: {:?}", results);
+            retries += 1;
+            pending = failed;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        writer.flush();
+    }
+    assert!(m.stats().eviction_rounds > 0, "the workload overflowed the pool, so eviction ran");
+    // Every key reads back exactly or is a miss: never wrong bytes.
+    let reader = &nodes[1];
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; PAGE as usize]; total];
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+    let results = reader.batch_get(&key_refs, &mut slices).await;
+    let mut hits = 0;
+    for (i, r) in results.iter().enumerate() {
+        match r {
+            Ok(size) => {
+                assert_eq!(*size as usize, values[i].len(), "size of {}", keys[i]);
+                assert_eq!(&bufs[i][..values[i].len()], values[i].as_slice(), "bytes of {}", keys[i]);
+                hits += 1;
+            }
+            Err(KeyError::Miss) => {}
+            Err(e) => panic!("{}: {e}", keys[i]),
+        }
+    }
+    assert!(hits > 0 && hits < total, "some keys survive, the oldest were evicted: {hits} hits, {retries} retries");
+    for n in &nodes {
+        n.close().await;
+    }
+    m.shutdown().await;
+}
