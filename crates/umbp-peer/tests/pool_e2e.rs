@@ -63,6 +63,9 @@ async fn batch_put_and_get_are_byte_exact_across_local_and_remote_nodes() {
         for r in node.batch_put(&items).await {
             r.expect("put");
         }
+    }
+    // Remote commits queue their ADDs on the holders: ship every node's outbox now.
+    for node in &nodes {
         node.flush();
     }
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
