@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::routing::{Affinity, EvictionConfig, SelectAlgo};
+
 /// A setting that could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -37,23 +39,21 @@ pub struct MasterConfig {
     pub max_missed_heartbeats: u32,
     /// How often the registry reaper expires silent nodes. Env `UMBP_REAPER_INTERVAL_SEC`. Default: 5 s.
     pub reaper_interval: Duration,
-    /// How often eviction checks the watermarks. Env `UMBP_EVICTION_CHECK_INTERVAL_SEC`. Default: 5 s.
-    pub eviction_check_interval: Duration,
-    /// A node tier is evicted when used/total reaches this. Env `UMBP_EVICTION_HIGH_WATERMARK`.
-    /// Default: 0.9.
-    pub eviction_high_watermark: f64,
-    /// … down to this. Env `UMBP_EVICTION_LOW_WATERMARK`. Default: 0.7.
-    pub eviction_low_watermark: f64,
-    /// Lease a route-get grants the keys it found (eviction skips them). Env
-    /// `UMBP_LEASE_DURATION_SEC`. Default: 2 s.
-    pub route_get_lease: Duration,
-    /// Deadline of an `EvictKey` call to a peer. Env `UMBP_EVICTKEY_DEADLINE_MS`. Default: 1000 ms.
-    pub evict_deadline: Duration,
-    /// Put selection algorithm: `most_available` or `random`. Env `UMBP_ROUTE_PUT_SELECT_ALGO`.
-    /// Default: `most_available`.
-    pub route_put_algo: String,
-    /// Put affinity: `none`, `same` or `local`. Env `UMBP_ROUTE_PUT_NODE_AFFINITY`. Default: `none`.
-    pub route_put_affinity: String,
+    /// Eviction and route-get lease settings (the routing crate's [`EvictionConfig`], embedded so
+    /// the two cannot drift apart):
+    /// - `high_watermark`: env `UMBP_EVICTION_HIGH_WATERMARK`, default 0.9;
+    /// - `low_watermark`: env `UMBP_EVICTION_LOW_WATERMARK`, default 0.7;
+    /// - `check_interval`: env `UMBP_EVICTION_CHECK_INTERVAL_SEC`, default 5 s;
+    /// - `lease_duration` (the lease a route-get grants the keys it found; eviction skips them): env
+    ///   `UMBP_LEASE_DURATION_SEC`, default 2 s;
+    /// - `evict_deadline` (of one `EvictKey` call): env `UMBP_EVICTKEY_DEADLINE_MS`, default 1000 ms.
+    pub eviction: EvictionConfig,
+    /// Put selection algorithm. Env `UMBP_ROUTE_PUT_SELECT_ALGO` (`most_available` | `random`; any
+    /// other value is an error). Default: `most_available`.
+    pub route_put_algo: SelectAlgo,
+    /// Put affinity. Env `UMBP_ROUTE_PUT_NODE_AFFINITY` (`none` | `same` | `local`; any other value is
+    /// an error). Default: `none`.
+    pub route_put_affinity: Affinity,
     /// Shards of the key index. Env `UMBP_MASTER_INDEX_SHARDS` (1..=4096). Default: 32.
     pub index_shards: usize,
     /// How long a graceful shutdown waits for in-flight calls. Env
@@ -62,7 +62,8 @@ pub struct MasterConfig {
     /// When set, every call must carry it as `x-umbp-token` metadata. Env `UMBP_CLUSTER_TOKEN`.
     /// Default: none.
     pub cluster_token: Option<String>,
-    /// Largest gRPC message accepted or sent. Default: 64 MiB.
+    /// Largest gRPC message accepted or sent, by the master's server and by its `EvictKey` client.
+    /// Env `UMBP_MASTER_MAX_MESSAGE_BYTES` (>= 64 KiB). Default: 64 MiB.
     pub max_message_bytes: usize,
 }
 
@@ -74,13 +75,9 @@ impl Default for MasterConfig {
             heartbeat_interval_divisor: 2,
             max_missed_heartbeats: 3,
             reaper_interval: Duration::from_secs(5),
-            eviction_check_interval: Duration::from_secs(5),
-            eviction_high_watermark: 0.9,
-            eviction_low_watermark: 0.7,
-            route_get_lease: Duration::from_secs(2),
-            evict_deadline: Duration::from_millis(1000),
-            route_put_algo: "most_available".into(),
-            route_put_affinity: "none".into(),
+            eviction: EvictionConfig::default(),
+            route_put_algo: SelectAlgo::MostAvailable,
+            route_put_affinity: Affinity::None,
             index_shards: 32,
             shutdown_deadline: Duration::from_secs(3),
             cluster_token: None,
@@ -88,6 +85,9 @@ impl Default for MasterConfig {
         }
     }
 }
+
+/// The smallest `max_message_bytes` accepted: smaller would refuse ordinary heartbeats.
+pub const MIN_MESSAGE_BYTES: usize = 64 << 10;
 
 /// Reads `var` through `get` and parses it; absent means `None`.
 fn parse<T: std::str::FromStr>(
@@ -127,26 +127,48 @@ impl MasterConfig {
             self.reaper_interval = Duration::from_secs(s);
         }
         if let Some(s) = secs("UMBP_EVICTION_CHECK_INTERVAL_SEC", 1)? {
-            self.eviction_check_interval = Duration::from_secs(s);
+            self.eviction.check_interval = Duration::from_secs(s);
         }
         let ratio = "a number in (0, 1]";
         if let Some(h) = parse::<f64>(get, "UMBP_EVICTION_HIGH_WATERMARK", ratio, |h| *h > 0.0 && *h <= 1.0)? {
-            self.eviction_high_watermark = h;
+            self.eviction.high_watermark = h;
         }
         if let Some(l) = parse::<f64>(get, "UMBP_EVICTION_LOW_WATERMARK", ratio, |l| *l > 0.0 && *l <= 1.0)? {
-            self.eviction_low_watermark = l;
+            self.eviction.low_watermark = l;
         }
         if let Some(s) = secs("UMBP_LEASE_DURATION_SEC", 1)? {
-            self.route_get_lease = Duration::from_secs(s);
+            self.eviction.lease_duration = Duration::from_secs(s);
         }
         if let Some(ms) = parse::<u64>(get, "UMBP_EVICTKEY_DEADLINE_MS", "milliseconds >= 1", |m| *m >= 1)? {
-            self.evict_deadline = Duration::from_millis(ms);
+            self.eviction.evict_deadline = Duration::from_millis(ms);
         }
         if let Some(a) = get("UMBP_ROUTE_PUT_SELECT_ALGO") {
-            self.route_put_algo = a.trim().to_owned();
+            self.route_put_algo = a.parse().map_err(|e: crate::routing::RoutingConfigError| ConfigError::BadEnv {
+                var: "UMBP_ROUTE_PUT_SELECT_ALGO",
+                value: a.clone(),
+                reason: e.to_string(),
+            })?;
         }
         if let Some(a) = get("UMBP_ROUTE_PUT_NODE_AFFINITY") {
-            self.route_put_affinity = a.trim().to_owned();
+            self.route_put_affinity = a.parse().map_err(|e: crate::routing::RoutingConfigError| {
+                ConfigError::BadEnv { var: "UMBP_ROUTE_PUT_NODE_AFFINITY", value: a.clone(), reason: e.to_string() }
+            })?;
+        }
+        if let Some(b) = get("UMBP_METADATA_BACKEND")
+            && !b.trim().eq_ignore_ascii_case("inmemory")
+        {
+            return Err(ConfigError::BadEnv {
+                var: "UMBP_METADATA_BACKEND",
+                value: b,
+                reason: "only `inmemory` is supported by this master (the Redis-backed store is not built yet)".into(),
+            });
+        }
+        if let Some(n) =
+            parse::<usize>(get, "UMBP_MASTER_MAX_MESSAGE_BYTES", &format!("an integer >= {MIN_MESSAGE_BYTES}"), |n| {
+                *n >= MIN_MESSAGE_BYTES
+            })?
+        {
+            self.max_message_bytes = n;
         }
         if let Some(n) =
             parse::<usize>(get, "UMBP_MASTER_INDEX_SHARDS", "an integer in 1..=4096", |n| (1..=4096).contains(n))?
@@ -172,21 +194,31 @@ impl MasterConfig {
         self.heartbeat_ttl * self.max_missed_heartbeats.max(1)
     }
 
-    /// Checks cross-field rules (watermarks ordered, routing names known).
+    /// Checks cross-field rules: watermarks ordered, no zero period, lease or deadline, a node expires
+    /// only after more than one heartbeat interval, a usable message size.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let (high, low) = (self.eviction_high_watermark, self.eviction_low_watermark);
-        if !(0.0 < low && low < high && high <= 1.0) {
-            return Err(ConfigError::Invalid(format!(
-                "eviction watermarks must satisfy 0 < low < high <= 1 (low {low}, high {high})"
-            )));
-        }
+        self.eviction.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         if !(1..=4096).contains(&self.index_shards) {
             return Err(ConfigError::Invalid(format!("index_shards {} is outside 1..=4096", self.index_shards)));
         }
-        if self.heartbeat_ttl.is_zero() || self.reaper_interval.is_zero() || self.eviction_check_interval.is_zero() {
+        if self.heartbeat_ttl.is_zero() || self.reaper_interval.is_zero() || self.heartbeat_interval().is_zero() {
             return Err(ConfigError::Invalid(
-                "heartbeat_ttl, reaper_interval and eviction_check_interval must be > 0".into(),
+                "heartbeat_ttl, the heartbeat interval (ttl / divisor) and reaper_interval must be > 0".into(),
             ));
+        }
+        if self.expiry_after() <= self.heartbeat_interval() {
+            return Err(ConfigError::Invalid(format!(
+                "nodes would expire ({:?}) before their next heartbeat is due ({:?}): raise max_missed_heartbeats or \
+                 heartbeat_interval_divisor",
+                self.expiry_after(),
+                self.heartbeat_interval()
+            )));
+        }
+        if self.max_message_bytes < MIN_MESSAGE_BYTES {
+            return Err(ConfigError::Invalid(format!(
+                "max_message_bytes {} is below the minimum {MIN_MESSAGE_BYTES}",
+                self.max_message_bytes
+            )));
         }
         Ok(())
     }
@@ -208,7 +240,7 @@ mod tests {
         let c = MasterConfig::default();
         assert_eq!(c.heartbeat_interval(), Duration::from_secs(5));
         assert_eq!(c.expiry_after(), Duration::from_secs(30));
-        assert_eq!(c.route_get_lease, Duration::from_secs(2));
+        assert_eq!(c.eviction.lease_duration, Duration::from_secs(2));
         assert_eq!(c.index_shards, 32);
         c.validate().expect("defaults are valid");
     }
@@ -227,8 +259,8 @@ mod tests {
             .expect("valid env");
         assert_eq!(c.heartbeat_interval(), Duration::from_secs(1));
         assert_eq!(c.index_shards, 8);
-        assert_eq!(c.route_put_algo, "random");
-        assert_eq!(c.evict_deadline, Duration::from_millis(250));
+        assert_eq!(c.route_put_algo, SelectAlgo::Random);
+        assert_eq!(c.eviction.evict_deadline, Duration::from_millis(250));
         assert_eq!(c.cluster_token.as_deref(), Some("s3cret"));
     }
 
@@ -240,6 +272,10 @@ mod tests {
             ("UMBP_HEARTBEAT_TTL_SEC", "0"),
             ("UMBP_MASTER_INDEX_SHARDS", "5000"),
             ("UMBP_EVICTION_HIGH_WATERMARK", "1.5"),
+            ("UMBP_ROUTE_PUT_SELECT_ALGO", "fastest"),
+            ("UMBP_ROUTE_PUT_NODE_AFFINITY", "sticky"),
+            ("UMBP_METADATA_BACKEND", "redis"),
+            ("UMBP_MASTER_MAX_MESSAGE_BYTES", "1000"),
         ] {
             let err = MasterConfig::default().with_env(&env(&[(var, value)])).expect_err(value);
             assert!(err.to_string().contains(var), "{err}");
@@ -247,8 +283,40 @@ mod tests {
     }
 
     #[test]
+    fn env_parses_the_routing_enums_backend_and_message_size() {
+        let c = MasterConfig::default()
+            .with_env(&env(&[
+                ("UMBP_ROUTE_PUT_SELECT_ALGO", " Random "),
+                ("UMBP_ROUTE_PUT_NODE_AFFINITY", "local"),
+                ("UMBP_METADATA_BACKEND", "inmemory"),
+                ("UMBP_MASTER_MAX_MESSAGE_BYTES", "1048576"),
+            ]))
+            .expect("valid env");
+        assert_eq!((c.route_put_algo, c.route_put_affinity), (SelectAlgo::Random, Affinity::Local));
+        assert_eq!(c.max_message_bytes, 1 << 20);
+    }
+
+    #[test]
     fn watermarks_must_be_ordered() {
-        let c = MasterConfig { eviction_low_watermark: 0.95, ..MasterConfig::default() };
+        let mut c = MasterConfig::default();
+        c.eviction.low_watermark = 0.95;
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn zero_deadlines_leases_and_early_expiry_are_invalid() {
+        let mut c = MasterConfig::default();
+        c.eviction.evict_deadline = Duration::ZERO;
+        assert!(c.validate().is_err(), "zero evict deadline");
+        let mut c = MasterConfig::default();
+        c.eviction.lease_duration = Duration::ZERO;
+        assert!(c.validate().is_err(), "zero lease");
+        // ttl 10 s, divisor 1, 1 missed: expiry (10 s) == interval (10 s).
+        let c = MasterConfig { heartbeat_interval_divisor: 1, max_missed_heartbeats: 1, ..MasterConfig::default() };
+        assert!(c.validate().is_err(), "expiry must exceed the heartbeat interval");
+        let c = MasterConfig { heartbeat_interval_divisor: 2, max_missed_heartbeats: 1, ..MasterConfig::default() };
+        c.validate().expect("expiry 10 s > interval 5 s");
+        let c = MasterConfig { max_message_bytes: 10, ..MasterConfig::default() };
+        assert!(c.validate().is_err(), "tiny message limit");
     }
 }

@@ -14,12 +14,14 @@
 //! full sync cannot rebuild.
 
 mod config;
+mod evictor;
 pub mod routing;
 mod server;
 mod service;
 pub mod store;
 
-pub use config::{ConfigError, MasterConfig};
+pub use config::{ConfigError, MIN_MESSAGE_BYTES, MasterConfig};
+pub use evictor::EvictionReport;
 pub use server::{MasterError, MasterHandle, MasterStats, TOKEN_METADATA, start, start_with_store};
 
 /// Runs a master until SIGINT or SIGTERM, then shuts it down gracefully. The entry point of

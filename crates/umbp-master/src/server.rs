@@ -1,25 +1,18 @@
 //! Running the master: the gRPC server, the registry reaper and the eviction manager, with a graceful
 //! shutdown.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Status};
-use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_server::UmbpMasterServer;
-use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 
 use crate::config::MasterConfig;
-use crate::routing::{
-    Affinity, Candidate, EvictionCandidate, GetAlgo, PutStrategyConfig, RouteGetStrategy, RoutePutStrategy, SelectAlgo,
-    TierSlot, plan_eviction, select_victims,
-};
-use crate::service::{MasterService, ServiceStats, now_ms};
+use crate::evictor::{EvictionReport, EvictionStats, Evictor, reap};
+use crate::routing::{GetAlgo, PutStrategyConfig, RouteGetStrategy, RoutePutStrategy};
+use crate::service::{MasterService, ServiceStats};
 use crate::store::{InMemoryStore, MetadataStore};
 
 /// The metadata key that carries the cluster token on every call.
@@ -51,14 +44,17 @@ pub enum MasterError {
 
 /// Counters of a running master (for `umbp stat`, metrics and tests).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MasterStats {
     /// Heartbeat RPCs received.
     pub heartbeats: u64,
     /// Events applied from deltas and full syncs.
     pub events_applied: u64,
+    /// Events dropped on arrival: an unknown kind or an empty key.
+    pub events_skipped: u64,
     /// Heartbeats answered with a full-sync request.
     pub seq_gaps: u64,
-    /// Re-sent bundles acknowledged again without re-applying.
+    /// Re-sent bundles acknowledged again without re-applying, and stale full-sync copies refused.
     pub reacked: u64,
     /// Keys routed for puts.
     pub route_put_keys: u64,
@@ -68,6 +64,10 @@ pub struct MasterStats {
     pub eviction_rounds: u64,
     /// Keys asked to be evicted.
     pub evict_requests: u64,
+    /// Bytes the peers reported freed by eviction.
+    pub evict_bytes_freed: u64,
+    /// Eviction victims the peers refused (0 bytes freed: leased or pinned).
+    pub evict_refused: u64,
 }
 
 /// A running master. Dropping it without [`shutdown`](Self::shutdown) aborts its tasks.
@@ -79,14 +79,9 @@ pub struct MasterHandle {
     server: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
     stats: Arc<ServiceStats>,
     eviction: Arc<EvictionStats>,
+    evictor: Arc<tokio::sync::Mutex<Evictor>>,
     store: Arc<dyn MetadataStore>,
-    shutdown_deadline: Duration,
-}
-
-#[derive(Debug, Default)]
-struct EvictionStats {
-    rounds: std::sync::atomic::AtomicU64,
-    requests: std::sync::atomic::AtomicU64,
+    config: Arc<MasterConfig>,
 }
 
 impl MasterHandle {
@@ -106,28 +101,50 @@ impl MasterHandle {
         MasterStats {
             heartbeats: self.stats.heartbeats.load(Relaxed),
             events_applied: self.stats.events_applied.load(Relaxed),
+            events_skipped: self.stats.events_skipped.load(Relaxed),
             seq_gaps: self.stats.seq_gaps.load(Relaxed),
             reacked: self.stats.reacked.load(Relaxed),
             route_put_keys: self.stats.route_put_keys.load(Relaxed),
             route_get_keys: self.stats.route_get_keys.load(Relaxed),
             eviction_rounds: self.eviction.rounds.load(Relaxed),
             evict_requests: self.eviction.requests.load(Relaxed),
+            evict_bytes_freed: self.eviction.bytes_freed.load(Relaxed),
+            evict_refused: self.eviction.refused.load(Relaxed),
         }
     }
 
-    /// Stops eviction and the reaper, then the gRPC server, waiting at most the configured shutdown
-    /// deadline for in-flight calls.
+    /// Runs one eviction round now (the background loop runs one every `eviction.check_interval`;
+    /// rounds never overlap). For tests and operator tooling.
+    pub async fn run_eviction_round(&self) -> EvictionReport {
+        self.evictor.lock().await.tick().await
+    }
+
+    /// Runs the registry reaper once now; returns the nodes it expired.
+    pub async fn run_reaper(&self) -> Vec<String> {
+        reap(&self.store, &self.config).await
+    }
+
+    /// Stops eviction (a round in progress is cut short) and the reaper, then the gRPC server. The
+    /// whole shutdown is bounded by the configured shutdown deadline: what is still running then —
+    /// in-flight calls, a background task stuck in a store call — is aborted.
     pub async fn shutdown(mut self) {
+        let deadline = tokio::time::Instant::now() + self.config.shutdown_deadline;
         let _ = self.stop.send(true);
-        for task in self.tasks.drain(..) {
-            let _ = task.await;
+        for mut task in self.tasks.drain(..) {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                tracing::warn!("a background task outlived the shutdown deadline; aborting it");
+                task.abort();
+            }
         }
-        if let Some(server) = self.server.take() {
-            match tokio::time::timeout(self.shutdown_deadline, server).await {
+        if let Some(mut server) = self.server.take() {
+            match tokio::time::timeout_at(deadline, &mut server).await {
                 Ok(Ok(Ok(()))) => {}
                 Ok(Ok(Err(e))) => tracing::warn!(error = %e, "gRPC server stopped with an error"),
                 Ok(Err(e)) => tracing::warn!(error = %e, "gRPC server task failed"),
-                Err(_) => tracing::warn!("in-flight calls outlived the shutdown deadline; abandoning them"),
+                Err(_) => {
+                    tracing::warn!("in-flight calls outlived the shutdown deadline; aborting them");
+                    server.abort();
+                }
             }
         }
     }
@@ -183,14 +200,7 @@ pub async fn start_with_store(
     store: Arc<dyn MetadataStore>,
 ) -> Result<MasterHandle, MasterError> {
     config.validate()?;
-    let algo = config.route_put_algo.parse::<SelectAlgo>().unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "unknown put algorithm; using most_available");
-        SelectAlgo::default()
-    });
-    let affinity = config.route_put_affinity.parse::<Affinity>().unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "unknown put affinity; using none");
-        Affinity::default()
-    });
+    let (algo, affinity) = (config.route_put_algo, config.route_put_affinity);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|source| MasterError::Bind { addr: config.listen, source })?;
@@ -228,141 +238,45 @@ pub async fn start_with_store(
         },
     ));
     let eviction = Arc::new(EvictionStats::default());
+    let evictor = Arc::new(tokio::sync::Mutex::new(Evictor::new(
+        Arc::clone(&store),
+        Arc::clone(&config),
+        Arc::clone(&eviction),
+        stopped.clone(),
+    )));
     let tasks = vec![
-        tokio::spawn(reaper(Arc::clone(&store), Arc::clone(&config), stopped.clone())),
-        tokio::spawn(evictor(Arc::clone(&store), Arc::clone(&config), Arc::clone(&eviction), stopped)),
+        tokio::spawn(reaper_loop(Arc::clone(&store), Arc::clone(&config), stopped.clone())),
+        tokio::spawn(eviction_loop(Arc::clone(&evictor), Arc::clone(&config), stopped)),
     ];
-    Ok(MasterHandle {
-        addr,
-        stop,
-        tasks,
-        server: Some(server),
-        stats,
-        eviction,
-        store,
-        shutdown_deadline: config.shutdown_deadline,
-    })
+    Ok(MasterHandle { addr, stop, tasks, server: Some(server), stats, eviction, evictor, store, config })
 }
 
-/// Expires nodes that stopped heartbeating: their rows stay (for operators), their locations go.
-async fn reaper(store: Arc<dyn MetadataStore>, config: Arc<MasterConfig>, mut stop: watch::Receiver<bool>) {
-    let expiry = u64::try_from(config.expiry_after().as_millis()).unwrap_or(u64::MAX);
+/// Runs the reaper every `reaper_interval` until stopped.
+async fn reaper_loop(store: Arc<dyn MetadataStore>, config: Arc<MasterConfig>, mut stop: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = tokio::time::sleep(config.reaper_interval) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        match store.expire_stale(now_ms().saturating_sub(expiry)) {
-            Ok(expired) if !expired.is_empty() => {
-                tracing::warn!(nodes = ?expired, "nodes expired: no heartbeat within {expiry} ms")
-            }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "reaper: store call failed"),
-        }
+        reap(&store, &config).await;
     }
 }
 
-/// One eviction round: find (node, tier) pairs above the high watermark, pick LRU unleased keys down
-/// to the low watermark, and ask each node to evict them. The master's index changes only when the
-/// node's REMOVE events arrive; a key the node protects (leased, pinned) comes back next round.
-async fn evictor(
-    store: Arc<dyn MetadataStore>,
+/// Runs an eviction round every `eviction.check_interval` until stopped. The master's index changes
+/// only when the nodes' REMOVE events arrive.
+async fn eviction_loop(
+    evictor: Arc<tokio::sync::Mutex<Evictor>>,
     config: Arc<MasterConfig>,
-    stats: Arc<EvictionStats>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut peers: HashMap<Arc<str>, (Arc<str>, UmbpPeerClient<Channel>)> = HashMap::new();
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(config.eviction_check_interval) => {}
+            _ = tokio::time::sleep(config.eviction.check_interval) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let Ok(nodes) = store.list_alive().inspect_err(|e| tracing::warn!(error = %e, "eviction: store call failed"))
-        else {
-            continue;
-        };
-        let candidates: Vec<Candidate> = nodes
-            .iter()
-            .map(|n| Candidate {
-                node_id: n.node_id.clone(),
-                peer_address: n.peer_address.clone(),
-                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
-            })
-            .collect();
-        let buckets = plan_eviction(&candidates, config.eviction_high_watermark, config.eviction_low_watermark);
-        if buckets.is_empty() {
-            continue;
-        }
-        stats.rounds.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let wanted: Vec<(String, umbp_core::TierType)> =
-            buckets.iter().map(|b| (b.node_id.to_string(), b.tier)).collect();
-        let Ok(found) = store
-            .enumerate_eviction_candidates(&wanted, now_ms(), 0)
-            .inspect_err(|e| tracing::warn!(error = %e, "eviction: store call failed"))
-        else {
-            continue;
-        };
-        let found = found
-            .into_iter()
-            .map(|c| EvictionCandidate {
-                key: c.key.to_string(),
-                node_id: c.node_id,
-                tier: c.tier,
-                size: c.size,
-                last_accessed_ms: c.last_accessed_ms,
-            })
-            .collect();
-        for (node, keys) in select_victims(found, &buckets) {
-            let Some(peer) = candidates.iter().find(|c| c.node_id == node).map(|c| c.peer_address.clone()) else {
-                continue;
-            };
-            if peer.is_empty() {
-                continue;
-            }
-            stats.requests.fetch_add(keys.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            evict_on_peer(&mut peers, &node, &peer, keys, &config).await;
-        }
-    }
-}
-
-/// Sends one `EvictKey` with the configured deadline through a cached client (rebuilt when the node's
-/// address changes, dropped on error). The reply is only logged: REMOVE events update the index.
-async fn evict_on_peer(
-    peers: &mut HashMap<Arc<str>, (Arc<str>, UmbpPeerClient<Channel>)>,
-    node: &Arc<str>,
-    peer: &Arc<str>,
-    keys: Vec<String>,
-    config: &MasterConfig,
-) {
-    if peers.get(node).is_none_or(|(addr, _)| addr != peer) {
-        let Ok(endpoint) = Endpoint::from_shared(format!("http://{peer}")) else {
-            tracing::warn!(node = %node, peer = %peer, "eviction: bad peer address");
+        let report = evictor.lock().await.tick().await;
+        if report.stopped {
             return;
-        };
-        let channel = endpoint.connect_timeout(config.evict_deadline).timeout(config.evict_deadline).connect_lazy();
-        peers.insert(node.clone(), (peer.clone(), UmbpPeerClient::new(channel)));
-    }
-    let Some((_, client)) = peers.get_mut(node) else { return };
-    let n = keys.len();
-    let mut request = Request::new(v1::EvictKeyRequest { keys });
-    request.set_timeout(config.evict_deadline);
-    if let Some(token) = &config.cluster_token
-        && let Ok(value) = token.parse()
-    {
-        request.metadata_mut().insert(TOKEN_METADATA, value);
-    }
-    match tokio::time::timeout(config.evict_deadline, client.evict_key(request)).await {
-        Ok(Ok(reply)) => {
-            let freed: u64 = reply.get_ref().evicted.iter().map(|e| e.bytes_freed).sum();
-            tracing::info!(node = %node, keys = n, freed, "eviction round");
-        }
-        Ok(Err(status)) => {
-            tracing::warn!(node = %node, error = %status, "EvictKey failed");
-            peers.remove(node);
-        }
-        Err(_) => {
-            tracing::warn!(node = %node, "EvictKey timed out");
-            peers.remove(node);
         }
     }
 }

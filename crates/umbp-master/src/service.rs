@@ -48,16 +48,27 @@ fn caps_to_wire(caps: &[TierCap]) -> Vec<v1::TierCapacity> {
         .collect()
 }
 
-fn events_from_wire(events: Vec<v1::KvEvent>) -> Vec<KvEvent> {
-    events
-        .into_iter()
-        .map(|e| KvEvent {
-            kind: if e.kind == v1::KvEventKind::KvEventRemove as i32 { KvEventKind::Remove } else { KvEventKind::Add },
-            key: e.key,
-            tier: tier_from_wire(e.tier),
-            size: e.size,
-        })
-        .collect()
+/// The wire events as store events. An event of a kind this master does not know (a newer peer's)
+/// or with an empty key is dropped and counted in `skipped`, never guessed at: reading an unknown
+/// kind as an `ADD` would invent locations.
+fn events_from_wire(events: Vec<v1::KvEvent>, skipped: &mut u64) -> Vec<KvEvent> {
+    let mut out = Vec::with_capacity(events.len());
+    for e in events {
+        let kind = match v1::KvEventKind::try_from(e.kind) {
+            Ok(v1::KvEventKind::KvEventAdd) => KvEventKind::Add,
+            Ok(v1::KvEventKind::KvEventRemove) => KvEventKind::Remove,
+            Err(_) => {
+                *skipped += 1;
+                continue;
+            }
+        };
+        if e.key.is_empty() {
+            *skipped += 1;
+            continue;
+        }
+        out.push(KvEvent { kind, key: e.key, tier: tier_from_wire(e.tier), size: e.size });
+    }
+    out
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -67,6 +78,103 @@ fn store_status(e: StoreError) -> Status {
         StoreError::InvalidArgument { reason } => Status::invalid_argument(reason),
         other => Status::unavailable(other.to_string()),
     }
+}
+
+/// Runs a store call on the blocking pool.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, StoreError> + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("store task failed: {e}")))?
+        .map_err(store_status)
+}
+
+/// One `Heartbeat` RPC against the store (synchronous: the caller runs it on the blocking pool).
+fn apply_heartbeat_request(
+    store: &dyn MetadataStore,
+    stats: &ServiceStats,
+    r: v1::HeartbeatRequest,
+) -> Result<v1::HeartbeatResponse, Status> {
+    let caps = caps_from_wire(&r.tier_capacities);
+    let now = now_ms();
+    let apply = |kind| HeartbeatApply { node_id: r.node_id.clone(), now_ms: now, caps: caps.clone(), kind };
+    let unknown = || v1::HeartbeatResponse { status: v1::NodeStatus::Unknown as i32, ..Default::default() };
+    let alive = |acked_seq, request_full_sync| v1::HeartbeatResponse {
+        status: v1::NodeStatus::Alive as i32,
+        acked_seq,
+        request_full_sync,
+    };
+    let mut skipped = 0;
+    let reply = if r.is_full_sync {
+        let events: Vec<KvEvent> =
+            r.bundles.into_iter().flat_map(|b| events_from_wire(b.events, &mut skipped)).collect();
+        let n = events.len() as u64;
+        let kind = HeartbeatKind::FullSyncChunk {
+            baseline_seq: r.delta_seq_baseline,
+            chunk_index: r.full_sync_chunk,
+            is_final: r.full_sync_final,
+            events,
+        };
+        match store.apply_heartbeat(apply(kind)).map_err(store_status)? {
+            HeartbeatOutcome::Unknown => unknown(),
+            HeartbeatOutcome::SeqGap { acked_seq } => {
+                stats.seq_gaps.fetch_add(1, Ordering::Relaxed);
+                alive(acked_seq, true)
+            }
+            HeartbeatOutcome::AlreadyApplied { acked_seq } => {
+                // A late or duplicated copy of a sync: nothing applied. Its sender sees an ack that is
+                // not its baseline and starts a fresh sync.
+                stats.reacked.fetch_add(1, Ordering::Relaxed);
+                alive(acked_seq, false)
+            }
+            HeartbeatOutcome::Applied { acked_seq } => {
+                stats.events_applied.fetch_add(n, Ordering::Relaxed);
+                alive(acked_seq, false)
+            }
+        }
+    } else if r.bundles.is_empty() {
+        // A keepalive refreshes liveness and capacity; it never asks for a full sync.
+        match store.apply_heartbeat(apply(HeartbeatKind::Keepalive)).map_err(store_status)?.acked_seq() {
+            None => unknown(),
+            Some(acked) => alive(acked, false),
+        }
+    } else {
+        let mut reply = None;
+        let mut acked = 0;
+        for bundle in r.bundles {
+            let events = events_from_wire(bundle.events, &mut skipped);
+            let n = events.len() as u64;
+            match store
+                .apply_heartbeat(apply(HeartbeatKind::Delta { seq: bundle.seq, events }))
+                .map_err(store_status)?
+            {
+                HeartbeatOutcome::Unknown => {
+                    reply = Some(unknown());
+                    break;
+                }
+                HeartbeatOutcome::SeqGap { acked_seq } => {
+                    // Bundles before the gap stay applied; the node heals with a full sync.
+                    stats.seq_gaps.fetch_add(1, Ordering::Relaxed);
+                    reply = Some(alive(acked_seq, true));
+                    break;
+                }
+                HeartbeatOutcome::AlreadyApplied { acked_seq } => {
+                    // A re-send after a lost ack: acknowledge again, never punish with a full sync.
+                    stats.reacked.fetch_add(1, Ordering::Relaxed);
+                    acked = acked_seq;
+                }
+                HeartbeatOutcome::Applied { acked_seq } => {
+                    stats.events_applied.fetch_add(n, Ordering::Relaxed);
+                    acked = acked_seq;
+                }
+            }
+        }
+        reply.unwrap_or_else(|| alive(acked, false))
+    };
+    if skipped > 0 {
+        stats.events_skipped.fetch_add(skipped, Ordering::Relaxed);
+        tracing::warn!(node = %r.node_id, skipped, "dropped events of an unknown kind or with an empty key");
+    }
+    Ok(reply)
 }
 
 impl crate::routing::ReplicaNode for crate::store::Location {
@@ -80,6 +188,7 @@ impl crate::routing::ReplicaNode for crate::store::Location {
 pub(crate) struct ServiceStats {
     pub(crate) heartbeats: AtomicU64,
     pub(crate) events_applied: AtomicU64,
+    pub(crate) events_skipped: AtomicU64,
     pub(crate) seq_gaps: AtomicU64,
     pub(crate) reacked: AtomicU64,
     pub(crate) route_put_keys: AtomicU64,
@@ -128,9 +237,34 @@ impl MasterService {
         if keys.iter().any(String::is_empty) {
             return Err(Status::invalid_argument("a key must not be empty"));
         }
-        let exists = self.store.batch_exists(keys).map_err(store_status)?;
+        let mut exists = self.store.batch_exists(keys).map_err(store_status)?;
+        // A key repeated within the batch is routed once, at its first occurrence; each repeat is
+        // answered after it (see `repeat_of`) and uses no capacity.
+        let mut first: HashMap<&str, usize> = HashMap::with_capacity(keys.len());
+        let mut repeat_of: Vec<Option<usize>> = vec![None; keys.len()];
+        for (i, key) in keys.iter().enumerate() {
+            match first.get(key.as_str()) {
+                Some(&j) => {
+                    repeat_of[i] = Some(j);
+                    exists[i] = true;
+                }
+                None => {
+                    first.insert(key.as_str(), i);
+                }
+            }
+        }
         let candidates = self.put_candidates()?;
-        let decisions = self.put.select_batch(requester, sizes, &exists, &candidates, exclude, &mut rand::rng());
+        let mut decisions = self.put.select_batch(requester, sizes, &exists, &candidates, exclude, &mut rand::rng());
+        // A repeat of a key routed (or already stored) is AlreadyExists: the writer writes the key
+        // once. A repeat of a key that could not be placed is Unavailable like its first occurrence.
+        for (i, j) in repeat_of.iter().enumerate() {
+            if let Some(j) = *j {
+                decisions[i] = match decisions[j] {
+                    PutDecision::Unavailable => PutDecision::Unavailable,
+                    PutDecision::Routed(_) | PutDecision::AlreadyExists => PutDecision::AlreadyExists,
+                };
+            }
+        }
         self.stats.route_put_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
         Ok(decisions
             .into_iter()
@@ -160,10 +294,14 @@ impl MasterService {
         if keys.iter().any(String::is_empty) {
             return Err(Status::invalid_argument("a key must not be empty"));
         }
-        let lease_ms = u64::try_from(self.config.route_get_lease.as_millis()).unwrap_or(u64::MAX);
-        let per_key = self.store.batch_lookup_for_route_get(keys, exclude, now_ms(), lease_ms).map_err(store_status)?;
-        // The store returns ALIVE nodes only; the view closes the race with an expiry in between.
+        let lease_ms = u64::try_from(self.config.eviction.lease_duration.as_millis()).unwrap_or(u64::MAX);
+        // The view is taken first: the store returns ALIVE nodes only, and a node that expires after
+        // the view is filtered (and grants no lease) inside the store. Taking it after the lookup would
+        // let a location the store found and leased be dropped here, leaving a lease on a key the
+        // reply calls missing. What remains is a node that registers *and* reports keys between the
+        // two reads: filtered below, its key leased for one lease period at worst.
         let view = self.store.alive_peer_view().map_err(store_status)?;
+        let per_key = self.store.batch_lookup_for_route_get(keys, exclude, now_ms(), lease_ms).map_err(store_status)?;
         let mut rng = rand::rng();
         let mut reply = v1::BatchRouteGetResponse {
             nodes: Vec::new(),
@@ -219,7 +357,9 @@ impl UmbpMaster for MasterService {
             tags: r.tags,
         };
         let stale_after = u64::try_from(self.config.expiry_after().as_millis()).unwrap_or(u64::MAX);
-        match self.store.register(reg, now_ms(), stale_after).map_err(store_status)? {
+        let store = Arc::clone(&self.store);
+        // Registering wipes the node's old locations (a scan of its keys): off the async workers.
+        match blocking(move || store.register(reg, now_ms(), stale_after)).await? {
             RegisterOutcome::Registered => {
                 tracing::info!(node = %node_id, "node registered");
                 let interval = u64::try_from(self.config.heartbeat_interval().as_millis()).unwrap_or(u64::MAX);
@@ -236,7 +376,8 @@ impl UmbpMaster for MasterService {
         request: Request<v1::UnregisterClientRequest>,
     ) -> Result<Response<v1::UnregisterClientResponse>, Status> {
         let node_id = request.into_inner().node_id;
-        if self.store.unregister(&node_id).map_err(store_status)? {
+        let (store, id) = (Arc::clone(&self.store), node_id.clone());
+        if blocking(move || store.unregister(&id)).await? {
             tracing::info!(node = %node_id, "node unregistered");
         }
         Ok(Response::new(v1::UnregisterClientResponse {}))
@@ -246,75 +387,15 @@ impl UmbpMaster for MasterService {
         &self,
         request: Request<v1::HeartbeatRequest>,
     ) -> Result<Response<v1::HeartbeatResponse>, Status> {
-        let r = request.into_inner();
         self.stats.heartbeats.fetch_add(1, Ordering::Relaxed);
-        let caps = caps_from_wire(&r.tier_capacities);
-        let now = now_ms();
-        let apply = |kind| HeartbeatApply { node_id: r.node_id.clone(), now_ms: now, caps: caps.clone(), kind };
-        let unknown = || v1::HeartbeatResponse { status: v1::NodeStatus::Unknown as i32, ..Default::default() };
-        let alive = |acked_seq, request_full_sync| v1::HeartbeatResponse {
-            status: v1::NodeStatus::Alive as i32,
-            acked_seq,
-            request_full_sync,
-        };
-        if r.is_full_sync {
-            let events: Vec<KvEvent> = r.bundles.into_iter().flat_map(|b| events_from_wire(b.events)).collect();
-            let n = events.len() as u64;
-            let kind = HeartbeatKind::FullSyncChunk {
-                baseline_seq: r.delta_seq_baseline,
-                chunk_index: r.full_sync_chunk,
-                is_final: r.full_sync_final,
-                events,
-            };
-            // A chunk can carry ~100k events (tens of ms): keep it off the async workers.
-            let (store, hb) = (Arc::clone(&self.store), apply(kind));
-            let outcome = tokio::task::spawn_blocking(move || store.apply_heartbeat(hb))
-                .await
-                .map_err(|e| Status::internal(format!("full-sync apply task failed: {e}")))?
-                .map_err(store_status)?;
-            return Ok(Response::new(match outcome {
-                HeartbeatOutcome::Unknown => unknown(),
-                HeartbeatOutcome::SeqGap { acked_seq } => {
-                    self.stats.seq_gaps.fetch_add(1, Ordering::Relaxed);
-                    alive(acked_seq, true)
-                }
-                HeartbeatOutcome::Applied { acked_seq } | HeartbeatOutcome::AlreadyApplied { acked_seq } => {
-                    self.stats.events_applied.fetch_add(n, Ordering::Relaxed);
-                    alive(acked_seq, false)
-                }
-            }));
-        }
-        if r.bundles.is_empty() {
-            // A keepalive refreshes liveness and capacity; it never asks for a full sync.
-            let outcome = self.store.apply_heartbeat(apply(HeartbeatKind::Keepalive)).map_err(store_status)?;
-            return Ok(Response::new(match outcome.acked_seq() {
-                None => unknown(),
-                Some(acked) => alive(acked, false),
-            }));
-        }
-        let mut acked = 0;
-        for bundle in r.bundles {
-            let n = bundle.events.len() as u64;
-            let kind = HeartbeatKind::Delta { seq: bundle.seq, events: events_from_wire(bundle.events) };
-            match self.store.apply_heartbeat(apply(kind)).map_err(store_status)? {
-                HeartbeatOutcome::Unknown => return Ok(Response::new(unknown())),
-                HeartbeatOutcome::SeqGap { acked_seq } => {
-                    // Bundles before the gap stay applied; the node heals with a full sync.
-                    self.stats.seq_gaps.fetch_add(1, Ordering::Relaxed);
-                    return Ok(Response::new(alive(acked_seq, true)));
-                }
-                HeartbeatOutcome::AlreadyApplied { acked_seq } => {
-                    // A re-send after a lost ack: acknowledge again, never punish with a full sync.
-                    self.stats.reacked.fetch_add(1, Ordering::Relaxed);
-                    acked = acked_seq;
-                }
-                HeartbeatOutcome::Applied { acked_seq } => {
-                    self.stats.events_applied.fetch_add(n, Ordering::Relaxed);
-                    acked = acked_seq;
-                }
-            }
-        }
-        Ok(Response::new(alive(acked, false)))
+        // Every heartbeat takes the node's lock stripe, which a full-sync chunk of a node sharing the
+        // stripe may hold for tens of ms, and a chunk itself applies up to ~100k events: all of it runs
+        // on the blocking pool, never on an async worker.
+        let (store, stats) = (Arc::clone(&self.store), Arc::clone(&self.stats));
+        let reply = tokio::task::spawn_blocking(move || apply_heartbeat_request(&*store, &stats, request.into_inner()))
+            .await
+            .map_err(|e| Status::internal(format!("heartbeat apply task failed: {e}")))??;
+        Ok(Response::new(reply))
     }
 
     async fn route_put(&self, request: Request<v1::RoutePutRequest>) -> Result<Response<v1::RoutePutResponse>, Status> {
@@ -376,29 +457,36 @@ impl UmbpMaster for MasterService {
         &self,
         _request: Request<v1::GetClusterStatusRequest>,
     ) -> Result<Response<v1::GetClusterStatusResponse>, Status> {
-        let now = now_ms();
-        let nodes = self.store.list_nodes().map_err(store_status)?;
-        let mut out = Vec::with_capacity(nodes.len());
-        for n in nodes {
-            let key_count = self.store.node_key_count(&n.node_id).map_err(store_status)?;
-            out.push(v1::NodeStatusInfo {
-                node_id: n.node_id.to_string(),
-                node_address: n.node_address,
-                peer_address: n.peer_address.to_string(),
-                data_endpoint: n.data_endpoint,
-                status: match n.status {
-                    NodeStatus::Alive => v1::NodeStatus::Alive as i32,
-                    NodeStatus::Expired => v1::NodeStatus::Expired as i32,
-                },
-                tier_capacities: caps_to_wire(&n.caps),
-                key_count,
-                last_heartbeat_age_ms: now.saturating_sub(n.last_heartbeat_ms),
-                last_applied_seq: n.last_applied_seq,
-                tags: n.tags,
-            });
-        }
-        out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
-        let total_keys = self.store.key_count().map_err(store_status)?;
-        Ok(Response::new(v1::GetClusterStatusResponse { nodes: out, total_keys }))
+        let store = Arc::clone(&self.store);
+        // Per-node key counts are O(1), but the total sums every shard: off the async workers.
+        blocking(move || cluster_status(&*store)).await.map(Response::new)
     }
+}
+
+/// The operator view of the cluster.
+fn cluster_status(store: &dyn MetadataStore) -> Result<v1::GetClusterStatusResponse, StoreError> {
+    let now = now_ms();
+    let nodes = store.list_nodes()?;
+    let mut out = Vec::with_capacity(nodes.len());
+    for n in nodes {
+        let key_count = store.node_key_count(&n.node_id)?;
+        out.push(v1::NodeStatusInfo {
+            node_id: n.node_id.to_string(),
+            node_address: n.node_address,
+            peer_address: n.peer_address.to_string(),
+            data_endpoint: n.data_endpoint,
+            status: match n.status {
+                NodeStatus::Alive => v1::NodeStatus::Alive as i32,
+                NodeStatus::Expired => v1::NodeStatus::Expired as i32,
+            },
+            tier_capacities: caps_to_wire(&n.caps),
+            key_count,
+            last_heartbeat_age_ms: now.saturating_sub(n.last_heartbeat_ms),
+            last_applied_seq: n.last_applied_seq,
+            tags: n.tags,
+        });
+    }
+    out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+    let total_keys = store.key_count()?;
+    Ok(v1::GetClusterStatusResponse { nodes: out, total_keys })
 }

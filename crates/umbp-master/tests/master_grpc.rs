@@ -2,16 +2,20 @@
 //! (re-sent bundles re-acked, keepalives refresh capacity, re-registration wipes locations), routing
 //! (never a non-ALIVE node, columnar replies), tokens, expiry and eviction against a fake peer.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
 use tonic::transport::Channel;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Code, Request};
+use umbp_core::TierType;
+use umbp_master::store::{
+    EvictionCandidate, HeartbeatApply, HeartbeatOutcome, InMemoryStore, Location, MetadataStore, NodeRecord,
+    RegisterOutcome, Registration, StoreError,
+};
 use umbp_master::{MasterConfig, MasterHandle, TOKEN_METADATA};
 use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
-use umbp_proto::v1::umbp_peer_server::{UmbpPeer, UmbpPeerServer};
 
 const DRAM: i32 = v1::TierType::TierDram as i32;
 const GIB: u64 = 1 << 30;
@@ -140,8 +144,19 @@ async fn keepalives_refresh_capacity_and_unknown_nodes_are_told_so() {
 async fn chunked_full_sync_replaces_the_index_and_lines_up_the_next_delta() {
     let (m, mut c) = master(config()).await;
     c.register_client(registration("n1", "127.0.0.1:7001")).await.expect("register");
-    c.heartbeat(delta("n1", vec![(1, vec![add("stale", 1)])])).await.expect("hb");
+    c.heartbeat(delta("n1", vec![(1, vec![add("stale", 1), add("k1", 1)])])).await.expect("hb");
     for (chunk, last, key) in [(0u32, false, "k0"), (1, false, "k1"), (2, true, "k2")] {
+        // Between chunks the node's previous view stays routable (mark and sweep, no wipe first).
+        let mid = c
+            .batch_route_get(v1::BatchRouteGetRequest {
+                node_id: "r".into(),
+                keys: vec!["stale".into(), "k1".into()],
+                exclude_nodes: vec![],
+            })
+            .await
+            .expect("route")
+            .into_inner();
+        assert_eq!(mid.node_ref, vec![1, 1], "before chunk {chunk}");
         let r = c
             .heartbeat(v1::HeartbeatRequest {
                 node_id: "n1".into(),
@@ -173,11 +188,23 @@ async fn reregistering_wipes_the_nodes_old_locations() {
     };
     let (m, mut c) = master(cfg).await;
     c.register_client(registration("n1", "127.0.0.1:7001")).await.expect("register");
-    c.heartbeat(delta("n1", vec![(1, vec![add("phantom", 1)])])).await.expect("hb");
+    c.heartbeat(delta("n1", vec![(1, vec![add("phantom", 1), add("again", 1)])])).await.expect("hb");
     tokio::time::sleep(Duration::from_millis(150)).await;
     // Stale now: a restarted node with the same id may register, and its old keys must not linger.
     c.register_client(registration("n1", "127.0.0.1:7001")).await.expect("re-register after staleness");
     assert_eq!(lookup(&mut c, &["phantom"]).await, vec![false]);
+    let status = c.get_cluster_status(v1::GetClusterStatusRequest {}).await.expect("status").into_inner();
+    assert_eq!((status.total_keys, status.nodes[0].key_count), (0, 0), "the old entries are gone, not just hidden");
+    // The new registration reports one of its old keys again: it must be routable, not shadowed by a
+    // leftover location of the old registration.
+    c.heartbeat(delta("n1", vec![(1, vec![add("again", 7)])])).await.expect("hb");
+    assert_eq!(lookup(&mut c, &["phantom", "again"]).await, vec![false, true]);
+    let get = c
+        .route_get(v1::RouteGetRequest { key: "again".into(), node_id: "r".into(), exclude_nodes: vec![] })
+        .await
+        .expect("route")
+        .into_inner();
+    assert!(get.found && get.size == 7, "{get:?}");
     m.shutdown().await;
 }
 
@@ -265,108 +292,195 @@ async fn the_cluster_token_is_required_on_every_call() {
     m.shutdown().await;
 }
 
-/// A peer that records the keys the master asks it to evict.
-#[derive(Debug, Default, Clone)]
-struct EvictRecorder {
-    asked: Arc<Mutex<Vec<String>>>,
-}
-
-#[tonic::async_trait]
-impl UmbpPeer for EvictRecorder {
-    async fn get_peer_info(
-        &self,
-        _: Request<v1::GetPeerInfoRequest>,
-    ) -> Result<Response<v1::GetPeerInfoResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn allocate_slot(
-        &self,
-        _: Request<v1::AllocateSlotRequest>,
-    ) -> Result<Response<v1::AllocateSlotResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn batch_allocate_slots(
-        &self,
-        _: Request<v1::BatchAllocateSlotsRequest>,
-    ) -> Result<Response<v1::BatchAllocateSlotsResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn commit_slot(&self, _: Request<v1::CommitSlotRequest>) -> Result<Response<v1::CommitSlotResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn batch_commit_slots(
-        &self,
-        _: Request<v1::BatchCommitSlotsRequest>,
-    ) -> Result<Response<v1::BatchCommitSlotsResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn abort_slot(&self, _: Request<v1::AbortSlotRequest>) -> Result<Response<v1::AbortSlotResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn batch_abort_slots(
-        &self,
-        _: Request<v1::BatchAbortSlotsRequest>,
-    ) -> Result<Response<v1::BatchAbortSlotsResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn resolve_key(&self, _: Request<v1::ResolveKeyRequest>) -> Result<Response<v1::ResolveKeyResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn batch_resolve_keys(
-        &self,
-        _: Request<v1::BatchResolveKeysRequest>,
-    ) -> Result<Response<v1::BatchResolveKeysResponse>, Status> {
-        Err(Status::unimplemented("fake"))
-    }
-    async fn evict_key(&self, r: Request<v1::EvictKeyRequest>) -> Result<Response<v1::EvictKeyResponse>, Status> {
-        let keys = r.into_inner().keys;
-        self.asked.lock().extend(keys.iter().cloned());
-        let evicted = keys.into_iter().map(|key| v1::EvictedKey { key, bytes_freed: 0 }).collect();
-        Ok(Response::new(v1::EvictKeyResponse { evicted }))
+fn full_sync_chunk(
+    node: &str,
+    baseline: u64,
+    chunk: u32,
+    last: bool,
+    events: Vec<v1::KvEvent>,
+) -> v1::HeartbeatRequest {
+    v1::HeartbeatRequest {
+        node_id: node.into(),
+        is_full_sync: true,
+        bundles: vec![v1::EventBundle { seq: baseline, events }],
+        delta_seq_baseline: baseline,
+        full_sync_chunk: chunk,
+        full_sync_final: last,
+        ..Default::default()
     }
 }
 
 #[tokio::test]
-async fn eviction_asks_the_pressured_node_for_its_least_recently_used_keys() {
-    let recorder = EvictRecorder::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let peer_addr = listener.local_addr().expect("addr");
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(UmbpPeerServer::new(recorder.clone()))
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-    );
-    let cfg = MasterConfig {
-        eviction_check_interval: Duration::from_millis(100),
-        route_get_lease: Duration::from_millis(1),
-        ..config()
-    };
-    let (m, mut c) = master(cfg).await;
-    c.register_client(registration("n1", &peer_addr.to_string())).await.expect("register");
-    // 10 keys of 100 bytes on a 1000-byte tier that is 95 % used: evict down to 70 % = 250 bytes = 3 keys.
-    let events: Vec<_> = (0..10).map(|i| add(&format!("k{i}"), 100)).collect();
-    let hb = v1::HeartbeatRequest {
-        node_id: "n1".into(),
-        bundles: vec![v1::EventBundle { seq: 1, events }],
-        tier_capacities: caps(1000, 50),
-        ..Default::default()
-    };
-    c.heartbeat(hb).await.expect("hb");
-    // Touch k0..k6 so k7, k8, k9 are the least recently used.
-    tokio::time::sleep(Duration::from_millis(5)).await;
-    let touched: Vec<String> = (0..7).map(|i| format!("k{i}")).collect();
-    c.batch_route_get(v1::BatchRouteGetRequest { node_id: "r".into(), keys: touched, exclude_nodes: vec![] })
-        .await
-        .expect("touch");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while recorder.asked.lock().len() < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "no EvictKey arrived");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut first: Vec<String> = recorder.asked.lock()[..3].to_vec();
-    first.sort();
-    assert_eq!(first, vec!["k7", "k8", "k9"]);
-    assert!(m.stats().eviction_rounds >= 1);
+async fn a_stale_full_sync_copy_is_reacked_not_counted_as_applied() {
+    let (m, mut c) = master(config()).await;
+    c.register_client(registration("n1", "127.0.0.1:7001")).await.expect("register");
+    let r = c.heartbeat(full_sync_chunk("n1", 5, 0, true, vec![add("k1", 1), add("x", 1)])).await.expect("hb");
+    assert_eq!(r.into_inner().acked_seq, 5);
+    assert_eq!(m.stats().events_applied, 2);
+    let late = c.heartbeat(full_sync_chunk("n1", 5, 0, true, vec![add("k1", 1)])).await.expect("hb").into_inner();
+    assert_eq!((late.acked_seq, late.request_full_sync), (5, false));
+    assert_eq!(m.stats().events_applied, 2, "nothing of the stale copy was applied");
+    assert_eq!(m.stats().reacked, 1);
+    assert_eq!(lookup(&mut c, &["k1", "x"]).await, vec![true, true]);
     m.shutdown().await;
-    server.abort();
+}
+
+#[tokio::test]
+async fn unknown_event_kinds_and_empty_keys_are_skipped_not_added() {
+    let (m, mut c) = master(config()).await;
+    c.register_client(registration("n1", "127.0.0.1:7001")).await.expect("register");
+    let future_kind = v1::KvEvent { kind: 7, key: "mystery".into(), tier: DRAM, size: 1 };
+    let r = c
+        .heartbeat(delta("n1", vec![(1, vec![future_kind, add("", 1), add("real", 1)])]))
+        .await
+        .expect("hb")
+        .into_inner();
+    assert_eq!((r.acked_seq, r.request_full_sync), (1, false), "the bundle itself is applied");
+    assert_eq!(lookup(&mut c, &["mystery", "", "real"]).await, vec![false, false, true]);
+    assert_eq!((m.stats().events_applied, m.stats().events_skipped), (1, 2));
+    m.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_key_repeated_in_one_put_batch_is_routed_once() {
+    let (m, mut c) = master(config()).await;
+    c.register_client(registration("n1", "127.0.0.1:7001")).await.expect("register");
+    // The node has 1000 bytes free: "a" twice at 600 would not fit twice if it were counted twice.
+    c.heartbeat(v1::HeartbeatRequest { node_id: "n1".into(), tier_capacities: caps(GIB, 1000), ..Default::default() })
+        .await
+        .expect("keepalive");
+    let put = c
+        .batch_route_put(v1::BatchRoutePutRequest {
+            node_id: "w".into(),
+            keys: vec!["a".into(), "a".into(), "b".into(), "huge".into(), "huge".into()],
+            block_sizes: vec![600, 600, 400, 5000, 5000],
+            exclude_nodes: vec![],
+        })
+        .await
+        .expect("route put")
+        .into_inner();
+    let outcomes: Vec<i32> = put.entries.iter().map(|e| e.outcome).collect();
+    use v1::RoutePutOutcome::*;
+    assert_eq!(
+        outcomes,
+        vec![
+            RoutePutRouted as i32,
+            RoutePutAlreadyExists as i32,
+            RoutePutRouted as i32,
+            RoutePutUnavailable as i32,
+            RoutePutUnavailable as i32
+        ],
+        "{put:?}"
+    );
+    m.shutdown().await;
+}
+
+/// An in-memory store whose route-get read also names a node that is not alive, as a store shared
+/// by several masters could in the window of an expiry.
+#[derive(Debug)]
+struct GhostLocations(InMemoryStore);
+
+impl MetadataStore for GhostLocations {
+    fn register(&self, reg: Registration, now_ms: u64, stale: u64) -> Result<RegisterOutcome, StoreError> {
+        self.0.register(reg, now_ms, stale)
+    }
+    fn unregister(&self, node_id: &str) -> Result<bool, StoreError> {
+        self.0.unregister(node_id)
+    }
+    fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError> {
+        self.0.apply_heartbeat(hb)
+    }
+    fn expire_stale(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
+        self.0.expire_stale(cutoff_ms)
+    }
+    fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {
+        self.0.lookup(key)
+    }
+    fn batch_lookup_for_route_get(
+        &self,
+        keys: &[String],
+        exclude: &[String],
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<Vec<Vec<Location>>, StoreError> {
+        let mut out = self.0.batch_lookup_for_route_get(keys, exclude, now_ms, lease_ms)?;
+        for locations in &mut out {
+            locations.push(Location { node_id: "ghost".into(), tier: TierType::Dram, size: 1 });
+        }
+        Ok(out)
+    }
+    fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        self.0.batch_exists(keys)
+    }
+    fn enumerate_eviction_candidates(
+        &self,
+        buckets: &[(String, TierType)],
+        now_ms: u64,
+        max: usize,
+    ) -> Result<Vec<EvictionCandidate>, StoreError> {
+        self.0.enumerate_eviction_candidates(buckets, now_ms, max)
+    }
+    fn get_node(&self, node_id: &str) -> Result<Option<NodeRecord>, StoreError> {
+        self.0.get_node(node_id)
+    }
+    fn is_alive(&self, node_id: &str) -> Result<bool, StoreError> {
+        self.0.is_alive(node_id)
+    }
+    fn list_alive(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        self.0.list_alive()
+    }
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        self.0.list_nodes()
+    }
+    fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, Arc<str>>, StoreError> {
+        self.0.alive_peer_view()
+    }
+    fn key_count(&self) -> Result<u64, StoreError> {
+        self.0.key_count()
+    }
+    fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
+        self.0.node_key_count(node_id)
+    }
+}
+
+#[tokio::test]
+async fn routes_never_name_a_node_missing_from_the_alive_view() {
+    let store: Arc<dyn MetadataStore> = Arc::new(GhostLocations(InMemoryStore::new()));
+    let handle = umbp_master::start_with_store(config(), store).await.expect("master starts");
+    let mut c = UmbpMasterClient::connect(format!("http://{}", handle.local_addr())).await.expect("connect");
+    let get = c
+        .batch_route_get(v1::BatchRouteGetRequest {
+            node_id: "r".into(),
+            keys: vec!["k".into(), "j".into()],
+            exclude_nodes: vec![],
+        })
+        .await
+        .expect("route")
+        .into_inner();
+    assert_eq!(get.node_ref, vec![0, 0], "{get:?}");
+    assert!(get.nodes.is_empty());
+    let one = c
+        .route_get(v1::RouteGetRequest { key: "k".into(), node_id: "r".into(), exclude_nodes: vec![] })
+        .await
+        .expect("route")
+        .into_inner();
+    assert!(!one.found);
+    // A live node's replica is still chosen over the ghost.
+    c.register_client(registration("n1", "127.0.0.1:7001")).await.expect("register");
+    c.heartbeat(delta("n1", vec![(1, vec![add("k", 3)])])).await.expect("hb");
+    for _ in 0..20 {
+        let get = c
+            .batch_route_get(v1::BatchRouteGetRequest {
+                node_id: "r".into(),
+                keys: vec!["k".into()],
+                exclude_nodes: vec![],
+            })
+            .await
+            .expect("route")
+            .into_inner();
+        assert_eq!(get.node_ref, vec![1]);
+        assert_eq!(get.nodes.len(), 1);
+        assert_eq!(get.nodes[0].node_id, "n1");
+    }
+    handle.shutdown().await;
 }

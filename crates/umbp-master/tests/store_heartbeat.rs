@@ -7,6 +7,11 @@ use store_support::*;
 use umbp_core::{KvEvent, TierType};
 use umbp_master::store::{HeartbeatOutcome, InMemoryStore, MetadataStore, TierCap};
 
+/// Owned keys (store_support's `keys`, kept unused here so its dead-code expectation holds).
+fn owned(list: &[&str]) -> Vec<String> {
+    list.iter().map(|key| (*key).to_owned()).collect()
+}
+
 fn dram(node: &str, size: u64) -> (String, TierType, u64) {
     (node.to_owned(), TierType::Dram, size)
 }
@@ -153,8 +158,10 @@ fn empty_full_sync_clears_the_node() {
     let store = InMemoryStore::new();
     register(&store, "a", 0);
     delta(&store, "a", 1, 1, (0..100).map(|i| add(&format!("k{i}"), 1)).collect());
-    assert_eq!(full_sync(&store, "a", 2, 1, Vec::new()), HeartbeatOutcome::Applied { acked_seq: 1 });
+    // A clear's empty sync carries a fresh baseline (the node's next seq).
+    assert_eq!(full_sync(&store, "a", 2, 2, Vec::new()), HeartbeatOutcome::Applied { acked_seq: 2 });
     assert_eq!(store.key_count().unwrap(), 0);
+    assert_eq!(store.node_key_count("a").unwrap(), 0);
 }
 
 #[test]
@@ -176,11 +183,13 @@ fn chunked_full_sync_then_delta_lines_up_at_baseline_plus_one() {
         let keys: Vec<String> = (0..300).map(|i| format!("key-{i}")).collect();
         let part = |range: std::ops::Range<usize>| keys[range].iter().map(|k| add(k, 64)).collect::<Vec<_>>();
         assert_eq!(chunk(&store, "a", 2, 40, 0, false, part(0..100)), HeartbeatOutcome::Applied { acked_seq: 1 });
-        // Chunk 0 already replaced the node's locations.
-        assert!(store.lookup("stale").unwrap().is_empty());
+        // Mark and sweep: a key absent from the sync stays readable until the final chunk.
+        assert_eq!(locs(&store, "stale"), vec![dram("a", 1)]);
         assert_eq!(chunk(&store, "a", 3, 40, 1, false, part(100..200)), HeartbeatOutcome::Applied { acked_seq: 1 });
         assert_eq!(store.get_node("a").unwrap().unwrap().last_applied_seq, 1, "seq moves on the final chunk only");
+        assert_eq!(locs(&store, "stale"), vec![dram("a", 1)]);
         assert_eq!(chunk(&store, "a", 4, 40, 2, true, part(200..300)), HeartbeatOutcome::Applied { acked_seq: 40 });
+        assert!(store.lookup("stale").unwrap().is_empty(), "the final chunk sweeps what the sync did not report");
         assert_eq!(store.key_count().unwrap(), 300);
         assert_eq!(store.node_key_count("a").unwrap(), 300);
         assert_eq!(store.batch_exists(&keys).unwrap(), vec![true; 300]);
@@ -244,8 +253,87 @@ fn full_sync_older_than_last_applied_is_a_stale_copy() {
     // A delayed duplicate of the baseline-4 sync must not resurrect k.
     assert_eq!(full_sync(&store, "a", 3, 4, vec![add("k", 1)]), HeartbeatOutcome::AlreadyApplied { acked_seq: 5 });
     assert!(store.lookup("k").unwrap().is_empty());
-    // A sync at the current seq (e.g. after a local clear) is accepted.
-    assert_eq!(full_sync(&store, "a", 4, 5, Vec::new()), HeartbeatOutcome::Applied { acked_seq: 5 });
+    // Every sync carries a fresh baseline, so one at the current seq is a stale copy too: nothing is
+    // applied (not even its implicit wipe) and the ack is not its baseline.
+    delta(&store, "a", 4, 6, vec![add("kept", 1)]);
+    assert_eq!(full_sync(&store, "a", 5, 6, Vec::new()), HeartbeatOutcome::AlreadyApplied { acked_seq: 6 });
+    assert_eq!(locs(&store, "kept"), vec![dram("a", 1)]);
+    // A fresh baseline (e.g. a local clear's empty sync) is accepted.
+    assert_eq!(full_sync(&store, "a", 6, 7, Vec::new()), HeartbeatOutcome::Applied { acked_seq: 7 });
+    assert!(store.lookup("kept").unwrap().is_empty());
+}
+
+#[test]
+fn a_late_copy_of_an_applied_sync_applies_nothing() {
+    for store in stores() {
+        register(&store, "a", 0);
+        assert_eq!(
+            full_sync(&store, "a", 1, 5, vec![add("k1", 1), add("x", 2)]),
+            HeartbeatOutcome::Applied { acked_seq: 5 }
+        );
+        // A late copy of the B=5 sync's chunk 0 that lacks x (e.g. a retry of an earlier attempt).
+        assert_eq!(
+            chunk(&store, "a", 2, 5, 0, true, vec![add("k1", 1)]),
+            HeartbeatOutcome::AlreadyApplied { acked_seq: 5 }
+        );
+        assert_eq!(
+            chunk(&store, "a", 3, 5, 0, false, vec![add("k1", 1)]),
+            HeartbeatOutcome::AlreadyApplied { acked_seq: 5 }
+        );
+        assert_eq!(locs(&store, "x"), vec![dram("a", 2)], "the stale copy must not drop x");
+        assert_eq!(locs(&store, "k1"), vec![dram("a", 1)]);
+        assert_eq!(store.node_key_count("a").unwrap(), 2);
+        // The stream continues at 6, undisturbed.
+        assert_eq!(delta(&store, "a", 4, 6, vec![rm("x")]), HeartbeatOutcome::Applied { acked_seq: 6 });
+    }
+}
+
+#[test]
+fn reads_during_a_chunked_sync_see_the_previous_view() {
+    for store in stores() {
+        register(&store, "a", 0);
+        register(&store, "b", 0);
+        delta(&store, "a", 1, 1, vec![add("held", 1), add("dropped", 1), KvEvent::add("held", TierType::Hbm, 3)]);
+        delta(&store, "b", 1, 1, vec![add("dropped", 9)]);
+        // Chunk 0 reports "held" on DRAM only (size changed), chunk 1 a new key.
+        assert_eq!(chunk(&store, "a", 2, 2, 0, false, vec![add("held", 4)]).acked_seq(), Some(1));
+        let got = store.batch_lookup_for_route_get(&owned(&["held", "dropped"]), &[], 3, 10).unwrap();
+        assert_eq!(got[0].len(), 2, "a key held before the sync and reported by it stays visible: {got:?}");
+        assert!(got[1].iter().any(|l| &*l.node_id == "a"), "a key absent from the sync stays until the final chunk");
+        assert_eq!(store.node_key_count("a").unwrap(), 2);
+        assert_eq!(chunk(&store, "a", 4, 2, 1, false, vec![add("new", 5)]).acked_seq(), Some(1));
+        assert_eq!(locs(&store, "dropped"), vec![dram("a", 1), dram("b", 9)]);
+        assert_eq!(store.node_key_count("a").unwrap(), 3);
+        assert_eq!(chunk(&store, "a", 5, 2, 2, true, Vec::new()), HeartbeatOutcome::Applied { acked_seq: 2 });
+        assert_eq!(locs(&store, "held"), vec![dram("a", 4)], "the unreported HBM replica is swept");
+        assert_eq!(locs(&store, "dropped"), vec![dram("b", 9)], "b's replica is not a's to sweep");
+        assert_eq!(locs(&store, "new"), vec![dram("a", 5)]);
+        assert_eq!(store.node_key_count("a").unwrap(), 2);
+        assert_eq!(store.key_count().unwrap(), 3);
+    }
+}
+
+#[test]
+fn an_abandoned_sync_keeps_the_old_view_and_the_next_sync_ends_exact() {
+    for store in stores() {
+        register(&store, "a", 0);
+        delta(&store, "a", 1, 1, vec![add("old1", 1), add("old2", 1)]);
+        // Chunks 0 and 1 of baseline 2, then the node gives up (e.g. it was cleared or timed out).
+        chunk(&store, "a", 2, 2, 0, false, vec![add("old1", 1), add("half", 1)]);
+        chunk(&store, "a", 3, 2, 1, false, vec![add("half2", 1)]);
+        assert_eq!(locs(&store, "old2"), vec![dram("a", 1)], "nothing is swept by an unfinished sync");
+        // A fresh sync with a new baseline replaces it; a late chunk of the abandoned one is refused
+        // without disturbing the new one.
+        assert_eq!(chunk(&store, "a", 4, 3, 0, false, vec![add("fresh", 1)]).acked_seq(), Some(1));
+        assert_eq!(chunk(&store, "a", 5, 2, 2, true, vec![add("late", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 1 });
+        assert_eq!(chunk(&store, "a", 6, 2, 0, true, vec![add("late", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 1 });
+        assert!(store.lookup("late").unwrap().is_empty());
+        assert_eq!(chunk(&store, "a", 7, 3, 1, true, vec![add("old2", 1)]), HeartbeatOutcome::Applied { acked_seq: 3 });
+        let all = owned(&["old1", "old2", "half", "half2", "fresh", "late"]);
+        assert_eq!(store.batch_exists(&all).unwrap(), vec![false, true, false, false, true, false]);
+        assert_eq!(store.key_count().unwrap(), 2);
+        assert_eq!(store.node_key_count("a").unwrap(), 2);
+    }
 }
 
 #[test]

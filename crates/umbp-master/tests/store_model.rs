@@ -70,7 +70,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (node.clone(), prop_oneof![1 => Just(0u64), 6 => Just(1u64), 1 => Just(2u64)],
               proptest::collection::vec(event, 0..8))
             .prop_map(|(node, offset, events)| Op::Delta { node, offset, events }),
-        2 => (node.clone(), 0..2u64, 0..3u32, any::<bool>(),
+        3 => (node.clone(), 0..4u64, 0..3u32, any::<bool>(),
               proptest::collection::vec((0..KEY_SPACE, 0..TIERS.len(), 1..4u64), 0..6))
             .prop_map(|(node, baseline_offset, chunk, is_final, events)| {
                 Op::Chunk { node, baseline_offset, chunk, is_final, events }
@@ -97,29 +97,42 @@ type ModelNode = (bool, u64, u64, Option<(u64, u32)>);
 #[derive(Default)]
 struct Model {
     nodes: BTreeMap<String, ModelNode>,
-    /// key → [(node, tier, size)] in insertion order
-    index: BTreeMap<String, Vec<(String, TierType, u64)>>,
+    /// key → [(node, tier, size, tag of the last full sync that reported it (0: deltas only))] in
+    /// insertion order
+    index: BTreeMap<String, Vec<(String, TierType, u64, u64)>>,
 }
 
 impl Model {
     fn wipe(&mut self, node: &str) {
         for locs in self.index.values_mut() {
-            locs.retain(|(n, _, _)| n != node);
+            locs.retain(|(n, _, _, _)| n != node);
         }
         self.index.retain(|_, locs| !locs.is_empty());
     }
 
-    fn add(&mut self, node: &str, key: &str, tier: TierType, size: u64) {
+    fn add(&mut self, node: &str, key: &str, tier: TierType, size: u64, tag: Option<u64>) {
         let locs = self.index.entry(key.to_owned()).or_default();
-        match locs.iter_mut().find(|(n, t, _)| n == node && *t == tier) {
-            Some(loc) => loc.2 = size,
-            None => locs.push((node.to_owned(), tier, size)),
+        match locs.iter_mut().find(|(n, t, _, _)| n == node && *t == tier) {
+            Some(loc) => {
+                loc.2 = size;
+                if let Some(tag) = tag {
+                    loc.3 = tag;
+                }
+            }
+            None => locs.push((node.to_owned(), tier, size, tag.unwrap_or(0))),
         }
+    }
+
+    fn sweep(&mut self, node: &str, keep: u64) {
+        for locs in self.index.values_mut() {
+            locs.retain(|(n, _, _, tag)| n != node || *tag == keep);
+        }
+        self.index.retain(|_, locs| !locs.is_empty());
     }
 
     fn remove(&mut self, node: &str, key: &str, tier: TierType) {
         if let Some(locs) = self.index.get_mut(key) {
-            if let Some(pos) = locs.iter().position(|(n, t, _)| n == node && *t == tier) {
+            if let Some(pos) = locs.iter().position(|(n, t, _, _)| n == node && *t == tier) {
                 locs.remove(pos);
             }
             if locs.is_empty() {
@@ -153,7 +166,7 @@ impl Model {
                     state.2 = *seq;
                     for e in events {
                         match e.kind {
-                            KvEventKind::Add => self.add(node, &e.key, e.tier, e.size),
+                            KvEventKind::Add => self.add(node, &e.key, e.tier, e.size, None),
                             KvEventKind::Remove => self.remove(node, &e.key, e.tier),
                         }
                     }
@@ -164,24 +177,27 @@ impl Model {
                 }
             }
             HeartbeatKind::FullSyncChunk { baseline_seq, chunk_index, is_final, events } => {
-                if *baseline_seq < last {
+                let (baseline, chunk) = (*baseline_seq, *chunk_index);
+                let newer = progress.is_none_or(|(b, _)| baseline >= b);
+                let in_order = if chunk == 0 { newer } else { progress == Some((baseline, chunk)) };
+                if baseline <= last {
                     HeartbeatOutcome::AlreadyApplied { acked_seq: last }
-                } else if *chunk_index == 0 || progress == Some((*baseline_seq, *chunk_index)) {
-                    if *chunk_index == 0 {
-                        self.wipe(node);
-                    }
+                } else if in_order {
                     for e in events.iter().filter(|e| e.kind == KvEventKind::Add) {
-                        self.add(node, &e.key, e.tier, e.size);
+                        self.add(node, &e.key, e.tier, e.size, Some(baseline));
                     }
                     if *is_final {
-                        state.2 = *baseline_seq;
+                        self.sweep(node, baseline);
+                        state.2 = baseline;
                         state.3 = None;
                     } else {
-                        state.3 = Some((*baseline_seq, chunk_index + 1));
+                        state.3 = Some((baseline, chunk + 1));
                     }
                     HeartbeatOutcome::Applied { acked_seq: state.2 }
                 } else {
-                    state.3 = None;
+                    if newer {
+                        state.3 = None;
+                    }
                     HeartbeatOutcome::SeqGap { acked_seq: last }
                 }
             }
@@ -258,8 +274,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                         let last = model.nodes.get(NODES[*node]).map_or(0, |s| s.2);
                         let events =
                             events.iter().map(|(k, t, size)| KvEvent::add(key(*k), TIERS[*t], *size)).collect();
-                        let baseline_seq =
-                            (last + baseline_offset).saturating_sub(u64::from(*baseline_offset == 0 && last > 3));
+                        // last - 1, last (stale copies), then fresh baselines last + 1, last + 2.
+                        let baseline_seq = (last + baseline_offset).saturating_sub(1);
                         (
                             *node,
                             HeartbeatKind::FullSyncChunk {
@@ -315,8 +331,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                         .get(k)
                         .into_iter()
                         .flatten()
-                        .filter(|(n, _, _)| !exclude.contains(n))
-                        .cloned()
+                        .filter(|(n, _, _, _)| !exclude.contains(n))
+                        .map(|(n, t, size, _)| (n.clone(), *t, *size))
                         .collect();
                     for a in &answers {
                         let got: Vec<_> = a[i].iter().map(|l| (l.node_id.to_string(), l.tier, l.size)).collect();
@@ -350,7 +366,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
         }
         // The whole observable state agrees after every step.
         for k in 0..KEY_SPACE {
-            let expected: Vec<(String, TierType, u64)> = model.index.get(&key(k)).cloned().unwrap_or_default();
+            let expected: Vec<(String, TierType, u64)> =
+                model.index.get(&key(k)).into_iter().flatten().map(|(n, t, size, _)| (n.clone(), *t, *size)).collect();
             for s in &stores {
                 let got: Vec<_> = s
                     .lookup(&key(k))
@@ -369,7 +386,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 stores[0].list_nodes().expect("in-memory store call")
             );
             for n in NODES {
-                let held = model.index.values().filter(|locs| locs.iter().any(|(m, _, _)| m == n)).count() as u64;
+                let held = model.index.values().filter(|locs| locs.iter().any(|(m, _, _, _)| m == n)).count() as u64;
                 prop_assert_eq!(s.node_key_count(n).expect("in-memory store call"), held);
                 let status = s
                     .get_node(n)

@@ -282,18 +282,13 @@ async fn a_silent_node_expires_leaves_the_routes_and_rejoins_after_the_partition
     master.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_seq_gap_heals_by_full_sync() {
-    let master = start_master("127.0.0.1:0".parse().expect("addr")).await;
-    let a = node(&master.local_addr().to_string(), "node-a", 256).await;
-    put(&*a.medium, &keys("k", 30));
-    converge(&master, &[&a], Duration::from_secs(10)).await;
-    // The master loses the node's stream position (as a wiped or rebuilt store would): a fresh record
-    // at seq 0 with no locations, so the node's next delta arrives with a gap.
-    let rec = master.store().get_node("node-a").expect("get").expect("record");
-    master.store().unregister("node-a").expect("unregister");
+/// The master loses the node's stream position (as a wiped or rebuilt store would): a fresh record at
+/// seq 0 with no locations, and nobody tells the node UNKNOWN.
+fn rebuild_node_record(master: &MasterHandle, id: &str) {
+    let rec = master.store().get_node(id).expect("get").expect("record");
+    master.store().unregister(id).expect("unregister");
     let reg = umbp_master::store::Registration {
-        node_id: "node-a".into(),
+        node_id: id.into(),
         node_address: rec.node_address.clone(),
         peer_address: rec.peer_address.to_string(),
         data_endpoint: rec.data_endpoint.clone(),
@@ -302,6 +297,16 @@ async fn a_seq_gap_heals_by_full_sync() {
     };
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64;
     master.store().register(reg, now, 30_000).expect("register");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seq_gap_heals_by_full_sync() {
+    let master = start_master("127.0.0.1:0".parse().expect("addr")).await;
+    let a = node(&master.local_addr().to_string(), "node-a", 256).await;
+    put(&*a.medium, &keys("k", 30));
+    converge(&master, &[&a], Duration::from_secs(10)).await;
+    // The node's next delta arrives with a gap.
+    rebuild_node_record(&master, "node-a");
     let syncs_before = a.client.stats().full_syncs_completed;
     put(&*a.medium, &keys("after", 5));
     converge(&master, &[&a], Duration::from_secs(10)).await;
@@ -324,6 +329,72 @@ async fn a_100k_key_full_sync_arrives_in_chunks_and_matches_the_peer_exactly() {
     assert!(stats.full_sync_chunks_sent >= 7, "100k keys in chunks of 16k: {} chunks", stats.full_sync_chunks_sent);
     assert_eq!(stats.full_syncs_completed, 1);
     assert_eq!(master.store().node_key_count("node-a").expect("count"), 100_000);
+    a.client.shutdown().await.expect("shutdown");
+    master.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_node_recovers_after_the_master_silently_loses_its_state() {
+    let master = start_master("127.0.0.1:0".parse().expect("addr")).await;
+    let a = node(&master.local_addr().to_string(), "node-a", 256).await;
+    put(&*a.medium, &keys("k", 30));
+    converge(&master, &[&a], Duration::from_secs(10)).await;
+    let syncs_before = a.client.stats().full_syncs_completed;
+    rebuild_node_record(&master, "node-a");
+    assert_eq!(master.store().node_key_count("node-a").expect("count"), 0);
+    // No writes: only keepalives go, and their acks (seq 0) fall below the node's.
+    converge(&master, &[&a], Duration::from_secs(10)).await;
+    assert!(a.client.stats().full_syncs_completed > syncs_before, "healed by a full sync");
+    assert_eq!(master.store().node_key_count("node-a").expect("count"), 30);
+    a.client.shutdown().await.expect("shutdown");
+    master.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_committed_during_a_chunked_full_sync_are_not_lost() {
+    const N: usize = 100_000;
+    const CAP: usize = 512 << 10;
+    let master = start_master("127.0.0.1:0".parse().expect("addr")).await;
+    let m = medium(N as u64 + 20_000);
+    // Long keys, so the byte cap (not the event count) cuts the chunks.
+    let long = |prefix: &str, n: usize| -> Vec<String> {
+        (0..n).map(|i| format!("{prefix}-{i:06}-{}", "0123456789abcdef".repeat(6))).collect()
+    };
+    put(&*m, &long("big", N));
+    let config =
+        MasterClientConfig { full_sync_chunk_events: N, max_request_bytes: CAP, ..MasterClientConfig::default() };
+    let a = node_with(&master.local_addr().to_string(), "node-a", Arc::clone(&m), config).await;
+
+    // Writes race the sync: batches committed while its chunks are in flight.
+    let mut written = Vec::new();
+    let mut during = 0usize;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut batch = 0usize;
+    loop {
+        let stats = a.client.stats();
+        let in_flight = stats.full_sync_chunks_sent > 0 && stats.full_syncs_completed == 0;
+        let ks = long(&format!("during-{batch}"), 20);
+        put(&*m, &ks);
+        written.extend(ks);
+        batch += 1;
+        if in_flight {
+            during += 1;
+        }
+        if stats.full_syncs_completed > 0 && batch >= 10 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the full sync never completed");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(during >= 3, "writes raced the sync: {during} batches while chunks were in flight");
+
+    converge(&master, &[&a], Duration::from_secs(30)).await;
+    let stats = a.client.stats();
+    assert!(stats.full_sync_chunks_sent >= 10, "cut by bytes: {} chunks", stats.full_sync_chunks_sent);
+    for k in &written {
+        assert_eq!(master.store().lookup(k).expect("lookup").len(), 1, "{k} lost");
+    }
+    assert_eq!(master.store().node_key_count("node-a").expect("count"), (N + written.len()) as u64);
     a.client.shutdown().await.expect("shutdown");
     master.shutdown().await;
 }

@@ -35,7 +35,7 @@ async fn flush_wakes_the_loop_long_before_the_interval() {
     commit(&dram, &ks);
     let t0 = Instant::now();
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.index.len() == 3).await, "events arrive after a flush");
+    assert!(master.wait_until(WAIT, |_, m| m.index().len() == 3).await, "events arrive after a flush");
     assert!(t0.elapsed() < Duration::from_secs(2), "woken, not waiting for the 60 s interval");
     {
         let rec = master.fake.rec.lock();
@@ -63,7 +63,7 @@ async fn flush_before_start_is_a_noop() {
     assert_eq!(client.stats().outbox_events, 0, "nothing drained before start");
 
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.index.len() == 2).await);
+    assert!(master.wait_until(WAIT, |_, m| m.index().len() == 2).await);
     client.shutdown().await.expect("shutdown");
 }
 
@@ -88,7 +88,7 @@ async fn flush_during_an_inflight_rpc_reticks_right_after_it() {
     assert!(master.wait_until(WAIT, |r, _| r.heartbeats.len() == 1).await, "first heartbeat in flight");
     commit(&dram, &keys("second", 1));
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.index.len() == 2).await, "the second flush is honoured");
+    assert!(master.wait_until(WAIT, |_, m| m.index().len() == 2).await, "the second flush is honoured");
 
     {
         let rec = master.fake.rec.lock();
@@ -116,7 +116,7 @@ async fn a_backlog_goes_in_bounded_back_to_back_rpcs_with_consecutive_seqs() {
     commit(&dram, &keys("backlog", 160)); // 40 bundles of 4
     let t0 = Instant::now();
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.last_applied == 40).await, "all 40 bundles applied");
+    assert!(master.wait_until(WAIT, |_, m| m.last_applied() == 40).await, "all 40 bundles applied");
     assert!(t0.elapsed() < Duration::from_secs(2), "back to back, not one per interval");
 
     {
@@ -126,7 +126,7 @@ async fn a_backlog_goes_in_bounded_back_to_back_rpcs_with_consecutive_seqs() {
         let seqs: Vec<u64> = deltas.iter().flat_map(|h| h.bundles.iter().map(|b| b.seq)).collect();
         assert_eq!(seqs, (1..=40).collect::<Vec<_>>(), "consecutive seqs, none repeated");
         assert!(deltas.iter().flat_map(|h| &h.bundles).all(|b| b.events.len() == 4));
-        assert_eq!(master.fake.model.lock().index.len(), 160);
+        assert_eq!(master.fake.model.lock().index().len(), 160);
     }
     let stats = client.stats();
     assert_eq!((stats.acked_seq, stats.next_seq, stats.outbox_bundles), (40, 41, 0));
@@ -147,7 +147,7 @@ async fn auto_flush_at_the_threshold_triggers_a_heartbeat() {
     assert!(master.fake.rec.lock().heartbeats.is_empty(), "below the threshold nothing wakes the loop");
 
     commit(&dram, &keys("at", 1));
-    assert!(master.wait_until(WAIT, |_, m| m.index.len() == 8).await, "the 8th event wakes the loop");
+    assert!(master.wait_until(WAIT, |_, m| m.index().len() == 8).await, "the 8th event wakes the loop");
     assert_eq!(master.fake.rec.lock().deltas().len(), 1);
     client.shutdown().await.expect("shutdown");
 }
@@ -185,7 +185,7 @@ async fn a_lost_ack_resends_the_same_seqs_without_a_full_sync() {
     assert!(acked.await, "the re-sent bundle is acknowledged");
     commit(&dram, &keys("after", 2));
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.last_applied == 2).await);
+    assert!(master.wait_until(WAIT, |_, m| m.last_applied() == 2).await);
 
     {
         let rec = master.fake.rec.lock();
@@ -200,7 +200,7 @@ async fn a_lost_ack_resends_the_same_seqs_without_a_full_sync() {
         let model = master.fake.model.lock();
         assert!(model.reacked_bundles >= 1);
         assert_eq!(model.seq_gaps, 0);
-        assert_eq!(model.index.len(), 7, "nothing lost");
+        assert_eq!(model.index().len(), 7, "nothing lost");
     }
     let stats = client.stats();
     assert!(stats.rpc_errors >= 1);
@@ -220,7 +220,7 @@ async fn several_media_share_one_seq_stream() {
     commit(&dram, &keys("dram", 4));
     commit(&hbm, &keys("hbm", 4));
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.index.len() == 8).await);
+    assert!(master.wait_until(WAIT, |_, m| m.index().len() == 8).await);
 
     {
         let rec = master.fake.rec.lock();
@@ -235,8 +235,8 @@ async fn several_media_share_one_seq_stream() {
     }
     {
         let model = master.fake.model.lock();
-        assert_eq!(model.index.keys().filter(|(_, t)| *t == pb::TierType::TierHbm as i32).count(), 4);
-        assert_eq!(model.index.keys().filter(|(_, t)| *t == pb::TierType::TierDram as i32).count(), 4);
+        assert_eq!(model.index().keys().filter(|(_, t)| *t == pb::TierType::TierHbm as i32).count(), 4);
+        assert_eq!(model.index().keys().filter(|(_, t)| *t == pb::TierType::TierDram as i32).count(), 4);
     }
     client.shutdown().await.expect("shutdown");
 }
@@ -269,7 +269,7 @@ async fn the_cluster_token_travels_on_every_call() {
     client.start_heartbeat().expect("start");
     commit(&dram, &keys("tok", 1));
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.index.len() == 1).await);
+    assert!(master.wait_until(WAIT, |_, m| m.index().len() == 1).await);
     client.batch_lookup(&[]).await.expect("empty lookup needs no RPC");
     *master.fake.lookup_reply.lock() = pb::BatchLookupResponse { found: vec![true] };
     assert_eq!(client.batch_lookup(&keys("tok", 1)).await.expect("lookup"), [true]);

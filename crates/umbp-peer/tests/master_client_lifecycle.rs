@@ -67,8 +67,9 @@ async fn registering_while_owning_keys_starts_with_a_full_sync() {
     client.heartbeat_once().await.expect("full sync");
     let chunks = master.fake.rec.lock().full_sync_chunks().len();
     assert_eq!(chunks, 1);
-    assert_eq!(master.fake.model.lock().index.len(), 3);
-    assert_eq!(client.stats().acked_seq, 0, "baseline 0: deltas start at seq 1");
+    assert_eq!(master.fake.model.lock().index().len(), 3);
+    assert_eq!(client.stats().acked_seq, 1, "a fresh baseline (1): deltas start at seq 2");
+    assert_eq!(client.stats().next_seq, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,13 +92,13 @@ async fn unknown_re_registers_with_the_full_record_then_full_syncs() {
     let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
     commit(&dram, &keys("before", 5));
     client.heartbeat_once().await.expect("delta");
-    assert_eq!(master.fake.model.lock().index.len(), 5);
+    assert_eq!(master.fake.model.lock().index().len(), 5);
 
     master.fake.forget(); // the master restarted
     commit(&dram, &keys("after", 2));
     client.start_heartbeat().expect("start");
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.full_syncs_applied == 1 && m.index.len() == 7).await);
+    assert!(master.wait_until(WAIT, |_, m| m.full_syncs_applied == 1 && m.index().len() == 7).await);
 
     {
         let rec = master.fake.rec.lock();
@@ -114,17 +115,18 @@ async fn unknown_re_registers_with_the_full_record_then_full_syncs() {
         let mut owned: Vec<String> = keys("before", 5).into_iter().chain(keys("after", 2)).collect();
         owned.sort();
         assert_eq!(synced, owned, "the full sync carries every owned key");
-        // The delta of the two new keys was drained (seq 2) before the UNKNOWN; the baseline covers it.
-        assert_eq!(chunks[0].delta_seq_baseline, 2);
+        // The delta of the two new keys was drained (seq 2) before the UNKNOWN; the sync takes the
+        // next, fresh seq as its baseline.
+        assert_eq!(chunks[0].delta_seq_baseline, 3);
         assert!(chunks[0].full_sync_final && chunks[0].full_sync_chunk == 0);
     }
     let stats = client.stats();
-    assert_eq!((stats.re_registrations, stats.acked_seq, stats.next_seq), (1, 2, 3));
+    assert_eq!((stats.re_registrations, stats.acked_seq, stats.next_seq), (1, 3, 4));
 
     // Deltas continue from the baseline.
     commit(&dram, &keys("later", 1));
     client.flush();
-    assert!(master.wait_until(WAIT, |_, m| m.last_applied == 3 && m.index.len() == 8).await);
+    assert!(master.wait_until(WAIT, |_, m| m.last_applied() == 4 && m.index().len() == 8).await);
     client.shutdown().await.expect("shutdown");
 }
 
@@ -147,7 +149,7 @@ async fn already_exists_on_re_registration_counts_as_success() {
     client.heartbeat_once().await.expect("answered UNKNOWN, re-registered");
     assert_eq!(client.stats().re_registrations, 1, "ALREADY_EXISTS is success here");
     client.heartbeat_once().await.expect("full sync");
-    assert_eq!(master.fake.model.lock().index.len(), 3);
+    assert_eq!(master.fake.model.lock().index().len(), 3);
     assert_eq!(client.stats().full_syncs_completed, 1);
 }
 
@@ -167,11 +169,11 @@ async fn request_full_sync_sends_a_full_sync_at_once() {
         let rec = master.fake.rec.lock();
         assert_eq!(rec.heartbeats.len(), 2);
         assert!(rec.heartbeats[1].1.is_full_sync);
-        assert_eq!(rec.heartbeats[1].1.delta_seq_baseline, 1);
+        assert_eq!(rec.heartbeats[1].1.delta_seq_baseline, 2, "a fresh baseline, not the refused delta's seq");
     }
-    assert_eq!(master.fake.model.lock().index.len(), 4);
+    assert_eq!(master.fake.model.lock().index().len(), 4);
     let stats = client.stats();
-    assert_eq!((stats.full_syncs_completed, stats.acked_seq, stats.outbox_bundles), (1, 1, 0));
+    assert_eq!((stats.full_syncs_completed, stats.acked_seq, stats.outbox_bundles), (1, 2, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,12 +193,12 @@ async fn a_100k_key_full_sync_arrives_in_chunks_under_the_byte_cap() {
     commit(&dram, &owned);
     client.heartbeat_once().await.expect("full sync");
 
-    let baseline = N.div_ceil(1024) as u64;
+    let baseline = N.div_ceil(1024) as u64 + 1;
     {
         let rec = master.fake.rec.lock();
         let chunks = rec.full_sync_chunks();
         assert!(chunks.len() >= 4, "several chunks: {}", chunks.len());
-        assert_eq!(chunks[0].delta_seq_baseline, baseline, "baseline = next_seq - 1 after the refused delta");
+        assert_eq!(chunks[0].delta_seq_baseline, baseline, "a fresh baseline after the refused deltas");
         for (i, c) in chunks.iter().enumerate() {
             assert_eq!(c.full_sync_chunk as usize, i, "chunks in order from 0");
             assert_eq!(c.full_sync_final, i + 1 == chunks.len(), "final only on the last");
@@ -207,7 +209,7 @@ async fn a_100k_key_full_sync_arrives_in_chunks_under_the_byte_cap() {
         assert_eq!(synced.len(), N, "no duplicates");
         assert_eq!(synced.into_iter().collect::<BTreeSet<_>>(), owned.iter().cloned().collect());
     }
-    assert_eq!(master.fake.model.lock().index.len(), N);
+    assert_eq!(master.fake.model.lock().index().len(), N);
     let stats = client.stats();
     assert_eq!((stats.acked_seq, stats.outbox_events, stats.full_sync_pending), (baseline, 0, false));
     assert_eq!(stats.full_sync_chunks_sent as usize, master.fake.rec.lock().full_sync_chunks().len());
@@ -249,7 +251,7 @@ async fn a_failed_middle_chunk_restarts_from_chunk_zero() {
         );
         assert_eq!(full_sync_keys(&chunks[3..]).len(), 2003);
     }
-    assert_eq!(master.fake.model.lock().index.len(), 2003);
+    assert_eq!(master.fake.model.lock().index().len(), 2003);
     let stats = client.stats();
     assert_eq!((stats.full_syncs_started, stats.full_syncs_completed), (2, 1));
 }
@@ -261,7 +263,9 @@ async fn an_overflowing_outbox_turns_into_a_full_sync_instead_of_growing() {
     let fail_syncs = Arc::new(AtomicBool::new(true));
     let (d, s) = (Arc::clone(&fail_deltas), Arc::clone(&fail_syncs));
     master.fake.on_heartbeat(move |h| {
-        let fail = if h.is_full_sync { s.load(Ordering::SeqCst) } else { d.load(Ordering::SeqCst) };
+        // Keepalives (the probe before a full sync) follow the full syncs.
+        let fail =
+            if h.bundles.is_empty() || h.is_full_sync { s.load(Ordering::SeqCst) } else { d.load(Ordering::SeqCst) };
         if fail { Action::Fail(tonic::Code::Unavailable) } else { Action::Normal }
     });
     let dram = page_backend(TierType::Dram, PAGE, 256);
@@ -273,7 +277,7 @@ async fn an_overflowing_outbox_turns_into_a_full_sync_instead_of_growing() {
     assert_eq!((client.stats().outbox_events, client.stats().outbox_bundles), (40, 3), "queued for a resend");
 
     commit(&dram, &keys("b", 40)); // 80 > 64
-    assert!(client.heartbeat_once().await.is_err(), "the full sync fails too");
+    assert!(client.heartbeat_once().await.is_err(), "the full sync (its probe) fails too");
     let stats = client.stats();
     assert_eq!(stats.outbox_overflows, 1);
     assert_eq!(stats.outbox_events, 0, "deltas dropped, not grown");
@@ -285,18 +289,18 @@ async fn an_overflowing_outbox_turns_into_a_full_sync_instead_of_growing() {
 
     fail_syncs.store(false, Ordering::SeqCst);
     client.heartbeat_once().await.expect("the full sync lands");
-    assert_eq!(master.fake.model.lock().index.len(), 180, "nothing lost");
+    assert_eq!(master.fake.model.lock().index().len(), 180, "nothing lost");
     {
         let rec = master.fake.rec.lock();
         let last = rec.full_sync_chunks().last().map(|c| (c.delta_seq_baseline, c.full_sync_final));
-        assert_eq!(last, Some((3, true)), "baseline = next_seq - 1 (3 bundles were numbered)");
+        assert_eq!(last, Some((4, true)), "a fresh baseline (3 bundles were numbered)");
     }
 
     fail_deltas.store(false, Ordering::SeqCst);
     commit(&dram, &keys("d", 2));
     client.heartbeat_once().await.expect("deltas resume at baseline + 1");
-    assert_eq!(master.fake.model.lock().last_applied, 4);
-    assert_eq!(master.fake.model.lock().index.len(), 182);
+    assert_eq!(master.fake.model.lock().last_applied(), 5);
+    assert_eq!(master.fake.model.lock().index().len(), 182);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,18 +325,18 @@ async fn clear_is_retried_until_acknowledged_and_writes_stay_gated_until_then() 
     let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
     commit(&dram, &keys("k", 5));
     client.heartbeat_once().await.expect("delta");
-    assert_eq!(master.fake.model.lock().index.len(), 5);
+    assert_eq!(master.fake.model.lock().index().len(), 5);
 
     client.clear().await.expect("acknowledged on the third attempt");
     assert_eq!(attempts.load(Ordering::SeqCst), 3);
     assert_eq!(*seen_at_ack.lock(), Some((true, AllocateOutcome::Failed)), "gated until the ack");
     assert!(!dram.is_clear_full_sync_pending(), "reopened after the ack");
     assert_eq!(dram.owned_key_count(), 0);
-    assert!(master.fake.model.lock().index.is_empty(), "the master dropped the node's locations");
+    assert!(master.fake.model.lock().index().is_empty(), "the master dropped the node's locations");
     commit(&dram, &keys("new", 1));
     let stats = client.stats();
     assert!(!stats.clear_pending && !stats.full_sync_pending);
-    assert_eq!(stats.acked_seq, 1, "baseline = next_seq - 1");
+    assert_eq!(stats.acked_seq, 4, "the third attempt's baseline: every attempt takes a fresh one");
     client.heartbeat_once().await.expect("delta");
     assert_eq!(master.fake.model.lock().keys(), [("new-0".to_owned(), pb::TierType::TierDram as i32)]);
 }
@@ -367,7 +371,7 @@ async fn a_clear_past_its_deadline_is_finished_by_the_heartbeat_loop() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(!dram.is_clear_full_sync_pending(), "the loop delivered the clear and reopened writes");
-    assert!(master.fake.model.lock().index.is_empty());
+    assert!(master.fake.model.lock().index().is_empty());
     client.shutdown().await.expect("shutdown");
 }
 
@@ -426,4 +430,174 @@ async fn dropping_the_client_stops_the_loop() {
     let sent = master.fake.rec.lock().heartbeats.len();
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert_eq!(master.fake.rec.lock().heartbeats.len(), sent);
+}
+
+/// The baselines of the full syncs recorded so far (one per sync: its chunk 0), and every delta seq.
+fn baselines_and_delta_seqs(master: &FakeMaster) -> (Vec<u64>, Vec<u64>) {
+    let rec = master.fake.rec.lock();
+    let baselines =
+        rec.full_sync_chunks().iter().filter(|c| c.full_sync_chunk == 0).map(|c| c.delta_seq_baseline).collect();
+    let deltas = rec.deltas().iter().flat_map(|h| h.bundles.iter().map(|b| b.seq)).collect();
+    (baselines, deltas)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_chunk_ack_other_than_the_baseline_restarts_the_sync_at_a_fresh_baseline() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let step = Arc::new(AtomicUsize::new(0));
+    let s = Arc::clone(&step);
+    master.fake.on_heartbeat(move |h| {
+        if is_delta(h) && s.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            return Action::RequestFullSync;
+        }
+        if h.is_full_sync && h.full_sync_final && s.compare_exchange(1, 2, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            // The master answers the final chunk without adopting the baseline: it did not take it.
+            return Action::Reply(pb::HeartbeatResponse {
+                status: pb::NodeStatus::Alive as i32,
+                acked_seq: h.delta_seq_baseline - 1,
+                request_full_sync: false,
+            });
+        }
+        Action::Normal
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let config = MasterClientConfig { full_sync_chunk_events: 4, ..quiet_config() };
+    let client = client(&master, config, registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("k", 10));
+    let err = client.heartbeat_once().await.expect_err("the final chunk's ack is not the baseline");
+    assert!(matches!(err, MasterClientError::Refused { .. }), "{err}");
+    let stats = client.stats();
+    assert!(stats.full_sync_pending, "the sync failed and stays pending");
+    assert_eq!((stats.full_syncs_started, stats.full_syncs_completed), (1, 0));
+
+    client.heartbeat_once().await.expect("the restart lands");
+    assert_eq!(master.fake.model.lock().index().len(), 10);
+    commit(&dram, &keys("after", 2));
+    client.heartbeat_once().await.expect("delta");
+    client.clear().await.expect("clear");
+    commit(&dram, &keys("new", 1));
+    client.heartbeat_once().await.expect("delta");
+    assert_eq!(master.fake.model.lock().keys(), [("new-0".to_owned(), pb::TierType::TierDram as i32)]);
+
+    {
+        let rec = master.fake.rec.lock();
+        let first: Vec<(u32, bool)> =
+            rec.full_sync_chunks().iter().take(6).map(|c| (c.full_sync_chunk, c.full_sync_final)).collect();
+        assert_eq!(
+            first,
+            [(0, false), (1, false), (2, true), (0, false), (1, false), (2, true)],
+            "restarted at chunk 0"
+        );
+    }
+    let (baselines, delta_seqs) = baselines_and_delta_seqs(&master);
+    assert_eq!(delta_seqs, [1, 4, 6]);
+    assert_eq!(baselines, [2, 3, 5], "a fresh baseline per sync (the clear's included), strictly increasing");
+    assert!(baselines.iter().all(|b| !delta_seqs.contains(b)), "a baseline is never a delta's seq");
+    let stats = client.stats();
+    assert_eq!((stats.acked_seq, stats.next_seq), (6, 7));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_baseline_answered_already_applied_is_not_success() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let once = Arc::new(AtomicBool::new(true));
+    let o = Arc::clone(&once);
+    master.fake.on_heartbeat(move |h| {
+        if !h.is_full_sync && h.bundles.is_empty() && o.swap(false, Ordering::SeqCst) {
+            Action::RequestFullSync
+        } else {
+            Action::Normal
+        }
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    // The master's record of this node stands at seq 20: past anything this client numbered.
+    master.fake.model.lock().advance_stream_to(20);
+    commit(&dram, &keys("k", 3));
+    // Their deltas went out before (the sync's snapshot carries the keys): the next round is a keepalive.
+    assert_eq!(dram.drain_pending_events().len(), 3);
+    let err = client.heartbeat_once().await.expect_err("a keepalive asked for a sync whose baseline is stale");
+    assert!(matches!(err, MasterClientError::Refused { .. }), "{err}");
+    assert_eq!(master.fake.model.lock().stale_sync_chunks, 1, "answered AlreadyApplied");
+    assert!(master.fake.model.lock().index().is_empty(), "nothing applied");
+    assert!(client.stats().full_sync_pending);
+    assert_eq!(client.stats().next_seq, 21, "numbers on past the master's seq");
+
+    client.heartbeat_once().await.expect("the next baseline is above the master's");
+    assert_eq!(master.fake.model.lock().index().len(), 3);
+    assert_eq!((client.stats().acked_seq, master.fake.model.lock().last_applied()), (21, 21));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_that_goes_backwards_means_the_master_lost_the_node_and_forces_a_full_sync() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    commit(&dram, &keys("k", 5));
+    client.heartbeat_once().await.expect("delta");
+    assert_eq!(client.stats().acked_seq, 1);
+    // A rebuilt store: the node is registered again at seq 0, and nobody tells it UNKNOWN.
+    master.fake.model.lock().rebuild_node();
+    assert!(master.fake.model.lock().index().is_empty());
+
+    client.heartbeat_once().await.expect("a keepalive answered with acked 0");
+    assert!(client.stats().full_sync_pending, "acks only grow within one registration");
+    client.heartbeat_once().await.expect("full sync");
+    assert_eq!(master.fake.model.lock().index().len(), 5, "the idle node is back in the index");
+    assert_eq!(client.stats().full_syncs_completed, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_full_sync_probes_with_a_keepalive_while_the_master_is_down() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let down = Arc::new(AtomicBool::new(true));
+    let d = Arc::clone(&down);
+    master.fake.on_heartbeat(move |_| {
+        if d.load(Ordering::SeqCst) { Action::Fail(tonic::Code::Unavailable) } else { Action::Normal }
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    commit(&dram, &keys("k", 40));
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    assert!(client.stats().full_sync_pending);
+    for _ in 0..4 {
+        assert!(client.heartbeat_once().await.is_err());
+    }
+    {
+        let rec = master.fake.rec.lock();
+        assert_eq!(rec.full_sync_chunks().len(), 1, "one attempt, then only probes");
+        let probes = rec.heartbeats.iter().filter(|(_, h)| !h.is_full_sync && h.bundles.is_empty()).count();
+        assert_eq!(probes, 3);
+    }
+    assert_eq!(client.stats().full_syncs_started, 1, "no snapshot while the master is down");
+
+    down.store(false, Ordering::SeqCst);
+    client.heartbeat_once().await.expect("the probe answers, the full sync follows in the same round");
+    assert_eq!(master.fake.model.lock().index().len(), 40);
+    assert_eq!(client.stats().full_syncs_completed, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_cancels_a_running_clear_and_nothing_registers_afterwards() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    // Every clear attempt is answered UNKNOWN, so the clear keeps re-registering and retrying.
+    master.fake.on_heartbeat(|h| if h.is_full_sync { Action::Unknown } else { Action::Normal });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = Arc::new(client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await);
+    commit(&dram, &keys("k", 3));
+    client.heartbeat_once().await.expect("delta");
+
+    let c = Arc::clone(&client);
+    let clear = tokio::spawn(async move { c.clear_within(Duration::from_secs(20)).await });
+    assert!(master.wait_until(WAIT, |r, _| r.registers.len() >= 3).await, "the clear re-registers");
+    let t0 = Instant::now();
+    client.shutdown().await.expect("shutdown");
+    let result = tokio::time::timeout(Duration::from_secs(2), clear).await.expect("the clear ends").expect("join");
+    assert!(matches!(result, Err(MasterClientError::ShutDown)), "{result:?}");
+    assert!(t0.elapsed() < Duration::from_secs(1), "cancelled, not run to its deadline: {:?}", t0.elapsed());
+
+    let registers = master.fake.rec.lock().registers.len();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(master.fake.rec.lock().registers.len(), registers, "no registration after shutdown");
+    assert_eq!(master.fake.rec.lock().unregisters, ["node-a"]);
+    assert!(!master.fake.model.lock().registered(), "the node stays unregistered");
 }

@@ -174,8 +174,11 @@ async fn pool_pressure_eviction_keeps_puts_succeeding_and_gets_are_exact_or_miss
         listen: "127.0.0.1:0".parse().expect("addr"),
         heartbeat_ttl: Duration::from_millis(400),
         heartbeat_interval_divisor: 4,
-        eviction_check_interval: Duration::from_millis(100),
-        route_get_lease: Duration::from_millis(50),
+        eviction: umbp_master::routing::EvictionConfig {
+            check_interval: Duration::from_millis(100),
+            lease_duration: Duration::from_millis(50),
+            ..umbp_master::routing::EvictionConfig::default()
+        },
         ..MasterConfig::default()
     })
     .await

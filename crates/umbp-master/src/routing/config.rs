@@ -41,7 +41,8 @@ impl FromStr for SelectAlgo {
     type Err = RoutingConfigError;
 
     /// Parses `most_available` or `random`, ignoring surrounding whitespace and ASCII case. The
-    /// caller turns an error into a warning and [`SelectAlgo::default`], as the reference does.
+    /// master's configuration turns an error into a startup error (not the reference's silent
+    /// fallback).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let value = s.trim();
         if value.eq_ignore_ascii_case("most_available") {

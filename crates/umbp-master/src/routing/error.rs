@@ -2,8 +2,8 @@
 
 /// A routing or eviction setting that cannot be used.
 ///
-/// The master turns an unknown strategy name into a warning and the default (the reference's
-/// behaviour for `UMBP_ROUTE_PUT_*`), and refuses to start on invalid watermarks or durations.
+/// The master refuses to start on an unknown strategy name (the reference fell back to the default
+/// with a warning, which hides a typo), on invalid watermarks and on zero durations.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RoutingConfigError {

@@ -1,8 +1,9 @@
 //! Eviction policy: which (node, tier) must shed bytes and which keys go first.
 //!
 //! The master decides and the peer makes it final: the manager sends the chosen keys in `EvictKey`
-//! and changes no state of its own. A key the peer protects (leased or pinned) frees 0 bytes, stays
-//! indexed, and is simply chosen again on the next tick while the pressure lasts.
+//! and changes no state of its own. A key the peer protects (leased or pinned) frees 0 bytes and stays
+//! indexed; its bytes go back to its bucket's budget so the round continues with the next-oldest keys
+//! ([`VictimPicker`]), and the manager leaves it out of the next few rounds.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -166,27 +167,74 @@ fn parts_per_million(fraction: f64) -> u128 {
 /// is taken while its own (node, tier) budget is still positive, and its size is subtracted from that
 /// budget only, so buckets are independent. The last victim of a bucket may overshoot the budget: a
 /// key cannot be half evicted. Candidates of a (node, tier) without a bucket are never taken.
-pub fn select_victims(mut candidates: Vec<EvictionCandidate>, buckets: &[Bucket]) -> HashMap<Arc<str>, Vec<String>> {
-    let mut budgets: foldhash::HashMap<(Arc<str>, TierType), u64> = buckets
-        .iter()
-        .filter(|bucket| bucket.budget_bytes > 0)
-        .map(|bucket| ((bucket.node_id.clone(), bucket.tier), bucket.budget_bytes))
-        .collect();
+///
+/// This is one pass of a [`VictimPicker`]; the eviction manager uses the picker itself, so that
+/// bytes a victim did not free go back to its bucket and the round continues down the list.
+pub fn select_victims(candidates: Vec<EvictionCandidate>, buckets: &[Bucket]) -> HashMap<Arc<str>, Vec<String>> {
     let mut victims: HashMap<Arc<str>, Vec<String>> = HashMap::new();
-    if budgets.is_empty() {
-        return victims;
-    }
-    candidates.sort_by_key(|candidate| candidate.last_accessed_ms);
-    for EvictionCandidate { key, node_id, tier, size, .. } in candidates {
-        let bucket = (node_id, tier);
-        let Some(budget) = budgets.get_mut(&bucket) else {
-            continue;
-        };
-        if *budget == 0 {
-            continue;
-        }
-        *budget = budget.saturating_sub(size);
-        victims.entry(bucket.0).or_default().push(key);
+    for victim in VictimPicker::new(candidates, buckets).take(|_| false) {
+        victims.entry(victim.node_id).or_default().push(victim.key);
     }
     victims
+}
+
+/// The victim selection of one eviction round, which can continue down the LRU lists.
+///
+/// A peer frees 0 bytes for a key it protects (leased or pinned). Without feedback those keys would
+/// use up their bucket's budget on every round while nothing is freed. The manager therefore
+/// [`refund`](Self::refund)s the bytes a victim did not free and calls [`take`](Self::take) again,
+/// which continues with the next-oldest candidates not taken yet.
+#[derive(Debug, Clone)]
+pub struct VictimPicker {
+    /// Not yet taken, oldest first (stable).
+    remaining: Vec<EvictionCandidate>,
+    budgets: foldhash::HashMap<(Arc<str>, TierType), u64>,
+}
+
+impl VictimPicker {
+    /// A picker over `candidates` (any order) for the positive budgets of `buckets`.
+    pub fn new(mut candidates: Vec<EvictionCandidate>, buckets: &[Bucket]) -> Self {
+        let budgets: foldhash::HashMap<(Arc<str>, TierType), u64> = buckets
+            .iter()
+            .filter(|bucket| bucket.budget_bytes > 0)
+            .map(|bucket| ((bucket.node_id.clone(), bucket.tier), bucket.budget_bytes))
+            .collect();
+        candidates.retain(|c| budgets.contains_key(&(c.node_id.clone(), c.tier)));
+        candidates.sort_by_key(|candidate| candidate.last_accessed_ms);
+        Self { remaining: candidates, budgets }
+    }
+
+    /// The next victims, oldest first: each remaining candidate whose bucket still has budget is taken
+    /// and its size spent. A candidate for which `skip` answers true (e.g. a key its peer protected in
+    /// a recent round) is dropped for the rest of the round without spending budget. Untaken
+    /// candidates of exhausted buckets stay for a later call after a [`refund`](Self::refund).
+    pub fn take(&mut self, mut skip: impl FnMut(&EvictionCandidate) -> bool) -> Vec<EvictionCandidate> {
+        let mut taken = Vec::new();
+        let budgets = &mut self.budgets;
+        self.remaining.retain(|candidate| {
+            let Some(budget) = budgets.get_mut(&(candidate.node_id.clone(), candidate.tier)) else { return false };
+            if *budget == 0 {
+                return true;
+            }
+            if skip(candidate) {
+                return false;
+            }
+            *budget = budget.saturating_sub(candidate.size);
+            taken.push(candidate.clone());
+            false
+        });
+        taken
+    }
+
+    /// Gives `bytes` back to the (node, tier) budget: a victim freed less than its size.
+    pub fn refund(&mut self, node_id: &Arc<str>, tier: TierType, bytes: u64) {
+        if let Some(budget) = self.budgets.get_mut(&(node_id.clone(), tier)) {
+            *budget = budget.saturating_add(bytes);
+        }
+    }
+
+    /// Whether another [`take`](Self::take) could return anything.
+    pub fn has_more(&self) -> bool {
+        self.remaining.iter().any(|c| self.budgets.get(&(c.node_id.clone(), c.tier)).is_some_and(|budget| *budget > 0))
+    }
 }

@@ -25,11 +25,13 @@
 //! atomics updated under the shard's **read** lock, so concurrent route-gets do not serialize.
 //!
 //! # Visibility windows
-//! A heartbeat's seq becomes visible (meta) a moment before its events (shards); a full sync is
-//! atomic per shard, not across shards. Both are invisible to a peer, which only ever sees acks sent
+//! A heartbeat's seq becomes visible (meta) a moment before its events (shards); a full-sync chunk
+//! and the final sweep are atomic per shard, not across shards. A sync never wipes first: its chunks
+//! add replicas tagged with the baseline and the final chunk sweeps the untagged ones, so a key the
+//! node held before the sync and still holds is visible throughout. Both are invisible to a peer, which only ever sees acks sent
 //! after the whole heartbeat was applied.
 
-use std::collections::HashMap as StdHashMap;
+use std::collections::{BinaryHeap, HashMap as StdHashMap};
 use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -65,11 +67,22 @@ struct NodeHandle {
     id: Arc<str>,
     /// Cleared (under the meta lock) when the registration ends: expiry, unregister, re-register.
     alive: AtomicBool,
+    /// Distinct keys this registration holds, kept up to date by every write of the node (all under
+    /// its node lock), so [`MetadataStore::node_key_count`] is O(1) instead of a scan of every shard.
+    key_count: AtomicU64,
 }
 
 impl NodeHandle {
     fn new(id: Arc<str>) -> Arc<Self> {
-        Arc::new(Self { id, alive: AtomicBool::new(true) })
+        Arc::new(Self { id, alive: AtomicBool::new(true), key_count: AtomicU64::new(0) })
+    }
+
+    /// Adds a signed change to the key count (wrapping arithmetic makes a negative change a
+    /// subtraction).
+    fn add_keys(&self, delta: i64) {
+        if delta != 0 {
+            self.key_count.fetch_add(delta as u64, Ordering::Relaxed);
+        }
     }
 
     fn is_alive(&self) -> bool {
@@ -82,6 +95,10 @@ struct Loc {
     node: Arc<NodeHandle>,
     tier: TierType,
     size: u64,
+    /// The baseline of the last full sync that reported this replica; 0 if only deltas did. A
+    /// completed full sync sweeps the node's replicas whose tag is not its baseline (baselines are
+    /// always > 0: a sync is accepted only above the node's last applied seq).
+    sync_tag: u64,
 }
 
 impl Loc {
@@ -141,25 +158,58 @@ impl ShardMap {
         }
     }
 
-    /// Applies events (already filtered to this shard, in order) of one node. `adds_only` ignores
-    /// `REMOVE`s (full sync).
-    fn apply(&mut self, node: &Arc<NodeHandle>, events: &[KvEvent], order: &[u32], adds_only: bool, now_ms: u64) {
+    /// Applies events (already filtered to this shard, in order) of one node. With `sync_tag`
+    /// (a full-sync chunk) `REMOVE`s are ignored and every `ADD` tags its replica with the sync's
+    /// baseline. Returns the change in the number of distinct keys the node holds in this shard.
+    fn apply(
+        &mut self,
+        node: &Arc<NodeHandle>,
+        events: &[KvEvent],
+        order: &[u32],
+        sync_tag: Option<u64>,
+        now_ms: u64,
+    ) -> i64 {
         let Self { entries, by_node } = self;
         let node_keys = by_node.entry(Arc::clone(&node.id)).or_default();
+        let before = node_keys.len() as i64;
         for &index in order {
             let Some(event) = events.get(index as usize) else { continue };
             if event.tier == TierType::Unknown {
                 continue;
             }
-            match event.kind {
-                KvEventKind::Add => add(entries, node_keys, node, event, now_ms),
-                KvEventKind::Remove if !adds_only => remove(entries, node_keys, node, event),
-                KvEventKind::Remove => {}
+            match (event.kind, sync_tag) {
+                (KvEventKind::Add, _) => add(entries, node_keys, node, event, sync_tag, now_ms),
+                (KvEventKind::Remove, None) => remove(entries, node_keys, node, event),
+                (KvEventKind::Remove, Some(_)) => {}
             }
         }
+        let after = node_keys.len() as i64;
         if node_keys.is_empty() {
             by_node.remove(&*node.id);
         }
+        after - before
+    }
+
+    /// The sweep of a completed full sync: drops every replica of the node not tagged with
+    /// `keep_tag`. Returns how many distinct keys the node stopped holding in this shard.
+    fn sweep_node(&mut self, node_id: &str, keep_tag: u64) -> u64 {
+        let Self { entries, by_node } = self;
+        let Some(keys) = by_node.get_mut(node_id) else { return 0 };
+        let before = keys.len();
+        keys.retain(|key| {
+            let Some(entry) = entries.get_mut(&**key) else { return false };
+            entry.locs.retain(|loc| !loc.is_node_id(node_id) || loc.sync_tag == keep_tag);
+            let held = entry.locs.iter().any(|loc| loc.is_node_id(node_id));
+            if entry.locs.is_empty() {
+                entries.remove(&**key);
+            }
+            held
+        });
+        let removed = (before - keys.len()) as u64;
+        if keys.is_empty() {
+            by_node.remove(node_id);
+        }
+        removed
     }
 }
 
@@ -168,16 +218,21 @@ fn add(
     node_keys: &mut HashSet<Arc<str>>,
     node: &Arc<NodeHandle>,
     event: &KvEvent,
+    sync_tag: Option<u64>,
     now_ms: u64,
 ) {
-    let loc = Loc { node: Arc::clone(node), tier: event.tier, size: event.size };
+    let loc = Loc { node: Arc::clone(node), tier: event.tier, size: event.size, sync_tag: sync_tag.unwrap_or(0) };
     if let Some(entry) = entries.get_mut(event.key.as_str()) {
         let mut held_by_node = false;
         for existing in &mut entry.locs {
             if existing.is_node(node) {
                 if existing.tier == event.tier {
-                    // A duplicate ADD: the newer report's size wins (see MetadataStore::apply_heartbeat).
+                    // A duplicate ADD: the newer report's size wins (see MetadataStore::apply_heartbeat);
+                    // a full sync also marks the replica as reported by it, so its sweep keeps it.
                     existing.size = event.size;
+                    if let Some(tag) = sync_tag {
+                        existing.sync_tag = tag;
+                    }
                     return;
                 }
                 held_by_node = true;
@@ -224,6 +279,30 @@ fn remove(
 #[derive(Default)]
 struct Shard(RwLock<ShardMap>);
 
+/// An eviction candidate ordered oldest first (ties by key), for the bounded heap of
+/// `enumerate_eviction_candidates`.
+struct ByAge(EvictionCandidate);
+
+impl PartialEq for ByAge {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+
+impl Eq for ByAge {}
+
+impl PartialOrd for ByAge {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ByAge {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.0.last_accessed_ms, &*self.0.key).cmp(&(other.0.last_accessed_ms, &*other.0.key))
+    }
+}
+
 /// The route-get stamps of one key ([`InMemoryStore::key_stats`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KeyStats {
@@ -255,10 +334,13 @@ enum ShardWork {
     None,
     /// Delta: `ADD`s and `REMOVE`s.
     Delta,
-    /// Full-sync chunk 0: wipe the node in every shard, then insert the `ADD`s.
-    Replace,
-    /// Full-sync chunk k > 0: insert the `ADD`s.
-    AddOnly,
+    /// A full-sync chunk: add (or refresh) the `ADD`s tagged with the sync's baseline; the final
+    /// chunk then sweeps the node's replicas not tagged with it (mark and sweep, so the node's
+    /// previous view stays readable while the sync runs and survives an abandoned sync).
+    Sync {
+        baseline: u64,
+        sweep: bool,
+    },
 }
 
 /// The sharded in-memory [`MetadataStore`].
@@ -401,32 +483,41 @@ impl InMemoryStore {
         (order, starts)
     }
 
-    /// Applies a heartbeat's events to the shards (the node lock is held, meta is not).
+    /// Applies a heartbeat's events to the shards (the node lock is held, meta is not) and keeps the
+    /// handle's key count.
     fn apply_events(&self, node: &Arc<NodeHandle>, events: &[KvEvent], work: ShardWork, now_ms: u64) {
-        let adds_only = work != ShardWork::Delta;
+        let (sync_tag, sweep) = match work {
+            ShardWork::None => return,
+            ShardWork::Delta => (None, None),
+            ShardWork::Sync { baseline, sweep } => (Some(baseline), sweep.then_some(baseline)),
+        };
+        let mut change = 0i64;
+        let mut shard_pass = |map: &mut ShardMap, order: &[u32]| {
+            if !order.is_empty() {
+                change += map.apply(node, events, order, sync_tag, now_ms);
+            }
+            if let Some(keep) = sweep {
+                change -= map.sweep_node(&node.id, keep) as i64;
+            }
+        };
         if self.shards.len() == 1 {
             let order: Vec<u32> = (0..events.len() as u32).collect();
-            let mut map = self.shard(0).write();
-            if work == ShardWork::Replace {
-                map.wipe_node(&node.id);
-            }
-            map.apply(node, events, &order, adds_only, now_ms);
-            return;
-        }
-        let (order, starts) = self.group_by_shard(events.iter().map(|event| event.key.as_str()));
-        for (s, run) in starts.windows(2).enumerate() {
-            let (start, end) = (run[0] as usize, run[1] as usize);
-            if start == end && work != ShardWork::Replace {
-                continue;
-            }
-            let mut map = self.shard(s).write();
-            if work == ShardWork::Replace {
-                map.wipe_node(&node.id);
-            }
-            if start != end {
-                map.apply(node, events, &order[start..end], adds_only, now_ms);
+            shard_pass(&mut self.shard(0).write(), &order);
+        } else {
+            let (order, starts) = self.group_by_shard(events.iter().map(|event| event.key.as_str()));
+            for (s, run) in starts.windows(2).enumerate() {
+                let (start, end) = (run[0] as usize, run[1] as usize);
+                if start == end && sweep.is_none() {
+                    continue;
+                }
+                let mut map = self.shard(s).write();
+                if start == end && !map.by_node.contains_key(&*node.id) {
+                    continue;
+                }
+                shard_pass(&mut map, &order[start..end]);
             }
         }
+        node.add_keys(change);
     }
 
     /// Runs `visit(shard_map, key_index)` for every key, one shard read lock per distinct shard.
@@ -544,16 +635,26 @@ impl MetadataStore for InMemoryStore {
                 }
                 HeartbeatKind::FullSyncChunk { baseline_seq, chunk_index, is_final, .. } => {
                     let (baseline, chunk) = (*baseline_seq, *chunk_index);
-                    let in_order = chunk == 0
-                        || state.full_sync.is_some_and(|p| p.baseline_seq == baseline && p.next_chunk == chunk);
-                    if baseline < last {
-                        // The node's stream is past this baseline: a delayed copy of an old sync.
+                    let progress = state.full_sync;
+                    let in_order = if chunk == 0 {
+                        // A new sync, or chunk 0 of the one in progress sent again: (re)start it.
+                        progress.is_none_or(|p| baseline >= p.baseline_seq)
+                    } else {
+                        progress.is_some_and(|p| p.baseline_seq == baseline && p.next_chunk == chunk)
+                    };
+                    if baseline <= last {
+                        // Every sync carries a baseline the node never used before, so one at or below
+                        // the stream's position is a late or duplicated copy: apply nothing. Its sender
+                        // sees an ack that is not its baseline and starts a fresh sync.
                         (HeartbeatOutcome::AlreadyApplied { acked_seq: last }, ShardWork::None)
                     } else if !in_order {
-                        state.full_sync = None;
+                        // A stray chunk of an older sync than the one in progress leaves that one alone;
+                        // a chunk out of order in the current (or an unknown newer) sync abandons it.
+                        if progress.is_none_or(|p| baseline >= p.baseline_seq) {
+                            state.full_sync = None;
+                        }
                         (HeartbeatOutcome::SeqGap { acked_seq: last }, ShardWork::None)
                     } else {
-                        let work = if chunk == 0 { ShardWork::Replace } else { ShardWork::AddOnly };
                         if *is_final {
                             state.full_sync = None;
                             record.last_applied_seq = baseline;
@@ -561,7 +662,10 @@ impl MetadataStore for InMemoryStore {
                             state.full_sync =
                                 Some(FullSyncProgress { baseline_seq: baseline, next_chunk: chunk.saturating_add(1) });
                         }
-                        (HeartbeatOutcome::Applied { acked_seq: record.last_applied_seq }, work)
+                        (
+                            HeartbeatOutcome::Applied { acked_seq: record.last_applied_seq },
+                            ShardWork::Sync { baseline, sweep: *is_final },
+                        )
                     }
                 }
             };
@@ -598,6 +702,7 @@ impl MetadataStore for InMemoryStore {
                 state.record.status = NodeStatus::Expired;
                 state.full_sync = None;
                 state.handle.alive.store(false, Ordering::Release);
+                state.handle.key_count.store(0, Ordering::Relaxed);
             }
             self.wipe_node_everywhere(&node_id);
             expired.push(node_id.to_string());
@@ -668,7 +773,9 @@ impl MetadataStore for InMemoryStore {
                 bucket_count += 1;
             }
         }
-        let mut per_bucket: Vec<Vec<EvictionCandidate>> = vec![Vec::new(); bucket_count];
+        // With a cap, each bucket keeps only its `max_per_bucket` oldest in a bounded max-heap, so a
+        // node of millions of keys costs a scan but not a copy of every key.
+        let mut per_bucket: Vec<BinaryHeap<ByAge>> = (0..bucket_count).map(|_| BinaryHeap::new()).collect();
         for shard in self.shards.iter() {
             let map = shard.0.read();
             for (node_id, tiers) in &wanted {
@@ -684,32 +791,30 @@ impl MetadataStore for InMemoryStore {
                             continue;
                         }
                         let Some(&(_, bucket)) = tiers.iter().find(|(t, _)| *t == loc.tier) else { continue };
-                        if let Some(list) = per_bucket.get_mut(bucket) {
-                            list.push(EvictionCandidate {
-                                key: Arc::clone(&entry.key),
-                                node_id: Arc::clone(&loc.node.id),
-                                tier: loc.tier,
-                                size: loc.size,
-                                last_accessed_ms,
-                            });
+                        let Some(heap) = per_bucket.get_mut(bucket) else { continue };
+                        if max_per_bucket > 0
+                            && heap.len() >= max_per_bucket
+                            && heap
+                                .peek()
+                                .is_some_and(|top| (top.0.last_accessed_ms, &*top.0.key) <= (last_accessed_ms, &**key))
+                        {
+                            continue;
+                        }
+                        heap.push(ByAge(EvictionCandidate {
+                            key: Arc::clone(&entry.key),
+                            node_id: Arc::clone(&loc.node.id),
+                            tier: loc.tier,
+                            size: loc.size,
+                            last_accessed_ms,
+                        }));
+                        if max_per_bucket > 0 && heap.len() > max_per_bucket {
+                            heap.pop();
                         }
                     }
                 }
             }
         }
-        let order = |a: &EvictionCandidate, b: &EvictionCandidate| {
-            a.last_accessed_ms.cmp(&b.last_accessed_ms).then_with(|| a.key.cmp(&b.key))
-        };
-        let mut out = Vec::new();
-        for mut list in per_bucket {
-            if max_per_bucket > 0 && list.len() > max_per_bucket {
-                list.select_nth_unstable_by(max_per_bucket - 1, order);
-                list.truncate(max_per_bucket);
-            }
-            list.sort_unstable_by(order);
-            out.extend(list);
-        }
-        Ok(out)
+        Ok(per_bucket.into_iter().flat_map(|heap| heap.into_sorted_vec().into_iter().map(|c| c.0)).collect())
     }
 
     fn get_node(&self, node_id: &str) -> Result<Option<NodeRecord>, StoreError> {
@@ -742,10 +847,49 @@ impl MetadataStore for InMemoryStore {
     }
 
     fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
-        Ok(self
-            .shards
-            .iter()
-            .map(|shard| shard.0.read().by_node.get(node_id).map_or(0, |keys| keys.len() as u64))
-            .sum())
+        Ok(self.meta.read().get(node_id).map_or(0, |state| {
+            if state.record.status == NodeStatus::Alive { state.handle.key_count.load(Ordering::Relaxed) } else { 0 }
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The window between clearing a node's `alive` flag and wiping its locations (expiry, unregister
+    /// and re-register do both, in that order): readers must already skip the doomed locations.
+    #[test]
+    fn reads_skip_locations_of_a_dead_handle_before_the_wipe() {
+        for shards in [1, 8] {
+            let store = InMemoryStore::with_shards(shards).expect("shards");
+            for node in ["dead", "live"] {
+                let reg =
+                    Registration { node_id: node.into(), peer_address: format!("{node}:1"), ..Default::default() };
+                assert_eq!(store.register(reg, 0, 30_000).ok(), Some(RegisterOutcome::Registered));
+            }
+            let hb = |node: &str, key: &str| HeartbeatApply {
+                node_id: node.into(),
+                now_ms: 1,
+                caps: Vec::new(),
+                kind: HeartbeatKind::Delta { seq: 1, events: vec![KvEvent::add(key, TierType::Dram, 8)] },
+            };
+            store.apply_heartbeat(hb("dead", "k")).expect("apply");
+            store.apply_heartbeat(hb("live", "shared")).expect("apply");
+            let mut shared_dead = hb("dead", "shared");
+            shared_dead.kind = HeartbeatKind::Delta { seq: 2, events: vec![KvEvent::add("shared", TierType::Dram, 8)] };
+            store.apply_heartbeat(shared_dead).expect("apply");
+            // Kill the handle only: the locations stay in the shards, as during the race.
+            store.meta.read().get("dead").expect("node").handle.alive.store(false, Ordering::Release);
+            let keys = vec!["k".to_owned(), "shared".to_owned()];
+            assert_eq!(store.lookup("k").ok(), Some(Vec::new()));
+            let routed = store.batch_lookup_for_route_get(&keys, &[], 10, 10).expect("read");
+            assert!(routed[0].is_empty(), "{shards} shards");
+            assert_eq!(routed[1].iter().map(|l| &*l.node_id).collect::<Vec<_>>(), vec!["live"]);
+            assert_eq!(store.key_stats("k").map(|s| s.access_count), Some(0), "no lease for a dead-only key");
+            assert_eq!(store.batch_exists(&keys).ok(), Some(vec![false, true]));
+            let buckets = [("dead".to_owned(), TierType::Dram)];
+            assert_eq!(store.enumerate_eviction_candidates(&buckets, 10, 0).ok(), Some(Vec::new()));
+        }
     }
 }

@@ -16,8 +16,16 @@
 //!   There is no erase-key call: locations change through heartbeats, unregister and expiry. A delta
 //!   applies iff its seq is `last_applied + 1`; an older seq is re-acknowledged without being applied
 //!   again ([`HeartbeatOutcome::AlreadyApplied`]), a newer one is a gap
-//!   ([`HeartbeatOutcome::SeqGap`]: send a full sync). A full sync arrives in chunks; chunk 0 replaces
-//!   the node's locations, the final chunk moves the seq to the sync's baseline. Every accepted
+//!   ([`HeartbeatOutcome::SeqGap`]: send a full sync).
+//! - **Full syncs** arrive in chunks under a *fresh* baseline seq the node never used before (the
+//!   node takes `baseline = next_seq; next_seq += 1`, also for the empty sync of a clear). Chunk 0 is
+//!   accepted only when `baseline > last_applied`; a baseline at or below it is a late or duplicated
+//!   copy, answered [`HeartbeatOutcome::AlreadyApplied`] with the node's seq and applied **not at all**
+//!   (the sender sees an ack other than its baseline and starts a fresh sync). Chunks *add* (or
+//!   refresh) the node's replicas, marked with the baseline; the final chunk sweeps every replica of
+//!   the node the sync did not report and moves `last_applied` to the baseline, which is the ack. So
+//!   reads during a sync still see what the node held before it, and an abandoned sync leaves the old
+//!   view in place (plus what its chunks added, which the next completed sync sweeps). Every accepted
 //!   heartbeat of an ALIVE node — keepalive, gap and re-ack included — refreshes its liveness and its
 //!   reported capacity.
 //! - **Reads** see only ALIVE nodes' locations. The route-get read also grants a lease and stamps the
@@ -160,9 +168,11 @@ pub enum HeartbeatKind {
     },
     /// One chunk of a full sync: the node's complete ownership as of `baseline_seq`.
     FullSyncChunk {
-        /// The seq the node's stream stands at; becomes `last_applied_seq` when the final chunk lands.
+        /// A seq the node never used before (above `last_applied_seq`); becomes `last_applied_seq`
+        /// when the final chunk lands, and the node's next delta is `baseline_seq + 1`.
         baseline_seq: u64,
-        /// 0 for the first chunk (which drops every location of the node), then 1, 2, … in order.
+        /// 0 for the first chunk, then 1, 2, … in order. The final chunk drops every location of the
+        /// node that no chunk of this sync reported.
         chunk_index: u32,
         /// Whether this chunk completes the sync. A single-chunk sync is chunk 0 with `is_final`.
         is_final: bool,
@@ -194,17 +204,19 @@ pub enum HeartbeatOutcome {
         /// The node's last applied seq.
         acked_seq: u64,
     },
-    /// A delta with `seq <= last_applied_seq`, or a full-sync chunk whose baseline is older than
-    /// `last_applied_seq`: a re-send whose first copy was already applied. Nothing was applied again;
-    /// the sender treats it as acknowledged.
+    /// A delta with `seq <= last_applied_seq` (a re-send whose first copy was already applied: the
+    /// sender treats it as acknowledged), or a full-sync chunk whose baseline is not above
+    /// `last_applied_seq` (a late or duplicated copy: since every sync has a fresh baseline, the sender
+    /// of a live sync sees `acked_seq != baseline` and restarts with a new one). Nothing was applied.
     AlreadyApplied {
         /// The node's last applied seq.
         acked_seq: u64,
     },
     /// The master cannot apply this heartbeat in order: a delta seq beyond `last_applied_seq + 1`, a
-    /// delta during an unfinished full sync, or a full-sync chunk that does not follow the previous
-    /// chunk of the same baseline. Events were dropped and the seq is unchanged; the node must
-    /// (re)start a full sync from chunk 0.
+    /// delta during an unfinished full sync, a full-sync chunk that does not follow the previous
+    /// chunk of the same baseline, or a chunk of an older baseline than the sync in progress. Events
+    /// were dropped and the seq is unchanged; the node must (re)start a full sync from chunk 0 with a
+    /// fresh baseline.
     SeqGap {
         /// The node's last applied seq.
         acked_seq: u64,
@@ -339,7 +351,7 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// Replicas eviction may pick on the given `(node, tier)` buckets: only those of ALIVE nodes whose
     /// key holds no lease at `now_ms`. Grouped by bucket in request order (a repeated bucket counts
     /// once), oldest `last_accessed_ms` first within a bucket (ties by key), at most `max_per_bucket`
-    /// each (0 = no cap).
+    /// each (0 = no cap; with a cap, the `max_per_bucket` oldest).
     ///
     /// # Errors
     /// Backend failures.
@@ -386,7 +398,8 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// Backend failures.
     fn key_count(&self) -> Result<u64, StoreError>;
 
-    /// Distinct keys the node holds (on any tier).
+    /// Distinct keys the node holds (on any tier); 0 for an expired or absent node. Cheap (the
+    /// in-memory store keeps the count incrementally): cluster status calls it for every node.
     ///
     /// # Errors
     /// Backend failures.

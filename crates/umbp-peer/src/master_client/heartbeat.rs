@@ -2,6 +2,7 @@
 //! function here runs with the send lock held (or takes it), so rounds never interleave.
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use prost::Message;
@@ -41,6 +42,9 @@ pub(super) struct HbState {
     pub(super) full_sync_pending: bool,
     /// The media are cleared and gated: the next acknowledged full sync reopens them.
     pub(super) clear_pending: bool,
+    /// The last heartbeat RPC failed (no answer): a pending full sync first probes the master with a
+    /// keepalive instead of snapshotting every key for a master that is down.
+    pub(super) master_unreachable: bool,
 }
 
 impl std::fmt::Debug for HbState {
@@ -56,6 +60,7 @@ impl std::fmt::Debug for HbState {
             .field("acked", &self.acked)
             .field("full_sync_pending", &self.full_sync_pending)
             .field("clear_pending", &self.clear_pending)
+            .field("master_unreachable", &self.master_unreachable)
             .finish()
     }
 }
@@ -72,7 +77,23 @@ impl HbState {
             acked: 0,
             full_sync_pending: false,
             clear_pending: false,
+            master_unreachable: false,
         }
+    }
+
+    /// A fresh baseline for a full sync (or a clear's empty one): a seq never used before, by a delta
+    /// or by another sync. The master accepts a sync only when its baseline is above its
+    /// `last_applied`, so a delayed or repeated copy of an older sync can never pass for this one.
+    pub(super) fn take_baseline(&mut self) -> u64 {
+        let baseline = self.next_seq;
+        self.next_seq += 1;
+        baseline
+    }
+
+    /// The master reports `acked` past anything this registration sent (a record left by an earlier
+    /// incarnation of the node): number on from above it, so the next baseline is accepted.
+    fn skip_past(&mut self, acked: u64) {
+        self.next_seq = self.next_seq.max(acked.saturating_add(1));
     }
 
     /// Forgets every queued delta (a full sync supersedes them).
@@ -120,8 +141,12 @@ impl Inner {
 
     /// Registers with the full record (FIX §7.2: the re-registration too). With `again`,
     /// `ALREADY_EXISTS` counts as success (the master kept a live record of ours). Caller holds the
-    /// send lock.
+    /// send lock. Never registers once shutdown began (a clear or a round racing the unregister would
+    /// otherwise bring the node back).
     pub(super) async fn register_locked(&self, again: bool) -> Result<(), MasterClientError> {
+        if self.shut_down.load(Ordering::Acquire) {
+            return Err(MasterClientError::ShutDown);
+        }
         let (caps, _) = self.caps_and_counts();
         let request = pb::RegisterClientRequest {
             node_id: self.node.node_id.clone(),
@@ -158,7 +183,7 @@ impl Inner {
             };
         }
         // The master starts this node at seq 0. Anything sent before is gone from its view: only a
-        // full sync (baseline = next_seq - 1) lines the two up again.
+        // full sync (at a fresh baseline) lines the two up again.
         let had_history = st.next_seq > 1 || !st.outbox.is_empty() || owns_keys;
         st.acked = 0;
         st.needs_register = false;
@@ -178,29 +203,26 @@ impl Inner {
     /// One heartbeat round under the send lock.
     pub(super) async fn tick(&self) -> Result<Next, MasterClientError> {
         let _send = self.send_lock.lock().await;
+        if self.shut_down.load(Ordering::Acquire) {
+            return Err(MasterClientError::ShutDown);
+        }
         let needs_register = self.state.lock().needs_register;
         if needs_register && let Err(e) = self.register_locked(true).await {
             tracing::warn!(node = %self.node.node_id, error = %e, "re-registration failed; retrying next tick");
             return Err(e);
         }
         if self.state.lock().full_sync_pending {
-            return self.full_sync_locked().await;
+            return self.pending_full_sync_locked().await;
         }
 
         // One stream for every medium, numbered from one seq space.
         let events = drain_all_backends(self.registry.entries().map(|(_, b)| b));
         if !events.is_empty() && !self.enqueue(events) {
             bump(&self.stats.outbox_overflows, 1);
-            return self.full_sync_locked().await;
+            return self.pending_full_sync_locked().await;
         }
 
-        let (caps, counts) = self.caps_and_counts();
-        let mut request = pb::HeartbeatRequest {
-            node_id: self.node.node_id.clone(),
-            tier_capacities: caps,
-            tier_kv_counts: counts,
-            ..Default::default()
-        };
+        let mut request = self.keepalive_request();
         let budget = self.config.max_request_bytes.saturating_sub(request.encoded_len());
         {
             let st = self.state.lock();
@@ -229,10 +251,55 @@ impl Inner {
             // Nothing changes: the same seqs go again next tick.
             Err(e) => {
                 tracing::debug!(node = %self.node.node_id, error = %e, "heartbeat failed; resending next tick");
+                self.state.lock().master_unreachable = true;
                 Err(e)
             }
-            Ok(reply) => self.on_delta_reply(reply).await,
+            Ok(reply) => {
+                self.state.lock().master_unreachable = false;
+                self.on_delta_reply(reply).await
+            }
         }
+    }
+
+    /// A heartbeat without bundles: the live capacity and key count of every medium.
+    fn keepalive_request(&self) -> pb::HeartbeatRequest {
+        let (caps, counts) = self.caps_and_counts();
+        pb::HeartbeatRequest {
+            node_id: self.node.node_id.clone(),
+            tier_capacities: caps,
+            tier_kv_counts: counts,
+            ..Default::default()
+        }
+    }
+
+    /// Runs the pending full sync. After an RPC failure the master may well be down: a keepalive
+    /// probes it first, so a node does not snapshot (and encode) every key it owns on every tick of an
+    /// outage only to have the first chunk fail. An `UNKNOWN` probe re-registers first.
+    async fn pending_full_sync_locked(&self) -> Result<Next, MasterClientError> {
+        if self.state.lock().master_unreachable {
+            bump(&self.stats.heartbeats_sent, 1);
+            bump(&self.stats.keepalives_sent, 1);
+            let request = self.keepalive_request();
+            let reply = self
+                .call("Heartbeat", self.config.heartbeat_rpc_timeout, request, |mut c, r| async move {
+                    c.heartbeat(r).await
+                })
+                .await;
+            match reply {
+                Err(e) => {
+                    tracing::debug!(node = %self.node.node_id, error = %e, "the master is still unreachable; the full sync waits");
+                    return Err(e);
+                }
+                Ok(reply) => {
+                    self.state.lock().master_unreachable = false;
+                    if !alive(&reply) {
+                        self.state.lock().master_forgot();
+                        self.register_locked(true).await?;
+                    }
+                }
+            }
+        }
+        self.full_sync_locked().await
     }
 
     /// Numbers `events` into bundles and queues them; `false` when they would overflow the outbox,
@@ -289,11 +356,25 @@ impl Inner {
                 next_seq = st.next_seq,
                 "the master acknowledged seqs this node never sent; resynchronising with a full sync"
             );
+            st.skip_past(reply.acked_seq);
+            st.full_sync_pending = true;
+            return Ok(Next::Now);
+        }
+        if reply.acked_seq < st.acked {
+            // Within one registration the master's applied seq only grows. Going back means it lost
+            // this node's state without answering UNKNOWN (a rebuilt store re-registered it at seq 0):
+            // an idle node would otherwise stay missing from the index for good.
+            tracing::warn!(
+                node = %self.node.node_id,
+                acked = reply.acked_seq,
+                ours = st.acked,
+                "the master's acknowledged seq went backwards: it lost this node's state; resynchronising with a full sync"
+            );
             st.full_sync_pending = true;
             return Ok(Next::Now);
         }
         let progress = reply.acked_seq > st.acked;
-        st.acked = st.acked.max(reply.acked_seq);
+        st.acked = reply.acked_seq;
         while st.outbox.front().is_some_and(|b| b.seq <= st.acked) {
             if let Some(bundle) = st.outbox.pop_front() {
                 st.outbox_events = st.outbox_events.saturating_sub(bundle.events.len());
@@ -303,9 +384,11 @@ impl Inner {
         Ok(if backlog && progress { Next::Now } else { Next::Wait })
     }
 
-    /// Sends a full sync in chunks. Success clears `full_sync_pending`, sets `acked = baseline` and
-    /// reopens writes gated by a clear; any failure leaves it pending for the next tick, which starts
-    /// again from chunk 0 with a fresh snapshot.
+    /// Sends a full sync in chunks at a fresh baseline. It succeeds only when the final chunk's reply
+    /// acknowledges exactly that baseline; then `full_sync_pending` clears, `acked = baseline` and
+    /// writes gated by a clear reopen. Anything else (an RPC error, `UNKNOWN`, `request_full_sync`, or
+    /// an ack that is not the baseline: the master did not take this sync) leaves it pending for the
+    /// next tick, which starts again from chunk 0 with a fresh snapshot and a fresh baseline.
     async fn full_sync_locked(&self) -> Result<Next, MasterClientError> {
         let snapshot = snapshot_all_backends_for_full_sync(self.registry.entries().map(|(_, b)| b));
         let baseline = {
@@ -313,36 +396,31 @@ impl Inner {
             // The snapshot is authoritative: every queued delta is in it (or was undone).
             st.drop_outbox();
             st.full_sync_pending = true;
-            st.next_seq - 1
+            st.take_baseline()
         };
         bump(&self.stats.full_syncs_started, 1);
-        let (caps, counts) = self.caps_and_counts();
         let template = pb::HeartbeatRequest {
-            node_id: self.node.node_id.clone(),
-            bundles: Vec::new(),
             is_full_sync: true,
-            tier_capacities: caps,
             delta_seq_baseline: baseline,
-            tier_kv_counts: counts,
             // The largest values, so the budget holds for every chunk.
             full_sync_chunk: u32::MAX,
             full_sync_final: true,
+            ..self.keepalive_request()
         };
         let budget = self.config.max_request_bytes.saturating_sub(template.encoded_len());
         let total = snapshot.len();
-        let events: Vec<pb::KvEvent> = snapshot.into_iter().map(wire::event_to_wire).collect();
-        let mut chunks = wire::split_into_chunks(events, self.config.full_sync_chunk_events, budget, baseline);
-        if chunks.is_empty() {
-            chunks.push(Vec::new());
-        }
-        let n = chunks.len();
-        for (i, chunk) in chunks.into_iter().enumerate() {
+        // Converted and cut lazily: the snapshot and one chunk, never a second copy of every key.
+        let mut events = snapshot.into_iter().map(wire::event_to_wire).peekable();
+        let mut chunk_index = 0u32;
+        loop {
+            let chunk = wire::take_chunk(&mut events, self.config.full_sync_chunk_events, budget, baseline);
+            let is_final = events.peek().is_none();
             let bundles =
                 if chunk.is_empty() { Vec::new() } else { vec![pb::EventBundle { seq: baseline, events: chunk }] };
             let request = pb::HeartbeatRequest {
                 bundles,
-                full_sync_chunk: u32::try_from(i).unwrap_or(u32::MAX),
-                full_sync_final: i + 1 == n,
+                full_sync_chunk: chunk_index,
+                full_sync_final: is_final,
                 ..template.clone()
             };
             bump(&self.stats.heartbeats_sent, 1);
@@ -352,22 +430,40 @@ impl Inner {
                     c.heartbeat(r).await
                 })
                 .await;
-            let refused = |reason: &str| {
-                tracing::warn!(node = %self.node.node_id, chunk = i, chunks = n, reason, "full sync chunk failed; restarting from chunk 0 next tick");
-                MasterClientError::Refused { rpc: "Heartbeat", reason: format!("full sync chunk {i} of {n}: {reason}") }
+            let refused = |reason: String| {
+                tracing::warn!(node = %self.node.node_id, chunk = chunk_index, baseline, reason, "full sync chunk failed; restarting from chunk 0 next tick");
+                MasterClientError::Refused {
+                    rpc: "Heartbeat",
+                    reason: format!("full sync at baseline {baseline}, chunk {chunk_index}: {reason}"),
+                }
             };
-            match reply {
+            let reply = match reply {
                 Err(e) => {
-                    tracing::warn!(node = %self.node.node_id, chunk = i, chunks = n, error = %e, "full sync chunk failed; restarting from chunk 0 next tick");
+                    tracing::warn!(node = %self.node.node_id, chunk = chunk_index, baseline, error = %e, "full sync chunk failed; restarting from chunk 0 next tick");
+                    self.state.lock().master_unreachable = true;
                     return Err(e);
                 }
-                Ok(reply) if !alive(&reply) => {
-                    self.state.lock().master_forgot();
-                    return Err(refused("the master does not know this node"));
-                }
-                Ok(reply) if reply.request_full_sync => return Err(refused("the master asked to start over")),
-                Ok(_) => {}
+                Ok(reply) => reply,
+            };
+            if !alive(&reply) {
+                self.state.lock().master_forgot();
+                return Err(refused("the master does not know this node".into()));
             }
+            if reply.request_full_sync {
+                return Err(refused("the master asked to start over".into()));
+            }
+            if (is_final && reply.acked_seq != baseline) || (!is_final && reply.acked_seq >= baseline) {
+                // The master did not take this sync: its applied seq is at or past the baseline (a
+                // stale baseline answered AlreadyApplied), or the final chunk did not move it there.
+                if reply.acked_seq > baseline {
+                    self.state.lock().skip_past(reply.acked_seq);
+                }
+                return Err(refused(format!("the master acknowledged seq {}, not the baseline", reply.acked_seq)));
+            }
+            if is_final {
+                break;
+            }
+            chunk_index = chunk_index.saturating_add(1);
         }
         let reopen = {
             let mut st = self.state.lock();
@@ -379,7 +475,8 @@ impl Inner {
             self.reopen_writes();
         }
         bump(&self.stats.full_syncs_completed, 1);
-        tracing::info!(node = %self.node.node_id, events = total, chunks = n, baseline, "full sync acknowledged");
+        let chunks = u64::from(chunk_index) + 1;
+        tracing::info!(node = %self.node.node_id, events = total, chunks, baseline, "full sync acknowledged");
         Ok(Next::Wait)
     }
 
@@ -390,10 +487,23 @@ impl Inner {
     }
 
     /// Clears every medium, then sends the empty full sync until the master acknowledges it or
-    /// `deadline` passes (FIX §7.8).
+    /// `deadline` passes (FIX §7.8). Shutdown cancels it: a clear must never re-register a node that
+    /// has unregistered.
     pub(super) async fn clear(&self, deadline: Duration) -> Result<(), MasterClientError> {
+        let mut shutdown = self.shutdown.subscribe();
+        tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|down| *down) => Err(MasterClientError::ShutDown),
+            result = self.clear_until(deadline) => result,
+        }
+    }
+
+    async fn clear_until(&self, deadline: Duration) -> Result<(), MasterClientError> {
         let started = Instant::now();
         let _send = self.send_lock.lock().await;
+        if self.shut_down.load(Ordering::Acquire) {
+            return Err(MasterClientError::ShutDown);
+        }
         for (_, backend) in self.registry.entries() {
             backend.clear_local();
         }
@@ -412,6 +522,9 @@ impl Inner {
         let mut attempts = 0u32;
         let mut backoff = CLEAR_BACKOFF_START;
         loop {
+            if self.shut_down.load(Ordering::Acquire) {
+                return Err(MasterClientError::ShutDown);
+            }
             attempts += 1;
             let remaining = deadline.saturating_sub(started.elapsed());
             let error = match self.clear_attempt(remaining).await {
@@ -423,7 +536,7 @@ impl Inner {
                 // Writes stay gated; the loop's next full sync (empty: the media are gated) finishes
                 // the clear.
                 self.state.lock().full_sync_pending = true;
-                if self.running.load(std::sync::atomic::Ordering::Acquire) {
+                if self.running.load(Ordering::Acquire) {
                     self.wake.notify_one();
                 }
                 tracing::warn!(node = %self.node.node_id, attempts, error = %error, "clear not acknowledged; writes stay gated until the heartbeat loop delivers it");
@@ -443,23 +556,27 @@ impl Inner {
         if self.state.lock().needs_register {
             self.register_locked(true).await?;
         }
-        let baseline = self.state.lock().next_seq - 1;
-        let (caps, counts) = self.caps_and_counts();
+        let baseline = self.state.lock().take_baseline();
         let request = pb::HeartbeatRequest {
-            node_id: self.node.node_id.clone(),
-            bundles: Vec::new(),
             is_full_sync: true,
-            tier_capacities: caps,
             delta_seq_baseline: baseline,
-            tier_kv_counts: counts,
             full_sync_chunk: 0,
             full_sync_final: true,
+            ..self.keepalive_request()
         };
         bump(&self.stats.heartbeats_sent, 1);
         bump(&self.stats.full_syncs_started, 1);
         bump(&self.stats.full_sync_chunks_sent, 1);
         let timeout = self.config.heartbeat_rpc_timeout.min(remaining).max(Duration::from_millis(1));
-        let reply = self.call("Heartbeat", timeout, request, |mut c, r| async move { c.heartbeat(r).await }).await?;
+        let reply = self.call("Heartbeat", timeout, request, |mut c, r| async move { c.heartbeat(r).await }).await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(e) => {
+                self.state.lock().master_unreachable = true;
+                return Err(e);
+            }
+        };
+        self.state.lock().master_unreachable = false;
         if !alive(&reply) {
             self.state.lock().master_forgot();
             return Err(MasterClientError::Refused {
@@ -471,6 +588,16 @@ impl Inner {
             return Err(MasterClientError::Refused {
                 rpc: "Heartbeat",
                 reason: "the master asked for a full sync instead of acknowledging the clear".into(),
+            });
+        }
+        if reply.acked_seq != baseline {
+            // A stale baseline (AlreadyApplied): nothing was cleared at the master.
+            if reply.acked_seq > baseline {
+                self.state.lock().skip_past(reply.acked_seq);
+            }
+            return Err(MasterClientError::Refused {
+                rpc: "Heartbeat",
+                reason: format!("the master acknowledged seq {}, not the clear's baseline {baseline}", reply.acked_seq),
             });
         }
         {

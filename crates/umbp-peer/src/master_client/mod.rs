@@ -11,31 +11,40 @@
 //!   [`max_bundles_per_rpc`](MasterClientConfig::max_bundles_per_rpc) (and
 //!   [`max_request_bytes`](MasterClientConfig::max_request_bytes)) per RPC, with the live capacity of
 //!   every medium and its key count. An empty outbox sends a keepalive (capacity included).
-//! - **Reply:** `acked = max(acked, acked_seq)`, acknowledged bundles leave the outbox; a backlog left
-//!   after progress re-ticks at once. `UNKNOWN` re-registers with the full record (FIX §7.2) and
-//!   sends a full sync; `request_full_sync` sends one now; an RPC error changes nothing (the same seqs
-//!   go again next tick — the master re-acks seqs it already applied).
+//! - **Reply:** acknowledged bundles leave the outbox; a backlog left after progress re-ticks at once.
+//!   Within one registration acks only grow: an `acked_seq` below ours means the master lost the
+//!   node's state without saying `UNKNOWN` (a rebuilt store registered it again at seq 0), and one at
+//!   or past `next_seq` acknowledges seqs never sent; both send a full sync at once. `UNKNOWN`
+//!   re-registers with the full record (FIX §7.2) and sends a full sync; `request_full_sync` sends one
+//!   now; an RPC error changes nothing (the same seqs go again next tick — the master re-acks seqs it
+//!   already applied).
 //! - **Bounded outbox** (FIX §7.9): when queued events would exceed
 //!   [`max_outbox_events`](MasterClientConfig::max_outbox_events), the queued deltas are dropped and
 //!   a full sync replaces them.
-//! - **Full sync**, chunked (FIX §7.9): `baseline = next_seq - 1`, a snapshot of every medium (which
-//!   empties their outboxes in the same critical section), split into chunks `0..n` of bounded events
-//!   and bytes, sent in order with `is_full_sync`, `full_sync_chunk`, `full_sync_final` on the last
-//!   and `delta_seq_baseline = baseline` on all. Any failed chunk restarts from chunk 0 next tick with
-//!   a fresh snapshot.
+//! - **Full sync**, chunked (FIX §7.9): a **fresh baseline** (`baseline = next_seq; next_seq += 1`:
+//!   never a delta's seq, never an earlier sync's), a snapshot of every medium (which empties their
+//!   outboxes in the same critical section), cut lazily into chunks `0..n` of bounded events and
+//!   bytes, sent in order with `is_full_sync`, `full_sync_chunk`, `full_sync_final` on the last and
+//!   `delta_seq_baseline = baseline` on all. It succeeds only when the final chunk's reply acks
+//!   exactly `baseline`; anything else (an error, `UNKNOWN`, `request_full_sync`, another ack) restarts
+//!   it next tick from chunk 0 with a fresh snapshot and a fresh baseline. After an RPC failure the
+//!   next attempt first probes the master with a keepalive, so an outage costs one small RPC per tick,
+//!   not a snapshot of every key.
 //! - **Wake-ups:** the interval from the registration reply, [`MasterClient::flush`], and each
 //!   backend's auto-flush hook (which only signals: it runs under the backend's lock).
-//! - [`MasterClient::clear`] clears every medium, sends an empty full sync and reopens writes once it
-//!   is acknowledged, retrying with backoff until then (FIX §7.8); if its deadline passes, the
-//!   heartbeat loop keeps retrying and reopens writes when the master acknowledges.
+//! - [`MasterClient::clear`] clears every medium, sends an empty full sync (each attempt at a fresh
+//!   baseline) and reopens writes once it is acknowledged, retrying with backoff until then (FIX
+//!   §7.8); if its deadline passes, the heartbeat loop keeps retrying and reopens writes when the
+//!   master acknowledges. Shutdown cancels a running clear; nothing registers after shutdown began.
 //!
 //! # What the master must do
 //! Answer `RegisterClient` with `ALREADY_EXISTS` for a fresh live node; ack delta bundles in order,
 //! re-ack a bundle whose seq is already applied (never ask for a full sync for it); answer a keepalive
-//! with the last applied seq; flatten the bundles of a full-sync chunk, replace the node's locations
-//! on chunk 0, add on later chunks, adopt `delta_seq_baseline` on the final one and reply
-//! `acked_seq = baseline`; refuse an out-of-order chunk with `request_full_sync`; reply
-//! `NODE_STATUS_UNKNOWN` for a node it has no record of.
+//! with the last applied seq; flatten the bundles of a full-sync chunk; take chunk 0 only when
+//! `delta_seq_baseline > last_applied` (else answer ALIVE with `acked_seq = last_applied` and apply
+//! nothing), add on every chunk, drop the node's locations missing from the sync on the final one,
+//! adopt the baseline there and reply `acked_seq = baseline`; refuse an out-of-order chunk with
+//! `request_full_sync`; reply `NODE_STATUS_UNKNOWN` for a node it has no record of.
 
 mod config;
 mod error;
@@ -125,6 +134,9 @@ struct Inner {
     /// The loop runs (between `start_heartbeat` and `unregister`/`shutdown`).
     running: AtomicBool,
     shut_down: AtomicBool,
+    /// Turns `true` when shutdown begins: cancels a running clear or round, so nothing registers the
+    /// node again behind its unregister.
+    shutdown: tokio::sync::watch::Sender<bool>,
     stats: Counters,
 }
 
@@ -306,6 +318,7 @@ impl MasterClient {
                 wake: Arc::new(Notify::new()),
                 running: AtomicBool::new(false),
                 shut_down: AtomicBool::new(false),
+                shutdown: tokio::sync::watch::Sender::new(false),
                 stats: Counters::default(),
             }),
             task: Mutex::new(None),
@@ -366,7 +379,12 @@ impl MasterClient {
         if !self.inner.state.lock().registered {
             return Err(MasterClientError::NotRegistered);
         }
-        self.inner.tick().await.map(|_| ())
+        let mut shutdown = self.inner.shutdown.subscribe();
+        tokio::select! {
+            biased;
+            _ = shutdown.wait_for(|down| *down) => Err(MasterClientError::ShutDown),
+            result = self.inner.tick() => result.map(|_| ()),
+        }
     }
 
     /// Clears the node: every medium drops its keys and gates allocation, the master gets an empty full
@@ -395,19 +413,28 @@ impl MasterClient {
         self.inner.unregister(self.inner.config.rpc_timeout).await
     }
 
-    /// Stops the loop and unregisters within [`shutdown_timeout`](MasterClientConfig::shutdown_timeout),
-    /// even when the master hangs. Idempotent: later calls return `Ok` and do nothing, and every other
-    /// method then fails with [`ShutDown`](MasterClientError::ShutDown). An error means only that the
-    /// unregister did not land (the master expires the node later).
+    /// Stops the loop, cancels a running [`clear`](Self::clear) or
+    /// [`heartbeat_once`](Self::heartbeat_once), and unregisters, all within
+    /// [`shutdown_timeout`](MasterClientConfig::shutdown_timeout) even when the master hangs. Nothing
+    /// registers the node again afterwards. Idempotent: later calls return `Ok` and do nothing, and
+    /// every other method then fails with [`ShutDown`](MasterClientError::ShutDown). An error means
+    /// only that the unregister did not land (the master expires the node later).
     pub async fn shutdown(&self) -> Result<(), MasterClientError> {
         if self.inner.shut_down.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        let started = tokio::time::Instant::now();
+        let budget = self.inner.config.shutdown_timeout;
+        self.inner.shutdown.send_replace(true);
         self.stop_loop().await;
+        // The cancelled clear or round releases the send lock at once; holding it keeps anything
+        // still in flight from following the unregister.
+        let _send = tokio::time::timeout(budget, self.inner.send_lock.lock()).await.ok();
         if !self.inner.state.lock().registered {
             return Ok(());
         }
-        self.inner.unregister(self.inner.config.shutdown_timeout).await
+        let remaining = budget.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
+        self.inner.unregister(remaining).await
     }
 
     async fn stop_loop(&self) {

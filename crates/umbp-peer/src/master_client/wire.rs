@@ -50,35 +50,49 @@ pub(crate) fn bundle_len(bundle: &pb::EventBundle) -> usize {
     nested_len(bundle.encoded_len())
 }
 
-/// Splits a full-sync snapshot into chunks of at most `max_events` events whose bundle (at `seq`)
-/// encodes to at most `max_bytes`. A chunk always holds at least one event, so a single oversized
-/// event still goes (alone). Order is kept; an empty snapshot gives no chunks.
-pub(crate) fn split_into_chunks(
-    events: Vec<pb::KvEvent>,
+/// Takes the next full-sync chunk from `events`: at most `max_events` events whose bundle (at `seq`)
+/// encodes to at most `max_bytes`. A chunk always holds at least one event when any is left, so a
+/// single oversized event still goes (alone); an exhausted iterator gives an empty chunk. Order is
+/// kept. The snapshot is converted and cut lazily, so a full sync holds the remaining snapshot and one
+/// chunk, never a second copy of the whole.
+pub(crate) fn take_chunk<I: Iterator<Item = pb::KvEvent>>(
+    events: &mut std::iter::Peekable<I>,
     max_events: usize,
     max_bytes: usize,
     seq: u64,
-) -> Vec<Vec<pb::KvEvent>> {
+) -> Vec<pb::KvEvent> {
     let max_events = max_events.max(1);
     // The bundle's own header: its seq field and its length prefix inside the request (bounded by
     // the varint of max_bytes).
     let header =
         1 + prost::encoding::encoded_len_varint(seq) + 1 + prost::encoding::encoded_len_varint(max_bytes as u64);
     let budget = max_bytes.saturating_sub(header);
-    let mut chunks = Vec::new();
-    let mut current: Vec<pb::KvEvent> = Vec::new();
+    let mut chunk: Vec<pb::KvEvent> = Vec::new();
     let mut bytes = 0usize;
-    for event in events {
-        let len = event_len(&event);
-        if !current.is_empty() && (current.len() >= max_events || bytes + len > budget) {
-            chunks.push(std::mem::take(&mut current));
-            bytes = 0;
+    while chunk.len() < max_events {
+        let Some(len) = events.peek().map(event_len) else { break };
+        if !chunk.is_empty() && bytes + len > budget {
+            break;
         }
+        let Some(event) = events.next() else { break };
         bytes += len;
-        current.push(event);
+        chunk.push(event);
     }
-    if !current.is_empty() {
-        chunks.push(current);
+    chunk
+}
+
+/// Splits a whole snapshot with [`take_chunk`]; an empty snapshot gives no chunks.
+#[cfg(test)]
+pub(crate) fn split_into_chunks(
+    events: Vec<pb::KvEvent>,
+    max_events: usize,
+    max_bytes: usize,
+    seq: u64,
+) -> Vec<Vec<pb::KvEvent>> {
+    let mut events = events.into_iter().peekable();
+    let mut chunks = Vec::new();
+    while events.peek().is_some() {
+        chunks.push(take_chunk(&mut events, max_events, max_bytes, seq));
     }
     chunks
 }

@@ -1,6 +1,7 @@
 //! A fake `UMBPMaster` for the master-client tests: a tonic server on 127.0.0.1:0 that records every
-//! request, models the (fixed) master's seq contract for one node, and lets each test script the
-//! replies (fail, UNKNOWN, request_full_sync, apply-then-delay, hang).
+//! request, answers from the master's own store (`InMemoryStore`) behind the master's reply mapping,
+//! and lets each test script the replies (fail, UNKNOWN, request_full_sync, a given reply,
+//! apply-then-delay, hang).
 
 #![expect(dead_code, reason = "each test binary uses a different subset of the helpers")]
 
@@ -8,11 +9,17 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use tonic::{Request, Response, Status};
-use umbp_core::{AllocateOutcome, AllocateRequest, BackendRegistry, CommitRequest, MediumBackend, TierType};
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, BackendRegistry, CommitRequest, KvEvent, KvEventKind, MediumBackend, TierType,
+};
+use umbp_master::store::{
+    HeartbeatApply, HeartbeatKind, HeartbeatOutcome, InMemoryStore, MetadataStore, RegisterOutcome, Registration,
+    TierCap,
+};
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
 use umbp_proto::v1 as pb;
@@ -33,6 +40,8 @@ pub(crate) enum Action {
     ApplyThenDelay(Duration),
     /// Wait this long, then apply and answer.
     DelayThenApply(Duration),
+    /// Answer exactly this and change nothing.
+    Reply(pb::HeartbeatResponse),
     /// Never answer.
     Hang,
 }
@@ -40,87 +49,202 @@ pub(crate) enum Action {
 type HeartbeatScript = Box<dyn FnMut(&pb::HeartbeatRequest) -> Action + Send>;
 type RegisterScript = Box<dyn FnMut(&pb::RegisterClientRequest) -> Action + Send>;
 
-/// The fixed master's view of one node.
+/// The fixed master's view, delegated to the real store (`umbp_master::store::InMemoryStore`), so the
+/// fake answers exactly as the master's store does (chunked full sync, stale baselines answered
+/// AlreadyApplied, a duplicate ADD overwriting the size, registration wiping the node's locations).
+/// Only the reply mapping of the master's gRPC handler is repeated here, with counters.
 #[derive(Debug, Default)]
 pub(crate) struct Model {
-    pub(crate) registered: bool,
-    pub(crate) last_applied: u64,
-    /// (key, tier) -> size.
-    pub(crate) index: BTreeMap<(String, i32), u64>,
-    /// A full sync in progress: (next chunk, baseline, events so far).
-    sync: Option<(u32, u64, Vec<pb::KvEvent>)>,
+    store: InMemoryStore,
+    /// Full syncs whose final chunk the store accepted.
     pub(crate) full_syncs_applied: u64,
+    /// Delta bundles answered AlreadyApplied (a re-send).
     pub(crate) reacked_bundles: u64,
+    /// Full-sync chunks answered AlreadyApplied (a stale baseline: nothing applied).
+    pub(crate) stale_sync_chunks: u64,
+    /// Heartbeats answered with `request_full_sync`.
     pub(crate) seq_gaps: u64,
 }
 
+/// Wall-clock milliseconds, as the master stamps heartbeats.
+fn now_ms() -> u64 {
+    u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis())).unwrap_or(u64::MAX)
+}
+
+fn tier_from_wire(tier: i32) -> TierType {
+    u32::try_from(tier).map_or(TierType::Unknown, TierType::from_wire)
+}
+
+fn caps_from_wire(caps: &[pb::TierCapacity]) -> Vec<TierCap> {
+    caps.iter().map(|c| TierCap::new(tier_from_wire(c.tier), c.total_bytes, c.available_bytes)).collect()
+}
+
+fn events_from_wire(events: impl IntoIterator<Item = pb::KvEvent>) -> Vec<KvEvent> {
+    events
+        .into_iter()
+        .map(|e| KvEvent {
+            kind: if e.kind == pb::KvEventKind::KvEventRemove as i32 { KvEventKind::Remove } else { KvEventKind::Add },
+            key: e.key,
+            tier: tier_from_wire(e.tier),
+            size: e.size,
+        })
+        .collect()
+}
+
+/// How long a registration stays fresh (a second registration of a fresh node is ALREADY_EXISTS).
+const STALE_AFTER_MS: u64 = 30_000;
+
 impl Model {
-    fn apply_events(&mut self, events: &[pb::KvEvent]) {
-        for e in events {
-            if e.kind == pb::KvEventKind::KvEventAdd as i32 {
-                self.index.entry((e.key.clone(), e.tier)).or_insert(e.size);
-            } else {
-                self.index.remove(&(e.key.clone(), e.tier));
-            }
+    /// The store behind the fake (to seed or rebuild a node's state behind the client's back).
+    pub(crate) fn store(&self) -> &InMemoryStore {
+        &self.store
+    }
+
+    /// Whether `node-a` has an ALIVE record.
+    pub(crate) fn registered(&self) -> bool {
+        self.store.is_alive(NODE).expect("store")
+    }
+
+    /// `node-a`'s last applied seq (0 without a record).
+    pub(crate) fn last_applied(&self) -> u64 {
+        self.store.get_node(NODE).expect("store").map_or(0, |r| r.last_applied_seq)
+    }
+
+    /// `node-a`'s locations: (key, wire tier) -> size.
+    pub(crate) fn index(&self) -> BTreeMap<(String, i32), u64> {
+        let buckets: Vec<(String, TierType)> = TierType::ALL.iter().map(|t| (NODE.to_owned(), *t)).collect();
+        self.store
+            .enumerate_eviction_candidates(&buckets, 0, 0)
+            .expect("store")
+            .into_iter()
+            .map(|c| ((c.key.to_string(), tier_to_wire(c.tier)), c.size))
+            .collect()
+    }
+
+    /// The keys the model indexes, with their tiers.
+    pub(crate) fn keys(&self) -> Vec<(String, i32)> {
+        self.index().into_keys().collect()
+    }
+
+    /// The master loses the node's state without telling it (a rebuilt store): the record is
+    /// replaced by a fresh one at seq 0 with no locations; the node is never answered UNKNOWN.
+    pub(crate) fn rebuild_node(&self) {
+        let rec = self.store.get_node(NODE).expect("store").expect("node-a is registered");
+        self.store.unregister(NODE).expect("store");
+        let reg = Registration {
+            node_id: NODE.into(),
+            node_address: rec.node_address.clone(),
+            peer_address: rec.peer_address.to_string(),
+            data_endpoint: rec.data_endpoint.clone(),
+            tier_capacities: rec.caps.clone(),
+            tags: rec.tags.clone(),
+        };
+        assert_eq!(self.store.register(reg, now_ms(), STALE_AFTER_MS).expect("store"), RegisterOutcome::Registered);
+    }
+
+    /// Moves `node-a`'s applied seq up to `to` with empty deltas, as a record left by an earlier
+    /// incarnation of the node would stand.
+    pub(crate) fn advance_stream_to(&self, to: u64) {
+        for seq in self.last_applied() + 1..=to {
+            let hb = HeartbeatApply {
+                node_id: NODE.into(),
+                now_ms: now_ms(),
+                caps: Vec::new(),
+                kind: HeartbeatKind::Delta { seq, events: Vec::new() },
+            };
+            assert_eq!(self.store.apply_heartbeat(hb).expect("store"), HeartbeatOutcome::Applied { acked_seq: seq });
         }
     }
 
+    fn register(&self, r: &pb::RegisterClientRequest) -> Result<(), Status> {
+        let reg = Registration {
+            node_id: r.node_id.clone(),
+            node_address: r.node_address.clone(),
+            peer_address: r.peer_address.clone(),
+            data_endpoint: r.data_endpoint.clone(),
+            tier_capacities: caps_from_wire(&r.tier_capacities),
+            tags: r.tags.clone(),
+        };
+        match self.store.register(reg, now_ms(), STALE_AFTER_MS) {
+            Ok(RegisterOutcome::Registered) => Ok(()),
+            Ok(RegisterOutcome::AlreadyExists) => Err(Status::already_exists("node is registered and alive")),
+            Err(e) => Err(Status::invalid_argument(e.to_string())),
+        }
+    }
+
+    /// The master's heartbeat handler over the store.
     fn heartbeat(&mut self, r: &pb::HeartbeatRequest) -> pb::HeartbeatResponse {
         let alive = |acked_seq, request_full_sync| pb::HeartbeatResponse {
             status: pb::NodeStatus::Alive as i32,
             acked_seq,
             request_full_sync,
         };
-        if !self.registered {
-            return pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, ..Default::default() };
-        }
+        let unknown = pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, ..Default::default() };
+        let apply = |kind| {
+            let hb = HeartbeatApply {
+                node_id: r.node_id.clone(),
+                now_ms: now_ms(),
+                caps: caps_from_wire(&r.tier_capacities),
+                kind,
+            };
+            self.store.apply_heartbeat(hb).expect("store")
+        };
         if r.is_full_sync {
-            let events = r.bundles.iter().flat_map(|b| b.events.iter().cloned());
-            if r.full_sync_chunk == 0 {
-                self.sync = Some((0, r.delta_seq_baseline, Vec::new()));
-            }
-            match &mut self.sync {
-                Some((next, baseline, buffer)) if *next == r.full_sync_chunk && *baseline == r.delta_seq_baseline => {
-                    buffer.extend(events);
-                    *next += 1;
-                }
-                _ => {
-                    self.sync = None;
+            let events = events_from_wire(r.bundles.iter().flat_map(|b| b.events.iter().cloned()));
+            let outcome = apply(HeartbeatKind::FullSyncChunk {
+                baseline_seq: r.delta_seq_baseline,
+                chunk_index: r.full_sync_chunk,
+                is_final: r.full_sync_final,
+                events,
+            });
+            return match outcome {
+                HeartbeatOutcome::Unknown => unknown,
+                HeartbeatOutcome::SeqGap { acked_seq } => {
                     self.seq_gaps += 1;
-                    return alive(self.last_applied, true);
+                    alive(acked_seq, true)
                 }
-            }
-            if r.full_sync_final
-                && let Some((_, baseline, buffer)) = self.sync.take()
-            {
-                self.index.clear();
-                let adds: Vec<_> =
-                    buffer.into_iter().filter(|e| e.kind == pb::KvEventKind::KvEventAdd as i32).collect();
-                self.apply_events(&adds);
-                self.last_applied = baseline;
-                self.full_syncs_applied += 1;
-            }
-            return alive(self.last_applied, false);
+                HeartbeatOutcome::AlreadyApplied { acked_seq } => {
+                    self.stale_sync_chunks += 1;
+                    alive(acked_seq, false)
+                }
+                HeartbeatOutcome::Applied { acked_seq } => {
+                    if r.full_sync_final {
+                        self.full_syncs_applied += 1;
+                    }
+                    alive(acked_seq, false)
+                }
+            };
         }
+        if r.bundles.is_empty() {
+            return match apply(HeartbeatKind::Keepalive).acked_seq() {
+                None => unknown,
+                Some(acked) => alive(acked, false),
+            };
+        }
+        let mut acked = 0;
         for b in &r.bundles {
-            if b.seq <= self.last_applied {
-                self.reacked_bundles += 1;
-                continue;
+            match apply(HeartbeatKind::Delta { seq: b.seq, events: events_from_wire(b.events.iter().cloned()) }) {
+                HeartbeatOutcome::Unknown => return unknown,
+                HeartbeatOutcome::SeqGap { acked_seq } => {
+                    self.seq_gaps += 1;
+                    return alive(acked_seq, true);
+                }
+                HeartbeatOutcome::AlreadyApplied { acked_seq } => {
+                    self.reacked_bundles += 1;
+                    acked = acked_seq;
+                }
+                HeartbeatOutcome::Applied { acked_seq } => acked = acked_seq,
             }
-            if b.seq != self.last_applied + 1 {
-                self.seq_gaps += 1;
-                return alive(self.last_applied, true);
-            }
-            self.apply_events(&b.events);
-            self.last_applied = b.seq;
         }
-        alive(self.last_applied, false)
+        alive(acked, false)
     }
+}
 
-    /// The keys the model indexes, with their tiers.
-    pub(crate) fn keys(&self) -> Vec<(String, i32)> {
-        self.index.keys().cloned().collect()
-    }
+/// The node id every fake test registers.
+pub(crate) const NODE: &str = "node-a";
+
+fn tier_to_wire(tier: TierType) -> i32 {
+    i32::try_from(tier.wire()).unwrap_or(0)
 }
 
 /// Everything the fake recorded.
@@ -223,13 +347,7 @@ impl UmbpMaster for FakeService {
             Action::Hang => std::future::pending::<()>().await,
             _ => {}
         }
-        {
-            let mut m = self.model.lock();
-            m.registered = true;
-            m.last_applied = 0;
-            m.index.clear();
-            m.sync = None;
-        }
+        self.model.lock().register(&r)?;
         Ok(Response::new(pb::RegisterClientResponse {
             heartbeat_interval_ms: self.interval_ms.load(Ordering::Relaxed),
         }))
@@ -241,8 +359,9 @@ impl UmbpMaster for FakeService {
     ) -> Result<Response<pb::UnregisterClientResponse>, Status> {
         self.record_token(&request);
         self.maybe_hang().await;
-        self.rec.lock().unregisters.push(request.into_inner().node_id);
-        self.forget();
+        let node_id = request.into_inner().node_id;
+        self.model.lock().store().unregister(&node_id).expect("store");
+        self.rec.lock().unregisters.push(node_id);
         Ok(Response::new(pb::UnregisterClientResponse {}))
     }
 
@@ -260,7 +379,7 @@ impl UmbpMaster for FakeService {
             Action::Fail(code) => return Err(Status::new(code, "scripted")),
             Action::Unknown => pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, ..Default::default() },
             Action::RequestFullSync => {
-                let acked = self.model.lock().last_applied;
+                let acked = self.model.lock().last_applied();
                 pb::HeartbeatResponse {
                     status: pb::NodeStatus::Alive as i32,
                     acked_seq: acked,
@@ -276,6 +395,7 @@ impl UmbpMaster for FakeService {
                 tokio::time::sleep(d).await;
                 self.model.lock().heartbeat(&r)
             }
+            Action::Reply(reply) => reply,
             Action::Hang => std::future::pending().await,
         };
         Ok(Response::new(reply))

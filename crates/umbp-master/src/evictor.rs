@@ -1,0 +1,341 @@
+//! The eviction manager and the registry reaper: the master's background work.
+//!
+//! Both expose a `tick` (one round) that the background loops call every period and that
+//! [`MasterHandle`](crate::MasterHandle) exposes, so tests and operators run a round without sleeping.
+//! Store calls (which scan shards or take node locks) run on the blocking pool, never on an async
+//! worker.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tonic::Request;
+use tonic::transport::{Channel, Endpoint};
+use umbp_core::TierType;
+use umbp_proto::v1;
+use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
+
+use crate::config::MasterConfig;
+use crate::routing::{Candidate, EvictionCandidate, TierSlot, VictimPicker, plan_eviction};
+use crate::server::TOKEN_METADATA;
+use crate::service::now_ms;
+use crate::store::{MetadataStore, StoreError};
+
+/// Most keys in one `EvictKey` request; a larger victim list is split (4096 keys of up to a few
+/// hundred bytes each stay far below any sane message limit).
+pub(crate) const EVICT_KEYS_PER_REQUEST: usize = 4096;
+
+/// Most candidates the store lists per (node, tier) bucket in one round: the oldest ones. Enough for
+/// several passes of full requests; a bucket that needs more is served over the next rounds.
+pub(crate) const CANDIDATES_PER_BUCKET: usize = 8 * EVICT_KEYS_PER_REQUEST;
+
+/// Passes of one round: the first, plus at most this many minus one continuations after peers
+/// refused (protected) victims.
+pub(crate) const MAX_PASSES: usize = 3;
+
+/// A key its peer refused to evict (0 bytes freed: leased or pinned) is left out of this many
+/// following rounds, so protected keys do not eat every round's budget.
+pub(crate) const PROTECTED_SKIP_ROUNDS: u64 = 3;
+
+/// Counters of the eviction manager.
+#[derive(Debug, Default)]
+pub(crate) struct EvictionStats {
+    pub(crate) rounds: AtomicU64,
+    pub(crate) requests: AtomicU64,
+    pub(crate) bytes_freed: AtomicU64,
+    pub(crate) refused: AtomicU64,
+}
+
+/// What one eviction round did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EvictionReport {
+    /// Whether any (node, tier) was at or above the high watermark.
+    pub pressure: bool,
+    /// Keys sent in `EvictKey` requests, in the order they were sent.
+    pub requested: Vec<String>,
+    /// Bytes the peers reported freed.
+    pub bytes_freed: u64,
+    /// Keys the peers refused (0 bytes freed).
+    pub refused: Vec<String>,
+    /// `EvictKey` requests that failed or timed out.
+    pub failed_requests: u64,
+    /// Whether the round ended early because the master is stopping.
+    pub stopped: bool,
+}
+
+/// The eviction manager: plans budgets from the nodes' reported capacity, picks least recently used
+/// unleased keys and asks their peers to evict them.
+#[derive(Debug)]
+pub(crate) struct Evictor {
+    store: Arc<dyn MetadataStore>,
+    config: Arc<MasterConfig>,
+    stats: Arc<EvictionStats>,
+    stop: watch::Receiver<bool>,
+    /// `node → (peer address, client)`; rebuilt when the address changes, dropped on error and when
+    /// the node is no longer alive.
+    peers: HashMap<Arc<str>, (Arc<str>, UmbpPeerClient<Channel>)>,
+    /// `node → key → last round in which it is skipped`.
+    refused: HashMap<Arc<str>, HashMap<String, u64>>,
+    round: u64,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, StoreError> + Send + 'static) -> Result<T, String> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(format!("store task failed: {e}")),
+    }
+}
+
+/// The outcome of one node's requests: `(victims, freed bytes per victim key or None if the call
+/// failed)`.
+type NodeResult = (Arc<str>, Vec<EvictionCandidate>, Result<HashMap<String, u64>, String>);
+
+impl Evictor {
+    pub(crate) fn new(
+        store: Arc<dyn MetadataStore>,
+        config: Arc<MasterConfig>,
+        stats: Arc<EvictionStats>,
+        stop: watch::Receiver<bool>,
+    ) -> Self {
+        Self { store, config, stats, stop, peers: HashMap::new(), refused: HashMap::new(), round: 0 }
+    }
+
+    fn stopping(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// One round. Returns early (with `stopped`) once the master is stopping, aborting calls in
+    /// flight.
+    pub(crate) async fn tick(&mut self) -> EvictionReport {
+        let mut report = EvictionReport::default();
+        self.round += 1;
+        let round = self.round;
+        self.refused.retain(|_, keys| {
+            keys.retain(|_, until| *until >= round);
+            !keys.is_empty()
+        });
+        let store = Arc::clone(&self.store);
+        let nodes = match blocking(move || store.list_alive()).await {
+            Ok(nodes) => nodes,
+            Err(e) => {
+                tracing::warn!(error = %e, "eviction: store call failed");
+                return report;
+            }
+        };
+        // Forget clients of nodes that left or moved (the cache would otherwise grow with churn).
+        self.peers.retain(|node, (addr, _)| nodes.iter().any(|n| n.node_id == *node && n.peer_address == *addr));
+        self.refused.retain(|node, _| nodes.iter().any(|n| n.node_id == *node));
+        let candidates: Vec<Candidate> = nodes
+            .iter()
+            .map(|n| Candidate {
+                node_id: n.node_id.clone(),
+                peer_address: n.peer_address.clone(),
+                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+            })
+            .collect();
+        let eviction = &self.config.eviction;
+        let buckets = plan_eviction(&candidates, eviction.high_watermark, eviction.low_watermark);
+        if buckets.is_empty() {
+            return report;
+        }
+        report.pressure = true;
+        self.stats.rounds.fetch_add(1, Relaxed);
+        let wanted: Vec<(String, TierType)> = buckets.iter().map(|b| (b.node_id.to_string(), b.tier)).collect();
+        let store = Arc::clone(&self.store);
+        let found =
+            match blocking(move || store.enumerate_eviction_candidates(&wanted, now_ms(), CANDIDATES_PER_BUCKET)).await
+            {
+                Ok(found) => found,
+                Err(e) => {
+                    tracing::warn!(error = %e, "eviction: store call failed");
+                    return report;
+                }
+            };
+        let found = found
+            .into_iter()
+            .map(|c| EvictionCandidate {
+                key: c.key.to_string(),
+                node_id: c.node_id,
+                tier: c.tier,
+                size: c.size,
+                last_accessed_ms: c.last_accessed_ms,
+            })
+            .collect();
+        let mut picker = VictimPicker::new(found, &buckets);
+        for _ in 0..MAX_PASSES {
+            if self.stopping() {
+                report.stopped = true;
+                return report;
+            }
+            let refused = &self.refused;
+            let victims = picker.take(|c| refused.get(&c.node_id).is_some_and(|keys| keys.contains_key(&c.key)));
+            if victims.is_empty() {
+                break;
+            }
+            if !self.send(victims, &candidates, &mut picker, &mut report).await {
+                report.stopped = true;
+                return report;
+            }
+            if !picker.has_more() {
+                break;
+            }
+        }
+        report
+    }
+
+    /// Sends one pass's victims, every node concurrently, and feeds the replies back into `picker`.
+    /// Returns false if the master began stopping (calls in flight are aborted).
+    async fn send(
+        &mut self,
+        victims: Vec<EvictionCandidate>,
+        candidates: &[Candidate],
+        picker: &mut VictimPicker,
+        report: &mut EvictionReport,
+    ) -> bool {
+        let mut by_node: HashMap<Arc<str>, Vec<EvictionCandidate>> = HashMap::new();
+        for victim in victims {
+            by_node.entry(victim.node_id.clone()).or_default().push(victim);
+        }
+        let mut calls: JoinSet<NodeResult> = JoinSet::new();
+        for (node, victims) in by_node {
+            let Some(peer) = candidates.iter().find(|c| c.node_id == node).map(|c| c.peer_address.clone()) else {
+                continue;
+            };
+            if peer.is_empty() {
+                continue;
+            }
+            let Some(client) = self.client(&node, &peer) else { continue };
+            let mut keys: Vec<String> = Vec::with_capacity(victims.len());
+            for victim in &victims {
+                // A key on two tiers of the node is one request entry: the peer evicts it everywhere.
+                if !keys.contains(&victim.key) {
+                    keys.push(victim.key.clone());
+                }
+            }
+            report.requested.extend(keys.iter().cloned());
+            self.stats.requests.fetch_add(keys.len() as u64, Relaxed);
+            let config = Arc::clone(&self.config);
+            calls.spawn(async move {
+                let result = evict_on_peer(client, keys, &config).await;
+                (node, victims, result)
+            });
+        }
+        let mut stop = self.stop.clone();
+        loop {
+            let joined = tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => {
+                    calls.abort_all();
+                    return false;
+                }
+                joined = calls.join_next() => joined,
+            };
+            let Some(joined) = joined else { return true };
+            let Ok((node, victims, result)) = joined else { continue };
+            match result {
+                Ok(freed) => {
+                    for victim in victims {
+                        let got = freed.get(&victim.key).copied().unwrap_or(0);
+                        report.bytes_freed += got;
+                        self.stats.bytes_freed.fetch_add(got, Relaxed);
+                        if got == 0 {
+                            // Protected (or already gone): its bytes go back, the round continues down
+                            // the list, and the next rounds leave it out.
+                            picker.refund(&victim.node_id, victim.tier, victim.size);
+                            self.stats.refused.fetch_add(1, Relaxed);
+                            if !report.refused.contains(&victim.key) {
+                                report.refused.push(victim.key.clone());
+                            }
+                            self.refused
+                                .entry(victim.node_id.clone())
+                                .or_default()
+                                .insert(victim.key.clone(), self.round + PROTECTED_SKIP_ROUNDS);
+                        } else if got < victim.size {
+                            picker.refund(&victim.node_id, victim.tier, victim.size - got);
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(node = %node, error = %e, "EvictKey failed");
+                    report.failed_requests += 1;
+                    self.peers.remove(&node);
+                }
+            }
+        }
+    }
+
+    /// The cached client of `node`, rebuilt if its address changed.
+    fn client(&mut self, node: &Arc<str>, peer: &Arc<str>) -> Option<UmbpPeerClient<Channel>> {
+        if let Some((addr, client)) = self.peers.get(node)
+            && addr == peer
+        {
+            return Some(client.clone());
+        }
+        let Ok(endpoint) = Endpoint::from_shared(format!("http://{peer}")) else {
+            tracing::warn!(node = %node, peer = %peer, "eviction: bad peer address");
+            return None;
+        };
+        let deadline = self.config.eviction.evict_deadline;
+        let channel = endpoint.connect_timeout(deadline).timeout(deadline).connect_lazy();
+        let client = UmbpPeerClient::new(channel)
+            .max_decoding_message_size(self.config.max_message_bytes)
+            .max_encoding_message_size(self.config.max_message_bytes);
+        self.peers.insert(node.clone(), (peer.clone(), client.clone()));
+        Some(client)
+    }
+}
+
+/// Sends `keys` to one peer in requests of at most [`EVICT_KEYS_PER_REQUEST`], each under the
+/// `EvictKey` deadline. Returns the bytes freed per key (keys the reply omits freed nothing).
+async fn evict_on_peer(
+    mut client: UmbpPeerClient<Channel>,
+    keys: Vec<String>,
+    config: &MasterConfig,
+) -> Result<HashMap<String, u64>, String> {
+    let deadline = config.eviction.evict_deadline;
+    let mut freed = HashMap::with_capacity(keys.len());
+    for chunk in keys.chunks(EVICT_KEYS_PER_REQUEST) {
+        let mut request = Request::new(v1::EvictKeyRequest { keys: chunk.to_vec() });
+        request.set_timeout(deadline);
+        if let Some(token) = &config.cluster_token
+            && let Ok(value) = token.parse()
+        {
+            request.metadata_mut().insert(TOKEN_METADATA, value);
+        }
+        match tokio::time::timeout(deadline, client.evict_key(request)).await {
+            Ok(Ok(reply)) => {
+                for e in reply.into_inner().evicted {
+                    *freed.entry(e.key).or_insert(0) += e.bytes_freed;
+                }
+            }
+            Ok(Err(status)) => return Err(status.to_string()),
+            Err(_) => return Err(format!("no reply within {deadline:?}")),
+        }
+    }
+    let total: u64 = freed.values().sum();
+    tracing::info!(keys = keys.len(), freed = total, "eviction requests answered");
+    Ok(freed)
+}
+
+/// The registry reaper: expires nodes that stopped heartbeating (their rows stay for operators, their
+/// locations go). Returns the ids expired by this call.
+pub(crate) async fn reap(store: &Arc<dyn MetadataStore>, config: &MasterConfig) -> Vec<String> {
+    let expiry = u64::try_from(config.expiry_after().as_millis()).unwrap_or(u64::MAX);
+    let store = Arc::clone(store);
+    match blocking(move || store.expire_stale(now_ms().saturating_sub(expiry))).await {
+        Ok(expired) => {
+            if !expired.is_empty() {
+                tracing::warn!(nodes = ?expired, "nodes expired: no heartbeat within {expiry} ms");
+            }
+            expired
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "reaper: store call failed");
+            Vec::new()
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! The eviction manager against fake peers over real gRPC: LRU victims, protected keys (0 bytes
+//! freed) refunded and skipped, `EvictKey` split by count and sent to nodes concurrently, and a
+//! shutdown bounded even while a peer hangs.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+use umbp_master::routing::EvictionConfig;
+use umbp_master::{MasterConfig, MasterHandle};
+use umbp_proto::v1;
+use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
+use umbp_proto::v1::umbp_peer_server::{UmbpPeer, UmbpPeerServer};
+
+const DRAM: i32 = v1::TierType::TierDram as i32;
+
+/// A peer that records every `EvictKey` request; frees each key's 100 bytes unless protected; can
+/// answer late or never.
+#[derive(Debug, Default, Clone)]
+struct FakePeer {
+    requests: Arc<Mutex<Vec<Vec<String>>>>,
+    protect: Arc<HashSet<String>>,
+    delay: Duration,
+    hang: bool,
+}
+
+impl FakePeer {
+    fn asked(&self) -> Vec<String> {
+        self.requests.lock().iter().flatten().cloned().collect()
+    }
+}
+
+#[tonic::async_trait]
+impl UmbpPeer for FakePeer {
+    async fn get_peer_info(
+        &self,
+        _: Request<v1::GetPeerInfoRequest>,
+    ) -> Result<Response<v1::GetPeerInfoResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn allocate_slot(
+        &self,
+        _: Request<v1::AllocateSlotRequest>,
+    ) -> Result<Response<v1::AllocateSlotResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn batch_allocate_slots(
+        &self,
+        _: Request<v1::BatchAllocateSlotsRequest>,
+    ) -> Result<Response<v1::BatchAllocateSlotsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn commit_slot(&self, _: Request<v1::CommitSlotRequest>) -> Result<Response<v1::CommitSlotResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn batch_commit_slots(
+        &self,
+        _: Request<v1::BatchCommitSlotsRequest>,
+    ) -> Result<Response<v1::BatchCommitSlotsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn abort_slot(&self, _: Request<v1::AbortSlotRequest>) -> Result<Response<v1::AbortSlotResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn batch_abort_slots(
+        &self,
+        _: Request<v1::BatchAbortSlotsRequest>,
+    ) -> Result<Response<v1::BatchAbortSlotsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn resolve_key(&self, _: Request<v1::ResolveKeyRequest>) -> Result<Response<v1::ResolveKeyResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn batch_resolve_keys(
+        &self,
+        _: Request<v1::BatchResolveKeysRequest>,
+    ) -> Result<Response<v1::BatchResolveKeysResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+    async fn evict_key(&self, r: Request<v1::EvictKeyRequest>) -> Result<Response<v1::EvictKeyResponse>, Status> {
+        let keys = r.into_inner().keys;
+        self.requests.lock().push(keys.clone());
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(self.delay).await;
+        let evicted = keys
+            .into_iter()
+            .map(|key| {
+                let bytes_freed = if self.protect.contains(&key) { 0 } else { 100 };
+                v1::EvictedKey { key, bytes_freed }
+            })
+            .collect();
+        Ok(Response::new(v1::EvictKeyResponse { evicted }))
+    }
+}
+
+async fn serve(peer: FakePeer) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let server = tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(UmbpPeerServer::new(peer))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+            .await;
+    });
+    (addr, server)
+}
+
+/// Rounds only when the test asks (the background loop waits an hour).
+fn config(evict_deadline: Duration) -> MasterConfig {
+    MasterConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        eviction: EvictionConfig {
+            check_interval: Duration::from_secs(3600),
+            lease_duration: Duration::from_millis(1),
+            evict_deadline,
+            ..EvictionConfig::default()
+        },
+        ..MasterConfig::default()
+    }
+}
+
+async fn master(config: MasterConfig) -> (MasterHandle, UmbpMasterClient<Channel>) {
+    let handle = umbp_master::start(config).await.expect("master starts");
+    let client = UmbpMasterClient::connect(format!("http://{}", handle.local_addr())).await.expect("connect");
+    (handle, client)
+}
+
+/// Registers `node` at `peer` holding `keys` (`size` bytes each) on a DRAM tier of `total` bytes with
+/// `available` free.
+async fn node_with_keys(
+    c: &mut UmbpMasterClient<Channel>,
+    node: &str,
+    peer: &str,
+    keys: &[String],
+    size: u64,
+    total: u64,
+    available: u64,
+) {
+    let caps = vec![v1::TierCapacity { tier: DRAM, total_bytes: total, available_bytes: available }];
+    c.register_client(v1::RegisterClientRequest {
+        node_id: node.into(),
+        node_address: "127.0.0.1".into(),
+        tier_capacities: caps.clone(),
+        peer_address: peer.into(),
+        data_endpoint: "127.0.0.1:1".into(),
+        tags: vec![],
+    })
+    .await
+    .expect("register");
+    let events = keys
+        .iter()
+        .map(|k| v1::KvEvent { kind: v1::KvEventKind::KvEventAdd as i32, key: k.clone(), tier: DRAM, size })
+        .collect();
+    c.heartbeat(v1::HeartbeatRequest {
+        node_id: node.into(),
+        bundles: vec![v1::EventBundle { seq: 1, events }],
+        tier_capacities: caps,
+        ..Default::default()
+    })
+    .await
+    .expect("hb");
+}
+
+fn keys(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i}")).collect()
+}
+
+/// 10 keys of 100 bytes on a 1000-byte tier that is 95 % used: evict down to 70 % = 250 bytes. k0..k6
+/// are touched, so k7, k8, k9 are the least recently used.
+async fn pressured_node(c: &mut UmbpMasterClient<Channel>, peer: &str) {
+    node_with_keys(c, "n1", peer, &keys("k", 10), 100, 1000, 50).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    c.batch_route_get(v1::BatchRouteGetRequest { node_id: "r".into(), keys: keys("k", 7), exclude_nodes: vec![] })
+        .await
+        .expect("touch");
+    tokio::time::sleep(Duration::from_millis(5)).await;
+}
+
+#[tokio::test]
+async fn eviction_asks_the_pressured_node_for_its_least_recently_used_keys() {
+    let peer = FakePeer::default();
+    let (addr, server) = serve(peer.clone()).await;
+    let (m, mut c) = master(config(Duration::from_secs(1))).await;
+    pressured_node(&mut c, &addr).await;
+    let report = m.run_eviction_round().await;
+    let mut asked = report.requested.clone();
+    asked.sort();
+    assert_eq!(asked, vec!["k7", "k8", "k9"]);
+    assert_eq!(report.bytes_freed, 300);
+    assert!(report.refused.is_empty());
+    assert_eq!(peer.asked().len(), 3);
+    assert_eq!(m.stats().eviction_rounds, 1);
+    m.shutdown().await;
+    server.abort();
+}
+
+#[tokio::test]
+async fn protected_keys_are_refunded_and_skipped_in_the_next_rounds() {
+    // The peer protects the two oldest keys (leased or pinned there): it frees 0 bytes for them.
+    let peer = FakePeer { protect: Arc::new(["k7".to_owned(), "k8".to_owned()].into()), ..FakePeer::default() };
+    let (addr, server) = serve(peer.clone()).await;
+    let (m, mut c) = master(config(Duration::from_secs(1))).await;
+    pressured_node(&mut c, &addr).await;
+
+    let first = m.run_eviction_round().await;
+    // The same round continues down the LRU list with the 200 bytes k7 and k8 did not free.
+    assert_eq!(first.requested, vec!["k7", "k8", "k9", "k0", "k1"], "{first:?}");
+    assert_eq!(first.refused, vec!["k7", "k8"]);
+    assert_eq!(first.bytes_freed, 300);
+
+    // The peer sent no REMOVEs (it is a fake), so the index and the pressure are unchanged: the next
+    // round must not spend its budget on the protected keys again.
+    let second = m.run_eviction_round().await;
+    assert!(!second.requested.iter().any(|k| k == "k7" || k == "k8"), "{second:?}");
+    assert_eq!(second.requested, vec!["k9", "k0", "k1"]);
+    assert_eq!(m.stats().evict_refused, 2);
+    m.shutdown().await;
+    server.abort();
+}
+
+#[tokio::test]
+async fn evict_requests_are_split_by_count() {
+    let peer = FakePeer::default();
+    let (addr, server) = serve(peer.clone()).await;
+    let mut cfg = config(Duration::from_secs(5));
+    cfg.eviction.high_watermark = 0.2;
+    cfg.eviction.low_watermark = 0.1;
+    let (m, mut c) = master(cfg).await;
+    // 5000 one-byte keys on a full 10 000-byte tier: the budget (9000 bytes) takes all of them.
+    node_with_keys(&mut c, "n1", &addr, &keys("key-", 5000), 1, 10_000, 0).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let report = m.run_eviction_round().await;
+    assert_eq!(report.requested.len(), 5000);
+    let sizes: Vec<usize> = peer.requests.lock().iter().map(Vec::len).collect();
+    assert_eq!(sizes, vec![4096, 904], "at most 4096 keys per EvictKey");
+    m.shutdown().await;
+    server.abort();
+}
+
+#[tokio::test]
+async fn nodes_are_asked_concurrently() {
+    let slow = Duration::from_millis(400);
+    let (p1, p2) = (FakePeer { delay: slow, ..FakePeer::default() }, FakePeer { delay: slow, ..FakePeer::default() });
+    let (a1, s1) = serve(p1.clone()).await;
+    let (a2, s2) = serve(p2.clone()).await;
+    let (m, mut c) = master(config(Duration::from_secs(5))).await;
+    node_with_keys(&mut c, "n1", &a1, &keys("a", 10), 100, 1000, 50).await;
+    node_with_keys(&mut c, "n2", &a2, &keys("b", 10), 100, 1000, 50).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let started = Instant::now();
+    let report = m.run_eviction_round().await;
+    let took = started.elapsed();
+    assert_eq!(report.requested.len(), 6);
+    assert!(took < slow * 2 - Duration::from_millis(100), "two 400 ms peers took {took:?}: asked one at a time");
+    m.shutdown().await;
+    s1.abort();
+    s2.abort();
+}
+
+#[tokio::test]
+async fn shutdown_is_bounded_while_a_peer_hangs_in_an_eviction_round() {
+    let peer = FakePeer { hang: true, ..FakePeer::default() };
+    let (addr, server) = serve(peer.clone()).await;
+    let mut cfg = config(Duration::from_secs(60));
+    cfg.eviction.check_interval = Duration::from_millis(20);
+    cfg.shutdown_deadline = Duration::from_millis(300);
+    let (m, mut c) = master(cfg).await;
+    pressured_node(&mut c, &addr).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while peer.requests.lock().is_empty() {
+        assert!(Instant::now() < deadline, "no EvictKey arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The round is now stuck in a call with a 60 s deadline.
+    let started = Instant::now();
+    m.shutdown().await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_millis(300 + 700), "shutdown took {took:?}");
+    server.abort();
+}
