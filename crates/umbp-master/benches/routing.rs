@@ -127,28 +127,31 @@ fn put_rows(rows: &mut Vec<Row>) {
 }
 
 fn get_rows(rows: &mut Vec<Row>) {
-    const BATCH: usize = 128;
-    let per_key: Vec<Vec<Replica>> = (0..BATCH)
+    const KEYS: usize = 128;
+    let per_key: Vec<Vec<Replica>> = (0..KEYS)
         .map(|k| {
             (0..3).map(|r| Replica::new(format!("node-{}", (k + 5 * r) % NODES), TierType::Dram, KEY_SIZE)).collect()
         })
         .collect();
     let mut rng = SmallRng::seed_from_u64(2);
-    let baseline = measure(BATCH, || {
-        let out: Vec<Option<usize>> = black_box(&per_key)
-            .iter()
-            .map(|locations| (!locations.is_empty()).then(|| rng.random_range(0..locations.len())))
-            .collect();
-        black_box(out);
-    });
     let strategy = RouteGetStrategy::default();
-    for (label, requester) in
-        [("local_preferring, remote requester", "node-99"), ("local_preferring, ~1/5 local", "node-0")]
-    {
-        let ours = measure(BATCH, || {
-            black_box(strategy.select_batch(black_box(requester), black_box(&per_key), &mut rng));
+    for batch in [1usize, KEYS] {
+        let slice = &per_key[..batch];
+        let baseline = measure(batch, || {
+            let out: Vec<Option<usize>> = black_box(slice)
+                .iter()
+                .map(|locations| (!locations.is_empty()).then(|| rng.random_range(0..locations.len())))
+                .collect();
+            black_box(out);
         });
-        rows.push(Row { op: "get", config: label.to_owned(), batch: BATCH, ours, baseline });
+        for (label, requester) in
+            [("local_preferring, remote requester", "node-99"), ("local_preferring, ~1/5 local", "node-0")]
+        {
+            let ours = measure(batch, || {
+                black_box(strategy.select_batch(black_box(requester), black_box(slice), &mut rng));
+            });
+            rows.push(Row { op: "get", config: label.to_owned(), batch, ours, baseline });
+        }
     }
 }
 
