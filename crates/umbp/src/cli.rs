@@ -1,0 +1,308 @@
+//! The command line of `umbp`, as clap derive types.
+//!
+//! Every flag is an `Option`: absent means "not set on the command line", so the layers below it (the
+//! `UMBP_*` environment, then the TOML file, then the built-in default) can decide. Clap therefore
+//! does not print defaults by itself; each flag's help states its default and its environment
+//! variable, and `tests/cli_help.rs` checks them against the real defaults.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use umbp_master::routing::SelectAlgo;
+
+use crate::units::{parse_duration, parse_size};
+
+/// The TOML file's shape, printed at the end of `umbp --help`.
+pub const CONFIG_FILE_HELP: &str = "\
+CONFIGURATION
+  Each setting is taken from, in increasing precedence: the built-in default, the TOML file
+  (--config FILE or UMBP_CONFIG), the UMBP_* environment variables, the command-line flags.
+  Sizes are written 4096, 512KiB, 64MiB, 4GiB; durations 250us, 500ms, 5s, 2m.
+  Every key of the file is optional; an unknown key is an error. The whole shape, with defaults:
+
+    master_address = \"127.0.0.1:50051\"  # where nodes and client commands find the master
+    cluster_token  = \"…\"                # guards gRPC and the data port (default: none)
+
+    [master]
+    listen = \"127.0.0.1:50051\"
+    heartbeat_ttl = \"10s\"               # nodes heartbeat every heartbeat_ttl / divisor
+    heartbeat_interval_divisor = 2
+    max_missed_heartbeats = 3           # silent for ttl * this: the node expires
+    reaper_interval = \"5s\"
+    eviction_check_interval = \"5s\"
+    eviction_high_watermark = 0.9
+    eviction_low_watermark = 0.7
+    route_get_lease = \"2s\"
+    evict_deadline = \"1s\"
+    route_put_algo = \"most_available\"   # or \"random\"
+    route_put_affinity = \"none\"         # or \"same\", \"local\"
+    index_shards = 32
+    shutdown_deadline = \"3s\"
+    max_message_bytes = \"64MiB\"
+
+    [node]
+    node_id = \"n1\"                      # required for `umbp node`
+    medium = \"dram\"                     # or \"none\"
+    capacity = \"4GiB\"
+    page_size = \"2MiB\"
+    listen = \"127.0.0.1\"                # host of the peer service and the data server
+    peer_port = 0                       # 0: any free port
+    data_port = 0
+    prefault = true                     # touch every page of the medium at start-up
+    hugepages = false
+    numa_node = 0                       # default: no binding
+    recache = \"16MiB\"                   # re-cache remote fetches: \"off\", \"always\" or a size cap
+    read_lease = \"500ms\"
+    pending_ttl = \"30s\"
+    rpc_timeout = \"5s\"
+    max_reroutes = 2
+    bounce = \"64MiB\"                    # staging for caller memory that is not registered
+
+    [client]
+    max_get_size = \"64MiB\"              # largest value `umbp get` accepts
+
+ENVIRONMENT
+  UMBP_CONFIG, UMBP_CLUSTER_TOKEN, UMBP_MASTER_ADDRESS; the node's UMBP_NODE_ID, UMBP_MEDIUM,
+  UMBP_CAPACITY, UMBP_PAGE_SIZE, UMBP_NODE_ADDRESS, UMBP_PEER_SERVICE_PORT, UMBP_IO_ENGINE_PORT,
+  UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
+  master client's UMBP_HEARTBEAT_* / UMBP_MASTER_RPC_TIMEOUT_MS; the master's UMBP_MASTER_LISTEN and
+  UMBP_* timings (see `umbp master --help`). RUST_LOG filters the logs, which go to stderr
+  (default: info for master and node; warn for the client commands and the demo).
+
+EXIT STATUS
+  0 success; 1 a key is missing (get, exists); 2 bad usage or configuration; 3 any other failure.";
+
+/// The master's environment, printed at the end of `umbp master --help`.
+pub const MASTER_ENV_HELP: &str = "\
+ENVIRONMENT (defaults in brackets; the flags above override them)
+  UMBP_MASTER_LISTEN [127.0.0.1:50051]  UMBP_CLUSTER_TOKEN [none]
+  UMBP_HEARTBEAT_TTL_SEC [10]  UMBP_HEARTBEAT_INTERVAL_DIVISOR [2]  UMBP_MAX_MISSED_HEARTBEATS [3]
+  UMBP_REAPER_INTERVAL_SEC [5]  UMBP_EVICTION_CHECK_INTERVAL_SEC [5]
+  UMBP_EVICTION_HIGH_WATERMARK [0.9]  UMBP_EVICTION_LOW_WATERMARK [0.7]
+  UMBP_LEASE_DURATION_SEC [2]  UMBP_EVICTKEY_DEADLINE_MS [1000]
+  UMBP_ROUTE_PUT_SELECT_ALGO [most_available|random]  UMBP_ROUTE_PUT_NODE_AFFINITY [none|same|local]
+  UMBP_MASTER_INDEX_SHARDS [32]  UMBP_GRPC_SHUTDOWN_DEADLINE_SEC [3]
+  UMBP_MASTER_MAX_MESSAGE_BYTES [67108864]
+
+On start it prints one line to stdout: `master ready listen=HOST:PORT`.";
+
+/// The node's ready line, printed at the end of `umbp node --help`.
+pub const NODE_AFTER_HELP: &str = "\
+On start it prints one line to stdout:
+  node ID ready peer=HOST:PORT data=HOST:PORT medium=dram capacity=SIZE master=HOST:PORT
+and runs until SIGINT or SIGTERM, then leaves the cluster (unregisters, releases its memory).";
+
+/// `umbp`: the umbp-rs command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "umbp",
+    version,
+    about = "umbp-rs: a distributed KV-cache buffer pool (master, nodes, client commands, demo)",
+    long_about = "umbp-rs: a distributed KV-cache buffer pool.\n\nStart with `umbp demo`: a master and three \
+                  DRAM nodes in one process, a verified put/get workload and a summary. For a real cluster run \
+                  `umbp master`, then `umbp node` on each machine, then `umbp put`/`get`/`stat`.",
+    after_long_help = CONFIG_FILE_HELP,
+    propagate_version = true
+)]
+pub struct Cli {
+    /// TOML configuration file (its shape: `umbp --help`) [env: UMBP_CONFIG] [default: none]
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Cluster token, required on every call and data connection when set (`ps` shows flags: prefer
+    /// the environment or the file) [env: UMBP_CLUSTER_TOKEN] [default: none]
+    #[arg(long, global = true, value_name = "TOKEN")]
+    pub token: Option<String>,
+    /// What to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the master (membership, key index, routing, eviction) until SIGINT/SIGTERM
+    #[command(after_help = MASTER_ENV_HELP)]
+    Master(MasterArgs),
+    /// Run a node that lends one medium to the pool, until SIGINT/SIGTERM
+    #[command(after_help = NODE_AFTER_HELP)]
+    Node(NodeArgs),
+    /// Write a value (a file, or stdin) under KEY
+    Put(PutArgs),
+    /// Read the value of KEY into a file, or stdout
+    Get(GetArgs),
+    /// Say whether each KEY is in the pool (exit status 1 if any is missing)
+    Exists(KeysArgs),
+    /// Remove every replica of each KEY
+    Rm(KeysArgs),
+    /// Show the cluster as the master sees it: nodes, liveness, capacity, keys
+    Stat(StatArgs),
+    /// Run a master and nodes in this process, put and get a verified workload, print a summary
+    /// (ignores --config and --token)
+    Demo(DemoArgs),
+}
+
+/// Flags of `umbp master`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct MasterArgs {
+    /// gRPC listen address; port 0 picks a free one [env: UMBP_MASTER_LISTEN] [default: 127.0.0.1:50051]
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// Heartbeat TTL: nodes heartbeat every TTL / UMBP_HEARTBEAT_INTERVAL_DIVISOR (2)
+    /// [env: UMBP_HEARTBEAT_TTL_SEC] [default: 10s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub heartbeat_ttl: Option<Duration>,
+    /// A node silent for this many TTLs expires [env: UMBP_MAX_MISSED_HEARTBEATS] [default: 3]
+    #[arg(long, value_name = "N")]
+    pub max_missed_heartbeats: Option<u32>,
+    /// How often silent nodes are expired [env: UMBP_REAPER_INTERVAL_SEC] [default: 5s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub reaper_interval: Option<Duration>,
+    /// Put placement: most_available or random [env: UMBP_ROUTE_PUT_SELECT_ALGO] [default: most_available]
+    #[arg(long, value_name = "ALGO")]
+    pub route_put_algo: Option<SelectAlgo>,
+}
+
+/// The medium a node lends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MediumKind {
+    /// Host DRAM.
+    Dram,
+    /// No medium: the node only reads and writes the pool.
+    None,
+}
+
+impl MediumKind {
+    /// The name used on the command line and in the file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Dram => "dram",
+            Self::None => "none",
+        }
+    }
+}
+
+/// `--master`, shared by the node and the client commands.
+#[derive(Debug, Clone, Default, Args)]
+pub struct MasterAddress {
+    /// The master's address [env: UMBP_MASTER_ADDRESS] [default: 127.0.0.1:50051]
+    #[arg(long, value_name = "ADDR")]
+    pub master: Option<String>,
+}
+
+/// Flags of `umbp node`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct NodeArgs {
+    /// Where the master is.
+    #[command(flatten)]
+    pub master: MasterAddress,
+    /// This node's cluster-unique id (required: here, in UMBP_NODE_ID or as node.node_id)
+    /// [env: UMBP_NODE_ID] [default: none]
+    #[arg(long, value_name = "ID")]
+    pub node_id: Option<String>,
+    /// The medium this node lends [env: UMBP_MEDIUM] [default: dram]
+    #[arg(long, value_name = "MEDIUM")]
+    pub medium: Option<MediumKind>,
+    /// Bytes the medium lends [env: UMBP_CAPACITY] [default: 4GiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub capacity: Option<u64>,
+    /// Page size of the medium (the pool's block size) [env: UMBP_PAGE_SIZE] [default: 2MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub page_size: Option<u64>,
+    /// Host (IP) the peer service and the data server listen on and other nodes reach this node at
+    /// [env: UMBP_NODE_ADDRESS] [default: 127.0.0.1]
+    #[arg(long, value_name = "HOST")]
+    pub listen: Option<IpAddr>,
+    /// Port of the peer service; 0 picks a free one [env: UMBP_PEER_SERVICE_PORT] [default: 0]
+    #[arg(long, value_name = "PORT")]
+    pub peer_port: Option<u16>,
+    /// Port of the TCP data server; 0 picks a free one [env: UMBP_IO_ENGINE_PORT] [default: 0]
+    #[arg(long, value_name = "PORT")]
+    pub data_port: Option<u16>,
+    /// Touch every page of the medium at start-up [env: UMBP_DRAM_PREFAULT] [default: true]
+    #[arg(long, value_name = "BOOL")]
+    pub prefault: Option<bool>,
+    /// Re-cache values fetched from other nodes: off, always, or a size cap
+    /// [env: UMBP_CACHE_REMOTE_FETCHES] [default: 16MiB]
+    #[arg(long, value_name = "POLICY")]
+    pub recache: Option<String>,
+}
+
+/// `umbp put`.
+#[derive(Debug, Clone, Args)]
+pub struct PutArgs {
+    /// Where the master is.
+    #[command(flatten)]
+    pub master: MasterAddress,
+    /// The key.
+    pub key: String,
+    /// The value: a file, or `-` for stdin [default: -]
+    #[arg(value_name = "FILE|-")]
+    pub source: Option<PathBuf>,
+}
+
+/// `umbp get`.
+#[derive(Debug, Clone, Args)]
+pub struct GetArgs {
+    /// Where the master is.
+    #[command(flatten)]
+    pub master: MasterAddress,
+    /// The key.
+    pub key: String,
+    /// Where the value goes: a file, or `-` for stdout [default: -]
+    #[arg(value_name = "FILE|-")]
+    pub dest: Option<PathBuf>,
+    /// Largest value accepted [default: 64MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub max_size: Option<u64>,
+}
+
+/// `umbp exists` and `umbp rm`.
+#[derive(Debug, Clone, Args)]
+pub struct KeysArgs {
+    /// Where the master is.
+    #[command(flatten)]
+    pub master: MasterAddress,
+    /// The keys.
+    #[arg(required = true, value_name = "KEY")]
+    pub keys: Vec<String>,
+}
+
+/// `umbp stat`.
+#[derive(Debug, Clone, Args)]
+pub struct StatArgs {
+    /// Where the master is.
+    #[command(flatten)]
+    pub master: MasterAddress,
+}
+
+/// `umbp demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Nodes to start (at least 2) [default: 3]
+    #[arg(long, value_name = "N")]
+    pub nodes: Option<usize>,
+    /// Keys to write [default: 512]
+    #[arg(long, value_name = "N")]
+    pub keys: Option<usize>,
+    /// Smallest value [default: 16KiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub min_value: Option<u64>,
+    /// Largest value [default: 1MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub max_value: Option<u64>,
+    /// DRAM each node lends [default: 128MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub capacity: Option<u64>,
+    /// Page size of every node [default: 64KiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub page_size: Option<u64>,
+    /// Keys per batch put and batch get [default: 64]
+    #[arg(long, value_name = "N")]
+    pub batch: Option<usize>,
+    /// Seed of the value sizes and bytes [default: 1]
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+}

@@ -1,0 +1,35 @@
+//! The umbp-rs command line: the `umbp` binary and the pieces of it worth testing on their own.
+//!
+//! `umbp master` runs the master, `umbp node` a node lending one medium, `umbp put` / `get` /
+//! `exists` / `rm` / `stat` are client commands (each joins the pool as a node with no medium for
+//! its duration), and `umbp demo` runs a master and three nodes in one process with a verified
+//! workload.
+//!
+//! # Owns
+//! - The command line ([`Cli`]) and its help, which states every default.
+//! - Settings: the TOML file ([`FileConfig`]), the `UMBP_*` environment and the flags, merged in that
+//!   order of precedence ([`resolve_master`], [`resolve_node`], [`resolve_client`]).
+//! - Size and duration syntax ([`parse_size`], [`parse_duration`]).
+//! - The demo ([`demo::run`]).
+//!
+//! # Never
+//! Implements pool behaviour: placement, transfers and the heartbeat belong to `umbp-master` and
+//! `umbp-peer`; this crate only configures and starts them. Never names a concrete medium or
+//! transfer engine (that is `PoolClient`'s job), and never binds anything but 127.0.0.1 unless told.
+#![forbid(unsafe_code)]
+
+mod cli;
+pub mod demo;
+mod settings;
+mod units;
+
+pub use cli::{
+    CONFIG_FILE_HELP, Cli, Command, DemoArgs, GetArgs, KeysArgs, MASTER_ENV_HELP, MasterAddress, MasterArgs,
+    MediumKind, NODE_AFTER_HELP, NodeArgs, PutArgs, StatArgs,
+};
+pub use settings::{
+    ByteSize, ClientFile, DEFAULT_MASTER_ADDRESS, DEFAULT_MAX_GET_SIZE, EnvGetter, FileConfig, HumanDuration,
+    MasterFile, NodeFile, Recache, SettingsError, format_recache, parse_recache, resolve_client, resolve_master,
+    resolve_master_address, resolve_max_get_size, resolve_node,
+};
+pub use units::{UnitError, format_duration, format_size, human_size, parse_duration, parse_size};
