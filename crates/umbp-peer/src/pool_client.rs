@@ -213,7 +213,7 @@ pub struct PoolClient {
     medium: Option<Arc<dyn MediumBackend>>,
     engine: Arc<CompositeTransferEngine>,
     data_endpoint: String,
-    master: MasterClient,
+    master: Arc<MasterClient>,
     peer_server: Mutex<Option<PeerServerHandle>>,
     peers: Mutex<HashMap<String, (String, PeerClient)>>,
     directory: PeerDirectory,
@@ -278,6 +278,7 @@ impl PoolClient {
             registry.register(Arc::clone(m))?;
         }
         let registry = Arc::new(registry);
+        let service = PeerService::new(Arc::clone(&registry), data_endpoint.clone());
         let peer_server = match &medium {
             Some(_) => Some(
                 PeerServer::start(
@@ -286,7 +287,7 @@ impl PoolClient {
                         cluster_token: config.cluster_token.clone(),
                         ..PeerServerConfig::default()
                     },
-                    PeerService::new(Arc::clone(&registry), data_endpoint.clone()),
+                    service.clone(),
                 )
                 .await?,
             ),
@@ -297,9 +298,16 @@ impl PoolClient {
             .with_peer_address(peer_address)
             .with_data_endpoint(data_endpoint.clone());
         let master_config = MasterClientConfig { cluster_token: config.cluster_token.clone(), ..config.master.clone() };
-        let master = MasterClient::connect(&config.master_address, master_config, node, registry).await?;
+        let master = Arc::new(MasterClient::connect(&config.master_address, master_config, node, registry).await?);
         master.register().await?;
         master.start_heartbeat()?;
+        // Remote writers' commits land here: wake the heartbeat so the master indexes them at once.
+        let weak = Arc::downgrade(&master);
+        service.set_change_hook(Some(Arc::new(move || {
+            if let Some(m) = weak.upgrade() {
+                m.flush();
+            }
+        })));
         tracing::info!(node = %config.node_id, medium = ?config.medium, data = %data_endpoint, "node started");
         Ok(Self {
             config,
@@ -570,6 +578,10 @@ impl PoolClient {
                         let reqs: Vec<CommitRequest> =
                             keys.iter().map(|(id, k)| CommitRequest::new(*id, k.clone())).collect();
                         let results = m.batch_commit(&reqs);
+                        if results.iter().any(|r| r.success) {
+                            // Local writes become visible to other nodes as soon as the master hears.
+                            self.master.flush();
+                        }
                         for (s, r) in ok.iter().zip(results) {
                             out.done.push((
                                 s.index,

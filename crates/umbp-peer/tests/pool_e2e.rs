@@ -235,3 +235,31 @@ async fn pool_pressure_eviction_keeps_puts_succeeding_and_gets_are_exact_or_miss
     }
     m.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_remote_write_is_visible_to_other_nodes_long_before_the_heartbeat_interval() {
+    // The default heartbeat interval is 5 s; the holder's peer service wakes its heartbeat on commit.
+    let m = master().await;
+    let holder = node(&m, "holder", 1 << 20).await;
+    let writer = PoolClient::start(PoolClientConfig::new("writer", m.local_addr().to_string())).await.expect("writer");
+    let reader = PoolClient::start(PoolClientConfig::new("reader", m.local_addr().to_string())).await.expect("reader");
+    let v = value(3, 3000);
+    let start = tokio::time::Instant::now();
+    writer.put("fresh", &v).await.expect("put");
+    let mut buf = vec![0u8; 3000];
+    loop {
+        match reader.get("fresh", &mut buf).await {
+            Ok(3000) => break,
+            Ok(other) => panic!("wrong size {other}"),
+            Err(KeyError::Miss) => {}
+            Err(e) => panic!("{e}"),
+        }
+        assert!(start.elapsed() < Duration::from_secs(2), "not visible within 2 s of the put");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(buf, v);
+    for n in [&writer, &reader, &holder] {
+        n.close().await;
+    }
+    m.shutdown().await;
+}

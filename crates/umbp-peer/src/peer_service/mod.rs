@@ -47,7 +47,7 @@ pub use convert::{
     tier_to_wire,
 };
 pub use server::{PeerServer, PeerServerConfig, PeerServerHandle, PeerServiceError};
-pub use service::PeerService;
+pub use service::{ChangeHook, PeerService};
 
 /// How far the tier is shifted into a wire slot id.
 pub const SLOT_TIER_SHIFT: u32 = 56;

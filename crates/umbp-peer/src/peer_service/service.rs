@@ -20,9 +20,21 @@ use super::{slot_local, slot_tier, tag_slot};
 ///
 /// Cheap to clone (one `Arc`). The media are the registry's at construction, in its order (ascending
 /// tier); a medium registered later is not seen. See the [module docs](super) for the semantics.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PeerService {
     inner: Arc<Dispatch>,
+    /// Runs after a commit or evict changed what the node owns (set by the composition root to wake
+    /// the heartbeat, so the master hears of remote writes in milliseconds, not at the next interval).
+    on_change: Arc<parking_lot::RwLock<Option<ChangeHook>>>,
+}
+
+/// Called after remote commits and evictions; must be cheap and must not block.
+pub type ChangeHook = Arc<dyn Fn() + Send + Sync>;
+
+impl std::fmt::Debug for PeerService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerService").field("inner", &self.inner).finish_non_exhaustive()
+    }
 }
 
 impl PeerService {
@@ -36,6 +48,20 @@ impl PeerService {
             .collect();
         Self {
             inner: Arc::new(Dispatch { media, page_size: registry.page_size(), data_endpoint: data_endpoint.into() }),
+            on_change: Arc::default(),
+        }
+    }
+
+    /// Installs the hook run after every commit or evict batch that changed what the node owns
+    /// (replaces an earlier one). Shared by every clone of the service, so it may be set after the
+    /// server started.
+    pub fn set_change_hook(&self, hook: Option<ChangeHook>) {
+        *self.on_change.write() = hook;
+    }
+
+    fn changed(&self) {
+        if let Some(hook) = self.on_change.read().as_ref() {
+            hook();
         }
     }
 
@@ -353,6 +379,9 @@ impl UmbpPeer for PeerService {
     ) -> Result<Response<pb::CommitSlotResponse>, Status> {
         let entry = request.into_inner();
         let answer = self.blocking(move |d| d.commit(vec![entry])).await?;
+        if answer.iter().any(|a| a.success) {
+            self.changed();
+        }
         Ok(Response::new(answer.into_iter().next().unwrap_or_default()))
     }
 
@@ -362,6 +391,9 @@ impl UmbpPeer for PeerService {
     ) -> Result<Response<pb::BatchCommitSlotsResponse>, Status> {
         let entries = request.into_inner().entries;
         let entries = self.blocking(move |d| d.commit(entries)).await?;
+        if entries.iter().any(|a| a.success) {
+            self.changed();
+        }
         Ok(Response::new(pb::BatchCommitSlotsResponse { entries }))
     }
 
@@ -404,6 +436,10 @@ impl UmbpPeer for PeerService {
         if keys.is_empty() {
             return Ok(Response::new(pb::EvictKeyResponse::default()));
         }
-        self.blocking(move |d| d.evict(keys)).await.map(Response::new)
+        let reply = self.blocking(move |d| d.evict(keys)).await?;
+        if reply.evicted.iter().any(|e| e.bytes_freed > 0) {
+            self.changed();
+        }
+        Ok(Response::new(reply))
     }
 }
