@@ -9,6 +9,10 @@
 //! over `connections` pooled connections, and as the same bytes streamed over the same number of
 //! plain connections. Medians of `UMBP_BENCH_ROUNDS` rounds (default 5).
 //!
+//! Each size runs with three local sides: the buffer registered with the engine, the same buffer
+//! unregistered (a caller's buffer, used in place), and the unregistered buffer through a
+//! `CompositeTransferEngine` over `LocalCopyEngine` + `TcpEngine` (what a node's client runs).
+//!
 //! `cargo bench -p umbp-transfer --bench tcp` (extra arguments such as `--bench` are ignored).
 //! Environment: `UMBP_BENCH_ROUNDS`, `UMBP_BENCH_ITEM_KIB` (e.g. `64,1024`), `UMBP_BENCH_CONNECTIONS` (default 4), `UMBP_BENCH_TOTAL_MIB`
 //! (default 256).
@@ -19,8 +23,13 @@ use std::process::{Command, Stdio};
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegion, TransferRef};
-use umbp_transfer::{TcpEngine, TcpEngineConfig, TransferItem, transfer};
+use umbp_transfer::{
+    CompositeConfig, CompositeTransferEngine, LocalCopyEngine, TcpEngine, TcpEngineConfig, TransferEngine,
+    TransferItem, transfer,
+};
 
 const CHILD_ENV: &str = "UMBP_TCP_BENCH_CHILD";
 const ITEM_SIZES: [u64; 3] = [64 << 10, 1 << 20, 4 << 20];
@@ -202,8 +211,14 @@ fn parent() {
     let mut local = Buffer::new(total as usize, 2);
     let mut raw_buf = Buffer::new(total as usize, 3);
     let config = TcpEngineConfig { connections_per_peer: connections, ..TcpEngineConfig::default() };
-    let engine = TcpEngine::new(config).expect("engine");
+    let engine = TcpEngine::new(config.clone()).expect("engine");
     let local_ref = engine.register_memory(local.region()).expect("register");
+    let loose_ref = TransferRef::local(local.region());
+    let composite = CompositeTransferEngine::new(
+        vec![Arc::new(LocalCopyEngine::default()), Arc::new(TcpEngine::new(config).expect("engine"))],
+        CompositeConfig::default(),
+    )
+    .expect("composite");
     let mut raw: Vec<TcpStream> = (0..connections)
         .map(|_| {
             let s = TcpStream::connect(&raw_addr).expect("raw connect");
@@ -218,48 +233,74 @@ fn parent() {
         total >> 20
     );
     println!();
-    println!("| op | item | connections | TcpEngine GB/s | raw TCP GB/s | ratio |");
-    println!("|----|------|-------------|----------------|--------------|-------|");
+    println!("| op | item | local side | connections | TcpEngine GB/s | raw TCP GB/s | ratio |");
+    println!("|----|------|------------|-------------|----------------|--------------|-------|");
+    let variants: [(&str, &dyn TransferEngine, &TransferRef); 3] = [
+        ("registered", &engine, &local_ref),
+        ("unregistered", &engine, &loose_ref),
+        ("unregistered, composite", &composite, &loose_ref),
+    ];
     for size in item_sizes() {
-        let n = total / size;
-        let writes: Vec<TransferItem> = (0..n)
-            .map(|i| TransferItem {
-                src: local_ref.clone(),
-                src_offset: i * size,
-                dst: remote.clone(),
-                dst_offset: (n - 1 - i) * size,
-                size,
-                tag: i,
-            })
-            .collect();
-        let reads: Vec<TransferItem> = writes
-            .iter()
-            .map(|w| TransferItem {
-                src: w.dst.clone(),
-                src_offset: w.dst_offset,
-                dst: w.src.clone(),
-                dst_offset: w.src_offset,
-                size,
-                tag: w.tag,
-            })
-            .collect();
-        for (op, items, write) in [("write", &writes, true), ("read", &reads, false)] {
-            // Warm up both paths once.
-            transfer(&engine, items).expect("engine warm-up");
-            raw_round(&mut raw, &mut raw_buf.data, write);
-            let mut ours = Vec::new();
-            let mut base = Vec::new();
-            for _ in 0..rounds {
-                let started = Instant::now();
-                transfer(&engine, items).expect("engine transfer");
-                ours.push(gbps(total, started.elapsed()));
-                base.push(gbps(total, raw_round(&mut raw, &mut raw_buf.data, write)));
-            }
-            let (ours, base) = (median(ours), median(base));
-            println!("| {op} | {} | {connections} | {ours:.2} | {base:.2} | {:.2} |", human(size), ours / base);
+        for (side, engine, local_ref) in variants {
+            run_size(engine, local_ref, &remote, size, side, &mut raw, &mut raw_buf, rounds, connections);
         }
         assert!(local.data == expected, "a write then read of the same items returns the same bytes");
     }
+    drop(composite);
     drop(engine);
     drop(child);
+}
+
+/// One table row per direction: `size`-byte items between `local_ref` and `remote` through `engine`,
+/// beside the raw stream.
+#[expect(clippy::too_many_arguments, reason = "a bench helper: the row's inputs, spelled out")]
+fn run_size(
+    engine: &dyn TransferEngine,
+    local_ref: &TransferRef,
+    remote: &TransferRef,
+    size: u64,
+    side: &str,
+    raw: &mut [TcpStream],
+    raw_buf: &mut Buffer,
+    rounds: usize,
+    connections: usize,
+) {
+    let total = local_ref.size();
+    let n = total / size;
+    let writes: Vec<TransferItem> = (0..n)
+        .map(|i| TransferItem {
+            src: local_ref.clone(),
+            src_offset: i * size,
+            dst: remote.clone(),
+            dst_offset: (n - 1 - i) * size,
+            size,
+            tag: i,
+        })
+        .collect();
+    let reads: Vec<TransferItem> = writes
+        .iter()
+        .map(|w| TransferItem {
+            src: w.dst.clone(),
+            src_offset: w.dst_offset,
+            dst: w.src.clone(),
+            dst_offset: w.src_offset,
+            size,
+            tag: w.tag,
+        })
+        .collect();
+    for (op, items, write) in [("write", &writes, true), ("read", &reads, false)] {
+        // Warm up both paths once.
+        transfer(engine, items).expect("engine warm-up");
+        raw_round(raw, &mut raw_buf.data, write);
+        let mut ours = Vec::new();
+        let mut base = Vec::new();
+        for _ in 0..rounds {
+            let started = Instant::now();
+            transfer(engine, items).expect("engine transfer");
+            ours.push(gbps(total, started.elapsed()));
+            base.push(gbps(total, raw_round(raw, &mut raw_buf.data, write)));
+        }
+        let (ours, base) = (median(ours), median(base));
+        println!("| {op} | {} | {side} | {connections} | {ours:.2} | {base:.2} | {:.2} |", human(size), ours / base);
+    }
 }

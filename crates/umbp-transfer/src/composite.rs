@@ -90,8 +90,14 @@ impl fmt::Debug for Bounce {
 /// The engine a node holds: registration fans out to every engine and the handles merge into one
 /// [`TransferRef`]; each (src, dst) pair goes to the first engine that can handle it (engines are
 /// added in preference order and are disjoint in practice); caller memory that no engine can address
-/// (for example an unregistered buffer going to a peer) is staged through one bounce pool in
-/// pool-sized rounds; items nobody can move are rejected by tag. Every engine is measured per
+/// as given is staged through one bounce pool in pool-sized rounds; items nobody can move are
+/// rejected by tag. Staging is for engines that need registered local memory (an RDMA engine) and
+/// memory they cannot read directly: [`LocalCopyEngine`](crate::LocalCopyEngine) and
+/// [`TcpEngine`](crate::TcpEngine) take unregistered host memory in place, so with them an
+/// unregistered caller buffer goes zero-copy.
+///
+/// `submit` starts asynchronous engines (TCP) first, then runs synchronous ones (the in-process
+/// copy) while those are in flight, then the staged rounds. Every engine is measured per
 /// direction (plans, failures, bytes, seconds) through [`MetricSource`]; an engine never used
 /// publishes nothing.
 pub struct CompositeTransferEngine {
@@ -766,7 +772,11 @@ impl TransferEngine for CompositeTransferEngine {
                 )),
             }
         }
-        // Direct plans go first so they overlap with the staged rounds, which complete inline.
+        // Asynchronous engines first (the network starts moving at once), then the synchronous
+        // ones (the in-process copy runs on this thread while the network works: the local part
+        // of a mixed batch is done "in the gap"), then the staged rounds, which complete inline.
+        // A stable sort keeps the engines' preference order within each kind.
+        direct.sort_by_key(|(e, _)| self.engines[*e].completes_in_submit());
         let subs: Vec<SubHandle> = direct.into_iter().map(|(e, plans)| self.submit_group(e, plans)).collect();
         if !staged.is_empty() {
             self.run_staged(staged, &mut settled);

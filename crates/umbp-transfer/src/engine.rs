@@ -234,6 +234,13 @@ pub trait TransferEngine: MemoryRegistrar + MetricSource {
     /// lies outside either ref, are rejected by tag; 0-byte items are skipped.
     fn plan(&self, items: &[TransferItem]) -> PlanSet;
 
+    /// Whether `submit` finishes the work before it returns (a synchronous engine such as the
+    /// in-process copy) rather than starting it and returning at once. The composite engine submits
+    /// asynchronous engines first so a synchronous engine's work overlaps theirs. Default: `false`.
+    fn completes_in_submit(&self) -> bool {
+        false
+    }
+
     /// Registers `region` for use as the local side of this engine's own transfers only: peers must
     /// never be able to address it (the composite engine's bounce pool). Engines that publish
     /// nothing to peers register it as usual (the default).
@@ -243,6 +250,15 @@ pub trait TransferEngine: MemoryRegistrar + MetricSource {
 
     /// Starts the plans. `Err` means nothing was posted and every tag of every plan failed. Engines
     /// re-check each plan's ranges here: a hand-built plan never reaches memory out of range.
+    ///
+    /// # Memory the caller did not register
+    /// Engines that can (the in-process copy, TCP) take caller memory that is registered with no
+    /// engine as the local side of a plan, in place. Such memory is valid for the batch by the
+    /// caller's contract (the [`LocalRegion`] invariant): the caller must keep it valid — and must
+    /// not read a destination or write a source of the batch — until the returned handle's
+    /// [`wait`](TransferHandle::wait) has returned or the handle has been dropped (dropping waits).
+    /// Registered memory is additionally protected by its registration: deregistering it waits for
+    /// the batches using it.
     fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure>;
 }
 

@@ -151,6 +151,11 @@ impl TransferEngine for LocalCopyEngine {
         "LocalCopyEngine"
     }
 
+    /// Copies finish inside `submit`.
+    fn completes_in_submit(&self) -> bool {
+        true
+    }
+
     fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool {
         local_host(src).is_some() && local_host(dst).is_some()
     }

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use umbp_core::{
     LocalRegion, MemoryLocation, MemoryRegistrar, MetricSample, MetricSource, RegistrationError, RemoteRegion,
     TransferRef,
@@ -551,4 +551,122 @@ fn push_and_pull_staged_in_one_round() {
     assert!(n.composite.submit(set.plans).expect("submitted").wait().is_empty());
     assert_eq!(peer.0[..2048], user.0[..]);
     assert_eq!(back.0[..], original[4096..6144]);
+}
+
+/// A FakeWire whose transfers stay "in flight" until the test opens a gate: its handle's `wait`
+/// blocks on the gate before moving any byte. Its `submit` records what the caller's `probe`
+/// buffer held at that moment, so the test can tell what ran before the network started.
+#[derive(Debug)]
+struct GatedWire {
+    inner: Arc<FakeWire>,
+    gate: Arc<(Mutex<bool>, Condvar)>,
+    probe: LocalRegion,
+    probe_at_submit: Mutex<Option<Vec<u8>>>,
+}
+
+impl GatedWire {
+    fn open(&self) {
+        *self.gate.0.lock() = true;
+        self.gate.1.notify_all();
+    }
+}
+
+#[derive(Debug)]
+struct GatedHandle {
+    inner: Box<dyn TransferHandle>,
+    gate: Arc<(Mutex<bool>, Condvar)>,
+}
+
+impl TransferHandle for GatedHandle {
+    fn wait(&mut self) -> Vec<TransferFailure> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut open = self.gate.0.lock();
+        while !*open {
+            if self.gate.1.wait_until(&mut open, deadline).timed_out() {
+                return vec![TransferFailure::new(vec![], FailureKind::Timeout, "gate never opened", "GatedWire")];
+            }
+        }
+        drop(open);
+        self.inner.wait()
+    }
+}
+
+impl MemoryRegistrar for GatedWire {
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        self.inner.register_memory(region)
+    }
+
+    fn deregister(&self, r: &TransferRef) {
+        self.inner.deregister(r);
+    }
+}
+
+impl MetricSource for GatedWire {}
+
+impl TransferEngine for GatedWire {
+    fn name(&self) -> &str {
+        "GatedWire"
+    }
+
+    fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool {
+        self.inner.can_handle(src, dst)
+    }
+
+    fn plan(&self, items: &[TransferItem]) -> PlanSet {
+        self.inner.plan(items)
+    }
+
+    fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure> {
+        // SAFETY: the probe is a live test buffer; nothing writes it while this runs (the local copy
+        // runs on this same thread, before or after this call).
+        let seen = unsafe { std::slice::from_raw_parts(self.probe.ptr().as_ptr(), self.probe.len() as usize) }.to_vec();
+        *self.probe_at_submit.lock() = Some(seen);
+        let inner = self.inner.submit(plans)?;
+        Ok(Box::new(GatedHandle { inner, gate: self.gate.clone() }))
+    }
+}
+
+#[test]
+fn a_mixed_batch_copies_locally_while_the_remote_part_is_in_flight() {
+    let fabric = Fabric::default();
+    let wire = FakeWire::new("a", &fabric);
+    let peer_wire = FakeWire::new("b", &fabric);
+    let mut src = Buf::pattern(8192, 6);
+    let mut copy = Buf(vec![0; 4096]);
+    let mut peer = Buf(vec![0; 4096]);
+    let gated = Arc::new(GatedWire {
+        inner: wire.clone(),
+        gate: Arc::new((Mutex::new(false), Condvar::new())),
+        probe: copy.region(),
+        probe_at_submit: Mutex::new(None),
+    });
+    // The copy engine comes first in preference order (and so its plans come first in the plan
+    // set): submit must still start the network before it copies.
+    let composite = CompositeTransferEngine::new(
+        vec![Arc::new(LocalCopyEngine::default()), gated.clone()],
+        CompositeConfig { bounce_bytes: 0 },
+    )
+    .expect("composite");
+    let rs = composite.register_memory(src.region()).expect("reg");
+    let rc = copy.unregistered();
+    let rp = remote_view(&peer_wire.register_memory(peer.region()).expect("reg"));
+    let set = composite.plan(&[item(&rs, 0, &rc, 0, 4096, 1), item(&rs, 4096, &rp, 0, 4096, 2)]);
+    let engines: Vec<usize> = set.plans.iter().map(|p| p.engine.expect("owned")).collect();
+    assert_eq!(engines, vec![0, 1], "the local plan comes first in the plan set");
+
+    let mut handle = composite.submit(set.plans).expect("submitted");
+    assert_eq!(
+        gated.probe_at_submit.lock().as_deref(),
+        Some(&[0u8; 4096][..]),
+        "the remote plan was submitted before the local copy ran"
+    );
+    assert_eq!(copy.0[..], src.0[..4096], "the local copy is done when submit returns ...");
+    assert!(!wire.waited.load(Ordering::SeqCst), "... while the remote plan is still in flight");
+    assert!(peer.0.iter().all(|x| *x == 0));
+
+    gated.open();
+    let failures = handle.wait();
+    assert!(failures.is_empty(), "{failures:?}");
+    assert_eq!(peer.0[..], src.0[4096..]);
+    assert!(wire.waited.load(Ordering::SeqCst));
 }

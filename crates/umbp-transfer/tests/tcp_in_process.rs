@@ -353,13 +353,27 @@ fn pair_rules() {
     let (mine_ref, mine2_ref) = (mine.register(&a), mine2.register(&a));
     let (theirs_ref, theirs2_ref) = (theirs.register(&b), theirs2.register(&b));
     let unregistered = TransferRef::local(loose.region());
+    let mut gpu_bytes = [0u8; 64];
+    // SAFETY: never dereferenced: no engine may take GPU memory as a TCP local side.
+    let gpu = TransferRef::local(unsafe {
+        LocalRegion::new(std::ptr::NonNull::from(&mut gpu_bytes).cast(), 64, MemoryLocation::Gpu { device: 0 })
+    });
+    let theirs_published =
+        TransferRef::remote_only(theirs_ref.remote().expect("remote").clone(), 4096, MemoryLocation::Host);
 
     assert!(a.can_handle(&mine_ref, &theirs_ref), "push");
     assert!(a.can_handle(&theirs_ref, &mine_ref), "pull");
     assert!(!a.can_handle(&mine_ref, &mine2_ref), "both local");
+    assert!(!a.can_handle(&mine_ref, &unregistered), "both local (one unregistered)");
+    assert!(!a.can_handle(&unregistered, &unregistered), "both local (unregistered)");
     assert!(!a.can_handle(&theirs_ref, &theirs2_ref), "both remote");
-    assert!(!a.can_handle(&unregistered, &theirs_ref), "local side not registered");
-    assert!(!a.can_handle(&theirs_ref, &unregistered), "local side not registered");
+    assert!(!a.can_handle(&theirs_published, &theirs2_ref), "both remote (remote-only ref)");
+    assert!(a.can_handle(&unregistered, &theirs_ref), "unregistered host memory is a local side: push");
+    assert!(a.can_handle(&theirs_ref, &unregistered), "unregistered host memory is a local side: pull");
+    assert!(a.can_handle(&unregistered, &theirs_published), "push to a published remote-only ref");
+    assert!(a.can_handle(&theirs_published, &unregistered), "pull from a published remote-only ref");
+    assert!(!a.can_handle(&gpu, &theirs_ref), "GPU memory is never a local side");
+    assert!(!a.can_handle(&theirs_ref, &gpu), "GPU memory is never a local side");
     let foreign = theirs_ref.clone();
     assert!(!b.can_handle(&foreign, &theirs2_ref), "b's own regions are local to b");
 
@@ -370,14 +384,18 @@ fn pair_rules() {
         item(&unregistered, 0, &theirs_ref, 0, 4096, 4),
         item(&mine_ref, 0, &theirs_ref, 1, 4096, 5), // out of range
         item(&mine_ref, 0, &theirs_ref, 0, 0, 6),    // empty: skipped
+        item(&gpu, 0, &theirs_ref, 0, 64, 7),
+        item(&unregistered, 1, &theirs_ref, 0, 4096, 8), // out of range of the unregistered ref
     ]);
-    assert_eq!(set.rejected_tags, vec![3, 4, 5]);
+    assert_eq!(set.rejected_tags, vec![3, 5, 7, 8]);
     let directions: Vec<TransferDirection> = set.plans.iter().map(|p| p.direction).collect();
-    assert_eq!(directions, vec![TransferDirection::Push, TransferDirection::Pull]);
+    assert_eq!(directions, vec![TransferDirection::Push, TransferDirection::Pull, TransferDirection::Push]);
 
-    // A deregistered local side is no longer handled.
+    // A deregistered local side is no longer handled: the ref still names this engine's region,
+    // whose owner may have freed the memory — it is not taken as unregistered memory.
     a.deregister(&mine_ref);
     assert!(!a.can_handle(&mine_ref, &theirs_ref));
+    assert!(!a.plan(&[item(&mine_ref, 0, &theirs_ref, 0, 4096, 9)]).rejected_tags.is_empty());
 }
 
 #[test]
@@ -498,4 +516,95 @@ fn a_silent_peer_times_out() {
     assert!(started.elapsed() < Duration::from_secs(4), "bounded by the io timeout: {:?}", started.elapsed());
     drop(a);
     silent.join().expect("silent server");
+}
+
+#[test]
+fn unregistered_caller_buffers_push_and_pull_byte_exact() {
+    const PAGE: u64 = 64 << 10;
+    // Caller memory registered with no engine: used in place as the local side.
+    let mut src = HostBuf::with_pattern(8 * PAGE as usize, 21);
+    let mut back = HostBuf::filled(8 * PAGE as usize + 100, 0x5A);
+    let mut big = HostBuf::with_pattern(24 << 20, 22);
+    let mut big_back = HostBuf::zeroed(24 << 20);
+    let mut remote = HostBuf::zeroed(32 << 20);
+    let (a, b) = (engine(), engine());
+    let remote_ref = remote.register(&b);
+    let (src_ref, back_ref) = (TransferRef::local(src.region()), TransferRef::local(back.region()));
+    assert!(!src_ref.has_remote() && !back_ref.has_remote());
+
+    // Pages reversed remotely, so nothing coalesces; then pulled back in place.
+    let writes: Vec<TransferItem> =
+        (0..8).map(|i| item(&src_ref, i * PAGE, &remote_ref, (7 - i) * PAGE, PAGE, i)).collect();
+    let set = a.plan(&writes);
+    assert!(set.rejected_tags.is_empty());
+    assert_eq!(set.plans.len(), 1);
+    assert_eq!(set.plans[0].direction, TransferDirection::Push);
+    run(&a, &writes).expect("push from unregistered memory");
+    for i in 0..8usize {
+        let p = PAGE as usize;
+        assert_eq!(&remote.bytes()[(7 - i) * p..(8 - i) * p], &src.bytes()[i * p..(i + 1) * p], "page {i}");
+    }
+    let reads: Vec<TransferItem> =
+        (0..8).map(|i| item(&remote_ref, (7 - i) * PAGE, &back_ref, i * PAGE, PAGE, i)).collect();
+    assert_eq!(a.plan(&reads).plans[0].direction, TransferDirection::Pull);
+    run(&a, &reads).expect("pull into unregistered memory");
+    assert_eq!(&back.bytes()[..8 * PAGE as usize], src.bytes());
+    assert!(back.bytes()[8 * PAGE as usize..].iter().all(|&x| x == 0x5A), "bytes past the items are untouched");
+
+    // One item larger than the engine's chunk size (split into several requests) both ways.
+    let (big_ref, big_back_ref) = (TransferRef::local(big.region()), TransferRef::local(big_back.region()));
+    run(&a, &[item(&big_ref, 0, &remote_ref, 8 << 20, 24 << 20, 1)]).expect("large push");
+    run(&a, &[item(&remote_ref, 8 << 20, &big_back_ref, 0, 24 << 20, 1)]).expect("large pull");
+    assert!(big_back.bytes() == big.bytes());
+    assert_eq!(a.server().region_count(), 0, "nothing was registered on the caller's node");
+}
+
+#[test]
+fn registered_and_unregistered_local_sides_share_a_batch() {
+    let mut registered = HostBuf::with_pattern(8192, 23);
+    let mut loose = HostBuf::with_pattern(8192, 24);
+    let mut remote = HostBuf::zeroed(16384);
+    let (a, b) = (engine(), engine());
+    let (reg_ref, loose_ref) = (registered.register(&a), TransferRef::local(loose.region()));
+    let remote_ref = remote.register(&b);
+    let items = [item(&reg_ref, 0, &remote_ref, 0, 8192, 1), item(&loose_ref, 0, &remote_ref, 8192, 8192, 2)];
+    assert_eq!(a.plan(&items).plans.len(), 2, "one plan per local buffer");
+    run(&a, &items).expect("both local sides");
+    assert_eq!(&remote.bytes()[..8192], registered.bytes());
+    assert_eq!(&remote.bytes()[8192..], loose.bytes());
+}
+
+#[test]
+fn unregistered_local_sides_are_bounded_by_the_ref_size() {
+    let mut local = HostBuf::filled(8192, 0x33);
+    let mut remote = HostBuf::with_pattern(8192, 25);
+    let (a, b) = (engine(), engine());
+    let remote_ref = remote.register(&b);
+    // The caller hands out only the first 4 KiB of its buffer.
+    let narrow = TransferRef::local(local.region()).truncated(4096);
+    let set = a.plan(&[item(&remote_ref, 0, &narrow, 2048, 4096, 1), item(&remote_ref, 0, &narrow, 0, 4096, 2)]);
+    assert_eq!(set.rejected_tags, vec![1], "planning bounds the item by the ref's size");
+    // A hand-built plan reaching past the ref is refused at submit, before any byte moves.
+    let mut plans = set.plans;
+    plans[0].segments[0].dst_offset = 2048;
+    let failures = a.submit(plans.clone()).expect("handle").wait();
+    assert_eq!(kinds(&failures), vec![FailureKind::Local]);
+    assert!(local.bytes().iter().all(|&x| x == 0x33), "nothing landed");
+    plans[0].segments[0].dst_offset = 0;
+    assert!(a.submit(plans).expect("handle").wait().is_empty());
+    assert_eq!(&local.bytes()[..4096], &remote.bytes()[..4096]);
+    assert!(local.bytes()[4096..].iter().all(|&x| x == 0x33), "nothing past the ref");
+}
+
+#[test]
+fn dropping_an_unwaited_handle_over_unregistered_memory_drains_it() {
+    const LEN: usize = 16 << 20;
+    let mut remote = HostBuf::with_pattern(LEN, 26);
+    let mut back = HostBuf::zeroed(LEN);
+    let (a, b) = (engine(), engine());
+    let remote_ref = remote.register(&b);
+    let back_ref = TransferRef::local(back.region());
+    let handle = a.submit(a.plan(&[item(&remote_ref, 0, &back_ref, 0, LEN as u64, 1)]).plans).expect("submitted");
+    drop(handle);
+    assert!(back.bytes() == remote.bytes(), "drop waited until the pull had landed");
 }

@@ -73,9 +73,12 @@ pub(crate) struct Job {
     done: usize,
 }
 
-// SAFETY: the raw pointers in `reqs` point into local regions that the batch keeps registered
-// (its `RegionGuard`s) while any thread touches them (`Batch::touch`), so they may be used from the
-// worker threads; the memory is plain bytes with no thread affinity.
+// SAFETY: the raw pointers in `reqs` point into local memory that stays valid while any thread
+// touches it (`Batch::touch`): registered regions because the batch keeps them registered (its
+// `RegionGuard`s), unregistered caller memory because the caller keeps it valid until the batch's
+// handle has been waited or dropped, and both of those wait until no thread touches the memory
+// any more. So they may be used from the worker threads; the memory is plain bytes with no thread
+// affinity.
 unsafe impl Send for Job {}
 
 impl Job {
@@ -129,10 +132,11 @@ impl Drop for Group {
     }
 }
 
-/// A validated plan: the guard keeping its local region registered, and the peer it goes to.
+/// A validated plan: the guard keeping its local region registered (`None` for unregistered caller
+/// memory, valid by the caller's contract), and the peer it goes to.
 #[derive(Debug)]
 pub(crate) struct Guarded {
-    pub(crate) guard: RegionGuard,
+    pub(crate) guard: Option<RegionGuard>,
     pub(crate) endpoint: String,
 }
 
@@ -631,11 +635,13 @@ impl Conn {
             for ((_, r), head) in group.iter().zip(&headers) {
                 slices.push(IoSlice::new(head));
                 if r.op == Op::Write {
-                    // SAFETY: `r.local..r.local + r.len` was bounds-checked against a registered
-                    // local region at submit (`RegionGuard::range`, which also checked that `len`
-                    // fits `usize`), and the batch's guards keep that region registered — so
-                    // valid — while `_touch` lives, which is until after this write. The slice is
-                    // only read (by the kernel's `send`).
+                    // SAFETY: `r.local..r.local + r.len` was bounds-checked against the plan's
+                    // local side at submit (`LocalSide::range`, which also checked that `len` fits
+                    // `usize`). That memory stays valid while `_touch` lives, which is until after
+                    // this write: a registered region because the batch's guards keep it
+                    // registered, unregistered caller memory because the caller keeps it valid
+                    // until the handle is waited or dropped, and waiting blocks on `_touch`. The
+                    // slice is only read (by the kernel's `send`).
                     slices.push(IoSlice::new(unsafe { std::slice::from_raw_parts(r.local, r.len as usize) }));
                 }
             }
@@ -725,11 +731,13 @@ fn read_reply(reader: &mut FrameReader, id: u64, req: &Req) -> Result<Status, (F
         return Err((FailureKind::Protocol, format!("reply carries {} bytes, {expected} expected", reply.length)));
     }
     if expected > 0 {
-        // SAFETY: `req.local..req.local + req.len` was bounds-checked against a registered local
-        // region at submit (`RegionGuard::range`, which also checked that `len` fits `usize`); the
-        // batch's guards keep it registered — so valid — until this request is completed, after
-        // this read. The slice is only handed to
-        // the kernel's `recv`; the caller does not use a transfer's destination while it runs.
+        // SAFETY: `req.local..req.local + req.len` was bounds-checked against the plan's local side
+        // at submit (`LocalSide::range`, which also checked that `len` fits `usize`). It stays
+        // valid while the reader holds the batch's `Touch`, which is until after this read: a
+        // registered region because the batch's guards keep it registered, unregistered caller
+        // memory because the caller keeps it valid until the handle is waited or dropped, and
+        // waiting blocks on the touch. The slice is only handed to the kernel's `recv`; the caller
+        // does not use a transfer's destination while it runs.
         let dst = unsafe { std::slice::from_raw_parts_mut(req.local, req.len as usize) };
         reader.read_exact_into(dst).map_err(|e| (failure_kind(&e), format!("reading a payload: {e}")))?;
     }

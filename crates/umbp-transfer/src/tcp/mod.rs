@@ -6,9 +6,13 @@
 //! (region id, offset, length); the server bounds-checks every request against the registered region
 //! before touching memory and streams the payload straight between the socket and the region.
 //! Connections to a peer are pooled and striped, and a batch is pipelined. The wire format is in
-//! [`protocol`]; the contract mirrors the RDMA engine of the reference (`MoriIoEngine`): the local
-//! side of a pair must be memory registered with this engine — caller memory that is not is staged
-//! through the composite engine's bounce pool.
+//! [`protocol`]; the contract mirrors the RDMA engine of the reference (`MoriIoEngine`), with one
+//! difference: TCP needs no memory registration on the *local* side, so the local side of a pair may
+//! be any host memory of this process — a region registered with this engine, or caller memory
+//! registered with nobody. Unregistered caller memory therefore goes to the socket directly (no
+//! bounce copy through the composite engine's pool); it must stay valid until the batch's handle
+//! has been waited or dropped (see [`TcpEngine`]). Only the *remote* side must be registered: it is a
+//! region of another node's data server.
 //!
 //! # Threads
 //! The server: an acceptor and one thread per connection. The client: per peer and connection, a
@@ -32,6 +36,7 @@ use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, MetricSource, Regist
 use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandle};
 pub use self::error::TcpStartError;
 use self::protocol::{MAX_REQUEST_BYTES, Op};
+use self::regions::LocalSide;
 pub use self::server::{DataServer, DataServerConfig};
 use crate::engine::{
     CompletedHandle, FailureKind, PlanSet, TransferDirection, TransferEngine, TransferFailure, TransferHandle,
@@ -95,8 +100,19 @@ const CONNECT_FAILURES_HELP: &str = "Failed connection attempts of this TCP engi
 /// reads and writes peers' regions over pooled, striped, pipelined connections.
 ///
 /// A ref is *remote* for this engine when it has a remote handle naming another endpoint. The engine
-/// handles a pair when exactly one side is remote and the other is host memory registered with this
-/// engine (and still registered).
+/// handles a pair when exactly one side is remote and the other is host memory of this process:
+///
+/// - memory registered with this engine (and still registered: a ref carrying this engine's handle
+///   whose region was deregistered is refused, since its owner may have freed it). Its registration
+///   guard is held while the batch may touch it, so `deregister` waits for the batch;
+/// - or memory registered with no engine at all (a ref with a host local region and no remote
+///   handle): the caller's buffer, used in place. Its validity is the caller's contract: the memory
+///   must stay valid (and the caller must not use a pull's destination) until the handle of the
+///   batch has been waited or dropped — dropping waits. This is what the [`LocalRegion`] invariant
+///   already demands of whoever built the ref.
+///
+/// Either way every segment is bounded by the size of the ref the plan carries (planning and again
+/// at submit). GPU memory is never a local side.
 #[derive(Debug)]
 pub struct TcpEngine {
     config: TcpEngineConfig,
@@ -157,6 +173,36 @@ impl TcpEngine {
         r.remote().is_some_and(|rr| rr.endpoint != self.endpoint())
     }
 
+    /// Whether `r` can be the local side of a pair: host memory of this process that is either a
+    /// live registration of this engine or registered with no engine (no remote handle).
+    fn is_local_side(&self, r: &TransferRef) -> bool {
+        match r.remote() {
+            None => r.local_region().is_some_and(|l| l.location().is_host() && r.size() <= l.len()),
+            Some(rr) if rr.endpoint == self.endpoint() => self.server.owns(r),
+            Some(_) => false,
+        }
+    }
+
+    /// Access to the local side `r` of a plan being submitted (see [`is_local_side`](Self::is_local_side)).
+    fn local_side(&self, r: &TransferRef) -> Result<LocalSide, &'static str> {
+        match r.remote() {
+            None => {
+                let region = r.local_region().ok_or("local side has no local memory")?;
+                if !region.location().is_host() {
+                    return Err("local side is not host memory");
+                }
+                if r.size() > region.len() {
+                    return Err("local side claims more bytes than its region");
+                }
+                Ok(LocalSide::Caller { region: *region, len: r.size() })
+            }
+            Some(rr) if rr.endpoint == self.endpoint() => {
+                self.server.guard(r).map(LocalSide::Registered).ok_or("local side is not a live region of this engine")
+            }
+            Some(_) => Err("local side names another endpoint"),
+        }
+    }
+
     fn chunk(&self) -> u64 {
         self.config.chunk_size.clamp(1, MAX_REQUEST_BYTES)
     }
@@ -177,7 +223,7 @@ impl TcpEngine {
         if !plan_in_range(plan) {
             return Err("plan reaches outside its buffers".into());
         }
-        let guard = self.server.guard(local).ok_or("local side is not a live region of this engine")?;
+        let side = self.local_side(local)?;
         let Some(rr) = remote.remote() else { return Err("remote side has no remote handle".into()) };
         let chunk = self.chunk();
         for s in &plan.segments {
@@ -188,12 +234,12 @@ impl TcpEngine {
                 let len = (s.len - done).min(chunk);
                 let local_at = local_off.checked_add(done).ok_or("offset overflow")?;
                 let remote_at = remote_off.checked_add(done).ok_or("offset overflow")?;
-                let (ptr, _) = guard.range(local_at, len).map_err(|_| "plan reaches outside its local region")?;
+                let ptr = side.range(local_at, len).map_err(|_| "plan reaches outside its local region")?;
                 out.push(Req { plan: index, op, region: rr.region_id, remote_offset: remote_at, local: ptr, len });
                 done += len;
             }
         }
-        Ok(client::Guarded { guard, endpoint: rr.endpoint.clone() })
+        Ok(client::Guarded { guard: side.into_guard(), endpoint: rr.endpoint.clone() })
     }
 }
 
@@ -256,7 +302,7 @@ impl TransferEngine for TcpEngine {
     }
 
     fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool {
-        (self.is_remote(dst) && self.server.owns(src)) || (self.is_remote(src) && self.server.owns(dst))
+        (self.is_remote(dst) && self.is_local_side(src)) || (self.is_remote(src) && self.is_local_side(dst))
     }
 
     /// The region gets an id, so this engine accepts it as the local side, but the data server
@@ -278,6 +324,11 @@ impl TransferEngine for TcpEngine {
         })
     }
 
+    /// Validates every plan again (exactly one remote side; a local side that is a live
+    /// registration of this engine or unregistered host memory; every segment inside both refs),
+    /// cuts the plans into requests and hands them to the peers' connections. A registered local
+    /// side is kept registered (its deregistration waits) until the batch is done; an unregistered
+    /// one must be kept valid by the caller until the returned handle has been waited or dropped.
     fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure> {
         let mut presettled = Vec::new();
         let mut metas = Vec::with_capacity(plans.len());
@@ -304,7 +355,7 @@ impl TransferEngine for TcpEngine {
                     metas.push(PlanMeta { tags: plan.tags.clone(), endpoint: endpoint.clone() });
                     per_plan.push(reqs.len());
                     if !reqs.is_empty() {
-                        guards.push(guard);
+                        guards.extend(guard);
                         total += reqs.len();
                         by_peer.entry(endpoint).or_default().append(&mut reqs);
                     }

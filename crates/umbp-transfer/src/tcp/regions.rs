@@ -81,6 +81,59 @@ impl Drop for RegionGuard {
     }
 }
 
+/// Access to the local side of one plan of a [`TcpEngine`](super::TcpEngine) batch: either a region
+/// registered with this engine (its guard keeps deregistration waiting while the batch may touch
+/// it), or caller memory that is not registered, valid for the batch by the caller's contract (the
+/// [`LocalRegion`] invariant: it stays valid while any copy of the region is used, which for a
+/// batch is until its handle has been waited or dropped).
+#[derive(Debug)]
+pub(crate) enum LocalSide {
+    /// A live registration of this engine.
+    Registered(RegionGuard),
+    /// Unregistered host memory: the ref's local region, bounded by `len` (the smaller of the
+    /// ref's size and the region's length).
+    Caller {
+        /// The caller's region.
+        region: LocalRegion,
+        /// Bytes of the region the plan may reach.
+        len: u64,
+    },
+}
+
+impl LocalSide {
+    /// A pointer to `len` bytes at `offset`, or `Err` when the range leaves the side's bounds.
+    ///
+    /// The range is checked with checked arithmetic; a returned pointer is valid for `len` bytes
+    /// for as long as the registration guard lives (registered memory) or as the caller keeps its
+    /// memory valid (unregistered memory: until the batch's handle is waited or dropped).
+    pub(crate) fn range(&self, offset: u64, len: u64) -> Result<*mut u8, Status> {
+        match self {
+            Self::Registered(guard) => guard.range(offset, len).map(|(ptr, _)| ptr),
+            Self::Caller { region, len: bound } => {
+                match offset.checked_add(len) {
+                    Some(end) if end <= *bound && *bound <= region.len() => {}
+                    _ => return Err(Status::OutOfRange),
+                }
+                let (Ok(offset), Ok(_)) = (usize::try_from(offset), usize::try_from(len)) else {
+                    return Err(Status::OutOfRange);
+                };
+                // SAFETY: `offset + len <= bound <= region.len()` (checked just above), so the
+                // result stays inside the caller's region, one allocation valid for the batch
+                // under `LocalRegion`'s invariant.
+                Ok(unsafe { region.ptr().as_ptr().add(offset) })
+            }
+        }
+    }
+
+    /// The registration guard, if the side is registered memory.
+    pub(crate) fn into_guard(self) -> Option<RegionGuard> {
+        match self {
+            Self::Registered(guard) => Some(guard),
+            Self::Caller { .. } => None,
+        }
+    }
+}
+
 /// Bits of a region id that count registrations; the bits above them are the table's epoch.
 const COUNTER_BITS: u32 = 40;
 
