@@ -110,7 +110,9 @@ async fn dedup_remove_clear_and_bad_input() {
     assert_eq!(results[1], Err(KeyError::EmptyValue));
     assert_eq!(results[2], Ok(()));
     let huge = vec![0u8; 2 << 20];
-    assert!(a.put("huge", &huge).await.is_err(), "larger than any medium");
+    let too_large = a.put("huge", &huge).await;
+    assert!(matches!(too_large, Err(KeyError::TooLarge { size, .. }) if size == 2 << 20), "{too_large:?}");
+    assert!(too_large.as_ref().err().is_some_and(|e| !e.is_retryable()));
     let mut small = vec![0u8; 10];
     assert_eq!(b.get("k", &mut small).await, Err(KeyError::BufferTooSmall { needed: 5000, got: 10 }));
     let mut buf = vec![0u8; 5000];
@@ -162,6 +164,8 @@ async fn a_full_node_is_excluded_and_the_put_reroutes() {
     }
     assert_eq!(full.medium().expect("m").owned_key_count(), 0, "nothing fit on the full node");
     assert_eq!(other.medium().expect("m").owned_key_count(), 20, "every key re-routed to the other node");
+    // The keys first went to the full node (it advertises the most room) and came back: re-routed.
+    assert!(writer.stats().reroutes > 0, "a re-route happened: {:?}", writer.stats());
     writer.close().await;
     full.close().await;
     other.close().await;

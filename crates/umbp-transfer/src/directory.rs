@@ -79,6 +79,58 @@ impl PeerDirectory {
         cached
     }
 
+    /// Caches the descriptors `node` published, **replacing** any cached descriptor of the same
+    /// `(backend_id, buffer_index)` that differs (a restarted peer publishes new handles). Skips what
+    /// [`cache_remote_buffers`](Self::cache_remote_buffers) skips. One write lock for the whole batch:
+    /// no reader sees half of it. Returns how many descriptors were added or replaced.
+    pub fn replace_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
+        let mut peers = self.peers.write();
+        let entry = peers.entry(node.to_owned()).or_default();
+        Self::put_all(node, entry, descs)
+    }
+
+    /// Makes `descs` the whole of what is known about `node` (first contact or reconnection:
+    /// `GetPeerInfo` is authoritative), atomically: readers see the old table or the new one, never
+    /// an empty one in between. Returns how many descriptors were cached.
+    pub fn reset_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
+        let mut fresh = PeerBuffers::default();
+        let n = Self::put_all(node, &mut fresh, descs);
+        self.peers.write().insert(node.to_owned(), fresh);
+        n
+    }
+
+    fn put_all(node: &str, entry: &mut PeerBuffers, descs: &[BufferDesc]) -> usize {
+        let mut changed = 0;
+        for desc in descs {
+            let Some(shelf) = entry.shelves.get_mut(desc.backend_id as usize) else {
+                tracing::warn!(
+                    node,
+                    backend_id = desc.backend_id,
+                    "ignoring a descriptor with an out-of-range backend id"
+                );
+                continue;
+            };
+            let Some(remote) = desc.remote.clone() else {
+                tracing::warn!(node, buffer = desc.buffer_index, "ignoring a descriptor with no data-plane handle");
+                continue;
+            };
+            if desc.buffer_index >= MAX_BUFFERS_PER_BACKEND {
+                tracing::warn!(
+                    node,
+                    buffer = desc.buffer_index,
+                    "ignoring a descriptor with an out-of-range buffer index"
+                );
+                continue;
+            }
+            let incoming = TransferRef::remote_only(remote, desc.size, desc.location);
+            if shelf.get(&desc.buffer_index) != Some(&incoming) {
+                shelf.insert(desc.buffer_index, incoming);
+                changed += 1;
+            }
+        }
+        changed
+    }
+
     /// Whether any buffer of `node` is cached.
     pub fn has_remote_buffers(&self, node: &str) -> bool {
         self.peers.read().get(node).is_some_and(|p| p.shelves.iter().any(|s| !s.is_empty()))
@@ -145,6 +197,20 @@ mod tests {
         assert_eq!(d.cache_remote_buffers("n1", &[desc(0, 0, 99)]), 0);
         let r = d.remote_buffer_snapshot("n1", 0).remove(0);
         assert_eq!(r.and_then(|r| r.remote().map(|x| x.region_id)), Some(1));
+    }
+
+    #[test]
+    fn replace_swaps_a_differing_descriptor_and_reset_replaces_the_table() {
+        let d = PeerDirectory::new();
+        d.cache_remote_buffers("n1", &[desc(0, 0, 1), desc(0, 1, 2)]);
+        assert_eq!(d.replace_remote_buffers("n1", &[desc(0, 0, 1)]), 0, "identical: nothing changes");
+        assert_eq!(d.replace_remote_buffers("n1", &[desc(0, 0, 99)]), 1);
+        let shelf = d.remote_buffer_snapshot("n1", 0);
+        assert_eq!(shelf[0].as_ref().and_then(|r| r.remote()).map(|r| r.region_id), Some(99));
+        assert_eq!(shelf[1].as_ref().and_then(|r| r.remote()).map(|r| r.region_id), Some(2), "others kept");
+        assert_eq!(d.reset_remote_buffers("n1", &[desc(1, 0, 7)]), 1);
+        assert!(d.remote_buffer_snapshot("n1", 0).is_empty(), "reset drops what the peer no longer publishes");
+        assert_eq!(d.remote_buffer_snapshot("n1", 1).len(), 1);
     }
 
     #[test]

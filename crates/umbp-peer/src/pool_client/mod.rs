@@ -1,0 +1,717 @@
+//! `PoolClient`: the composition root of a node, and the API a client uses.
+//!
+//! It is the only place that names concrete media and transfer engines: it builds the composite
+//! engine (local copy + TCP), the node's one medium from [`Medium`] with a `match`, `init`s it with
+//! the engine as registrar, registers it, starts the peer service and the heartbeat, and offers
+//! `put` / `get` / `exists` / `remove` / `clear` / `flush` over the whole pool.
+//!
+//! Puts and gets follow the reference flow — route at the master, allocate or resolve on the peer,
+//! move bytes with the transfer engine, commit or abort — with every peer's RPCs issued
+//! concurrently and every transfer submitted before any wait, and, unlike the reference, a bounded
+//! re-route in which each key excludes the nodes that failed *it*. Results are per key.
+//!
+//! Safety rules the paths keep (see `put` and `get`):
+//! - a read whose copy ends after the read lease taken by its resolve is discarded, never a hit;
+//! - a write never starts, and is never committed, after its slot's pending TTL (minus a margin);
+//! - every allocated slot not committed is aborted, also when the call's future is dropped;
+//! - `close` waits for the batches in flight (an operation gate) before unmapping anything; calls
+//!   after it fail with [`KeyError::Closed`].
+//!
+//! Descriptors in allocate and resolve replies replace differing cached ones (a peer restarted on the
+//! same address publishes new handles); a failed transfer forgets the peer's descriptors and
+//! connection, and a peer that cannot be reached is left out of routes for 2 s.
+
+mod get;
+mod put;
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::{RwLock, mpsc};
+use tonic::transport::{Channel, Endpoint};
+use umbp_core::{BackendRegistry, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, TierType, TransferRef};
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+use umbp_proto::v1 as pb;
+use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
+use umbp_transfer::{
+    CompositeConfig, CompositeTransferEngine, FailureKind, LocalCopyEngine, PeerDirectory, TcpEngine, TcpEngineConfig,
+    TransferEngine, TransferItem,
+};
+
+use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
+use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService, desc_from_wire};
+use support::{CallerBuf, RecacheJob, StatCounters, blocking, page_items, recache_worker};
+
+/// The medium a node lends. A node lends exactly one medium, or none (a client-only node).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Medium {
+    /// No medium: the node only reads and writes the pool.
+    None,
+    /// Host DRAM through `PageBackend` over anonymous memory.
+    Dram(DramConfig),
+}
+
+/// Settings of a DRAM medium.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DramConfig {
+    /// Bytes of host memory to lend. Default: 4 GiB.
+    pub capacity_bytes: u64,
+    /// Use hugetlb pages (falls back to transparent huge pages). Default: false.
+    pub use_hugepages: bool,
+    /// Bind the memory to this NUMA node. Default: none.
+    pub numa_node: Option<u32>,
+    /// Touch every page at start-up. Default: true.
+    pub prefault: bool,
+}
+
+impl Default for DramConfig {
+    fn default() -> Self {
+        Self { capacity_bytes: 4 << 30, use_hugepages: false, numa_node: None, prefault: true }
+    }
+}
+
+/// Whether values fetched from a remote node are also written to the local medium.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecachePolicy {
+    /// Never.
+    Off,
+    /// Values up to this many bytes.
+    UpTo(u64),
+    /// Every value.
+    Always,
+}
+
+/// Settings of a [`PoolClient`].
+#[derive(Debug, Clone)]
+pub struct PoolClientConfig {
+    /// This node's unique id. Required.
+    pub node_id: String,
+    /// `host:port` of the master. Required.
+    pub master_address: String,
+    /// The host other nodes reach this node at. Default: `127.0.0.1`.
+    pub node_address: String,
+    /// Where the peer service listens (only when the node lends a medium). Default: `127.0.0.1:0`.
+    pub peer_listen: SocketAddr,
+    /// Where the TCP data server listens. Default: `127.0.0.1:0`.
+    pub data_listen: SocketAddr,
+    /// The medium this node lends. Default: none.
+    pub medium: Medium,
+    /// Page size of the medium (the pool's KV block size). Default: 2 MiB.
+    pub page_size: u64,
+    /// How long an allocated, uncommitted slot lives. Default: 30 s.
+    pub pending_ttl: Duration,
+    /// How long a resolve protects a key from eviction. Env `UMBP_DRAM_READ_LEASE_MS`. Default: 500 ms.
+    pub read_lease: Duration,
+    /// Bounce pool for caller memory that is not registered. Default: 64 MiB.
+    pub bounce_bytes: u64,
+    /// Shared cluster token for gRPC and the data port. Default: none.
+    pub cluster_token: Option<String>,
+    /// How many times a key is re-routed (excluding the nodes that failed it). Default: 2.
+    pub max_reroutes: u32,
+    /// Re-cache remote fetches locally. Default: values up to 16 MiB.
+    pub recache: RecachePolicy,
+    /// Deadline of every peer RPC. Default: 5 s.
+    pub rpc_timeout: Duration,
+    /// The master client's settings.
+    pub master: MasterClientConfig,
+}
+
+impl PoolClientConfig {
+    /// A client-only node `node_id` of the master at `master_address`, every other setting default.
+    pub fn new(node_id: impl Into<String>, master_address: impl Into<String>) -> Self {
+        Self {
+            node_id: node_id.into(),
+            master_address: master_address.into(),
+            node_address: "127.0.0.1".into(),
+            peer_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            data_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            medium: Medium::None,
+            page_size: 2 << 20,
+            pending_ttl: Duration::from_secs(30),
+            read_lease: Duration::from_millis(500),
+            bounce_bytes: 64 << 20,
+            cluster_token: None,
+            max_reroutes: 2,
+            recache: RecachePolicy::UpTo(16 << 20),
+            rpc_timeout: Duration::from_secs(5),
+            master: MasterClientConfig::default(),
+        }
+    }
+
+    /// The same config lending `medium`.
+    pub fn with_medium(mut self, medium: Medium) -> Self {
+        self.medium = medium;
+        self
+    }
+}
+
+/// Why a node could not start or stop.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// A setting is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The medium could not come up.
+    #[error("medium: {0}")]
+    Medium(#[from] umbp_core::BackendError),
+    /// The registry refused the medium.
+    #[error("registry: {0}")]
+    Registry(#[from] umbp_core::RegistryError),
+    /// The transfer layer could not start.
+    #[error("transfer layer: {0}")]
+    Transfer(String),
+    /// The client was closed.
+    #[error("the client is closed")]
+    Closed,
+    /// The peer service could not start.
+    #[error("peer service: {0}")]
+    PeerService(#[from] crate::peer_service::PeerServiceError),
+    /// The master refused or could not be reached.
+    #[error("master: {0}")]
+    Master(#[from] MasterClientError),
+}
+
+/// Why one key of a batch failed. [`is_retryable`](Self::is_retryable) says whether the same
+/// request may succeed later (the client already re-routed it `max_reroutes` times).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// Keys must not be empty.
+    #[error("empty key")]
+    EmptyKey,
+    /// Values must not be empty.
+    #[error("empty value")]
+    EmptyValue,
+    /// No node can take the value now (every candidate full, excluded or gone).
+    #[error("no node can take a value of {size} bytes")]
+    NoSpace {
+        /// The value size.
+        size: u64,
+    },
+    /// The value is larger than the total capacity of every medium in the pool: it can never be
+    /// stored.
+    #[error("a value of {size} bytes is larger than the largest medium in the pool ({largest} bytes)")]
+    TooLarge {
+        /// The value size.
+        size: u64,
+        /// Total bytes of the largest medium the master knows of.
+        largest: u64,
+    },
+    /// A node refused the value for good (larger than its medium, no medium for the tier, clearing)
+    /// or refused the commit.
+    #[error("{node} refused the value: {message}")]
+    Refused {
+        /// The node that refused.
+        node: String,
+        /// What it refused.
+        message: String,
+    },
+    /// The key is not in the pool.
+    #[error("not found")]
+    Miss,
+    /// The caller's buffer is shorter than the stored value.
+    #[error("buffer of {got} bytes is shorter than the stored value of {needed} bytes")]
+    BufferTooSmall {
+        /// The stored size.
+        needed: u64,
+        /// The buffer's size.
+        got: u64,
+    },
+    /// `batch_get` was given fewer buffers than keys: this key has none.
+    #[error("no buffer for this key")]
+    NoBuffer,
+    /// A node could not be reached, or its RPC failed or answered malformed data.
+    #[error("{node} unreachable: {message}")]
+    Unreachable {
+        /// The node.
+        node: String,
+        /// What failed.
+        message: String,
+    },
+    /// Moving the bytes to or from a node failed.
+    #[error("transfer with {node} failed ({kind:?}): {message}")]
+    Transfer {
+        /// The node on the other side.
+        node: String,
+        /// The transfer layer's failure kind.
+        kind: FailureKind,
+        /// What happened.
+        message: String,
+    },
+    /// A read copied for longer than the holder's read lease (`read_lease`): the pages may have been
+    /// evicted and reused under it, so the bytes are not trusted. The buffer's contents are unspecified.
+    #[error("the read lease on {node} lapsed before the copy finished")]
+    LeaseExpired {
+        /// The holder.
+        node: String,
+    },
+    /// A write would have finished after the slot's pending TTL: aborted instead of committed.
+    #[error("the slot on {node} expired before the write finished")]
+    SlotExpired {
+        /// The node.
+        node: String,
+    },
+    /// The master could not route the key.
+    #[error("routing: {0}")]
+    Routing(String),
+    /// The client was closed (before or during the call).
+    #[error("the client is closed")]
+    Closed,
+    /// Anything else (an unaddressable buffer, a malformed slot).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl KeyError {
+    /// Whether the same request may succeed later or on another node.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::NoSpace { .. }
+                | Self::Unreachable { .. }
+                | Self::Transfer { .. }
+                | Self::LeaseExpired { .. }
+                | Self::SlotExpired { .. }
+                | Self::Routing(_)
+        )
+    }
+}
+
+/// Counters of what the client did (cumulative since start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolClientStats {
+    /// Keys sent to the master again after a failed attempt (put or get).
+    pub reroutes: u64,
+    /// Reads discarded because the copy outlived the read lease.
+    pub lease_lapses: u64,
+    /// Writes aborted because the slot's pending TTL (minus a margin) passed.
+    pub slot_expiries: u64,
+    /// Re-cache jobs queued.
+    pub recache_queued: u64,
+    /// Re-cache jobs dropped because the queue was full.
+    pub recache_dropped: u64,
+    /// Re-cache jobs that stored the value locally.
+    pub recache_stored: u64,
+}
+
+type PeerClient = UmbpPeerClient<Channel>;
+
+/// How long a node that could not be reached is left out of every route.
+const UNREACHABLE_FOR: Duration = Duration::from_secs(2);
+/// Capacity of the re-cache queue; new jobs are dropped when it is full.
+const RECACHE_QUEUE: usize = 1024;
+
+/// A cached connection to a peer.
+#[derive(Debug, Clone)]
+struct PeerConn {
+    address: String,
+    data_endpoint: String,
+    client: PeerClient,
+}
+
+/// A node of the pool (with or without a medium) and the client API over the whole pool.
+///
+/// Blocking work (transfers, local medium calls) runs under `block_in_place` on a multi-threaded
+/// tokio runtime; on a current-thread runtime it runs inline (correct, but it stalls that runtime
+/// for the duration).
+#[derive(Debug)]
+pub struct PoolClient {
+    config: PoolClientConfig,
+    medium: Option<Arc<dyn MediumBackend>>,
+    engine: Arc<CompositeTransferEngine>,
+    data_endpoint: String,
+    master: Arc<MasterClient>,
+    peer_server: Mutex<Option<PeerServerHandle>>,
+    peers: Mutex<HashMap<String, PeerConn>>,
+    directory: PeerDirectory,
+    /// Nodes that could not be reached, and when: left out of routes for [`UNREACHABLE_FOR`].
+    unreachable: Mutex<HashMap<String, Instant>>,
+    /// Caller memory registered for zero copy: base address → (length, ref).
+    user_regions: Mutex<BTreeMap<usize, (u64, TransferRef)>>,
+    /// The operation gate: batches hold it shared, `close` exclusively; `true` once closed.
+    gate: RwLock<bool>,
+    recache_tx: Mutex<Option<mpsc::Sender<RecacheJob>>>,
+    recache_worker: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    stats: Arc<StatCounters>,
+}
+
+impl PoolClient {
+    /// Starts a node: transfer engines, the medium, the peer service, registration and the heartbeat.
+    pub async fn start(config: PoolClientConfig) -> Result<Self, PoolError> {
+        if config.node_id.is_empty() || config.master_address.is_empty() {
+            return Err(PoolError::Config("node_id and master_address are required".into()));
+        }
+        if config.page_size == 0 {
+            return Err(PoolError::Config("page_size must be greater than 0".into()));
+        }
+        let tcp = TcpEngine::new(TcpEngineConfig {
+            server: umbp_transfer::DataServerConfig { listen: config.data_listen, ..Default::default() },
+            cluster_token: config.cluster_token.clone(),
+            ..TcpEngineConfig::default()
+        })
+        .map_err(|e| PoolError::Transfer(e.to_string()))?;
+        let data_endpoint = tcp.endpoint().to_owned();
+        let engines: Vec<Arc<dyn TransferEngine>> = vec![Arc::new(LocalCopyEngine::default()), Arc::new(tcp)];
+        let engine = Arc::new(
+            CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
+                .map_err(|e| PoolError::Transfer(e.to_string()))?,
+        );
+        // The medium switch: one arm per medium. Adding a medium adds an arm here and nowhere else.
+        let medium: Option<Arc<dyn MediumBackend>> = match &config.medium {
+            Medium::None => None,
+            Medium::Dram(dram) => {
+                let backend_config =
+                    PageBackendConfig::new(TierType::Dram, config.page_size, vec![dram.capacity_bytes])
+                        .with_pending_ttl(config.pending_ttl)
+                        .with_read_lease_ttl(config.read_lease);
+                let source = HostPageMemorySource::new(HostMemoryOptions {
+                    use_hugepages: dram.use_hugepages,
+                    numa_node: dram.numa_node,
+                    prefault: dram.prefault,
+                    ..HostMemoryOptions::default()
+                });
+                Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?))
+            }
+        };
+        let mut registry = BackendRegistry::new();
+        if let Some(m) = &medium {
+            m.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>)?;
+            registry.register(Arc::clone(m))?;
+        }
+        let registry = Arc::new(registry);
+        let service = PeerService::new(Arc::clone(&registry), data_endpoint.clone());
+        let peer_server = match &medium {
+            Some(_) => Some(
+                PeerServer::start(
+                    PeerServerConfig {
+                        listen: config.peer_listen,
+                        cluster_token: config.cluster_token.clone(),
+                        ..PeerServerConfig::default()
+                    },
+                    service.clone(),
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        let peer_address = peer_server.as_ref().map(|s| s.local_addr().to_string()).unwrap_or_default();
+        let node = NodeRegistration::new(&config.node_id, &config.node_address)
+            .with_peer_address(peer_address)
+            .with_data_endpoint(data_endpoint.clone());
+        let master_config = MasterClientConfig { cluster_token: config.cluster_token.clone(), ..config.master.clone() };
+        let master = Arc::new(MasterClient::connect(&config.master_address, master_config, node, registry).await?);
+        master.register().await?;
+        master.start_heartbeat()?;
+        // Remote writers' commits land here: wake the heartbeat so the master indexes them at once.
+        let weak = Arc::downgrade(&master);
+        service.set_change_hook(Some(Arc::new(move || {
+            if let Some(m) = weak.upgrade() {
+                m.flush();
+            }
+        })));
+        let stats = Arc::new(StatCounters::default());
+        let (recache_tx, recache_worker) = match (&medium, config.recache) {
+            (Some(m), policy) if policy != RecachePolicy::Off => {
+                let (tx, rx) = mpsc::channel(RECACHE_QUEUE);
+                let worker = tokio::spawn(recache_worker(
+                    rx,
+                    Arc::clone(m),
+                    Arc::clone(&engine),
+                    Arc::downgrade(&master),
+                    Arc::clone(&stats),
+                ));
+                (Some(tx), Some(worker))
+            }
+            _ => (None, None),
+        };
+        tracing::info!(node = %config.node_id, medium = ?config.medium, data = %data_endpoint, "node started");
+        Ok(Self {
+            config,
+            medium,
+            engine,
+            data_endpoint,
+            master,
+            peer_server: Mutex::new(peer_server),
+            peers: Mutex::new(HashMap::new()),
+            directory: PeerDirectory::new(),
+            unreachable: Mutex::new(HashMap::new()),
+            user_regions: Mutex::new(BTreeMap::new()),
+            gate: RwLock::new(false),
+            recache_tx: Mutex::new(recache_tx),
+            recache_worker: Mutex::new(recache_worker),
+            stats,
+        })
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        &self.config.node_id
+    }
+
+    /// The peer service address, when the node lends a medium.
+    pub fn peer_address(&self) -> Option<SocketAddr> {
+        self.peer_server.lock().as_ref().map(PeerServerHandle::local_addr)
+    }
+
+    /// The TCP data endpoint.
+    pub fn data_endpoint(&self) -> &str {
+        &self.data_endpoint
+    }
+
+    /// The master client (stats, cluster status).
+    pub fn master(&self) -> &MasterClient {
+        &self.master
+    }
+
+    /// The node's medium, if it lends one.
+    pub fn medium(&self) -> Option<&Arc<dyn MediumBackend>> {
+        self.medium.as_ref()
+    }
+
+    /// What the client did so far.
+    pub fn stats(&self) -> PoolClientStats {
+        self.stats.snapshot()
+    }
+
+    /// Registers caller memory for zero-copy puts and gets. The memory is registered **local only**:
+    /// this node's engines can move it, but no peer can address it.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until
+    /// [`deregister_memory`](Self::deregister_memory) returns or the client is closed.
+    pub unsafe fn register_memory(&self, ptr: NonNull<u8>, len: u64) -> Result<(), PoolError> {
+        // SAFETY: the caller guarantees validity until deregistration (this function's contract).
+        let region = unsafe { LocalRegion::new(ptr, len, MemoryLocation::Host) };
+        let r = self.engine.register_local_only(region).map_err(|e| PoolError::Transfer(e.to_string()))?;
+        self.user_regions.lock().insert(ptr.as_ptr() as usize, (len, r));
+        Ok(())
+    }
+
+    /// Undoes [`register_memory`](Self::register_memory); unknown pointers are ignored.
+    pub fn deregister_memory(&self, ptr: NonNull<u8>) {
+        if let Some((_, r)) = self.user_regions.lock().remove(&(ptr.as_ptr() as usize)) {
+            self.engine.deregister(&r);
+        }
+    }
+
+    /// The ref for caller memory: the registered region covering it (zero copy), else an
+    /// unregistered host ref (staged through the bounce pool when a peer is on the other side).
+    fn caller_ref(&self, buf: CallerBuf) -> (TransferRef, u64) {
+        let addr = buf.ptr.as_ptr() as usize;
+        if let Some((base, (rlen, r))) = self.user_regions.lock().range(..=addr).next_back()
+            && addr.checked_add(buf.len).is_some_and(|end| end <= base + *rlen as usize)
+        {
+            return (r.clone(), (addr - base) as u64);
+        }
+        // SAFETY: the caller's slice is borrowed for the whole batch call, which waits for every
+        // transfer (and drains on every exit path) before returning.
+        let region = unsafe { LocalRegion::new(buf.ptr, buf.len as u64, MemoryLocation::Host) };
+        (TransferRef::local(region), 0)
+    }
+
+    /// Nodes that failed to answer within the last [`UNREACHABLE_FOR`].
+    fn recently_unreachable(&self) -> Vec<String> {
+        let mut map = self.unreachable.lock();
+        map.retain(|_, at| at.elapsed() < UNREACHABLE_FOR);
+        map.keys().cloned().collect()
+    }
+
+    /// `node` did not answer: drop its connection and leave it out of routes for a while. Its
+    /// descriptors are kept (the address may be unchanged); a failed transfer forgets them.
+    fn mark_unreachable(&self, node: &str) {
+        self.unreachable.lock().insert(node.to_owned(), Instant::now());
+        self.peers.lock().remove(node);
+    }
+
+    /// A transfer with `node` failed: its descriptors may be stale (a restart), so forget them and
+    /// the connection; the next contact asks `GetPeerInfo` again.
+    fn forget_peer(&self, node: &str) {
+        self.peers.lock().remove(node);
+        self.directory.forget(node);
+    }
+
+    async fn peer(&self, node: &str, peer: &str) -> Result<PeerClient, KeyError> {
+        if let Some(conn) = self.peers.lock().get(node)
+            && conn.address == peer
+        {
+            return Ok(conn.client.clone());
+        }
+        let unreachable = |message: String| KeyError::Unreachable { node: node.to_owned(), message };
+        let endpoint = Endpoint::from_shared(format!("http://{peer}"))
+            .map_err(|e| unreachable(format!("bad peer address {peer}: {e}")))?
+            .connect_timeout(self.config.rpc_timeout)
+            .timeout(self.config.rpc_timeout)
+            .tcp_nodelay(true);
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => {
+                self.mark_unreachable(node);
+                return Err(unreachable(format!("connecting to {peer}: {e}")));
+            }
+        };
+        let mut client = UmbpPeerClient::new(channel).max_decoding_message_size(64 << 20);
+        // First contact (or a new connection): GetPeerInfo is authoritative for the peer's buffers.
+        let info = match client.get_peer_info(self.request(pb::GetPeerInfoRequest {})).await {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                self.mark_unreachable(node);
+                return Err(unreachable(format!("GetPeerInfo: {}", e.message())));
+            }
+        };
+        let descs: Vec<_> = info.buffer_descs.iter().filter_map(|d| desc_from_wire(d).ok()).collect();
+        let previous = self.peers.lock().get(node).map(|c| c.data_endpoint.clone());
+        if previous.as_ref().is_some_and(|p| *p != info.data_endpoint) {
+            tracing::info!(node, old = ?previous, new = %info.data_endpoint, "peer's data endpoint changed");
+        }
+        // Atomic: readers see the old table or the new one.
+        self.directory.reset_remote_buffers(node, &descs);
+        self.peers.lock().insert(
+            node.to_owned(),
+            PeerConn { address: peer.to_owned(), data_endpoint: info.data_endpoint, client: client.clone() },
+        );
+        Ok(client)
+    }
+
+    fn request<T>(&self, message: T) -> tonic::Request<T> {
+        support::request(message, self.config.rpc_timeout, self.config.cluster_token.as_deref())
+    }
+
+    /// Plans, submits and waits for `items`; returns the failed tags with the failure's kind and
+    /// message.
+    fn run_transfers(&self, items: &[TransferItem]) -> HashMap<u64, (FailureKind, String)> {
+        let mut out = HashMap::new();
+        if items.is_empty() {
+            return out;
+        }
+        let engine = Arc::clone(&self.engine);
+        let run = move || umbp_transfer::transfer(engine.as_ref(), items);
+        // The TCP engine's wait blocks: keep it off the reactor's scheduling loop.
+        if let Err(failures) = blocking(run) {
+            for f in failures {
+                tracing::debug!(kind = ?f.kind, endpoint = %f.endpoint, message = %f.message, "transfer failure");
+                for t in f.tags {
+                    out.entry(t).or_insert((f.kind, format!("{} via {}", f.message, f.endpoint)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether the pool holds `key`.
+    pub async fn exists(&self, key: &str) -> Result<bool, KeyError> {
+        self.batch_exists(&[key]).await.map(|v| v.first().copied().unwrap_or(false))
+    }
+
+    /// Whether the pool holds each key (the master's index, or this node's medium for keys written
+    /// here that the master has not heard of yet).
+    ///
+    /// Only the keys the master missed are checked locally, with `batch_resolve`: that takes the
+    /// medium's short read lease on a hit, which is harmless (it only delays an eviction by
+    /// `read_lease`).
+    pub async fn batch_exists(&self, keys: &[&str]) -> Result<Vec<bool>, KeyError> {
+        let gate = self.gate.read().await;
+        if *gate {
+            return Err(KeyError::Closed);
+        }
+        let owned: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+        let mut found =
+            self.master.batch_lookup(&owned).await.map_err(|e| KeyError::Routing(format!("lookup: {e}")))?;
+        if let Some(m) = &self.medium {
+            let missed: Vec<usize> = (0..found.len()).filter(|i| !found[*i]).collect();
+            if !missed.is_empty() {
+                let missed_keys: Vec<String> = missed.iter().map(|i| owned[*i].clone()).collect();
+                let resolved = blocking(|| m.batch_resolve(&missed_keys, false));
+                for (i, r) in missed.iter().zip(resolved) {
+                    found[*i] = r.found;
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// Drops every replica of each key the pool knows of; returns the bytes freed per key (0 for a
+    /// key no node held or that a reader's lease protected right now).
+    pub async fn remove(&self, keys: &[&str]) -> Result<Vec<u64>, KeyError> {
+        let gate = self.gate.read().await;
+        if *gate {
+            return Err(KeyError::Closed);
+        }
+        let owned: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
+        let mut freed = vec![0u64; keys.len()];
+        if let Some(m) = &self.medium {
+            for (f, r) in freed.iter_mut().zip(blocking(|| m.evict(&owned))) {
+                *f += r.bytes_freed;
+            }
+        }
+        let status =
+            self.master.cluster_status().await.map_err(|e| KeyError::Routing(format!("cluster status: {e}")))?;
+        for node in status.nodes {
+            if node.node_id == self.config.node_id || node.peer_address.is_empty() {
+                continue;
+            }
+            let Ok(mut client) = self.peer(&node.node_id, &node.peer_address).await else { continue };
+            if let Ok(reply) = client.evict_key(self.request(pb::EvictKeyRequest { keys: owned.clone() })).await {
+                for (f, e) in freed.iter_mut().zip(reply.into_inner().evicted) {
+                    *f += e.bytes_freed;
+                }
+            }
+        }
+        self.master.flush();
+        Ok(freed)
+    }
+
+    /// Clears this node's medium (and tells the master); writes reopen once the master acknowledges.
+    pub async fn clear(&self) -> Result<(), PoolError> {
+        let gate = self.gate.read().await;
+        if *gate {
+            return Err(PoolError::Closed);
+        }
+        Ok(self.master.clear().await?)
+    }
+
+    /// Sends queued ownership changes to the master now.
+    pub fn flush(&self) {
+        self.master.flush();
+    }
+
+    /// Leaves the cluster: waits for every batch in flight (later calls fail with
+    /// [`KeyError::Closed`]), stops the re-cache worker and the heartbeat, unregisters, stops the peer
+    /// service, then shuts the medium down (deregistering before releasing its memory). Idempotent.
+    pub async fn close(&self) {
+        let mut closed = self.gate.write().await;
+        if *closed {
+            return;
+        }
+        *closed = true;
+        // The worker copies into the medium: drain it before the medium goes.
+        drop(self.recache_tx.lock().take());
+        let worker = self.recache_worker.lock().take();
+        if let Some(worker) = worker {
+            let _ = worker.await;
+        }
+        if let Err(e) = self.master.shutdown().await {
+            tracing::warn!(error = %e, "unregister did not land; the master will expire this node");
+        }
+        let server = self.peer_server.lock().take();
+        if let Some(server) = server {
+            server.shutdown().await;
+        }
+        self.peers.lock().clear();
+        if let Some(m) = &self.medium {
+            m.shutdown();
+        }
+        let regions: Vec<TransferRef> =
+            std::mem::take(&mut *self.user_regions.lock()).into_values().map(|(_, r)| r).collect();
+        for r in regions {
+            self.engine.deregister(&r);
+        }
+    }
+}

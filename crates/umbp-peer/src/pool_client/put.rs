@@ -1,0 +1,417 @@
+//! The put path: route → allocate (every group concurrently) → one submit for every group's pages →
+//! commit survivors (every group concurrently) → abort the rest, with a bounded re-route of failed
+//! keys, each excluding the nodes that failed *it*.
+//!
+//! Slots are guarded from the moment they are allocated ([`SlotGuard`]): any key that does not end in
+//! a successful commit — a transfer failure, a refused or failed commit, a malformed reply, an
+//! expired slot, or the whole future being dropped — has its slot aborted.
+//!
+//! A slot lives `pending_ttl_ms` (from the allocate reply; the client's `pending_ttl` when the peer
+//! sends 0) after the allocation. The client never starts a copy into a slot whose TTL minus a margin
+//! has passed, and never commits one whose copy ended after it: the peer may already have reaped the
+//! slot and given its pages to another key.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::support::{SlotGuard, join_all};
+use super::*;
+use crate::master_client::RoutePutDecision;
+use crate::peer_service::{outcome_from_wire, page_from_wire, tier_to_wire};
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
+
+/// What allocating one key on a node produced.
+enum Alloc {
+    Slot { slot_id: u64, pages: Vec<PageLocation>, refs: Vec<Option<TransferRef>>, page_size: u64, deadline: Instant },
+    Exists,
+    NoSpace,
+    Refused,
+}
+
+/// Keys routed to one node in one round.
+struct Group {
+    node: String,
+    peer: String,
+    tier: TierType,
+    indexes: Vec<usize>,
+}
+
+/// Per-key state of one batch.
+struct PutState {
+    results: Vec<Option<Result<(), KeyError>>>,
+    exclude: Vec<BTreeSet<String>>,
+    last_error: HashMap<usize, KeyError>,
+}
+
+impl PutState {
+    /// Key `i` failed on `node` in a way another node may not: try elsewhere.
+    fn retry_elsewhere(&mut self, i: usize, node: &str, e: KeyError) {
+        self.exclude[i].insert(node.to_owned());
+        self.last_error.insert(i, e);
+    }
+}
+
+/// When a slot allocated at `start` with a TTL of `ttl` stops being safe to write.
+fn slot_deadline(start: Instant, ttl: Duration) -> Instant {
+    let margin = (ttl / 4).min(Duration::from_secs(2));
+    start + ttl.saturating_sub(margin)
+}
+
+impl PoolClient {
+    /// Writes `key` (a batch of one).
+    pub async fn put(&self, key: &str, value: &[u8]) -> Result<(), KeyError> {
+        self.batch_put(&[(key, value)]).await.pop().unwrap_or(Err(KeyError::Failed("empty result".into())))
+    }
+
+    /// Writes every `(key, value)`; one result per item, in order. A key the pool already holds counts
+    /// as written. A key repeated in the batch is written once (its first value) and every repeat gets
+    /// that write's result.
+    pub async fn batch_put(&self, items: &[(&str, &[u8])]) -> Vec<Result<(), KeyError>> {
+        let gate = self.gate.read().await;
+        if *gate {
+            return vec![Err(KeyError::Closed); items.len()];
+        }
+        let n = items.len();
+        let mut st = PutState { results: vec![None; n], exclude: vec![BTreeSet::new(); n], last_error: HashMap::new() };
+        let mut repeat_of: Vec<Option<usize>> = vec![None; n];
+        let mut first_of: HashMap<&str, usize> = HashMap::new();
+        for (i, (key, value)) in items.iter().enumerate() {
+            if key.is_empty() {
+                st.results[i] = Some(Err(KeyError::EmptyKey));
+            } else if value.is_empty() {
+                st.results[i] = Some(Err(KeyError::EmptyValue));
+            } else if let Some(first) = first_of.get(key) {
+                repeat_of[i] = Some(*first);
+            } else {
+                first_of.insert(key, i);
+            }
+        }
+        let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
+        for attempt in 0..=self.config.max_reroutes {
+            let pending: Vec<usize> = (0..n).filter(|i| st.results[*i].is_none() && repeat_of[*i].is_none()).collect();
+            if pending.is_empty() {
+                break;
+            }
+            if attempt > 0 {
+                StatCounters::add(&self.stats.reroutes, pending.len() as u64);
+            }
+            let groups = self.route_puts(items, &pending, &mut st).await;
+            self.put_round(items, &groups, &mut guard, &mut st).await;
+            guard.abort_all().await;
+        }
+        self.tell_too_large(items, &mut st.results).await;
+        let mut out: Vec<Result<(), KeyError>> = Vec::with_capacity(n);
+        for (i, repeat) in repeat_of.iter().enumerate() {
+            let r = match (st.results[i].take(), *repeat) {
+                (Some(r), _) => r,
+                (None, Some(first)) => out[first].clone(),
+                (None, None) => Err(st.last_error.remove(&i).unwrap_or(KeyError::Failed("re-routes exhausted".into()))),
+            };
+            out.push(r);
+        }
+        out
+    }
+
+    /// Turns `NoSpace` into `TooLarge` for values larger than every medium's total capacity (one
+    /// cluster-status call, only when some key found no space).
+    async fn tell_too_large(&self, items: &[(&str, &[u8])], results: &mut [Option<Result<(), KeyError>>]) {
+        if !results.iter().any(|r| matches!(r, Some(Err(KeyError::NoSpace { .. })))) {
+            return;
+        }
+        let Ok(status) = self.master.cluster_status().await else { return };
+        let largest =
+            status.nodes.iter().flat_map(|n| n.tier_capacities.iter().map(|(_, c)| c.total_bytes)).max().unwrap_or(0);
+        for (r, (_, value)) in results.iter_mut().zip(items) {
+            let size = value.len() as u64;
+            if matches!(r, Some(Err(KeyError::NoSpace { .. }))) && size > largest {
+                *r = Some(Err(KeyError::TooLarge { size, largest }));
+            }
+        }
+    }
+
+    /// Routes `pending` at the master, one call per distinct exclude set (concurrently), and groups
+    /// the routed keys by node and tier.
+    async fn route_puts(&self, items: &[(&str, &[u8])], pending: &[usize], st: &mut PutState) -> Vec<Group> {
+        let unreachable = self.recently_unreachable();
+        let mut by_set: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
+        for i in pending {
+            let mut set: BTreeSet<String> = st.exclude[*i].clone();
+            set.extend(unreachable.iter().cloned());
+            by_set.entry(set.into_iter().collect()).or_default().push(*i);
+        }
+        let sets: Vec<(Vec<String>, Vec<usize>)> = by_set.into_iter().collect();
+        let calls = sets
+            .iter()
+            .map(|(set, indexes)| async move {
+                let keys: Vec<String> = indexes.iter().map(|i| items[*i].0.to_owned()).collect();
+                let sizes: Vec<u64> = indexes.iter().map(|i| items[*i].1.len() as u64).collect();
+                self.master.batch_route_put(&keys, &sizes, set).await
+            })
+            .collect();
+        let mut groups: BTreeMap<(String, String, TierType), Vec<usize>> = BTreeMap::new();
+        for ((_, indexes), decisions) in sets.iter().zip(join_all(calls).await) {
+            let decisions = match decisions {
+                Ok(d) => d,
+                Err(e) => {
+                    for i in indexes {
+                        st.results[*i] = Some(Err(KeyError::Routing(e.to_string())));
+                    }
+                    continue;
+                }
+            };
+            for (i, d) in indexes.iter().zip(decisions) {
+                match d {
+                    RoutePutDecision::AlreadyExists => st.results[*i] = Some(Ok(())),
+                    RoutePutDecision::Unavailable => {
+                        let size = items[*i].1.len() as u64;
+                        st.results[*i] = Some(Err(st.last_error.remove(i).unwrap_or(KeyError::NoSpace { size })));
+                    }
+                    RoutePutDecision::Routed { node_id, peer_address, tier } => {
+                        groups.entry((node_id, peer_address, tier)).or_default().push(*i)
+                    }
+                }
+            }
+        }
+        groups.into_iter().map(|((node, peer, tier), indexes)| Group { node, peer, tier, indexes }).collect()
+    }
+
+    async fn put_round(&self, items: &[(&str, &[u8])], groups: &[Group], guard: &mut SlotGuard, st: &mut PutState) {
+        // 1. Allocate on every node at once.
+        let allocs = join_all(groups.iter().map(|g| self.allocate_group(items, g)).collect()).await;
+        let mut transfers = Vec::new();
+        let mut planned: Vec<(usize, usize, u64, Instant)> = Vec::new();
+        let mut clients: Vec<Option<PeerClient>> = vec![None; groups.len()];
+        for (g, (group, alloc)) in groups.iter().zip(allocs).enumerate() {
+            let node = group.node.as_str();
+            let (client, allocated) = match alloc {
+                Ok(a) => a,
+                Err(e) => {
+                    for i in &group.indexes {
+                        st.retry_elsewhere(*i, node, e.clone());
+                    }
+                    continue;
+                }
+            };
+            // Guard every slot before anything else can fail.
+            for a in &allocated {
+                if let Alloc::Slot { slot_id, .. } = a {
+                    guard.track(node, client.as_ref(), *slot_id);
+                }
+            }
+            clients[g] = client;
+            for (i, a) in group.indexes.iter().zip(allocated) {
+                let (_, value) = items[*i];
+                match a {
+                    Alloc::Exists => st.results[*i] = Some(Ok(())),
+                    Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.len() as u64 }),
+                    Alloc::Refused => st.retry_elsewhere(
+                        *i,
+                        node,
+                        KeyError::Refused { node: node.to_owned(), message: "allocation refused".into() },
+                    ),
+                    Alloc::Slot { slot_id, pages, refs, page_size, deadline } => {
+                        if Instant::now() >= deadline {
+                            // Never start a copy into a slot that may be reaped under it.
+                            StatCounters::add(&self.stats.slot_expiries, 1);
+                            st.last_error.insert(*i, KeyError::SlotExpired { node: node.to_owned() });
+                            continue;
+                        }
+                        let (src, base) = self.caller_ref(CallerBuf::of(value));
+                        match page_items(&src, base, value.len() as u64, &pages, &refs, page_size, *i as u64, true) {
+                            Ok(p) => {
+                                transfers.extend(p);
+                                planned.push((g, *i, slot_id, deadline));
+                            }
+                            Err(e) => st.retry_elsewhere(
+                                *i,
+                                node,
+                                KeyError::Unreachable {
+                                    node: node.to_owned(),
+                                    message: format!("malformed slot: {e}"),
+                                },
+                            ),
+                        }
+                    }
+                }
+            }
+        }
+        // 2. One submit for every group (the local copies complete in submit), then wait.
+        let failed = self.run_transfers(&transfers);
+        let ended = Instant::now();
+        let mut commits: BTreeMap<usize, Vec<(usize, u64)>> = BTreeMap::new();
+        for (g, i, slot_id, deadline) in planned {
+            let node = groups[g].node.as_str();
+            if let Some((kind, message)) = failed.get(&(i as u64)) {
+                let e = KeyError::Transfer { node: node.to_owned(), kind: *kind, message: message.clone() };
+                st.retry_elsewhere(i, node, e);
+                if node != self.config.node_id {
+                    // The transfer may have failed on stale descriptors (a restarted peer).
+                    self.forget_peer(node);
+                }
+            } else if ended >= deadline {
+                StatCounters::add(&self.stats.slot_expiries, 1);
+                st.last_error.insert(i, KeyError::SlotExpired { node: node.to_owned() });
+            } else {
+                commits.entry(g).or_default().push((i, slot_id));
+            }
+        }
+        // 3. Commit the survivors on every node at once.
+        let commits: Vec<(usize, Vec<(usize, u64)>)> = commits.into_iter().collect();
+        let replies = join_all(
+            commits.iter().map(|(g, list)| self.commit_group(items, &groups[*g], clients[*g].clone(), list)).collect(),
+        )
+        .await;
+        for ((g, list), reply) in commits.iter().zip(replies) {
+            let node = groups[*g].node.as_str();
+            let local = clients[*g].is_none();
+            for ((i, slot_id), ok) in list.iter().zip(reply) {
+                match ok {
+                    Ok(()) => {
+                        guard.settle(node, local, *slot_id);
+                        st.results[*i] = Some(Ok(()));
+                    }
+                    Err(e) => st.retry_elsewhere(*i, node, e),
+                }
+            }
+        }
+    }
+
+    /// Allocates a group's keys on its node: `(the peer client or None for this node, outcomes)`.
+    async fn allocate_group(
+        &self,
+        items: &[(&str, &[u8])],
+        group: &Group,
+    ) -> Result<(Option<PeerClient>, Vec<Alloc>), KeyError> {
+        let node = group.node.as_str();
+        if node == self.config.node_id {
+            let Some(m) = &self.medium else {
+                return Err(KeyError::Refused { node: node.to_owned(), message: "this node lends no medium".into() });
+            };
+            let reqs: Vec<AllocateRequest> =
+                group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len() as u64)).collect();
+            let start = Instant::now();
+            let results = blocking(|| m.batch_allocate(&reqs));
+            let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
+            let allocs = results
+                .into_iter()
+                .map(|a| self.alloc(a.outcome, a.slot_id, a.pages, refs.clone(), a.page_size, start, a.pending_ttl_ms))
+                .collect();
+            return Ok((None, allocs));
+        }
+        let mut client = self.peer(node, &group.peer).await?;
+        // The tier the master routed to: the peer service dispatches on it.
+        let entries: Vec<pb::AllocateSlotRequest> = group
+            .indexes
+            .iter()
+            .map(|i| pb::AllocateSlotRequest {
+                size: items[*i].1.len() as u64,
+                tier: tier_to_wire(group.tier),
+                key: items[*i].0.to_owned(),
+            })
+            .collect();
+        let start = Instant::now();
+        let reply = match client.batch_allocate_slots(self.request(pb::BatchAllocateSlotsRequest { entries })).await {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                self.mark_unreachable(node);
+                return Err(KeyError::Unreachable {
+                    node: node.to_owned(),
+                    message: format!("allocate: {}", e.message()),
+                });
+            }
+        };
+        if reply.entries.len() != group.indexes.len() {
+            // Slots we cannot match to keys: release them at once.
+            let ids: Vec<u64> = reply
+                .entries
+                .iter()
+                .filter(|e| outcome_from_wire(e.outcome) == AllocateOutcome::Allocated)
+                .map(|e| e.slot_id)
+                .collect();
+            let _ = client.batch_abort_slots(self.request(pb::BatchAbortSlotsRequest { slot_ids: ids })).await;
+            return Err(KeyError::Unreachable {
+                node: node.to_owned(),
+                message: format!("answered {} of {} allocations", reply.entries.len(), group.indexes.len()),
+            });
+        }
+        let descs: Vec<_> =
+            reply.entries.iter().flat_map(|e| e.descs.iter()).filter_map(|d| desc_from_wire(d).ok()).collect();
+        // A restarted peer publishes new handles for the same buffers: the reply's descriptors win.
+        self.directory.replace_remote_buffers(node, &descs);
+        let mut shelves: HashMap<u32, Vec<Option<TransferRef>>> = HashMap::new();
+        let allocs = reply
+            .entries
+            .into_iter()
+            .map(|e| {
+                let refs = shelves
+                    .entry(e.backend_id)
+                    .or_insert_with(|| self.directory.remote_buffer_snapshot(node, e.backend_id))
+                    .clone();
+                let pages = e.pages.iter().map(page_from_wire).collect();
+                self.alloc(outcome_from_wire(e.outcome), e.slot_id, pages, refs, e.page_size, start, e.pending_ttl_ms)
+            })
+            .collect();
+        Ok((Some(client), allocs))
+    }
+
+    #[expect(clippy::too_many_arguments, reason = "the fields of one allocation reply")]
+    fn alloc(
+        &self,
+        outcome: AllocateOutcome,
+        slot_id: u64,
+        pages: Vec<PageLocation>,
+        refs: Vec<Option<TransferRef>>,
+        page_size: u64,
+        start: Instant,
+        ttl_ms: u64,
+    ) -> Alloc {
+        match outcome {
+            AllocateOutcome::Allocated => {
+                let ttl = if ttl_ms == 0 { self.config.pending_ttl } else { Duration::from_millis(ttl_ms) };
+                Alloc::Slot { slot_id, pages, refs, page_size, deadline: slot_deadline(start, ttl) }
+            }
+            AllocateOutcome::AlreadyExists => Alloc::Exists,
+            AllocateOutcome::FailedNoSpace => Alloc::NoSpace,
+            AllocateOutcome::Failed => Alloc::Refused,
+        }
+    }
+
+    /// Commits `(key index, slot)` pairs on a group's node; one result per pair.
+    async fn commit_group(
+        &self,
+        items: &[(&str, &[u8])],
+        group: &Group,
+        client: Option<PeerClient>,
+        list: &[(usize, u64)],
+    ) -> Vec<Result<(), KeyError>> {
+        let node = group.node.as_str();
+        let refused = || KeyError::Refused { node: node.to_owned(), message: "commit refused".into() };
+        let Some(mut client) = client else {
+            let Some(m) = &self.medium else { return vec![Err(refused()); list.len()] };
+            let reqs: Vec<CommitRequest> = list.iter().map(|(i, id)| CommitRequest::new(*id, items[*i].0)).collect();
+            let results = blocking(|| m.batch_commit(&reqs));
+            if results.iter().any(|r| r.success) {
+                // Local writes become visible to other nodes as soon as the master hears.
+                self.master.flush();
+            }
+            let mut out: Vec<Result<(), KeyError>> =
+                results.iter().map(|r| if r.success { Ok(()) } else { Err(refused()) }).collect();
+            out.resize(list.len(), Err(refused()));
+            return out;
+        };
+        let entries =
+            list.iter().map(|(i, id)| pb::CommitSlotRequest { slot_id: *id, key: items[*i].0.to_owned() }).collect();
+        match client.batch_commit_slots(self.request(pb::BatchCommitSlotsRequest { entries })).await {
+            Ok(reply) => {
+                let reply = reply.into_inner().entries;
+                (0..list.len())
+                    .map(|n| if reply.get(n).is_some_and(|r| r.success) { Ok(()) } else { Err(refused()) })
+                    .collect()
+            }
+            Err(e) => {
+                self.mark_unreachable(node);
+                let e = KeyError::Unreachable { node: node.to_owned(), message: format!("commit: {}", e.message()) };
+                vec![Err(e); list.len()]
+            }
+        }
+    }
+}

@@ -1,0 +1,281 @@
+//! Pieces the put and get paths share: caller buffers, the blocking helper, a small `join_all`,
+//! the slot guard, the re-cache worker and page-item planning.
+
+use std::collections::HashMap;
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::runtime::{Handle, RuntimeFlavor};
+use tokio::sync::mpsc;
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, CommitRequest, LocalRegion, MediumBackend, MemoryLocation, PageLocation,
+    TransferRef,
+};
+use umbp_proto::v1 as pb;
+use umbp_transfer::{CompositeTransferEngine, TransferItem};
+
+use super::{PeerClient, PoolClientStats};
+use crate::master_client::MasterClient;
+
+/// A caller's buffer for the duration of one batch call.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct CallerBuf {
+    pub(super) ptr: NonNull<u8>,
+    pub(super) len: usize,
+}
+
+// SAFETY: a `CallerBuf` is derived from a slice the batch call borrows (shared for puts, exclusive
+// for gets) for its whole duration; the pointer is only handed to transfer engines, which finish
+// (or are drained) before the call returns. Moving the call's future between threads moves the
+// borrow with it.
+unsafe impl Send for CallerBuf {}
+// SAFETY: as above; the client never dereferences it concurrently from two places for one key.
+unsafe impl Sync for CallerBuf {}
+
+impl CallerBuf {
+    /// A buffer the engines only read (a put's value).
+    pub(super) fn of(slice: &[u8]) -> Self {
+        Self { ptr: NonNull::new(slice.as_ptr().cast_mut()).unwrap_or(NonNull::dangling()), len: slice.len() }
+    }
+
+    /// A buffer the engines write (a get's destination): derived from a unique borrow.
+    pub(super) fn of_mut(slice: &mut [u8]) -> Self {
+        Self { ptr: NonNull::new(slice.as_mut_ptr()).unwrap_or(NonNull::dangling()), len: slice.len() }
+    }
+}
+
+/// Runs blocking work: under `block_in_place` on a multi-threaded runtime, inline otherwise (a
+/// current-thread runtime cannot `block_in_place`; inline is correct but stalls that runtime).
+pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// Awaits every future concurrently; outputs in input order.
+pub(super) async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    poll_fn(|cx| {
+        let mut pending = false;
+        for (f, slot) in futures.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *slot = Some(v),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { Poll::Pending } else { Poll::Ready(()) }
+    })
+    .await;
+    out.into_iter().flatten().collect()
+}
+
+/// A request with the RPC deadline and the cluster token.
+pub(super) fn request<T>(message: T, timeout: Duration, token: Option<&str>) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.set_timeout(timeout);
+    if let Some(token) = token
+        && let Ok(v) = token.parse()
+    {
+        r.metadata_mut().insert(crate::master_client::TOKEN_METADATA, v);
+    }
+    r
+}
+
+/// The live counters behind [`PoolClientStats`].
+#[derive(Debug, Default)]
+pub(super) struct StatCounters {
+    pub(super) reroutes: AtomicU64,
+    pub(super) lease_lapses: AtomicU64,
+    pub(super) slot_expiries: AtomicU64,
+    pub(super) recache_queued: AtomicU64,
+    pub(super) recache_dropped: AtomicU64,
+    pub(super) recache_stored: AtomicU64,
+}
+
+impl StatCounters {
+    pub(super) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(super) fn snapshot(&self) -> PoolClientStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        PoolClientStats {
+            reroutes: get(&self.reroutes),
+            lease_lapses: get(&self.lease_lapses),
+            slot_expiries: get(&self.slot_expiries),
+            recache_queued: get(&self.recache_queued),
+            recache_dropped: get(&self.recache_dropped),
+            recache_stored: get(&self.recache_stored),
+        }
+    }
+}
+
+/// Allocated-but-unsettled slots of one batch. Whatever is still here when the guard is flushed or
+/// dropped is aborted: every failure branch (and a cancelled future) releases its slots at once
+/// instead of waiting for the pending TTL.
+pub(super) struct SlotGuard {
+    medium: Option<Arc<dyn MediumBackend>>,
+    timeout: Duration,
+    token: Option<String>,
+    local: Vec<u64>,
+    remote: HashMap<String, (PeerClient, Vec<u64>)>,
+}
+
+impl SlotGuard {
+    pub(super) fn new(medium: Option<Arc<dyn MediumBackend>>, timeout: Duration, token: Option<String>) -> Self {
+        Self { medium, timeout, token, local: Vec::new(), remote: HashMap::new() }
+    }
+
+    /// Tracks a slot; `client` is `None` for this node's medium.
+    pub(super) fn track(&mut self, node: &str, client: Option<&PeerClient>, slot_id: u64) {
+        match client {
+            None => self.local.push(slot_id),
+            Some(c) => self.remote.entry(node.to_owned()).or_insert_with(|| (c.clone(), Vec::new())).1.push(slot_id),
+        }
+    }
+
+    /// The slot was committed: nothing to abort.
+    pub(super) fn settle(&mut self, node: &str, local: bool, slot_id: u64) {
+        let list = if local { Some(&mut self.local) } else { self.remote.get_mut(node).map(|(_, l)| l) };
+        if let Some(list) = list {
+            list.retain(|id| *id != slot_id);
+        }
+    }
+
+    /// Aborts everything still tracked (best effort: a missed abort is reaped by the slot TTL).
+    pub(super) async fn abort_all(&mut self) {
+        if let Some(m) = &self.medium
+            && !self.local.is_empty()
+        {
+            let ids = std::mem::take(&mut self.local);
+            blocking(|| m.batch_abort(&ids));
+        }
+        for (node, (mut client, ids)) in std::mem::take(&mut self.remote) {
+            if ids.is_empty() {
+                continue;
+            }
+            let r = request(pb::BatchAbortSlotsRequest { slot_ids: ids }, self.timeout, self.token.as_deref());
+            if let Err(e) = client.batch_abort_slots(r).await {
+                tracing::debug!(node, error = %e.message(), "abort did not land; the slot TTL reaps it");
+            }
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        if let Some(m) = &self.medium
+            && !self.local.is_empty()
+        {
+            m.batch_abort(&self.local);
+        }
+        let remote: Vec<_> =
+            std::mem::take(&mut self.remote).into_values().filter(|(_, ids)| !ids.is_empty()).collect();
+        if remote.is_empty() {
+            return;
+        }
+        let Ok(handle) = Handle::try_current() else { return };
+        let (timeout, token) = (self.timeout, self.token.clone());
+        handle.spawn(async move {
+            for (mut client, ids) in remote {
+                let _ = client
+                    .batch_abort_slots(request(pb::BatchAbortSlotsRequest { slot_ids: ids }, timeout, token.as_deref()))
+                    .await;
+            }
+        });
+    }
+}
+
+/// One transfer item per page between the caller's memory (`user`, from `user_base`) and the
+/// medium's pages. `to_medium` is a put.
+#[expect(clippy::too_many_arguments, reason = "the pieces of one key's page layout")]
+pub(super) fn page_items(
+    user: &TransferRef,
+    user_base: u64,
+    size: u64,
+    pages: &[PageLocation],
+    refs: &[Option<TransferRef>],
+    page_size: u64,
+    tag: u64,
+    to_medium: bool,
+) -> Result<Vec<TransferItem>, String> {
+    if page_size == 0 || pages.len() as u64 != size.div_ceil(page_size) {
+        return Err(format!("{} pages of {page_size} bytes cannot hold {size} bytes", pages.len()));
+    }
+    let mut items = Vec::with_capacity(pages.len());
+    for (p, page) in pages.iter().enumerate() {
+        let offset = p as u64 * page_size;
+        let len = page_size.min(size - offset);
+        let Some(Some(medium_ref)) = refs.get(page.buffer_index as usize) else {
+            return Err(format!("no descriptor for buffer {}", page.buffer_index));
+        };
+        let medium_offset = u64::from(page.page_index) * page_size;
+        let (src, src_offset, dst, dst_offset) = if to_medium {
+            (user.clone(), user_base + offset, medium_ref.clone(), medium_offset)
+        } else {
+            (medium_ref.clone(), medium_offset, user.clone(), user_base + offset)
+        };
+        items.push(TransferItem { src, src_offset, dst, dst_offset, size: len, tag });
+    }
+    Ok(items)
+}
+
+/// A value fetched from a peer, to store on this node's medium.
+#[derive(Debug)]
+pub(super) struct RecacheJob {
+    pub(super) key: String,
+    pub(super) bytes: Vec<u8>,
+}
+
+/// Stores re-cache jobs on the local medium, one at a time, off the get path. Ends when the sender
+/// is dropped (at `close`).
+pub(super) async fn recache_worker(
+    mut rx: mpsc::Receiver<RecacheJob>,
+    medium: Arc<dyn MediumBackend>,
+    engine: Arc<CompositeTransferEngine>,
+    master: Weak<MasterClient>,
+    stats: Arc<StatCounters>,
+) {
+    while let Some(job) = rx.recv().await {
+        let (medium, engine) = (Arc::clone(&medium), Arc::clone(&engine));
+        let stored =
+            tokio::task::spawn_blocking(move || store_locally(medium.as_ref(), &engine, &job)).await.unwrap_or(false);
+        if stored {
+            StatCounters::add(&stats.recache_stored, 1);
+            if let Some(m) = master.upgrade() {
+                m.flush();
+            }
+        }
+    }
+}
+
+/// Allocate → copy → commit on the local medium; `NoSpace` or an existing key is a silent no-op.
+fn store_locally(medium: &dyn MediumBackend, engine: &CompositeTransferEngine, job: &RecacheJob) -> bool {
+    let size = job.bytes.len() as u64;
+    let Some(a) = medium.batch_allocate(&[AllocateRequest::new(job.key.clone(), size)]).pop() else { return false };
+    if a.outcome != AllocateOutcome::Allocated {
+        return false;
+    }
+    let refs: Vec<Option<TransferRef>> = (0..medium.buffer_count()).map(|b| medium.buffer_ref(b)).collect();
+    let buf = CallerBuf::of(&job.bytes);
+    // SAFETY: `job.bytes` outlives the transfer below, which completes before this function returns.
+    let src = TransferRef::local(unsafe { LocalRegion::new(buf.ptr, size, MemoryLocation::Host) });
+    let ok = match page_items(&src, 0, size, &a.pages, &refs, a.page_size, 0, true) {
+        Ok(items) => umbp_transfer::transfer(engine, &items).is_ok(),
+        Err(_) => false,
+    };
+    if ok && medium.batch_commit(&[CommitRequest::new(a.slot_id, job.key.clone())]).first().is_some_and(|r| r.success) {
+        return true;
+    }
+    medium.batch_abort(&[a.slot_id]);
+    false
+}

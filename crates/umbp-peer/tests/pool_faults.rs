@@ -1,0 +1,210 @@
+//! `PoolClient` under faults: a dead peer in the middle of a batch, and reads racing eviction.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use umbp_core::{AllocateRequest, BackendRegistry, CommitRequest, MediumBackend, TierType};
+use umbp_master::{MasterConfig, MasterHandle};
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
+use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_testkit::LocalOnlyRegistrar;
+
+const PAGE: u64 = 4096;
+
+async fn master() -> MasterHandle {
+    umbp_master::start(MasterConfig { listen: "127.0.0.1:0".parse().expect("addr"), ..MasterConfig::default() })
+        .await
+        .expect("master")
+}
+
+fn config(master: &MasterHandle, id: &str, capacity: u64) -> PoolClientConfig {
+    let mut config = PoolClientConfig::new(id, master.local_addr().to_string()).with_medium(Medium::Dram(DramConfig {
+        capacity_bytes: capacity,
+        prefault: false,
+        ..DramConfig::default()
+    }));
+    config.page_size = PAGE;
+    config.bounce_bytes = 1 << 20;
+    config.recache = RecachePolicy::Off;
+    config
+}
+
+fn value(seed: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(131)) as u8).collect()
+}
+
+async fn indexed(client: &PoolClient, keys: &[String]) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = client.master().batch_lookup(keys).await.expect("lookup");
+        if found.iter().all(|f| *f) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "keys never indexed: {found:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A node the master believes alive and holding `keys`, whose peer service is a closed port.
+async fn ghost(master: &MasterHandle, keys: &[String]) -> (MasterClient, Arc<dyn MediumBackend>) {
+    let cfg = PageBackendConfig::new(TierType::Dram, PAGE, vec![64 * PAGE]);
+    let source = HostPageMemorySource::new(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
+    let backend = PageBackend::new(cfg, Box::new(source)).expect("config");
+    backend.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    let medium: Arc<dyn MediumBackend> = Arc::new(backend);
+    let reqs: Vec<AllocateRequest> = keys.iter().map(|k| AllocateRequest::new(k.clone(), 100)).collect();
+    let slots = medium.batch_allocate(&reqs);
+    let commits: Vec<CommitRequest> =
+        slots.iter().zip(keys).map(|(s, k)| CommitRequest::new(s.slot_id, k.clone())).collect();
+    assert!(medium.batch_commit(&commits).iter().all(|c| c.success));
+    let dead = TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr");
+    let mut registry = BackendRegistry::new();
+    registry.register(Arc::clone(&medium)).expect("registry");
+    let registration = NodeRegistration::new("ghost", "127.0.0.1")
+        .with_peer_address(dead.to_string())
+        .with_data_endpoint("127.0.0.1:1");
+    let client = MasterClient::connect(
+        &master.local_addr().to_string(),
+        MasterClientConfig::default(),
+        registration,
+        Arc::new(registry),
+    )
+    .await
+    .expect("connect");
+    client.register().await.expect("register");
+    client.start_heartbeat().expect("heartbeat");
+    client.flush();
+    (client, medium)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_peer_fails_only_its_own_keys() {
+    let m = master().await;
+    let holder = PoolClient::start(config(&m, "holder", 64 * PAGE)).await.expect("holder");
+    let live: Vec<String> = (0..6).map(|i| format!("live-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..6).map(|i| value(i, 1000 + i * 700)).collect();
+    let items: Vec<(&str, &[u8])> = live.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    for r in holder.batch_put(&items).await {
+        r.expect("put");
+    }
+    holder.flush();
+    indexed(&holder, &live).await;
+    let dead: Vec<String> = (0..3).map(|i| format!("dead-{i}")).collect();
+    let (_ghost, _medium) = ghost(&m, &dead).await;
+    indexed(&holder, &dead).await;
+    let reader = PoolClient::start(PoolClientConfig::new("reader", m.local_addr().to_string())).await.expect("reader");
+    // Interleave the dead peer's keys with live ones.
+    let keys: Vec<&str> =
+        vec![&live[0], &dead[0], &live[1], &live[2], &dead[1], &live[3], &live[4], &dead[2], &live[5]]
+            .into_iter()
+            .map(String::as_str)
+            .collect();
+    let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; 8192]; keys.len()];
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+    let start = tokio::time::Instant::now();
+    let results = reader.batch_get(&keys, &mut slices).await;
+    assert!(start.elapsed() < Duration::from_secs(3), "a refused connection is not waited out");
+    for (k, (key, r)) in keys.iter().zip(&results).enumerate() {
+        if let Some(i) = live.iter().position(|l| l == key) {
+            assert_eq!(r, &Ok(values[i].len() as u64), "{key}");
+            assert_eq!(&bufs[k][..values[i].len()], values[i].as_slice(), "{key}");
+        } else {
+            assert!(
+                matches!(r, Err(KeyError::Unreachable { node, .. }) if node == "ghost"),
+                "{key}: {r:?} names the dead node"
+            );
+            assert!(r.as_ref().err().is_some_and(KeyError::is_retryable));
+        }
+    }
+    reader.close().await;
+    holder.close().await;
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_racing_eviction_are_exact_or_fail_never_wrong() {
+    let m = master().await;
+    let mut hc = config(&m, "holder", 32 * PAGE);
+    hc.read_lease = Duration::from_millis(20);
+    let holder = Arc::new(PoolClient::start(hc).await.expect("holder"));
+    let mut rc = PoolClientConfig::new("reader", m.local_addr().to_string());
+    rc.read_lease = Duration::from_millis(20);
+    let reader = PoolClient::start(rc).await.expect("reader");
+    let keys: Vec<String> = (0..200).map(|i| format!("churn-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..200).map(|i| value(i, 2 * PAGE as usize - i)).collect();
+    let first: Vec<(&str, &[u8])> =
+        keys[..16].iter().zip(&values[..16]).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    holder.batch_put(&first).await;
+    holder.flush();
+    let stop = Arc::new(AtomicBool::new(false));
+    // The churner evicts old keys and writes new ones into the freed pages.
+    let churner = {
+        let (holder, keys, values, stop) = (Arc::clone(&holder), keys.clone(), values.clone(), Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut next = 16;
+            while !stop.load(Ordering::Relaxed) && next < keys.len() {
+                let old = &keys[next - 16];
+                holder.remove(&[old.as_str()]).await.expect("remove");
+                let _ = holder.put(&keys[next], &values[next]).await;
+                holder.flush();
+                next += 1;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+    let mut hits = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < deadline && !churner.is_finished() {
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; 2 * PAGE as usize]; keys.len()];
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        for (i, r) in reader.batch_get(&refs, &mut slices).await.into_iter().enumerate() {
+            if let Ok(size) = r {
+                assert_eq!(size as usize, values[i].len(), "size of {}", keys[i]);
+                assert_eq!(&bufs[i][..values[i].len()], values[i].as_slice(), "bytes of {}", keys[i]);
+                hits += 1;
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    churner.await.expect("churner");
+    assert!(hits > 0, "some reads hit");
+    reader.close().await;
+    holder.close().await;
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_put_cancelled_after_allocation_leaves_no_pending_slot() {
+    let m = master().await;
+    // A long slot TTL: only the client's abort can free a leaked slot within the test.
+    let holder = PoolClient::start(config(&m, "holder", 1024 * PAGE)).await.expect("holder");
+    let writer = PoolClient::start(PoolClientConfig::new("writer", m.local_addr().to_string())).await.expect("writer");
+    let medium = Arc::clone(holder.medium().expect("m"));
+    let total = medium.capacity().total_bytes;
+    let v = value(9, 64 * PAGE as usize);
+    let mut cancelled = 0;
+    for (n, micros) in [100u64, 300, 1000, 2000, 4000, 8000, 16000, 32000].into_iter().enumerate() {
+        let key = format!("cancel-{n}");
+        if tokio::time::timeout(Duration::from_micros(micros), writer.put(&key, &v)).await.is_err() {
+            cancelled += 1;
+        }
+        // Whatever was allocated and not committed is aborted promptly.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            let expected = total - medium.owned_key_count() as u64 * v.len() as u64;
+            if medium.capacity().available_bytes == expected {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "a slot leaked after a put cancelled at {micros} us");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert!(cancelled > 0, "some put was cancelled");
+    writer.close().await;
+    holder.close().await;
+    m.shutdown().await;
+}
