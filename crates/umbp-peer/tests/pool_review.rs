@@ -313,3 +313,14 @@ async fn a_current_thread_runtime_runs_puts_and_gets_inline() {
     a.close().await;
     m.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wildcard_data_listen_needs_a_fixed_port_to_be_advertised() {
+    // Nothing binds here: the config is refused before any listener opens.
+    let m = master().await;
+    let mut c = config(&m, "wild", 16 * PAGE);
+    c.data_listen = "0.0.0.0:0".parse().expect("addr");
+    let err = PoolClient::start(c).await.expect_err("a wildcard with port 0 cannot be advertised");
+    assert!(err.to_string().contains("wildcard"), "{err}");
+    m.shutdown().await;
+}

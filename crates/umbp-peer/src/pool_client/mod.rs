@@ -353,7 +353,11 @@ impl PoolClient {
             return Err(PoolError::Config("page_size must be greater than 0".into()));
         }
         let tcp = TcpEngine::new(TcpEngineConfig {
-            server: umbp_transfer::DataServerConfig { listen: config.data_listen, ..Default::default() },
+            server: umbp_transfer::DataServerConfig {
+                listen: config.data_listen,
+                advertise: advertised(&config, config.data_listen)?,
+                ..Default::default()
+            },
             cluster_token: config.cluster_token.clone(),
             ..TcpEngineConfig::default()
         })
@@ -402,7 +406,18 @@ impl PoolClient {
             ),
             None => None,
         };
-        let peer_address = peer_server.as_ref().map(|s| s.local_addr().to_string()).unwrap_or_default();
+        // Peers must reach this node: a wildcard bind is advertised as `node_address:port`.
+        let peer_address = peer_server
+            .as_ref()
+            .map(|s| {
+                let addr = s.local_addr();
+                if addr.ip().is_unspecified() {
+                    format!("{}:{}", config.node_address, addr.port())
+                } else {
+                    addr.to_string()
+                }
+            })
+            .unwrap_or_default();
         let node = NodeRegistration::new(&config.node_id, &config.node_address)
             .with_peer_address(peer_address)
             .with_data_endpoint(data_endpoint.clone());
@@ -714,4 +729,20 @@ impl PoolClient {
             self.engine.deregister(&r);
         }
     }
+}
+
+/// The data endpoint to advertise for a data server listening on `listen`: none (the bound address) for
+/// a specific IP; `node_address:port` for a wildcard IP, which then needs a fixed port.
+fn advertised(config: &PoolClientConfig, listen: SocketAddr) -> Result<Option<String>, PoolError> {
+    if !listen.ip().is_unspecified() {
+        return Ok(None);
+    }
+    if listen.port() == 0 {
+        return Err(PoolError::Config(format!(
+            "data_listen {listen} is a wildcard address with port 0: peers could not be told where to connect; \
+             give it a fixed port (it is advertised as {}:PORT)",
+            config.node_address
+        )));
+    }
+    Ok(Some(format!("{}:{}", config.node_address, listen.port())))
 }
