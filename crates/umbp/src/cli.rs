@@ -94,6 +94,14 @@ On start it prints one line to stdout:
   node ID ready peer=HOST:PORT data=HOST:PORT medium=dram capacity=SIZE master=HOST:PORT
 and runs until SIGINT or SIGTERM, then leaves the cluster (unregisters, releases its memory).";
 
+/// What `umbp bench --help` adds after the flags.
+pub const BENCH_AFTER_HELP: &str = "\
+Runs an embedded master on 127.0.0.1, a DRAM node in this process (local rows), then a DRAM node in
+a child process (`umbp` re-executed) reached over the TCP data plane (remote rows). Each PoolClient
+figure stands beside its same-run baseline (memcpy; a raw TCP stream over as many connections) and
+their ratio. Build with --release for meaningful figures:
+  cargo run --release -p umbp -- bench";
+
 /// `umbp`: the umbp-rs command line.
 #[derive(Debug, Parser)]
 #[command(
@@ -102,7 +110,8 @@ and runs until SIGINT or SIGTERM, then leaves the cluster (unregisters, releases
     about = "umbp-rs: a distributed KV-cache buffer pool (master, nodes, client commands, demo)",
     long_about = "umbp-rs: a distributed KV-cache buffer pool.\n\nStart with `umbp demo`: a master and three \
                   DRAM nodes in one process, a verified put/get workload and a summary. For a real cluster run \
-                  `umbp master`, then `umbp node` on each machine, then `umbp put`/`get`/`stat`.",
+                  `umbp master`, then `umbp node` on each machine, then `umbp put`/`get`/`stat`. \
+                  `umbp bench` measures batch put/get against memcpy and raw TCP.",
     after_long_help = CONFIG_FILE_HELP,
     propagate_version = true
 )]
@@ -141,6 +150,14 @@ pub enum Command {
     /// Run a master and nodes in this process, put and get a verified workload, print a summary
     /// (ignores --config and --token)
     Demo(DemoArgs),
+    /// Benchmark batch put/get (local, and to a node in a second process over TCP) beside memcpy and
+    /// raw-socket baselines, plus single 64 KiB get latency; prints a markdown table
+    /// (ignores --config and --token)
+    #[command(after_help = BENCH_AFTER_HELP)]
+    Bench(BenchArgs),
+    /// The child node of `umbp bench` (internal)
+    #[command(hide = true)]
+    BenchChild(BenchChildArgs),
 }
 
 /// Flags of `umbp master`.
@@ -305,4 +322,42 @@ pub struct DemoArgs {
     /// Seed of the value sizes and bytes [default: 1]
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+}
+
+/// The suites of `umbp bench`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BenchSuite {
+    /// Batch put/get through PoolClient, local and between two processes, and single-get latency.
+    Pool,
+}
+
+/// `umbp bench`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct BenchArgs {
+    /// The suite to run [default: pool]
+    #[arg(value_name = "SUITE")]
+    pub suite: Option<BenchSuite>,
+    /// Rounds per cell; each cell is the median [default: 5]
+    #[arg(long, value_name = "N")]
+    pub rounds: Option<usize>,
+    /// Bytes per batch put and batch get (at least 1MiB) [default: 64MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub batch_bytes: Option<u64>,
+    /// Single 64 KiB gets timed for p50/p99 (at least 100) [default: 1000]
+    #[arg(long, value_name = "N")]
+    pub latency_calls: Option<usize>,
+    /// Print one JSON object instead of the markdown table [default: off]
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `umbp bench-child` (hidden): the child node of `umbp bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchChildArgs {
+    /// The bench's master (required) [default: none]
+    #[arg(long, value_name = "ADDR")]
+    pub master: String,
+    /// DRAM the node lends, in bytes (required) [default: none]
+    #[arg(long, value_name = "BYTES")]
+    pub capacity: u64,
 }

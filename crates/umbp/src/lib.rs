@@ -2,15 +2,15 @@
 //!
 //! `umbp master` runs the master, `umbp node` a node lending one medium, `umbp put` / `get` /
 //! `exists` / `rm` / `stat` are client commands (each joins the pool as a node with no medium for
-//! its duration), and `umbp demo` runs a master and three nodes in one process with a verified
-//! workload.
+//! its duration), `umbp demo` runs a master and three nodes in one process with a verified
+//! workload, and `umbp bench` measures batch put/get beside memcpy and raw-TCP baselines.
 //!
 //! # Owns
 //! - The command line ([`Cli`]) and its help, which states every default.
 //! - Settings: the TOML file ([`FileConfig`]), the `UMBP_*` environment and the flags, merged in that
 //!   order of precedence ([`resolve_master`], [`resolve_node`], [`resolve_client`]).
 //! - Size and duration syntax ([`parse_size`], [`parse_duration`]).
-//! - The demo ([`demo::run`]).
+//! - The demo ([`demo::run`]) and the bench ([`bench::run`]).
 //!
 //! # Never
 //! Implements pool behaviour: placement, transfers and the heartbeat belong to `umbp-master` and
@@ -18,14 +18,15 @@
 //! transfer engine (that is `PoolClient`'s job), and never binds anything but 127.0.0.1 unless told.
 #![forbid(unsafe_code)]
 
+pub mod bench;
 mod cli;
 pub mod demo;
 mod settings;
 mod units;
 
 pub use cli::{
-    CONFIG_FILE_HELP, Cli, Command, DemoArgs, GetArgs, KeysArgs, MASTER_ENV_HELP, MasterAddress, MasterArgs,
-    MediumKind, NODE_AFTER_HELP, NodeArgs, PutArgs, StatArgs,
+    BENCH_AFTER_HELP, BenchArgs, BenchChildArgs, BenchSuite, CONFIG_FILE_HELP, Cli, Command, DemoArgs, GetArgs,
+    KeysArgs, MASTER_ENV_HELP, MasterAddress, MasterArgs, MediumKind, NODE_AFTER_HELP, NodeArgs, PutArgs, StatArgs,
 };
 pub use settings::{
     ByteSize, ClientFile, DEFAULT_MASTER_ADDRESS, DEFAULT_MAX_GET_SIZE, EnvGetter, FileConfig, HumanDuration,

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow, bail};
 use clap::Parser;
 use umbp::{
-    Cli, Command, FileConfig, GetArgs, KeysArgs, MasterAddress, PutArgs, SettingsError, demo, format_size, human_size,
-    resolve_client, resolve_master, resolve_master_address, resolve_max_get_size, resolve_node,
+    Cli, Command, FileConfig, GetArgs, KeysArgs, MasterAddress, PutArgs, SettingsError, bench, demo, format_size,
+    human_size, resolve_client, resolve_master, resolve_master_address, resolve_max_get_size, resolve_node,
 };
 use umbp_peer::master_client::{NodeLiveness, NodeStatusReport};
 use umbp_peer::pool_client::{KeyError, Medium, PoolClient};
@@ -48,6 +48,7 @@ fn main() -> ExitCode {
             let usage = e.chain().any(|c| {
                 c.downcast_ref::<SettingsError>().is_some()
                     || matches!(c.downcast_ref::<demo::DemoError>(), Some(demo::DemoError::Options(_)))
+                    || matches!(c.downcast_ref::<bench::BenchError>(), Some(bench::BenchError::Options(_)))
             });
             ExitCode::from(if usage { EXIT_USAGE } else { EXIT_FAILURE })
         }
@@ -127,6 +128,19 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<E
             let report = demo::run(demo::DemoOptions::from_args(args)).await?;
             println!("{report}");
             Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::from(EXIT_FAILURE) })
+        }
+        Command::Bench(args) => {
+            let report = bench::run(bench::BenchOptions::from_args(args)).await?;
+            if args.json {
+                println!("{}", report.to_json());
+            } else {
+                println!("{report}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchChild(args) => {
+            bench::serve_child(&args.master, args.capacity).await?;
+            Ok(ExitCode::SUCCESS)
         }
     }
 }

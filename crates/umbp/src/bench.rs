@@ -1,0 +1,609 @@
+//! `umbp bench`: batch put and batch get through `PoolClient` (issue 5, deliverable 6), each beside
+//! its same-run baseline:
+//!
+//! - **local**: a node writing to and reading from its own DRAM medium, against raw `memcpy` of the
+//!   same bytes on one thread;
+//! - **remote**: a client-only node in this process and a DRAM node in a CHILD PROCESS (`umbp
+//!   bench-child`, the same binary re-executed), bytes over the TCP data plane, against a plain socket
+//!   stream of the same bytes to a sink / from a source in the same child, over as many connections
+//!   as the data plane pools ([`CONNECTIONS`]);
+//! - the p50 / p99 latency of a single 64 KiB remote get.
+//!
+//! The same measurements as `crates/umbp-peer/benches/pool.rs`; each cell is the median of
+//! [`BenchOptions::rounds`] rounds.
+
+use std::fmt;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use umbp_master::MasterConfig;
+use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+
+use crate::cli::BenchArgs;
+use crate::units::human_size;
+
+/// Raw TCP connections of the remote baseline (the data plane's pooled connections per peer).
+pub const CONNECTIONS: usize = 4;
+
+/// The value sizes measured.
+pub const VALUE_SIZES: [usize; 2] = [64 << 10, 1 << 20];
+
+/// The size of the value whose single-get latency is measured.
+pub const LATENCY_VALUE: usize = 64 << 10;
+
+/// Page size of the bench nodes.
+const PAGE_SIZE: u64 = 64 << 10;
+
+/// How long the bench waits for the master to index keys, or for the child to start.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// The line the child prints once it serves; the raw sink/source address follows.
+const READY_PREFIX: &str = "bench-child ready raw=";
+
+/// The header of the markdown table.
+pub const TABLE_HEADER: &str = "| path | op | value | PoolClient GB/s | baseline GB/s | baseline | ratio |";
+
+/// What the bench runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BenchOptions {
+    /// Rounds per cell; the medians are reported. Default: 5.
+    pub rounds: usize,
+    /// Bytes per batch put / batch get (at least 1 MiB). Default: 64 MiB.
+    pub batch_bytes: u64,
+    /// Single gets timed for the latency percentiles. Default: 1000.
+    pub latency_calls: usize,
+    /// The program run as the child node, with `bench-child --master ADDR --capacity BYTES`.
+    /// Default: this executable.
+    pub child_program: Option<PathBuf>,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        Self { rounds: 5, batch_bytes: 64 << 20, latency_calls: 1000, child_program: None }
+    }
+}
+
+impl BenchOptions {
+    /// The defaults overridden by the flags that are set.
+    pub fn from_args(args: &BenchArgs) -> Self {
+        let d = Self::default();
+        Self {
+            rounds: args.rounds.unwrap_or(d.rounds),
+            batch_bytes: args.batch_bytes.unwrap_or(d.batch_bytes),
+            latency_calls: args.latency_calls.unwrap_or(d.latency_calls),
+            child_program: None,
+        }
+    }
+
+    fn validate(&self) -> Result<(), BenchError> {
+        let bad = |reason: String| Err(BenchError::Options(reason));
+        if self.rounds == 0 {
+            return bad("--rounds must be at least 1".into());
+        }
+        if self.batch_bytes < 1 << 20 {
+            return bad(format!("--batch-bytes {}: at least 1MiB (one 1 MiB value)", self.batch_bytes));
+        }
+        if self.batch_bytes > 4 << 30 {
+            return bad(format!("--batch-bytes {}: at most 4GiB", self.batch_bytes));
+        }
+        if self.latency_calls < 100 {
+            return bad(format!("--latency-calls {}: at least 100 (for a p99)", self.latency_calls));
+        }
+        Ok(())
+    }
+
+    /// DRAM each bench node lends: every round's keys of both sizes (the local node keeps them all),
+    /// with room below the master's eviction watermark.
+    fn capacity(&self) -> u64 {
+        let stored = 2 * self.rounds as u64 * self.batch_bytes;
+        (stored + stored / 2 + (64 << 20)).div_ceil(PAGE_SIZE) * PAGE_SIZE
+    }
+}
+
+/// Why the bench could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The options can never work.
+    #[error("{0}")]
+    Options(String),
+    /// The embedded master did not start.
+    #[error("starting the master: {0}")]
+    Master(#[from] umbp_master::MasterError),
+    /// A node did not start.
+    #[error("starting node {node}: {source}")]
+    Node {
+        /// The node.
+        node: String,
+        /// The cause.
+        #[source]
+        source: umbp_peer::pool_client::PoolError,
+    },
+    /// The child process failed.
+    #[error("the child node process: {0}")]
+    Child(String),
+    /// An operation under measurement failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Where a row's bytes went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchPath {
+    /// The node's own medium, in this process.
+    Local,
+    /// A node in another process, over the TCP data plane.
+    Remote,
+}
+
+/// One row of the table: a PoolClient figure beside its baseline.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchRow {
+    /// Local or remote.
+    pub path: BenchPath,
+    /// `put` or `get`.
+    pub op: &'static str,
+    /// Bytes per value.
+    pub value_bytes: u64,
+    /// PoolClient throughput, GB/s (median).
+    pub pool_gbps: f64,
+    /// Baseline throughput, GB/s (median).
+    pub baseline_gbps: f64,
+    /// What the baseline is.
+    pub baseline: String,
+}
+
+impl BenchRow {
+    /// PoolClient / baseline.
+    pub fn ratio(&self) -> f64 {
+        self.pool_gbps / self.baseline_gbps
+    }
+}
+
+/// Single-get latency percentiles, microseconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Latency {
+    /// Calls timed.
+    pub calls: usize,
+    /// Median.
+    pub p50_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+}
+
+/// What the bench measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchReport {
+    /// Rounds per cell.
+    pub rounds: usize,
+    /// Bytes per batch.
+    pub batch_bytes: u64,
+    /// The table.
+    pub rows: Vec<BenchRow>,
+    /// The single 64 KiB remote get.
+    pub latency: Latency,
+}
+
+fn value_label(bytes: u64) -> String {
+    human_size(bytes)
+}
+
+impl BenchReport {
+    /// The report as one JSON object.
+    pub fn to_json(&self) -> String {
+        let rows: Vec<String> = self
+            .rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"path\":\"{}\",\"op\":\"{}\",\"value_bytes\":{},\"pool_gbps\":{:.4},\"baseline_gbps\":{:.4},\
+                     \"baseline\":\"{}\",\"ratio\":{:.4}}}",
+                    match r.path {
+                        BenchPath::Local => "local",
+                        BenchPath::Remote => "remote",
+                    },
+                    r.op,
+                    r.value_bytes,
+                    r.pool_gbps,
+                    r.baseline_gbps,
+                    r.baseline,
+                    r.ratio()
+                )
+            })
+            .collect();
+        format!(
+            "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{{\"value_bytes\":{},\"calls\":{},\
+             \"p50_us\":{:.1},\"p99_us\":{:.1}}}}}",
+            self.rounds,
+            self.batch_bytes,
+            rows.join(","),
+            LATENCY_VALUE,
+            self.latency.calls,
+            self.latency.p50_us,
+            self.latency.p99_us
+        )
+    }
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "PoolClient batch put/get, {} per batch, medians of {} rounds",
+            human_size(self.batch_bytes),
+            self.rounds
+        )?;
+        writeln!(f)?;
+        writeln!(f, "{TABLE_HEADER}")?;
+        writeln!(f, "|---|---|---|---|---|---|---|")?;
+        for r in &self.rows {
+            let path = match r.path {
+                BenchPath::Local => "local",
+                BenchPath::Remote => "remote (2 processes)",
+            };
+            writeln!(
+                f,
+                "| {path} | {} | {} | {:.2} | {:.2} | {} | {:.2} |",
+                r.op,
+                value_label(r.value_bytes),
+                r.pool_gbps,
+                r.baseline_gbps,
+                r.baseline,
+                r.ratio()
+            )?;
+        }
+        writeln!(f)?;
+        write!(
+            f,
+            "single {} remote get (route + resolve + TCP read), {} calls: p50 {:.0} µs, p99 {:.0} µs",
+            human_size(LATENCY_VALUE as u64),
+            self.latency.calls,
+            self.latency.p50_us,
+            self.latency.p99_us
+        )
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn gbps(bytes: usize, since: Instant) -> f64 {
+    bytes as f64 / since.elapsed().as_secs_f64() / 1e9
+}
+
+fn node_config(id: &str, master: &str, medium: Medium) -> PoolClientConfig {
+    let mut c = PoolClientConfig::new(id, master).with_medium(medium);
+    c.page_size = PAGE_SIZE;
+    c.recache = RecachePolicy::Off;
+    c
+}
+
+fn dram(bytes: u64) -> Medium {
+    Medium::Dram(DramConfig { capacity_bytes: bytes, prefault: true, ..DramConfig::default() })
+}
+
+async fn start_node(config: PoolClientConfig) -> Result<PoolClient, BenchError> {
+    let node = config.node_id.clone();
+    PoolClient::start(config).await.map_err(|source| BenchError::Node { node, source })
+}
+
+/// Waits until the master's index lists every key.
+async fn until_indexed(client: &PoolClient, keys: &[String]) -> Result<(), BenchError> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let found = client.master().batch_lookup(keys).await.map_err(|e| BenchError::Failed(format!("lookup: {e}")))?;
+        if found.iter().all(|f| *f) {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(BenchError::Failed(format!("the master never indexed the keys within {WAIT:?}")));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `umbp bench-child`: a DRAM node plus a raw TCP sink/source on 127.0.0.1; prints its ready line
+/// with the raw address, then serves until stdin closes (the parent exits or drops the pipe).
+pub async fn serve_child(master: &str, capacity: u64) -> Result<(), BenchError> {
+    let node = start_node(node_config("bench-node", master, dram(capacity))).await?;
+    let raw = TcpListener::bind("127.0.0.1:0").map_err(|e| BenchError::Child(format!("binding the raw sink: {e}")))?;
+    let raw_addr = raw.local_addr().map_err(|e| BenchError::Child(e.to_string()))?;
+    std::thread::spawn(move || {
+        for stream in raw.incoming().flatten() {
+            std::thread::spawn(move || raw_peer(stream));
+        }
+    });
+    println!("{READY_PREFIX}{raw_addr}");
+    let _ = std::io::stdout().flush();
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().read_to_end(&mut sink);
+    })
+    .await;
+    node.close().await;
+    Ok(())
+}
+
+/// One raw connection: a 9-byte header (b'w' or b'r' + u64 length) then that many bytes in or out,
+/// then a one-byte ack.
+fn raw_peer(mut s: TcpStream) {
+    let _ = s.set_nodelay(true);
+    let mut buf = vec![0u8; 1 << 20];
+    let mut header = [0u8; 9];
+    while s.read_exact(&mut header).is_ok() {
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&header[1..9]);
+        let mut left = u64::from_le_bytes(len) as usize;
+        while left > 0 {
+            let n = left.min(buf.len());
+            let ok =
+                if header[0] == b'w' { s.read_exact(&mut buf[..n]).is_ok() } else { s.write_all(&buf[..n]).is_ok() };
+            if !ok {
+                return;
+            }
+            left -= n;
+        }
+        if s.write_all(&[1]).is_err() {
+            return;
+        }
+    }
+}
+
+/// GB/s of moving `total` bytes over [`CONNECTIONS`] raw streams (write = to the child, read = from it).
+fn raw_rate(addr: &str, total: usize, write: bool) -> std::io::Result<f64> {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..CONNECTIONS)
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<()> {
+                    let mut c = TcpStream::connect(addr)?;
+                    c.set_nodelay(true)?;
+                    let share = total / CONNECTIONS;
+                    let mut header = [0u8; 9];
+                    header[0] = if write { b'w' } else { b'r' };
+                    header[1..].copy_from_slice(&(share as u64).to_le_bytes());
+                    c.write_all(&header)?;
+                    let mut buf = vec![7u8; 1 << 20];
+                    let mut left = share;
+                    while left > 0 {
+                        let n = left.min(buf.len());
+                        if write {
+                            c.write_all(&buf[..n])?;
+                        } else {
+                            c.read_exact(&mut buf[..n])?;
+                        }
+                        left -= n;
+                    }
+                    let mut ack = [0u8; 1];
+                    c.read_exact(&mut ack)
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().map_err(|_| std::io::Error::other("a raw stream thread panicked"))??;
+        }
+        Ok::<(), std::io::Error>(())
+    })?;
+    Ok(gbps(total, start))
+}
+
+async fn raw_rate_async(addr: &str, total: usize, write: bool) -> Result<f64, BenchError> {
+    let addr = addr.to_owned();
+    tokio::task::spawn_blocking(move || raw_rate(&addr, total, write))
+        .await
+        .map_err(|e| BenchError::Failed(format!("raw stream: {e}")))?
+        .map_err(|e| BenchError::Failed(format!("raw stream to the child: {e}")))
+}
+
+/// Stops the child when dropped: closes its stdin (it leaves the cluster and exits), kills it if it
+/// is still there after two seconds, and reaps it.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        drop(self.0.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn fail(what: &str, results: &[Result<impl Sized, impl fmt::Display>]) -> Result<(), BenchError> {
+    match results.iter().find_map(|r| r.as_ref().err()) {
+        Some(e) => Err(BenchError::Failed(format!("{what}: {e}"))),
+        None => Ok(()),
+    }
+}
+
+/// Runs the bench: an embedded master on 127.0.0.1, a local node, then a node in a child process.
+pub async fn run(options: BenchOptions) -> Result<BenchReport, BenchError> {
+    options.validate()?;
+    let master = umbp_master::start(MasterConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        // Heartbeats every second, so small batches (fewer keys than the auto-flush threshold) are
+        // indexed quickly; the wait for the index is not timed.
+        heartbeat_ttl: Duration::from_secs(2),
+        ..MasterConfig::default()
+    })
+    .await?;
+    let result = measure(&options, &master.local_addr().to_string()).await;
+    master.shutdown().await;
+    result
+}
+
+async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, BenchError> {
+    let rounds = options.rounds;
+    let batch = options.batch_bytes as usize;
+    let mut rows = Vec::new();
+
+    // Local: a node with its own medium, alone in the cluster, so every key routes to itself.
+    let local = start_node(node_config("local", master, dram(options.capacity()))).await?;
+    let local_result = measure_local(&local, rounds, batch, &mut rows).await;
+    local.close().await;
+    local_result?;
+
+    // Remote: a DRAM node in a child process; this process is a client-only node.
+    let program = match &options.child_program {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().map_err(|e| BenchError::Child(format!("finding this executable: {e}")))?,
+    };
+    let mut child = ChildGuard(
+        Command::new(&program)
+            .args(["bench-child", "--master", master, "--capacity", &options.capacity().to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| BenchError::Child(format!("spawning {}: {e}", program.display())))?,
+    );
+    let stdout = child.0.stdout.take().ok_or_else(|| BenchError::Child("no stdout".into()))?;
+    let raw_addr = tokio::time::timeout(
+        WAIT,
+        tokio::task::spawn_blocking(move || {
+            for line in BufReader::new(stdout).lines() {
+                let line = line.map_err(|e| BenchError::Child(format!("reading its output: {e}")))?;
+                if let Some(addr) = line.strip_prefix(READY_PREFIX) {
+                    return Ok(addr.to_owned());
+                }
+            }
+            Err(BenchError::Child("it exited before it was ready".into()))
+        }),
+    )
+    .await
+    .map_err(|_| BenchError::Child(format!("not ready within {WAIT:?}")))?
+    .map_err(|e| BenchError::Child(e.to_string()))??;
+
+    let client = start_node(node_config("bench-client", master, Medium::None)).await?;
+    let result = async {
+        measure_remote(&client, &raw_addr, rounds, batch, &mut rows).await?;
+        measure_latency(&client, options.latency_calls).await
+    }
+    .await;
+    client.close().await;
+    drop(child);
+    Ok(BenchReport { rounds, batch_bytes: options.batch_bytes, rows, latency: result? })
+}
+
+async fn measure_local(
+    local: &PoolClient,
+    rounds: usize,
+    batch: usize,
+    rows: &mut Vec<BenchRow>,
+) -> Result<(), BenchError> {
+    for value in VALUE_SIZES {
+        let n = batch / value;
+        let bytes = n * value;
+        let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
+        let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
+        let (mut put, mut get, mut copy) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let keys: Vec<String> = (0..n).map(|i| format!("local-{value}-{round}-{i}")).collect();
+            let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+            let t = Instant::now();
+            let results = local.batch_put(&items).await;
+            put.push(gbps(bytes, t));
+            fail("local put", &results)?;
+            let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let mut slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+            let t = Instant::now();
+            let results = local.batch_get(&key_refs, &mut slices).await;
+            get.push(gbps(bytes, t));
+            fail("local get", &results)?;
+            if out[n / 2] != data[n / 2] {
+                return Err(BenchError::Failed("local get returned other bytes than were put".into()));
+            }
+            let t = Instant::now();
+            for (d, s) in out.iter_mut().zip(&data) {
+                d.copy_from_slice(std::hint::black_box(s));
+            }
+            std::hint::black_box(&out);
+            copy.push(gbps(bytes, t));
+        }
+        let copy = median(copy);
+        for (op, figures) in [("put", put), ("get", get)] {
+            rows.push(BenchRow {
+                path: BenchPath::Local,
+                op,
+                value_bytes: value as u64,
+                pool_gbps: median(figures),
+                baseline_gbps: copy,
+                baseline: "memcpy".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+async fn measure_remote(
+    client: &PoolClient,
+    raw_addr: &str,
+    rounds: usize,
+    batch: usize,
+    rows: &mut Vec<BenchRow>,
+) -> Result<(), BenchError> {
+    for value in VALUE_SIZES {
+        let n = batch / value;
+        let bytes = n * value;
+        let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
+        let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
+        let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let keys: Vec<String> = (0..n).map(|i| format!("remote-{value}-{round}-{i}")).collect();
+            let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+            let t = Instant::now();
+            let results = client.batch_put(&items).await;
+            put.push(gbps(bytes, t));
+            fail("remote put", &results)?;
+            // Reads need the master to know the keys: the child's node ships its ADDs at auto-flush
+            // or at its next heartbeat; wait for the index rather than guess.
+            until_indexed(client, &keys).await?;
+            let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let mut slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+            let t = Instant::now();
+            let results = client.batch_get(&key_refs, &mut slices).await;
+            get.push(gbps(bytes, t));
+            fail("remote get", &results)?;
+            if out[n / 2] != data[n / 2] {
+                return Err(BenchError::Failed("remote get returned other bytes than were put".into()));
+            }
+            raw_w.push(raw_rate_async(raw_addr, bytes, true).await?);
+            raw_r.push(raw_rate_async(raw_addr, bytes, false).await?);
+            tokio::time::sleep(Duration::from_millis(600)).await; // read leases expire
+            let _ = client.remove(&key_refs).await;
+        }
+        for (op, figures, baseline) in [("put", put, raw_w), ("get", get, raw_r)] {
+            rows.push(BenchRow {
+                path: BenchPath::Remote,
+                op,
+                value_bytes: value as u64,
+                pool_gbps: median(figures),
+                baseline_gbps: median(baseline),
+                baseline: format!("raw TCP x{CONNECTIONS}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+async fn measure_latency(client: &PoolClient, calls: usize) -> Result<Latency, BenchError> {
+    let value = vec![5u8; LATENCY_VALUE];
+    let key = "bench-latency-key".to_owned();
+    client.put(&key, &value).await.map_err(|e| BenchError::Failed(format!("latency put: {e}")))?;
+    until_indexed(client, std::slice::from_ref(&key)).await?;
+    let mut buf = vec![0u8; LATENCY_VALUE];
+    let mut lat = Vec::with_capacity(calls);
+    for _ in 0..calls {
+        let t = Instant::now();
+        client.get(&key, &mut buf).await.map_err(|e| BenchError::Failed(format!("latency get: {e}")))?;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(f64::total_cmp);
+    Ok(Latency { calls, p50_us: lat[calls / 2], p99_us: lat[calls * 99 / 100] })
+}
