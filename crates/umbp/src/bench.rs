@@ -9,7 +9,7 @@
 //!   as the data plane pools ([`CONNECTIONS`]);
 //! - the p50 / p99 latency of a single 64 KiB remote get.
 //!
-//! The same measurements as `crates/umbp-peer/benches/pool.rs`; each cell is the median of
+//! The same measurements as `cargo bench -p umbp --bench pool`; each cell is the median of
 //! [`BenchOptions::rounds`] rounds.
 
 use std::fmt;
