@@ -26,7 +26,7 @@ pub enum ConfigError {
 }
 
 /// Settings of the master. Every default is the reference's.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct MasterConfig {
     /// gRPC listen address. Default: `127.0.0.1:50051` (loopback unless told otherwise).
     pub listen: SocketAddr,
@@ -65,6 +65,26 @@ pub struct MasterConfig {
     /// Largest gRPC message accepted or sent, by the master's server and by its `EvictKey` client.
     /// Env `UMBP_MASTER_MAX_MESSAGE_BYTES` (>= 64 KiB). Default: 64 MiB.
     pub max_message_bytes: usize,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for MasterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MasterConfig")
+            .field("listen", &self.listen)
+            .field("heartbeat_ttl", &self.heartbeat_ttl)
+            .field("heartbeat_interval_divisor", &self.heartbeat_interval_divisor)
+            .field("max_missed_heartbeats", &self.max_missed_heartbeats)
+            .field("reaper_interval", &self.reaper_interval)
+            .field("eviction", &self.eviction)
+            .field("route_put_algo", &self.route_put_algo)
+            .field("route_put_affinity", &self.route_put_affinity)
+            .field("index_shards", &self.index_shards)
+            .field("shutdown_deadline", &self.shutdown_deadline)
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("max_message_bytes", &self.max_message_bytes)
+            .finish()
+    }
 }
 
 impl Default for MasterConfig {
@@ -318,5 +338,13 @@ mod tests {
         c.validate().expect("expiry 10 s > interval 5 s");
         let c = MasterConfig { max_message_bytes: 10, ..MasterConfig::default() };
         assert!(c.validate().is_err(), "tiny message limit");
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_cluster_token() {
+        let c = MasterConfig { cluster_token: Some("s3cret-token".into()), ..MasterConfig::default() };
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret-token"), "{shown}");
+        assert!(shown.contains("<redacted>"));
     }
 }

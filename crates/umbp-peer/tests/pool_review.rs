@@ -324,3 +324,13 @@ async fn a_wildcard_data_listen_needs_a_fixed_port_to_be_advertised() {
     assert!(err.to_string().contains("wildcard"), "{err}");
     m.shutdown().await;
 }
+
+#[test]
+fn config_debug_output_never_shows_the_cluster_token() {
+    let mut c = PoolClientConfig::new("n", "127.0.0.1:1");
+    c.cluster_token = Some("s3cret-token".into());
+    let shown = format!("{c:?}");
+    assert!(!shown.contains("s3cret-token"), "{shown}");
+    let tcp = umbp_transfer::TcpEngineConfig { cluster_token: Some("s3cret-token".into()), ..Default::default() };
+    assert!(!format!("{tcp:?}").contains("s3cret-token"));
+}

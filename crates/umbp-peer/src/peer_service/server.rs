@@ -15,7 +15,7 @@ use super::service::PeerService;
 use crate::master_client::TOKEN_METADATA;
 
 /// Settings of the peer service's gRPC server.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct PeerServerConfig {
     /// Listen address; port 0 picks a free port (see [`PeerServerHandle::local_addr`]). The port is
     /// bound without `SO_REUSEPORT`: a second server on a bound port fails. Default: `127.0.0.1:0`.
@@ -27,6 +27,18 @@ pub struct PeerServerConfig {
     pub max_message_bytes: usize,
     /// How long [`PeerServerHandle::shutdown`] waits for in-flight calls. Default: 3 s.
     pub shutdown_deadline: Duration,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for PeerServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerServerConfig")
+            .field("listen", &self.listen)
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("shutdown_deadline", &self.shutdown_deadline)
+            .finish()
+    }
 }
 
 impl Default for PeerServerConfig {

@@ -88,7 +88,7 @@ pub enum RecachePolicy {
 }
 
 /// Settings of a [`PoolClient`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PoolClientConfig {
     /// This node's unique id. Required.
     pub node_id: String,
@@ -120,6 +120,29 @@ pub struct PoolClientConfig {
     pub rpc_timeout: Duration,
     /// The master client's settings.
     pub master: MasterClientConfig,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for PoolClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolClientConfig")
+            .field("node_id", &self.node_id)
+            .field("master_address", &self.master_address)
+            .field("node_address", &self.node_address)
+            .field("peer_listen", &self.peer_listen)
+            .field("data_listen", &self.data_listen)
+            .field("medium", &self.medium)
+            .field("page_size", &self.page_size)
+            .field("pending_ttl", &self.pending_ttl)
+            .field("read_lease", &self.read_lease)
+            .field("bounce_bytes", &self.bounce_bytes)
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("max_reroutes", &self.max_reroutes)
+            .field("recache", &self.recache)
+            .field("rpc_timeout", &self.rpc_timeout)
+            .field("master", &self.master)
+            .finish()
+    }
 }
 
 impl PoolClientConfig {

@@ -45,7 +45,7 @@ use crate::engine::{
 use crate::planning::{SideKey, plan_in_range, plan_pairs};
 
 /// Settings of a [`TcpEngine`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct TcpEngineConfig {
     /// The engine's own data server (where peers reach this node's registered regions). Default:
     /// [`DataServerConfig::default`] (loopback, OS-chosen port). Leave its `cluster_token` unset.
@@ -71,6 +71,22 @@ pub struct TcpEngineConfig {
     /// The largest request: runs longer than this are split, so the stripes of a batch balance.
     /// Clamped to `1 ..= 1 GiB`. Default: 4 MiB.
     pub chunk_size: u64,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for TcpEngineConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpEngineConfig")
+            .field("server", &self.server)
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("connections_per_peer", &self.connections_per_peer)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .field("batch_timeout", &self.batch_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("chunk_size", &self.chunk_size)
+            .finish()
+    }
 }
 
 impl Default for TcpEngineConfig {

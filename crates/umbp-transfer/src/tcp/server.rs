@@ -27,7 +27,7 @@ use super::protocol::{
 use super::regions::{RegionGuard, RegionTable};
 
 /// Settings of a [`DataServer`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct DataServerConfig {
     /// Address to listen on. Default: `127.0.0.1:0` (loopback, a port chosen by the OS). A wildcard
     /// address (`0.0.0.0`, `::`) needs [`advertise`](Self::advertise).
@@ -54,6 +54,22 @@ pub struct DataServerConfig {
     pub io_timeout: Duration,
     /// A connection with no request for this long is closed. Default: 60 s.
     pub idle_timeout: Duration,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for DataServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataServerConfig")
+            .field("listen", &self.listen)
+            .field("advertise", &self.advertise)
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("max_connections", &self.max_connections)
+            .field("max_handshakes", &self.max_handshakes)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .finish()
+    }
 }
 
 impl Default for DataServerConfig {
