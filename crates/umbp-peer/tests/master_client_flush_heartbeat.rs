@@ -133,6 +133,12 @@ async fn a_backlog_goes_in_bounded_back_to_back_rpcs_with_consecutive_seqs() {
         assert!(deltas.iter().flat_map(|h| &h.bundles).all(|b| b.events.len() == 4));
         assert_eq!(master.fake.model.lock().index().len(), 160);
     }
+    // The master applied bundle 40 before the client read the reply: wait for the client to take the ack.
+    let deadline = Instant::now() + WAIT;
+    while client.stats().acked_seq < 40 {
+        assert!(Instant::now() < deadline, "the client never took the final ack");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let stats = client.stats();
     assert_eq!((stats.acked_seq, stats.next_seq, stats.outbox_bundles), (40, 41, 0));
     assert_eq!(stats.bundles_sent, 40);
