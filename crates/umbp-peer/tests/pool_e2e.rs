@@ -6,47 +6,14 @@
 use std::time::Duration;
 
 use umbp_master::{MasterConfig, MasterHandle};
-use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig};
 
-const PAGE: u64 = 4096;
+mod pool_support;
 
-async fn master() -> MasterHandle {
-    umbp_master::start(MasterConfig { listen: "127.0.0.1:0".parse().expect("addr"), ..MasterConfig::default() })
-        .await
-        .expect("master")
-}
+use pool_support::{PAGE, config, indexed, master, value};
 
 async fn node(master: &MasterHandle, id: &str, capacity: u64) -> PoolClient {
-    let mut config = PoolClientConfig::new(id, master.local_addr().to_string()).with_medium(Medium::Dram(DramConfig {
-        capacity_bytes: capacity,
-        prefault: false,
-        ..DramConfig::default()
-    }));
-    config.page_size = PAGE;
-    config.bounce_bytes = 1 << 20;
-    config.recache = RecachePolicy::Off;
-    PoolClient::start(config).await.expect("node starts")
-}
-
-fn value(seed: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(131)) as u8).collect()
-}
-
-/// Waits until the master indexes `keys` (heartbeats are asynchronous).
-async fn indexed(client: &PoolClient, keys: &[&str]) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let found = client
-            .master()
-            .batch_lookup(&keys.iter().map(|k| k.to_string()).collect::<Vec<_>>())
-            .await
-            .expect("lookup");
-        if found.iter().all(|f| *f) {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "keys never indexed: {found:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    PoolClient::start(config(master, id, capacity)).await.expect("node starts")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

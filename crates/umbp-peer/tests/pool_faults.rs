@@ -6,47 +6,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use umbp_core::{AllocateRequest, BackendRegistry, CommitRequest, MediumBackend, TierType};
-use umbp_master::{MasterConfig, MasterHandle};
+use umbp_master::MasterHandle;
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
-use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig};
 use umbp_testkit::LocalOnlyRegistrar;
 
-const PAGE: u64 = 4096;
+mod pool_support;
 
-async fn master() -> MasterHandle {
-    umbp_master::start(MasterConfig { listen: "127.0.0.1:0".parse().expect("addr"), ..MasterConfig::default() })
-        .await
-        .expect("master")
-}
-
-fn config(master: &MasterHandle, id: &str, capacity: u64) -> PoolClientConfig {
-    let mut config = PoolClientConfig::new(id, master.local_addr().to_string()).with_medium(Medium::Dram(DramConfig {
-        capacity_bytes: capacity,
-        prefault: false,
-        ..DramConfig::default()
-    }));
-    config.page_size = PAGE;
-    config.bounce_bytes = 1 << 20;
-    config.recache = RecachePolicy::Off;
-    config
-}
-
-fn value(seed: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(131)) as u8).collect()
-}
-
-async fn indexed(client: &PoolClient, keys: &[String]) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let found = client.master().batch_lookup(keys).await.expect("lookup");
-        if found.iter().all(|f| *f) {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "keys never indexed: {found:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+use pool_support::{PAGE, config, indexed, master, value};
 
 /// A node the master believes alive and holding `keys`, whose peer service is a closed port.
 async fn ghost(master: &MasterHandle, keys: &[String]) -> (MasterClient, Arc<dyn MediumBackend>) {

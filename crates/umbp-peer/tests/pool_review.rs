@@ -7,28 +7,12 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_master::{MasterConfig, MasterHandle};
-use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_master::MasterHandle;
+use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig, RecachePolicy};
 
-const PAGE: u64 = 4096;
+mod pool_support;
 
-async fn master() -> MasterHandle {
-    umbp_master::start(MasterConfig { listen: "127.0.0.1:0".parse().expect("addr"), ..MasterConfig::default() })
-        .await
-        .expect("master")
-}
-
-fn config(master: &MasterHandle, id: &str, capacity: u64) -> PoolClientConfig {
-    let mut config = PoolClientConfig::new(id, master.local_addr().to_string()).with_medium(Medium::Dram(DramConfig {
-        capacity_bytes: capacity,
-        prefault: false,
-        ..DramConfig::default()
-    }));
-    config.page_size = PAGE;
-    config.bounce_bytes = 1 << 20;
-    config.recache = RecachePolicy::Off;
-    config
-}
+use pool_support::{PAGE, config, indexed, master, value};
 
 fn client_config(master: &MasterHandle, id: &str) -> PoolClientConfig {
     let mut c = PoolClientConfig::new(id, master.local_addr().to_string());
@@ -36,28 +20,8 @@ fn client_config(master: &MasterHandle, id: &str) -> PoolClientConfig {
     c
 }
 
-fn value(seed: usize, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(131)) as u8).collect()
-}
-
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr")
-}
-
-async fn indexed(client: &PoolClient, keys: &[&str]) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let found = client
-            .master()
-            .batch_lookup(&keys.iter().map(|k| k.to_string()).collect::<Vec<_>>())
-            .await
-            .expect("lookup");
-        if found.iter().all(|f| *f) {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "keys never indexed: {found:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
