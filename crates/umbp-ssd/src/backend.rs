@@ -1,0 +1,1598 @@
+//! `SsdBackend`: the slot lifecycle of a staged medium.
+//!
+//! ```text
+//! allocate ─► PENDING (staging pages) ─commit: spill─► OWNED (record on the drive)
+//!                                                        │  staging pages ─► cached clean copy, or free
+//! resolve of an OWNED key: cached copy? ─yes─► lease it  │
+//!                          └─no─► take staging pages, read the drive (single flight), verify CRC, lease
+//! evict / LRU eviction: OWNED ─► dead record (space reclaimed by the reaper) + REMOVE
+//! ```
+//!
+//! Every call works in three phases when it touches the drive: take what it needs under the lock,
+//! do the IO with no lock held, and come back under the lock to publish the outcome (re-checking the
+//! clear generation and the key's record, which may have changed meanwhile).
+
+use std::fmt;
+use std::fs;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{RecvTimeoutError, Sender};
+use foldhash::HashMap;
+use parking_lot::{Condvar, Mutex, RwLock};
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, CommitRequest,
+    CommitResult, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSample,
+    MetricSource, PageLocation, ResolvedEntry, TierCapacity, TierType, TransferRef, metric_names,
+};
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBitmapAllocator, PageMemorySource, RawBuffer};
+
+use crate::config::SsdConfig;
+use crate::io::{AlignedBuf, IoEngine, IoOp, make_engine, probe_direct_io};
+use crate::record::{self, HeaderError, MAX_KEY_LEN, header_len, record_len};
+use crate::store::{DirState, Loc, Log, Lru, SegMeta, SegmentFile};
+
+/// How long a follower waits for the leader of a single-flight read (the reference's 30 s).
+const FOLLOWER_WAIT: Duration = Duration::from_secs(30);
+/// How many times a resolve of one key follows someone else's read before it gives up (a miss).
+const FOLLOW_ROUNDS: usize = 3;
+/// The name this medium reports.
+const NAME: &str = "SsdBackend";
+
+#[derive(Debug)]
+struct Pending {
+    pages: Vec<PageLocation>,
+    size: u64,
+    deadline: Instant,
+    generation: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Owned {
+    loc: Loc,
+    size: u64,
+}
+
+/// A staged copy of an owned key's value in staging pages: clean, and leased while a reader may be
+/// copying out of it.
+#[derive(Debug)]
+struct Staged {
+    pages: Vec<PageLocation>,
+    size: u64,
+    lease_until: Option<Instant>,
+    touched: u64,
+}
+
+impl Staged {
+    fn leased(&self, now: Instant) -> bool {
+        self.lease_until.is_some_and(|t| t > now)
+    }
+}
+
+/// One drive read of a key that concurrent resolves of the key wait on.
+#[derive(Debug, Default)]
+struct Flight {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Flight {
+    fn finish(&self) {
+        *self.done.lock() = true;
+        self.cv.notify_all();
+    }
+
+    fn wait(&self, timeout: Duration) -> bool {
+        let mut done = self.done.lock();
+        let deadline = Instant::now() + timeout;
+        while !*done {
+            if self.cv.wait_until(&mut done, deadline).timed_out() {
+                return *done;
+            }
+        }
+        true
+    }
+}
+
+struct AutoFlush {
+    threshold: usize,
+    hook: AutoFlushHook,
+}
+
+/// Everything behind the backend's one lock.
+#[derive(Default)]
+struct State {
+    /// `None` until `init` and after `shutdown`.
+    staging: Option<PageBitmapAllocator>,
+    pending: HashMap<u64, Pending>,
+    owned: HashMap<String, Owned>,
+    lru: Lru,
+    staged: HashMap<String, Staged>,
+    staged_tick: u64,
+    /// Staging pages of keys dropped by a clear while a reader held them: freed at lease end.
+    deferred: Vec<(Vec<PageLocation>, Instant)>,
+    flights: HashMap<String, Arc<Flight>>,
+    /// Drive reads in progress per key (protects the key from eviction).
+    reading: HashMap<String, u32>,
+    log: Log,
+    /// Drive bytes reserved by pending slots, commits in flight and owned keys (page-rounded).
+    used: u64,
+    total: u64,
+    /// Bytes of commits between their lock phases.
+    committing: u64,
+    compacting: bool,
+    generation: u64,
+    outbox: Vec<KvEvent>,
+    auto_flush: Option<AutoFlush>,
+}
+
+impl State {
+    fn free(&mut self, pages: &[PageLocation]) {
+        if let Some(a) = self.staging.as_mut() {
+            a.deallocate(pages);
+        }
+    }
+
+    fn push_event(&mut self, event: KvEvent) {
+        self.outbox.push(event);
+        // Fires once per crossing: the length passes `threshold` exactly once between drains.
+        if let Some(af) = &self.auto_flush
+            && af.threshold > 0
+            && self.outbox.len() == af.threshold
+        {
+            (af.hook)();
+        }
+    }
+
+    fn touch_staged(&mut self) -> u64 {
+        self.staged_tick += 1;
+        self.staged_tick
+    }
+
+    /// `n` staging pages, dropping least recently used unleased cached copies to make room.
+    fn take_staging(&mut self, n: u64, now: Instant) -> Option<Vec<PageLocation>> {
+        loop {
+            if let Some(pages) = self.staging.as_mut()?.allocate(n) {
+                return Some(pages);
+            }
+            let victim = self
+                .staged
+                .iter()
+                .filter(|(_, s)| !s.leased(now))
+                .min_by_key(|(_, s)| s.touched)
+                .map(|(k, _)| k.clone())?;
+            if let Some(s) = self.staged.remove(&victim) {
+                self.free(&s.pages);
+            }
+        }
+    }
+
+    /// Whether `key` may be evicted now: owned, no live lease on its staged copy, no drive read.
+    fn evictable(&self, key: &str, now: Instant) -> bool {
+        self.owned.contains_key(key)
+            && !self.staged.get(key).is_some_and(|s| s.leased(now))
+            && !self.reading.contains_key(key)
+    }
+
+    /// Drops `key` from the index (its record becomes dead space) and frees its staged copy.
+    fn drop_owned(&mut self, key: &str, page_size: u64) -> Option<Owned> {
+        let owned = self.owned.remove(key)?;
+        self.lru.remove(key);
+        self.used = self.used.saturating_sub(owned.size.div_ceil(page_size) * page_size);
+        self.log.kill(&owned.loc);
+        if let Some(s) = self.staged.remove(key) {
+            self.free(&s.pages);
+        }
+        Some(owned)
+    }
+}
+
+/// What `init` published: immutable until `shutdown`.
+#[derive(Debug)]
+struct Published {
+    registrar: Arc<dyn MemoryRegistrar>,
+    registered: TransferRef,
+    r#ref: TransferRef,
+    desc: BufferDesc,
+    /// The arena's base address and length.
+    base: RawBuffer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lifecycle {
+    New,
+    Live,
+    ShutDown,
+}
+
+/// Medium-internal counters, sampled without the lock.
+#[derive(Debug, Default)]
+struct Counters {
+    device_read_ok: AtomicU64,
+    device_read_error: AtomicU64,
+    device_read_corrupt: AtomicU64,
+    device_write_ok: AtomicU64,
+    device_write_error: AtomicU64,
+    device_read_bytes: AtomicU64,
+    device_write_bytes: AtomicU64,
+    staged_hit: AtomicU64,
+    single_flight_lead: AtomicU64,
+    single_flight_merged: AtomicU64,
+    staging_full_reject: AtomicU64,
+    staging_expired_reclaim: AtomicU64,
+    eviction_round: AtomicU64,
+    eviction_victim: AtomicU64,
+    segment_reclaimed: AtomicU64,
+    compaction_moved: AtomicU64,
+    recovery_record: AtomicU64,
+    recovery_corrupt: AtomicU64,
+    recovery_torn_tail: AtomicU64,
+    staging_in_use: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+struct Inner {
+    config: SsdConfig,
+    state: Mutex<State>,
+    published: RwLock<Option<Arc<Published>>>,
+    engine: RwLock<Option<Arc<dyn IoEngine>>>,
+    next_slot_id: AtomicU64,
+    clear_pending: AtomicBool,
+    counters: Counters,
+}
+
+/// A read or write between its lock phases.
+struct Job {
+    index: usize,
+    key: String,
+    pages: Vec<PageLocation>,
+    size: u64,
+    file: Arc<SegmentFile>,
+    loc: Loc,
+    header: AlignedBuf,
+    generation: u64,
+    flight: Option<Arc<Flight>>,
+    outcome: JobOutcome,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum JobOutcome {
+    Ok,
+    IoError,
+    Corrupt,
+}
+
+struct Reaper {
+    stop: Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+/// The SSD medium: a registered host staging arena over an append-only drive log (see the crate
+/// docs for what it owns and the choices it makes).
+pub struct SsdBackend {
+    inner: Arc<Inner>,
+    source: HostPageMemorySource,
+    lifecycle: Mutex<Lifecycle>,
+    reaper: Mutex<Option<Reaper>>,
+}
+
+impl fmt::Debug for SsdBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SsdBackend")
+            .field("config", &self.inner.config)
+            .field("lifecycle", &*self.lifecycle.lock())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Medium-internal facts for tests and operators, read without IO.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SsdStats {
+    /// Drive reads issued for resolves (excluding recovery and compaction).
+    pub device_reads: u64,
+    /// Drive writes issued for commits.
+    pub device_writes: u64,
+    /// Resolves served from a cached staged copy without a drive read.
+    pub staged_hits: u64,
+    /// Resolves that waited for another resolve's read of the same key.
+    pub single_flight_merged: u64,
+    /// Resolves that found the key but no free staging page (answered as a miss).
+    pub staging_full_rejects: u64,
+    /// Records whose CRC failed on a read (dropped, answered as a miss).
+    pub corrupt_reads: u64,
+    /// Keys evicted by the medium's own LRU.
+    pub evicted: u64,
+    /// Records recovered from the log at `init`.
+    pub recovered: u64,
+    /// Records skipped at recovery because their CRC failed.
+    pub recovery_corrupt: u64,
+    /// Segments whose tail was torn (scan stopped early) at recovery.
+    pub torn_tails: u64,
+    /// Segment files deleted because nothing live was left in them.
+    pub segments_reclaimed: u64,
+    /// Records moved by compaction.
+    pub compaction_moved: u64,
+    /// Segment files currently on the drives.
+    pub segments: u64,
+    /// Bytes the segment files occupy.
+    pub log_bytes: u64,
+    /// Bytes of live records.
+    pub live_bytes: u64,
+    /// Staging pages in use (pending, cached or leased).
+    pub staging_pages_in_use: u64,
+}
+
+impl SsdBackend {
+    /// A backend with `config`; nothing is allocated, opened or read until [`MediumBackend::init`].
+    pub fn new(config: SsdConfig) -> Self {
+        let options = HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() };
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                state: Mutex::new(State::default()),
+                published: RwLock::new(None),
+                engine: RwLock::new(None),
+                next_slot_id: AtomicU64::new(1),
+                clear_pending: AtomicBool::new(false),
+                counters: Counters::default(),
+            }),
+            source: HostPageMemorySource::new(options),
+            lifecycle: Mutex::new(Lifecycle::New),
+            reaper: Mutex::new(None),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SsdConfig {
+        &self.inner.config
+    }
+
+    /// Runs one reaper pass now: expired slots and leases, due deferred frees, deletion of dead
+    /// segments and one round of compaction.
+    pub fn reaper_tick(&self) {
+        self.inner.sweep();
+    }
+
+    /// Counters and gauges of the medium.
+    pub fn stats(&self) -> SsdStats {
+        let c = &self.inner.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (segments, log_bytes, live_bytes) = {
+            let s = self.inner.state.lock();
+            (s.log.segs.len() as u64, s.log.physical_bytes(), s.log.live_bytes())
+        };
+        SsdStats {
+            device_reads: l(&c.device_read_ok) + l(&c.device_read_error) + l(&c.device_read_corrupt),
+            device_writes: l(&c.device_write_ok) + l(&c.device_write_error),
+            staged_hits: l(&c.staged_hit),
+            single_flight_merged: l(&c.single_flight_merged),
+            staging_full_rejects: l(&c.staging_full_reject),
+            corrupt_reads: l(&c.device_read_corrupt),
+            evicted: l(&c.eviction_victim),
+            recovered: l(&c.recovery_record),
+            recovery_corrupt: l(&c.recovery_corrupt),
+            torn_tails: l(&c.recovery_torn_tail),
+            segments_reclaimed: l(&c.segment_reclaimed),
+            compaction_moved: l(&c.compaction_moved),
+            segments,
+            log_bytes,
+            live_bytes,
+            staging_pages_in_use: l(&c.staging_in_use),
+        }
+    }
+
+    /// Drops every unleased cached staged copy, so the next resolve of each key reads the drive.
+    pub fn drop_cached_copies(&self) {
+        let now = self.inner.config.clock.now();
+        let mut state = self.inner.state.lock();
+        let keys: Vec<String> = state.staged.iter().filter(|(_, s)| !s.leased(now)).map(|(k, _)| k.clone()).collect();
+        for k in keys {
+            if let Some(s) = state.staged.remove(&k) {
+                state.free(&s.pages);
+            }
+        }
+        self.inner.update_staging_gauge(&state);
+    }
+
+    fn start_reaper(&self) -> io::Result<Reaper> {
+        let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
+        let inner = Arc::clone(&self.inner);
+        let interval = inner.config.reaper_interval;
+        let thread = std::thread::Builder::new().name("umbp-reaper-SSD".into()).spawn(move || {
+            loop {
+                match stopped.recv_timeout(interval) {
+                    Err(RecvTimeoutError::Timeout) => inner.sweep(),
+                    Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+                }
+            }
+        })?;
+        Ok(Reaper { stop, thread })
+    }
+
+    fn stop_reaper(&self) {
+        if let Some(reaper) = self.reaper.lock().take() {
+            let _ = reaper.stop.try_send(());
+            drop(reaper.stop);
+            if reaper.thread.join().is_err() {
+                tracing::error!("SSD reaper thread panicked");
+            }
+        }
+    }
+
+    fn io_error(context: String, source: io::Error) -> BackendError {
+        BackendError::Io { medium: NAME.into(), context, source }
+    }
+
+    /// Opens the directories, recovers (or wipes) the log and returns it with the owned keys.
+    fn open_log(&self, engine: &dyn IoEngine) -> Result<(Log, Vec<(String, Owned)>, u64), BackendError> {
+        let config = &self.inner.config;
+        let n = config.dirs.len() as u64;
+        let total = (config.capacity_bytes / config.page_size) * config.page_size;
+        let mut log = Log { segment_bytes: config.segment_bytes, ..Log::default() };
+        let mut found: Vec<(SegId2, usize)> = Vec::new();
+        for (i, dir) in config.dirs.iter().enumerate() {
+            fs::create_dir_all(dir).map_err(|e| Self::io_error(format!("creating {}", dir.display()), e))?;
+            let direct = config.direct_io && probe_direct_io(dir);
+            if config.direct_io && !direct {
+                tracing::info!(dir = %dir.display(), "O_DIRECT refused by the filesystem; using buffered IO");
+            }
+            let share = total / n + if i == 0 { total % n } else { 0 };
+            log.dirs.push(DirState { path: dir.clone(), direct, share, physical: 0, active: None });
+            let entries = fs::read_dir(dir).map_err(|e| Self::io_error(format!("listing {}", dir.display()), e))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| Self::io_error(format!("listing {}", dir.display()), e))?;
+                if let Some(id) = entry.file_name().to_str().and_then(SegmentFile::parse_name) {
+                    found.push((id, i));
+                }
+            }
+        }
+        found.sort_unstable();
+        if !config.recover {
+            for (id, dir) in &found {
+                let path = log.dirs[*dir].path.join(SegmentFile::segment_name(*id));
+                fs::remove_file(&path).map_err(|e| Self::io_error(format!("removing {}", path.display()), e))?;
+            }
+            found.clear();
+        }
+        // Every record found, newest wins per key.
+        let mut records: Vec<(String, u64, Loc)> = Vec::new();
+        for (id, dir) in found {
+            let d = &log.dirs[dir];
+            let path = d.path.join(SegmentFile::segment_name(id));
+            let file = crate::io::open_segment(&path, false, d.direct)
+                .map_err(|e| Self::io_error(format!("opening {}", path.display()), e))?;
+            let len = file.metadata().map_err(|e| Self::io_error(format!("stat {}", path.display()), e))?.len();
+            let seg = Arc::new(SegmentFile::opened(id, path, d.direct, file));
+            let end = self.scan_segment(engine, &seg, len, &mut records)?;
+            log.dirs[dir].physical += end;
+            log.segs.insert(id, SegMeta { file: seg, dir, append: end, live: 0, writers: 0, sealed: true });
+            log.next_seg = log.next_seg.max(id + 1);
+        }
+        records.sort_by(|a, b| b.2.seq.cmp(&a.2.seq));
+        log.next_seq = records.first().map_or(1, |r| r.2.seq + 1);
+        let mut owned: HashMap<String, Owned> = HashMap::default();
+        let mut used = 0u64;
+        let max_value = config.max_value_pages * config.page_size;
+        for (key, size, loc) in records {
+            if owned.contains_key(&key) || size > max_value || size == 0 {
+                continue;
+            }
+            let bytes = size.div_ceil(config.page_size) * config.page_size;
+            if used + bytes > total {
+                // The capacity shrank since these were written: keep the newest that fit.
+                continue;
+            }
+            used += bytes;
+            log.add_live(&loc);
+            owned.insert(key, Owned { loc, size });
+        }
+        let mut owned: Vec<(String, Owned)> = owned.into_iter().collect();
+        // Oldest first, so the LRU starts in write order.
+        owned.sort_by_key(|(_, o)| o.loc.seq);
+        Ok((log, owned, total))
+    }
+
+    /// Reads every record of one segment, verifying both CRCs; returns where valid data ends.
+    fn scan_segment(
+        &self,
+        engine: &dyn IoEngine,
+        seg: &Arc<SegmentFile>,
+        len: u64,
+        out: &mut Vec<(String, u64, Loc)>,
+    ) -> Result<u64, BackendError> {
+        let c = &self.inner.counters;
+        let file = seg.file().map_err(|e| Self::io_error("opening a segment".into(), e))?;
+        let mut offset = 0u64;
+        let read = |offset: u64, len: usize| -> io::Result<AlignedBuf> {
+            let mut buf = AlignedBuf::zeroed(len)?;
+            let ptr = buf.as_mut_ptr();
+            // SAFETY: `buf` is ours alone and outlives the submit; `file` is open.
+            let mut ops = [unsafe { IoOp::new(file, offset, &[(ptr, len)], false) }];
+            engine.submit(&mut ops);
+            let [op] = ops;
+            op.result.map(|()| buf)
+        };
+        while offset + record::ALIGN <= len {
+            let mut block = read(offset, record::ALIGN as usize)
+                .map_err(|e| Self::io_error(format!("reading {}", seg.path.display()), e))?;
+            let header = match record::decode_header(block.as_slice()) {
+                Err(HeaderError::Short { needed }) if offset + needed as u64 <= len => {
+                    block = read(offset, needed)
+                        .map_err(|e| Self::io_error(format!("reading {}", seg.path.display()), e))?;
+                    record::decode_header(block.as_slice())
+                }
+                other => other,
+            };
+            let Ok(header) = header else {
+                // Zeroes past the last record, or a torn or corrupt header: nothing after it can be
+                // trusted to start on a record boundary.
+                if block.as_slice().iter().any(|b| *b != 0) {
+                    bump(&c.recovery_torn_tail);
+                    tracing::warn!(segment = %seg.path.display(), offset, "torn or corrupt record header; dropping the rest of the segment");
+                }
+                break;
+            };
+            let rlen = header.record_len();
+            if offset + rlen > len {
+                bump(&c.recovery_torn_tail);
+                tracing::warn!(segment = %seg.path.display(), offset, "record runs past the end of the segment (torn write); dropped");
+                break;
+            }
+            let hlen = header_len(header.key.len());
+            let vlen = (rlen - hlen) as usize;
+            let value =
+                read(offset + hlen, vlen).map_err(|e| Self::io_error(format!("reading {}", seg.path.display()), e))?;
+            let body = &value.as_slice()[..header.value_size as usize];
+            if record::data_crc(header.key.as_bytes(), body) == header.data_crc {
+                bump(&c.recovery_record);
+                let loc = Loc { seg: seg.id, offset, len: rlen, seq: header.seq };
+                out.push((header.key, header.value_size, loc));
+            } else {
+                bump(&c.recovery_corrupt);
+                tracing::warn!(segment = %seg.path.display(), offset, key = %header.key, "record fails its CRC; skipped");
+            }
+            offset += rlen;
+        }
+        Ok(offset)
+    }
+
+    fn register(&self, registrar: &dyn MemoryRegistrar, base: RawBuffer) -> Result<TransferRef, BackendError> {
+        // SAFETY: `base` came from `self.source`, which keeps it mapped until `release`; the
+        // registration is undone in `shutdown` (or on a failed init) before `release` is called.
+        let region = unsafe { LocalRegion::new(base.base(), base.len(), MemoryLocation::Host) };
+        registrar.register_memory(region).map_err(|source| BackendError::Registration {
+            medium: NAME.into(),
+            buffer_index: 0,
+            source,
+        })
+    }
+}
+
+/// Segment id (kept apart from `store::SegId` only to keep `open_log`'s tuple readable).
+type SegId2 = u64;
+
+impl Inner {
+    fn bytes_of(&self, size: u64) -> u64 {
+        size.div_ceil(self.config.page_size) * self.config.page_size
+    }
+
+    fn engine(&self) -> Option<Arc<dyn IoEngine>> {
+        self.engine.read().clone()
+    }
+
+    fn update_staging_gauge(&self, state: &State) {
+        let in_use = state.staging.as_ref().map_or(0, |a| a.total_pages() - a.free_pages());
+        self.counters.staging_in_use.store(in_use, Ordering::Relaxed);
+    }
+
+    /// The `(address, length)` IO segments of a value of `size` bytes in `pages`, each page's
+    /// length rounded up to the record alignment.
+    fn page_segments(&self, published: &Published, pages: &[PageLocation], size: u64) -> Vec<(*mut u8, usize)> {
+        let ps = self.config.page_size;
+        let mut remaining = record::align_up(size);
+        let mut out = Vec::with_capacity(pages.len());
+        for p in pages {
+            if remaining == 0 {
+                break;
+            }
+            let len = remaining.min(ps);
+            remaining -= len;
+            // SAFETY: `page_index < staging pages` (the allocator only hands out pages of the arena),
+            // so the offset stays inside the mapped arena.
+            let ptr = unsafe { published.base.base().as_ptr().add((u64::from(p.page_index) * ps) as usize) };
+            out.push((ptr, len as usize));
+        }
+        out
+    }
+
+    /// CRC-32C of `key` and the value bytes in staging `pages`.
+    fn crc_of(&self, published: &Published, key: &str, pages: &[PageLocation], size: u64) -> u32 {
+        let ps = self.config.page_size;
+        let mut crc = crc32c::crc32c(key.as_bytes());
+        let mut remaining = size;
+        for p in pages {
+            if remaining == 0 {
+                break;
+            }
+            let len = remaining.min(ps);
+            remaining -= len;
+            // SAFETY: the page lies inside the arena (see `page_segments`); it is held by this call's
+            // slot or fill, which no one else writes while the call runs (a writer finished before
+            // its commit; a fill target is not published yet).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    published.base.base().as_ptr().add((u64::from(p.page_index) * ps) as usize),
+                    len as usize,
+                )
+            };
+            crc = crc32c::crc32c_append(crc, bytes);
+        }
+        crc
+    }
+
+    fn entry(&self, published: Option<&Published>, pages: Vec<PageLocation>, size: u64) -> ResolvedEntry {
+        ResolvedEntry {
+            found: true,
+            pages,
+            size,
+            page_size: self.config.page_size,
+            descs: published.map(|p| vec![p.desc.clone()]).unwrap_or_default(),
+        }
+    }
+
+    /// Evicts least recently used keys until `used <= target` (metadata only: no IO).
+    fn evict_down_to(&self, state: &mut State, target: u64, now: Instant) {
+        if state.used <= target {
+            return;
+        }
+        bump(&self.counters.eviction_round);
+        let ps = self.config.page_size;
+        let candidates: Vec<String> = state.lru.oldest_first().cloned().collect();
+        for key in candidates {
+            if state.used <= target {
+                break;
+            }
+            if !state.evictable(&key, now) {
+                continue;
+            }
+            if state.drop_owned(&key, ps).is_some() {
+                bump(&self.counters.eviction_victim);
+                state.push_event(KvEvent::remove(key, TierType::Ssd));
+            }
+        }
+    }
+
+    fn after_commit_watermark(&self, state: &mut State, now: Instant) {
+        if let Some(w) = self.config.watermarks
+            && state.used as f64 >= w.high * state.total as f64
+        {
+            let low = (w.low * state.total as f64) as u64;
+            self.evict_down_to(state, low, now);
+        }
+    }
+
+    fn sweep(&self) {
+        let now = self.config.clock.now();
+        let dead = {
+            let mut state = self.state.lock();
+            if state.staging.is_none() {
+                return;
+            }
+            let expired: Vec<u64> =
+                state.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| *id).collect();
+            for id in expired {
+                if let Some(p) = state.pending.remove(&id) {
+                    state.free(&p.pages);
+                    state.used = state.used.saturating_sub(self.bytes_of(p.size));
+                    bump(&self.counters.staging_expired_reclaim);
+                }
+            }
+            for s in state.staged.values_mut() {
+                if s.lease_until.is_some_and(|t| t <= now) {
+                    // The reader's time is up; the copy stays as a clean cache entry.
+                    s.lease_until = None;
+                }
+            }
+            let mut due = Vec::new();
+            state.deferred.retain_mut(|(pages, at)| {
+                if *at <= now {
+                    due.push(std::mem::take(pages));
+                    false
+                } else {
+                    true
+                }
+            });
+            for pages in due {
+                state.free(&pages);
+            }
+            self.update_staging_gauge(&state);
+            state.log.take_dead_segments()
+        };
+        self.delete_segments(dead);
+        self.compact_once();
+    }
+
+    fn delete_segments(&self, dead: Vec<Arc<SegmentFile>>) {
+        for seg in dead {
+            match fs::remove_file(&seg.path) {
+                Ok(()) => bump(&self.counters.segment_reclaimed),
+                // Never created (a segment whose only writes failed before opening it).
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(segment = %seg.path.display(), error = %e, "could not delete a dead segment"),
+            }
+        }
+    }
+
+    /// Moves the live records of the most wasteful sealed segment to the log head, so the
+    /// segment can be deleted. One segment per call; skipped if another call is compacting.
+    fn compact_once(&self) {
+        let Some(engine) = self.engine() else { return };
+        let (victims, generation) = {
+            let mut state = self.state.lock();
+            if state.compacting {
+                return;
+            }
+            let Some(seg) = state.log.compaction_candidate(self.config.reclaim_dead_ratio) else { return };
+            let victims: Vec<(String, Owned, Arc<SegmentFile>)> = state
+                .owned
+                .iter()
+                .filter(|(_, o)| o.loc.seg == seg)
+                .filter_map(|(k, o)| state.log.segs.get(&seg).map(|s| (k.clone(), *o, Arc::clone(&s.file))))
+                .collect();
+            if victims.is_empty() {
+                return;
+            }
+            state.compacting = true;
+            (victims, state.generation)
+        };
+        for (key, old, file) in victims {
+            let moved = (|| -> io::Result<bool> {
+                let mut buf = AlignedBuf::zeroed(old.loc.len as usize)?;
+                let ptr = buf.as_mut_ptr();
+                let f = file.file()?;
+                // SAFETY: `buf` is ours and outlives the submit; `f` is kept open by `file`.
+                let mut ops = [unsafe { IoOp::new(f, old.loc.offset, &[(ptr, old.loc.len as usize)], false) }];
+                engine.submit(&mut ops);
+                let [op] = ops;
+                op.result?;
+                let Ok(h) = record::decode_header(buf.as_slice()) else { return Ok(false) };
+                let hl = header_len(h.key.len()) as usize;
+                let body = &buf.as_slice()[hl..hl + h.value_size as usize];
+                if h.key != key || h.seq != old.loc.seq || record::data_crc(key.as_bytes(), body) != h.data_crc {
+                    // A bad record is not moved; a read of it will find out and drop it.
+                    return Ok(false);
+                }
+                let res = {
+                    let mut state = self.state.lock();
+                    if state.generation != generation || state.owned.get(&key).is_none_or(|o| o.loc != old.loc) {
+                        return Ok(false);
+                    }
+                    state.log.reserve(old.loc.len)
+                };
+                let nf = res.file.file();
+                let result = nf.and_then(|nf| {
+                    // SAFETY: as above.
+                    let mut ops = [unsafe { IoOp::new(nf, res.loc.offset, &[(ptr, old.loc.len as usize)], true) }];
+                    engine.submit(&mut ops);
+                    let [op] = ops;
+                    op.result
+                });
+                let mut state = self.state.lock();
+                state.log.finish_write(res.loc.seg);
+                if result.is_err() {
+                    return result.map(|()| false);
+                }
+                let still = state.generation == generation && state.owned.get(&key).is_some_and(|o| o.loc == old.loc);
+                if !still {
+                    return Ok(false);
+                }
+                // The copy keeps the record's seq: identical bytes, so recovery may find either.
+                let new = Loc { seq: old.loc.seq, ..res.loc };
+                state.log.kill(&old.loc);
+                state.log.add_live(&new);
+                if let Some(o) = state.owned.get_mut(&key) {
+                    o.loc = new;
+                }
+                Ok(true)
+            })();
+            match moved {
+                Ok(true) => bump(&self.counters.compaction_moved),
+                Ok(false) => {}
+                Err(e) => tracing::warn!(key = %key, error = %e, "compaction could not move a record"),
+            }
+        }
+        let dead = {
+            let mut state = self.state.lock();
+            state.compacting = false;
+            state.log.take_dead_segments()
+        };
+        self.delete_segments(dead);
+    }
+
+    /// Reads the records of `jobs` into their staging pages and verifies them (no lock held).
+    fn read_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        let mut ops = Vec::with_capacity(jobs.len());
+        let mut opened = Vec::with_capacity(jobs.len());
+        for job in jobs.iter_mut() {
+            match job.file.file() {
+                Ok(f) => {
+                    let mut segs = vec![(job.header.as_mut_ptr(), job.header.len())];
+                    segs.extend(self.page_segments(published, &job.pages, job.size));
+                    // SAFETY: the header buffer is the job's; the staging pages are held by this
+                    // fill and not yet published, so nothing else reads or writes them; `f` is kept
+                    // open by `job.file` until after the submit.
+                    ops.push(unsafe { IoOp::new(f, job.loc.offset, &segs, false) });
+                    opened.push(true);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open a segment to read");
+                    opened.push(false);
+                }
+            }
+        }
+        engine.submit(&mut ops);
+        let mut results = ops.into_iter();
+        for (job, was_opened) in jobs.iter_mut().zip(opened) {
+            let ok = was_opened && results.next().is_some_and(|op| op.result.is_ok());
+            job.outcome = if !ok {
+                JobOutcome::IoError
+            } else {
+                match record::decode_header(job.header.as_slice()) {
+                    Ok(h)
+                        if h.key == job.key
+                            && h.value_size == job.size
+                            && h.seq == job.loc.seq
+                            && self.crc_of(published, &job.key, &job.pages, job.size) == h.data_crc =>
+                    {
+                        JobOutcome::Ok
+                    }
+                    _ => JobOutcome::Corrupt,
+                }
+            };
+            let c = &self.counters;
+            match job.outcome {
+                JobOutcome::Ok => {
+                    bump(&c.device_read_ok);
+                    c.device_read_bytes.fetch_add(job.loc.len, Ordering::Relaxed);
+                }
+                JobOutcome::IoError => bump(&c.device_read_error),
+                JobOutcome::Corrupt => {
+                    bump(&c.device_read_corrupt);
+                    tracing::error!(key = %job.key, segment = %job.file.path.display(), offset = job.loc.offset, "SSD record fails its CRC check; dropping the key");
+                }
+            }
+        }
+    }
+
+    /// Writes the records of `jobs` from their staging pages (no lock held).
+    fn write_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        let mut ops = Vec::with_capacity(jobs.len());
+        let mut opened = Vec::with_capacity(jobs.len());
+        for job in jobs.iter_mut() {
+            let crc = self.crc_of(published, &job.key, &job.pages, job.size);
+            record::encode_header(job.header.as_mut_slice(), &job.key, job.size, job.loc.seq, crc);
+            match job.file.file() {
+                Ok(f) => {
+                    let mut segs = vec![(job.header.as_mut_ptr(), job.header.len())];
+                    segs.extend(self.page_segments(published, &job.pages, job.size));
+                    // SAFETY: the header buffer is the job's; the staging pages belong to the
+                    // committing slot (its writer is done); `f` stays open through `job.file`.
+                    ops.push(unsafe { IoOp::new(f, job.loc.offset, &segs, true) });
+                    opened.push(true);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open a segment to write");
+                    opened.push(false);
+                }
+            }
+        }
+        engine.submit(&mut ops);
+        let mut results = ops.into_iter();
+        for (job, was_opened) in jobs.iter_mut().zip(opened) {
+            let result = if was_opened { results.next().map(|op| op.result) } else { None };
+            job.outcome = match result {
+                Some(Ok(())) => {
+                    bump(&self.counters.device_write_ok);
+                    self.counters.device_write_bytes.fetch_add(job.loc.len, Ordering::Relaxed);
+                    JobOutcome::Ok
+                }
+                Some(Err(e)) => {
+                    bump(&self.counters.device_write_error);
+                    tracing::warn!(key = %job.key, segment = %job.file.path.display(), error = %e, "SSD write failed");
+                    JobOutcome::IoError
+                }
+                None => {
+                    bump(&self.counters.device_write_error);
+                    JobOutcome::IoError
+                }
+            };
+        }
+    }
+}
+
+/// What phase 1 of a resolve decided for one key.
+enum Plan {
+    Done(ResolvedEntry),
+    Lead,
+    Follow(Arc<Flight>),
+}
+
+impl SsdBackend {
+    /// Resolves `keys` (one round: hits, misses and reads led here; keys being read by someone else
+    /// come back as `Follow`).
+    fn resolve_round(&self, keys: &[String], include_descs: bool) -> Vec<Plan> {
+        let inner = &self.inner;
+        let config = &inner.config;
+        let Some(published) = inner.published.read().clone() else {
+            return keys.iter().map(|_| Plan::Done(ResolvedEntry::miss())).collect();
+        };
+        let Some(engine) = inner.engine() else {
+            return keys.iter().map(|_| Plan::Done(ResolvedEntry::miss())).collect();
+        };
+        let descs = include_descs.then_some(published.as_ref());
+        let now = config.clock.now();
+        let lease_until = now + config.read_lease_ttl;
+        let mut plans = Vec::with_capacity(keys.len());
+        let mut jobs = Vec::new();
+        {
+            let mut state = inner.state.lock();
+            let generation = state.generation;
+            for key in keys {
+                let tick = state.touch_staged();
+                if let Some(s) = state.staged.get_mut(key) {
+                    s.lease_until = Some(s.lease_until.map_or(lease_until, |t| t.max(lease_until)));
+                    s.touched = tick;
+                    let (pages, size) = (s.pages.clone(), s.size);
+                    state.lru.touch(key);
+                    bump(&inner.counters.staged_hit);
+                    plans.push(Plan::Done(inner.entry(descs, pages, size)));
+                    continue;
+                }
+                if config.single_flight
+                    && let Some(f) = state.flights.get(key)
+                {
+                    bump(&inner.counters.single_flight_merged);
+                    plans.push(Plan::Follow(Arc::clone(f)));
+                    continue;
+                }
+                let Some(owned) = state.owned.get(key).copied() else {
+                    plans.push(Plan::Done(ResolvedEntry::miss()));
+                    continue;
+                };
+                let Some(file) = state.log.segs.get(&owned.loc.seg).map(|s| Arc::clone(&s.file)) else {
+                    plans.push(Plan::Done(ResolvedEntry::miss()));
+                    continue;
+                };
+                let n = owned.size.div_ceil(config.page_size);
+                let Some(pages) = state.take_staging(n, now) else {
+                    // Known wrong shape (pinned by a test): the key is here, but with no staging page
+                    // to fill the reader sees a miss and tries elsewhere. Size the arena for read
+                    // concurrency.
+                    bump(&inner.counters.staging_full_reject);
+                    plans.push(Plan::Done(ResolvedEntry::miss()));
+                    continue;
+                };
+                let Ok(header) = AlignedBuf::zeroed(header_len(key.len()) as usize) else {
+                    state.free(&pages);
+                    plans.push(Plan::Done(ResolvedEntry::miss()));
+                    continue;
+                };
+                let flight = config.single_flight.then(|| {
+                    let f = Arc::new(Flight::default());
+                    state.flights.insert(key.clone(), Arc::clone(&f));
+                    bump(&inner.counters.single_flight_lead);
+                    f
+                });
+                *state.reading.entry(key.clone()).or_insert(0) += 1;
+                plans.push(Plan::Lead);
+                jobs.push(Job {
+                    index: plans.len() - 1,
+                    key: key.clone(),
+                    pages,
+                    size: owned.size,
+                    file,
+                    loc: owned.loc,
+                    header,
+                    generation,
+                    flight,
+                    outcome: JobOutcome::IoError,
+                });
+            }
+            inner.update_staging_gauge(&state);
+        }
+        if jobs.is_empty() {
+            return plans;
+        }
+        inner.read_jobs(engine.as_ref(), &published, &mut jobs);
+        let now = config.clock.now();
+        let lease_until = now + config.read_lease_ttl;
+        let mut finished = Vec::new();
+        {
+            let mut state = inner.state.lock();
+            for job in jobs {
+                if let Some(n) = state.reading.get_mut(&job.key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        state.reading.remove(&job.key);
+                    }
+                }
+                if let Some(f) = &job.flight {
+                    if state.flights.get(&job.key).is_some_and(|g| Arc::ptr_eq(f, g)) {
+                        state.flights.remove(&job.key);
+                    }
+                    finished.push(Arc::clone(f));
+                }
+                let current = state.generation == job.generation
+                    && state.owned.get(&job.key).is_some_and(|o| o.loc.seq == job.loc.seq);
+                let entry = match job.outcome {
+                    JobOutcome::Ok if current => {
+                        let tick = state.touch_staged();
+                        state.lru.touch(&job.key);
+                        if let Some(s) = state.staged.get_mut(&job.key) {
+                            // Another fill of the key landed first (single flight off): share it.
+                            s.lease_until = Some(s.lease_until.map_or(lease_until, |t| t.max(lease_until)));
+                            s.touched = tick;
+                            let (pages, size) = (s.pages.clone(), s.size);
+                            state.free(&job.pages);
+                            inner.entry(descs, pages, size)
+                        } else {
+                            let pages = job.pages.clone();
+                            state.staged.insert(
+                                job.key.clone(),
+                                Staged {
+                                    pages: job.pages,
+                                    size: job.size,
+                                    lease_until: Some(lease_until),
+                                    touched: tick,
+                                },
+                            );
+                            inner.entry(descs, pages, job.size)
+                        }
+                    }
+                    JobOutcome::Corrupt if current => {
+                        state.free(&job.pages);
+                        // Never serve wrong bytes: the key goes, and the master hears about it.
+                        if state.drop_owned(&job.key, config.page_size).is_some() {
+                            state.push_event(KvEvent::remove(job.key.clone(), TierType::Ssd));
+                        }
+                        ResolvedEntry::miss()
+                    }
+                    _ => {
+                        state.free(&job.pages);
+                        ResolvedEntry::miss()
+                    }
+                };
+                plans[job.index] = Plan::Done(entry);
+            }
+            inner.update_staging_gauge(&state);
+        }
+        for f in finished {
+            f.finish();
+        }
+        plans
+    }
+}
+
+impl MetricSource for SsdBackend {
+    fn sample_metrics(&self) -> Vec<MetricSample> {
+        let c = &self.inner.counters;
+        let mut out = Vec::new();
+        let events: [(&str, &AtomicU64); 17] = [
+            ("device_read_ok", &c.device_read_ok),
+            ("device_read_error", &c.device_read_error),
+            ("device_read_corrupt", &c.device_read_corrupt),
+            ("device_write_ok", &c.device_write_ok),
+            ("device_write_error", &c.device_write_error),
+            ("staged_copy_hit", &c.staged_hit),
+            ("single_flight_lead", &c.single_flight_lead),
+            ("single_flight_merged", &c.single_flight_merged),
+            ("staging_slot_full_reject", &c.staging_full_reject),
+            ("staging_expired_reclaim", &c.staging_expired_reclaim),
+            ("eviction_round", &c.eviction_round),
+            ("eviction_victim", &c.eviction_victim),
+            ("segment_reclaimed", &c.segment_reclaimed),
+            ("compaction_moved", &c.compaction_moved),
+            ("recovery_record", &c.recovery_record),
+            ("recovery_corrupt", &c.recovery_corrupt),
+            ("recovery_torn_tail", &c.recovery_torn_tail),
+        ];
+        for (event, v) in events {
+            let v = v.load(Ordering::Relaxed);
+            if v > 0 {
+                out.push(MetricSample::counter(
+                    metric_names::MEDIUM_EVENTS_TOTAL,
+                    metric_names::MEDIUM_EVENTS_TOTAL_HELP,
+                    vec![("event".into(), event.into())],
+                    v,
+                ));
+            }
+        }
+        for (event, v) in [("device_read", &c.device_read_bytes), ("device_write", &c.device_write_bytes)] {
+            let v = v.load(Ordering::Relaxed);
+            if v > 0 {
+                out.push(MetricSample::counter(
+                    metric_names::MEDIUM_BYTES_TOTAL,
+                    metric_names::MEDIUM_BYTES_TOTAL_HELP,
+                    vec![("event".into(), event.into())],
+                    v,
+                ));
+            }
+        }
+        let gauge = |state: &str, value: u64| {
+            MetricSample::gauge(
+                metric_names::MEDIUM_STATE,
+                metric_names::MEDIUM_STATE_HELP,
+                vec![("state".into(), state.into())],
+                value,
+            )
+        };
+        out.push(gauge("staging_pages_in_use", c.staging_in_use.load(Ordering::Relaxed)));
+        out.push(gauge("staging_pages_total", self.inner.config.staging_pages));
+        // Sampled outside every lock but this short one (the publisher never holds a backend lock).
+        let (segments, log_bytes, live_bytes) = {
+            let s = self.inner.state.lock();
+            (s.log.segs.len() as u64, s.log.physical_bytes(), s.log.live_bytes())
+        };
+        out.push(gauge("log_segments", segments));
+        out.push(gauge("log_bytes", log_bytes));
+        out.push(gauge("log_live_bytes", live_bytes));
+        out
+    }
+}
+
+impl MediumBackend for SsdBackend {
+    fn tier(&self) -> TierType {
+        TierType::Ssd
+    }
+
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn init(&self, registrar: Arc<dyn MemoryRegistrar>) -> Result<(), BackendError> {
+        let mut lifecycle = self.lifecycle.lock();
+        match *lifecycle {
+            Lifecycle::Live => return Ok(()),
+            Lifecycle::ShutDown => return Err(BackendError::ShutDown(NAME.into())),
+            Lifecycle::New => {}
+        }
+        let config = &self.inner.config;
+        let engine: Arc<dyn IoEngine> = make_engine(config.io_engine, config.queue_depth)
+            .map_err(|e| Self::io_error(format!("starting the {} io engine", config.io_engine), e))?
+            .into();
+        let (log, owned, total) = self.open_log(engine.as_ref())?;
+        let arena = config.staging_pages * config.page_size;
+        let buffers = self.source.allocate(&[arena]).map_err(|e| BackendError::OutOfMemory {
+            medium: NAME.into(),
+            requested: arena,
+            reason: std::error::Error::source(&e).map_or_else(|| e.to_string(), |c| format!("{e}: {c}")),
+        })?;
+        let Some(base) = buffers.first().copied() else {
+            self.source.release();
+            return Err(BackendError::OutOfMemory {
+                medium: NAME.into(),
+                requested: arena,
+                reason: "no buffer".into(),
+            });
+        };
+        // The arena is exactly `staging_pages` pages, whatever rounding the source applied.
+        let staging = match PageBitmapAllocator::new(config.page_size, &[arena]) {
+            Ok(a) => a,
+            Err(e) => {
+                self.source.release();
+                return Err(BackendError::InvalidConfig(e.to_string()));
+            }
+        };
+        let registered = match self.register(registrar.as_ref(), base) {
+            Ok(r) => r,
+            Err(e) => {
+                self.source.release();
+                return Err(e);
+            }
+        };
+        let r#ref = registered.clone().truncated(arena);
+        let desc = BufferDesc::from_ref(0, &r#ref);
+        let reaper = match self.start_reaper() {
+            Ok(r) => r,
+            Err(e) => {
+                registrar.deregister(&registered);
+                self.source.release();
+                return Err(Self::io_error("starting the reaper thread".into(), e));
+            }
+        };
+        let recovered = owned.len();
+        let engine_name = engine.name();
+        *self.inner.engine.write() = Some(engine);
+        *self.inner.published.write() = Some(Arc::new(Published { registrar, registered, r#ref, desc, base }));
+        {
+            let mut state = self.inner.state.lock();
+            let mut used = 0;
+            for (key, o) in owned {
+                used += self.inner.bytes_of(o.size);
+                state.lru.touch(&key);
+                state.owned.insert(key, o);
+            }
+            state.used = used;
+            state.total = total;
+            state.log = log;
+            state.staging = Some(staging);
+        }
+        *self.reaper.lock() = Some(reaper);
+        *lifecycle = Lifecycle::Live;
+        tracing::info!(dirs = ?config.dirs, capacity = total, recovered, engine = engine_name, "SSD medium live");
+        Ok(())
+    }
+
+    fn shutdown(&self) {
+        let mut lifecycle = self.lifecycle.lock();
+        if *lifecycle == Lifecycle::ShutDown {
+            return;
+        }
+        *lifecycle = Lifecycle::ShutDown;
+        self.stop_reaper();
+        let old = std::mem::take(&mut *self.inner.state.lock());
+        // Make what was written durable before the process may go (outside the lock).
+        for seg in old.log.segs.values() {
+            if let Some(f) = seg.file.if_open()
+                && let Err(e) = f.sync_data()
+            {
+                tracing::warn!(segment = %seg.file.path.display(), error = %e, "fdatasync failed at shutdown");
+            }
+        }
+        drop(old);
+        *self.inner.engine.write() = None;
+        // Deregister before release: a transport may still map the arena.
+        if let Some(p) = self.inner.published.write().take() {
+            p.registrar.deregister(&p.registered);
+        }
+        self.source.release();
+    }
+
+    fn capacity(&self) -> TierCapacity {
+        let state = self.inner.state.lock();
+        if state.staging.is_none() {
+            return TierCapacity::default();
+        }
+        TierCapacity { total_bytes: state.total, available_bytes: state.total.saturating_sub(state.used) }
+    }
+
+    fn owned_key_count(&self) -> usize {
+        self.inner.state.lock().owned.len()
+    }
+
+    fn drain_pending_events(&self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.inner.state.lock().outbox)
+    }
+
+    fn snapshot_owned_keys(&self) -> Vec<KvEvent> {
+        let state = self.inner.state.lock();
+        state.owned.iter().map(|(k, o)| KvEvent::add(k.clone(), TierType::Ssd, o.size)).collect()
+    }
+
+    fn snapshot_owned_keys_for_full_sync(&self) -> Vec<KvEvent> {
+        let mut state = self.inner.state.lock();
+        state.outbox.clear();
+        state.owned.iter().map(|(k, o)| KvEvent::add(k.clone(), TierType::Ssd, o.size)).collect()
+    }
+
+    fn clear_local(&self) {
+        let now = self.inner.config.clock.now();
+        let dead = {
+            let mut state = self.inner.state.lock();
+            state.generation += 1;
+            state.owned.clear();
+            state.lru.clear();
+            let staged = std::mem::take(&mut state.staged);
+            for (_, s) in staged {
+                match s.lease_until.filter(|t| *t > now) {
+                    // A reader may still be copying out of these pages.
+                    Some(until) => state.deferred.push((s.pages, until)),
+                    None => state.free(&s.pages),
+                }
+            }
+            let pending: u64 = state.pending.values().map(|p| self.inner.bytes_of(p.size)).sum();
+            state.used = pending + state.committing;
+            // Every record is dead now; the files go as soon as no write is in flight in them.
+            let segs: Vec<u64> = state.log.segs.keys().copied().collect();
+            for id in segs {
+                if let Some(s) = state.log.segs.get_mut(&id) {
+                    s.live = 0;
+                }
+            }
+            state.log.seal_all();
+            state.outbox.clear();
+            self.inner.update_staging_gauge(&state);
+            // Set under the lock so no allocation slips between the generation bump and the gate.
+            self.inner.clear_pending.store(true, Ordering::Release);
+            state.log.take_dead_segments()
+        };
+        // Deleting the files keeps a restart from bringing the cleared keys back.
+        self.inner.delete_segments(dead);
+    }
+
+    fn clear_full_sync_acked(&self) {
+        self.inner.clear_pending.store(false, Ordering::Release);
+    }
+
+    fn is_clear_full_sync_pending(&self) -> bool {
+        self.inner.clear_pending.load(Ordering::Acquire)
+    }
+
+    fn set_auto_flush_hook(&self, threshold: usize, hook: Option<AutoFlushHook>) {
+        self.inner.state.lock().auto_flush = hook.map(|hook| AutoFlush { threshold, hook });
+    }
+
+    fn batch_allocate(&self, requests: &[AllocateRequest]) -> Vec<AllocateResult> {
+        if requests.is_empty() {
+            return Vec::new();
+        }
+        let inner = &self.inner;
+        let config = &inner.config;
+        let ps = config.page_size;
+        let pending_ttl_ms = u64::try_from(config.pending_ttl.as_millis()).unwrap_or(u64::MAX);
+        let published = inner.published.read().clone();
+        let now = config.clock.now();
+        let deadline = now + config.pending_ttl;
+        let mut state = inner.state.lock();
+        let clearing = inner.clear_pending.load(Ordering::Acquire);
+        let generation = state.generation;
+        let total_pages = state.total / ps;
+        let mut results = Vec::with_capacity(requests.len());
+        for req in requests {
+            let n = req.size.div_ceil(ps);
+            // Too large for a staged value here, or for the whole drive: no peer like us would do
+            // better, so the writer must not go hunting (Failed, not FailedNoSpace).
+            if req.size == 0 || clearing || n > config.max_value_pages || n > total_pages || req.key.len() > MAX_KEY_LEN
+            {
+                results.push(AllocateResult::outcome(AllocateOutcome::Failed));
+                continue;
+            }
+            if state.staging.is_none() {
+                results.push(AllocateResult::outcome(AllocateOutcome::Failed));
+                continue;
+            }
+            if state.owned.contains_key(&req.key) {
+                results.push(AllocateResult::outcome(AllocateOutcome::AlreadyExists));
+                continue;
+            }
+            let bytes = n * ps;
+            if state.used + bytes > state.total
+                && let Some(w) = config.watermarks
+            {
+                let low = (w.low * state.total as f64) as u64;
+                let target = low.min(state.total - bytes);
+                inner.evict_down_to(&mut state, target, now);
+            }
+            if state.used + bytes > state.total {
+                results.push(AllocateResult::outcome(AllocateOutcome::FailedNoSpace));
+                continue;
+            }
+            let Some(pages) = state.take_staging(n, now) else {
+                results.push(AllocateResult::outcome(AllocateOutcome::FailedNoSpace));
+                continue;
+            };
+            state.used += bytes;
+            let slot_id = inner.next_slot_id.fetch_add(1, Ordering::Relaxed);
+            state.pending.insert(slot_id, Pending { pages: pages.clone(), size: req.size, deadline, generation });
+            results.push(AllocateResult {
+                outcome: AllocateOutcome::Allocated,
+                slot_id,
+                pages,
+                size: req.size,
+                page_size: ps,
+                descs: published.as_ref().map(|p| vec![p.desc.clone()]).unwrap_or_default(),
+                pending_ttl_ms,
+            });
+        }
+        inner.update_staging_gauge(&state);
+        results
+    }
+
+    fn batch_commit(&self, requests: &[CommitRequest]) -> Vec<CommitResult> {
+        if requests.is_empty() {
+            return Vec::new();
+        }
+        let inner = &self.inner;
+        let config = &inner.config;
+        let mut results = vec![CommitResult::default(); requests.len()];
+        let (Some(published), Some(engine)) = (inner.published.read().clone(), inner.engine()) else {
+            return results;
+        };
+        let now = config.clock.now();
+        // Phase 1: take the slots and reserve their places in the log.
+        let mut jobs = Vec::new();
+        {
+            let mut state = inner.state.lock();
+            let generation = state.generation;
+            for (i, req) in requests.iter().enumerate() {
+                let Some(slot) = state.pending.remove(&req.slot_id) else { continue };
+                let bytes = inner.bytes_of(slot.size);
+                if slot.generation != generation || slot.deadline <= now || req.key.len() > MAX_KEY_LEN {
+                    // Pre-clear or expired: the writer's bytes may be stale; the pages go back silently.
+                    state.free(&slot.pages);
+                    state.used = state.used.saturating_sub(bytes);
+                    continue;
+                }
+                if let Some(existing) = state.owned.get(&req.key) {
+                    // Lost a race with another writer of the same key: the first value stays.
+                    results[i] = CommitResult { success: true, bytes_committed: existing.size };
+                    state.free(&slot.pages);
+                    state.used = state.used.saturating_sub(bytes);
+                    continue;
+                }
+                let Ok(header) = AlignedBuf::zeroed(header_len(req.key.len()) as usize) else {
+                    state.free(&slot.pages);
+                    state.used = state.used.saturating_sub(bytes);
+                    continue;
+                };
+                let res = state.log.reserve(record_len(req.key.len(), slot.size));
+                state.committing += bytes;
+                jobs.push(Job {
+                    index: i,
+                    key: req.key.clone(),
+                    pages: slot.pages,
+                    size: slot.size,
+                    file: res.file,
+                    loc: res.loc,
+                    header,
+                    generation,
+                    flight: None,
+                    outcome: JobOutcome::IoError,
+                });
+            }
+            inner.update_staging_gauge(&state);
+        }
+        if jobs.is_empty() {
+            return results;
+        }
+        // Phase 2: spill, with no lock held.
+        inner.write_jobs(engine.as_ref(), &published, &mut jobs);
+        // Phase 3: publish what landed, give every staging page back (or keep it as a clean copy).
+        let now = config.clock.now();
+        let mut state = inner.state.lock();
+        for job in jobs {
+            let bytes = inner.bytes_of(job.size);
+            state.committing = state.committing.saturating_sub(bytes);
+            state.log.finish_write(job.loc.seg);
+            if job.outcome != JobOutcome::Ok {
+                state.free(&job.pages);
+                state.used = state.used.saturating_sub(bytes);
+                continue;
+            }
+            if state.generation != job.generation {
+                // A clear happened during the write (it kept this commit's bytes in `used`, as
+                // `committing`): the value is dropped, its record is dead.
+                state.free(&job.pages);
+                state.used = state.used.saturating_sub(bytes);
+                continue;
+            }
+            if let Some(existing) = state.owned.get(&job.key) {
+                results[job.index] = CommitResult { success: true, bytes_committed: existing.size };
+                state.free(&job.pages);
+                state.used = state.used.saturating_sub(bytes);
+                continue;
+            }
+            state.log.add_live(&job.loc);
+            state.owned.insert(job.key.clone(), Owned { loc: job.loc, size: job.size });
+            state.lru.touch(&job.key);
+            if config.cache_committed && !state.staged.contains_key(&job.key) {
+                let touched = state.touch_staged();
+                state
+                    .staged
+                    .insert(job.key.clone(), Staged { pages: job.pages, size: job.size, lease_until: None, touched });
+            } else {
+                state.free(&job.pages);
+            }
+            state.push_event(KvEvent::add(job.key.clone(), TierType::Ssd, job.size));
+            results[job.index] = CommitResult { success: true, bytes_committed: job.size };
+        }
+        inner.after_commit_watermark(&mut state, now);
+        inner.update_staging_gauge(&state);
+        results
+    }
+
+    fn batch_abort(&self, slot_ids: &[u64]) -> Vec<bool> {
+        if slot_ids.is_empty() {
+            return Vec::new();
+        }
+        let mut state = self.inner.state.lock();
+        for id in slot_ids {
+            if let Some(slot) = state.pending.remove(id) {
+                state.free(&slot.pages);
+                state.used = state.used.saturating_sub(self.inner.bytes_of(slot.size));
+            }
+        }
+        self.inner.update_staging_gauge(&state);
+        vec![true; slot_ids.len()]
+    }
+
+    fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let plans = self.resolve_round(keys, include_descs);
+        plans
+            .into_iter()
+            .zip(keys)
+            .map(|(plan, key)| {
+                let mut plan = plan;
+                // Follow someone else's read, then look again: usually the staged copy is there.
+                for _ in 0..FOLLOW_ROUNDS {
+                    match plan {
+                        Plan::Done(entry) => return entry,
+                        Plan::Lead => return ResolvedEntry::miss(),
+                        Plan::Follow(flight) => {
+                            if !flight.wait(FOLLOWER_WAIT) {
+                                tracing::warn!(key = %key, "gave up waiting for another read of the key");
+                                return ResolvedEntry::miss();
+                            }
+                            plan = self
+                                .resolve_round(std::slice::from_ref(key), include_descs)
+                                .pop()
+                                .unwrap_or(Plan::Done(ResolvedEntry::miss()));
+                        }
+                    }
+                }
+                match plan {
+                    Plan::Done(entry) => entry,
+                    _ => ResolvedEntry::miss(),
+                }
+            })
+            .collect()
+    }
+
+    fn evict(&self, keys: &[String]) -> Vec<EvictResult> {
+        let now = self.inner.config.clock.now();
+        let ps = self.inner.config.page_size;
+        let mut state = self.inner.state.lock();
+        let mut results = Vec::with_capacity(keys.len());
+        for key in keys {
+            let bytes_freed = if state.evictable(key, now) {
+                match state.drop_owned(key, ps) {
+                    Some(o) => {
+                        state.push_event(KvEvent::remove(key.clone(), TierType::Ssd));
+                        o.size
+                    }
+                    None => 0,
+                }
+            } else {
+                0
+            };
+            results.push(EvictResult { key: key.clone(), bytes_freed });
+        }
+        self.inner.update_staging_gauge(&state);
+        results
+    }
+
+    fn page_size(&self) -> u64 {
+        self.inner.config.page_size
+    }
+
+    fn all_buffer_descs(&self) -> Vec<BufferDesc> {
+        self.inner.published.read().as_ref().map(|p| vec![p.desc.clone()]).unwrap_or_default()
+    }
+
+    fn buffer_count(&self) -> usize {
+        usize::from(self.inner.published.read().is_some())
+    }
+
+    fn buffer_ref(&self, index: usize) -> Option<TransferRef> {
+        if index != 0 {
+            return None;
+        }
+        self.inner.published.read().as_ref().map(|p| p.r#ref.clone())
+    }
+}
+
+impl Drop for SsdBackend {
+    fn drop(&mut self) {
+        // An owner that forgot `shutdown` still gets the ordering right: deregister, then release.
+        self.shutdown();
+    }
+}

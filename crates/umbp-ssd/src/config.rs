@@ -1,0 +1,418 @@
+//! Settings of an [`SsdBackend`](crate::SsdBackend), built and validated by [`SsdConfigBuilder`].
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use umbp_core::{Clock, SystemClock};
+
+use crate::record::{ALIGN, MAX_KEY_LEN, header_len};
+
+/// The longest TTL, lease or interval a config may set (30 days).
+const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Which engine does the drive IO.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum IoEngineKind {
+    /// Blocking `preadv` / `pwritev`: portable, the default.
+    #[default]
+    Psync,
+    /// Linux io_uring: a batch of records goes to the drive in one submission.
+    IoUring,
+}
+
+impl IoEngineKind {
+    /// The name used in configuration (`psync`, `io_uring`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Psync => "psync",
+            Self::IoUring => "io_uring",
+        }
+    }
+}
+
+impl fmt::Display for IoEngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for IoEngineKind {
+    type Err = SsdConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "psync" => Ok(Self::Psync),
+            "io_uring" | "io-uring" | "uring" => Ok(Self::IoUring),
+            other => Err(SsdConfigError(format!("unknown io engine {other:?} (expected psync or io_uring)"))),
+        }
+    }
+}
+
+/// A configuration that can never work; the message names the setting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid SSD configuration: {0}")]
+pub struct SsdConfigError(pub String);
+
+/// LRU eviction between two fill levels of the drive capacity.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Watermarks {
+    /// Evict once used bytes reach this fraction of capacity (or an allocation would not fit).
+    pub high: f64,
+    /// Evict down to this fraction.
+    pub low: f64,
+}
+
+impl Default for Watermarks {
+    fn default() -> Self {
+        Self { high: 0.9, low: 0.7 }
+    }
+}
+
+/// Validated settings of an [`SsdBackend`](crate::SsdBackend). Build one with [`SsdConfig::builder`].
+#[derive(Clone)]
+pub struct SsdConfig {
+    pub(crate) dirs: Vec<PathBuf>,
+    pub(crate) capacity_bytes: u64,
+    pub(crate) page_size: u64,
+    pub(crate) staging_pages: u64,
+    pub(crate) max_value_pages: u64,
+    pub(crate) segment_bytes: u64,
+    pub(crate) io_engine: IoEngineKind,
+    pub(crate) queue_depth: u32,
+    pub(crate) direct_io: bool,
+    pub(crate) watermarks: Option<Watermarks>,
+    pub(crate) single_flight: bool,
+    pub(crate) recover: bool,
+    pub(crate) cache_committed: bool,
+    pub(crate) reclaim_dead_ratio: f64,
+    pub(crate) pending_ttl: Duration,
+    pub(crate) read_lease_ttl: Duration,
+    pub(crate) reaper_interval: Duration,
+    pub(crate) clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for SsdConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SsdConfig")
+            .field("dirs", &self.dirs)
+            .field("capacity_bytes", &self.capacity_bytes)
+            .field("page_size", &self.page_size)
+            .field("staging_pages", &self.staging_pages)
+            .field("max_value_pages", &self.max_value_pages)
+            .field("segment_bytes", &self.segment_bytes)
+            .field("io_engine", &self.io_engine)
+            .field("queue_depth", &self.queue_depth)
+            .field("direct_io", &self.direct_io)
+            .field("watermarks", &self.watermarks)
+            .field("single_flight", &self.single_flight)
+            .field("recover", &self.recover)
+            .field("cache_committed", &self.cache_committed)
+            .field("reclaim_dead_ratio", &self.reclaim_dead_ratio)
+            .field("pending_ttl", &self.pending_ttl)
+            .field("read_lease_ttl", &self.read_lease_ttl)
+            .field("reaper_interval", &self.reaper_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SsdConfig {
+    /// A builder storing values in `dirs` (one directory per drive) with every other setting at its
+    /// default.
+    pub fn builder<I, P>(dirs: I) -> SsdConfigBuilder
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<PathBuf>,
+    {
+        SsdConfigBuilder { config: SsdConfig::defaults(dirs.into_iter().map(Into::into).collect()) }
+    }
+
+    fn defaults(dirs: Vec<PathBuf>) -> Self {
+        Self {
+            dirs,
+            capacity_bytes: 32 << 30,
+            page_size: 2 << 20,
+            staging_pages: 16,
+            max_value_pages: 1,
+            segment_bytes: 256 << 20,
+            io_engine: IoEngineKind::Psync,
+            queue_depth: 256,
+            direct_io: true,
+            watermarks: Some(Watermarks::default()),
+            single_flight: true,
+            recover: true,
+            cache_committed: true,
+            reclaim_dead_ratio: 0.5,
+            pending_ttl: Duration::from_secs(30),
+            read_lease_ttl: Duration::from_secs(3),
+            reaper_interval: Duration::from_millis(200),
+            clock: SystemClock::shared(),
+        }
+    }
+
+    /// The drive directories.
+    pub fn dirs(&self) -> &[PathBuf] {
+        &self.dirs
+    }
+    /// Drive bytes the medium advertises and fills.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity_bytes
+    }
+    /// The page size.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+    /// The staging arena's pages.
+    pub fn staging_pages(&self) -> u64 {
+        self.staging_pages
+    }
+    /// The io engine.
+    pub fn io_engine(&self) -> IoEngineKind {
+        self.io_engine
+    }
+    /// The pending-slot TTL.
+    pub fn pending_ttl(&self) -> Duration {
+        self.pending_ttl
+    }
+    /// The SSD read lease.
+    pub fn read_lease_ttl(&self) -> Duration {
+        self.read_lease_ttl
+    }
+}
+
+/// Builds an [`SsdConfig`]; [`build`](Self::build) rejects every setting that can never work.
+#[derive(Debug, Clone)]
+pub struct SsdConfigBuilder {
+    config: SsdConfig,
+}
+
+impl SsdConfigBuilder {
+    /// Drive bytes to use, split evenly across the directories. It is what the medium advertises:
+    /// live values (each rounded up to whole pages) never exceed it. Default: 32 GiB.
+    pub fn capacity_bytes(mut self, bytes: u64) -> Self {
+        self.config.capacity_bytes = bytes;
+        self
+    }
+
+    /// Page size: the node's (the pool's KV block size); a multiple of 4 KiB. Default: 2 MiB.
+    pub fn page_size(mut self, bytes: u64) -> Self {
+        self.config.page_size = bytes;
+        self
+    }
+
+    /// Pages of the registered host staging arena: how many writes in flight plus reads being
+    /// served (leased) the node can hold at once. Default: 16.
+    pub fn staging_pages(mut self, pages: u64) -> Self {
+        self.config.staging_pages = pages;
+        self
+    }
+
+    /// The largest value, in pages; larger values are `Failed` (no peer would do better). The
+    /// reference stores one key in one page; values of several pages are staged in several
+    /// (not necessarily adjacent) staging pages. At most `staging_pages`. Default: 1.
+    pub fn max_value_pages(mut self, pages: u64) -> Self {
+        self.config.max_value_pages = pages;
+        self
+    }
+
+    /// Size of one log segment file; a multiple of 4 KiB holding at least one largest record.
+    /// Default: 256 MiB.
+    pub fn segment_bytes(mut self, bytes: u64) -> Self {
+        self.config.segment_bytes = bytes;
+        self
+    }
+
+    /// The io engine. Default: psync.
+    pub fn io_engine(mut self, kind: IoEngineKind) -> Self {
+        self.config.io_engine = kind;
+        self
+    }
+
+    /// Entries of each io_uring ring. Default: 256.
+    pub fn queue_depth(mut self, depth: u32) -> Self {
+        self.config.queue_depth = depth;
+        self
+    }
+
+    /// Open segments with `O_DIRECT` where the filesystem allows it (probed per directory; buffered
+    /// IO otherwise). Default: true.
+    pub fn direct_io(mut self, on: bool) -> Self {
+        self.config.direct_io = on;
+        self
+    }
+
+    /// LRU eviction between watermarks (`0 < low < high <= 1`), or `None` to never evict on its own
+    /// (a full medium then answers `FailedNoSpace` and only the master evicts). Default: 0.9 / 0.7.
+    pub fn watermarks(mut self, watermarks: Option<Watermarks>) -> Self {
+        self.config.watermarks = watermarks;
+        self
+    }
+
+    /// Coalesce concurrent reads of one key into one drive read. Default: true.
+    pub fn single_flight(mut self, on: bool) -> Self {
+        self.config.single_flight = on;
+        self
+    }
+
+    /// Rebuild the index from the log at `init` (false: wipe the directories instead, as the
+    /// reference does). Default: true.
+    pub fn recover(mut self, on: bool) -> Self {
+        self.config.recover = on;
+        self
+    }
+
+    /// Keep a committed value's staging pages as a clean cached copy until another allocation or
+    /// read needs them (a read of a just-written key then needs no drive read). Default: true.
+    pub fn cache_committed(mut self, on: bool) -> Self {
+        self.config.cache_committed = on;
+        self
+    }
+
+    /// A sealed segment whose dead bytes reach this fraction is compacted (its live records are
+    /// rewritten at the log head and the file deleted); fully dead segments are always deleted.
+    /// In `(0, 1]`. Default: 0.5.
+    pub fn reclaim_dead_ratio(mut self, ratio: f64) -> Self {
+        self.config.reclaim_dead_ratio = ratio;
+        self
+    }
+
+    /// How long an allocated, uncommitted slot holds its staging pages. Default: 30 s.
+    pub fn pending_ttl(mut self, ttl: Duration) -> Self {
+        self.config.pending_ttl = ttl;
+        self
+    }
+
+    /// How long a resolve keeps the staged copy for its reader (and the key safe from eviction).
+    /// Its own setting, longer than DRAM's: a remote reader of a staged page also waits for the
+    /// drive. Default: 3 s.
+    pub fn read_lease_ttl(mut self, ttl: Duration) -> Self {
+        self.config.read_lease_ttl = ttl;
+        self
+    }
+
+    /// How often the reaper sweeps expired slots and leases and reclaims dead log space.
+    /// Default: 200 ms.
+    pub fn reaper_interval(mut self, interval: Duration) -> Self {
+        self.config.reaper_interval = interval;
+        self
+    }
+
+    /// The time source of TTLs and leases. Default: the system clock.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.config.clock = clock;
+        self
+    }
+
+    /// Validates and returns the config.
+    pub fn build(self) -> Result<SsdConfig, SsdConfigError> {
+        let c = self.config;
+        let bad = |m: String| Err(SsdConfigError(m));
+        if c.dirs.is_empty() {
+            return bad("at least one directory is required".into());
+        }
+        for (i, d) in c.dirs.iter().enumerate() {
+            if d.as_os_str().is_empty() {
+                return bad(format!("directory {i} is an empty path"));
+            }
+            if c.dirs[..i].contains(d) {
+                return bad(format!("directory {} is listed twice", d.display()));
+            }
+        }
+        if c.page_size == 0 || c.page_size % ALIGN != 0 {
+            return bad(format!("page_size {} must be a positive multiple of {ALIGN}", c.page_size));
+        }
+        if c.staging_pages == 0 || c.staging_pages > u64::from(u32::MAX) {
+            return bad(format!("staging_pages {} must be in 1..=2^32-1", c.staging_pages));
+        }
+        if c.staging_pages.checked_mul(c.page_size).is_none_or(|b| b > isize::MAX as u64) {
+            return bad("the staging arena (staging_pages x page_size) is too large".into());
+        }
+        if c.max_value_pages == 0 || c.max_value_pages > c.staging_pages {
+            return bad(format!(
+                "max_value_pages {} must be in 1..=staging_pages ({})",
+                c.max_value_pages, c.staging_pages
+            ));
+        }
+        let dirs = c.dirs.len() as u64;
+        if c.capacity_bytes / dirs < c.page_size {
+            return bad(format!(
+                "capacity_bytes {} gives each of {dirs} directories less than one {}-byte page",
+                c.capacity_bytes, c.page_size
+            ));
+        }
+        let largest = header_len(MAX_KEY_LEN) + c.max_value_pages * c.page_size;
+        if c.segment_bytes % ALIGN != 0 || c.segment_bytes < largest {
+            return bad(format!(
+                "segment_bytes {} must be a multiple of {ALIGN} holding the largest record ({largest} bytes)",
+                c.segment_bytes
+            ));
+        }
+        if c.queue_depth == 0 || c.queue_depth > 32768 {
+            return bad(format!("queue_depth {} must be in 1..=32768", c.queue_depth));
+        }
+        if let Some(w) = c.watermarks
+            && !(w.low > 0.0 && w.low < w.high && w.high <= 1.0)
+        {
+            return bad(format!("watermarks need 0 < low < high <= 1, got low {} high {}", w.low, w.high));
+        }
+        if !(c.reclaim_dead_ratio > 0.0 && c.reclaim_dead_ratio <= 1.0) {
+            return bad(format!("reclaim_dead_ratio {} must be in (0, 1]", c.reclaim_dead_ratio));
+        }
+        for (name, value) in [
+            ("pending_ttl", c.pending_ttl),
+            ("read_lease_ttl", c.read_lease_ttl),
+            ("reaper_interval", c.reaper_interval),
+        ] {
+            if value.is_zero() || value > MAX_DURATION {
+                return bad(format!("{name} of {value:?} must be greater than 0 and at most {MAX_DURATION:?}"));
+            }
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b() -> SsdConfigBuilder {
+        SsdConfig::builder(["/tmp/x"]).page_size(4096).capacity_bytes(1 << 20).segment_bytes(1 << 20)
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        assert!(SsdConfig::builder(["/tmp/a", "/tmp/b"]).build().is_ok());
+        assert!(b().build().is_ok());
+    }
+
+    #[test]
+    fn impossible_settings_are_rejected() {
+        let no_dirs: [&str; 0] = [];
+        assert!(SsdConfig::builder(no_dirs).build().is_err());
+        assert!(SsdConfig::builder(["/a", "/a"]).build().is_err());
+        assert!(b().page_size(1000).build().is_err());
+        assert!(b().page_size(0).build().is_err());
+        assert!(b().staging_pages(0).build().is_err());
+        assert!(b().max_value_pages(17).build().is_err());
+        assert!(b().capacity_bytes(100).build().is_err());
+        assert!(b().segment_bytes(4096).build().is_err());
+        assert!(b().segment_bytes((1 << 20) + 1).build().is_err());
+        assert!(b().watermarks(Some(Watermarks { high: 0.5, low: 0.7 })).build().is_err());
+        assert!(b().watermarks(Some(Watermarks { high: 1.1, low: 0.7 })).build().is_err());
+        assert!(b().watermarks(Some(Watermarks { high: 0.9, low: 0.0 })).build().is_err());
+        assert!(b().watermarks(None).build().is_ok());
+        assert!(b().read_lease_ttl(Duration::ZERO).build().is_err());
+        assert!(b().reclaim_dead_ratio(0.0).build().is_err());
+        assert!(b().queue_depth(0).build().is_err());
+    }
+
+    #[test]
+    fn engine_names_parse() {
+        assert_eq!("psync".parse::<IoEngineKind>(), Ok(IoEngineKind::Psync));
+        assert_eq!("io_uring".parse::<IoEngineKind>(), Ok(IoEngineKind::IoUring));
+        assert!("aio".parse::<IoEngineKind>().is_err());
+        assert_eq!(IoEngineKind::IoUring.to_string(), "io_uring");
+    }
+}

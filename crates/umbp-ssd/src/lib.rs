@@ -1,0 +1,82 @@
+//! The SSD medium: values live in an append-only log on local drives and are served through one
+//! registered host staging arena.
+//!
+//! A drive's bytes are not addressable by the transfer layer, so [`SsdBackend`] is the seed's
+//! "shape 2": it publishes an ordinary registered host buffer (the staging arena, from
+//! [`umbp_page::HostPageMemorySource`]) and moves bytes between it and the drive itself.
+//!
+//! - `batch_allocate` borrows staging pages and publishes them; the writer copies into them knowing
+//!   nothing about drives.
+//! - `batch_commit` spills the pages to the drive log and **gives the pages back** (they stay as a
+//!   clean cached copy of the value until an allocation or a read needs them, so a read of a value
+//!   just written costs no drive read).
+//! - `batch_resolve` fills staging pages from the drive (one drive read for any number of concurrent
+//!   resolves of a key) and publishes them under the SSD read lease, which has its own setting.
+//!
+//! Underneath is the drive log: an append-only sequence of segment files per directory (one
+//! directory per drive, placement by free space), each holding 4 KiB-aligned records with a header
+//! (magic, version, key, value size, sequence number, header CRC) and a CRC-32C over key and value.
+//! Capacity is the drive's, not the arena's: what is advertised is `capacity_bytes`, and live
+//! values (page-rounded) never exceed it; LRU eviction between watermarks keeps room, never touching
+//! a key under a read lease or being read. Dead records (evicted, overwritten, cleared) are
+//! reclaimed: a segment with nothing live is deleted, and one that is mostly dead is compacted (its
+//! live records rewritten at the head) and then deleted. At `init` the log is scanned and the index
+//! rebuilt (torn or corrupt tails dropped, every record's CRC verified), so a restarted node
+//! announces its keys in the full sync that follows registration. Every read is CRC-checked: a
+//! corrupt record is a miss, a `Remove` for the master and a counted medium event, never wrong bytes.
+//!
+//! Drive IO goes through one of two engines chosen by [`IoEngineKind`]: `psync` (`preadv` /
+//! `pwritev`, the portable default) or `io_uring` (a batch of records in one submission). Both use
+//! `O_DIRECT` where the directory's filesystem allows it (probed) and buffered IO otherwise.
+//!
+//! # Owns
+//! The staging arena and its registration, the drive log and its index, slots, read leases, the
+//! medium's LRU and the event outbox.
+//!
+//! # Never
+//! Moves bytes to or from a peer or names a transfer engine: `init` receives only a
+//! [`MemoryRegistrar`](umbp_core::MemoryRegistrar). Never holds its lock across drive IO: every call
+//! takes what it needs under the lock, does the IO without it and re-checks afterwards. This crate
+//! may not depend on the transfer layer, the peer, the master, tonic or tokio (`cargo xtask ci`
+//! checks it: `[package.metadata.umbp] layer = "backend"`).
+//!
+//! # Staging exhaustion
+//! A resolve that finds its key but no free staging page (every page pending or leased) answers
+//! **a miss**, as the reference does: the interface has no "retry here" answer, so the reader
+//! excludes this node for that key and looks elsewhere. It is counted
+//! (`umbp_backend_medium_events_total{event="staging_slot_full_reject"}`) and pinned by the test
+//! `resolve_with_every_staging_page_leased_is_a_counted_miss`. Size `staging_pages` for the read
+//! concurrency you expect.
+//!
+//! # Deliberate differences from the reference
+//! - Values may span up to [`SsdConfigBuilder::max_value_pages`] pages (default 1, the reference's
+//!   one key = one page); larger values are `Failed`, never `FailedNoSpace`.
+//! - The drive contents survive a restart (the reference wipes them); evicted records whose space
+//!   was not reclaimed yet may be recovered too (their bytes are still valid).
+//! - Dead space is reclaimed; the reference never compacts.
+//! - `clear_local` keeps leased staging pages until their lease ends (the reference frees them at
+//!   once, under a reader's feet).
+//!
+//! # Platforms
+//! Linux only (`O_DIRECT`, `preadv`/`pwritev`, io_uring and the host staging source).
+
+mod backend;
+mod config;
+mod io;
+mod record;
+mod store;
+
+pub use backend::{SsdBackend, SsdStats};
+pub use config::{IoEngineKind, SsdConfig, SsdConfigBuilder, SsdConfigError, Watermarks};
+
+/// Builds an SSD medium and returns it as the interface (only the composition root names concrete
+/// backends).
+pub fn make_ssd_backend(config: SsdConfig) -> Box<dyn umbp_core::MediumBackend> {
+    Box::new(SsdBackend::new(config))
+}
+
+/// Whether this process may use io_uring (`Err` carries why not: ENOSYS, EPERM, …). Tests and the
+/// command line use it to skip or refuse the `io_uring` engine with a clear message.
+pub fn io_uring_available() -> std::io::Result<()> {
+    io::make_engine(IoEngineKind::IoUring, 8).map(|_| ())
+}

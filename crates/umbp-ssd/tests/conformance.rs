@@ -1,0 +1,63 @@
+//! `SsdBackend` passes the medium conformance suite with each io engine, with its background reaper
+//! racing the suite's own ticks.
+//!
+//! The suite is written for media whose values span pages and whose capacity is the arena, so the
+//! subject is configured to match: values up to the whole medium (`max_value_pages`), a staging
+//! arena as large as the drive capacity (so a committed value's cached staging pages are never
+//! reclaimed under the suite's feet), and no LRU eviction of its own (the suite fills the medium and
+//! expects every committed key to stay).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig};
+use umbp_testkit::conformance::{self, Env, Subject};
+
+const PAGE: u64 = 4096;
+const PAGES: u64 = 16;
+
+fn subject(env: &Env, engine: IoEngineKind) -> Subject {
+    let dir = tempfile::Builder::new().prefix("umbp-ssd-conf").tempdir_in(std::env::temp_dir()).expect("tempdir");
+    let config = SsdConfig::builder([dir.path()])
+        .page_size(PAGE)
+        .capacity_bytes(PAGES * PAGE)
+        .staging_pages(PAGES)
+        .max_value_pages(PAGES)
+        .segment_bytes(1 << 20)
+        .io_engine(engine)
+        .watermarks(None)
+        .reaper_interval(Duration::from_millis(2))
+        .pending_ttl(Duration::from_millis(50))
+        .read_lease_ttl(Duration::from_millis(80))
+        .clock(env.clock())
+        .build()
+        .expect("valid config");
+    let (read_lease, pending_ttl) = (config.read_lease_ttl(), config.pending_ttl());
+    let backend = Arc::new(SsdBackend::new(config));
+    let reaper = Arc::clone(&backend);
+    Subject {
+        backend,
+        // The closure owns the directory: it is removed when the suite drops the subject.
+        tick: Box::new(move || {
+            let _keep = &dir;
+            reaper.reaper_tick();
+        }),
+        read_lease,
+        pending_ttl,
+        background_reaper: true,
+    }
+}
+
+#[test]
+fn ssd_backend_conforms_with_psync() {
+    conformance::run(|env| subject(env, IoEngineKind::Psync));
+}
+
+#[test]
+fn ssd_backend_conforms_with_io_uring() {
+    if let Err(e) = umbp_ssd::io_uring_available() {
+        eprintln!("skipped: io_uring is not available here ({e})");
+        return;
+    }
+    conformance::run(|env| subject(env, IoEngineKind::IoUring));
+}
