@@ -5,6 +5,9 @@
 //! [`MemoryRegistrar`](umbp_core::MemoryRegistrar) that can also plan and run copies:
 //!
 //! - [`LocalCopyEngine`] — host ↔ host inside one process (coalescing, parallel for large batches);
+//! - [`GpuCopyEngine`] — inside one process with a GPU side (host ↔ device, device ↔ device), batched
+//!   as asynchronous copies on a stream with one synchronisation per device, over the GPU runtime
+//!   `umbp-gpu` opens at run time;
 //! - [`TcpEngine`] and its [`DataServer`] — the remote data plane for machines without RDMA: a node
 //!   serves its registered regions over TCP, peers read and write them by (region id, offset, length);
 //!   the local side of a push or pull is any host memory of the caller, registered or not, in place;
@@ -23,6 +26,7 @@
 mod composite;
 mod directory;
 mod engine;
+mod gpu;
 mod local;
 mod planning;
 mod tcp;
@@ -33,12 +37,14 @@ pub use engine::{
     BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, TransferDirection, TransferEngine,
     TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
 };
+pub use gpu::{GpuCopyConfig, GpuCopyEngine};
 pub use local::{LocalCopyConfig, LocalCopyEngine};
 pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig, TcpStartError};
 
 const _: () = {
     const fn pin<T: Send + Sync>() {}
     pin::<LocalCopyEngine>();
+    pin::<GpuCopyEngine>();
     pin::<CompositeTransferEngine>();
     pin::<PeerDirectory>();
 };

@@ -1,0 +1,268 @@
+//! The CUDA driver API (`libcuda.so.1`), opened at run time.
+//!
+//! Every NVIDIA driver installs `libcuda.so.1`; the CUDA runtime (`libcudart`) ships only with an SDK
+//! or a framework. Driving the driver API directly is what lets a binary built with no SDK run on any
+//! NVIDIA machine. "Current device" is the calling thread's current context: we use each device's
+//! primary context (the one the CUDA runtime would use), retained once and kept for the process.
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::ptr::NonNull;
+
+use libloading::Library;
+use parking_lot::Mutex;
+
+use crate::error::GpuError;
+use crate::runtime::{CopyKind, GpuRuntime, Stream};
+use crate::runtime_api::{open_first, symbol};
+
+pub(crate) const LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so"];
+const LIBRARY: &str = "libcuda.so.1";
+
+type CuResult = c_int;
+type CuDevice = c_int;
+type CuContext = *mut c_void;
+type CuStream = *mut c_void;
+type CuDevicePtr = u64;
+
+/// `CU_MEMHOSTREGISTER_PORTABLE`: pinned for every context.
+const HOST_REGISTER_PORTABLE: c_uint = 1;
+/// `CU_STREAM_NON_BLOCKING`.
+const STREAM_NON_BLOCKING: c_uint = 1;
+
+#[derive(Clone, Copy)]
+struct Api {
+    init: unsafe extern "C" fn(c_uint) -> CuResult,
+    device_get_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
+    device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
+    primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
+    ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
+    ctx_get_current: unsafe extern "C" fn(*mut CuContext) -> CuResult,
+    ctx_get_device: unsafe extern "C" fn(*mut CuDevice) -> CuResult,
+    mem_alloc: unsafe extern "C" fn(*mut CuDevicePtr, usize) -> CuResult,
+    mem_free: unsafe extern "C" fn(CuDevicePtr) -> CuResult,
+    host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult,
+    host_unregister: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    memcpy: unsafe extern "C" fn(CuDevicePtr, CuDevicePtr, usize) -> CuResult,
+    memcpy_async: unsafe extern "C" fn(CuDevicePtr, CuDevicePtr, usize, CuStream) -> CuResult,
+    stream_create: unsafe extern "C" fn(*mut CuStream, c_uint) -> CuResult,
+    stream_synchronize: unsafe extern "C" fn(CuStream) -> CuResult,
+    stream_destroy: unsafe extern "C" fn(CuStream) -> CuResult,
+    get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+}
+
+/// The CUDA driver API.
+pub(crate) struct CudaDriver {
+    api: Api,
+    count: u32,
+    /// Retained primary contexts by device ordinal (as addresses: contexts are process-wide handles).
+    contexts: Mutex<Vec<Option<usize>>>,
+    /// Keeps the function pointers in `api` valid.
+    _lib: Library,
+}
+
+impl std::fmt::Debug for CudaDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDriver").field("devices", &self.count).finish_non_exhaustive()
+    }
+}
+
+impl CudaDriver {
+    /// Opens `libcuda.so.1` and initialises the driver.
+    pub(crate) fn load() -> Result<Self, GpuError> {
+        let (lib, _) = open_first("CUDA driver", LIBRARIES)?;
+        // SAFETY: each type below is the documented C signature of the named driver API function
+        // (the `_v2` names are the 64-bit ABI the headers map the plain names to); the pointers live in
+        // `Self` next to `lib`, which outlives them.
+        let api = unsafe {
+            Api {
+                init: symbol(&lib, LIBRARY, "cuInit")?,
+                device_get_count: symbol(&lib, LIBRARY, "cuDeviceGetCount")?,
+                device_get: symbol(&lib, LIBRARY, "cuDeviceGet")?,
+                primary_ctx_retain: symbol(&lib, LIBRARY, "cuDevicePrimaryCtxRetain")?,
+                ctx_set_current: symbol(&lib, LIBRARY, "cuCtxSetCurrent")?,
+                ctx_get_current: symbol(&lib, LIBRARY, "cuCtxGetCurrent")?,
+                ctx_get_device: symbol(&lib, LIBRARY, "cuCtxGetDevice")?,
+                mem_alloc: symbol(&lib, LIBRARY, "cuMemAlloc_v2")?,
+                mem_free: symbol(&lib, LIBRARY, "cuMemFree_v2")?,
+                host_register: symbol(&lib, LIBRARY, "cuMemHostRegister_v2")?,
+                host_unregister: symbol(&lib, LIBRARY, "cuMemHostUnregister")?,
+                memcpy: symbol(&lib, LIBRARY, "cuMemcpy")?,
+                memcpy_async: symbol(&lib, LIBRARY, "cuMemcpyAsync")?,
+                stream_create: symbol(&lib, LIBRARY, "cuStreamCreate")?,
+                stream_synchronize: symbol(&lib, LIBRARY, "cuStreamSynchronize")?,
+                stream_destroy: symbol(&lib, LIBRARY, "cuStreamDestroy_v2")?,
+                get_error_string: symbol(&lib, LIBRARY, "cuGetErrorString")?,
+            }
+        };
+        let mut this = Self { api, count: 0, contexts: Mutex::new(Vec::new()), _lib: lib };
+        // SAFETY: plain value argument; cuInit is idempotent.
+        this.check("cuInit", unsafe { (this.api.init)(0) })?;
+        let mut n: c_int = 0;
+        // SAFETY: `n` is a valid out-pointer for the call's duration.
+        this.check("cuDeviceGetCount", unsafe { (this.api.device_get_count)(&mut n) })?;
+        this.count = u32::try_from(n).unwrap_or(0);
+        this.contexts = Mutex::new(vec![None; this.count as usize]);
+        Ok(this)
+    }
+
+    fn check(&self, call: &'static str, code: CuResult) -> Result<(), GpuError> {
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(GpuError::Call { runtime: "cuda", call, code, message: self.error_string(code) })
+        }
+    }
+
+    /// The primary context of `device`, retained on first use.
+    fn context(&self, device: u32) -> Result<CuContext, GpuError> {
+        if device >= self.count {
+            return Err(GpuError::InvalidDevice { device, count: self.count });
+        }
+        let mut contexts = self.contexts.lock();
+        if let Some(Some(ctx)) = contexts.get(device as usize) {
+            return Ok(*ctx as CuContext);
+        }
+        let ordinal = c_int::try_from(device).map_err(|_| GpuError::InvalidDevice { device, count: self.count })?;
+        let mut dev: CuDevice = 0;
+        // SAFETY: `dev` is a valid out-pointer; `ordinal < count`.
+        self.check("cuDeviceGet", unsafe { (self.api.device_get)(&mut dev, ordinal) })?;
+        let mut ctx: CuContext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; `dev` is a device handle from cuDeviceGet. The
+        // retain is never released: the context lives as long as the process, as the CUDA runtime's does.
+        self.check("cuDevicePrimaryCtxRetain", unsafe { (self.api.primary_ctx_retain)(&mut ctx, dev) })?;
+        if let Some(slot) = contexts.get_mut(device as usize) {
+            *slot = Some(ctx as usize);
+        }
+        Ok(ctx)
+    }
+
+    /// Makes sure the calling thread has a current context (device 0's when it has none), as the CUDA
+    /// runtime does implicitly: every call below needs one.
+    fn ensure_context(&self) -> Result<(), GpuError> {
+        let mut ctx: CuContext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer.
+        self.check("cuCtxGetCurrent", unsafe { (self.api.ctx_get_current)(&mut ctx) })?;
+        if ctx.is_null() { self.set_device(0) } else { Ok(()) }
+    }
+}
+
+impl GpuRuntime for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> Result<u32, GpuError> {
+        Ok(self.count)
+    }
+
+    fn set_device(&self, device: u32) -> Result<(), GpuError> {
+        let ctx = self.context(device)?;
+        // SAFETY: `ctx` is a retained primary context (never released).
+        self.check("cuCtxSetCurrent", unsafe { (self.api.ctx_set_current)(ctx) })
+    }
+
+    fn current_device(&self) -> Result<u32, GpuError> {
+        let mut ctx: CuContext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer.
+        self.check("cuCtxGetCurrent", unsafe { (self.api.ctx_get_current)(&mut ctx) })?;
+        if ctx.is_null() {
+            return Ok(0);
+        }
+        let mut dev: CuDevice = 0;
+        // SAFETY: `dev` is a valid out-pointer; a context is current.
+        self.check("cuCtxGetDevice", unsafe { (self.api.ctx_get_device)(&mut dev) })?;
+        Ok(u32::try_from(dev).unwrap_or(0))
+    }
+
+    fn malloc(&self, bytes: usize) -> Result<NonNull<u8>, GpuError> {
+        if bytes == 0 {
+            return Err(GpuError::Invalid("a zero-byte device allocation".into()));
+        }
+        self.ensure_context()?;
+        let mut p: CuDevicePtr = 0;
+        // SAFETY: `p` is a valid out-pointer; a context is current.
+        self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut p, bytes) })?;
+        NonNull::new(p as usize as *mut u8)
+            .ok_or_else(|| GpuError::Invalid("the driver returned a null allocation".into()))
+    }
+
+    unsafe fn free(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
+        self.ensure_context()?;
+        // SAFETY: the caller guarantees `ptr` is a live allocation of this runtime that nothing uses.
+        self.check("cuMemFree", unsafe { (self.api.mem_free)(ptr.as_ptr() as usize as CuDevicePtr) })
+    }
+
+    unsafe fn host_register(&self, ptr: NonNull<u8>, bytes: usize) -> Result<(), GpuError> {
+        self.ensure_context()?;
+        // SAFETY: the caller guarantees `bytes` of host memory at `ptr` stay valid while registered.
+        self.check("cuMemHostRegister", unsafe {
+            (self.api.host_register)(ptr.as_ptr().cast(), bytes, HOST_REGISTER_PORTABLE)
+        })
+    }
+
+    unsafe fn host_unregister(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
+        self.ensure_context()?;
+        // SAFETY: the caller guarantees `ptr` is a registration base no copy in flight uses.
+        self.check("cuMemHostUnregister", unsafe { (self.api.host_unregister)(ptr.as_ptr().cast()) })
+    }
+
+    unsafe fn memcpy(&self, dst: NonNull<u8>, src: NonNull<u8>, bytes: usize, _kind: CopyKind) -> Result<(), GpuError> {
+        self.ensure_context()?;
+        // cuMemcpy infers the direction from the pointers (unified addressing, always on for 64-bit
+        // Linux processes), so `kind` is not passed.
+        // SAFETY: the caller guarantees both ranges are valid.
+        self.check("cuMemcpy", unsafe {
+            (self.api.memcpy)(dst.as_ptr() as usize as CuDevicePtr, src.as_ptr() as usize as CuDevicePtr, bytes)
+        })
+    }
+
+    fn stream_create(&self) -> Result<Stream, GpuError> {
+        self.ensure_context()?;
+        let device = self.current_device()?;
+        let mut s: CuStream = std::ptr::null_mut();
+        // SAFETY: `s` is a valid out-pointer; a context is current.
+        self.check("cuStreamCreate", unsafe { (self.api.stream_create)(&mut s, STREAM_NON_BLOCKING) })?;
+        Ok(Stream { raw: s as usize, device })
+    }
+
+    unsafe fn memcpy_async(
+        &self,
+        dst: NonNull<u8>,
+        src: NonNull<u8>,
+        bytes: usize,
+        _kind: CopyKind,
+        stream: &Stream,
+    ) -> Result<(), GpuError> {
+        // SAFETY: the caller guarantees both ranges stay valid until the stream is synchronized;
+        // `stream.raw` is a stream of this driver (`Stream` is only made by `stream_create`).
+        self.check("cuMemcpyAsync", unsafe {
+            (self.api.memcpy_async)(
+                dst.as_ptr() as usize as CuDevicePtr,
+                src.as_ptr() as usize as CuDevicePtr,
+                bytes,
+                stream.raw as CuStream,
+            )
+        })
+    }
+
+    fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError> {
+        // SAFETY: `stream.raw` is a live stream of this driver.
+        self.check("cuStreamSynchronize", unsafe { (self.api.stream_synchronize)(stream.raw as CuStream) })
+    }
+
+    fn stream_destroy(&self, stream: Stream) -> Result<(), GpuError> {
+        // SAFETY: `stream` is consumed, so it is destroyed once.
+        self.check("cuStreamDestroy", unsafe { (self.api.stream_destroy)(stream.raw as CuStream) })
+    }
+
+    fn error_string(&self, code: i32) -> String {
+        let mut p: *const c_char = std::ptr::null();
+        // SAFETY: `p` is a valid out-pointer; the driver stores a static string (or fails).
+        let rc = unsafe { (self.api.get_error_string)(code, &mut p) };
+        if rc != 0 || p.is_null() {
+            return format!("CUDA error {code}");
+        }
+        // SAFETY: non-null, NUL-terminated and static for the library's life.
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}

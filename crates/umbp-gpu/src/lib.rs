@@ -1,0 +1,42 @@
+//! A thin GPU runtime shim: what umbp-rs needs from a GPU, behind one trait, with the vendor runtimes
+//! opened at run time.
+//!
+//! [`GpuRuntime`] covers device count, set/get device, device malloc/free, host memory registration
+//! (pinning), synchronous and stream-ordered copies, streams and error strings. Implementations:
+//!
+//! - HIP (`libamdhip64.so`) and the CUDA runtime (`libcudart.so`), which share one shape of API;
+//! - the CUDA driver API (`libcuda.so.1`), which every NVIDIA driver installs, so a binary built on a
+//!   machine with no CUDA SDK runs on any NVIDIA machine;
+//! - [`FakeRuntime`]: "device memory" is host memory with device ids, copies are checked against the
+//!   direction they claim, failures can be injected. HBM code paths and the GPU copy engine are
+//!   tested with it on machines without a GPU.
+//!
+//! The libraries are opened with `libloading` (`dlopen`), never linked: the workspace builds and tests
+//! on machines with no GPU and no GPU SDK. [`probe`] finds what the machine has; [`RuntimeSelection`]
+//! names a runtime in configuration.
+//!
+//! # Owns
+//! The loaded runtime libraries and, for the CUDA driver API, the devices' primary contexts.
+//!
+//! # Never
+//! Knows a medium, a key, a tier or a transfer plan; never spawns threads or depends on an async
+//! runtime. It hands out device pointers and copies bytes only when a caller asks it to.
+//!
+//! # Platforms
+//! The real runtimes are looked for on Linux (`.so` names); elsewhere only the fake is available.
+
+mod cuda;
+mod error;
+mod fake;
+mod runtime;
+mod runtime_api;
+
+pub use error::GpuError;
+pub use fake::{FakeRuntime, FakeStats};
+pub use runtime::{CopyKind, DeviceGuard, GpuRuntime, RuntimeSelection, Stream, probe};
+
+const _: () = {
+    const fn pin<T: Send + Sync>() {}
+    pin::<FakeRuntime>();
+    pin::<Stream>();
+};

@@ -1,0 +1,353 @@
+//! The runtime trait, streams, the scoped device switch and runtime selection.
+
+use std::fmt;
+use std::ptr::NonNull;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
+
+use crate::error::GpuError;
+use crate::fake::FakeRuntime;
+
+/// Which way a copy goes. Runtimes with unified addressing could infer it; we pass it anyway, so a
+/// pointer in the wrong place fails loudly (HIP, the CUDA runtime, the fake) instead of copying from
+/// somewhere unexpected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CopyKind {
+    /// Host to host.
+    HostToHost,
+    /// Host to device.
+    HostToDevice,
+    /// Device to host.
+    DeviceToHost,
+    /// Device to device (the same or another device).
+    DeviceToDevice,
+}
+
+impl CopyKind {
+    /// The kind of a copy from `src_on_device` memory to `dst_on_device` memory.
+    pub const fn between(src_on_device: bool, dst_on_device: bool) -> Self {
+        match (src_on_device, dst_on_device) {
+            (false, false) => Self::HostToHost,
+            (false, true) => Self::HostToDevice,
+            (true, false) => Self::DeviceToHost,
+            (true, true) => Self::DeviceToDevice,
+        }
+    }
+
+    /// The `cudaMemcpyKind` / `hipMemcpyKind` value (the two enums agree).
+    pub(crate) const fn raw(self) -> i32 {
+        match self {
+            Self::HostToHost => 0,
+            Self::HostToDevice => 1,
+            Self::DeviceToHost => 2,
+            Self::DeviceToDevice => 3,
+        }
+    }
+}
+
+/// A stream of one device: copies enqueued on it run in order, asynchronously to the host. Created by
+/// [`GpuRuntime::stream_create`] on the current device and given back with
+/// [`GpuRuntime::stream_destroy`] by the same runtime.
+#[derive(Debug)]
+pub struct Stream {
+    /// The runtime's handle (a pointer for the real runtimes, a counter for the fake).
+    pub(crate) raw: usize,
+    /// The device the stream belongs to.
+    pub(crate) device: u32,
+}
+
+impl Stream {
+    /// The device the stream was created on.
+    pub const fn device(&self) -> u32 {
+        self.device
+    }
+}
+
+/// What umbp-rs needs from a GPU runtime. Object safe; every method may be called from any thread.
+///
+/// "Current device" is per thread, as in the vendor runtimes: [`set_device`](Self::set_device)
+/// changes it for the calling thread only; use [`DeviceGuard`] to switch for a scope and restore.
+///
+/// # Pointers
+/// Device pointers are addresses in the process's unified address space (every runtime we load has
+/// unified addressing on 64-bit Linux); they must only be handed back to the runtime, never
+/// dereferenced by the CPU (the fake's device memory is an exception that tests may rely on).
+pub trait GpuRuntime: Send + Sync + fmt::Debug {
+    /// A short name: `"hip"`, `"cuda"` (driver API), `"cudart"` or `"fake"`.
+    fn name(&self) -> &'static str;
+
+    /// Devices visible to this process.
+    fn device_count(&self) -> Result<u32, GpuError>;
+
+    /// Makes `device` current on the calling thread.
+    fn set_device(&self, device: u32) -> Result<(), GpuError>;
+
+    /// The calling thread's current device (0 if none was set, as the vendor runtimes do).
+    fn current_device(&self) -> Result<u32, GpuError>;
+
+    /// Allocates `bytes` (> 0) of device memory on the current device.
+    fn malloc(&self, bytes: usize) -> Result<NonNull<u8>, GpuError>;
+
+    /// Frees device memory.
+    ///
+    /// # Safety
+    /// `ptr` came from [`malloc`](Self::malloc) of this runtime, is not freed yet, and nothing uses
+    /// it any more (no copy in flight reads or writes it).
+    unsafe fn free(&self, ptr: NonNull<u8>) -> Result<(), GpuError>;
+
+    /// Page-locks (pins) `bytes` of host memory at `ptr` for fast, truly asynchronous copies on every
+    /// device.
+    ///
+    /// # Safety
+    /// `ptr` must be valid host memory of `bytes` bytes until
+    /// [`host_unregister`](Self::host_unregister).
+    unsafe fn host_register(&self, ptr: NonNull<u8>, bytes: usize) -> Result<(), GpuError>;
+
+    /// Undoes [`host_register`](Self::host_register).
+    ///
+    /// # Safety
+    /// `ptr` is the base of a registration of this runtime and no copy in flight uses it.
+    unsafe fn host_unregister(&self, ptr: NonNull<u8>) -> Result<(), GpuError>;
+
+    /// Copies `bytes` from `src` to `dst` and returns when the copy is complete.
+    ///
+    /// # Safety
+    /// Both ranges are valid for `bytes` bytes in the places `kind` says (host or device memory);
+    /// `dst` does not overlap `src`.
+    unsafe fn memcpy(&self, dst: NonNull<u8>, src: NonNull<u8>, bytes: usize, kind: CopyKind) -> Result<(), GpuError>;
+
+    /// Creates a non-blocking stream on the current device.
+    fn stream_create(&self) -> Result<Stream, GpuError>;
+
+    /// Enqueues a copy on `stream`; it completes by the next
+    /// [`stream_synchronize`](Self::stream_synchronize) of that stream. Host memory that is not
+    /// registered makes the runtime copy it synchronously (correct, slower).
+    ///
+    /// # Safety
+    /// As [`memcpy`](Self::memcpy), and both ranges stay valid (and `dst` unread, `src` unwritten by
+    /// anyone else) until the stream has been synchronized.
+    unsafe fn memcpy_async(
+        &self,
+        dst: NonNull<u8>,
+        src: NonNull<u8>,
+        bytes: usize,
+        kind: CopyKind,
+        stream: &Stream,
+    ) -> Result<(), GpuError>;
+
+    /// Waits until every copy enqueued on `stream` has finished; reports the first failure.
+    fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError>;
+
+    /// Destroys a stream (after synchronizing it).
+    fn stream_destroy(&self, stream: Stream) -> Result<(), GpuError>;
+
+    /// The runtime's message for an error code.
+    fn error_string(&self, code: i32) -> String;
+}
+
+/// Switches the calling thread to a device for a scope and restores the previous device on drop.
+///
+/// Allocation and release of a device's memory run under one, so the medium's device is fixed at
+/// construction and never depends on the calling thread's current device.
+#[must_use = "the device is restored when the guard drops"]
+pub struct DeviceGuard<'a> {
+    runtime: &'a dyn GpuRuntime,
+    device: u32,
+    previous: Option<u32>,
+}
+
+impl fmt::Debug for DeviceGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceGuard").field("device", &self.device).field("previous", &self.previous).finish()
+    }
+}
+
+impl<'a> DeviceGuard<'a> {
+    /// Makes `device` current until the guard drops; fails (changing nothing) if the device does not
+    /// exist or cannot be made current.
+    pub fn switch(runtime: &'a dyn GpuRuntime, device: u32) -> Result<Self, GpuError> {
+        let previous = runtime.current_device().ok();
+        if previous != Some(device) {
+            runtime.set_device(device)?;
+        }
+        Ok(Self { runtime, device, previous })
+    }
+
+    /// The device this guard made current.
+    pub const fn device(&self) -> u32 {
+        self.device
+    }
+}
+
+impl Drop for DeviceGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous
+            && previous != self.device
+            && let Err(e) = self.runtime.set_device(previous)
+        {
+            tracing::warn!(runtime = self.runtime.name(), previous, error = %e, "could not restore the current device");
+        }
+    }
+}
+
+/// Which runtime to use, as configuration names it (`auto`, `hip`, `cuda`, `cudart`, `fake`,
+/// `fake:N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RuntimeSelection {
+    /// The first runtime that loads and sees at least one device: HIP, then the CUDA driver API, then
+    /// the CUDA runtime.
+    #[default]
+    Auto,
+    /// HIP (`libamdhip64.so`).
+    Hip,
+    /// The CUDA driver API (`libcuda.so.1`).
+    Cuda,
+    /// The CUDA runtime (`libcudart.so`).
+    CudaRuntime,
+    /// The host-memory fake with this many devices (for tests and demos on machines without a GPU).
+    Fake {
+        /// Devices the fake reports.
+        devices: u32,
+    },
+}
+
+impl RuntimeSelection {
+    /// Opens the selected runtime. `Auto` and the real runtimes are opened once per process and
+    /// shared; each `Fake` call makes a new fake (fakes share one table of device memory, so
+    /// pointers from one are device memory to all).
+    pub fn load(&self) -> Result<Arc<dyn GpuRuntime>, GpuError> {
+        match *self {
+            Self::Auto => probe().ok_or_else(|| GpuError::NotFound {
+                runtime: "GPU",
+                tried: [
+                    crate::runtime_api::HIP_LIBRARIES,
+                    crate::cuda::LIBRARIES,
+                    crate::runtime_api::CUDART_LIBRARIES,
+                ]
+                .concat(),
+                reason: "no runtime loaded with at least one device".into(),
+            }),
+            Self::Hip => shared(&HIP, crate::runtime_api::RuntimeApi::hip),
+            Self::Cuda => shared(&CUDA, crate::cuda::CudaDriver::load),
+            Self::CudaRuntime => shared(&CUDART, crate::runtime_api::RuntimeApi::cudart),
+            Self::Fake { devices } => Ok(Arc::new(FakeRuntime::new(devices))),
+        }
+    }
+}
+
+impl fmt::Display for RuntimeSelection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Hip => f.write_str("hip"),
+            Self::Cuda => f.write_str("cuda"),
+            Self::CudaRuntime => f.write_str("cudart"),
+            Self::Fake { devices } => write!(f, "fake:{devices}"),
+        }
+    }
+}
+
+impl FromStr for RuntimeSelection {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "hip" | "rocm" => Ok(Self::Hip),
+            "cuda" => Ok(Self::Cuda),
+            "cudart" => Ok(Self::CudaRuntime),
+            "fake" => Ok(Self::Fake { devices: 1 }),
+            other => match other.strip_prefix("fake:").map(str::parse::<u32>) {
+                Some(Ok(devices)) if devices > 0 => Ok(Self::Fake { devices }),
+                _ => {
+                    Err(format!("unknown GPU runtime {s:?}: expected auto, hip, cuda, cudart, fake or fake:N (N > 0)"))
+                }
+            },
+        }
+    }
+}
+
+type Slot = OnceLock<Result<Arc<dyn GpuRuntime>, String>>;
+static HIP: Slot = OnceLock::new();
+static CUDA: Slot = OnceLock::new();
+static CUDART: Slot = OnceLock::new();
+static AUTO: OnceLock<Option<Arc<dyn GpuRuntime>>> = OnceLock::new();
+
+/// Opens a real runtime once per process: loading initialises the driver, and the CUDA driver API's
+/// primary contexts are per process anyway.
+fn shared<R: GpuRuntime + 'static>(
+    slot: &Slot,
+    open: fn() -> Result<R, GpuError>,
+) -> Result<Arc<dyn GpuRuntime>, GpuError> {
+    let loaded = slot.get_or_init(|| open().map(|r| Arc::new(r) as Arc<dyn GpuRuntime>).map_err(|e| e.to_string()));
+    match loaded {
+        Ok(r) => Ok(Arc::clone(r)),
+        // The first error is kept as text (errors are not `Clone`): a second attempt would fail the same way.
+        Err(reason) => Err(GpuError::Invalid(format!("runtime did not load: {reason}"))),
+    }
+}
+
+/// The machine's GPU runtime, if any: the first of HIP, the CUDA driver API and the CUDA runtime that
+/// loads and sees at least one device. Probed once per process; `None` on a machine with no GPU
+/// (quietly: that is the normal case on a CPU-only machine). The environment variable
+/// `UMBP_GPU_RUNTIME=none` (or `off`) disables the probe.
+pub fn probe() -> Option<Arc<dyn GpuRuntime>> {
+    AUTO.get_or_init(|| {
+        if std::env::var("UMBP_GPU_RUNTIME").is_ok_and(|v| matches!(v.trim(), "none" | "off" | "0")) {
+            return None;
+        }
+        for selection in [RuntimeSelection::Hip, RuntimeSelection::Cuda, RuntimeSelection::CudaRuntime] {
+            match selection.load() {
+                Ok(r) => match r.device_count() {
+                    Ok(n) if n > 0 => {
+                        tracing::debug!(runtime = r.name(), devices = n, "GPU runtime found");
+                        return Some(r);
+                    }
+                    Ok(_) => tracing::debug!(runtime = r.name(), "GPU runtime loaded but sees no device"),
+                    Err(e) => tracing::debug!(runtime = r.name(), error = %e, "GPU runtime loaded but failed"),
+                },
+                Err(e) => tracing::debug!(runtime = %selection, error = %e, "GPU runtime not available"),
+            }
+        }
+        None
+    })
+    .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selections_parse_and_print() {
+        for s in ["auto", "hip", "cuda", "cudart", "fake:3"] {
+            let parsed: RuntimeSelection = s.parse().expect("parses");
+            assert_eq!(parsed.to_string(), s);
+        }
+        assert_eq!("fake".parse::<RuntimeSelection>(), Ok(RuntimeSelection::Fake { devices: 1 }));
+        assert!("fake:0".parse::<RuntimeSelection>().is_err());
+        assert!("opencl".parse::<RuntimeSelection>().is_err());
+    }
+
+    #[test]
+    fn copy_kinds_match_the_vendor_enums() {
+        assert_eq!(CopyKind::between(false, true), CopyKind::HostToDevice);
+        assert_eq!(CopyKind::between(true, false).raw(), 2);
+        assert_eq!(CopyKind::DeviceToDevice.raw(), 3);
+        assert_eq!(CopyKind::HostToHost.raw(), 0);
+    }
+
+    #[test]
+    fn device_guard_switches_and_restores() {
+        let fake = FakeRuntime::new(3);
+        fake.set_device(1).expect("device 1");
+        {
+            let guard = DeviceGuard::switch(&fake, 2).expect("switch");
+            assert_eq!(guard.device(), 2);
+            assert_eq!(fake.current_device().expect("current"), 2);
+        }
+        assert_eq!(fake.current_device().expect("current"), 1, "restored on drop");
+        assert!(matches!(DeviceGuard::switch(&fake, 7), Err(GpuError::InvalidDevice { device: 7, count: 3 })));
+        assert_eq!(fake.current_device().expect("current"), 1, "a failed switch changes nothing");
+    }
+}

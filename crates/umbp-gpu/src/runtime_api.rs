@@ -1,0 +1,252 @@
+//! HIP and the CUDA runtime, opened at run time. The two APIs have the same shape (`hipMalloc` /
+//! `cudaMalloc`, the same copy-kind values, the same per-thread current device), so one type serves
+//! both, told apart by the symbol prefix.
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::ptr::NonNull;
+
+use libloading::Library;
+
+use crate::error::GpuError;
+use crate::runtime::{CopyKind, GpuRuntime, Stream};
+
+pub(crate) const HIP_LIBRARIES: &[&str] = &["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"];
+pub(crate) const CUDART_LIBRARIES: &[&str] =
+    &["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"];
+
+/// `hipHostRegisterPortable` / `cudaHostRegisterPortable`: pinned for every device, not only the
+/// current one.
+const HOST_REGISTER_PORTABLE: c_uint = 1;
+/// `hipStreamNonBlocking` / `cudaStreamNonBlocking`: no implicit synchronisation with the legacy
+/// default stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
+
+type Err = c_int;
+type RawStream = *mut c_void;
+
+/// Opens the first library of `names` that loads.
+pub(crate) fn open_first(runtime: &'static str, names: &[&'static str]) -> Result<(Library, &'static str), GpuError> {
+    let mut last = String::new();
+    for name in names {
+        // SAFETY: loading a vendor runtime runs its initialisers; these are the libraries the vendor
+        // ships for exactly this use, and we call nothing in them until every symbol resolved.
+        match unsafe { Library::new(name) } {
+            Ok(lib) => return Ok((lib, name)),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(GpuError::NotFound { runtime, tried: names.to_vec(), reason: last })
+}
+
+/// Resolves `symbol` in `lib` as a function pointer of type `T`.
+///
+/// # Safety
+/// `T` must be the symbol's real signature, and the pointer must not outlive `lib`.
+pub(crate) unsafe fn symbol<T: Copy>(
+    lib: &Library,
+    library: &'static str,
+    symbol: &'static str,
+) -> Result<T, GpuError> {
+    let mut name = symbol.as_bytes().to_vec();
+    name.push(0);
+    // SAFETY: the caller guarantees `T` is the symbol's signature.
+    let sym = unsafe { lib.get::<T>(&name) }.map_err(|e| GpuError::MissingSymbol {
+        library,
+        symbol,
+        reason: e.to_string(),
+    })?;
+    Ok(*sym)
+}
+
+/// The function table of a HIP-shaped runtime.
+#[derive(Clone, Copy)]
+struct Api {
+    get_device_count: unsafe extern "C" fn(*mut c_int) -> Err,
+    set_device: unsafe extern "C" fn(c_int) -> Err,
+    get_device: unsafe extern "C" fn(*mut c_int) -> Err,
+    malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> Err,
+    free: unsafe extern "C" fn(*mut c_void) -> Err,
+    host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> Err,
+    host_unregister: unsafe extern "C" fn(*mut c_void) -> Err,
+    memcpy: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int) -> Err,
+    memcpy_async: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, RawStream) -> Err,
+    stream_create_with_flags: unsafe extern "C" fn(*mut RawStream, c_uint) -> Err,
+    stream_synchronize: unsafe extern "C" fn(RawStream) -> Err,
+    stream_destroy: unsafe extern "C" fn(RawStream) -> Err,
+    get_error_string: unsafe extern "C" fn(Err) -> *const c_char,
+}
+
+/// HIP or the CUDA runtime.
+pub(crate) struct RuntimeApi {
+    name: &'static str,
+    library: &'static str,
+    api: Api,
+    /// Keeps the function pointers in `api` valid.
+    _lib: Library,
+}
+
+impl std::fmt::Debug for RuntimeApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuntimeApi").field("name", &self.name).field("library", &self.library).finish_non_exhaustive()
+    }
+}
+
+impl RuntimeApi {
+    /// Opens HIP.
+    pub(crate) fn hip() -> Result<Self, GpuError> {
+        Self::open("hip", "hip", HIP_LIBRARIES)
+    }
+
+    /// Opens the CUDA runtime.
+    pub(crate) fn cudart() -> Result<Self, GpuError> {
+        Self::open("cudart", "cuda", CUDART_LIBRARIES)
+    }
+
+    fn open(name: &'static str, prefix: &'static str, names: &[&'static str]) -> Result<Self, GpuError> {
+        let (lib, library) = open_first(name, names)?;
+        // Symbol names are leaked once per runtime load (a handful of short strings, once per process).
+        let sym = |base: &str| -> &'static str { Box::leak(format!("{prefix}{base}").into_boxed_str()) };
+        // SAFETY: each type below is the documented C signature of the named HIP / CUDA runtime
+        // function (the two APIs agree); the pointers live in `Self` next to `lib`, which outlives them.
+        let api = unsafe {
+            Api {
+                get_device_count: symbol(&lib, library, sym("GetDeviceCount"))?,
+                set_device: symbol(&lib, library, sym("SetDevice"))?,
+                get_device: symbol(&lib, library, sym("GetDevice"))?,
+                malloc: symbol(&lib, library, sym("Malloc"))?,
+                free: symbol(&lib, library, sym("Free"))?,
+                host_register: symbol(&lib, library, sym("HostRegister"))?,
+                host_unregister: symbol(&lib, library, sym("HostUnregister"))?,
+                memcpy: symbol(&lib, library, sym("Memcpy"))?,
+                memcpy_async: symbol(&lib, library, sym("MemcpyAsync"))?,
+                stream_create_with_flags: symbol(&lib, library, sym("StreamCreateWithFlags"))?,
+                stream_synchronize: symbol(&lib, library, sym("StreamSynchronize"))?,
+                stream_destroy: symbol(&lib, library, sym("StreamDestroy"))?,
+                get_error_string: symbol(&lib, library, sym("GetErrorString"))?,
+            }
+        };
+        Ok(Self { name, library, api, _lib: lib })
+    }
+
+    fn check(&self, call: &'static str, code: Err) -> Result<(), GpuError> {
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(GpuError::Call { runtime: self.name, call, code, message: self.error_string(code) })
+        }
+    }
+}
+
+impl GpuRuntime for RuntimeApi {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn device_count(&self) -> Result<u32, GpuError> {
+        let mut n: c_int = 0;
+        // SAFETY: `n` is a valid out-pointer for the call's duration.
+        self.check("GetDeviceCount", unsafe { (self.api.get_device_count)(&mut n) })?;
+        Ok(u32::try_from(n).unwrap_or(0))
+    }
+
+    fn set_device(&self, device: u32) -> Result<(), GpuError> {
+        let count = self.device_count()?;
+        if device >= count {
+            return Err(GpuError::InvalidDevice { device, count });
+        }
+        // `device < count`, which fits a c_int.
+        let ordinal = c_int::try_from(device).map_err(|_| GpuError::InvalidDevice { device, count })?;
+        // SAFETY: plain value argument.
+        self.check("SetDevice", unsafe { (self.api.set_device)(ordinal) })
+    }
+
+    fn current_device(&self) -> Result<u32, GpuError> {
+        let mut d: c_int = 0;
+        // SAFETY: `d` is a valid out-pointer for the call's duration.
+        self.check("GetDevice", unsafe { (self.api.get_device)(&mut d) })?;
+        Ok(u32::try_from(d).unwrap_or(0))
+    }
+
+    fn malloc(&self, bytes: usize) -> Result<NonNull<u8>, GpuError> {
+        if bytes == 0 {
+            return Err(GpuError::Invalid("a zero-byte device allocation".into()));
+        }
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer for the call's duration.
+        self.check("Malloc", unsafe { (self.api.malloc)(&mut p, bytes) })?;
+        NonNull::new(p.cast::<u8>()).ok_or_else(|| GpuError::Invalid("the runtime returned a null allocation".into()))
+    }
+
+    unsafe fn free(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
+        // SAFETY: the caller guarantees `ptr` is a live allocation of this runtime that nothing uses.
+        self.check("Free", unsafe { (self.api.free)(ptr.as_ptr().cast()) })
+    }
+
+    unsafe fn host_register(&self, ptr: NonNull<u8>, bytes: usize) -> Result<(), GpuError> {
+        // SAFETY: the caller guarantees `bytes` of host memory at `ptr` stay valid while registered.
+        self.check("HostRegister", unsafe {
+            (self.api.host_register)(ptr.as_ptr().cast(), bytes, HOST_REGISTER_PORTABLE)
+        })
+    }
+
+    unsafe fn host_unregister(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
+        // SAFETY: the caller guarantees `ptr` is a registration base no copy in flight uses.
+        self.check("HostUnregister", unsafe { (self.api.host_unregister)(ptr.as_ptr().cast()) })
+    }
+
+    unsafe fn memcpy(&self, dst: NonNull<u8>, src: NonNull<u8>, bytes: usize, kind: CopyKind) -> Result<(), GpuError> {
+        // SAFETY: the caller guarantees both ranges are valid where `kind` says.
+        self.check("Memcpy", unsafe { (self.api.memcpy)(dst.as_ptr().cast(), src.as_ptr().cast(), bytes, kind.raw()) })
+    }
+
+    fn stream_create(&self) -> Result<Stream, GpuError> {
+        let device = self.current_device()?;
+        let mut s: RawStream = std::ptr::null_mut();
+        // SAFETY: `s` is a valid out-pointer for the call's duration.
+        self.check("StreamCreateWithFlags", unsafe {
+            (self.api.stream_create_with_flags)(&mut s, STREAM_NON_BLOCKING)
+        })?;
+        Ok(Stream { raw: s as usize, device })
+    }
+
+    unsafe fn memcpy_async(
+        &self,
+        dst: NonNull<u8>,
+        src: NonNull<u8>,
+        bytes: usize,
+        kind: CopyKind,
+        stream: &Stream,
+    ) -> Result<(), GpuError> {
+        // SAFETY: the caller guarantees both ranges stay valid until the stream is synchronized;
+        // `stream.raw` is a stream this runtime created (`Stream` is only made by `stream_create`).
+        self.check("MemcpyAsync", unsafe {
+            (self.api.memcpy_async)(
+                dst.as_ptr().cast(),
+                src.as_ptr().cast(),
+                bytes,
+                kind.raw(),
+                stream.raw as RawStream,
+            )
+        })
+    }
+
+    fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError> {
+        // SAFETY: `stream.raw` is a live stream of this runtime (see `memcpy_async`).
+        self.check("StreamSynchronize", unsafe { (self.api.stream_synchronize)(stream.raw as RawStream) })
+    }
+
+    fn stream_destroy(&self, stream: Stream) -> Result<(), GpuError> {
+        // SAFETY: `stream` is consumed, so it is destroyed once.
+        self.check("StreamDestroy", unsafe { (self.api.stream_destroy)(stream.raw as RawStream) })
+    }
+
+    fn error_string(&self, code: i32) -> String {
+        // SAFETY: the runtime returns a pointer to a static NUL-terminated string (or null).
+        let p = unsafe { (self.api.get_error_string)(code) };
+        if p.is_null() {
+            return format!("error {code}");
+        }
+        // SAFETY: non-null and NUL-terminated, static for the library's life (see above).
+        unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    }
+}

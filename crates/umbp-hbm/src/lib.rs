@@ -1,0 +1,33 @@
+//! The GPU HBM medium: a paged medium whose pages are device memory of one GPU.
+//!
+//! This is the seed's "shape 1": [`HbmPageMemorySource`] is a [`PageMemorySource`] of five methods, and
+//! [`make_hbm_backend`] wraps it in the shared [`PageBackend`](umbp_page::PageBackend), which owns the
+//! slot lifecycle, leases, pins and the event outbox for every paged medium. The source's
+//! [`location`](PageMemorySource::location) is `Gpu { device }` with the device fixed at construction:
+//! that is the fact a descriptor cannot recover, and it is what makes a local transfer against this
+//! medium select the GPU copy engine.
+//!
+//! The GPU runtime is a [`GpuRuntime`] from `umbp-gpu` (HIP or CUDA opened at run time, or the
+//! host-memory fake), so this crate builds and tests on machines with no GPU and no GPU SDK.
+//!
+//! # Owns
+//! The device allocations of the medium (through its source).
+//!
+//! # Never
+//! Moves bytes: it allocates and frees device memory and publishes descriptors for it, and the
+//! transfer layer copies. It may not depend on the transfer layer, the peer, the master, tonic or
+//! tokio (`[package.metadata.umbp] layer = "backend"`, checked by `cargo xtask ci`).
+
+mod source;
+
+pub use source::{HbmConfig, HbmError, HbmPageMemorySource, make_hbm_backend};
+
+// Re-exported so a caller can name the pieces of `make_hbm_backend` without its own dependencies.
+pub use umbp_gpu::{GpuRuntime, RuntimeSelection};
+#[doc(no_inline)]
+pub use umbp_page::PageMemorySource;
+
+const _: () = {
+    const fn pin<T: Send + Sync>() {}
+    pin::<HbmPageMemorySource>();
+};

@@ -1,0 +1,404 @@
+//! `GpuCopyEngine`: copies inside one process where at least one side is GPU memory.
+
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar, MetricSource, RegistrationError, TransferRef};
+use umbp_gpu::{CopyKind, DeviceGuard, GpuError, GpuRuntime, Stream};
+
+use crate::engine::{
+    CompletedHandle, FailureKind, PlanSet, TransferDirection, TransferEngine, TransferFailure, TransferHandle,
+    TransferItem, TransferPlan,
+};
+use crate::planning::{SideKey, plan_in_range, plan_pairs};
+
+/// Settings of a [`GpuCopyEngine`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuCopyConfig {
+    /// Page-lock (pin) host memory registered with the engine, so copies to and from it are direct DMA
+    /// and can run asynchronously (pageable memory is staged by the driver, one copy at a time). A
+    /// region the runtime refuses to pin is still accepted, unpinned. Default: true.
+    pub pin_host_memory: bool,
+    /// Run a submit's copies as asynchronous copies on one stream per device with one
+    /// synchronisation per device, instead of one blocking copy per segment. Small pages need it: a
+    /// blocking copy pays the whole launch-and-wait latency for every page. Default: true.
+    pub batch: bool,
+}
+
+impl Default for GpuCopyConfig {
+    fn default() -> Self {
+        Self { pin_host_memory: true, batch: true }
+    }
+}
+
+/// One host registration the engine pinned: its length and how many refs share it.
+#[derive(Debug, Clone, Copy)]
+struct Pin {
+    len: u64,
+    refs: u32,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    batches: AtomicU64,
+    segments: AtomicU64,
+    bytes: AtomicU64,
+    pinned_bytes: AtomicU64,
+}
+
+/// Copies between local buffers when at least one side is GPU memory: host → device, device → host
+/// and device → device (the same or another GPU). Host memory need not be registered (it is then
+/// pageable and slower); registered host memory is pinned with the runtime (see
+/// [`GpuCopyConfig::pin_host_memory`]), and GPU memory a caller registers (its own device buffers) is
+/// accepted as is, so a client can put from and get into device memory with no host copy.
+///
+/// A submit runs per device: the device is made current for the batch (and the caller's restored),
+/// every segment is enqueued as an asynchronous copy on a stream of that device, and the stream is
+/// synchronised once — one wait per batch, not one per page. Copies finish inside `submit`.
+///
+/// The engine claims a pair only by the refs' locations; it never looks at what the memory is. A
+/// medium that labels device memory as host memory therefore reaches the host copy engine instead,
+/// which is why a medium's location is tested through a real composite.
+pub struct GpuCopyEngine {
+    runtime: Arc<dyn GpuRuntime>,
+    devices: u32,
+    config: GpuCopyConfig,
+    /// Pinned host registrations by base address.
+    pins: Mutex<HashMap<usize, Pin>>,
+    /// Idle streams per device.
+    streams: Mutex<BTreeMap<u32, Vec<Stream>>>,
+    counters: Counters,
+}
+
+impl fmt::Debug for GpuCopyEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuCopyEngine")
+            .field("runtime", &self.runtime.name())
+            .field("devices", &self.devices)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuCopyEngine {
+    /// An engine over `runtime`'s devices.
+    pub fn new(runtime: Arc<dyn GpuRuntime>, config: GpuCopyConfig) -> Result<Self, GpuError> {
+        let devices = runtime.device_count()?;
+        Ok(Self {
+            runtime,
+            devices,
+            config,
+            pins: Mutex::new(HashMap::new()),
+            streams: Mutex::new(BTreeMap::new()),
+            counters: Counters::default(),
+        })
+    }
+
+    /// The runtime.
+    pub fn runtime(&self) -> &Arc<dyn GpuRuntime> {
+        &self.runtime
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GpuCopyConfig {
+        &self.config
+    }
+
+    /// Device batches run so far (one stream synchronisation each when batching).
+    pub fn batches(&self) -> u64 {
+        self.counters.batches.load(Ordering::Relaxed)
+    }
+
+    /// Copy segments run so far.
+    pub fn segments(&self) -> u64 {
+        self.counters.segments.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of host memory pinned by this engine now.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.counters.pinned_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether the host memory at `base` is pinned by this engine now.
+    pub fn is_pinned(&self, base: NonNull<u8>) -> bool {
+        self.pins.lock().contains_key(&(base.as_ptr() as usize))
+    }
+
+    /// A local region this engine can address: host memory, or memory of one of its devices.
+    fn addressable(&self, r: &TransferRef) -> Option<LocalRegion> {
+        let local = *r.local_region()?;
+        match local.location() {
+            MemoryLocation::Host => Some(local),
+            MemoryLocation::Gpu { device } if device < self.devices => Some(local),
+            MemoryLocation::Gpu { .. } => None,
+        }
+    }
+
+    fn take_stream(&self, device: u32) -> Result<Stream, GpuError> {
+        if let Some(s) = self.streams.lock().get_mut(&device).and_then(Vec::pop) {
+            return Ok(s);
+        }
+        // The caller holds a guard for `device`: the stream is created on it.
+        self.runtime.stream_create()
+    }
+
+    fn return_stream(&self, stream: Stream) {
+        self.streams.lock().entry(stream.device()).or_default().push(stream);
+    }
+
+    /// Runs the plans of one device under a guard; returns the failures.
+    fn run_device(&self, device: u32, plans: &[(&TransferPlan, Vec<Job>)]) -> Vec<TransferFailure> {
+        let endpoint = format!("gpu:dev{device}");
+        let fail_all = |message: String| {
+            plans
+                .iter()
+                .map(|(p, _)| {
+                    TransferFailure::new(p.tags.clone(), FailureKind::Local, message.clone(), endpoint.clone())
+                })
+                .collect::<Vec<_>>()
+        };
+        let _guard = match DeviceGuard::switch(self.runtime.as_ref(), device) {
+            Ok(g) => g,
+            Err(e) => return fail_all(format!("cannot make the device current: {e}")),
+        };
+        let mut failures = Vec::new();
+        let segments: u64 = plans.iter().map(|(_, jobs)| jobs.len() as u64).sum();
+        if !self.config.batch {
+            for (plan, jobs) in plans {
+                for job in jobs {
+                    // SAFETY: `job` was built from a plan checked against both refs' local regions, which
+                    // are valid under `LocalRegion`'s invariant for the duration of `submit`.
+                    if let Err(e) = unsafe { self.runtime.memcpy(job.dst, job.src, job.len, job.kind) } {
+                        failures.push(TransferFailure::new(
+                            plan.tags.clone(),
+                            FailureKind::Local,
+                            e.to_string(),
+                            endpoint.clone(),
+                        ));
+                        break;
+                    }
+                }
+            }
+        } else {
+            let stream = match self.take_stream(device) {
+                Ok(s) => s,
+                Err(e) => return fail_all(format!("cannot create a stream: {e}")),
+            };
+            let mut enqueued: Vec<&TransferPlan> = Vec::new();
+            for (plan, jobs) in plans {
+                let mut ok = true;
+                for job in jobs {
+                    // SAFETY: as above; the ranges stay valid until the stream is synchronised below,
+                    // before `submit` returns.
+                    if let Err(e) = unsafe { self.runtime.memcpy_async(job.dst, job.src, job.len, job.kind, &stream) } {
+                        failures.push(TransferFailure::new(
+                            plan.tags.clone(),
+                            FailureKind::Local,
+                            e.to_string(),
+                            endpoint.clone(),
+                        ));
+                        ok = false;
+                        break;
+                    }
+                }
+                if ok {
+                    enqueued.push(plan);
+                }
+            }
+            // One wait for the whole batch. A failure here cannot be pinned on one copy: every plan
+            // that was enqueued fails.
+            match self.runtime.stream_synchronize(&stream) {
+                Ok(()) => self.return_stream(stream),
+                Err(e) => {
+                    for plan in enqueued {
+                        failures.push(TransferFailure::new(
+                            plan.tags.clone(),
+                            FailureKind::Local,
+                            e.to_string(),
+                            endpoint.clone(),
+                        ));
+                    }
+                    // A stream that reported an error may stay poisoned: do not reuse it.
+                    if let Err(e) = self.runtime.stream_destroy(stream) {
+                        tracing::debug!(device, error = %e, "destroying a failed stream");
+                    }
+                }
+            }
+        }
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.segments.fetch_add(segments, Ordering::Relaxed);
+        failures
+    }
+}
+
+impl Drop for GpuCopyEngine {
+    fn drop(&mut self) {
+        let streams = std::mem::take(&mut *self.streams.lock());
+        for (device, list) in streams {
+            let Ok(_guard) = DeviceGuard::switch(self.runtime.as_ref(), device) else { continue };
+            for s in list {
+                let _ = self.runtime.stream_destroy(s);
+            }
+        }
+        // Regions still pinned were not deregistered by their owners; unpin them so the pages are not
+        // locked for the rest of the process (errors are harmless if the memory is already gone).
+        let pins = std::mem::take(&mut *self.pins.lock());
+        for base in pins.keys() {
+            if let Some(ptr) = NonNull::new(*base as *mut u8) {
+                // SAFETY: `ptr` is the base of a registration this engine made; no copy is in flight
+                // (the engine is being dropped, so no `submit` runs).
+                let _ = unsafe { self.runtime.host_unregister(ptr) };
+            }
+        }
+    }
+}
+
+/// One copy: `len` bytes from `src` to `dst`, in the places `kind` says.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    src: NonNull<u8>,
+    dst: NonNull<u8>,
+    len: usize,
+    kind: CopyKind,
+}
+
+impl MemoryRegistrar for GpuCopyEngine {
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        match region.location() {
+            MemoryLocation::Gpu { device } if device >= self.devices => {
+                Err(RegistrationError::Unsupported { len: region.len(), location: region.location() })
+            }
+            MemoryLocation::Gpu { .. } => Ok(TransferRef::local(region)),
+            MemoryLocation::Host => {
+                if self.config.pin_host_memory && !region.is_empty() {
+                    let base = region.ptr().as_ptr() as usize;
+                    let mut pins = self.pins.lock();
+                    match pins.entry(base) {
+                        // The same region again (another ref of one buffer): share the pin.
+                        Entry::Occupied(mut pin) if pin.get().len == region.len() => pin.get_mut().refs += 1,
+                        // A different length at a pinned base: leave it to the existing pin.
+                        Entry::Occupied(_) => {}
+                        Entry::Vacant(slot) => {
+                            let len = usize::try_from(region.len()).unwrap_or(usize::MAX);
+                            // SAFETY: the region is valid host memory until it is deregistered
+                            // (`LocalRegion`'s invariant); `deregister` unpins it before that.
+                            match unsafe { self.runtime.host_register(region.ptr(), len) } {
+                                Ok(()) => {
+                                    slot.insert(Pin { len: region.len(), refs: 1 });
+                                    self.counters.pinned_bytes.fetch_add(region.len(), Ordering::Relaxed);
+                                }
+                                // Unpinned memory still copies, only slower: accept it.
+                                Err(e) => tracing::debug!(bytes = region.len(), error = %e, "host memory not pinned"),
+                            }
+                        }
+                    }
+                }
+                Ok(TransferRef::local(region))
+            }
+        }
+    }
+
+    fn deregister(&self, r: &TransferRef) {
+        let Some(local) = r.local_region().filter(|l| l.location().is_host()) else { return };
+        let base = local.ptr().as_ptr() as usize;
+        let mut pins = self.pins.lock();
+        let Some(pin) = pins.get_mut(&base) else { return };
+        pin.refs -= 1;
+        if pin.refs > 0 {
+            return;
+        }
+        let len = pin.len;
+        pins.remove(&base);
+        // SAFETY: the region is a registration base this engine pinned; its owner deregisters it before
+        // releasing it and no copy of this engine is in flight on it (copies finish inside `submit`).
+        if let Err(e) = unsafe { self.runtime.host_unregister(local.ptr()) } {
+            tracing::warn!(bytes = len, error = %e, "unpinning host memory failed");
+        }
+        self.counters.pinned_bytes.fetch_sub(len, Ordering::Relaxed);
+    }
+}
+
+// The composite engine already charges plans, bytes and seconds per engine and direction; the
+// engine's own counters are exposed through `batches`, `segments` and `pinned_bytes`.
+impl MetricSource for GpuCopyEngine {}
+
+impl TransferEngine for GpuCopyEngine {
+    fn name(&self) -> &str {
+        "GpuCopyEngine"
+    }
+
+    /// Copies finish inside `submit` (one stream synchronisation per device).
+    fn completes_in_submit(&self) -> bool {
+        true
+    }
+
+    fn can_handle(&self, src: &TransferRef, dst: &TransferRef) -> bool {
+        match (self.addressable(src), self.addressable(dst)) {
+            (Some(s), Some(d)) => !s.location().is_host() || !d.location().is_host(),
+            _ => false,
+        }
+    }
+
+    fn plan(&self, items: &[TransferItem]) -> PlanSet {
+        plan_pairs(items, |item| {
+            if !self.can_handle(&item.src, &item.dst) {
+                return None;
+            }
+            Some((TransferDirection::Local, SideKey::local(&item.src)?, SideKey::local(&item.dst)?))
+        })
+    }
+
+    fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure> {
+        let mut failures = Vec::new();
+        let mut by_device: BTreeMap<u32, Vec<(&TransferPlan, Vec<Job>)>> = BTreeMap::new();
+        for plan in &plans {
+            let reject =
+                |message: &str| TransferFailure::new(plan.tags.clone(), FailureKind::Local, message, "GpuCopyEngine");
+            let (Some(src), Some(dst)) = (self.addressable(&plan.src), self.addressable(&plan.dst)) else {
+                failures.push(reject("plan has a side this engine cannot address"));
+                continue;
+            };
+            let device = match (src.location(), dst.location()) {
+                (_, MemoryLocation::Gpu { device }) | (MemoryLocation::Gpu { device }, MemoryLocation::Host) => device,
+                (MemoryLocation::Host, MemoryLocation::Host) => {
+                    failures.push(reject("plan has no GPU side"));
+                    continue;
+                }
+            };
+            if !plan_in_range(plan) || plan.src.size() > src.len() || plan.dst.size() > dst.len() {
+                failures.push(reject("plan reaches outside its buffers"));
+                continue;
+            }
+            let kind = CopyKind::between(!src.location().is_host(), !dst.location().is_host());
+            let mut jobs = Vec::with_capacity(plan.segments.len());
+            let mut fits = true;
+            for s in plan.segments.iter().filter(|s| s.len > 0) {
+                let (Ok(src_off), Ok(dst_off), Ok(len)) =
+                    (usize::try_from(s.src_offset), usize::try_from(s.dst_offset), usize::try_from(s.len))
+                else {
+                    fits = false;
+                    break;
+                };
+                // SAFETY: `offset + len <= ref size <= region len` (checked above), so both pointers
+                // stay inside their regions; nothing is dereferenced here.
+                let (src_ptr, dst_ptr) = unsafe { (src.ptr().add(src_off), dst.ptr().add(dst_off)) };
+                jobs.push(Job { src: src_ptr, dst: dst_ptr, len, kind });
+                self.counters.bytes.fetch_add(s.len, Ordering::Relaxed);
+            }
+            if !fits {
+                failures.push(reject("a segment does not fit this address space"));
+                continue;
+            }
+            by_device.entry(device).or_default().push((plan, jobs));
+        }
+        for (device, plans) in &by_device {
+            failures.extend(self.run_device(*device, plans));
+        }
+        Ok(Box::new(CompletedHandle::new(failures)))
+    }
+}
