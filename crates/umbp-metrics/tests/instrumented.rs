@@ -1,0 +1,281 @@
+//! `InstrumentedBackend` and the publisher against a medium with no metrics code of its own
+//! (`MockBackend`), through a local Prometheus recorder (no global recorder, so tests never race).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, MetricSample, MetricSource, TierType,
+};
+use umbp_metrics::{InstrumentedBackend, MetricPublisher, MetricsExporter, Op, Status, names};
+use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
+
+const PAGE: u64 = 4096;
+
+/// `name{labels}` → value, from the Prometheus text format (labels sorted, so lookups are stable).
+fn parse(text: &str) -> BTreeMap<(String, BTreeMap<String, String>), f64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
+        let (series, value) = line.rsplit_once(' ').expect("series and value");
+        let (name, labels) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        let labels = labels
+            .split(',')
+            .filter(|l| !l.is_empty())
+            .map(|l| {
+                let (k, v) = l.split_once('=').expect("k=v");
+                (k.to_owned(), v.trim_matches('"').to_owned())
+            })
+            .collect();
+        out.insert((name.to_owned(), labels), value.parse().expect("value"));
+    }
+    out
+}
+
+/// The value of the one series `name` whose labels include every pair of `labels`.
+fn value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let series = parse(text);
+    let hits: Vec<f64> = series
+        .iter()
+        .filter(|((n, l), _)| n == name && labels.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v)))
+        .map(|(_, v)| *v)
+        .collect();
+    assert!(hits.len() <= 1, "{name} {labels:?} matches {} series", hits.len());
+    hits.first().copied()
+}
+
+fn mock(tier: TierType, pages: u32) -> (Arc<dyn MediumBackend>, Arc<InstrumentedBackend>) {
+    let inner: Arc<dyn MediumBackend> =
+        Arc::new(MockBackend::new(MockConfig { tier, page_size: PAGE, pages, ..MockConfig::default() }));
+    let wrapped = Arc::new(InstrumentedBackend::new(inner));
+    wrapped.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    (Arc::clone(&wrapped) as Arc<dyn MediumBackend>, wrapped)
+}
+
+fn keys(names: &[&str]) -> Vec<String> {
+    names.iter().map(|k| (*k).to_owned()).collect()
+}
+
+/// Puts `names` (one page each): allocate, commit.
+fn put(b: &dyn MediumBackend, names: &[&str]) {
+    let reqs: Vec<_> = names.iter().map(|k| AllocateRequest::new(*k, PAGE)).collect();
+    let slots = b.batch_allocate(&reqs);
+    let commits: Vec<_> = slots
+        .iter()
+        .zip(names)
+        .filter(|(s, _)| s.outcome == AllocateOutcome::Allocated)
+        .map(|(s, k)| CommitRequest::new(s.slot_id, *k))
+        .collect();
+    b.batch_commit(&commits);
+}
+
+/// Every generic series, with its labels, after one sequence touching every op and status that the
+/// mock can produce.
+#[test]
+fn a_medium_with_no_metrics_code_appears_under_its_tier_with_every_generic_series() {
+    let (backend, _) = mock(TierType::Ssd, 4);
+    put(backend.as_ref(), &["a", "b"]);
+    // exists, no_space (2 pages left, 3 asked), failed (size 0).
+    let r = backend.batch_allocate(&[
+        AllocateRequest::new("a", PAGE),
+        AllocateRequest::new("big", 3 * PAGE),
+        AllocateRequest::new("zero", 0),
+    ]);
+    assert_eq!(
+        r.iter().map(|r| r.outcome).collect::<Vec<_>>(),
+        [AllocateOutcome::AlreadyExists, AllocateOutcome::FailedNoSpace, AllocateOutcome::Failed]
+    );
+    let slot = backend.batch_allocate(&[AllocateRequest::new("c", PAGE)])[0].slot_id;
+    backend.batch_abort(&[slot]);
+    backend.batch_commit(&[CommitRequest::new(999_999, "ghost")]);
+    backend.batch_resolve(&keys(&["b", "nope"]), false);
+    std::thread::sleep(Duration::from_millis(600)); // past the mock's 500 ms read lease on "b"
+    backend.evict(&keys(&["b", "nope"]));
+
+    let exporter = MetricsExporter::new(&[], Duration::from_secs(60));
+    exporter.add_backend(&backend);
+    let text = exporter.render();
+    let ssd = [("tier", "SSD"), ("backend", "MockBackend")];
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut l = ssd.to_vec();
+        l.extend_from_slice(extra);
+        l
+    };
+    for (op, status) in [
+        ("allocate", "ok"),
+        ("allocate", "exists"),
+        ("allocate", "no_space"),
+        ("allocate", "failed"),
+        ("commit", "ok"),
+        ("commit", "failed"),
+        ("abort", "ok"),
+        ("resolve", "ok"),
+        ("resolve", "miss"),
+        ("evict", "ok"),
+        ("evict", "miss"),
+    ] {
+        assert!(value(&text, names::OPS_TOTAL, &with(&[("op", op), ("status", status)])).is_some(), "{op}/{status}\n{text}");
+    }
+    for op in names::OPS {
+        assert!(value(&text, names::BATCHES_TOTAL, &with(&[("op", op)])).is_some(), "batches {op}");
+        assert!(value(&text, names::OP_SECONDS_TOTAL, &with(&[("op", op)])).is_some(), "seconds {op}");
+    }
+    for op in ["commit", "resolve", "evict"] {
+        assert!(value(&text, names::BYTES_TOTAL, &with(&[("op", op)])).is_some(), "bytes {op}");
+    }
+    // The mock's own gauge passes through under the same stamps.
+    assert!(value(&text, names::MEDIUM_STATE, &with(&[("state", "pages_in_use")])).is_some(), "{text}");
+    // Help text reaches the output.
+    assert!(text.contains(&format!("# HELP {} ", names::OPS_TOTAL)), "{text}");
+}
+
+/// A known sequence gives exact counts, in the decorator and in the published series, and later
+/// traffic only ever adds.
+#[test]
+fn counters_are_exact_and_monotonic_for_a_known_sequence() {
+    let (backend, wrapped) = mock(TierType::Dram, 16);
+    let exporter = MetricsExporter::new(&[], Duration::from_secs(60));
+    exporter.add_backend(&backend);
+    let dram = |extra: &[(&'static str, &'static str)]| {
+        let mut l = vec![("tier", "DRAM"), ("backend", "MockBackend")];
+        l.extend_from_slice(extra);
+        l
+    };
+
+    put(backend.as_ref(), &["k1", "k2", "k3"]); // 1 allocate batch of 3, 1 commit batch of 3
+    backend.batch_resolve(&keys(&["k1", "k2", "x"]), false); // 2 hits, 1 miss
+    let a = wrapped.counts(Op::Allocate);
+    assert_eq!((a.batches, a.entries(Status::Ok)), (1, 3));
+    let c = wrapped.counts(Op::Commit);
+    assert_eq!((c.batches, c.entries(Status::Ok), c.bytes), (1, 3, 3 * PAGE));
+    let r = wrapped.counts(Op::Resolve);
+    assert_eq!((r.batches, r.entries(Status::Ok), r.entries(Status::Miss), r.bytes), (1, 2, 1, 2 * PAGE));
+
+    let text = exporter.render();
+    assert_eq!(value(&text, names::OPS_TOTAL, &dram(&[("op", "allocate"), ("status", "ok")])), Some(3.0));
+    assert_eq!(value(&text, names::BATCHES_TOTAL, &dram(&[("op", "commit")])), Some(1.0));
+    assert_eq!(value(&text, names::BYTES_TOTAL, &dram(&[("op", "commit")])), Some((3 * PAGE) as f64));
+    assert_eq!(value(&text, names::OPS_TOTAL, &dram(&[("op", "resolve"), ("status", "miss")])), Some(1.0));
+    assert_eq!(value(&text, names::BYTES_TOTAL, &dram(&[("op", "resolve")])), Some((2 * PAGE) as f64));
+    let seconds_before = value(&text, names::OP_SECONDS_TOTAL, &dram(&[("op", "resolve")])).expect("seconds");
+
+    // Publishing again without traffic changes nothing (deltas, not re-adds).
+    let again = exporter.render();
+    assert_eq!(value(&again, names::OPS_TOTAL, &dram(&[("op", "allocate"), ("status", "ok")])), Some(3.0));
+    assert_eq!(value(&again, names::BYTES_TOTAL, &dram(&[("op", "commit")])), Some((3 * PAGE) as f64));
+
+    put(backend.as_ref(), &["k4"]);
+    backend.batch_resolve(&keys(&["k4"]), false);
+    let later = exporter.render();
+    assert_eq!(value(&later, names::OPS_TOTAL, &dram(&[("op", "allocate"), ("status", "ok")])), Some(4.0));
+    assert_eq!(value(&later, names::BATCHES_TOTAL, &dram(&[("op", "allocate")])), Some(2.0));
+    assert_eq!(value(&later, names::BYTES_TOTAL, &dram(&[("op", "commit")])), Some((4 * PAGE) as f64));
+    assert_eq!(value(&later, names::OPS_TOTAL, &dram(&[("op", "resolve"), ("status", "ok")])), Some(3.0));
+    let seconds_after = value(&later, names::OP_SECONDS_TOTAL, &dram(&[("op", "resolve")])).expect("seconds");
+    assert!(seconds_after >= seconds_before && seconds_after > 0.0, "{seconds_before} -> {seconds_after}");
+    // Ops that never ran have no series at all.
+    assert_eq!(value(&later, names::BATCHES_TOTAL, &dram(&[("op", "evict")])), None);
+}
+
+/// A medium that publishes its own state under the generic names.
+#[derive(Debug)]
+struct DeviceStats {
+    errors: std::sync::atomic::AtomicU64,
+}
+
+impl MetricSource for DeviceStats {
+    fn sample_metrics(&self) -> Vec<MetricSample> {
+        let l = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+        vec![
+            MetricSample::counter(
+                names::MEDIUM_EVENTS_TOTAL,
+                names::MEDIUM_EVENTS_TOTAL_HELP,
+                // A source may not set `tier=`: the publisher's stamp wins.
+                vec![l("event", "device_read_error"), l("tier", "FAKE")],
+                self.errors.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+            MetricSample::counter(
+                names::MEDIUM_BYTES_TOTAL,
+                names::MEDIUM_BYTES_TOTAL_HELP,
+                vec![l("event", "spill")],
+                8192,
+            ),
+            MetricSample::gauge(names::MEDIUM_STATE, names::MEDIUM_STATE_HELP, vec![l("state", "queue_depth")], 7),
+        ]
+    }
+}
+
+#[test]
+fn a_mediums_own_samples_pass_through_with_its_labels() {
+    let source = Arc::new(DeviceStats { errors: 3.into() });
+    let exporter = MetricsExporter::new(&[("node".to_owned(), "n7".to_owned())], Duration::from_secs(60));
+    let stamps = vec![("tier".to_owned(), "SSD".to_owned()), ("backend".to_owned(), "SsdBackend".to_owned())];
+    exporter.add_source("backend:SsdBackend", stamps, Arc::clone(&source) as Arc<dyn MetricSource + Send + Sync>);
+    let text = exporter.render();
+    let ssd = [("node", "n7"), ("tier", "SSD"), ("backend", "SsdBackend")];
+    let with = |extra: (&'static str, &'static str)| {
+        let mut l = ssd.to_vec();
+        l.push(extra);
+        l
+    };
+    assert_eq!(value(&text, names::MEDIUM_EVENTS_TOTAL, &with(("event", "device_read_error"))), Some(3.0));
+    assert_eq!(value(&text, names::MEDIUM_BYTES_TOTAL, &with(("event", "spill"))), Some(8192.0));
+    assert_eq!(value(&text, names::MEDIUM_STATE, &with(("state", "queue_depth"))), Some(7.0));
+    assert!(!text.contains("FAKE"), "a source cannot override tier=\n{text}");
+    source.errors.store(5, std::sync::atomic::Ordering::Relaxed);
+    let text = exporter.render();
+    assert_eq!(value(&text, names::MEDIUM_EVENTS_TOTAL, &with(("event", "device_read_error"))), Some(5.0));
+}
+
+/// A source publishing fixed samples, changed by the test between publishes.
+#[derive(Debug, Default)]
+struct Fixed(parking_lot::Mutex<Vec<MetricSample>>);
+
+impl MetricSource for Fixed {
+    fn sample_metrics(&self) -> Vec<MetricSample> {
+        self.0.lock().clone()
+    }
+}
+
+#[test]
+fn publisher_ships_counter_deltas_rebases_on_decrease_and_scales() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let mut publisher = MetricPublisher::new();
+    let counter = |v| MetricSample::counter(names::MEDIUM_EVENTS_TOTAL, "h", vec![("event".into(), "x".into())], v);
+    let seconds = |v| {
+        let mut s = MetricSample::counter(names::OP_SECONDS_TOTAL, "h", vec![("op".into(), "commit".into())], v);
+        s.scale = 1e-9;
+        s
+    };
+    let read = |r: &metrics_exporter_prometheus::PrometheusRecorder, name: &str| {
+        value(&r.handle().render(), name, &[]).expect("series")
+    };
+    publisher.publish("s", &[], vec![counter(10), seconds(2_000_000_000)], &recorder);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 10.0);
+    assert!((read(&recorder, names::OP_SECONDS_TOTAL) - 2.0).abs() < 1e-9);
+    publisher.publish("s", &[], vec![counter(15), seconds(3_000_000_000)], &recorder);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 15.0);
+    assert!((read(&recorder, names::OP_SECONDS_TOTAL) - 3.0).abs() < 1e-9);
+    // The source restarted at 4: nothing shipped, the baseline moves to 4; then +2.
+    publisher.publish("s", &[], vec![counter(4)], &recorder);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 15.0);
+    publisher.publish("s", &[], vec![counter(6)], &recorder);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 17.0);
+    // A second source of the same series has baselines of its own.
+    publisher.publish("t", &[], vec![counter(1)], &recorder);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 18.0);
+    // Gauges are readings.
+    let gauge = |v| MetricSample::gauge(names::MEDIUM_STATE, "h", vec![], v);
+    publisher.publish("s", &[], vec![gauge(9)], &recorder);
+    publisher.publish("s", &[], vec![gauge(2)], &recorder);
+    assert_eq!(read(&recorder, names::MEDIUM_STATE), 2.0);
+
+    let fixed = Arc::new(Fixed::default());
+    fixed.0.lock().push(counter(1));
+    let exporter = MetricsExporter::new(&[], Duration::from_secs(60));
+    exporter.add_source("fixed", vec![], fixed);
+    assert_eq!(value(&exporter.render(), names::MEDIUM_EVENTS_TOTAL, &[]), Some(1.0));
+}
