@@ -65,6 +65,9 @@ pub struct MasterConfig {
     /// Largest gRPC message accepted or sent, by the master's server and by its `EvictKey` client.
     /// Env `UMBP_MASTER_MAX_MESSAGE_BYTES` (>= 64 KiB). Default: 64 MiB.
     pub max_message_bytes: usize,
+    /// Where to serve Prometheus `/metrics` with the cluster gauges (port 0 picks a free one; see
+    /// `MasterHandle::metrics_addr`). Env `UMBP_MASTER_METRICS_ADDR`. Default: none (no endpoint).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -83,6 +86,7 @@ impl std::fmt::Debug for MasterConfig {
             .field("shutdown_deadline", &self.shutdown_deadline)
             .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
             .field("max_message_bytes", &self.max_message_bytes)
+            .field("metrics_listen", &self.metrics_listen)
             .finish()
     }
 }
@@ -102,6 +106,7 @@ impl Default for MasterConfig {
             shutdown_deadline: Duration::from_secs(3),
             cluster_token: None,
             max_message_bytes: 64 << 20,
+            metrics_listen: None,
         }
     }
 }
@@ -194,6 +199,9 @@ impl MasterConfig {
             parse::<usize>(get, "UMBP_MASTER_INDEX_SHARDS", "an integer in 1..=4096", |n| (1..=4096).contains(n))?
         {
             self.index_shards = n;
+        }
+        if let Some(a) = parse::<SocketAddr>(get, "UMBP_MASTER_METRICS_ADDR", "HOST:PORT (an IP address)", |_| true)? {
+            self.metrics_listen = Some(a);
         }
         if let Some(s) = secs("UMBP_GRPC_SHUTDOWN_DEADLINE_SEC", 0)? {
             self.shutdown_deadline = Duration::from_secs(s);

@@ -15,6 +15,7 @@
 
 mod config;
 mod evictor;
+mod metrics;
 pub mod routing;
 mod server;
 mod service;

@@ -11,9 +11,13 @@ use umbp_proto::v1::umbp_master_server::UmbpMasterServer;
 
 use crate::config::MasterConfig;
 use crate::evictor::{EvictionReport, EvictionStats, Evictor, reap};
+use crate::metrics::ClusterMetrics;
 use crate::routing::{GetAlgo, PutStrategyConfig, RouteGetStrategy, RoutePutStrategy};
 use crate::service::{MasterService, ServiceStats};
 use crate::store::{InMemoryStore, MetadataStore};
+
+/// A gauge not refreshed for this long leaves the metrics output (an expired or removed node's).
+const METRICS_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The metadata key that carries the cluster token on every call.
 pub const TOKEN_METADATA: &str = "x-umbp-token";
@@ -40,6 +44,9 @@ pub enum MasterError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// The metrics endpoint could not start.
+    #[error(transparent)]
+    Metrics(#[from] umbp_metrics::MetricsError),
 }
 
 /// Counters of a running master (for `umbp stat`, metrics and tests).
@@ -82,12 +89,18 @@ pub struct MasterHandle {
     evictor: Arc<tokio::sync::Mutex<Evictor>>,
     store: Arc<dyn MetadataStore>,
     config: Arc<MasterConfig>,
+    metrics: Option<umbp_metrics::MetricsServer>,
 }
 
 impl MasterHandle {
     /// The address the gRPC server is bound to.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where Prometheus `/metrics` is served, when `metrics_listen` is set.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(umbp_metrics::MetricsServer::local_addr)
     }
 
     /// The metadata store (for tests and operator tooling in the same process).
@@ -207,6 +220,21 @@ pub async fn start_with_store(
     let addr = listener.local_addr().map_err(|source| MasterError::Bind { addr: config.listen, source })?;
     let config = Arc::new(config);
     let stats = Arc::new(ServiceStats::default());
+    let eviction = Arc::new(EvictionStats::default());
+    // Before the gRPC server starts: a master whose endpoint cannot bind serves nothing.
+    let metrics = match config.metrics_listen {
+        Some(listen) => {
+            let exporter = Arc::new(umbp_metrics::MetricsExporter::new(&[], METRICS_IDLE));
+            let cluster = ClusterMetrics {
+                store: Arc::clone(&store),
+                stats: Arc::clone(&stats),
+                eviction: Arc::clone(&eviction),
+            };
+            exporter.add_source("master", Vec::new(), Arc::new(cluster));
+            Some(umbp_metrics::MetricsServer::start(exporter, &umbp_metrics::MetricsConfig::new(listen)).await?)
+        }
+        None => None,
+    };
     let service = MasterService {
         config: Arc::clone(&config),
         store: Arc::clone(&store),
@@ -237,7 +265,6 @@ pub async fn start_with_store(
             let _ = server_stop.wait_for(|s| *s).await;
         },
     ));
-    let eviction = Arc::new(EvictionStats::default());
     let evictor = Arc::new(tokio::sync::Mutex::new(Evictor::new(
         Arc::clone(&store),
         Arc::clone(&config),
@@ -248,7 +275,7 @@ pub async fn start_with_store(
         tokio::spawn(reaper_loop(Arc::clone(&store), Arc::clone(&config), stopped.clone())),
         tokio::spawn(eviction_loop(Arc::clone(&evictor), Arc::clone(&config), stopped)),
     ];
-    Ok(MasterHandle { addr, stop, tasks, server: Some(server), stats, eviction, evictor, store, config })
+    Ok(MasterHandle { addr, stop, tasks, server: Some(server), stats, eviction, evictor, store, config, metrics })
 }
 
 /// Runs the reaper every `reaper_interval` until stopped.

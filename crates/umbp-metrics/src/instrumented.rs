@@ -87,7 +87,7 @@ impl OpCounters {
         let n = self.batches.fetch_add(1, Ordering::Relaxed);
         if entries >= TIME_EVERY_ENTRIES {
             Some(1)
-        } else if n % TIME_ONE_IN == 0 {
+        } else if n.is_multiple_of(TIME_ONE_IN) {
             Some(TIME_ONE_IN)
         } else {
             None

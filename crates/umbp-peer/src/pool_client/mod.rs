@@ -34,7 +34,10 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::{RwLock, mpsc};
 use tonic::transport::{Channel, Endpoint};
-use umbp_core::{BackendRegistry, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, TierType, TransferRef};
+use umbp_core::{
+    BackendRegistry, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSource, TierType, TransferRef,
+};
+use umbp_metrics::{InstrumentedBackend, MetricsConfig, MetricsExporter, MetricsServer};
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
@@ -120,6 +123,9 @@ pub struct PoolClientConfig {
     pub rpc_timeout: Duration,
     /// The master client's settings.
     pub master: MasterClientConfig,
+    /// Where to serve Prometheus `/metrics` (port 0 picks a free one; see
+    /// [`PoolClient::metrics_address`]). Default: none (no endpoint).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -141,6 +147,7 @@ impl std::fmt::Debug for PoolClientConfig {
             .field("recache", &self.recache)
             .field("rpc_timeout", &self.rpc_timeout)
             .field("master", &self.master)
+            .field("metrics_listen", &self.metrics_listen)
             .finish()
     }
 }
@@ -164,6 +171,7 @@ impl PoolClientConfig {
             recache: RecachePolicy::UpTo(16 << 20),
             rpc_timeout: Duration::from_secs(5),
             master: MasterClientConfig::default(),
+            metrics_listen: None,
         }
     }
 
@@ -199,6 +207,9 @@ pub enum PoolError {
     /// The master refused or could not be reached.
     #[error("master: {0}")]
     Master(#[from] MasterClientError),
+    /// The metrics endpoint could not start.
+    #[error(transparent)]
+    Metrics(#[from] umbp_metrics::MetricsError),
 }
 
 /// Why one key of a batch failed. [`is_retryable`](Self::is_retryable) says whether the same
@@ -329,6 +340,8 @@ type PeerClient = UmbpPeerClient<Channel>;
 
 /// How long a node that could not be reached is left out of every route.
 const UNREACHABLE_FOR: Duration = Duration::from_secs(2);
+/// A gauge not refreshed for this long leaves the metrics output (its source went away).
+const METRICS_IDLE: Duration = Duration::from_secs(30);
 /// Capacity of the re-cache queue; new jobs are dropped when it is full.
 const RECACHE_QUEUE: usize = 1024;
 
@@ -364,6 +377,8 @@ pub struct PoolClient {
     recache_tx: Mutex<Option<mpsc::Sender<RecacheJob>>>,
     recache_worker: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stats: Arc<StatCounters>,
+    /// The Prometheus endpoint, when configured.
+    metrics: Mutex<Option<MetricsServer>>,
 }
 
 impl PoolClient {
@@ -408,12 +423,26 @@ impl PoolClient {
                 Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?))
             }
         };
+        // Every medium is charted by its tier= with no metrics code of its own.
+        let medium = medium.map(InstrumentedBackend::wrap);
         let mut registry = BackendRegistry::new();
         if let Some(m) = &medium {
             m.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>)?;
             registry.register(Arc::clone(m))?;
         }
         let registry = Arc::new(registry);
+        // Before registering with the master: a node whose endpoint cannot bind never joins.
+        let metrics = match config.metrics_listen {
+            Some(listen) => {
+                let exporter = Arc::new(MetricsExporter::new(&[("node".to_owned(), config.node_id.clone())], METRICS_IDLE));
+                if let Some(m) = &medium {
+                    exporter.add_backend(m);
+                }
+                exporter.add_source("transfer", Vec::new(), Arc::clone(&engine) as Arc<dyn MetricSource + Send + Sync>);
+                Some(MetricsServer::start(exporter, &MetricsConfig::new(listen)).await?)
+            }
+            None => None,
+        };
         let service = PeerService::new(Arc::clone(&registry), data_endpoint.clone());
         let peer_server = match &medium {
             Some(_) => Some(
@@ -486,6 +515,7 @@ impl PoolClient {
             recache_tx: Mutex::new(recache_tx),
             recache_worker: Mutex::new(recache_worker),
             stats,
+            metrics: Mutex::new(metrics),
         })
     }
 
@@ -509,7 +539,12 @@ impl PoolClient {
         &self.master
     }
 
-    /// The node's medium, if it lends one.
+    /// Where Prometheus `/metrics` is served, when configured (`metrics_listen`).
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.metrics.lock().as_ref().map(MetricsServer::local_addr)
+    }
+
+    /// The node's medium, if it lends one (wrapped in `InstrumentedBackend`).
     pub fn medium(&self) -> Option<&Arc<dyn MediumBackend>> {
         self.medium.as_ref()
     }
@@ -743,6 +778,9 @@ impl PoolClient {
             server.shutdown().await;
         }
         self.peers.lock().clear();
+        if let Some(metrics) = self.metrics.lock().take() {
+            metrics.shutdown();
+        }
         if let Some(m) = &self.medium {
             m.shutdown();
         }
