@@ -1,1 +1,208 @@
-fn main() {}
+//! `SsdBackend` put (allocate + copy into the staging pages + commit) and get (resolve + copy out of
+//! the staging pages) throughput for 1 MiB and 2 MiB values, with each io engine, in batches of 1
+//! and 8 keys, beside a same-run baseline: raw `O_DIRECT` sequential writes and reads of the same
+//! number of bytes, in the same value-sized requests, to a file in the same directory.
+//!
+//! Run: `cargo xtask bench -p umbp-ssd` or `cargo bench -p umbp-ssd --bench ssd_throughput`. Prints
+//! a markdown table of medians. `UMBP_BENCH_ROUNDS` (default 5), `UMBP_BENCH_MIB` (bytes per round
+//! and cell, default 256) and `UMBP_BENCH_DIR` (default: the system temp dir) tune it. Gets run
+//! after the staged copies are dropped, so every get reads the drive.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, ManualClock, MediumBackend};
+use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig};
+use umbp_testkit::LocalOnlyRegistrar;
+
+const MIB: u64 = 1 << 20;
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// A 4 KiB-aligned buffer for `O_DIRECT`.
+struct Aligned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let layout = Layout::from_size_align(len, 4096).expect("layout");
+        // SAFETY: non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        assert!(!ptr.is_null());
+        // SAFETY: freshly allocated `len` bytes.
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+        Self { ptr, len }
+    }
+    fn slice(&self) -> &[u8] {
+        // SAFETY: owned allocation of `len` initialised bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    fn slice_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr, Layout::from_size_align(self.len, 4096).expect("layout")) };
+    }
+}
+
+/// Raw `O_DIRECT` sequential writes then reads of `count` requests of `size` bytes; GB/s each.
+fn raw(dir: &Path, size: u64, count: u64) -> (f64, f64) {
+    let path = dir.join("raw-baseline.bin");
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .expect("O_DIRECT open (the bench needs a filesystem that allows it)");
+    let mut buf = Aligned::new(size as usize);
+    let start = Instant::now();
+    for i in 0..count {
+        file.write_all_at(buf.slice(), i * size).expect("write");
+    }
+    let write = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
+    let start = Instant::now();
+    for i in 0..count {
+        file.read_exact_at(buf.slice_mut(), i * size).expect("read");
+    }
+    let read = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
+    drop(file);
+    let _ = std::fs::remove_file(&path);
+    (write, read)
+}
+
+fn arena(b: &SsdBackend) -> *mut u8 {
+    b.buffer_ref(0).and_then(|r| r.local_region().map(|l| l.ptr().as_ptr())).expect("arena")
+}
+
+/// Puts then gets `count` values of `size` bytes in batches of `batch`; GB/s each.
+fn ssd(b: &SsdBackend, clock: &ManualClock, round: u64, size: u64, count: u64, batch: u64) -> (f64, f64) {
+    let page = b.page_size();
+    let src = Aligned::new(size as usize);
+    let mut dst = Aligned::new(size as usize);
+    let base = arena(b);
+    let keys: Vec<String> = (0..count).map(|i| format!("r{round}-k{i}")).collect();
+    let start = Instant::now();
+    for chunk in keys.chunks(batch as usize) {
+        let reqs: Vec<AllocateRequest> = chunk.iter().map(|k| AllocateRequest::new(k.clone(), size)).collect();
+        let allocated = b.batch_allocate(&reqs);
+        let mut commits = Vec::with_capacity(chunk.len());
+        for (a, k) in allocated.iter().zip(chunk) {
+            assert_eq!(a.outcome, AllocateOutcome::Allocated, "allocate {k}");
+            for (j, p) in a.pages.iter().enumerate() {
+                let off = j as u64 * page;
+                let n = (size - off).min(page) as usize;
+                // SAFETY: the page is inside the arena and reserved for this slot.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        src.slice().as_ptr().add(off as usize),
+                        base.add((u64::from(p.page_index) * page) as usize),
+                        n,
+                    )
+                };
+            }
+            commits.push(CommitRequest::new(a.slot_id, k.clone()));
+        }
+        assert!(b.batch_commit(&commits).iter().all(|c| c.success), "commit");
+    }
+    let put = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
+    b.drop_cached_copies();
+    let lease = b.config().read_lease_ttl();
+    let start = Instant::now();
+    for chunk in keys.chunks(batch as usize) {
+        let entries = b.batch_resolve(chunk, false);
+        for e in &entries {
+            assert!(e.found && e.size == size, "resolve");
+            for (j, p) in e.pages.iter().enumerate() {
+                let off = j as u64 * page;
+                let n = (size - off).min(page) as usize;
+                // SAFETY: the page is inside the arena and leased to this reader.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        base.add((u64::from(p.page_index) * page) as usize),
+                        dst.slice_mut().as_mut_ptr().add(off as usize),
+                        n,
+                    )
+                };
+            }
+        }
+        // The reader is done: end its leases so the pages serve the next batch.
+        clock.advance(lease + Duration::from_millis(1));
+    }
+    let get = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
+    assert_eq!(dst.slice(), src.slice(), "the last value read back differs");
+    b.evict(&keys);
+    b.reaper_tick();
+    (put, get)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let rounds = env_or("UMBP_BENCH_ROUNDS", 5).max(1);
+    let bytes = env_or("UMBP_BENCH_MIB", 256).max(8) * MIB;
+    let root = std::env::var_os("UMBP_BENCH_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
+    let dir = tempfile::Builder::new().prefix("umbp-ssd-bench").tempdir_in(&root).expect("bench dir");
+    let mut engines = vec![IoEngineKind::Psync];
+    match umbp_ssd::io_uring_available() {
+        Ok(()) => engines.push(IoEngineKind::IoUring),
+        Err(e) => eprintln!("io_uring rows skipped: {e}"),
+    }
+    println!(
+        "SsdBackend vs raw O_DIRECT on {} ({} MiB per cell and round, medians of {rounds} rounds)\n",
+        root.display(),
+        bytes / MIB
+    );
+    println!("| engine | op | value | batch | SsdBackend GB/s | raw O_DIRECT GB/s | ratio |");
+    println!("|---|---|---|---|---|---|---|");
+    for engine in engines {
+        for size in [MIB, 2 * MIB] {
+            for batch in [1u64, 8] {
+                let clock = ManualClock::new();
+                let config = SsdConfig::builder([dir.path().join(format!("{engine}-{size}-{batch}"))])
+                    .page_size(size)
+                    .capacity_bytes(4 * bytes)
+                    .staging_pages(16)
+                    .io_engine(engine)
+                    .watermarks(None)
+                    .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+                    .build()
+                    .expect("config");
+                let b = SsdBackend::new(config);
+                b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+                let count = bytes / size;
+                let (mut put, mut get, mut rw, mut rr) = (vec![], vec![], vec![], vec![]);
+                for round in 0..rounds {
+                    let (w, r) = raw(dir.path(), size, count);
+                    let (p, g) = ssd(&b, &clock, round, size, count, batch);
+                    rw.push(w);
+                    rr.push(r);
+                    put.push(p);
+                    get.push(g);
+                }
+                b.shutdown();
+                let value = format!("{} MiB", size / MIB);
+                for (op, ours, base) in [("put", median(put), median(rw)), ("get", median(get), median(rr))] {
+                    println!("| {engine} | {op} | {value} | {batch} | {ours:.2} | {base:.2} | {:.2} |", ours / base);
+                }
+            }
+        }
+    }
+}

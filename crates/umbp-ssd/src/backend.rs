@@ -430,7 +430,7 @@ impl SsdBackend {
     }
 
     /// Opens the directories, recovers (or wipes) the log and returns it with the owned keys.
-    fn open_log(&self, engine: &dyn IoEngine) -> Result<(Log, Vec<(String, Owned)>, u64), BackendError> {
+    fn open_log(&self, engine: &dyn IoEngine) -> Result<Recovered, BackendError> {
         let config = &self.inner.config;
         let n = config.dirs.len() as u64;
         let total = (config.capacity_bytes / config.page_size) * config.page_size;
@@ -474,7 +474,7 @@ impl SsdBackend {
             log.segs.insert(id, SegMeta { file: seg, dir, append: end, live: 0, writers: 0, sealed: true });
             log.next_seg = log.next_seg.max(id + 1);
         }
-        records.sort_by(|a, b| b.2.seq.cmp(&a.2.seq));
+        records.sort_by_key(|r| std::cmp::Reverse(r.2.seq));
         log.next_seq = records.first().map_or(1, |r| r.2.seq + 1);
         let mut owned: HashMap<String, Owned> = HashMap::default();
         let mut used = 0u64;
@@ -574,6 +574,9 @@ impl SsdBackend {
     }
 }
 
+/// What `open_log` found: the log, the owned keys (oldest first) and the capacity in bytes.
+type Recovered = (Log, Vec<(String, Owned)>, u64);
+
 /// Segment id (kept apart from `store::SegId` only to keep `open_log`'s tuple readable).
 type SegId2 = u64;
 
@@ -646,8 +649,9 @@ impl Inner {
         }
     }
 
-    /// Evicts least recently used keys until `used <= target` (metadata only: no IO).
-    fn evict_down_to(&self, state: &mut State, target: u64, now: Instant) {
+    /// Evicts least recently used keys until `used <= target` (metadata only: no IO), never one in
+    /// `spare`.
+    fn evict_down_to(&self, state: &mut State, target: u64, now: Instant, spare: &[String]) {
         if state.used <= target {
             return;
         }
@@ -658,7 +662,7 @@ impl Inner {
             if state.used <= target {
                 break;
             }
-            if !state.evictable(&key, now) {
+            if !state.evictable(&key, now) || spare.contains(&key) {
                 continue;
             }
             if state.drop_owned(&key, ps).is_some() {
@@ -668,12 +672,14 @@ impl Inner {
         }
     }
 
-    fn after_commit_watermark(&self, state: &mut State, now: Instant) {
+    /// The check after a write: at the high watermark, evict down to the low one (sparing the keys
+    /// just written, which would otherwise be the only candidates when the rest is leased).
+    fn after_commit_watermark(&self, state: &mut State, now: Instant, written: &[String]) {
         if let Some(w) = self.config.watermarks
             && state.used as f64 >= w.high * state.total as f64
         {
             let low = (w.low * state.total as f64) as u64;
-            self.evict_down_to(state, low, now);
+            self.evict_down_to(state, low, now, written);
         }
     }
 
@@ -1367,7 +1373,7 @@ impl MediumBackend for SsdBackend {
             {
                 let low = (w.low * state.total as f64) as u64;
                 let target = low.min(state.total - bytes);
-                inner.evict_down_to(&mut state, target, now);
+                inner.evict_down_to(&mut state, target, now, &[]);
             }
             if state.used + bytes > state.total {
                 results.push(AllocateResult::outcome(AllocateOutcome::FailedNoSpace));
@@ -1456,6 +1462,7 @@ impl MediumBackend for SsdBackend {
         // Phase 3: publish what landed, give every staging page back (or keep it as a clean copy).
         let now = config.clock.now();
         let mut state = inner.state.lock();
+        let mut written = Vec::new();
         for job in jobs {
             let bytes = inner.bytes_of(job.size);
             state.committing = state.committing.saturating_sub(bytes);
@@ -1491,8 +1498,9 @@ impl MediumBackend for SsdBackend {
             }
             state.push_event(KvEvent::add(job.key.clone(), TierType::Ssd, job.size));
             results[job.index] = CommitResult { success: true, bytes_committed: job.size };
+            written.push(job.key);
         }
-        inner.after_commit_watermark(&mut state, now);
+        inner.after_commit_watermark(&mut state, now, &written);
         inner.update_staging_gauge(&state);
         results
     }

@@ -320,7 +320,7 @@ impl SsdConfigBuilder {
                 return bad(format!("directory {} is listed twice", d.display()));
             }
         }
-        if c.page_size == 0 || c.page_size % ALIGN != 0 {
+        if c.page_size == 0 || !c.page_size.is_multiple_of(ALIGN) {
             return bad(format!("page_size {} must be a positive multiple of {ALIGN}", c.page_size));
         }
         if c.staging_pages == 0 || c.staging_pages > u64::from(u32::MAX) {
@@ -343,7 +343,7 @@ impl SsdConfigBuilder {
             ));
         }
         let largest = header_len(MAX_KEY_LEN) + c.max_value_pages * c.page_size;
-        if c.segment_bytes % ALIGN != 0 || c.segment_bytes < largest {
+        if !c.segment_bytes.is_multiple_of(ALIGN) || c.segment_bytes < largest {
             return bad(format!(
                 "segment_bytes {} must be a multiple of {ALIGN} holding the largest record ({largest} bytes)",
                 c.segment_bytes

@@ -1,0 +1,487 @@
+//! `SsdBackend` behaviour beyond the conformance suite: staging pages come back, single-flight
+//! reads, eviction, restart recovery, corruption and torn tails, reclaim of dead space, several
+//! drives, and the pinned staging-exhaustion answer. Bytes move through the published arena, the
+//! way the transfer layer would move them.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, CommitRequest, KvEvent, ManualClock, MediumBackend, MetricKind, MetricSource,
+    TierType, metric_names,
+};
+use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig, SsdConfigBuilder, Watermarks};
+use umbp_testkit::LocalOnlyRegistrar;
+
+const PAGE: u64 = 4096;
+
+fn tempdir() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("umbp-ssd-test").tempdir_in(std::env::temp_dir()).expect("tempdir")
+}
+
+fn builder(dirs: &[&Path]) -> SsdConfigBuilder {
+    SsdConfig::builder(dirs.iter().map(|d| d.to_path_buf()))
+        .page_size(PAGE)
+        .capacity_bytes(64 * PAGE)
+        // Room for every read lease a test takes (leases run on the system clock unless a test
+        // injects one).
+        .staging_pages(64)
+        .segment_bytes(256 * 1024)
+}
+
+/// The engines to run a test body with: psync always, io_uring where the kernel allows it.
+fn engines() -> Vec<IoEngineKind> {
+    match umbp_ssd::io_uring_available() {
+        Ok(()) => vec![IoEngineKind::Psync, IoEngineKind::IoUring],
+        Err(e) => {
+            eprintln!("io_uring variant skipped: io_uring is not available here ({e})");
+            vec![IoEngineKind::Psync]
+        }
+    }
+}
+
+fn live(config: SsdConfig) -> Arc<SsdBackend> {
+    let b = Arc::new(SsdBackend::new(config));
+    b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    b
+}
+
+/// A value that prints as its length and checksum, not its bytes.
+#[derive(Clone, PartialEq, Eq)]
+struct Bytes(Vec<u8>);
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sum = self.0.iter().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(u64::from(*b)));
+        write!(f, "Bytes(len {}, sum {sum:x})", self.0.len())
+    }
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn value(seed: u64, len: usize) -> Bytes {
+    Bytes(raw_value(seed, len))
+}
+
+fn raw_value(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn arena(b: &SsdBackend) -> (*mut u8, u64) {
+    let r = b.buffer_ref(0).expect("a live backend publishes its arena");
+    let region = *r.local_region().expect("a local region");
+    (region.ptr().as_ptr(), region.len())
+}
+
+/// Allocates, copies `bytes` into the staging pages and commits, like a writer would.
+fn put(b: &SsdBackend, key: &str, bytes: &[u8]) -> AllocateOutcome {
+    let a = b.batch_allocate(&[AllocateRequest::new(key, bytes.len() as u64)]).remove(0);
+    if a.outcome != AllocateOutcome::Allocated {
+        return a.outcome;
+    }
+    let (base, len) = arena(b);
+    for (chunk, page) in bytes.chunks(PAGE as usize).zip(&a.pages) {
+        let off = u64::from(page.page_index) * PAGE;
+        assert!(off + chunk.len() as u64 <= len);
+        // SAFETY: the page is inside the registered arena and reserved for this slot.
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), base.add(off as usize), chunk.len()) };
+    }
+    let c = b.batch_commit(&[CommitRequest::new(a.slot_id, key)]);
+    assert!(c[0].success, "commit of {key}");
+    AllocateOutcome::Allocated
+}
+
+/// Resolves and copies the value out of its staging pages, like a reader would.
+fn get(b: &SsdBackend, key: &str) -> Option<Bytes> {
+    let r = b.batch_resolve(&[key.to_owned()], true).remove(0);
+    if !r.found {
+        return None;
+    }
+    let (base, _) = arena(b);
+    let mut out = Vec::with_capacity(r.size as usize);
+    let mut remaining = r.size;
+    for page in &r.pages {
+        let n = remaining.min(PAGE);
+        let off = u64::from(page.page_index) * PAGE;
+        // SAFETY: the page is inside the arena and leased to this reader.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(base.add(off as usize), n as usize) });
+        remaining -= n;
+    }
+    Some(Bytes(out))
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)
+        .expect("read_dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("segment_")))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn two_staging_pages_take_ten_sequential_puts() {
+    for cache in [true, false] {
+        let dir = tempdir();
+        let clock = ManualClock::new();
+        let b = live(
+            builder(&[dir.path()])
+                .staging_pages(2)
+                .cache_committed(cache)
+                .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+                .build()
+                .expect("config"),
+        );
+        for i in 0..10 {
+            assert_eq!(
+                put(&b, &format!("k{i}"), &value(i, 3000)),
+                AllocateOutcome::Allocated,
+                "put {i} (cache {cache})"
+            );
+        }
+        // Each read leases a staging page; once its lease ends the page serves the next read.
+        for i in 0..10 {
+            assert_eq!(get(&b, &format!("k{i}")), Some(value(i, 3000)), "get {i}");
+            clock.advance(b.config().read_lease_ttl() + Duration::from_millis(1));
+        }
+        assert_eq!(b.owned_key_count(), 10);
+    }
+}
+
+#[test]
+fn keys_larger_than_a_page_are_failed_not_no_space() {
+    let dir = tempdir();
+    let b = live(builder(&[dir.path()]).build().expect("config"));
+    let r = b.batch_allocate(&[AllocateRequest::new("big", PAGE + 1), AllocateRequest::new("ok", PAGE)]);
+    assert_eq!(r[0].outcome, AllocateOutcome::Failed);
+    assert_eq!(r[1].outcome, AllocateOutcome::Allocated);
+    assert_eq!(r[1].pages.len(), 1);
+    assert_eq!(b.capacity().total_bytes, 64 * PAGE, "capacity is the drive's, not the 8-page arena's");
+}
+
+#[test]
+fn concurrent_resolves_of_one_key_read_the_drive_once() {
+    for engine in engines() {
+        let dir = tempdir();
+        let b = live(
+            builder(&[dir.path()])
+                .io_engine(engine)
+                .max_value_pages(4)
+                .read_lease_ttl(Duration::from_millis(30))
+                .build()
+                .expect("config"),
+        );
+        let v = value(7, 3 * PAGE as usize + 100);
+        put(&b, "hot", &v);
+        for round in 0..5 {
+            b.drop_cached_copies();
+            let before = b.stats().device_reads;
+            let n = 8;
+            let barrier = Arc::new(Barrier::new(n));
+            let readers: Vec<_> = (0..n)
+                .map(|_| {
+                    let (b, barrier) = (Arc::clone(&b), Arc::clone(&barrier));
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        b.batch_resolve(&["hot".to_owned()], false).remove(0)
+                    })
+                })
+                .collect();
+            let entries: Vec<_> = readers.into_iter().map(|t| t.join().expect("reader")).collect();
+            assert!(entries.iter().all(|e| e.found && e.size == v.len() as u64), "{engine}: every reader hits");
+            assert!(entries.windows(2).all(|w| w[0].pages == w[1].pages), "{engine}: one staged copy for all");
+            assert_eq!(b.stats().device_reads - before, 1, "{engine} round {round}: one drive read for {n} readers");
+            assert_eq!(get(&b, "hot"), Some(v.clone()));
+            // Let the leases lapse so the next round can drop the staged copy.
+            drop_leases(&b);
+        }
+    }
+}
+
+/// Waits out every read lease (the backend runs on the system clock with a short lease).
+fn drop_leases(b: &SsdBackend) {
+    std::thread::sleep(b.config().read_lease_ttl() + Duration::from_millis(5));
+    b.reaper_tick();
+}
+
+#[test]
+fn resolve_with_every_staging_page_leased_is_a_counted_miss() {
+    let dir = tempdir();
+    let clock = ManualClock::new();
+    let b = live(
+        builder(&[dir.path()])
+            .staging_pages(2)
+            .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+            .build()
+            .expect("config"),
+    );
+    for (i, k) in ["a", "b", "c"].iter().enumerate() {
+        put(&b, k, &value(i as u64, 100));
+    }
+    b.drop_cached_copies();
+    assert!(get(&b, "a").is_some() && get(&b, "b").is_some(), "two leased reads fill both staging pages");
+    // The key is here, but no staging page is free: the pinned answer is a miss (the interface has
+    // no "retry here"), counted as staging_slot_full_reject.
+    assert_eq!(get(&b, "c"), None, "staging exhausted on resolve");
+    assert_eq!(b.stats().staging_full_rejects, 1);
+    assert_eq!(b.owned_key_count(), 3, "the key was not dropped");
+    let rejects = b
+        .sample_metrics()
+        .into_iter()
+        .find(|m| m.labels.iter().any(|(k, v)| k == "event" && v == "staging_slot_full_reject"))
+        .expect("the reject is a medium event");
+    assert_eq!((rejects.name, rejects.value), (metric_names::MEDIUM_EVENTS_TOTAL, 1));
+    // Allocation is refused the same way while every page is leased.
+    assert_eq!(put(&b, "d", &value(9, 10)), AllocateOutcome::FailedNoSpace);
+    clock.advance(b.config().read_lease_ttl() + Duration::from_millis(1));
+    b.reaper_tick();
+    assert_eq!(get(&b, "c"), Some(value(2, 100)), "once a lease ends, the key resolves");
+}
+
+#[test]
+fn eviction_under_pressure_keeps_the_newest_keys_and_reports_removes() {
+    let dir = tempdir();
+    let b = live(
+        builder(&[dir.path()])
+            .capacity_bytes(8 * PAGE)
+            .watermarks(Some(Watermarks { high: 0.9, low: 0.5 }))
+            .build()
+            .expect("config"),
+    );
+    for i in 0..20 {
+        assert_eq!(put(&b, &format!("k{i:02}"), &value(i, 1000)), AllocateOutcome::Allocated, "put {i}");
+        assert!(b.capacity().available_bytes <= b.capacity().total_bytes);
+    }
+    let owned = b.owned_key_count();
+    assert!((1..=8).contains(&owned), "{owned} keys on an 8-page drive");
+    assert_eq!(get(&b, "k19"), Some(value(19, 1000)), "the newest key stays");
+    assert_eq!(get(&b, "k00"), None, "the oldest key went");
+    let events = b.drain_pending_events();
+    let removes: Vec<&KvEvent> = events.iter().filter(|e| e.kind == umbp_core::KvEventKind::Remove).collect();
+    assert_eq!(removes.len(), 20 - owned, "one Remove per evicted key");
+    assert!(b.stats().evicted as usize == 20 - owned);
+}
+
+#[test]
+fn full_drive_with_a_leased_key_evicts_around_it_or_reports_no_space() {
+    let dir = tempdir();
+    let b = live(
+        builder(&[dir.path()])
+            .capacity_bytes(2 * PAGE)
+            .watermarks(Some(Watermarks { high: 1.0, low: 0.5 }))
+            .build()
+            .expect("config"),
+    );
+    put(&b, "a", &value(1, 10));
+    assert_eq!(get(&b, "a"), Some(value(1, 10)), "a is leased by a reader");
+    put(&b, "b", &value(2, 10));
+    assert_eq!(b.capacity().available_bytes, 0, "the drive is full: a is leased, b was just written");
+    assert_eq!(b.owned_key_count(), 2);
+    assert_eq!(put(&b, "c", &value(3, 10)), AllocateOutcome::Allocated, "room is made around the lease");
+    assert_eq!(get(&b, "a"), Some(value(1, 10)), "the leased key survived");
+    assert_eq!(get(&b, "b"), None, "the unleased key was the victim");
+    assert_eq!(get(&b, "c"), Some(value(3, 10)));
+    assert_eq!(b.evict(&["a".to_owned()])[0].bytes_freed, 0, "a leased key cannot be evicted");
+    assert_eq!(b.drain_pending_events().iter().filter(|e| e.kind == umbp_core::KvEventKind::Remove).count(), 1);
+
+    // Without eviction of its own, a full drive whose only key is leased says FailedNoSpace.
+    let dir = tempdir();
+    let b = live(builder(&[dir.path()]).capacity_bytes(PAGE).watermarks(None).build().expect("config"));
+    put(&b, "a", &value(1, 10));
+    assert!(get(&b, "a").is_some());
+    assert_eq!(put(&b, "b", &value(2, 10)), AllocateOutcome::FailedNoSpace);
+    assert_eq!(get(&b, "a"), Some(value(1, 10)));
+}
+
+#[test]
+fn restart_recovers_every_key_byte_exact() {
+    for engine in engines() {
+        let dirs = [tempdir(), tempdir()];
+        let paths: Vec<&Path> = dirs.iter().map(|d| d.path()).collect();
+        let config = || builder(&paths).io_engine(engine).max_value_pages(4).build().expect("config");
+        let b = live(config());
+        let values: Vec<(String, Bytes)> =
+            (0..12).map(|i| (format!("key-{i}"), value(i, 1 + (i as usize * 1237) % (4 * PAGE as usize)))).collect();
+        for (k, v) in &values {
+            put(&b, k, v);
+        }
+        assert_eq!(b.evict(&["key-3".to_owned()])[0].bytes_freed, values[3].1.len() as u64);
+        put(&b, "key-3", &value(99, 77));
+        b.shutdown();
+        drop(b);
+        assert!(paths.iter().all(|p| !segments(p).is_empty()), "{engine}: both directories hold segments");
+
+        let b = live(config());
+        assert_eq!(b.owned_key_count(), 12, "{engine}: every key recovered");
+        assert_eq!(b.stats().recovered, 13, "{engine}: 13 records, one superseded");
+        let mut snapshot = b.snapshot_owned_keys_for_full_sync();
+        snapshot.sort_by(|a, b| a.key.cmp(&b.key));
+        assert_eq!(snapshot.len(), 12, "recovered keys are announced in the full sync");
+        assert!(snapshot.iter().all(|e| e.tier == TierType::Ssd && e.kind == umbp_core::KvEventKind::Add));
+        for (k, v) in &values {
+            let expect = if k == "key-3" { value(99, 77) } else { v.clone() };
+            assert_eq!(get(&b, k), Some(expect), "{engine}: {k} after restart (newest record wins)");
+        }
+        put(&b, "after", &value(5, 5));
+        assert_eq!(get(&b, "after"), Some(value(5, 5)));
+    }
+}
+
+#[test]
+fn a_corrupted_byte_is_a_counted_miss_never_wrong_bytes() {
+    let dir = tempdir();
+    let config = || builder(&[dir.path()]).build().expect("config");
+    let b = live(config());
+    put(&b, "good", &value(1, 3000));
+    put(&b, "bad", &value(2, 3000));
+    b.drain_pending_events();
+    b.drop_cached_copies();
+    // The second record starts at 8 KiB (4 KiB header + 4 KiB value); flip a value byte.
+    let seg = segments(dir.path()).remove(0);
+    let mut bytes = fs::read(&seg).expect("read segment");
+    bytes[8192 + 4096 + 100] ^= 0x40;
+    fs::write(&seg, &bytes).expect("write segment");
+    assert_eq!(get(&b, "bad"), None, "a corrupt record is a miss");
+    assert_eq!(b.stats().corrupt_reads, 1, "counted");
+    assert_eq!(b.drain_pending_events(), [KvEvent::remove("bad", TierType::Ssd)], "the master hears of it");
+    assert!(
+        b.sample_metrics().iter().any(|m| m.kind == MetricKind::Counter
+            && m.labels.iter().any(|(k, v)| k == "event" && v == "device_read_corrupt"))
+    );
+    assert_eq!(get(&b, "good"), Some(value(1, 3000)), "the neighbour is intact");
+    assert_eq!(get(&b, "bad"), None, "still a miss");
+    b.shutdown();
+    drop(b);
+    // At restart the scan verifies every CRC: the corrupt record is skipped, the rest recovered.
+    let b = live(config());
+    assert_eq!(b.owned_key_count(), 1);
+    assert_eq!(b.stats().recovery_corrupt, 1);
+    assert_eq!(get(&b, "good"), Some(value(1, 3000)));
+    assert_eq!(get(&b, "bad"), None);
+}
+
+#[test]
+fn a_torn_tail_is_dropped_at_recovery() {
+    let dir = tempdir();
+    let config = || builder(&[dir.path()]).max_value_pages(2).build().expect("config");
+    let b = live(config());
+    for i in 0..3 {
+        put(&b, &format!("k{i}"), &value(i, 6000));
+    }
+    b.shutdown();
+    drop(b);
+    // Each record is 4 KiB of header + 8 KiB of value; cut the last one in half.
+    let seg = segments(dir.path()).remove(0);
+    let len = fs::metadata(&seg).expect("stat").len();
+    assert_eq!(len, 3 * 12288);
+    fs::OpenOptions::new().write(true).open(&seg).expect("open").set_len(len - 6000).expect("truncate");
+    let b = live(config());
+    assert_eq!(b.owned_key_count(), 2, "the torn record is gone");
+    assert_eq!(b.stats().torn_tails, 1);
+    assert_eq!(get(&b, "k2"), None);
+    assert_eq!(get(&b, "k1"), Some(value(1, 6000)));
+    // Garbage after the last record (a torn header) is dropped too, and new writes still land.
+    put(&b, "k2", &value(2, 6000));
+    b.shutdown();
+    drop(b);
+    let b = live(config());
+    assert_eq!(b.owned_key_count(), 3);
+    assert_eq!(get(&b, "k2"), Some(value(2, 6000)));
+}
+
+#[test]
+fn dead_space_is_reclaimed_and_live_records_survive_compaction() {
+    let dir = tempdir();
+    // Each record is 8 KiB; a segment holds 8.
+    let config = || {
+        builder(&[dir.path()])
+            .capacity_bytes(256 * PAGE)
+            .segment_bytes(128 * 1024 + 64 * 1024)
+            .reclaim_dead_ratio(0.5)
+            .watermarks(None)
+            .build()
+            .expect("config")
+    };
+    let b = live(config());
+    for i in 0..64 {
+        put(&b, &format!("k{i}"), &value(i, 4000));
+    }
+    let before = b.stats();
+    assert!(before.segments >= 2, "{before:?}");
+    // Evict everything but every fourth key.
+    let victims: Vec<String> = (0..64).filter(|i| i % 4 != 0).map(|i| format!("k{i}")).collect();
+    assert!(b.evict(&victims).iter().all(|e| e.bytes_freed > 0));
+    for _ in 0..20 {
+        b.reaper_tick();
+    }
+    let after = b.stats();
+    assert!(after.compaction_moved > 0, "{after:?}");
+    assert!(after.segments_reclaimed > 0, "{after:?}");
+    assert!(after.log_bytes < before.log_bytes / 2, "dead space reclaimed: {before:?} -> {after:?}");
+    assert_eq!(after.live_bytes, 16 * 8192);
+    b.drop_cached_copies();
+    for i in (0..64).step_by(4) {
+        assert_eq!(get(&b, &format!("k{i}")), Some(value(i, 4000)), "k{i} after compaction");
+    }
+    b.shutdown();
+    drop(b);
+    let b = live(config());
+    assert_eq!(b.owned_key_count(), 16, "compacted records recover");
+    for i in (0..64).step_by(4) {
+        assert_eq!(get(&b, &format!("k{i}")), Some(value(i, 4000)));
+    }
+}
+
+#[test]
+fn clear_local_deletes_the_log_so_a_restart_brings_nothing_back() {
+    let dir = tempdir();
+    let config = || builder(&[dir.path()]).build().expect("config");
+    let b = live(config());
+    for i in 0..5 {
+        put(&b, &format!("k{i}"), &value(i, 100));
+    }
+    b.clear_local();
+    b.clear_full_sync_acked();
+    b.reaper_tick();
+    assert!(segments(dir.path()).is_empty(), "cleared segments are deleted");
+    b.shutdown();
+    drop(b);
+    let b = live(config());
+    assert_eq!(b.owned_key_count(), 0);
+}
+
+#[test]
+fn metrics_use_generic_names_with_event_and_state_labels() {
+    let dir = tempdir();
+    let b = live(builder(&[dir.path()]).build().expect("config"));
+    put(&b, "k", &value(1, 10));
+    b.drop_cached_copies();
+    get(&b, "k");
+    let samples = b.sample_metrics();
+    for m in &samples {
+        assert!(m.name.starts_with("umbp_backend_medium_"), "{}", m.name);
+        assert!(m.labels.iter().all(|(k, _)| k == "event" || k == "state"), "{:?}", m.labels);
+    }
+    let has =
+        |name: &str, label: &str| samples.iter().any(|m| m.name == name && m.labels.iter().any(|(_, v)| v == label));
+    assert!(has(metric_names::MEDIUM_BYTES_TOTAL, "device_write"));
+    assert!(has(metric_names::MEDIUM_BYTES_TOTAL, "device_read"));
+    assert!(has(metric_names::MEDIUM_STATE, "staging_pages_total"));
+    assert!(has(metric_names::MEDIUM_EVENTS_TOTAL, "single_flight_lead"));
+}
