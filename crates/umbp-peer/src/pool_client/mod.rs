@@ -37,13 +37,16 @@ use tonic::transport::{Channel, Endpoint};
 use umbp_core::{
     BackendRegistry, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSource, TierType, TransferRef,
 };
+use umbp_gpu::GpuRuntime;
+/// How a node names its GPU runtime ([`HbmConfig::runtime`]).
+pub use umbp_gpu::RuntimeSelection;
 use umbp_metrics::{InstrumentedBackend, MetricsConfig, MetricsExporter, MetricsServer};
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 use umbp_transfer::{
-    CompositeConfig, CompositeTransferEngine, FailureKind, LocalCopyEngine, PeerDirectory, TcpEngine, TcpEngineConfig,
-    TransferEngine, TransferItem,
+    CompositeConfig, CompositeTransferEngine, FailureKind, GpuCopyConfig, GpuCopyEngine, LocalCopyEngine,
+    PeerDirectory, TcpEngine, TcpEngineConfig, TransferEngine, TransferItem,
 };
 
 use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
@@ -58,6 +61,8 @@ pub enum Medium {
     None,
     /// Host DRAM through `PageBackend` over anonymous memory.
     Dram(DramConfig),
+    /// GPU HBM through `PageBackend` over device memory of one GPU (`umbp-hbm`).
+    Hbm(HbmConfig),
 }
 
 /// Settings of a DRAM medium.
@@ -76,6 +81,24 @@ pub struct DramConfig {
 impl Default for DramConfig {
     fn default() -> Self {
         Self { capacity_bytes: 4 << 30, use_hugepages: false, numa_node: None, prefault: true }
+    }
+}
+
+/// Settings of an HBM medium.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HbmConfig {
+    /// The GPU whose memory is lent. Default: 0.
+    pub device: u32,
+    /// Bytes of device memory to lend. Default: 1 GiB.
+    pub capacity_bytes: u64,
+    /// The GPU runtime (`auto` finds HIP or CUDA; `fake` serves host memory, for tests and demos).
+    /// Default: auto.
+    pub runtime: RuntimeSelection,
+}
+
+impl Default for HbmConfig {
+    fn default() -> Self {
+        Self { device: 0, capacity_bytes: 1 << 30, runtime: RuntimeSelection::Auto }
     }
 }
 
@@ -401,7 +424,22 @@ impl PoolClient {
         })
         .map_err(|e| PoolError::Transfer(e.to_string()))?;
         let data_endpoint = tcp.endpoint().to_owned();
-        let engines: Vec<Arc<dyn TransferEngine>> = vec![Arc::new(LocalCopyEngine::default()), Arc::new(tcp)];
+        let mut engines: Vec<Arc<dyn TransferEngine>> = vec![Arc::new(LocalCopyEngine::default()), Arc::new(tcp)];
+        // The GPU copy engine joins when the node lends HBM (over that medium's runtime) or the
+        // machine has a GPU (so callers can put from and get into device memory).
+        let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match &config.medium {
+            Medium::Hbm(hbm) => Some(
+                hbm.runtime
+                    .load()
+                    .map_err(|e| PoolError::Config(format!("hbm medium: GPU runtime {}: {e}", hbm.runtime)))?,
+            ),
+            _ => umbp_gpu::probe(),
+        };
+        if let Some(runtime) = &gpu_runtime {
+            let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig::default())
+                .map_err(|e| PoolError::Transfer(format!("GPU copy engine: {e}")))?;
+            engines.push(Arc::new(gpu));
+        }
         let engine = Arc::new(
             CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
                 .map_err(|e| PoolError::Transfer(e.to_string()))?,
@@ -421,6 +459,20 @@ impl PoolClient {
                     ..HostMemoryOptions::default()
                 });
                 Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?))
+            }
+            Medium::Hbm(hbm) => {
+                let runtime =
+                    gpu_runtime.clone().ok_or_else(|| PoolError::Config("hbm medium: no GPU runtime".into()))?;
+                let backend_config = PageBackendConfig::new(TierType::Hbm, config.page_size, Vec::new())
+                    .with_pending_ttl(config.pending_ttl)
+                    .with_read_lease_ttl(config.read_lease);
+                let backend = umbp_hbm::make_hbm_backend(
+                    runtime,
+                    &umbp_hbm::HbmConfig::new(hbm.device, hbm.capacity_bytes),
+                    backend_config,
+                )
+                .map_err(|e| PoolError::Config(format!("hbm medium: {e}")))?;
+                Some(Arc::from(backend))
             }
         };
         // Every medium is charted by its tier= with no metrics code of its own.
@@ -563,6 +615,32 @@ impl PoolClient {
     pub unsafe fn register_memory(&self, ptr: NonNull<u8>, len: u64) -> Result<(), PoolError> {
         // SAFETY: the caller guarantees validity until deregistration (this function's contract).
         let region = unsafe { LocalRegion::new(ptr, len, MemoryLocation::Host) };
+        let r = self.engine.register_local_only(region).map_err(|e| PoolError::Transfer(e.to_string()))?;
+        self.user_regions.lock().insert(ptr.as_ptr() as usize, (len, r));
+        Ok(())
+    }
+
+    /// Registers caller memory at `location` for zero-copy puts and gets: with
+    /// [`MemoryLocation::Gpu`], the caller's own device buffers, which the GPU copy engine moves to and
+    /// from this node's medium with no host copy. Registered local only, as
+    /// [`register_memory`](Self::register_memory). Puts and gets then take the registered range as
+    /// their value or buffer (`std::slice::from_raw_parts` over the device pointer): the client never
+    /// dereferences a registered range itself, only the engine that registered it copies. A value on
+    /// another node cannot reach a GPU buffer (no engine chains the network into device memory): such
+    /// keys fail with a transfer error.
+    ///
+    /// # Safety
+    /// As [`register_memory`](Self::register_memory), and `location` is where the memory really lives
+    /// (a wrong location selects the wrong engine).
+    pub unsafe fn register_memory_at(
+        &self,
+        ptr: NonNull<u8>,
+        len: u64,
+        location: MemoryLocation,
+    ) -> Result<(), PoolError> {
+        // SAFETY: the caller guarantees validity until deregistration and the location (this
+        // function's contract).
+        let region = unsafe { LocalRegion::new(ptr, len, location) };
         let r = self.engine.register_local_only(region).map_err(|e| PoolError::Transfer(e.to_string()))?;
         self.user_regions.lock().insert(ptr.as_ptr() as usize, (len, r));
         Ok(())
