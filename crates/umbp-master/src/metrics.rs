@@ -137,7 +137,12 @@ impl MetricSource for ClusterMetrics {
             out.push(age);
         }
         for (status, n) in [("alive", alive), ("expired", expired)] {
-            out.push(MetricSample::gauge(names::MASTER_NODES, names::MASTER_NODES_HELP, vec![label("status", status)], n));
+            out.push(MetricSample::gauge(
+                names::MASTER_NODES,
+                names::MASTER_NODES_HELP,
+                vec![label("status", status)],
+                n,
+            ));
         }
         if let Ok(keys) = self.store.key_count() {
             out.push(MetricSample::gauge(names::MASTER_KEYS, names::MASTER_KEYS_HELP, vec![], keys));

@@ -98,7 +98,9 @@ fn main() {
     let budget = Duration::from_millis(env_or("UMBP_BENCH_MILLIS", 300));
     println!("InstrumentedBackend overhead: {rounds} rounds of {budget:?} each, alternating; medians; ns per key");
     println!();
-    println!("| workload | threads | batch | bare PageBackend ns/key | InstrumentedBackend ns/key | ratio | overhead |");
+    println!(
+        "| workload | threads | batch | bare PageBackend ns/key | InstrumentedBackend ns/key | ratio | overhead |"
+    );
     println!("|---|---|---|---|---|---|---|");
     for threads in [1usize, 2] {
         for batch in [1usize, 128] {

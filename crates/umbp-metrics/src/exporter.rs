@@ -111,7 +111,8 @@ impl MetricsExporter {
     /// Samples a medium under `tier=` and `backend=` (its [`MediumBackend::name`]).
     pub fn add_backend(&self, backend: &Arc<dyn MediumBackend>) {
         let name = backend.name().to_owned();
-        let labels = vec![("tier".to_owned(), backend.tier().as_str().to_owned()), ("backend".to_owned(), name.clone())];
+        let labels =
+            vec![("tier".to_owned(), backend.tier().as_str().to_owned()), ("backend".to_owned(), name.clone())];
         let source: Arc<dyn MetricSource + Send + Sync> = Arc::clone(backend) as Arc<dyn MetricSource + Send + Sync>;
         self.add_source(format!("backend:{name}"), labels, source);
     }

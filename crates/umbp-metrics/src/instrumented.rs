@@ -196,13 +196,7 @@ impl InstrumentedBackend {
 
     /// Runs `call` (timed when [`OpCounters::begin`] says so) and records its tally under `op`.
     #[inline]
-    fn measure<R>(
-        &self,
-        op: Op,
-        entries: usize,
-        call: impl FnOnce() -> R,
-        classify: impl FnOnce(&R, &mut Tally),
-    ) -> R {
+    fn measure<R>(&self, op: Op, entries: usize, call: impl FnOnce() -> R, classify: impl FnOnce(&R, &mut Tally)) -> R {
         let counters = &self.ops[op as usize];
         let out = match counters.begin(entries) {
             Some(weight) => {

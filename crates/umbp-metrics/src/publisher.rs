@@ -53,8 +53,7 @@ impl MetricPublisher {
             if sample.name.is_empty() {
                 continue;
             }
-            let mut labels: Vec<Label> =
-                source_labels.iter().map(|(k, v)| Label::new(k.clone(), v.clone())).collect();
+            let mut labels: Vec<Label> = source_labels.iter().map(|(k, v)| Label::new(k.clone(), v.clone())).collect();
             labels.extend(
                 sample
                     .labels

@@ -21,8 +21,10 @@ fn get(addr: SocketAddr, path: &str) -> (String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_metrics_serves_fresh_series_and_refuses_other_paths() {
-    let medium: Arc<dyn MediumBackend> =
-        InstrumentedBackend::wrap(Arc::new(MockBackend::new(MockConfig { tier: TierType::Hbm, ..MockConfig::default() })));
+    let medium: Arc<dyn MediumBackend> = InstrumentedBackend::wrap(Arc::new(MockBackend::new(MockConfig {
+        tier: TierType::Hbm,
+        ..MockConfig::default()
+    })));
     medium.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
     let exporter = Arc::new(MetricsExporter::new(&[("node".into(), "n1".into())], Duration::from_secs(60)));
     exporter.add_backend(&medium);

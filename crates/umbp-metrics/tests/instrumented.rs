@@ -5,9 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_core::{
-    AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, MetricSample, MetricSource, TierType,
-};
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, MetricSample, MetricSource, TierType};
 use umbp_metrics::{InstrumentedBackend, MetricPublisher, MetricsExporter, Op, Status, names};
 use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
 
@@ -117,7 +115,10 @@ fn a_medium_with_no_metrics_code_appears_under_its_tier_with_every_generic_serie
         ("evict", "ok"),
         ("evict", "miss"),
     ] {
-        assert!(value(&text, names::OPS_TOTAL, &with(&[("op", op), ("status", status)])).is_some(), "{op}/{status}\n{text}");
+        assert!(
+            value(&text, names::OPS_TOTAL, &with(&[("op", op), ("status", status)])).is_some(),
+            "{op}/{status}\n{text}"
+        );
     }
     for op in names::OPS {
         assert!(value(&text, names::BATCHES_TOTAL, &with(&[("op", op)])).is_some(), "batches {op}");

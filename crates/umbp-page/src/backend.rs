@@ -266,11 +266,15 @@ impl State {
         }
     }
 
-    fn sweep(&mut self, now: Instant, long_pin: Duration, tier: TierType) {
+    /// Returns the pending slots it reaped and their pages.
+    fn sweep(&mut self, now: Instant, long_pin: Duration, tier: TierType) -> (u64, u64) {
         let expired: Vec<u64> = self.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| *id).collect();
+        let mut reaped = (0u64, 0u64);
         for id in expired {
             if let Some(p) = self.pending.remove(&id) {
                 self.free(&p.pages);
+                reaped.0 += 1;
+                reaped.1 += p.pages.len() as u64;
             }
         }
         self.leases.retain(|_, until| *until > now);
@@ -298,6 +302,7 @@ impl State {
         for pages in due {
             self.free(&pages);
         }
+        reaped
     }
 }
 
@@ -333,12 +338,20 @@ struct Inner {
     published: RwLock<Option<Arc<Published>>>,
     next_slot_id: AtomicU64,
     clear_pending: AtomicBool,
+    /// Pending slots the reaper freed because their writer never committed nor aborted, and their
+    /// pages: what the interface cannot show from outside (published as medium events).
+    reaped_slots: AtomicU64,
+    reaped_pages: AtomicU64,
 }
 
 impl Inner {
     fn sweep(&self) {
         let now = self.config.clock.now();
-        self.state.lock().sweep(now, self.config.long_pin_warning, self.config.tier);
+        let (slots, pages) = self.state.lock().sweep(now, self.config.long_pin_warning, self.config.tier);
+        if slots > 0 {
+            self.reaped_slots.fetch_add(slots, Ordering::Relaxed);
+            self.reaped_pages.fetch_add(pages, Ordering::Relaxed);
+        }
     }
 
     fn descs_for_pages(published: Option<&Published>, pages: &[PageLocation]) -> Vec<BufferDesc> {
@@ -404,6 +417,8 @@ impl PageBackend {
                 published: RwLock::new(None),
                 next_slot_id: AtomicU64::new(1),
                 clear_pending: AtomicBool::new(false),
+                reaped_slots: AtomicU64::new(0),
+                reaped_pages: AtomicU64::new(0),
             }),
             source,
             lifecycle: Mutex::new(Lifecycle::New),
@@ -544,11 +559,27 @@ impl MetricSource for PageBackend {
                 value as u64,
             )
         };
+        let reaped = self.inner.reaped_slots.load(Ordering::Relaxed);
+        let reaped_bytes = self.inner.reaped_pages.load(Ordering::Relaxed).saturating_mul(self.inner.config.page_size);
+        let event = || vec![("event".to_owned(), "pending_slot_reaped".to_owned())];
         vec![
             gauge("pending_slots", pending),
             gauge("deferred_frees", deferred),
             gauge("read_leases", leases),
             gauge("copy_pins", pins),
+            // Writers that allocated and never committed nor aborted (a crashed or stuck client).
+            MetricSample::counter(
+                metric_names::MEDIUM_EVENTS_TOTAL,
+                metric_names::MEDIUM_EVENTS_TOTAL_HELP,
+                event(),
+                reaped,
+            ),
+            MetricSample::counter(
+                metric_names::MEDIUM_BYTES_TOTAL,
+                metric_names::MEDIUM_BYTES_TOTAL_HELP,
+                event(),
+                reaped_bytes,
+            ),
         ]
     }
 }

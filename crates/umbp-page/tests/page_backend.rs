@@ -766,3 +766,23 @@ fn init_starts_a_reaper_that_sweeps_on_its_own() {
     }
     b.shutdown();
 }
+
+/// A slot whose writer never commits nor aborts is reaped, and the reap is published as a medium
+/// event (the one thing the decorator around a medium cannot see from its calls).
+#[test]
+fn reaped_pending_slots_are_published_as_medium_events() {
+    use umbp_core::{MetricSource, metric_names};
+    let f = fixture();
+    let reaped = |b: &PageBackend, name: &str| {
+        b.sample_metrics()
+            .into_iter()
+            .find(|s| s.name == name && s.labels == [("event".to_owned(), "pending_slot_reaped".to_owned())])
+            .map(|s| s.value)
+    };
+    assert_eq!(reaped(&f.backend, metric_names::MEDIUM_EVENTS_TOTAL), Some(0));
+    alloc(&f.backend, "abandoned", 2 * PAGE);
+    f.clock.advance(Duration::from_secs(6));
+    f.backend.reaper_tick();
+    assert_eq!(reaped(&f.backend, metric_names::MEDIUM_EVENTS_TOTAL), Some(1));
+    assert_eq!(reaped(&f.backend, metric_names::MEDIUM_BYTES_TOTAL), Some(2 * PAGE));
+}
