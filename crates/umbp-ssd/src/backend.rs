@@ -331,7 +331,8 @@ pub struct SsdStats {
 impl SsdBackend {
     /// A backend with `config`; nothing is allocated, opened or read until [`MediumBackend::init`].
     pub fn new(config: SsdConfig) -> Self {
-        let options = HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() };
+        // Prefaulted: the first spill or fill into a page must not pay its page faults.
+        let options = HostMemoryOptions::default();
         Self {
             inner: Arc::new(Inner {
                 config,

@@ -63,6 +63,9 @@ pub enum Medium {
     Dram(DramConfig),
     /// GPU HBM through `PageBackend` over device memory of one GPU (`umbp-hbm`).
     Hbm(HbmConfig),
+    /// Local drives through `SsdBackend`: a registered host staging arena over a drive log
+    /// (`umbp-ssd`).
+    Ssd(SsdConfig),
 }
 
 /// Settings of a DRAM medium.
@@ -99,6 +102,34 @@ pub struct HbmConfig {
 impl Default for HbmConfig {
     fn default() -> Self {
         Self { device: 0, capacity_bytes: 1 << 30, runtime: RuntimeSelection::Auto }
+    }
+}
+
+/// Settings of an SSD medium (the rest of `umbp_ssd::SsdConfig` keeps its defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SsdConfig {
+    /// One directory per drive; values are placed by free space. Required (at least one).
+    pub dirs: Vec<std::path::PathBuf>,
+    /// Drive bytes to lend, split evenly across the directories. Default: 32 GiB.
+    pub capacity_bytes: u64,
+    /// The io engine. Default: psync.
+    pub io_engine: umbp_ssd::IoEngineKind,
+    /// Pages of the host staging arena (writes in flight plus reads being served). Default: 16.
+    pub staging_pages: u64,
+    /// The SSD read lease (its own setting: a reader of a staged page also waited for the drive).
+    /// Default: 3 s.
+    pub read_lease: Duration,
+}
+
+impl Default for SsdConfig {
+    fn default() -> Self {
+        Self {
+            dirs: Vec::new(),
+            capacity_bytes: 32 << 30,
+            io_engine: umbp_ssd::IoEngineKind::Psync,
+            staging_pages: 16,
+            read_lease: Duration::from_secs(3),
+        }
     }
 }
 
@@ -473,6 +504,18 @@ impl PoolClient {
                 )
                 .map_err(|e| PoolError::Config(format!("hbm medium: {e}")))?;
                 Some(Arc::from(backend))
+            }
+            Medium::Ssd(ssd) => {
+                let ssd_config = umbp_ssd::SsdConfig::builder(ssd.dirs.iter().cloned())
+                    .page_size(config.page_size)
+                    .capacity_bytes(ssd.capacity_bytes)
+                    .io_engine(ssd.io_engine)
+                    .staging_pages(ssd.staging_pages)
+                    .pending_ttl(config.pending_ttl)
+                    .read_lease_ttl(ssd.read_lease)
+                    .build()
+                    .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
+                Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config)))
             }
         };
         // Every medium is charted by its tier= with no metrics code of its own.
