@@ -44,8 +44,11 @@ CONFIGURATION
 
     [node]
     node_id = \"n1\"                      # required for `umbp node`
-    medium = \"dram\"                     # or \"none\"
+    medium = \"dram\"                     # or \"hbm\", \"none\"
     capacity = \"4GiB\"
+    hbm_device = 0                      # the GPU an hbm node lends
+    hbm_capacity = \"1GiB\"               # device memory an hbm node lends
+    hbm_runtime = \"auto\"                # or \"cuda\", \"hip\", \"cudart\", \"fake\" (host memory, for tests)
     page_size = \"2MiB\"
     listen = \"127.0.0.1\"                # host of the peer service and the data server
     peer_port = 0                       # 0: any free port
@@ -66,7 +69,8 @@ CONFIGURATION
 ENVIRONMENT
   UMBP_CONFIG, UMBP_CLUSTER_TOKEN, UMBP_MASTER_ADDRESS; the node's UMBP_NODE_ID, UMBP_MEDIUM,
   UMBP_CAPACITY, UMBP_PAGE_SIZE, UMBP_NODE_ADDRESS, UMBP_PEER_SERVICE_PORT, UMBP_IO_ENGINE_PORT,
-  UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
+  UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME,
+  UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
   master client's UMBP_HEARTBEAT_* / UMBP_MASTER_RPC_TIMEOUT_MS; the master's UMBP_MASTER_LISTEN and
   UMBP_* timings (see `umbp master --help`). RUST_LOG filters the logs, which go to stderr
   (default: info for master and node; warn for the client commands and the demo).
@@ -187,6 +191,8 @@ pub struct MasterArgs {
 pub enum MediumKind {
     /// Host DRAM.
     Dram,
+    /// GPU HBM of one device.
+    Hbm,
     /// No medium: the node only reads and writes the pool.
     None,
 }
@@ -196,6 +202,7 @@ impl MediumKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Dram => "dram",
+            Self::Hbm => "hbm",
             Self::None => "none",
         }
     }
@@ -241,6 +248,16 @@ pub struct NodeArgs {
     /// Touch every page of the medium at start-up [env: UMBP_DRAM_PREFAULT] [default: true]
     #[arg(long, value_name = "BOOL")]
     pub prefault: Option<bool>,
+    /// The GPU an hbm node lends [env: UMBP_HBM_DEVICE] [default: 0]
+    #[arg(long, value_name = "N")]
+    pub hbm_device: Option<u32>,
+    /// Device memory an hbm node lends [env: UMBP_HBM_CAPACITY] [default: 1GiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub hbm_capacity: Option<u64>,
+    /// The GPU runtime of an hbm node: auto, cuda, hip, cudart, or fake (host memory, for tests)
+    /// [env: UMBP_HBM_RUNTIME] [default: auto]
+    #[arg(long, value_name = "RUNTIME")]
+    pub hbm_runtime: Option<String>,
     /// Re-cache values fetched from other nodes: off, always, or a size cap
     /// [env: UMBP_CACHE_REMOTE_FETCHES] [default: 16MiB]
     #[arg(long, value_name = "POLICY")]

@@ -14,7 +14,7 @@ use serde::de::{self, Deserializer, Visitor};
 use umbp_master::MasterConfig;
 use umbp_master::routing::RoutingConfigError;
 use umbp_peer::master_client::MasterClientConfig;
-use umbp_peer::pool_client::{DramConfig, Medium, PoolClientConfig, RecachePolicy};
+use umbp_peer::pool_client::{DramConfig, HbmConfig, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection};
 
 use crate::cli::{GetArgs, MasterAddress, MasterArgs, MediumKind, NodeArgs};
 use crate::units::{UnitError, format_size, parse_duration, parse_size};
@@ -257,6 +257,12 @@ pub struct NodeFile {
     pub hugepages: Option<bool>,
     /// NUMA node to bind the medium to.
     pub numa_node: Option<u32>,
+    /// The GPU an hbm node lends.
+    pub hbm_device: Option<u32>,
+    /// Device memory an hbm node lends.
+    pub hbm_capacity: Option<ByteSize>,
+    /// The GPU runtime of an hbm node.
+    pub hbm_runtime: Option<String>,
     /// Re-cache policy for remote fetches.
     pub recache: Option<Recache>,
     /// Read lease of a resolve.
@@ -487,6 +493,31 @@ pub fn resolve_node(
         dram.use_hugepages = h;
     }
     dram.numa_node = f.numa_node;
+    let mut hbm = HbmConfig::default();
+    if let Some(d) = pick(flags.hbm_device, env_parsed::<u32>(env, "UMBP_HBM_DEVICE", "a device ordinal")?, f.hbm_device) {
+        hbm.device = d;
+    }
+    if let Some(b) =
+        pick(flags.hbm_capacity, env_value(env, "UMBP_HBM_CAPACITY", parse_size)?, f.hbm_capacity.map(|b| b.0))
+    {
+        hbm.capacity_bytes = b;
+    }
+    let runtime_flag = flags
+        .hbm_runtime
+        .as_deref()
+        .map(str::parse::<RuntimeSelection>)
+        .transpose()
+        .map_err(|reason| SettingsError::Invalid { setting: "--hbm-runtime", reason })?;
+    let runtime_file = f
+        .hbm_runtime
+        .as_deref()
+        .map(str::parse::<RuntimeSelection>)
+        .transpose()
+        .map_err(|reason| SettingsError::Invalid { setting: "node.hbm_runtime", reason })?;
+    let runtime_env = env_value(env, "UMBP_HBM_RUNTIME", str::parse::<RuntimeSelection>)?;
+    if let Some(r) = pick(runtime_flag, runtime_env, runtime_file) {
+        hbm.runtime = r;
+    }
     let recache_flag = flags
         .recache
         .as_deref()
@@ -519,6 +550,7 @@ pub fn resolve_node(
     }
     c.medium = match medium {
         MediumKind::Dram => Medium::Dram(dram),
+        MediumKind::Hbm => Medium::Hbm(hbm),
         MediumKind::None => Medium::None,
     };
     c.cluster_token = resolve_token(file, env, token);
@@ -582,17 +614,30 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
             ),
         });
     }
+    if let Medium::Hbm(h) = &c.medium
+        && h.capacity_bytes < c.page_size
+    {
+        return Err(SettingsError::Invalid {
+            setting: "hbm_capacity",
+            reason: format!(
+                "{} is smaller than one page of {}",
+                format_size(h.capacity_bytes),
+                format_size(c.page_size)
+            ),
+        });
+    }
     c.master.validate()?;
     Ok(())
 }
 
 impl MediumKind {
-    /// Reads a medium name (`dram`, `none`).
+    /// Reads a medium name (`dram`, `hbm`, `none`).
     pub fn from_name(name: &str) -> Result<Self, String> {
         match name.trim().to_ascii_lowercase().as_str() {
             "dram" => Ok(Self::Dram),
+            "hbm" => Ok(Self::Hbm),
             "none" => Ok(Self::None),
-            other => Err(format!("{other:?} is not a medium: expected dram or none")),
+            other => Err(format!("{other:?} is not a medium: expected dram, hbm or none")),
         }
     }
 }
