@@ -41,6 +41,7 @@ CONFIGURATION
     index_shards = 32
     shutdown_deadline = \"3s\"
     max_message_bytes = \"64MiB\"
+    metrics_addr = \"127.0.0.1:9091\"   # serve Prometheus /metrics here (default: none)
 
     [node]
     node_id = \"n1\"                      # required for `umbp node`
@@ -62,6 +63,7 @@ CONFIGURATION
     rpc_timeout = \"5s\"
     max_reroutes = 2
     bounce = \"64MiB\"                    # staging for caller memory that is not registered
+    metrics_addr = \"127.0.0.1:9092\"   # serve Prometheus /metrics here (default: none)
 
     [client]
     max_get_size = \"64MiB\"              # largest value `umbp get` accepts
@@ -74,6 +76,7 @@ ENVIRONMENT
   master client's UMBP_HEARTBEAT_* / UMBP_MASTER_RPC_TIMEOUT_MS; the master's UMBP_MASTER_LISTEN and
   UMBP_* timings (see `umbp master --help`). RUST_LOG filters the logs, which go to stderr
   (default: info for master and node; warn for the client commands and the demo).
+  UMBP_MASTER_METRICS_ADDR and UMBP_NODE_METRICS_ADDR serve Prometheus /metrics (default: none).
 
 EXIT STATUS
   0 success; 1 a key is missing (get, exists); 2 bad usage or configuration; 3 any other failure.";
@@ -88,7 +91,7 @@ ENVIRONMENT (defaults in brackets; the flags above override them)
   UMBP_LEASE_DURATION_SEC [2]  UMBP_EVICTKEY_DEADLINE_MS [1000]
   UMBP_ROUTE_PUT_SELECT_ALGO [most_available|random]  UMBP_ROUTE_PUT_NODE_AFFINITY [none|same|local]
   UMBP_MASTER_INDEX_SHARDS [32]  UMBP_GRPC_SHUTDOWN_DEADLINE_SEC [3]
-  UMBP_MASTER_MAX_MESSAGE_BYTES [67108864]
+  UMBP_MASTER_MAX_MESSAGE_BYTES [67108864]  UMBP_MASTER_METRICS_ADDR [none]
 
 On start it prints one line to stdout: `master ready listen=HOST:PORT`.";
 
@@ -183,6 +186,10 @@ pub struct MasterArgs {
     /// Put placement: most_available or random [env: UMBP_ROUTE_PUT_SELECT_ALGO] [default: most_available]
     #[arg(long, value_name = "ALGO")]
     pub route_put_algo: Option<SelectAlgo>,
+    /// Serve Prometheus /metrics (cluster gauges and counters) on ADDR; port 0 picks a free one
+    /// [env: UMBP_MASTER_METRICS_ADDR] [default: none, no endpoint]
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// The medium a node lends.
@@ -262,6 +269,10 @@ pub struct NodeArgs {
     /// [env: UMBP_CACHE_REMOTE_FETCHES] [default: 16MiB]
     #[arg(long, value_name = "POLICY")]
     pub recache: Option<String>,
+    /// Serve Prometheus /metrics (the medium by tier=, the transfer engines) on ADDR; port 0 picks a
+    /// free one [env: UMBP_NODE_METRICS_ADDR] [default: none, no endpoint]
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// `umbp put`.

@@ -172,7 +172,10 @@ async fn run_master(config: umbp_master::MasterConfig) -> anyhow::Result<ExitCod
     let signal = shutdown_signal()?;
     let listen = config.listen;
     let handle = umbp_master::start(config).await.with_context(|| format!("starting the master on {listen}"))?;
-    println!("master ready listen={}", handle.local_addr());
+    match handle.metrics_addr() {
+        Some(m) => println!("master ready listen={} metrics={m}", handle.local_addr()),
+        None => println!("master ready listen={}", handle.local_addr()),
+    }
     signal.await;
     handle.shutdown().await;
     tracing::info!("master stopped");
@@ -197,8 +200,10 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
         .await
         .with_context(|| format!("starting node {id} (master {master}); is `umbp master` running there?"))?;
     let peer = client.peer_address().map_or_else(|| "-".to_owned(), |a| a.to_string());
+    // `metrics=` only when the endpoint is on: scripts read the ready line by key.
+    let metrics = client.metrics_address().map(|m| format!(" metrics={m}")).unwrap_or_default();
     println!(
-        "node {id} ready peer={peer} data={} medium={medium} capacity={capacity} master={master}",
+        "node {id} ready peer={peer} data={} medium={medium} capacity={capacity} master={master}{metrics}",
         client.data_endpoint()
     );
     signal.await;

@@ -231,6 +231,8 @@ pub struct MasterFile {
     pub shutdown_deadline: Option<HumanDuration>,
     /// Largest gRPC message.
     pub max_message_bytes: Option<ByteSize>,
+    /// Where Prometheus `/metrics` is served.
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// The `[node]` table.
@@ -275,6 +277,8 @@ pub struct NodeFile {
     pub max_reroutes: Option<u32>,
     /// Bounce pool size.
     pub bounce: Option<ByteSize>,
+    /// Where Prometheus `/metrics` is served.
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// The `[client]` table.
@@ -409,6 +413,9 @@ pub fn resolve_master(
         })?;
     }
     c.cluster_token = file.cluster_token.clone().filter(|t| !t.is_empty());
+    if let Some(a) = f.metrics_addr {
+        c.metrics_listen = Some(a);
+    }
     // The environment: the master's own variables, then the listen address.
     let mut c = c.with_env(env)?;
     if let Some(listen) = env_parsed::<SocketAddr>(env, "UMBP_MASTER_LISTEN", "HOST:PORT (an IP address)")? {
@@ -429,6 +436,9 @@ pub fn resolve_master(
     }
     if let Some(a) = flags.route_put_algo {
         c.route_put_algo = a;
+    }
+    if let Some(a) = flags.metrics_addr {
+        c.metrics_listen = Some(a);
     }
     if let Some(t) = token {
         c.cluster_token = Some(t.to_owned()).filter(|t| !t.is_empty());
@@ -548,6 +558,11 @@ pub fn resolve_node(
     if let Some(ByteSize(b)) = f.bounce {
         c.bounce_bytes = b;
     }
+    c.metrics_listen = pick(
+        flags.metrics_addr,
+        env_parsed::<SocketAddr>(env, "UMBP_NODE_METRICS_ADDR", "HOST:PORT (an IP address)")?,
+        f.metrics_addr,
+    );
     c.medium = match medium {
         MediumKind::Dram => Medium::Dram(dram),
         MediumKind::Hbm => Medium::Hbm(hbm),

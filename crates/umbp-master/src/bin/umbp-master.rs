@@ -38,6 +38,7 @@ OPTIONS:                                   [env]                              [d
     --index-shards N (1..=4096)            UMBP_MASTER_INDEX_SHARDS           {shards}
     --shutdown-deadline DUR                UMBP_GRPC_SHUTDOWN_DEADLINE_SEC    {shutdown:?}
     --max-message-bytes N                  UMBP_MASTER_MAX_MESSAGE_BYTES      {msg}
+    --metrics-addr ADDR                    UMBP_MASTER_METRICS_ADDR           none (no /metrics)
     -h, --help                             print this help
 
     UMBP_METADATA_BACKEND may only be `inmemory`. Logging: RUST_LOG [info].
@@ -119,6 +120,7 @@ fn parse_args(
             "--index-shards" => config.index_shards = parse_value(f, &value()?)?,
             "--shutdown-deadline" => config.shutdown_deadline = parse_duration(f, &value()?)?,
             "--max-message-bytes" => config.max_message_bytes = parse_value(f, &value()?)?,
+            "--metrics-addr" => config.metrics_listen = Some(parse_value(f, &value()?)?),
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }
     }
@@ -205,6 +207,8 @@ mod tests {
                 "1048576",
                 "--token",
                 "t",
+                "--metrics-addr",
+                "127.0.0.1:9091",
             ]),
         )
         .expect("valid")
@@ -224,6 +228,7 @@ mod tests {
         assert_eq!((c.index_shards, c.max_message_bytes), (64, 1 << 20));
         assert_eq!(c.shutdown_deadline, Duration::from_secs(60));
         assert_eq!(c.cluster_token.as_deref(), Some("t"));
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9091".parse().expect("addr")));
     }
 
     #[test]
@@ -249,6 +254,7 @@ mod tests {
             "--eviction-high-watermark",
             "--evict-deadline",
             "--max-message-bytes",
+            "--metrics-addr",
             "10s",
             "0.9",
             "most_available",
