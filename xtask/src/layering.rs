@@ -57,6 +57,13 @@ pub const RULES: &[LayerRule] = &[
         reason: "the medium contract is synchronous and network-free; RPC and async runtimes belong to \
                  umbp-peer and umbp-master",
     },
+    LayerRule {
+        layer: "backend",
+        forbidden: &["umbp-metrics"],
+        reason: "a medium is charted by the InstrumentedBackend the composition root wraps it in; it reports \
+                 medium-internal state through umbp_core::MetricSource under the generic names, never through \
+                 the metrics crate",
+    },
 ];
 
 /// The kind of a dependency edge.
