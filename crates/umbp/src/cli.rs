@@ -45,8 +45,13 @@ CONFIGURATION
 
     [node]
     node_id = \"n1\"                      # required for `umbp node`
-    medium = \"dram\"                     # or \"hbm\", \"none\"
+    medium = \"dram\"                     # or \"ssd\", \"hbm\", \"none\"
     capacity = \"4GiB\"
+    ssd_dirs = [\"/mnt/nvme0/umbp\"]    # an ssd node's directories, one per drive (required for ssd)
+    ssd_capacity = \"32GiB\"            # drive bytes an ssd node lends
+    ssd_io_engine = \"psync\"           # or \"io_uring\"
+    ssd_staging_pages = 16              # host staging pages of an ssd node (reads and writes in flight)
+    ssd_read_lease = \"3s\"             # the SSD read lease
     hbm_device = 0                      # the GPU an hbm node lends
     hbm_capacity = \"1GiB\"               # device memory an hbm node lends
     hbm_runtime = \"auto\"                # or \"cuda\", \"hip\", \"cudart\", \"fake\" (host memory, for tests)
@@ -71,7 +76,8 @@ CONFIGURATION
 ENVIRONMENT
   UMBP_CONFIG, UMBP_CLUSTER_TOKEN, UMBP_MASTER_ADDRESS; the node's UMBP_NODE_ID, UMBP_MEDIUM,
   UMBP_CAPACITY, UMBP_PAGE_SIZE, UMBP_NODE_ADDRESS, UMBP_PEER_SERVICE_PORT, UMBP_IO_ENGINE_PORT,
-  UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME,
+  UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_SSD_DIRS (comma-separated),
+  UMBP_SSD_CAPACITY, UMBP_SSD_IO_ENGINE, UMBP_SSD_STAGING_PAGES, UMBP_SSD_READ_LEASE_MS, UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME,
   UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
   master client's UMBP_HEARTBEAT_* / UMBP_MASTER_RPC_TIMEOUT_MS; the master's UMBP_MASTER_LISTEN and
   UMBP_* timings (see `umbp master --help`). RUST_LOG filters the logs, which go to stderr
@@ -200,6 +206,8 @@ pub enum MediumKind {
     Dram,
     /// GPU HBM of one device.
     Hbm,
+    /// Local drives, staged through host DRAM.
+    Ssd,
     /// No medium: the node only reads and writes the pool.
     None,
 }
@@ -210,6 +218,7 @@ impl MediumKind {
         match self {
             Self::Dram => "dram",
             Self::Hbm => "hbm",
+            Self::Ssd => "ssd",
             Self::None => "none",
         }
     }
@@ -255,6 +264,25 @@ pub struct NodeArgs {
     /// Touch every page of the medium at start-up [env: UMBP_DRAM_PREFAULT] [default: true]
     #[arg(long, value_name = "BOOL")]
     pub prefault: Option<bool>,
+    /// A directory of an ssd node, one per drive; repeat for several drives (required for ssd)
+    /// [env: UMBP_SSD_DIRS, comma-separated] [default: none]
+    #[arg(long = "ssd-dir", value_name = "DIR")]
+    pub ssd_dir: Vec<PathBuf>,
+    /// Drive bytes an ssd node lends, split evenly across its directories [env: UMBP_SSD_CAPACITY]
+    /// [default: 32GiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub ssd_capacity: Option<u64>,
+    /// The io engine of an ssd node: psync or io_uring [env: UMBP_SSD_IO_ENGINE] [default: psync]
+    #[arg(long, value_name = "ENGINE")]
+    pub ssd_io_engine: Option<String>,
+    /// Host staging pages of an ssd node: writes in flight plus reads being served
+    /// [env: UMBP_SSD_STAGING_PAGES] [default: 16]
+    #[arg(long, value_name = "N")]
+    pub ssd_staging_pages: Option<u64>,
+    /// How long an ssd node keeps a read's staged copy for its reader
+    /// [env: UMBP_SSD_READ_LEASE_MS, in ms] [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub ssd_read_lease: Option<Duration>,
     /// The GPU an hbm node lends [env: UMBP_HBM_DEVICE] [default: 0]
     #[arg(long, value_name = "N")]
     pub hbm_device: Option<u32>,

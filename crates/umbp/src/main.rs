@@ -193,6 +193,9 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
     let (id, master) = (config.node_id.clone(), config.master_address.clone());
     let (medium, capacity) = match &config.medium {
         Medium::Dram(d) => ("dram", format_size(d.capacity_bytes)),
+        Medium::Ssd(s) => {
+            ("ssd", format!("{} engine={} dirs={}", format_size(s.capacity_bytes), s.io_engine, s.dirs.len()))
+        }
         Medium::Hbm(h) => ("hbm", format!("{} device={}", format_size(h.capacity_bytes), h.device)),
         _ => ("none", "0".to_owned()),
     };

@@ -15,6 +15,7 @@ use umbp_master::MasterConfig;
 use umbp_master::routing::RoutingConfigError;
 use umbp_peer::master_client::MasterClientConfig;
 use umbp_peer::pool_client::{DramConfig, HbmConfig, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection};
+use umbp_peer::pool_client::{IoEngineKind, SsdConfig};
 
 use crate::cli::{GetArgs, MasterAddress, MasterArgs, MediumKind, NodeArgs};
 use crate::units::{UnitError, format_size, parse_duration, parse_size};
@@ -265,6 +266,16 @@ pub struct NodeFile {
     pub hbm_capacity: Option<ByteSize>,
     /// The GPU runtime of an hbm node.
     pub hbm_runtime: Option<String>,
+    /// An ssd node's directories, one per drive.
+    pub ssd_dirs: Option<Vec<PathBuf>>,
+    /// Drive bytes an ssd node lends.
+    pub ssd_capacity: Option<ByteSize>,
+    /// The io engine of an ssd node (`psync`, `io_uring`).
+    pub ssd_io_engine: Option<String>,
+    /// Host staging pages of an ssd node.
+    pub ssd_staging_pages: Option<u64>,
+    /// The SSD read lease.
+    pub ssd_read_lease: Option<HumanDuration>,
     /// Re-cache policy for remote fetches.
     pub recache: Option<Recache>,
     /// Read lease of a resolve.
@@ -563,8 +574,46 @@ pub fn resolve_node(
         env_parsed::<SocketAddr>(env, "UMBP_NODE_METRICS_ADDR", "HOST:PORT (an IP address)")?,
         f.metrics_addr,
     );
+    let mut ssd = SsdConfig::default();
+    let dirs_env = env_value(env, "UMBP_SSD_DIRS", |s| {
+        let dirs: Vec<PathBuf> = s.split(',').map(str::trim).filter(|d| !d.is_empty()).map(PathBuf::from).collect();
+        if dirs.is_empty() { Err("expected a comma-separated list of directories") } else { Ok(dirs) }
+    })?;
+    let dirs_flag = (!flags.ssd_dir.is_empty()).then(|| flags.ssd_dir.clone());
+    if let Some(d) = pick(dirs_flag, dirs_env, f.ssd_dirs.clone()) {
+        ssd.dirs = d;
+    }
+    if let Some(b) =
+        pick(flags.ssd_capacity, env_value(env, "UMBP_SSD_CAPACITY", parse_size)?, f.ssd_capacity.map(|b| b.0))
+    {
+        ssd.capacity_bytes = b;
+    }
+    let engine = |setting: &'static str, value: Option<&str>| {
+        value
+            .map(str::parse::<IoEngineKind>)
+            .transpose()
+            .map_err(|e| SettingsError::Invalid { setting, reason: e.to_string() })
+    };
+    let engine_flag = engine("--ssd-io-engine", flags.ssd_io_engine.as_deref())?;
+    let engine_file = engine("node.ssd_io_engine", f.ssd_io_engine.as_deref())?;
+    let engine_env = env_value(env, "UMBP_SSD_IO_ENGINE", str::parse::<IoEngineKind>)?;
+    if let Some(e) = pick(engine_flag, engine_env, engine_file) {
+        ssd.io_engine = e;
+    }
+    let staging_env = env_parsed::<u64>(env, "UMBP_SSD_STAGING_PAGES", "a page count")?;
+    if let Some(n) = pick(flags.ssd_staging_pages, staging_env, f.ssd_staging_pages) {
+        ssd.staging_pages = n;
+    }
+    let ssd_lease_ms = env_value(env, "UMBP_SSD_READ_LEASE_MS", |s| match s.parse::<u64>() {
+        Ok(ms) if ms >= 1 => Ok(Duration::from_millis(ms)),
+        _ => Err("expected milliseconds >= 1"),
+    })?;
+    if let Some(d) = pick(flags.ssd_read_lease, ssd_lease_ms, f.ssd_read_lease.map(|d| d.0)) {
+        ssd.read_lease = d;
+    }
     c.medium = match medium {
         MediumKind::Dram => Medium::Dram(dram),
+        MediumKind::Ssd => Medium::Ssd(ssd),
         MediumKind::Hbm => Medium::Hbm(hbm),
         MediumKind::None => Medium::None,
     };
@@ -641,6 +690,24 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
             ),
         });
     }
+    if let Medium::Ssd(s) = &c.medium {
+        if s.dirs.is_empty() {
+            return Err(SettingsError::Missing {
+                what: "the SSD directories",
+                how: "pass --ssd-dir DIR (repeatable), set UMBP_SSD_DIRS, or set node.ssd_dirs in the configuration file",
+            });
+        }
+        if s.capacity_bytes < c.page_size {
+            return Err(SettingsError::Invalid {
+                setting: "ssd_capacity",
+                reason: format!(
+                    "{} is smaller than one page of {}",
+                    format_size(s.capacity_bytes),
+                    format_size(c.page_size)
+                ),
+            });
+        }
+    }
     c.master.validate()?;
     Ok(())
 }
@@ -651,8 +718,9 @@ impl MediumKind {
         match name.trim().to_ascii_lowercase().as_str() {
             "dram" => Ok(Self::Dram),
             "hbm" => Ok(Self::Hbm),
+            "ssd" => Ok(Self::Ssd),
             "none" => Ok(Self::None),
-            other => Err(format!("{other:?} is not a medium: expected dram, hbm or none")),
+            other => Err(format!("{other:?} is not a medium: expected dram, hbm, ssd or none")),
         }
     }
 }

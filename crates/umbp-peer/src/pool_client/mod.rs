@@ -40,6 +40,7 @@ use umbp_core::{
 use umbp_gpu::GpuRuntime;
 /// How a node names its GPU runtime ([`HbmConfig::runtime`]).
 pub use umbp_gpu::RuntimeSelection;
+pub use umbp_ssd::IoEngineKind;
 use umbp_metrics::{InstrumentedBackend, MetricsConfig, MetricsExporter, MetricsServer};
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_proto::v1 as pb;

@@ -1,0 +1,132 @@
+//! `umbp node --medium ssd`: the SSD settings come from the file < `UMBP_*` environment < flags,
+//! with their documented defaults, and impossible ones are refused with the setting's name.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use umbp::{Cli, Command, FileConfig, SettingsError, resolve_node};
+use umbp_peer::pool_client::{IoEngineKind, Medium, PoolClientConfig, SsdConfig};
+
+fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let map: HashMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    move |var| map.get(var).cloned()
+}
+
+fn file(text: &str) -> FileConfig {
+    FileConfig::parse(text, Path::new("test.toml")).expect("valid file")
+}
+
+fn node_args(args: &[&str]) -> umbp::NodeArgs {
+    let cli = Cli::try_parse_from(["umbp", "node"].into_iter().chain(args.iter().copied())).expect("command line");
+    match cli.command {
+        Command::Node(a) => a,
+        other => panic!("parsed {other:?}"),
+    }
+}
+
+fn ssd(c: &PoolClientConfig) -> &SsdConfig {
+    match &c.medium {
+        Medium::Ssd(s) => s,
+        other => panic!("medium {other:?}"),
+    }
+}
+
+#[test]
+fn ssd_settings_take_the_highest_layer_that_sets_them() {
+    let f = file(
+        r#"
+        [node]
+        node_id = "s1"
+        medium = "ssd"
+        ssd_dirs = ["/file/a", "/file/b"]
+        ssd_capacity = "8GiB"
+        ssd_io_engine = "io_uring"
+        ssd_staging_pages = 8
+        ssd_read_lease = "2s"
+        "#,
+    );
+    let c = resolve_node(&f, &env(&[]), &node_args(&[]), None).expect("file only");
+    let s = ssd(&c);
+    assert_eq!(s.dirs, [PathBuf::from("/file/a"), PathBuf::from("/file/b")]);
+    assert_eq!(
+        (s.capacity_bytes, s.io_engine, s.staging_pages, s.read_lease),
+        (8 << 30, IoEngineKind::IoUring, 8, Duration::from_secs(2))
+    );
+
+    let e = env(&[
+        ("UMBP_SSD_DIRS", "/env/a, /env/b,/env/c"),
+        ("UMBP_SSD_CAPACITY", "1GiB"),
+        ("UMBP_SSD_IO_ENGINE", "psync"),
+        ("UMBP_SSD_STAGING_PAGES", "32"),
+        ("UMBP_SSD_READ_LEASE_MS", "750"),
+    ]);
+    let c = resolve_node(&f, &e, &node_args(&[]), None).expect("env over file");
+    let s = ssd(&c);
+    assert_eq!(s.dirs.len(), 3);
+    assert_eq!(
+        (s.capacity_bytes, s.io_engine, s.staging_pages, s.read_lease),
+        (1 << 30, IoEngineKind::Psync, 32, Duration::from_millis(750))
+    );
+
+    let flags = node_args(&[
+        "--ssd-dir",
+        "/flag/x",
+        "--ssd-dir",
+        "/flag/y",
+        "--ssd-capacity",
+        "64MiB",
+        "--ssd-io-engine",
+        "io_uring",
+        "--ssd-staging-pages",
+        "4",
+        "--ssd-read-lease",
+        "100ms",
+    ]);
+    let c = resolve_node(&f, &e, &flags, None).expect("flags over env");
+    let s = ssd(&c);
+    assert_eq!(s.dirs, [PathBuf::from("/flag/x"), PathBuf::from("/flag/y")]);
+    assert_eq!(
+        (s.capacity_bytes, s.io_engine, s.staging_pages, s.read_lease),
+        (64 << 20, IoEngineKind::IoUring, 4, Duration::from_millis(100))
+    );
+}
+
+#[test]
+fn an_ssd_node_gets_the_documented_defaults_and_needs_a_directory() {
+    let c = resolve_node(
+        &FileConfig::default(),
+        &env(&[]),
+        &node_args(&["--node-id", "s1", "--medium", "ssd", "--ssd-dir", "/d"]),
+        None,
+    )
+    .expect("defaults");
+    let s = ssd(&c);
+    let d = SsdConfig::default();
+    assert_eq!(
+        (s.capacity_bytes, s.io_engine, s.staging_pages, s.read_lease),
+        (32 << 30, IoEngineKind::Psync, 16, d.read_lease)
+    );
+    assert_eq!(d.read_lease, Duration::from_secs(3));
+
+    let err =
+        resolve_node(&FileConfig::default(), &env(&[]), &node_args(&["--node-id", "s1", "--medium", "ssd"]), None)
+            .expect_err("no directory");
+    assert!(matches!(err, SettingsError::Missing { .. }) && err.to_string().contains("--ssd-dir"), "{err}");
+}
+
+#[test]
+fn bad_ssd_settings_are_errors_that_name_them() {
+    let base = ["--node-id", "s1", "--medium", "ssd", "--ssd-dir", "/d"];
+    let flags = node_args(&[&base[..], &["--ssd-io-engine", "aio"]].concat());
+    let err = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect_err("bad engine");
+    assert!(err.to_string().contains("--ssd-io-engine"), "{err}");
+    let err = resolve_node(&FileConfig::default(), &env(&[("UMBP_SSD_READ_LEASE_MS", "0")]), &node_args(&base), None)
+        .expect_err("zero lease");
+    assert!(err.to_string().contains("UMBP_SSD_READ_LEASE_MS"), "{err}");
+    let flags = node_args(&[&base[..], &["--ssd-capacity", "1MiB", "--page-size", "2MiB"]].concat());
+    let err = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect_err("capacity below a page");
+    assert!(err.to_string().contains("ssd_capacity"), "{err}");
+    assert!(Cli::try_parse_from(["umbp", "node", "--medium", "ssd", "--ssd-capacity", "4GB"]).is_err());
+}
