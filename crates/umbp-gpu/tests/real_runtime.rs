@@ -1,0 +1,66 @@
+//! The real GPU runtime, when the machine has one (skipped with a printed reason otherwise): device
+//! count, set/get device and the scoped switch, malloc/free, host registration, blocking and
+//! stream-ordered copies in every direction, streams and error strings. The same body runs on the
+//! fake runtime everywhere, so the test itself is exercised on machines without a GPU.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use umbp_gpu::{CopyKind, DeviceGuard, FakeRuntime, GpuRuntime};
+
+fn exercise(rt: &dyn GpuRuntime) {
+    let count = rt.device_count().expect("device count");
+    assert!(count >= 1);
+    let last = count - 1;
+    {
+        let _g = DeviceGuard::switch(rt, last).expect("switch");
+        assert_eq!(rt.current_device().expect("current"), last);
+    }
+    rt.set_device(0).expect("device 0");
+    let len = 3 << 20;
+    let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ (i >> 16) as u8).collect();
+    let mut back = vec![0u8; len];
+    let src_ptr = NonNull::new(src.as_ptr().cast_mut()).expect("non-null");
+    let back_ptr = NonNull::new(back.as_mut_ptr()).expect("non-null");
+    let a = rt.malloc(len).expect("malloc a");
+    let b = rt.malloc(len).expect("malloc b");
+    // SAFETY: every range below lies inside its `len`-byte buffer; host buffers outlive the
+    // registration and the stream synchronisation.
+    unsafe {
+        rt.host_register(back_ptr, len).expect("pin");
+        rt.memcpy(a, src_ptr, len, CopyKind::HostToDevice).expect("h2d");
+        rt.memcpy(b, a, len, CopyKind::DeviceToDevice).expect("d2d");
+        let stream = rt.stream_create().expect("stream");
+        assert_eq!(stream.device(), 0);
+        // Page-sized pieces in reverse order, all enqueued before one synchronisation.
+        let page = 64 << 10;
+        for i in (0..len / page).rev() {
+            rt.memcpy_async(back_ptr.add(i * page), b.add(i * page), page, CopyKind::DeviceToHost, &stream)
+                .expect("d2h async");
+        }
+        rt.stream_synchronize(&stream).expect("sync");
+        rt.stream_destroy(stream).expect("destroy");
+        rt.host_unregister(back_ptr).expect("unpin");
+        rt.free(a).expect("free a");
+        rt.free(b).expect("free b");
+    }
+    assert!(back == src, "H2D, D2D, async D2H are byte-exact");
+    assert!(!rt.error_string(2).is_empty());
+    assert!(rt.malloc(0).is_err(), "a zero-byte allocation is refused");
+    assert!(rt.set_device(count).is_err(), "a missing device is refused");
+}
+
+#[test]
+fn the_runtime_contract_holds_on_the_fake() {
+    exercise(&FakeRuntime::new(2));
+}
+
+#[test]
+fn the_runtime_contract_holds_on_a_real_gpu() {
+    let Some(rt) = umbp_gpu::probe() else {
+        eprintln!("skipped: no HIP or CUDA runtime with a device found (set by umbp_gpu::probe)");
+        return;
+    };
+    eprintln!("running on the {} runtime, {} devices", rt.name(), rt.device_count().unwrap_or(0));
+    exercise(Arc::clone(&rt).as_ref());
+}
