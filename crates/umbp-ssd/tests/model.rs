@@ -117,10 +117,10 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 for (j, p) in s.pages.iter().enumerate() {
                     let off = j * PAGE as usize;
                     let n = (bytes.len() - off).min(PAGE as usize);
-                    // SAFETY: the page is in the arena and reserved for this pending slot (an
-                    // expired slot's pages may have been handed out again, so only live slots are
-                    // written).
+                    // An expired slot's pages may have been handed out again: only live slots are
+                    // written.
                     if s.deadline > now {
+                        // SAFETY: the page is in the arena and reserved for this live pending slot.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
                                 bytes[off..].as_ptr(),
