@@ -3,8 +3,9 @@
 //! `Arc<dyn MediumBackend>` as the node calls it, bare and wrapped, in the same run.
 //!
 //! Run: `cargo bench -p umbp-metrics --bench instrumented_overhead`. Prints a markdown table of
-//! medians; `UMBP_BENCH_ROUNDS` (default 9) and `UMBP_BENCH_MILLIS` (per round, default 300) tune it.
-//! The two variants alternate round by round so machine noise hits both alike.
+//! medians; `UMBP_BENCH_ROUNDS` (default 15) and `UMBP_BENCH_MILLIS` (per round, default 200) tune it.
+//! Both variants drive the same backend (so the same maps and allocator state) and alternate round
+//! by round, so machine noise hits both alike.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -26,17 +27,19 @@ fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn backend(instrumented: bool) -> (Arc<dyn MediumBackend>, Arc<ManualClock>) {
+/// One `PageBackend`, seen bare and through the decorator: both variants run on the same maps and
+/// the same allocator state, so what differs between them is the decorator alone.
+fn backends() -> (Arc<dyn MediumBackend>, Arc<dyn MediumBackend>, Arc<ManualClock>) {
     let clock = ManualClock::new();
     let config = PageBackendConfig::new(TierType::Dram, PAGE, vec![PAGES * PAGE])
         .with_read_lease_ttl(LEASE)
         .with_pending_ttl(PENDING_TTL)
         .with_clock(clock.clone());
     let source = HostPageMemorySource::new(HostMemoryOptions::default());
-    let b: Arc<dyn MediumBackend> = Arc::new(PageBackend::new(config, Box::new(source)).expect("config"));
-    let b = if instrumented { InstrumentedBackend::wrap(b) } else { b };
-    b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
-    (b, clock)
+    let bare: Arc<dyn MediumBackend> = Arc::new(PageBackend::new(config, Box::new(source)).expect("config"));
+    bare.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    let wrapped = InstrumentedBackend::wrap(Arc::clone(&bare));
+    (bare, wrapped, clock)
 }
 
 /// One full cycle over `keys` in batches of `batch`; returns keys processed.
@@ -94,8 +97,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let rounds = env_or("UMBP_BENCH_ROUNDS", 9).max(1);
-    let budget = Duration::from_millis(env_or("UMBP_BENCH_MILLIS", 300));
+    let rounds = env_or("UMBP_BENCH_ROUNDS", 15).max(1);
+    let budget = Duration::from_millis(env_or("UMBP_BENCH_MILLIS", 200));
     println!("InstrumentedBackend overhead: {rounds} rounds of {budget:?} each, alternating; medians; ns per key");
     println!();
     println!(
@@ -104,13 +107,12 @@ fn main() {
     println!("|---|---|---|---|---|---|---|");
     for threads in [1usize, 2] {
         for batch in [1usize, 128] {
-            let (bare, bare_clock) = backend(false);
-            let (wrapped, wrapped_clock) = backend(true);
+            let (bare, wrapped, clock) = backends();
             let mut b = Vec::new();
             let mut w = Vec::new();
             for _ in 0..rounds {
-                b.push(round(bare.as_ref(), &bare_clock, threads, batch, budget));
-                w.push(round(wrapped.as_ref(), &wrapped_clock, threads, batch, budget));
+                b.push(round(bare.as_ref(), &clock, threads, batch, budget));
+                w.push(round(wrapped.as_ref(), &clock, threads, batch, budget));
             }
             let (b, w) = (median(b), median(w));
             println!(
@@ -119,7 +121,6 @@ fn main() {
                 (w / b - 1.0) * 100.0
             );
             bare.shutdown();
-            wrapped.shutdown();
         }
     }
 }
