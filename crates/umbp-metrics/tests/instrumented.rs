@@ -280,3 +280,31 @@ fn publisher_ships_counter_deltas_rebases_on_decrease_and_scales() {
     exporter.add_source("fixed", vec![], fixed);
     assert_eq!(value(&exporter.render(), names::MEDIUM_EVENTS_TOTAL, &[]), Some(1.0));
 }
+
+/// More threads than owned shards at once (some write the shared shard), then short-lived threads
+/// that recycle shard ids: every call is still counted exactly once.
+#[test]
+fn counts_are_exact_across_many_threads_and_recycled_shards() {
+    let (backend, wrapped) = mock(TierType::Dram, 16);
+    put(backend.as_ref(), &["hot"]);
+    let hot = keys(&["hot", "cold"]);
+    std::thread::scope(|s| {
+        for _ in 0..48 {
+            s.spawn(|| {
+                for _ in 0..50 {
+                    backend.batch_resolve(&hot, false);
+                }
+            });
+        }
+    });
+    for _ in 0..64 {
+        std::thread::scope(|s| {
+            s.spawn(|| backend.batch_resolve(&hot, false));
+        });
+    }
+    let r = wrapped.counts(Op::Resolve);
+    let calls = 48 * 50 + 64;
+    assert_eq!(r.batches, calls);
+    assert_eq!((r.entries(Status::Ok), r.entries(Status::Miss)), (calls, calls));
+    assert_eq!(r.bytes, calls * PAGE);
+}
