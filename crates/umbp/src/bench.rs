@@ -5,8 +5,9 @@
 //!   same bytes on one thread;
 //! - **remote**: a client-only node in this process and a DRAM node in a CHILD PROCESS (`umbp
 //!   bench-child`, the same binary re-executed), bytes over the TCP data plane, against a plain socket
-//!   stream of the same bytes to a sink / from a source in the same child, over as many connections
-//!   as the data plane pools ([`CONNECTIONS`]);
+//!   stream of the same bytes (from the same source buffers, into the same destination buffers, the
+//!   child's side a region as large as the batch) to and from the same child, over as many
+//!   connections as the data plane pools ([`CONNECTIONS`]);
 //! - the p50 / p99 latency of a single 64 KiB remote get.
 //!
 //! The same measurements as `cargo bench -p umbp --bench pool`; each cell is the median of
@@ -313,8 +314,10 @@ pub async fn serve_child(master: &str, capacity: u64) -> Result<(), BenchError> 
     let raw = TcpListener::bind("127.0.0.1:0").map_err(|e| BenchError::Child(format!("binding the raw sink: {e}")))?;
     let raw_addr = raw.local_addr().map_err(|e| BenchError::Child(e.to_string()))?;
     std::thread::spawn(move || {
+        let arenas = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         for stream in raw.incoming().flatten() {
-            std::thread::spawn(move || raw_peer(stream));
+            let arenas = std::sync::Arc::clone(&arenas);
+            std::thread::spawn(move || raw_peer(stream, &arenas));
         }
     });
     println!("{READY_PREFIX}{raw_addr}");
@@ -329,54 +332,63 @@ pub async fn serve_child(master: &str, capacity: u64) -> Result<(), BenchError> 
 }
 
 /// One raw connection: a 9-byte header (b'w' or b'r' + u64 length) then that many bytes in or out,
-/// then a one-byte ack.
-fn raw_peer(mut s: TcpStream) {
+/// then a one-byte ack. The bytes land in (or leave from) a region as large as the request, as the
+/// pool's bytes land in distinct pages; it is allocated on the first request and reused after.
+fn raw_peer(mut s: TcpStream, arenas: &std::sync::Mutex<Vec<Vec<u8>>>) {
     let _ = s.set_nodelay(true);
-    let mut buf = vec![0u8; 1 << 20];
+    // Every round opens new connections: reuse the regions the last ones faulted in.
+    let mut arena: Vec<u8> = arenas.lock().ok().and_then(|mut a| a.pop()).unwrap_or_default();
+    raw_serve(&mut s, &mut arena);
+    if let Ok(mut a) = arenas.lock() {
+        a.push(arena);
+    }
+}
+
+fn raw_serve(s: &mut TcpStream, arena: &mut Vec<u8>) {
     let mut header = [0u8; 9];
     while s.read_exact(&mut header).is_ok() {
         let mut len = [0u8; 8];
         len.copy_from_slice(&header[1..9]);
-        let mut left = u64::from_le_bytes(len) as usize;
-        while left > 0 {
-            let n = left.min(buf.len());
-            let ok =
-                if header[0] == b'w' { s.read_exact(&mut buf[..n]).is_ok() } else { s.write_all(&buf[..n]).is_ok() };
-            if !ok {
-                return;
-            }
-            left -= n;
+        let Ok(len) = usize::try_from(u64::from_le_bytes(len)) else { return };
+        if len > 4 << 30 {
+            return;
         }
-        if s.write_all(&[1]).is_err() {
+        if arena.len() < len {
+            arena.resize(len, 7);
+        }
+        let region = &mut arena[..len];
+        let ok = if header[0] == b'w' { s.read_exact(region).is_ok() } else { s.write_all(region).is_ok() };
+        if !ok || s.write_all(&[1]).is_err() {
             return;
         }
     }
 }
 
-/// GB/s of moving `total` bytes over [`CONNECTIONS`] raw streams (write = to the child, read = from it).
-fn raw_rate(addr: &str, total: usize, write: bool) -> std::io::Result<f64> {
+/// GB/s of moving the same bytes as the pool over [`CONNECTIONS`] raw streams: `write` sends
+/// `values` to the child, a read fills `values` from it. Each stream carries a contiguous share of
+/// the values, one `write_all` / `read_exact` per value.
+fn raw_rate(addr: &str, values: &mut [Vec<u8>], write: bool) -> std::io::Result<f64> {
+    let total: usize = values.iter().map(Vec::len).sum();
+    let per = values.len().div_ceil(CONNECTIONS).max(1);
     let start = Instant::now();
     std::thread::scope(|s| {
-        let workers: Vec<_> = (0..CONNECTIONS)
-            .map(|_| {
-                s.spawn(|| -> std::io::Result<()> {
+        let workers: Vec<_> = values
+            .chunks_mut(per)
+            .map(|share| {
+                s.spawn(move || -> std::io::Result<()> {
                     let mut c = TcpStream::connect(addr)?;
                     c.set_nodelay(true)?;
-                    let share = total / CONNECTIONS;
+                    let bytes: usize = share.iter().map(Vec::len).sum();
                     let mut header = [0u8; 9];
                     header[0] = if write { b'w' } else { b'r' };
-                    header[1..].copy_from_slice(&(share as u64).to_le_bytes());
+                    header[1..].copy_from_slice(&(bytes as u64).to_le_bytes());
                     c.write_all(&header)?;
-                    let mut buf = vec![7u8; 1 << 20];
-                    let mut left = share;
-                    while left > 0 {
-                        let n = left.min(buf.len());
+                    for v in share.iter_mut() {
                         if write {
-                            c.write_all(&buf[..n])?;
+                            c.write_all(v)?;
                         } else {
-                            c.read_exact(&mut buf[..n])?;
+                            c.read_exact(v)?;
                         }
-                        left -= n;
                     }
                     let mut ack = [0u8; 1];
                     c.read_exact(&mut ack)
@@ -391,11 +403,9 @@ fn raw_rate(addr: &str, total: usize, write: bool) -> std::io::Result<f64> {
     Ok(gbps(total, start))
 }
 
-async fn raw_rate_async(addr: &str, total: usize, write: bool) -> Result<f64, BenchError> {
-    let addr = addr.to_owned();
-    tokio::task::spawn_blocking(move || raw_rate(&addr, total, write))
-        .await
-        .map_err(|e| BenchError::Failed(format!("raw stream: {e}")))?
+fn raw_rate_blocking(addr: &str, values: &mut [Vec<u8>], write: bool) -> Result<f64, BenchError> {
+    // The streams block: keep them off the reactor's scheduling loop.
+    tokio::task::block_in_place(|| raw_rate(addr, values, write))
         .map_err(|e| BenchError::Failed(format!("raw stream to the child: {e}")))
 }
 
@@ -551,7 +561,7 @@ async fn measure_remote(
     for value in VALUE_SIZES {
         let n = batch / value;
         let bytes = n * value;
-        let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
+        let mut data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for round in 0..rounds {
@@ -573,8 +583,8 @@ async fn measure_remote(
             if out[n / 2] != data[n / 2] {
                 return Err(BenchError::Failed("remote get returned other bytes than were put".into()));
             }
-            raw_w.push(raw_rate_async(raw_addr, bytes, true).await?);
-            raw_r.push(raw_rate_async(raw_addr, bytes, false).await?);
+            raw_w.push(raw_rate_blocking(raw_addr, &mut data, true)?);
+            raw_r.push(raw_rate_blocking(raw_addr, &mut out, false)?);
             tokio::time::sleep(Duration::from_millis(600)).await; // read leases expire
             let _ = client.remove(&key_refs).await;
         }

@@ -1,4 +1,4 @@
-//! The get path: route → resolve on every holder concurrently, right before the one submit → wait
+//! The get path, per pipelined chunk: route → resolve on every holder concurrently, right before the one submit → wait
 //! → keep only copies that finished inside the read lease, re-reading the rest.
 //!
 //! A resolve takes a read lease on the holder (`read_lease`, 500 ms by default) that protects the
@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::join_all;
+use super::support::{chunk_by_bytes, join_all, pipelined};
 use super::*;
 use crate::peer_service::decode_batch_resolve;
 use umbp_core::PageLocation;
@@ -53,13 +53,59 @@ impl PoolClient {
         }
         // The caller's buffers, borrowed for this call (every transfer is waited for).
         let targets: Vec<CallerBuf> = bufs.iter_mut().map(|b| CallerBuf::of_mut(b)).collect();
+        let valid: Vec<usize> = (0..n).filter(|i| results[*i].is_none()).collect();
+        // Chunks run as a pipeline: one chunk's route and resolve overlap another's transfer. A
+        // buffer's length stands for its value's size.
+        let chunks = chunk_by_bytes(valid, |i| targets[i].len as u64);
+        let outcomes = pipelined(&chunks, |chunk| {
+            let chunk_keys: Vec<&str> = chunk.iter().map(|i| keys[*i]).collect();
+            let chunk_targets: Vec<CallerBuf> = chunk.iter().map(|i| targets[*i]).collect();
+            async move { self.get_chunk(&chunk_keys, &chunk_targets).await }
+        })
+        .await;
+        let mut fetched_remote: Vec<usize> = Vec::new();
+        for (chunk, (chunk_results, fetched)) in chunks.iter().zip(outcomes) {
+            for (i, r) in chunk.iter().zip(chunk_results) {
+                results[*i] = Some(r);
+            }
+            fetched_remote.extend(fetched.into_iter().map(|j| chunk[j]));
+        }
+        self.queue_recache(keys, bufs, &results, &fetched_remote);
+        results.into_iter().map(|r| r.unwrap_or(Err(KeyError::Miss))).collect()
+    }
+
+    /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes. One result per key, and
+    /// the positions fetched from another node (re-cache candidates).
+    async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf]) -> (Vec<Result<u64, KeyError>>, Vec<usize>) {
+        let n = keys.len();
+        let mut results: Vec<Option<Result<u64, KeyError>>> = vec![None; n];
         let mut exclude: Vec<BTreeSet<String>> = vec![BTreeSet::new(); n];
         let mut last_error: HashMap<usize, KeyError> = HashMap::new();
         let mut fetched_remote: Vec<usize> = Vec::new();
         let me = self.config.node_id.clone();
+        // Local first: what this node holds is read without asking the master (a route call per
+        // chunk saved). Misses, and every key on a node without a medium, are routed below, with
+        // this node excluded. Their copies join the first round's submit.
+        let mut carried: (Vec<TransferItem>, Vec<Planned>) = (Vec::new(), Vec::new());
+        let mut read_locally = vec![false; n];
+        if let Some(m) = &self.medium {
+            let all: Vec<(usize, bool)> = (0..n).map(|i| (i, true)).collect();
+            let found = self.read_here(m, keys, targets, &all, &mut carried.0, &mut carried.1, &mut results);
+            let mut hits = Vec::new();
+            for (i, found) in found.into_iter().enumerate() {
+                exclude[i].insert(me.clone());
+                read_locally[i] = found;
+                if found {
+                    hits.push(keys[i].to_owned());
+                }
+            }
+            self.touch(hits);
+        }
         for attempt in 0..=self.config.max_reroutes {
-            let pending: Vec<usize> = (0..n).filter(|i| results[*i].is_none()).collect();
-            if pending.is_empty() {
+            let pending: Vec<usize> =
+                (0..n).filter(|i| results[*i].is_none() && !(attempt == 0 && read_locally[*i])).collect();
+            let (mut transfers, mut planned) = std::mem::take(&mut carried);
+            if pending.is_empty() && planned.is_empty() {
                 break;
             }
             if attempt > 0 {
@@ -113,8 +159,6 @@ impl PoolClient {
                 groups.iter().map(|((node, peer), indexes)| self.resolve_remote(keys, indexes, node, peer)).collect(),
             )
             .await;
-            let mut transfers = Vec::new();
-            let mut planned: Vec<Planned> = Vec::new();
             for (((node, _), indexes), (start, found)) in groups.iter().zip(resolves) {
                 let found = match found {
                     Ok(f) => f,
@@ -154,32 +198,13 @@ impl PoolClient {
             if let Some(m) = &self.medium
                 && !local.is_empty()
             {
-                let local_keys: Vec<String> = local.iter().map(|(i, _)| keys[*i].to_owned()).collect();
-                let start = Instant::now();
-                let (resolved, refs) = blocking(|| {
-                    let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
-                    (m.batch_resolve(&local_keys, false), refs)
-                });
-                for ((i, routed_here), r) in local.iter().zip(resolved) {
+                let found = self.read_here(m, keys, targets, &local, &mut transfers, &mut planned, &mut results);
+                for ((i, routed_here), found) in local.iter().zip(found) {
                     exclude[*i].insert(me.clone());
-                    if r.found {
-                        let plan = Planned {
-                            index: *i,
-                            size: r.size,
-                            node: me.clone(),
-                            lease_end: start + self.config.read_lease,
-                        };
-                        self.plan_get(
-                            plan,
-                            &r.pages,
-                            &refs,
-                            r.page_size,
-                            targets[*i],
-                            &mut transfers,
-                            &mut planned,
-                            &mut results,
-                        );
-                    } else if *routed_here {
+                    if found {
+                        continue;
+                    }
+                    if *routed_here {
                         // The master's index is stale: try another replica.
                         last_error.insert(*i, KeyError::Miss);
                     } else {
@@ -188,7 +213,7 @@ impl PoolClient {
                     }
                 }
             }
-            let failed = self.run_transfers(&transfers);
+            let failed = self.run_transfers(transfers).await;
             let ended = Instant::now();
             for p in planned {
                 if let Some((kind, message)) = failed.get(&(p.index as u64)) {
@@ -213,12 +238,66 @@ impl PoolClient {
                 }
             }
         }
-        self.queue_recache(keys, bufs, &results, &fetched_remote);
-        results
+        let results = results
             .into_iter()
             .enumerate()
             .map(|(i, r)| r.unwrap_or_else(|| Err(last_error.remove(&i).unwrap_or(KeyError::Miss))))
-            .collect()
+            .collect();
+        (results, fetched_remote)
+    }
+
+    /// Resolves `local` (index, whether the master routed it here) on this node's medium and plans
+    /// the copies of the keys found, each under the medium's read lease. Returns, per entry, whether
+    /// the key was found.
+    #[expect(clippy::too_many_arguments, reason = "the chunk's keys and the round's accumulators")]
+    fn read_here(
+        &self,
+        m: &Arc<dyn MediumBackend>,
+        keys: &[&str],
+        targets: &[CallerBuf],
+        local: &[(usize, bool)],
+        transfers: &mut Vec<TransferItem>,
+        planned: &mut Vec<Planned>,
+        results: &mut [Option<Result<u64, KeyError>>],
+    ) -> Vec<bool> {
+        let local_keys: Vec<String> = local.iter().map(|(i, _)| keys[*i].to_owned()).collect();
+        let start = Instant::now();
+        let (resolved, refs) = blocking(|| {
+            let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
+            (m.batch_resolve(&local_keys, false), refs)
+        });
+        let mut found = vec![false; local.len()];
+        for ((f, (i, _)), r) in found.iter_mut().zip(local).zip(resolved) {
+            if r.found {
+                *f = true;
+                let plan = Planned {
+                    index: *i,
+                    size: r.size,
+                    node: self.config.node_id.clone(),
+                    lease_end: start + self.config.read_lease,
+                };
+                self.plan_get(plan, &r.pages, &refs, r.page_size, targets[*i], transfers, planned, results);
+            }
+        }
+        found
+    }
+
+    /// Tells the master, in the background, that `keys` were just read here, so its LRU eviction
+    /// sees them as recently used (a local hit skips the route call that would have stamped them).
+    /// A hint: dropped when [`TOUCHES_IN_FLIGHT`] hints are already in flight.
+    fn touch(&self, keys: Vec<String>) {
+        if keys.is_empty() {
+            return;
+        }
+        let Ok(permit) = Arc::clone(&self.touches).try_acquire_owned() else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let master = Arc::clone(&self.master);
+        runtime.spawn(async move {
+            let _permit = permit;
+            if let Err(e) = master.batch_route_get(&keys, &[]).await {
+                tracing::debug!(error = %e, "access hint for local hits did not reach the master");
+            }
+        });
     }
 
     #[expect(clippy::too_many_arguments, reason = "one key's read plan and the round's accumulators")]

@@ -52,7 +52,7 @@ use umbp_transfer::{
 
 use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
 use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService, desc_from_wire};
-use support::{CallerBuf, RecacheJob, StatCounters, blocking, page_items, recache_worker};
+use support::{CallerBuf, RecacheJob, StatCounters, blocking, offload, page_items, recache_worker};
 
 /// The medium a node lends. A node lends exactly one medium, or none (a client-only node).
 #[derive(Debug, Clone, PartialEq)]
@@ -397,6 +397,8 @@ type PeerClient = UmbpPeerClient<Channel>;
 const UNREACHABLE_FOR: Duration = Duration::from_secs(2);
 /// A gauge not refreshed for this long leaves the metrics output (its source went away).
 const METRICS_IDLE: Duration = Duration::from_secs(30);
+/// Access hints for local hits in flight at once; more are dropped (they are hints).
+const TOUCHES_IN_FLIGHT: usize = 4;
 /// Capacity of the re-cache queue; new jobs are dropped when it is full.
 const RECACHE_QUEUE: usize = 1024;
 
@@ -432,6 +434,8 @@ pub struct PoolClient {
     recache_tx: Mutex<Option<mpsc::Sender<RecacheJob>>>,
     recache_worker: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stats: Arc<StatCounters>,
+    /// Bounds the background access hints sent to the master for local hits (see `get`).
+    touches: Arc<tokio::sync::Semaphore>,
     /// The Prometheus endpoint, when configured.
     metrics: Mutex<Option<MetricsServer>>,
 }
@@ -611,6 +615,7 @@ impl PoolClient {
             recache_tx: Mutex::new(recache_tx),
             recache_worker: Mutex::new(recache_worker),
             stats,
+            touches: Arc::new(tokio::sync::Semaphore::new(TOUCHES_IN_FLIGHT)),
             metrics: Mutex::new(metrics),
         })
     }
@@ -781,15 +786,19 @@ impl PoolClient {
 
     /// Plans, submits and waits for `items`; returns the failed tags with the failure's kind and
     /// message.
-    fn run_transfers(&self, items: &[TransferItem]) -> HashMap<u64, (FailureKind, String)> {
+    async fn run_transfers(&self, items: Vec<TransferItem>) -> HashMap<u64, (FailureKind, String)> {
         let mut out = HashMap::new();
         if items.is_empty() {
             return out;
         }
+        let tags: Vec<u64> = items.iter().map(|t| t.tag).collect();
         let engine = Arc::clone(&self.engine);
-        let run = move || umbp_transfer::transfer(engine.as_ref(), items);
-        // The TCP engine's wait blocks: keep it off the reactor's scheduling loop.
-        if let Err(failures) = blocking(run) {
+        // Copies and the TCP engine's wait block: run them on the blocking pool so this task can
+        // prepare the next chunk meanwhile. A dropped call waits for them (see `Offloaded`).
+        let result = offload(move || umbp_transfer::transfer(engine.as_ref(), &items)).await.unwrap_or_else(|| {
+            Err(vec![umbp_transfer::TransferFailure::new(tags, FailureKind::Local, "the transfer panicked", "pool")])
+        });
+        if let Err(failures) = result {
             for f in failures {
                 tracing::debug!(kind = ?f.kind, endpoint = %f.endpoint, message = %f.message, "transfer failure");
                 for t in f.tags {

@@ -1,6 +1,8 @@
 //! The put path: route → allocate (every group concurrently) → one submit for every group's pages →
 //! commit survivors (every group concurrently) → abort the rest, with a bounded re-route of failed
-//! keys, each excluding the nodes that failed *it*.
+//! keys, each excluding the nodes that failed *it*. A large batch runs as a pipeline of chunks of
+//! about 8 MiB, up to three in flight, so one chunk's route, allocate and commit calls overlap
+//! another chunk's bytes moving (the copies run on the blocking pool, not in this task).
 //!
 //! Slots are guarded from the moment they are allocated ([`SlotGuard`]): any key that does not end in
 //! a successful commit — a transfer failure, a refused or failed commit, a malformed reply, an
@@ -13,7 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{SlotGuard, join_all};
+use super::support::{SlotGuard, chunk_by_bytes, join_all, pipelined};
 use super::*;
 use crate::master_client::RoutePutDecision;
 use crate::peer_service::{outcome_from_wire, page_from_wire, tier_to_wire};
@@ -35,18 +37,27 @@ struct Group {
     indexes: Vec<usize>,
 }
 
-/// Per-key state of one batch.
+/// Per-key state of one pipelined chunk, keyed by the item's index in the batch (sparse: a chunk
+/// holds a few of a batch's keys).
+#[derive(Default)]
 struct PutState {
-    results: Vec<Option<Result<(), KeyError>>>,
-    exclude: Vec<BTreeSet<String>>,
+    results: HashMap<usize, Result<(), KeyError>>,
+    exclude: HashMap<usize, BTreeSet<String>>,
     last_error: HashMap<usize, KeyError>,
 }
 
 impl PutState {
     /// Key `i` failed on `node` in a way another node may not: try elsewhere.
     fn retry_elsewhere(&mut self, i: usize, node: &str, e: KeyError) {
-        self.exclude[i].insert(node.to_owned());
+        self.exclude.entry(i).or_default().insert(node.to_owned());
         self.last_error.insert(i, e);
+    }
+
+    /// Key `i`'s outcome once the chunk is done.
+    fn outcome(&mut self, i: usize) -> Result<(), KeyError> {
+        self.results.remove(&i).unwrap_or_else(|| {
+            Err(self.last_error.remove(&i).unwrap_or(KeyError::Failed("re-routes exhausted".into())))
+        })
     }
 }
 
@@ -71,23 +82,49 @@ impl PoolClient {
             return vec![Err(KeyError::Closed); items.len()];
         }
         let n = items.len();
-        let mut st = PutState { results: vec![None; n], exclude: vec![BTreeSet::new(); n], last_error: HashMap::new() };
+        let mut results: Vec<Option<Result<(), KeyError>>> = vec![None; n];
         let mut repeat_of: Vec<Option<usize>> = vec![None; n];
         let mut first_of: HashMap<&str, usize> = HashMap::new();
         for (i, (key, value)) in items.iter().enumerate() {
             if key.is_empty() {
-                st.results[i] = Some(Err(KeyError::EmptyKey));
+                results[i] = Some(Err(KeyError::EmptyKey));
             } else if value.is_empty() {
-                st.results[i] = Some(Err(KeyError::EmptyValue));
+                results[i] = Some(Err(KeyError::EmptyValue));
             } else if let Some(first) = first_of.get(key) {
                 repeat_of[i] = Some(*first);
             } else {
                 first_of.insert(key, i);
             }
         }
+        let unique: Vec<usize> = (0..n).filter(|i| results[*i].is_none() && repeat_of[*i].is_none()).collect();
+        // Chunks run as a pipeline: one chunk's route and allocate overlap another's transfer.
+        let chunks = chunk_by_bytes(unique, |i| items[i].1.len() as u64);
+        let states = pipelined(&chunks, |chunk| self.put_chunk(items, chunk)).await;
+        for (chunk, mut st) in chunks.iter().zip(states) {
+            for i in chunk {
+                results[*i] = Some(st.outcome(*i));
+            }
+        }
+        self.tell_too_large(items, &mut results).await;
+        let mut out: Vec<Result<(), KeyError>> = Vec::with_capacity(n);
+        for (i, repeat) in repeat_of.iter().enumerate() {
+            let r = match (results[i].take(), *repeat) {
+                (Some(r), _) => r,
+                (None, Some(first)) => out[first].clone(),
+                (None, None) => Err(KeyError::Failed("re-routes exhausted".into())),
+            };
+            out.push(r);
+        }
+        out
+    }
+
+    /// Writes one chunk of distinct, valid keys (`chunk` holds their indexes in `items`): route,
+    /// allocate, transfer, commit, with bounded re-routes.
+    async fn put_chunk(&self, items: &[(&str, &[u8])], chunk: &[usize]) -> PutState {
+        let mut st = PutState::default();
         let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
         for attempt in 0..=self.config.max_reroutes {
-            let pending: Vec<usize> = (0..n).filter(|i| st.results[*i].is_none() && repeat_of[*i].is_none()).collect();
+            let pending: Vec<usize> = chunk.iter().copied().filter(|i| !st.results.contains_key(i)).collect();
             if pending.is_empty() {
                 break;
             }
@@ -98,17 +135,7 @@ impl PoolClient {
             self.put_round(items, &groups, &mut guard, &mut st).await;
             guard.abort_all().await;
         }
-        self.tell_too_large(items, &mut st.results).await;
-        let mut out: Vec<Result<(), KeyError>> = Vec::with_capacity(n);
-        for (i, repeat) in repeat_of.iter().enumerate() {
-            let r = match (st.results[i].take(), *repeat) {
-                (Some(r), _) => r,
-                (None, Some(first)) => out[first].clone(),
-                (None, None) => Err(st.last_error.remove(&i).unwrap_or(KeyError::Failed("re-routes exhausted".into()))),
-            };
-            out.push(r);
-        }
-        out
+        st
     }
 
     /// Turns `NoSpace` into `TooLarge` for values larger than every medium's total capacity (one
@@ -134,7 +161,7 @@ impl PoolClient {
         let unreachable = self.recently_unreachable();
         let mut by_set: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
         for i in pending {
-            let mut set: BTreeSet<String> = st.exclude[*i].clone();
+            let mut set: BTreeSet<String> = st.exclude.get(i).cloned().unwrap_or_default();
             set.extend(unreachable.iter().cloned());
             by_set.entry(set.into_iter().collect()).or_default().push(*i);
         }
@@ -153,17 +180,20 @@ impl PoolClient {
                 Ok(d) => d,
                 Err(e) => {
                     for i in indexes {
-                        st.results[*i] = Some(Err(KeyError::Routing(e.to_string())));
+                        st.results.insert(*i, Err(KeyError::Routing(e.to_string())));
                     }
                     continue;
                 }
             };
             for (i, d) in indexes.iter().zip(decisions) {
                 match d {
-                    RoutePutDecision::AlreadyExists => st.results[*i] = Some(Ok(())),
+                    RoutePutDecision::AlreadyExists => {
+                        st.results.insert(*i, Ok(()));
+                    }
                     RoutePutDecision::Unavailable => {
                         let size = items[*i].1.len() as u64;
-                        st.results[*i] = Some(Err(st.last_error.remove(i).unwrap_or(KeyError::NoSpace { size })));
+                        let e = st.last_error.remove(i).unwrap_or(KeyError::NoSpace { size });
+                        st.results.insert(*i, Err(e));
                     }
                     RoutePutDecision::Routed { node_id, peer_address, tier } => {
                         groups.entry((node_id, peer_address, tier)).or_default().push(*i)
@@ -201,7 +231,9 @@ impl PoolClient {
             for (i, a) in group.indexes.iter().zip(allocated) {
                 let (_, value) = items[*i];
                 match a {
-                    Alloc::Exists => st.results[*i] = Some(Ok(())),
+                    Alloc::Exists => {
+                        st.results.insert(*i, Ok(()));
+                    }
                     Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.len() as u64 }),
                     Alloc::Refused => st.retry_elsewhere(
                         *i,
@@ -235,7 +267,7 @@ impl PoolClient {
             }
         }
         // 2. One submit for every group (the local copies complete in submit), then wait.
-        let failed = self.run_transfers(&transfers);
+        let failed = self.run_transfers(transfers).await;
         let ended = Instant::now();
         let mut commits: BTreeMap<usize, Vec<(usize, u64)>> = BTreeMap::new();
         for (g, i, slot_id, deadline) in planned {
@@ -267,7 +299,7 @@ impl PoolClient {
                 match ok {
                     Ok(()) => {
                         guard.settle(node, local, *slot_id);
-                        st.results[*i] = Some(Ok(()));
+                        st.results.insert(*i, Ok(()));
                     }
                     Err(e) => st.retry_elsewhere(*i, node, e),
                 }

@@ -58,6 +58,116 @@ pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
     }
 }
 
+/// Blocking work moved to tokio's blocking pool and awaited without holding a worker, so the task
+/// that awaits it can drive other futures meanwhile (the next chunk's route and allocate).
+///
+/// The work may touch memory the awaiting call borrows (a caller's buffer behind a `LocalRegion`),
+/// so dropping an `Offloaded` before the work ends **waits for the work**: a cancelled batch never
+/// returns while a copy still runs on its buffers. Resolves to `None` if the work panicked.
+pub(super) struct Offloaded<R> {
+    rx: tokio::sync::oneshot::Receiver<R>,
+    done: Arc<WorkDone>,
+}
+
+/// Set once the offloaded closure has run or been dropped unrun.
+#[derive(Default)]
+pub(super) struct WorkDone {
+    finished: parking_lot::Mutex<bool>,
+    cv: parking_lot::Condvar,
+}
+
+/// Marks [`WorkDone`] when dropped: after the work (it is dropped at the closure's end) or with the
+/// closure if the pool never ran it (a runtime shutting down).
+struct MarkDone(Arc<WorkDone>);
+
+impl Drop for MarkDone {
+    fn drop(&mut self) {
+        *self.0.finished.lock() = true;
+        self.0.cv.notify_all();
+    }
+}
+
+/// Runs `f` on the blocking pool (inline without a runtime); see [`Offloaded`].
+pub(super) fn offload<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Offloaded<R> {
+    let done = Arc::new(WorkDone::default());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let mark = MarkDone(Arc::clone(&done));
+    let work = move || {
+        let _mark = mark;
+        let _ = tx.send(f());
+    };
+    match Handle::try_current() {
+        Ok(h) => drop(h.spawn_blocking(work)),
+        Err(_) => work(),
+    }
+    Offloaded { rx, done }
+}
+
+impl<R> Future for Offloaded<R> {
+    type Output = Option<R>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Option<R>> {
+        Pin::new(&mut self.rx).poll(cx).map(Result::ok)
+    }
+}
+
+impl<R> Drop for Offloaded<R> {
+    fn drop(&mut self) {
+        let mut finished = self.done.finished.lock();
+        while !*finished {
+            self.done.cv.wait(&mut finished);
+        }
+    }
+}
+
+/// Bytes per pipelined chunk of a batch. Each chunk is routed, allocated (or resolved), moved and
+/// committed on its own, so one chunk's control calls overlap another's data movement; a batch
+/// smaller than this is one chunk and runs exactly as before.
+pub(super) const PIPELINE_CHUNK_BYTES: u64 = 8 << 20;
+
+/// Chunks of one batch in flight at once.
+pub(super) const PIPELINE_DEPTH: usize = 3;
+
+/// Splits `indexes` (in order) into chunks of about [`PIPELINE_CHUNK_BYTES`] by `size`.
+pub(super) fn chunk_by_bytes(indexes: Vec<usize>, size: impl Fn(usize) -> u64) -> Vec<Vec<usize>> {
+    let mut chunks = Vec::new();
+    let mut current = Vec::new();
+    let mut bytes = 0u64;
+    for i in indexes {
+        current.push(i);
+        bytes = bytes.saturating_add(size(i));
+        if bytes >= PIPELINE_CHUNK_BYTES {
+            chunks.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+    }
+    if !current.is_empty() {
+        chunks.push(current);
+    }
+    chunks
+}
+
+/// Runs `f` over every chunk, at most [`PIPELINE_DEPTH`] at once, in one task (the chunks borrow
+/// the caller's batch); outputs in chunk order. Chunks start in order (the semaphore is fair).
+pub(super) async fn pipelined<'a, T, Fut>(chunks: &'a [Vec<usize>], f: impl Fn(&'a [usize]) -> Fut) -> Vec<T>
+where
+    Fut: Future<Output = T>,
+{
+    let permits = tokio::sync::Semaphore::new(PIPELINE_DEPTH);
+    let (permits, f) = (&permits, &f);
+    join_all(
+        chunks
+            .iter()
+            .map(|chunk| async move {
+                // Never closed, so `acquire` cannot fail; a failure would only lift the bound.
+                let _permit = permits.acquire().await.ok();
+                f(chunk).await
+            })
+            .collect(),
+    )
+    .await
+}
+
 /// Awaits every future concurrently; outputs in input order.
 pub(super) async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
     let mut futures: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
@@ -278,4 +388,56 @@ fn store_locally(medium: &dyn MediumBackend, engine: &CompositeTransferEngine, j
     }
     medium.batch_abort(&[a.slot_id]);
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+
+    use super::*;
+
+    #[test]
+    fn chunks_follow_the_byte_budget_and_keep_order() {
+        let sizes = [3u64 << 20, 3 << 20, 3 << 20, 9 << 20, 1, 1];
+        let chunks = chunk_by_bytes((0..sizes.len()).collect(), |i| sizes[i]);
+        assert_eq!(chunks, vec![vec![0, 1, 2], vec![3], vec![4, 5]]);
+        assert!(chunk_by_bytes(Vec::new(), |_| 1).is_empty());
+        assert_eq!(chunk_by_bytes(vec![7], |_| u64::MAX), vec![vec![7]], "one key is never split");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pipelined_chunks_stay_within_the_depth_and_answer_in_order() {
+        let chunks: Vec<Vec<usize>> = (0..12).map(|i| vec![i]).collect();
+        let (now, peak) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let out = pipelined(&chunks, |chunk| {
+            let (now, peak) = (&now, &peak);
+            async move {
+                let inside = now.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(inside, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(5 + (chunk[0] as u64 % 3) * 3)).await;
+                now.fetch_sub(1, Ordering::SeqCst);
+                chunk[0] * 10
+            }
+        })
+        .await;
+        assert_eq!(out, (0..12).map(|i| i * 10).collect::<Vec<_>>());
+        assert_eq!(peak.load(Ordering::SeqCst), PIPELINE_DEPTH, "chunks overlap, up to the depth");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dropping_an_offloaded_job_waits_for_the_work() {
+        let finished = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&finished);
+        let mut job = Box::pin(offload(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            flag.store(true, Ordering::SeqCst);
+            7
+        }));
+        // Poll once (the work is running), then cancel: the drop must not return before the work.
+        assert!(tokio::time::timeout(Duration::from_millis(10), job.as_mut()).await.is_err());
+        drop(job);
+        assert!(finished.load(Ordering::SeqCst), "the drop returned while the work still ran");
+        assert_eq!(offload(|| 5).await, Some(5));
+        assert_eq!(offload(|| -> u8 { panic!("boom") }).await, None, "a panic is None, not a hang");
+    }
 }
