@@ -24,6 +24,7 @@ use umbp_master::MasterConfig;
 use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy};
 
 use crate::cli::BenchArgs;
+use crate::progress::Progress;
 use crate::units::human_size;
 
 /// Raw TCP connections of the remote baseline (the data plane's pooled connections per peer).
@@ -513,6 +514,8 @@ async fn measure_local(
         let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut copy) = (Vec::new(), Vec::new(), Vec::new());
+        let mut progress =
+            Progress::new(format!("umbp bench: local {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
             let keys: Vec<String> = (0..n).map(|i| format!("local-{value}-{round}-{i}")).collect();
             let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
@@ -535,7 +538,9 @@ async fn measure_local(
             }
             std::hint::black_box(&out);
             copy.push(gbps(bytes, t));
+            progress.advance(1);
         }
+        progress.finish();
         let copy = median(copy);
         for (op, figures) in [("put", put), ("get", get)] {
             rows.push(BenchRow {
@@ -564,6 +569,8 @@ async fn measure_remote(
         let mut data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut progress =
+            Progress::new(format!("umbp bench: remote {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
             let keys: Vec<String> = (0..n).map(|i| format!("remote-{value}-{round}-{i}")).collect();
             let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
@@ -587,7 +594,9 @@ async fn measure_remote(
             raw_r.push(raw_rate_blocking(raw_addr, &mut out, false)?);
             tokio::time::sleep(Duration::from_millis(600)).await; // read leases expire
             let _ = client.remove(&key_refs).await;
+            progress.advance(1);
         }
+        progress.finish();
         for (op, figures, baseline) in [("put", put, raw_w), ("get", get, raw_r)] {
             rows.push(BenchRow {
                 path: BenchPath::Remote,
@@ -609,6 +618,7 @@ async fn measure_latency(client: &PoolClient, calls: usize) -> Result<Latency, B
     until_indexed(client, std::slice::from_ref(&key)).await?;
     let mut buf = vec![0u8; LATENCY_VALUE];
     let mut lat = Vec::with_capacity(calls);
+    crate::progress::note(format_args!("umbp bench: {calls} single gets for the latency percentiles"));
     for _ in 0..calls {
         let t = Instant::now();
         client.get(&key, &mut buf).await.map_err(|e| BenchError::Failed(format!("latency get: {e}")))?;

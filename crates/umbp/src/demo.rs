@@ -9,6 +9,7 @@ use umbp_master::{MasterConfig, MasterHandle};
 use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
 
 use crate::cli::DemoArgs;
+use crate::progress::Progress;
 use crate::units::{format_size, human_size};
 
 /// Keys the get phase asks for that were never written: they must come back as misses.
@@ -343,6 +344,7 @@ pub async fn run(options: DemoOptions) -> Result<DemoReport, DemoError> {
             }
         }
     }
+    crate::progress::note(format_args!("umbp demo: a master and {} nodes up on 127.0.0.1", nodes.len()));
     let report = workload(&master, &nodes, &options).await;
     for node in &nodes {
         node.close().await;
@@ -382,6 +384,7 @@ async fn workload(master: &MasterHandle, nodes: &[PoolClient], o: &DemoOptions) 
     // Put: every batch from n1; the master spreads them over the nodes.
     let mut put_failures = Vec::new();
     let started = Instant::now();
+    let mut progress = Progress::new("umbp demo: put", keys.len());
     for (key_batch, value_batch) in keys.chunks(o.batch).zip(values.chunks(o.batch)) {
         let items: Vec<(&str, &[u8])> =
             key_batch.iter().map(String::as_str).zip(value_batch.iter().map(Vec::as_slice)).collect();
@@ -390,7 +393,9 @@ async fn workload(master: &MasterHandle, nodes: &[PoolClient], o: &DemoOptions) 
                 put_failures.push(((*key).to_owned(), e.to_string()));
             }
         }
+        progress.advance(key_batch.len());
     }
+    progress.finish();
     let put_time = started.elapsed();
     let failed: HashSet<String> = put_failures.iter().map(|(k, _)| k.clone()).collect();
 
@@ -420,10 +425,13 @@ async fn workload(master: &MasterHandle, nodes: &[PoolClient], o: &DemoOptions) 
         expected.iter().map(|v| vec![0u8; v.map_or(o.max_value as usize, |v| v.len())]).collect();
     let mut results = Vec::with_capacity(all.len());
     let started = Instant::now();
+    let mut progress = Progress::new("umbp demo: get", all.len());
     for (key_batch, buf_batch) in all.chunks(o.batch).zip(bufs.chunks_mut(o.batch)) {
         let mut slices: Vec<&mut [u8]> = buf_batch.iter_mut().map(Vec::as_mut_slice).collect();
         results.extend(reader.batch_get(key_batch, &mut slices).await);
+        progress.advance(key_batch.len());
     }
+    progress.finish();
     let get_time = started.elapsed();
 
     let mut report = DemoReport {

@@ -21,6 +21,7 @@
 pub mod bench;
 mod cli;
 pub mod demo;
+mod progress;
 mod settings;
 mod units;
 

@@ -448,6 +448,39 @@ pub fn resolve_master(
     if let Some(a) = flags.route_put_algo {
         c.route_put_algo = a;
     }
+    if let Some(a) = flags.route_put_affinity {
+        c.route_put_affinity = a;
+    }
+    if let Some(d) = flags.heartbeat_interval_divisor {
+        c.heartbeat_interval_divisor = d;
+    }
+    if let Some(d) = flags.eviction_check_interval {
+        c.eviction.check_interval = d;
+    }
+    if let Some(h) = flags.eviction_high_watermark {
+        c.eviction.high_watermark = h;
+    }
+    if let Some(l) = flags.eviction_low_watermark {
+        c.eviction.low_watermark = l;
+    }
+    if let Some(d) = flags.lease_duration {
+        c.eviction.lease_duration = d;
+    }
+    if let Some(d) = flags.evict_deadline {
+        c.eviction.evict_deadline = d;
+    }
+    if let Some(n) = flags.index_shards {
+        c.index_shards = n;
+    }
+    if let Some(d) = flags.shutdown_deadline {
+        c.shutdown_deadline = d;
+    }
+    if let Some(b) = flags.max_message_bytes {
+        c.max_message_bytes = usize::try_from(b).map_err(|_| SettingsError::Invalid {
+            setting: "--max-message-bytes",
+            reason: format!("{b} is too large"),
+        })?;
+    }
     if let Some(a) = flags.metrics_addr {
         c.metrics_listen = Some(a);
     }
@@ -515,7 +548,9 @@ pub fn resolve_node(
     }
     dram.numa_node = f.numa_node;
     let mut hbm = HbmConfig::default();
-    if let Some(d) = pick(flags.hbm_device, env_parsed::<u32>(env, "UMBP_HBM_DEVICE", "a device ordinal")?, f.hbm_device) {
+    if let Some(d) =
+        pick(flags.hbm_device, env_parsed::<u32>(env, "UMBP_HBM_DEVICE", "a device ordinal")?, f.hbm_device)
+    {
         hbm.device = d;
     }
     if let Some(b) =
