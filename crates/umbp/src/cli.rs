@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use umbp_master::routing::SelectAlgo;
+use umbp_master::routing::{Affinity, SelectAlgo};
 
 use crate::units::{parse_duration, parse_size};
 
@@ -192,6 +192,37 @@ pub struct MasterArgs {
     /// Put placement: most_available or random [env: UMBP_ROUTE_PUT_SELECT_ALGO] [default: most_available]
     #[arg(long, value_name = "ALGO")]
     pub route_put_algo: Option<SelectAlgo>,
+    /// Put affinity: none, same or local [env: UMBP_ROUTE_PUT_NODE_AFFINITY] [default: none]
+    #[arg(long, value_name = "AFFINITY")]
+    pub route_put_affinity: Option<Affinity>,
+    /// Nodes heartbeat every TTL / N [env: UMBP_HEARTBEAT_INTERVAL_DIVISOR] [default: 2]
+    #[arg(long, value_name = "N")]
+    pub heartbeat_interval_divisor: Option<u32>,
+    /// How often eviction checks the watermarks [env: UMBP_EVICTION_CHECK_INTERVAL_SEC] [default: 5s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub eviction_check_interval: Option<Duration>,
+    /// Eviction starts when a node's tier is this full (0..1] [env: UMBP_EVICTION_HIGH_WATERMARK] [default: 0.9]
+    #[arg(long, value_name = "F")]
+    pub eviction_high_watermark: Option<f64>,
+    /// … and stops at this fill ratio [env: UMBP_EVICTION_LOW_WATERMARK] [default: 0.7]
+    #[arg(long, value_name = "F")]
+    pub eviction_low_watermark: Option<f64>,
+    /// Lease a route-get grants the keys it found; eviction skips them [env: UMBP_LEASE_DURATION_SEC]
+    /// [default: 2s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub lease_duration: Option<Duration>,
+    /// Deadline of one EvictKey call to a node [env: UMBP_EVICTKEY_DEADLINE_MS] [default: 1s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub evict_deadline: Option<Duration>,
+    /// Shards of the key index (1..=4096) [env: UMBP_MASTER_INDEX_SHARDS] [default: 32]
+    #[arg(long, value_name = "N")]
+    pub index_shards: Option<usize>,
+    /// How long shutdown waits for in-flight calls [env: UMBP_GRPC_SHUTDOWN_DEADLINE_SEC] [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub shutdown_deadline: Option<Duration>,
+    /// Largest gRPC message (at least 64KiB) [env: UMBP_MASTER_MAX_MESSAGE_BYTES] [default: 64MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub max_message_bytes: Option<u64>,
     /// Serve Prometheus /metrics (cluster gauges and counters) on ADDR; port 0 picks a free one
     /// [env: UMBP_MASTER_METRICS_ADDR] [default: none, no endpoint]
     #[arg(long, value_name = "ADDR")]

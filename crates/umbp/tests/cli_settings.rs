@@ -276,6 +276,49 @@ fn the_master_takes_each_setting_from_the_highest_layer_that_sets_it() {
 }
 
 #[test]
+fn umbp_master_has_a_flag_for_every_master_setting_and_flags_beat_the_environment() {
+    let e = env(&[("UMBP_EVICTION_HIGH_WATERMARK", "0.8"), ("UMBP_MASTER_INDEX_SHARDS", "8")]);
+    let (flags, _) = master_args(&[
+        "--route-put-affinity",
+        "local",
+        "--heartbeat-interval-divisor",
+        "4",
+        "--eviction-check-interval",
+        "250ms",
+        "--eviction-high-watermark",
+        "0.95",
+        "--eviction-low-watermark",
+        "0.5",
+        "--lease-duration",
+        "3s",
+        "--evict-deadline",
+        "700ms",
+        "--index-shards",
+        "64",
+        "--shutdown-deadline",
+        "9s",
+        "--max-message-bytes",
+        "8MiB",
+    ]);
+    let c = resolve_master(&FileConfig::default(), &e, &flags, None).expect("flags");
+    assert_eq!(c.route_put_affinity, umbp_master::routing::Affinity::Local);
+    assert_eq!(c.heartbeat_interval_divisor, 4);
+    assert_eq!(c.eviction.check_interval, Duration::from_millis(250));
+    assert_eq!((c.eviction.high_watermark, c.eviction.low_watermark), (0.95, 0.5));
+    assert_eq!(c.eviction.lease_duration, Duration::from_secs(3));
+    assert_eq!(c.eviction.evict_deadline, Duration::from_millis(700));
+    assert_eq!(c.index_shards, 64);
+    assert_eq!(c.shutdown_deadline, Duration::from_secs(9));
+    assert_eq!(c.max_message_bytes, 8 << 20);
+    // Without the flags the environment holds.
+    let c = resolve_master(&FileConfig::default(), &e, &master_args(&[]).0, None).expect("env");
+    assert_eq!((c.eviction.high_watermark, c.index_shards), (0.8, 8));
+    // A flag the master refuses is an error, not a silent default.
+    let (flags, _) = master_args(&["--eviction-low-watermark", "0.99"]);
+    assert!(resolve_master(&FileConfig::default(), &env(&[]), &flags, None).is_err(), "low above high");
+}
+
+#[test]
 fn client_commands_join_without_a_medium_and_share_the_address_and_token_layers() {
     let f = file("master_address = \"10.0.0.1:1\"\ncluster_token = \"t\"\n[node]\nmax_reroutes = 7");
     let cli = parse(&["get", "k"]);
