@@ -176,7 +176,8 @@ fn main() {
         for size in [MIB, 2 * MIB] {
             for batch in [1u64, 8] {
                 let clock = ManualClock::new();
-                let config = SsdConfig::builder([dir.path().join(format!("{engine}-{size}-{batch}"))])
+                let cell_dir = dir.path().join(format!("{engine}-{size}-{batch}"));
+                let config = SsdConfig::builder([cell_dir.clone()])
                     .page_size(size)
                     .capacity_bytes(4 * bytes)
                     .staging_pages(16)
@@ -198,6 +199,8 @@ fn main() {
                     get.push(g);
                 }
                 b.shutdown();
+                drop(b);
+                let _ = std::fs::remove_dir_all(&cell_dir);
                 let value = format!("{} MiB", size / MIB);
                 for (op, ours, base) in [("put", median(put), median(rw)), ("get", median(get), median(rr))] {
                     println!("| {engine} | {op} | {value} | {batch} | {ours:.2} | {base:.2} | {:.2} |", ours / base);

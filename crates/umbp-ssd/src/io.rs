@@ -111,7 +111,8 @@ impl IoOp {
     /// engine's `submit` of this op has returned.
     pub(crate) unsafe fn new(file: &File, offset: u64, segments: &[(*mut u8, usize)], write: bool) -> Self {
         let iov = segments.iter().map(|(p, l)| libc::iovec { iov_base: p.cast(), iov_len: *l }).collect();
-        Self { fd: file.as_raw_fd(), offset, iov, write, result: Ok(()) }
+        // Not done until an engine says so: an op an engine never reached is never "ok".
+        Self { fd: file.as_raw_fd(), offset, iov, write, result: Err(io::Error::other("not submitted")) }
     }
 
     fn total(&self) -> usize {
