@@ -139,3 +139,32 @@ async fn hbm_node_round_trips_host_and_device_buffers_on_a_real_gpu() {
     node.close().await;
     m.shutdown().await;
 }
+
+/// The TCP data plane serves host memory only: another node can neither write into nor read from
+/// an HBM node's device memory. Pinned here so that a data plane that learns device memory changes
+/// this deliberately: today the key fails cleanly (no hang, no stray slot), and the HBM node's own
+/// keys stay readable by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn other_nodes_cannot_reach_hbm_over_tcp_yet_and_fail_cleanly() {
+    let m = master().await;
+    let node = hbm_node(&m, "hbm-only", RuntimeSelection::Fake { devices: 1 }).await;
+    let mut client_config = config(&m, "client", 0).with_medium(Medium::None);
+    client_config.max_reroutes = 1;
+    let client = PoolClient::start(client_config).await.expect("client starts");
+    let v = value(1, 3 * PAGE as usize + 5);
+    let put = client.put("remote-key", &v).await;
+    assert!(put.is_err(), "a remote write into device memory cannot succeed yet: {put:?}");
+    assert_eq!(node.medium().expect("medium").owned_key_count(), 0, "the refused write left no key");
+    node.put("local-key", &v).await.expect("the node's own put");
+    node.flush();
+    indexed(&client, &["local-key"]).await;
+    let mut buf = vec![0u8; v.len()];
+    let get = client.get("local-key", &mut buf).await;
+    assert!(get.is_err(), "a remote read of device memory cannot succeed yet: {get:?}");
+    eprintln!("remote put: {put:?}; remote get: {get:?}");
+    assert_eq!(node.get("local-key", &mut buf).await, Ok(v.len() as u64));
+    assert_eq!(buf, v);
+    client.close().await;
+    node.close().await;
+    m.shutdown().await;
+}
