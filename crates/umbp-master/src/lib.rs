@@ -7,7 +7,8 @@
 //!
 //! # Owns
 //! The metadata store ([`store`]), the routing strategies ([`routing`]), the eviction manager, the
-//! registry reaper and the `UMBPMaster` gRPC service.
+//! registry reaper, the `UMBPMaster` gRPC service, and the cluster series it serves on Prometheus
+//! `/metrics` when [`MasterConfig::metrics_listen`] is set (names in `umbp_metrics::names`).
 //!
 //! # Never
 //! Knows a storage medium beyond its tier number and capacity, moves bytes, or holds state a peer's
