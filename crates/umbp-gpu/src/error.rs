@@ -44,6 +44,10 @@ pub enum GpuError {
         /// Devices present.
         count: u32,
     },
+    /// The runtime failed to load earlier in this process (the first failure, kept as text: a
+    /// runtime is loaded once per process).
+    #[error("{0}")]
+    Unavailable(String),
     /// A request the shim refuses before calling the runtime (a zero-byte allocation, a size past
     /// the address space).
     #[error("invalid request: {0}")]

@@ -167,9 +167,9 @@ impl<'a> DeviceGuard<'a> {
     /// exist or cannot be made current.
     pub fn switch(runtime: &'a dyn GpuRuntime, device: u32) -> Result<Self, GpuError> {
         let previous = runtime.current_device().ok();
-        if previous != Some(device) {
-            runtime.set_device(device)?;
-        }
+        // Set even when the device already reads as current: a thread that never set one reads
+        // device 0 but may have no context yet (the CUDA driver API), and setting is cheap.
+        runtime.set_device(device)?;
         Ok(Self { runtime, device, previous })
     }
 
@@ -283,7 +283,7 @@ fn shared<R: GpuRuntime + 'static>(
     match loaded {
         Ok(r) => Ok(Arc::clone(r)),
         // The first error is kept as text (errors are not `Clone`): a second attempt would fail the same way.
-        Err(reason) => Err(GpuError::Invalid(format!("runtime did not load: {reason}"))),
+        Err(reason) => Err(GpuError::Unavailable(reason.clone())),
     }
 }
 

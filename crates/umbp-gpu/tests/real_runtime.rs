@@ -64,3 +64,18 @@ fn the_runtime_contract_holds_on_a_real_gpu() {
     eprintln!("running on the {} runtime, {} devices", rt.name(), rt.device_count().unwrap_or(0));
     exercise(Arc::clone(&rt).as_ref());
 }
+
+#[test]
+fn every_runtime_library_present_keeps_the_contract() {
+    use umbp_gpu::RuntimeSelection;
+    for selection in [RuntimeSelection::Cuda, RuntimeSelection::CudaRuntime, RuntimeSelection::Hip] {
+        match selection.load() {
+            Ok(rt) if rt.device_count().is_ok_and(|n| n > 0) => {
+                eprintln!("running on {selection} ({})", rt.name());
+                exercise(rt.as_ref());
+            }
+            Ok(_) => eprintln!("skipped {selection}: loaded, but it sees no device"),
+            Err(e) => eprintln!("skipped {selection}: {e}"),
+        }
+    }
+}

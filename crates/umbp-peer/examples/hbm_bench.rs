@@ -148,9 +148,14 @@ fn baselines(rt: &dyn GpuRuntime, total: u64, page: u64, iters: usize) -> [(Dura
 }
 
 /// The GPU copy engine alone: every page as one item, host ↔ device, (H2D, D2H).
-fn engine_only(rt: &Arc<dyn GpuRuntime>, total: u64, page: u64, iters: usize, batch: bool) -> (Duration, Duration) {
-    let engine =
-        GpuCopyEngine::new(Arc::clone(rt), GpuCopyConfig { batch, ..GpuCopyConfig::default() }).expect("engine");
+fn engine_only(
+    rt: &Arc<dyn GpuRuntime>,
+    total: u64,
+    page: u64,
+    iters: usize,
+    config: GpuCopyConfig,
+) -> (Duration, Duration) {
+    let engine = GpuCopyEngine::new(Arc::clone(rt), config).expect("engine");
     let len = total as usize;
     let mut host = HostBuf::new(len, 3);
     rt.set_device(0).expect("device 0");
@@ -274,20 +279,30 @@ async fn main() {
     );
     println!();
     println!(
-        "| page | op | pool GB/s | engine GB/s | memcpy/page GB/s | bulk memcpy GB/s | pool / per-page | pool / bulk |"
+        "| page | op | pool GB/s | engine GB/s (1 thread) | engine GB/s (default) | memcpy/page GB/s | bulk memcpy GB/s | pool / per-page | pool / bulk |"
     );
-    println!("|---|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for page in SIZES {
         let total = a.total - a.total % page;
         let [per_page, bulk] = baselines(rt.as_ref(), total, page, a.iters);
-        let engine = engine_only(&rt, total, page, a.iters, !a.unbatched);
+        let batch = !a.unbatched;
+        let one = engine_only(
+            &rt,
+            total,
+            page,
+            a.iters,
+            GpuCopyConfig { batch, submit_threads: 1, ..GpuCopyConfig::default() },
+        );
+        let engine = engine_only(&rt, total, page, a.iters, GpuCopyConfig { batch, ..GpuCopyConfig::default() });
         let (put, get) = pool(&addr, selection, total, page, a.iters).await;
-        for (op, p, e, pp, b) in
-            [("put (H2D)", put, engine.0, per_page.0, bulk.0), ("get (D2H)", get, engine.1, per_page.1, bulk.1)]
-        {
-            let (pg, eg, ppg, bg) = (gbps(total, p), gbps(total, e), gbps(total, pp), gbps(total, b));
+        for (op, p, e1, e, pp, b) in [
+            ("put (H2D)", put, one.0, engine.0, per_page.0, bulk.0),
+            ("get (D2H)", get, one.1, engine.1, per_page.1, bulk.1),
+        ] {
+            let (pg, e1g, eg, ppg, bg) =
+                (gbps(total, p), gbps(total, e1), gbps(total, e), gbps(total, pp), gbps(total, b));
             println!(
-                "| {} KiB | {op} | {pg:.1} | {eg:.1} | {ppg:.1} | {bg:.1} | {:.2} | {:.2} |",
+                "| {} KiB | {op} | {pg:.1} | {e1g:.1} | {eg:.1} | {ppg:.1} | {bg:.1} | {:.2} | {:.2} |",
                 page >> 10,
                 pg / ppg,
                 pg / bg

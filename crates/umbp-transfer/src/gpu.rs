@@ -28,13 +28,22 @@ pub struct GpuCopyConfig {
     /// synchronisation per device, instead of one blocking copy per segment. Small pages need it: a
     /// blocking copy pays the whole launch-and-wait latency for every page. Default: true.
     pub batch: bool,
+    /// Threads that enqueue a batched submit's copies, each on its own stream, when the batch has
+    /// many copies smaller than 1 MiB (at 64 KiB one thread's enqueue rate, not the bus, limits a
+    /// stream). 1 keeps every copy on the calling thread. Default: 4.
+    pub submit_threads: usize,
 }
 
 impl Default for GpuCopyConfig {
     fn default() -> Self {
-        Self { pin_host_memory: true, batch: true }
+        Self { pin_host_memory: true, batch: true, submit_threads: 4 }
     }
 }
+
+/// Copies smaller than this (mean) are "small": a batch of them may be spread over submitting threads.
+const SMALL_COPY: usize = 1 << 20;
+/// A submitting thread gets at least this many copies (fewer are not worth a thread).
+const MIN_JOBS_PER_LANE: usize = 16;
 
 /// One host registration the engine pinned: its length and how many refs share it.
 #[derive(Debug, Clone, Copy)]
@@ -185,54 +194,133 @@ impl GpuCopyEngine {
                 }
             }
         } else {
-            let stream = match self.take_stream(device) {
-                Ok(s) => s,
-                Err(e) => return fail_all(format!("cannot create a stream: {e}")),
-            };
-            let mut enqueued: Vec<&TransferPlan> = Vec::new();
-            for (plan, jobs) in plans {
-                let mut ok = true;
-                for job in jobs {
-                    // SAFETY: as above; the ranges stay valid until the stream is synchronised below,
-                    // before `submit` returns.
-                    if let Err(e) = unsafe { self.runtime.memcpy_async(job.dst, job.src, job.len, job.kind, &stream) } {
-                        failures.push(TransferFailure::new(
-                            plan.tags.clone(),
-                            FailureKind::Local,
-                            e.to_string(),
-                            endpoint.clone(),
-                        ));
-                        ok = false;
-                        break;
+            // Every job with the index of its plan, in plan order.
+            let flat: Vec<(usize, Job)> =
+                plans.iter().enumerate().flat_map(|(i, (_, jobs))| jobs.iter().map(move |j| (i, *j))).collect();
+            let lanes = self.lanes_for(&flat);
+            let mut failed: BTreeMap<usize, String> = BTreeMap::new();
+            if lanes <= 1 {
+                self.run_lane(device, &flat, &mut failed);
+            } else {
+                // Several submitting threads, one stream each: one thread's rate of enqueueing copies
+                // is what limits small pages. Contiguous shares keep each stream's copies in order.
+                let share = flat.len().div_ceil(lanes);
+                let mut shares = flat.chunks(share);
+                let mine = shares.next().unwrap_or(&[]);
+                let results: Vec<BTreeMap<usize, String>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = shares
+                        .map(|c| {
+                            s.spawn(move || {
+                                let mut f = BTreeMap::new();
+                                self.run_lane(device, c, &mut f);
+                                (c, f)
+                            })
+                        })
+                        .collect();
+                    let mut own = BTreeMap::new();
+                    self.run_lane(device, mine, &mut own);
+                    let mut out = vec![own];
+                    for h in handles {
+                        match h.join() {
+                            Ok((_, f)) => out.push(f),
+                            // A panicking lane cannot tell which of its copies ran: fail them all.
+                            Err(_) => out.push(BTreeMap::new()),
+                        }
                     }
-                }
-                if ok {
-                    enqueued.push(plan);
+                    out
+                });
+                for f in results {
+                    failed.extend(f);
                 }
             }
-            // One wait for the whole batch. A failure here cannot be pinned on one copy: every plan
-            // that was enqueued fails.
-            match self.runtime.stream_synchronize(&stream) {
-                Ok(()) => self.return_stream(stream),
-                Err(e) => {
-                    for plan in enqueued {
-                        failures.push(TransferFailure::new(
-                            plan.tags.clone(),
-                            FailureKind::Local,
-                            e.to_string(),
-                            endpoint.clone(),
-                        ));
-                    }
-                    // A stream that reported an error may stay poisoned: do not reuse it.
-                    if let Err(e) = self.runtime.stream_destroy(stream) {
-                        tracing::debug!(device, error = %e, "destroying a failed stream");
-                    }
+            for (i, message) in failed {
+                if let Some((plan, _)) = plans.get(i) {
+                    failures.push(TransferFailure::new(
+                        plan.tags.clone(),
+                        FailureKind::Local,
+                        message,
+                        endpoint.clone(),
+                    ));
                 }
             }
         }
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.segments.fetch_add(segments, Ordering::Relaxed);
         failures
+    }
+
+    /// How many submitting threads (each with its own stream) a batch of `jobs` gets: one, unless
+    /// there are many small copies.
+    fn lanes_for(&self, jobs: &[(usize, Job)]) -> usize {
+        let threads = self.config.submit_threads.max(1);
+        if threads == 1 || jobs.is_empty() {
+            return 1;
+        }
+        let bytes: usize = jobs.iter().map(|(_, j)| j.len).sum();
+        if bytes / jobs.len() >= SMALL_COPY {
+            return 1;
+        }
+        threads.min(jobs.len() / MIN_JOBS_PER_LANE).max(1)
+    }
+
+    /// Enqueues `jobs` on one stream of `device` from the calling thread and waits once; records the
+    /// plans that failed (by index) in `failed`.
+    fn run_lane(&self, device: u32, jobs: &[(usize, Job)], failed: &mut BTreeMap<usize, String>) {
+        if jobs.is_empty() {
+            return;
+        }
+        // Each submitting thread needs the device current (the CUDA driver's context is per thread).
+        let _guard = match DeviceGuard::switch(self.runtime.as_ref(), device) {
+            Ok(g) => g,
+            Err(e) => {
+                for (i, _) in jobs {
+                    failed.entry(*i).or_insert_with(|| format!("cannot make the device current: {e}"));
+                }
+                return;
+            }
+        };
+        let stream = match self.take_stream(device) {
+            Ok(s) => s,
+            Err(e) => {
+                for (i, _) in jobs {
+                    failed.entry(*i).or_insert_with(|| format!("cannot create a stream: {e}"));
+                }
+                return;
+            }
+        };
+        let mut enqueued: Vec<usize> = Vec::new();
+        for (i, job) in jobs {
+            if failed.contains_key(i) {
+                continue;
+            }
+            // SAFETY: `job` was built from a plan checked against both refs' local regions, which are
+            // valid under `LocalRegion`'s invariant for the duration of `submit`; the stream is
+            // synchronised below, before `submit` returns.
+            match unsafe { self.runtime.memcpy_async(job.dst, job.src, job.len, job.kind, &stream) } {
+                Ok(()) => {
+                    if enqueued.last() != Some(i) {
+                        enqueued.push(*i);
+                    }
+                }
+                Err(e) => {
+                    failed.insert(*i, e.to_string());
+                }
+            }
+        }
+        // One wait for the lane. A failure here cannot be pinned on one copy: every plan with a copy
+        // on this stream fails.
+        match self.runtime.stream_synchronize(&stream) {
+            Ok(()) => self.return_stream(stream),
+            Err(e) => {
+                for i in enqueued {
+                    failed.entry(i).or_insert_with(|| e.to_string());
+                }
+                // A stream that reported an error may stay poisoned: do not reuse it.
+                if let Err(e) = self.runtime.stream_destroy(stream) {
+                    tracing::debug!(device, error = %e, "destroying a failed stream");
+                }
+            }
+        }
     }
 }
 
@@ -266,6 +354,13 @@ struct Job {
     len: usize,
     kind: CopyKind,
 }
+
+// SAFETY: a job is two addresses and a length inside regions valid (under `LocalRegion`'s invariant)
+// for the whole `submit`, which joins every submitting thread before it returns; the addresses are
+// only handed to the GPU runtime, which is itself thread-safe.
+unsafe impl Send for Job {}
+// SAFETY: as above; sharing a job copies the addresses only.
+unsafe impl Sync for Job {}
 
 impl MemoryRegistrar for GpuCopyEngine {
     fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {

@@ -94,7 +94,7 @@ fn host_to_device_to_device_to_host_is_byte_exact() {
 #[test]
 fn a_batch_of_small_pages_waits_once_per_device() {
     let fake = Arc::new(FakeRuntime::new(2));
-    let e = engine(&fake, GpuCopyConfig::default());
+    let e = engine(&fake, GpuCopyConfig { submit_threads: 1, ..GpuCopyConfig::default() });
     let page = 1024u64;
     let mut src = pattern(64 * page as usize, 9);
     let (d0, d1) = (DevBuf::new(&fake, 0, 128 * page as usize), DevBuf::new(&fake, 1, 128 * page as usize));
@@ -223,4 +223,35 @@ fn the_composite_sends_each_pair_to_the_engine_of_its_locations() {
             .sum()
     };
     assert_eq!((ops("GpuCopyEngine"), ops("LocalCopyEngine")), (2, 1));
+}
+
+#[test]
+fn many_small_pages_spread_over_submitting_threads_and_failures_stay_with_their_plan() {
+    let fake = Arc::new(FakeRuntime::new(1));
+    let e = engine(&fake, GpuCopyConfig { submit_threads: 4, ..GpuCopyConfig::default() });
+    let page = 512u64;
+    let n = 256u64;
+    let mut src = pattern((n * page) as usize, 11);
+    let d = DevBuf::new(&fake, 0, (2 * n * page) as usize);
+    let (rs, rd) = (host_ref(&mut src), d.r());
+    // Host memory that claims to be on device 0: the fake refuses copies into it.
+    let mut bogus = vec![0u8; page as usize];
+    let liar = {
+        let ptr = NonNull::new(bogus.as_mut_ptr()).expect("non-null");
+        // SAFETY: `bogus` outlives the transfer; only the fake's checks look at it.
+        TransferRef::local(unsafe { LocalRegion::new(ptr, page, MemoryLocation::Gpu { device: 0 }) })
+    };
+    let mut items: Vec<_> = (0..n).map(|i| item(&rs, i * page, &rd, 2 * i * page, page, i)).collect();
+    items.push(item(&rs, 0, &liar, 0, page, 999));
+    let before = fake.stats();
+    let err = transfer(&e, &items).expect_err("the lying plan fails");
+    assert_eq!(failed_tags(&err), vec![999], "only the failing plan's tag");
+    let after = fake.stats();
+    assert_eq!(after.async_copies - before.async_copies, n, "every good page copied once");
+    assert_eq!(after.stream_syncs - before.stream_syncs, 4, "four submitting threads, one wait each");
+    for i in 0..n {
+        let at = (2 * i * page) as usize;
+        assert_eq!(&d.bytes()[at..at + page as usize], &src[(i * page) as usize..((i + 1) * page) as usize]);
+    }
+    assert!(bogus.iter().all(|b| *b == 0), "nothing was written through the lie");
 }
