@@ -40,14 +40,14 @@ use umbp_core::{
 use umbp_gpu::GpuRuntime;
 /// How a node names its GPU runtime ([`HbmConfig::runtime`]).
 pub use umbp_gpu::RuntimeSelection;
-pub use umbp_ssd::IoEngineKind;
 use umbp_metrics::{InstrumentedBackend, MetricsConfig, MetricsExporter, MetricsServer};
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
+pub use umbp_ssd::IoEngineKind;
 use umbp_transfer::{
-    CompositeConfig, CompositeTransferEngine, FailureKind, GpuCopyConfig, GpuCopyEngine, LocalCopyEngine,
-    PeerDirectory, TcpEngine, TcpEngineConfig, TransferEngine, TransferItem,
+    CompositeConfig, CompositeTransferEngine, FailureKind, GpuCopyConfig, GpuCopyEngine, LocalCopyConfig,
+    LocalCopyEngine, PeerDirectory, TcpEngine, TcpEngineConfig, TransferEngine, TransferItem,
 };
 
 use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
@@ -460,7 +460,15 @@ impl PoolClient {
         })
         .map_err(|e| PoolError::Transfer(e.to_string()))?;
         let data_endpoint = tcp.endpoint().to_owned();
-        let mut engines: Vec<Arc<dyn TransferEngine>> = vec![Arc::new(LocalCopyEngine::default()), Arc::new(tcp)];
+        let mut engines: Vec<Arc<dyn TransferEngine>> = vec![
+            Arc::new(LocalCopyEngine::new(LocalCopyConfig {
+                // A pipelined chunk copies on one thread (the pipeline overlaps chunks); a submit larger
+                // than two chunks (one huge value) still spreads over threads.
+                parallel_threshold: 2 * support::PIPELINE_CHUNK_BYTES,
+                ..LocalCopyConfig::default()
+            })),
+            Arc::new(tcp),
+        ];
         // The GPU copy engine joins when the node lends HBM (over that medium's runtime) or the
         // machine has a GPU (so callers can put from and get into device memory).
         let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match &config.medium {
@@ -534,7 +542,8 @@ impl PoolClient {
         // Before registering with the master: a node whose endpoint cannot bind never joins.
         let metrics = match config.metrics_listen {
             Some(listen) => {
-                let exporter = Arc::new(MetricsExporter::new(&[("node".to_owned(), config.node_id.clone())], METRICS_IDLE));
+                let exporter =
+                    Arc::new(MetricsExporter::new(&[("node".to_owned(), config.node_id.clone())], METRICS_IDLE));
                 if let Some(m) = &medium {
                     exporter.add_backend(m);
                 }
