@@ -229,6 +229,26 @@ impl OpCounts {
 ///
 /// Cost: the counters live in per-thread shards (a thread owns one, so its adds are plain stores,
 /// not locked instructions) and are summed when sampled; see `benches/instrumented_overhead.rs`.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+///
+/// use umbp_core::{AllocateRequest, MediumBackend};
+/// use umbp_metrics::{InstrumentedBackend, MetricsExporter};
+/// use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
+///
+/// // The composition root's one line: any medium, wrapped.
+/// let medium = InstrumentedBackend::wrap(Arc::new(MockBackend::new(MockConfig::default())));
+/// medium.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+/// medium.batch_allocate(&[AllocateRequest::new("k", 4096)]);
+///
+/// let exporter = MetricsExporter::new(&[], Duration::from_secs(30));
+/// exporter.add_backend(&medium);
+/// let text = exporter.render();
+/// let line = text.lines().find(|l| l.starts_with("umbp_backend_ops_total{")).expect("series");
+/// assert!(line.contains(r#"tier="DRAM""#) && line.contains(r#"op="allocate""#) && line.ends_with(" 1"));
+/// ```
 #[derive(Debug)]
 pub struct InstrumentedBackend {
     inner: Arc<dyn MediumBackend>,
