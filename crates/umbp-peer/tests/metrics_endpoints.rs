@@ -7,9 +7,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
-use umbp_core::AllocateRequest;
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest};
 use umbp_master::{MasterConfig, MasterHandle};
-use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy, SsdConfig};
 
 const PAGE: u64 = 4096;
 /// Short, so an abandoned slot is reaped (a medium-internal event) within the test.
@@ -106,7 +106,9 @@ fn node_config(master: &MasterHandle, id: &str, medium: bool) -> PoolClientConfi
 
 struct Cluster {
     master: MasterHandle,
+    /// n1, n2 (DRAM), client (no medium), s1 (SSD).
     nodes: Vec<PoolClient>,
+    _ssd_dir: tempfile::TempDir,
 }
 
 /// A master and two DRAM nodes with metrics endpoints, a client-only node (with one too), and
@@ -151,7 +153,25 @@ async fn cluster_with_traffic() -> Cluster {
     medium.batch_allocate(&[AllocateRequest::new("abandoned", PAGE)]);
     tokio::time::sleep(PENDING_TTL + Duration::from_millis(500)).await;
     master.run_eviction_round().await;
-    Cluster { master, nodes }
+
+    // A medium another crate wrote, composed in by its match arm alone: an SSD node, joined after
+    // the routed traffic (so the puts above stay on DRAM) and driven through its own medium.
+    let ssd_dir = tempfile::tempdir().expect("temp dir");
+    let mut ssd = node_config(&master, "s1", false).with_medium(Medium::Ssd(SsdConfig {
+        dirs: vec![ssd_dir.path().to_owned()],
+        capacity_bytes: 64 * PAGE,
+        staging_pages: 4,
+        ..SsdConfig::default()
+    }));
+    ssd.pending_ttl = Duration::from_secs(30);
+    let s1 = PoolClient::start(ssd).await.expect("ssd node");
+    let medium = s1.medium().expect("s1 lends a medium");
+    let slot = medium.batch_allocate(&[AllocateRequest::new("on-ssd", PAGE)]);
+    assert_eq!(slot[0].outcome, AllocateOutcome::Allocated);
+    assert!(medium.batch_commit(&[CommitRequest::new(slot[0].slot_id, "on-ssd")])[0].success);
+    assert!(medium.batch_resolve(&["on-ssd".to_owned()], false)[0].found);
+    nodes.push(s1);
+    Cluster { master, nodes, _ssd_dir: ssd_dir }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -179,7 +199,7 @@ async fn curl_of_a_running_node_and_master_shows_the_series() {
         text.lines().any(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
             || (labels.is_empty() && text.lines().any(|l| l.starts_with(&format!("{name} "))))
     };
-    assert!(master.lines().any(|l| l == "umbp_master_nodes{status=\"alive\"} 3"), "{master}");
+    assert!(master.lines().any(|l| l == "umbp_master_nodes{status=\"alive\"} 4"), "{master}");
     for node in ["n1", "n2"] {
         let n = format!("node=\"{node}\"");
         assert!(has(&master, "umbp_master_capacity_total_bytes", &[&n, "tier=\"DRAM\""]), "{master}");
@@ -212,6 +232,18 @@ async fn curl_of_a_running_node_and_master_shows_the_series() {
     let client = scrape(cluster.nodes[2].metrics_address().expect("client metrics")).await;
     assert!(has(&client, "umbp_transfer_bytes_total", &["node=\"client\"", "engine="]), "{client}");
     assert!(!client.contains("umbp_backend_ops_total"), "a client-only node has no medium:\n{client}");
+    // The SSD medium has no metrics code for the generic series, and its own under generic names.
+    let s1 = scrape(cluster.nodes[3].metrics_address().expect("s1 metrics")).await;
+    for (name, extra) in [
+        ("umbp_backend_ops_total", "op=\"commit\""),
+        ("umbp_backend_bytes_total", "op=\"commit\""),
+        ("umbp_backend_op_seconds_total", "op=\"resolve\""),
+        ("umbp_backend_medium_bytes_total", "event="),
+        ("umbp_backend_medium_state", "state="),
+    ] {
+        assert!(has(&s1, name, &["node=\"s1\"", "tier=\"SSD\"", extra]), "{name} {extra} missing:\n{s1}");
+    }
+    assert!(has(&master, "umbp_master_capacity_total_bytes", &["node=\"s1\"", "tier=\"SSD\""]), "{master}");
     for node in &cluster.nodes {
         node.close().await;
     }
