@@ -41,6 +41,13 @@ const FOLLOWER_WAIT: Duration = Duration::from_secs(30);
 const FOLLOW_ROUNDS: usize = 3;
 /// The name this medium reports.
 const NAME: &str = "SsdBackend";
+/// With an engine that overlaps IO and work (io_uring), a batch of at least this many value bytes
+/// is checksummed while it moves: a write hands the values to the drive first and its headers
+/// (which carry the CRC) right after; a read arrives in chunks of [`READ_CHUNK`] and each chunk is
+/// checked as it lands. Smaller batches are not worth the extra requests.
+const OVERLAP_MIN: u64 = 256 * 1024;
+/// The chunk of an overlapped read.
+const READ_CHUNK: usize = 256 * 1024;
 
 #[derive(Debug)]
 struct Pending {
@@ -824,6 +831,10 @@ impl Inner {
 
     /// Reads the records of `jobs` into their staging pages and verifies them (no lock held).
     fn read_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        if engine.overlaps() && jobs.iter().map(|j| j.size).sum::<u64>() >= OVERLAP_MIN {
+            self.read_jobs_overlapped(engine, published, jobs);
+            return;
+        }
         let mut ops = Vec::with_capacity(jobs.len());
         let mut opened = Vec::with_capacity(jobs.len());
         for job in jobs.iter_mut() {
@@ -847,20 +858,28 @@ impl Inner {
         let mut results = ops.into_iter();
         for (job, was_opened) in jobs.iter_mut().zip(opened) {
             let ok = was_opened && results.next().is_some_and(|op| op.result.is_ok());
-            job.outcome = if !ok {
-                JobOutcome::IoError
-            } else {
-                match record::decode_header(job.header.as_slice()) {
+            let crc = if ok { Some(self.crc_of(published, &job.key, &job.pages, job.size)) } else { None };
+            self.judge_read(job, crc);
+        }
+    }
+
+    /// Sets a read job's outcome from its header and the CRC of what landed (`None`: the IO
+    /// failed) and counts it.
+    fn judge_read(&self, job: &mut Job, crc: Option<u32>) {
+        {
+            job.outcome = match crc {
+                None => JobOutcome::IoError,
+                Some(crc) => match record::decode_header(job.header.as_slice()) {
                     Ok(h)
                         if h.key == job.key
                             && h.value_size == job.size
                             && h.seq == job.loc.seq
-                            && self.crc_of(published, &job.key, &job.pages, job.size) == h.data_crc =>
+                            && crc == h.data_crc =>
                     {
                         JobOutcome::Ok
                     }
                     _ => JobOutcome::Corrupt,
-                }
+                },
             };
             let c = &self.counters;
             match job.outcome {
@@ -877,8 +896,174 @@ impl Inner {
         }
     }
 
+    /// `read_jobs` for an engine that overlaps: each record is read as its header plus value
+    /// chunks, and the CRC runs over every chunk as soon as it and the ones before it have landed.
+    fn read_jobs_overlapped(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        /// One op of one job: the header, or value chunk `chunk` with the value bytes it holds.
+        struct Part {
+            job: usize,
+            chunk: Option<usize>,
+        }
+        /// Per job: running CRC, the next chunk to fold in, which chunks landed, whether all is well.
+        struct Progress {
+            crc: u32,
+            next: usize,
+            landed: Vec<bool>,
+            /// `(address, value bytes)` of each chunk (padding excluded).
+            value: Vec<Vec<(*const u8, usize)>>,
+            ok: bool,
+        }
+        let mut ops = Vec::new();
+        let mut parts = Vec::new();
+        let mut progress = Vec::with_capacity(jobs.len());
+        for (j, job) in jobs.iter_mut().enumerate() {
+            let mut p = Progress {
+                crc: crc32c::crc32c(job.key.as_bytes()),
+                next: 0,
+                landed: Vec::new(),
+                value: Vec::new(),
+                ok: true,
+            };
+            let f = match job.file.file() {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open a segment to read");
+                    p.ok = false;
+                    progress.push(p);
+                    continue;
+                }
+            };
+            // SAFETY: the header buffer is the job's and untouched until the submit returns.
+            ops.push(unsafe { IoOp::new(f, job.loc.offset, &[(job.header.as_mut_ptr(), job.header.len())], false) });
+            parts.push(Part { job: j, chunk: None });
+            let mut offset = job.loc.offset + job.header.len() as u64;
+            let mut value_left = job.size as usize;
+            for chunk in split_segments(&self.page_segments(published, &job.pages, job.size), READ_CHUNK) {
+                let len: usize = chunk.iter().map(|(_, l)| *l).sum();
+                // SAFETY: the staging pages are held by this fill and not yet published, so nothing
+                // else reads or writes them; `f` stays open through `job.file`.
+                ops.push(unsafe { IoOp::new(f, offset, &chunk, false) });
+                parts.push(Part { job: j, chunk: Some(p.landed.len()) });
+                let mut value = Vec::with_capacity(chunk.len());
+                for (ptr, l) in chunk {
+                    let n = l.min(value_left);
+                    value_left -= n;
+                    if n > 0 {
+                        value.push((ptr.cast_const(), n));
+                    }
+                }
+                p.value.push(value);
+                p.landed.push(false);
+                offset += len as u64;
+            }
+            progress.push(p);
+        }
+        {
+            let mut on_complete = |i: usize| {
+                let Part { job, chunk } = parts[i];
+                let Some(c) = chunk else { return };
+                let p = &mut progress[job];
+                p.landed[c] = true;
+                // Fold in every chunk that is now contiguous with what was folded before.
+                while p.next < p.landed.len() && p.landed[p.next] {
+                    for (ptr, n) in &p.value[p.next] {
+                        // SAFETY: the chunk's read completed into staging pages held by this fill
+                        // (see above); `n` bytes of value lie there.
+                        let bytes = unsafe { std::slice::from_raw_parts(*ptr, *n) };
+                        p.crc = crc32c::crc32c_append(p.crc, bytes);
+                    }
+                    p.next += 1;
+                }
+            };
+            engine.submit_ordered(&mut ops, &mut on_complete);
+        }
+        for (i, op) in ops.iter().enumerate() {
+            if op.result.is_err() {
+                progress[parts[i].job].ok = false;
+            }
+        }
+        for (job, p) in jobs.iter_mut().zip(progress) {
+            let whole = p.ok && p.next == p.landed.len();
+            self.judge_read(job, whole.then_some(p.crc));
+        }
+    }
+
+    /// `write_jobs` for an engine that overlaps: the values go to the drive first; while they
+    /// move, the CRCs are computed and the headers encoded, and the headers follow in the same
+    /// ring. A record whose header did not land is no record: a scan stops at its header block.
+    fn write_jobs_overlapped(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        let mut values = Vec::with_capacity(jobs.len());
+        let mut headers = Vec::with_capacity(jobs.len());
+        let mut which = Vec::with_capacity(jobs.len());
+        for (j, job) in jobs.iter_mut().enumerate() {
+            match job.file.file() {
+                Ok(f) => {
+                    let segs = self.page_segments(published, &job.pages, job.size);
+                    // SAFETY: the staging pages belong to the committing slot (its writer is done;
+                    // the checksum only reads them); the header buffer is filled by the checksum
+                    // step before its op is handed to the kernel (`submit_split`'s contract) and
+                    // not touched after; `f` stays open through `job.file`.
+                    values.push(unsafe { IoOp::new(f, job.loc.offset + job.header.len() as u64, &segs, true) });
+                    // SAFETY: as above.
+                    headers.push(unsafe {
+                        IoOp::new(f, job.loc.offset, &[(job.header.as_mut_ptr(), job.header.len())], true)
+                    });
+                    which.push(j);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot open a segment to write"),
+            }
+        }
+        let split = values.len();
+        values.extend(headers);
+        let mut ops = values;
+        {
+            let mut checksum = || {
+                for &j in &which {
+                    let job = &mut jobs[j];
+                    let crc = self.crc_of(published, &job.key, &job.pages, job.size);
+                    record::encode_header(job.header.as_mut_slice(), &job.key, job.size, job.loc.seq, crc);
+                }
+            };
+            engine.submit_split(&mut ops, split, &mut checksum);
+        }
+        let mut results: Vec<Option<io::Result<()>>> = Vec::with_capacity(jobs.len());
+        results.resize_with(jobs.len(), || None);
+        for (k, &j) in which.iter().enumerate() {
+            let value = std::mem::replace(&mut ops[k].result, Ok(()));
+            let header = std::mem::replace(&mut ops[split + k].result, Ok(()));
+            results[j] = Some(value.and(header));
+        }
+        for (job, result) in jobs.iter_mut().zip(results) {
+            self.count_write(job, result);
+        }
+    }
+
+    /// Sets a write job's outcome (`None`: it never reached the drive) and counts it.
+    fn count_write(&self, job: &mut Job, result: Option<io::Result<()>>) {
+        job.outcome = match result {
+            Some(Ok(())) => {
+                bump(&self.counters.device_write_ok);
+                self.counters.device_write_bytes.fetch_add(job.loc.len, Ordering::Relaxed);
+                JobOutcome::Ok
+            }
+            Some(Err(e)) => {
+                bump(&self.counters.device_write_error);
+                tracing::warn!(key = %job.key, segment = %job.file.path.display(), error = %e, "SSD write failed");
+                JobOutcome::IoError
+            }
+            None => {
+                bump(&self.counters.device_write_error);
+                JobOutcome::IoError
+            }
+        };
+    }
+
     /// Writes the records of `jobs` from their staging pages (no lock held).
     fn write_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        if engine.overlaps() && jobs.iter().map(|j| j.size).sum::<u64>() >= OVERLAP_MIN {
+            self.write_jobs_overlapped(engine, published, jobs);
+            return;
+        }
         let mut ops = Vec::with_capacity(jobs.len());
         let mut opened = Vec::with_capacity(jobs.len());
         for job in jobs.iter_mut() {
@@ -903,24 +1088,35 @@ impl Inner {
         let mut results = ops.into_iter();
         for (job, was_opened) in jobs.iter_mut().zip(opened) {
             let result = if was_opened { results.next().map(|op| op.result) } else { None };
-            job.outcome = match result {
-                Some(Ok(())) => {
-                    bump(&self.counters.device_write_ok);
-                    self.counters.device_write_bytes.fetch_add(job.loc.len, Ordering::Relaxed);
-                    JobOutcome::Ok
-                }
-                Some(Err(e)) => {
-                    bump(&self.counters.device_write_error);
-                    tracing::warn!(key = %job.key, segment = %job.file.path.display(), error = %e, "SSD write failed");
-                    JobOutcome::IoError
-                }
-                None => {
-                    bump(&self.counters.device_write_error);
-                    JobOutcome::IoError
-                }
-            };
+            self.count_write(job, result);
         }
     }
+}
+
+/// Splits `(address, length)` segments into groups of at most `chunk` bytes each (a segment
+/// larger than `chunk` is cut; `chunk` and every length are multiples of the record alignment).
+fn split_segments(segs: &[(*mut u8, usize)], chunk: usize) -> Vec<Vec<(*mut u8, usize)>> {
+    let mut out: Vec<Vec<(*mut u8, usize)>> = Vec::new();
+    let mut current = Vec::new();
+    let mut room = chunk;
+    for &(ptr, len) in segs {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(room);
+            // SAFETY: `at + n <= len`, so the address stays inside the segment.
+            current.push((unsafe { ptr.add(at) }, n));
+            at += n;
+            room -= n;
+            if room == 0 {
+                out.push(std::mem::take(&mut current));
+                room = chunk;
+            }
+        }
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
 }
 
 /// What phase 1 of a resolve decided for one key.
@@ -1603,5 +1799,28 @@ impl Drop for SsdBackend {
     fn drop(&mut self) {
         // An owner that forgot `shutdown` still gets the ordering right: deregister, then release.
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_segments_cuts_at_the_chunk_size_and_keeps_every_byte_in_order() {
+        let mut arena = vec![0u8; 64 * 1024];
+        let base = arena.as_mut_ptr();
+        // SAFETY: every offset stays inside `arena`.
+        let segs = unsafe { [(base, 12 * 1024), (base.add(16 * 1024), 4096), (base.add(32 * 1024), 20 * 1024)] };
+        let chunks = split_segments(&segs, 8192);
+        let lens: Vec<usize> = chunks.iter().map(|c| c.iter().map(|(_, l)| *l).sum()).collect();
+        assert_eq!(lens, [8192, 8192, 8192, 8192, 4096]);
+        let flat: Vec<(*mut u8, usize)> = chunks.into_iter().flatten().collect();
+        assert_eq!(flat.iter().map(|(_, l)| l).sum::<usize>(), 36 * 1024);
+        // SAFETY: inside `arena`.
+        let (at_8k, at_16k) = unsafe { (base.add(8192), base.add(16 * 1024)) };
+        assert_eq!(flat[0], (base, 8192));
+        assert_eq!(flat[1], (at_8k, 4096));
+        assert_eq!(flat[2], (at_16k, 4096));
     }
 }

@@ -174,8 +174,33 @@ fn run_psync(op: &mut IoOp) -> io::Result<()> {
 pub(crate) trait IoEngine: Send + Sync + fmt::Debug {
     /// The engine's name (`psync`, `io_uring`) for logs.
     fn name(&self) -> &'static str;
+
     /// Runs every op; returns when all are complete.
     fn submit(&self, ops: &mut [IoOp]);
+
+    /// Whether the engine overlaps IO with the caller's work in [`submit_split`](Self::submit_split)
+    /// and [`submit_ordered`](Self::submit_ordered). Where it does not (psync: one blocking call
+    /// at a time), splitting a transfer only adds system calls, so callers should not.
+    fn overlaps(&self) -> bool {
+        false
+    }
+
+    /// Runs `ops[..split]`, calls `meanwhile` while they are in flight, then runs `ops[split..]`
+    /// (whose buffers `meanwhile` may still be filling) and returns when every op is complete.
+    fn submit_split(&self, ops: &mut [IoOp], split: usize, meanwhile: &mut dyn FnMut()) {
+        let _ = split;
+        meanwhile();
+        self.submit(ops);
+    }
+
+    /// Runs every op and calls `on_complete(i)` as op `i` completes (in completion order, on the
+    /// calling thread), so the caller can work on finished ops while the rest are in flight.
+    fn submit_ordered(&self, ops: &mut [IoOp], on_complete: &mut dyn FnMut(usize)) {
+        self.submit(ops);
+        for i in 0..ops.len() {
+            on_complete(i);
+        }
+    }
 }
 
 /// `preadv` / `pwritev`, one op after another.
@@ -214,6 +239,118 @@ impl UringEngine {
     pub(crate) fn new(depth: u32) -> io::Result<Self> {
         let ring = io_uring::IoUring::new(depth)?;
         Ok(Self { depth, rings: Mutex::new(vec![ring]) })
+    }
+
+    /// Pushes `ops[from..to]` onto the ring's submission queue; returns how many fit.
+    fn push(ring: &mut io_uring::IoUring, ops: &[IoOp], from: usize, to: usize) -> usize {
+        use io_uring::{opcode, types};
+        let mut queued = 0usize;
+        let mut sq = ring.submission();
+        for (i, op) in ops.iter().enumerate().take(to).skip(from) {
+            let cnt = op.iov.len() as u32;
+            let entry = if op.write {
+                opcode::Writev::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build()
+            } else {
+                opcode::Readv::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build()
+            };
+            // SAFETY: the iovec arrays and the memory they name stay valid until every completion
+            // has been reaped by the caller (`IoOp::new`'s contract; `ops` is borrowed for the whole
+            // call that reaps them).
+            if unsafe { sq.push(&entry.user_data(i as u64)) }.is_err() {
+                break;
+            }
+            queued += 1;
+        }
+        queued
+    }
+
+    /// Runs `ops` (which must fit the ring) with the hooks of `submit_split` / `submit_ordered`.
+    fn run_hooked(
+        ring: &mut io_uring::IoUring,
+        ops: &mut [IoOp],
+        split: usize,
+        meanwhile: &mut dyn FnMut(),
+        on_complete: &mut dyn FnMut(usize),
+    ) {
+        let first = Self::push(ring, ops, 0, split);
+        loop {
+            match ring.submit() {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                // Any other failure shows again (and is handled) in the reaping loop below.
+                _ => break,
+            }
+        }
+        meanwhile();
+        let second = Self::push(ring, ops, split, ops.len());
+        debug_assert_eq!(first + second, ops.len(), "the caller checked that the batch fits the ring");
+        let mut done = vec![false; ops.len()];
+        let mut remaining = first + second;
+        while remaining > 0 {
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => {
+                    // io_uring_enter itself failed with an error other than EINTR or EBUSY: only a
+                    // broken ring (bad fd or memory) does that, and it takes no further entry.
+                    for (i, d) in done.iter().enumerate() {
+                        if !d {
+                            ops[i].result = Err(io::Error::new(e.kind(), format!("io_uring submit: {e}")));
+                        }
+                    }
+                    return;
+                }
+            }
+            let completed: Vec<(usize, i32)> =
+                ring.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())).collect();
+            for (i, res) in completed {
+                if i >= ops.len() || done[i] {
+                    continue;
+                }
+                done[i] = true;
+                remaining -= 1;
+                ops[i].result = Self::finish(&mut ops[i], res);
+                on_complete(i);
+            }
+        }
+    }
+
+    /// The result of an op whose completion reported `res`; a short transfer is finished here.
+    fn finish(op: &mut IoOp, res: i32) -> io::Result<()> {
+        if res < 0 {
+            return Err(io::Error::from_raw_os_error(-res));
+        }
+        let n = res as usize;
+        if n >= op.total() {
+            Ok(())
+        } else if n == 0 && !op.write {
+            Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the segment ends before the record"))
+        } else {
+            // A short transfer: finish it synchronously (rare; the kernel may split IO).
+            advance(&mut op.iov, n);
+            op.offset += n as u64;
+            run_psync(op)
+        }
+    }
+
+    /// A ring from the pool, or a new one; `None` when the kernel will not give one (memlock
+    /// limits), in which case the caller runs its batch with psync.
+    fn take_ring(&self) -> Option<io_uring::IoUring> {
+        let taken = self.rings.lock().pop();
+        taken.or_else(|| match io_uring::IoUring::new(self.depth) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::debug!(error = %e, "no io_uring ring available; running the batch with psync");
+                None
+            }
+        })
+    }
+
+    fn put_ring(&self, ring: io_uring::IoUring) {
+        let mut rings = self.rings.lock();
+        // Keep a few rings for the next callers; drop the rest.
+        if rings.len() < 16 {
+            rings.push(ring);
+        }
     }
 
     fn run(&self, ring: &mut io_uring::IoUring, ops: &mut [IoOp]) {
@@ -300,24 +437,46 @@ impl IoEngine for UringEngine {
         if ops.is_empty() {
             return;
         }
-        let taken = self.rings.lock().pop();
-        let mut ring = match taken {
-            Some(r) => r,
-            None => match io_uring::IoUring::new(self.depth) {
-                Ok(r) => r,
-                Err(e) => {
-                    // Out of rings (memlock limits): the batch still completes, synchronously.
-                    tracing::debug!(error = %e, "no io_uring ring available; running the batch with psync");
-                    PsyncEngine.submit(ops);
-                    return;
-                }
-            },
-        };
-        self.run(&mut ring, ops);
-        let mut rings = self.rings.lock();
-        // Keep a few rings for the next callers; drop the rest.
-        if rings.len() < 16 {
-            rings.push(ring);
+        match self.take_ring() {
+            Some(mut ring) => {
+                self.run(&mut ring, ops);
+                self.put_ring(ring);
+            }
+            None => PsyncEngine.submit(ops),
+        }
+    }
+
+    fn overlaps(&self) -> bool {
+        true
+    }
+
+    fn submit_split(&self, ops: &mut [IoOp], split: usize, meanwhile: &mut dyn FnMut()) {
+        let ring = (ops.len() <= self.depth as usize && split <= ops.len()).then(|| self.take_ring()).flatten();
+        match ring {
+            Some(mut ring) => {
+                Self::run_hooked(&mut ring, ops, split, meanwhile, &mut |_| {});
+                self.put_ring(ring);
+            }
+            None => {
+                // The second part must not go out before `meanwhile` has finished it.
+                meanwhile();
+                self.submit(ops);
+            }
+        }
+    }
+
+    fn submit_ordered(&self, ops: &mut [IoOp], on_complete: &mut dyn FnMut(usize)) {
+        let ring = (ops.len() <= self.depth as usize).then(|| self.take_ring()).flatten();
+        match ring {
+            Some(mut ring) => {
+                let n = ops.len();
+                Self::run_hooked(&mut ring, ops, n, &mut || {}, on_complete);
+                self.put_ring(ring);
+            }
+            None => {
+                self.submit(ops);
+                (0..ops.len()).for_each(on_complete);
+            }
         }
     }
 }

@@ -549,6 +549,18 @@ fn large_multi_page_values_round_trip_through_a_restart() {
             }
             assert_eq!(Bytes(got), *v, "{engine}: bytes of big{i}");
         }
+        // A flipped byte deep inside a large value (a middle read chunk) is caught on a read.
+        b.shutdown();
+        drop(b);
+        let b = live(config());
+        let seg = segments(dir.path()).remove(0);
+        let mut bytes = fs::read(&seg).expect("read segment");
+        let big1 = 4096 + 300 * 1024; // big0's record: a header block and 300 KiB of value
+        bytes[big1 + 4096 + 300_000] ^= 0x01;
+        fs::write(&seg, &bytes).expect("write segment");
+        assert!(!b.batch_resolve(&["big1".to_owned()], false)[0].found, "{engine}: corrupt big1 is a miss");
+        assert_eq!(b.stats().corrupt_reads, 1, "{engine}");
+        assert!(b.batch_resolve(&["big0".to_owned(), "big2".to_owned()], false).iter().all(|e| e.found));
     }
 }
 
