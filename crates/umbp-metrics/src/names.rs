@@ -91,3 +91,23 @@ pub const OPS: [&str; 5] = ["allocate", "commit", "abort", "resolve", "evict"];
 
 /// The outcomes of one entry, as their `status=` label values.
 pub const STATUSES: [&str; 5] = ["ok", "exists", "no_space", "miss", "failed"];
+
+// --- the client side of a node (`PoolClient`) -----------------------------------------------------
+
+/// Counter of keys sent to the master again after a failed attempt (put or get).
+pub const CLIENT_REROUTES_TOTAL: &str = "umbp_client_reroutes_total";
+/// Help text of [`CLIENT_REROUTES_TOTAL`].
+pub const CLIENT_REROUTES_TOTAL_HELP: &str = "Keys re-routed after a failed attempt (put or get).";
+/// Counter of reads discarded because the copy outlived the holder's read lease.
+pub const CLIENT_LEASE_LAPSES_TOTAL: &str = "umbp_client_lease_lapses_total";
+/// Help text of [`CLIENT_LEASE_LAPSES_TOTAL`].
+pub const CLIENT_LEASE_LAPSES_TOTAL_HELP: &str = "Reads discarded because the copy outlived the read lease.";
+/// Counter of writes aborted because the slot's pending TTL was about to pass.
+pub const CLIENT_SLOT_EXPIRIES_TOTAL: &str = "umbp_client_slot_expiries_total";
+/// Help text of [`CLIENT_SLOT_EXPIRIES_TOTAL`].
+pub const CLIENT_SLOT_EXPIRIES_TOTAL_HELP: &str = "Writes aborted because the slot's pending TTL was about to pass.";
+/// Counter of re-cache jobs (remote fetches copied to the local medium) by `result=` (`queued`,
+/// `dropped`, `stored`).
+pub const CLIENT_RECACHE_TOTAL: &str = "umbp_client_recache_total";
+/// Help text of [`CLIENT_RECACHE_TOTAL`].
+pub const CLIENT_RECACHE_TOTAL_HELP: &str = "Re-cache jobs of remote fetches, by result.";

@@ -22,6 +22,7 @@
 //! connection, and a peer that cannot be reached is left out of routes for 2 s.
 
 mod get;
+mod metrics;
 mod put;
 mod support;
 
@@ -594,6 +595,9 @@ impl PoolClient {
             }
         })));
         let stats = Arc::new(StatCounters::default());
+        if let Some(m) = &metrics {
+            m.exporter().add_source("client", Vec::new(), Arc::new(metrics::ClientMetrics(Arc::clone(&stats))));
+        }
         let (recache_tx, recache_worker) = match (&medium, config.recache) {
             (Some(m), policy) if policy != RecachePolicy::Off => {
                 let (tx, rx) = mpsc::channel(RECACHE_QUEUE);
