@@ -99,12 +99,14 @@ ENVIRONMENT (defaults in brackets; the flags above override them)
   UMBP_MASTER_INDEX_SHARDS [32]  UMBP_GRPC_SHUTDOWN_DEADLINE_SEC [3]
   UMBP_MASTER_MAX_MESSAGE_BYTES [67108864]  UMBP_MASTER_METRICS_ADDR [none]
 
-On start it prints one line to stdout: `master ready listen=HOST:PORT`.";
+On start it prints one line to stdout: `master ready listen=HOST:PORT`, followed by
+` metrics=HOST:PORT` when --metrics-addr is set.";
 
 /// The node's ready line, printed at the end of `umbp node --help`.
 pub const NODE_AFTER_HELP: &str = "\
 On start it prints one line to stdout:
   node ID ready peer=HOST:PORT data=HOST:PORT medium=dram capacity=SIZE master=HOST:PORT
+(followed by ` metrics=HOST:PORT` when --metrics-addr is set)
 and runs until SIGINT or SIGTERM, then leaves the cluster (unregisters, releases its memory).";
 
 /// What `umbp bench --help` adds after the flags.
