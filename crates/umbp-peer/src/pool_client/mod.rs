@@ -1,7 +1,7 @@
 //! `PoolClient`: the composition root of a node, and the API a client uses.
 //!
 //! It is the only place that names concrete media and transfer engines: it builds the composite
-//! engine (local copy + TCP), the node's one medium from [`Medium`] with a `match`, `init`s it with
+//! engine (local copy + TCP, + GPU copy when the node lends HBM or the machine has a GPU), the node's one medium from [`Medium`] with a `match`, `init`s it with
 //! the engine as registrar, registers it, starts the peer service and the heartbeat, and offers
 //! `put` / `get` / `exists` / `remove` / `clear` / `flush` over the whole pool.
 //!
