@@ -1,9 +1,10 @@
 //! `PoolClient`: the composition root of a node, and the API a client uses.
 //!
 //! It is the only place that names concrete media and transfer engines: it builds the composite
-//! engine (local copy + TCP, + GPU copy when the node lends HBM or the machine has a GPU), the node's one medium from [`Medium`] with a `match`, `init`s it with
-//! the engine as registrar, registers it, starts the peer service and the heartbeat, and offers
-//! `put` / `get` / `exists` / `remove` / `clear` / `flush` over the whole pool.
+//! engine (local copy + TCP, plus GPU copy when the node lends HBM or the machine has a GPU), the
+//! node's one medium from [`Medium`] with a `match`, `init`s it with the engine as registrar,
+//! registers it, starts the peer service and the heartbeat, and offers `put` / `get` / `exists` /
+//! `remove` / `clear` / `flush` over the whole pool.
 //!
 //! Puts and gets follow the reference flow — route at the master, allocate or resolve on the peer,
 //! move bytes with the transfer engine, commit or abort — with every peer's RPCs issued
