@@ -15,6 +15,21 @@
 //! on machines with no GPU and no GPU SDK. [`probe`] finds what the machine has; [`RuntimeSelection`]
 //! names a runtime in configuration.
 //!
+//! ```
+//! use umbp_gpu::{CopyKind, GpuRuntime, RuntimeSelection};
+//!
+//! // The machine's runtime when it has a GPU, else the fake (which always loads).
+//! let gpu = umbp_gpu::probe().unwrap_or_else(|| RuntimeSelection::Fake { devices: 1 }.load().expect("fake"));
+//! gpu.set_device(0).expect("device 0");
+//! let src = [7u8; 4096];
+//! let dev = gpu.malloc(src.len()).expect("device memory");
+//! let host = std::ptr::NonNull::from(&src).cast::<u8>();
+//! // SAFETY: `dev` holds 4096 device bytes and `src` 4096 host bytes, both live for the copy.
+//! unsafe { gpu.memcpy(dev, host, src.len(), CopyKind::HostToDevice) }.expect("copy");
+//! // SAFETY: allocated above, unused from here on.
+//! unsafe { gpu.free(dev) }.expect("free");
+//! ```
+//!
 //! # Owns
 //! The loaded runtime libraries and, for the CUDA driver API, the devices' primary contexts.
 //!

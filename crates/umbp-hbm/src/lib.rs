@@ -10,6 +10,20 @@
 //! The GPU runtime is a [`GpuRuntime`] from `umbp-gpu` (HIP or CUDA opened at run time, or the
 //! host-memory fake), so this crate builds and tests on machines with no GPU and no GPU SDK.
 //!
+//! ```
+//! use std::sync::Arc;
+//! use umbp_core::TierType;
+//! use umbp_gpu::{FakeRuntime, GpuRuntime};
+//! use umbp_hbm::{HbmConfig, make_hbm_backend};
+//! use umbp_page::PageBackendConfig;
+//!
+//! // The host-memory fake stands in for a GPU here; `umbp_gpu::probe()` finds a real one.
+//! let gpu: Arc<dyn GpuRuntime> = Arc::new(FakeRuntime::new(1));
+//! let page = PageBackendConfig::new(TierType::Hbm, 2 << 20, Vec::new());
+//! let backend = make_hbm_backend(gpu, &HbmConfig::new(0, 64 << 20), page).expect("device 0 exists");
+//! assert_eq!(backend.tier(), TierType::Hbm);
+//! ```
+//!
 //! # Owns
 //! The device allocations of the medium (through its source).
 //!
