@@ -442,7 +442,7 @@ impl SsdBackend {
         let config = &self.inner.config;
         let n = config.dirs.len() as u64;
         let total = (config.capacity_bytes / config.page_size) * config.page_size;
-        let mut log = Log { segment_bytes: config.segment_bytes, ..Log::default() };
+        let mut log = Log { segment_bytes: config.segment_bytes, preallocate: config.preallocate, ..Log::default() };
         let mut found: Vec<(SegId2, usize)> = Vec::new();
         for (i, dir) in config.dirs.iter().enumerate() {
             fs::create_dir_all(dir).map_err(|e| Self::io_error(format!("creating {}", dir.display()), e))?;
@@ -1667,6 +1667,8 @@ impl MediumBackend for SsdBackend {
             if job.outcome != JobOutcome::Ok {
                 state.free(&job.pages);
                 state.used = state.used.saturating_sub(bytes);
+                // Recovery stops at the first hole in a segment: append nothing behind this one.
+                state.log.seal(job.loc.seg);
                 continue;
             }
             if state.generation != job.generation {

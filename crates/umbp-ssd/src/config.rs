@@ -83,6 +83,7 @@ pub struct SsdConfig {
     pub(crate) io_engine: IoEngineKind,
     pub(crate) queue_depth: u32,
     pub(crate) direct_io: bool,
+    pub(crate) preallocate: bool,
     pub(crate) watermarks: Option<Watermarks>,
     pub(crate) single_flight: bool,
     pub(crate) recover: bool,
@@ -106,6 +107,7 @@ impl fmt::Debug for SsdConfig {
             .field("io_engine", &self.io_engine)
             .field("queue_depth", &self.queue_depth)
             .field("direct_io", &self.direct_io)
+            .field("preallocate", &self.preallocate)
             .field("watermarks", &self.watermarks)
             .field("single_flight", &self.single_flight)
             .field("recover", &self.recover)
@@ -140,6 +142,7 @@ impl SsdConfig {
             io_engine: IoEngineKind::Psync,
             queue_depth: 256,
             direct_io: true,
+            preallocate: true,
             watermarks: Some(Watermarks::default()),
             single_flight: true,
             recover: true,
@@ -240,6 +243,15 @@ impl SsdConfigBuilder {
     /// IO otherwise). Default: true.
     pub fn direct_io(mut self, on: bool) -> Self {
         self.config.direct_io = on;
+        self
+    }
+
+    /// Allocate each new segment file's whole size when it is created (`fallocate`), so appends
+    /// never extend the file: the filesystem then neither updates the size on every write nor
+    /// serialises neighbouring writes. A segment on the drive occupies its full size from the
+    /// start. Default: true.
+    pub fn preallocate(mut self, on: bool) -> Self {
+        self.config.preallocate = on;
         self
     }
 

@@ -23,25 +23,35 @@ pub(crate) struct SegmentFile {
     pub(crate) path: PathBuf,
     direct: bool,
     create: bool,
+    /// Bytes to allocate when the file is created (0: none).
+    prealloc: u64,
     file: OnceLock<Result<File, String>>,
 }
 
 impl SegmentFile {
-    pub(crate) fn new(id: SegId, path: PathBuf, direct: bool, create: bool) -> Self {
-        Self { id, path, direct, create, file: OnceLock::new() }
+    /// A segment whose file is opened on first use; created (and `prealloc` bytes allocated) when
+    /// `create`.
+    pub(crate) fn new(id: SegId, path: PathBuf, direct: bool, create: bool, prealloc: u64) -> Self {
+        Self { id, path, direct, create, prealloc, file: OnceLock::new() }
     }
 
     /// A segment file already opened (recovery).
     pub(crate) fn opened(id: SegId, path: PathBuf, direct: bool, file: File) -> Self {
         let cell = OnceLock::new();
         let _ = cell.set(Ok(file));
-        Self { id, path, direct, create: false, file: cell }
+        Self { id, path, direct, create: false, prealloc: 0, file: cell }
     }
 
     /// The open file. Never called under the backend's lock: the first call creates the file.
     pub(crate) fn file(&self) -> io::Result<&File> {
         self.file
-            .get_or_init(|| open_segment(&self.path, self.create, self.direct).map_err(|e| e.to_string()))
+            .get_or_init(|| {
+                let file = open_segment(&self.path, self.create, self.direct).map_err(|e| e.to_string())?;
+                if self.create && self.prealloc > 0 {
+                    preallocate(&file, self.prealloc, &self.path);
+                }
+                Ok(file)
+            })
             .as_ref()
             .map_err(|e| io::Error::other(format!("{}: {e}", self.path.display())))
     }
@@ -61,6 +71,20 @@ impl SegmentFile {
             return None;
         }
         u64::from_str_radix(hex, 16).ok()
+    }
+}
+
+/// Allocates `len` bytes of `file` up front (the file's size becomes `len`). Appends then write
+/// inside the file instead of extending it, so the filesystem neither updates the size on every
+/// write nor serialises writes that land side by side (ext4 does both for extending direct IO).
+/// Best effort: a filesystem without `fallocate` just grows the file as it is written.
+fn preallocate(file: &File, len: u64, path: &std::path::Path) {
+    use std::os::fd::AsRawFd;
+    let Ok(len) = libc::off_t::try_from(len) else { return };
+    // SAFETY: `file` is an open descriptor for the duration of the call; fallocate reads no memory.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+    if rc != 0 {
+        tracing::debug!(segment = %path.display(), error = %io::Error::last_os_error(), "fallocate failed; the segment grows as written");
     }
 }
 
@@ -115,6 +139,8 @@ pub(crate) struct Log {
     pub(crate) next_seg: SegId,
     pub(crate) next_seq: u64,
     pub(crate) segment_bytes: u64,
+    /// Allocate each new segment's whole size when it is created.
+    pub(crate) preallocate: bool,
 }
 
 impl Log {
@@ -147,7 +173,9 @@ impl Log {
                 let id = self.next_seg;
                 self.next_seg += 1;
                 let d = &self.dirs[dir];
-                let file = Arc::new(SegmentFile::new(id, d.path.join(SegmentFile::segment_name(id)), d.direct, true));
+                let prealloc = if self.preallocate { self.segment_bytes } else { 0 };
+                let path = d.path.join(SegmentFile::segment_name(id));
+                let file = Arc::new(SegmentFile::new(id, path, d.direct, true, prealloc));
                 self.segs.insert(id, SegMeta { file, dir, append: 0, live: 0, writers: 0, sealed: false });
                 self.dirs[dir].active = Some(id);
                 id
@@ -165,6 +193,19 @@ impl Log {
     pub(crate) fn finish_write(&mut self, seg: SegId) {
         if let Some(s) = self.segs.get_mut(&seg) {
             s.writers = s.writers.saturating_sub(1);
+        }
+    }
+
+    /// Seals segment `seg` (after a failed write: a scan stops at the hole it left, so nothing
+    /// more is appended behind it).
+    pub(crate) fn seal(&mut self, seg: SegId) {
+        if let Some(s) = self.segs.get_mut(&seg) {
+            s.sealed = true;
+            if let Some(d) = self.dirs.get_mut(s.dir)
+                && d.active == Some(seg)
+            {
+                d.active = None;
+            }
         }
     }
 
