@@ -75,6 +75,8 @@ struct OpCounters {
     nanos: AtomicU64,
     bytes: AtomicU64,
     entries: [AtomicU64; 5],
+    /// Duration of the latest timed small call: what each untimed small call is charged.
+    last_small_nanos: AtomicU64,
 }
 
 /// Adds `n` to a counter. In an owned shard only the owning thread writes, so a plain load and
@@ -90,21 +92,15 @@ fn add(cell: &AtomicU64, n: u64, owned: bool) {
 }
 
 impl OpCounters {
-    /// Counts one call and says whether to time it, and with what weight: every call of
-    /// [`TIME_EVERY_ENTRIES`] entries or more, and one in [`TIME_ONE_IN`] smaller calls (reading the
-    /// clock twice costs ~80 ns on our machines, as much as a one-key call into a paged medium; see
+    /// Counts one call and says whether to time it: every call of [`TIME_EVERY_ENTRIES`] entries or
+    /// more, and one in [`TIME_ONE_IN`] smaller calls (reading the clock twice costs ~80 ns on our
+    /// machines, as much as a one-key call into a paged medium; see
     /// `benches/instrumented_overhead.rs`).
     #[inline]
-    fn begin(&self, entries: usize, owned: bool) -> Option<u64> {
+    fn begin(&self, small: bool, owned: bool) -> bool {
         let n = self.batches.load(Ordering::Relaxed);
         add(&self.batches, 1, owned);
-        if entries >= TIME_EVERY_ENTRIES {
-            Some(1)
-        } else if n.is_multiple_of(TIME_ONE_IN) {
-            Some(TIME_ONE_IN)
-        } else {
-            None
-        }
+        !small || n.is_multiple_of(TIME_ONE_IN)
     }
 
     /// Adds one call's tally. Only non-zero cells are touched: a batch usually has one outcome.
@@ -123,8 +119,8 @@ impl OpCounters {
 
 /// Calls with at least this many entries are always timed: the clock is noise beside them.
 const TIME_EVERY_ENTRIES: usize = 8;
-/// One in this many smaller calls is timed, and counts for this many: an unbiased estimate of the
-/// time inside the medium at a thirty-second of the clock's cost.
+/// One in this many smaller calls is timed; each of the others is charged the latest timed one's
+/// duration. The first small call of a shard is timed, so a quiet medium's figure is a real one.
 const TIME_ONE_IN: u64 = 32;
 
 /// Threads that own a shard at once; a thread beyond them writes the shared shard atomically.
@@ -224,8 +220,9 @@ impl OpCounts {
 /// `FailedNoSpace`→no_space, `Failed`→failed; commit success→ok (+bytes) else failed; abort
 /// `true`→ok else failed; resolve found→ok (+size) else miss; evict bytes freed > 0→ok (+bytes) else
 /// miss. The counters are monotonic for the life of the decorator, and exact — except the time: a
-/// call of 8 entries or more is always timed, one in 32 smaller calls is timed and counted 32 times
-/// (reading the clock would otherwise cost as much as a one-key call into a paged medium).
+/// call of 8 entries or more is always timed; one in 32 smaller calls is timed and each of the
+/// others is charged the latest timed small call's duration (reading the clock would otherwise cost
+/// as much as a one-key call into a paged medium).
 ///
 /// Cost: the counters live in per-thread shards (a thread owns one, so its adds are plain stores,
 /// not locked instructions) and are summed when sampled; see `benches/instrumented_overhead.rs`.
@@ -287,22 +284,27 @@ impl InstrumentedBackend {
         out
     }
 
-    /// Runs `call` (timed when [`OpCounters::begin`] says so) and records its tally under `op`.
+    /// Runs `call` (timed when [`OpCounters::begin`] says so, else charged the latest small call's
+    /// time) and records its tally under `op`.
     #[inline]
     fn measure<R>(&self, op: Op, entries: usize, call: impl FnOnce() -> R, classify: impl FnOnce(&R, &mut Tally)) -> R {
         let shard = owner::shard();
         let owned = shard < OWNED_SHARDS;
         let counters = &self.shards[shard].ops[op as usize];
-        let out = match counters.begin(entries, owned) {
-            Some(weight) => {
-                let start = Instant::now();
-                let out = call();
-                // Saturating: a call longer than 584 years is not worth a panic path.
-                let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                add(&counters.nanos, nanos.saturating_mul(weight), owned);
-                out
+        let small = entries < TIME_EVERY_ENTRIES;
+        let out = if counters.begin(small, owned) {
+            let start = Instant::now();
+            let out = call();
+            // Saturating: a call longer than 584 years is not worth a panic path.
+            let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            add(&counters.nanos, nanos, owned);
+            if small {
+                counters.last_small_nanos.store(nanos, Ordering::Relaxed);
             }
-            None => call(),
+            out
+        } else {
+            add(&counters.nanos, counters.last_small_nanos.load(Ordering::Relaxed), owned);
+            call()
         };
         let mut tally = Tally::default();
         classify(&out, &mut tally);

@@ -308,3 +308,17 @@ fn counts_are_exact_across_many_threads_and_recycled_shards() {
     assert_eq!((r.entries(Status::Ok), r.entries(Status::Miss)), (calls, calls));
     assert_eq!(r.bytes, calls * PAGE);
 }
+
+/// The first small call is timed; an untimed one is charged the latest timed small call's duration,
+/// so a quiet medium's mean latency is a measured one from the first call on.
+#[test]
+fn untimed_small_calls_are_charged_the_latest_timed_duration() {
+    let (backend, wrapped) = mock(TierType::Dram, 16);
+    let miss = keys(&["absent"]);
+    backend.batch_resolve(&miss, false);
+    let first = wrapped.counts(Op::Resolve).nanos;
+    assert!(first > 0);
+    backend.batch_resolve(&miss, false);
+    let r = wrapped.counts(Op::Resolve);
+    assert_eq!((r.batches, r.nanos), (2, 2 * first));
+}
