@@ -28,6 +28,38 @@ type CuDevicePtr = u64;
 const HOST_REGISTER_PORTABLE: c_uint = 1;
 /// `CU_STREAM_NON_BLOCKING`.
 const STREAM_NON_BLOCKING: c_uint = 1;
+/// `CU_MEMCPY_SRC_ACCESS_ORDER_STREAM`: sources are read in stream order, as `cuMemcpyAsync` does.
+const SRC_ACCESS_ORDER_STREAM: c_int = 1;
+
+/// `CUmemLocation`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MemLocation {
+    kind: c_int,
+    id: c_int,
+}
+
+/// `CUmemcpyAttributes`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MemcpyAttributes {
+    src_access_order: c_int,
+    src_loc_hint: MemLocation,
+    dst_loc_hint: MemLocation,
+    flags: c_uint,
+}
+
+/// `cuMemcpyBatchAsync_v2` (the CUDA 13 form: no failure index).
+type BatchCopy = unsafe extern "C" fn(
+    *mut CuDevicePtr,
+    *mut CuDevicePtr,
+    *mut usize,
+    usize,
+    *mut MemcpyAttributes,
+    *mut usize,
+    usize,
+    CuStream,
+) -> CuResult;
 
 #[derive(Clone, Copy)]
 struct Api {
@@ -54,6 +86,8 @@ struct Api {
 pub(crate) struct CudaDriver {
     api: Api,
     count: u32,
+    /// The driver's batched copy, when the driver has it (CUDA 13 drivers).
+    batch_copy: Option<BatchCopy>,
     /// Retained primary contexts by device ordinal (as addresses: contexts are process-wide handles).
     contexts: Mutex<Vec<Option<usize>>>,
     /// Keeps the function pointers in `api` valid.
@@ -94,7 +128,10 @@ impl CudaDriver {
                 get_error_string: symbol(&lib, LIBRARY, "cuGetErrorString")?,
             }
         };
-        let mut this = Self { api, count: 0, contexts: Mutex::new(Vec::new()), _lib: lib };
+        // SAFETY: the documented signature of `cuMemcpyBatchAsync_v2` (CUDA 13); older drivers lack
+        // the symbol and copies are enqueued one by one instead.
+        let batch_copy = unsafe { symbol::<BatchCopy>(&lib, LIBRARY, "cuMemcpyBatchAsync_v2") }.ok();
+        let mut this = Self { api, batch_copy, count: 0, contexts: Mutex::new(Vec::new()), _lib: lib };
         // SAFETY: plain value argument; cuInit is idempotent.
         this.check("cuInit", unsafe { (this.api.init)(0) })?;
         let mut n: c_int = 0;
@@ -243,6 +280,45 @@ impl GpuRuntime for CudaDriver {
                 stream.raw as CuStream,
             )
         })
+    }
+
+    unsafe fn memcpy_batch_async(
+        &self,
+        copies: &[(NonNull<u8>, NonNull<u8>, usize)],
+        kind: CopyKind,
+        stream: &Stream,
+    ) -> Result<(), GpuError> {
+        let Some(batch_copy) = self.batch_copy.filter(|_| copies.len() > 1) else {
+            for &(dst, src, bytes) in copies {
+                // SAFETY: the caller's contract covers every copy.
+                unsafe { self.memcpy_async(dst, src, bytes, kind, stream) }?;
+            }
+            return Ok(());
+        };
+        let mut dsts: Vec<CuDevicePtr> = copies.iter().map(|c| c.0.as_ptr() as usize as CuDevicePtr).collect();
+        let mut srcs: Vec<CuDevicePtr> = copies.iter().map(|c| c.1.as_ptr() as usize as CuDevicePtr).collect();
+        let mut sizes: Vec<usize> = copies.iter().map(|c| c.2).collect();
+        let mut attrs = MemcpyAttributes { src_access_order: SRC_ACCESS_ORDER_STREAM, ..MemcpyAttributes::default() };
+        let mut first: usize = 0;
+        // SAFETY: the three arrays hold `copies.len()` entries each and one attribute entry applies from
+        // copy 0; the driver reads them during the call only. The caller guarantees every range stays
+        // valid until the stream is synchronized; `stream.raw` is a stream of this driver.
+        self.check("cuMemcpyBatchAsync", unsafe {
+            batch_copy(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                &mut attrs,
+                &mut first,
+                1,
+                stream.raw as CuStream,
+            )
+        })
+    }
+
+    fn has_batched_copy(&self) -> bool {
+        self.batch_copy.is_some()
     }
 
     fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError> {

@@ -56,6 +56,10 @@ pub struct FakeStats {
     pub host_unregisters: u64,
     /// Copies refused because a side was not where the copy kind said.
     pub refused_copies: u64,
+    /// Batched-copy calls (only with [`FakeRuntime::with_batched_copy`]).
+    pub batched_calls: u64,
+    /// Copies made by batched-copy calls.
+    pub batched_copies: u64,
 }
 
 #[derive(Debug, Default)]
@@ -69,6 +73,8 @@ struct Counters {
     host_registers: AtomicU64,
     host_unregisters: AtomicU64,
     refused_copies: AtomicU64,
+    batched_calls: AtomicU64,
+    batched_copies: AtomicU64,
 }
 
 /// A GPU runtime for tests: `devices` fake devices whose memory is host memory (so tests can read
@@ -88,6 +94,8 @@ pub struct FakeRuntime {
     /// This fake's own allocations, so dropping the fake frees what tests leaked.
     owned: Mutex<BTreeMap<usize, usize>>,
     next_stream: AtomicU64,
+    /// Whether the fake offers a batched copy (as a CUDA 13 driver does).
+    batched: bool,
 }
 
 impl FakeRuntime {
@@ -101,7 +109,15 @@ impl FakeRuntime {
             pinned: Mutex::new(BTreeMap::new()),
             owned: Mutex::new(BTreeMap::new()),
             next_stream: AtomicU64::new(1),
+            batched: false,
         }
+    }
+
+    /// The same fake, offering a batched copy: [`GpuRuntime::memcpy_batch_async`] checks every copy
+    /// of a call before it copies anything, and refuses the whole call if one is wrong.
+    pub fn with_batched_copy(mut self) -> Self {
+        self.batched = true;
+        self
     }
 
     /// Makes every allocation after the next `n` fail with an out-of-memory error (to test
@@ -124,6 +140,8 @@ impl FakeRuntime {
             host_registers: get(&c.host_registers),
             host_unregisters: get(&c.host_unregisters),
             refused_copies: get(&c.refused_copies),
+            batched_calls: get(&c.batched_calls),
+            batched_copies: get(&c.batched_copies),
         }
     }
 
@@ -159,13 +177,34 @@ impl FakeRuntime {
         bytes: usize,
         kind: CopyKind,
     ) -> Result<(), GpuError> {
+        self.check_copy(call, dst, src, bytes, kind)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract (`memcpy`'s) makes both ranges valid for `bytes`; device sides
+        // were checked to lie inside one live fake allocation, which is host memory. `copy` (memmove)
+        // tolerates the overlap the contract forbids anyway.
+        unsafe { std::ptr::copy(src.as_ptr(), dst.as_ptr(), bytes) };
+        self.counters.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Whether a copy is where its kind says: a side the kind calls host memory touches no device
+    /// memory, and a device side lies inside one allocation (a real runtime rejects or faults
+    /// otherwise).
+    fn check_copy(
+        &self,
+        call: &'static str,
+        dst: NonNull<u8>,
+        src: NonNull<u8>,
+        bytes: usize,
+        kind: CopyKind,
+    ) -> Result<(), GpuError> {
         if bytes == 0 {
             return Ok(());
         }
         let (src_addr, dst_addr) = (src.as_ptr() as usize, dst.as_ptr() as usize);
         let on_device = |addr: usize| device_of(addr, bytes).is_some();
-        // A side the kind calls host memory must not be (any part of) device memory, and a device side
-        // must lie inside one allocation: a real runtime rejects or faults on either.
         let touches_device = |addr: usize| {
             let table = DEVICE_MEMORY.lock();
             let end = addr.saturating_add(bytes);
@@ -184,11 +223,6 @@ impl FakeRuntime {
             tracing::debug!(?kind, src_ok, dst_ok, bytes, "fake runtime refused a copy");
             return Err(self.error(call, 1));
         }
-        // SAFETY: the caller's contract (`memcpy`'s) makes both ranges valid for `bytes`; device sides
-        // were checked above to lie inside one live fake allocation, which is host memory. `copy`
-        // (memmove) tolerates the overlap the contract forbids anyway.
-        unsafe { std::ptr::copy(src.as_ptr(), dst.as_ptr(), bytes) };
-        self.counters.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -311,6 +345,34 @@ impl GpuRuntime for FakeRuntime {
         self.copy("memcpy_async", dst, src, bytes, kind)?;
         self.counters.async_copies.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    unsafe fn memcpy_batch_async(
+        &self,
+        copies: &[(NonNull<u8>, NonNull<u8>, usize)],
+        kind: CopyKind,
+        stream: &Stream,
+    ) -> Result<(), GpuError> {
+        if !self.batched {
+            for &(dst, src, bytes) in copies {
+                // SAFETY: the caller's contract covers every copy.
+                unsafe { self.memcpy_async(dst, src, bytes, kind, stream) }?;
+            }
+            return Ok(());
+        }
+        for &(dst, src, bytes) in copies {
+            self.check_copy("memcpy_batch_async", dst, src, bytes, kind)?;
+        }
+        for &(dst, src, bytes) in copies {
+            self.copy("memcpy_batch_async", dst, src, bytes, kind)?;
+        }
+        self.counters.batched_calls.fetch_add(1, Ordering::Relaxed);
+        self.counters.batched_copies.fetch_add(copies.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn has_batched_copy(&self) -> bool {
+        self.batched
     }
 
     fn stream_synchronize(&self, _stream: &Stream) -> Result<(), GpuError> {

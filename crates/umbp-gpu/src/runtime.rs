@@ -135,6 +135,33 @@ pub trait GpuRuntime: Send + Sync + fmt::Debug {
         stream: &Stream,
     ) -> Result<(), GpuError>;
 
+    /// Enqueues every copy of `copies` (`(dst, src, bytes)`, all of one `kind`) on `stream` in as
+    /// few runtime calls as the runtime allows: the CUDA driver's batched copy
+    /// (`cuMemcpyBatchAsync`, driver ≥ 12.8) where it exists, else one
+    /// [`memcpy_async`](Self::memcpy_async) per copy (the default). A failure cannot be pinned on one
+    /// copy: treat every copy of the call as failed.
+    ///
+    /// # Safety
+    /// As [`memcpy_async`](Self::memcpy_async), for every copy.
+    unsafe fn memcpy_batch_async(
+        &self,
+        copies: &[(NonNull<u8>, NonNull<u8>, usize)],
+        kind: CopyKind,
+        stream: &Stream,
+    ) -> Result<(), GpuError> {
+        for &(dst, src, bytes) in copies {
+            // SAFETY: the caller's contract covers every copy.
+            unsafe { self.memcpy_async(dst, src, bytes, kind, stream) }?;
+        }
+        Ok(())
+    }
+
+    /// Whether [`memcpy_batch_async`](Self::memcpy_batch_async) is one runtime call rather than a
+    /// loop. Default: false.
+    fn has_batched_copy(&self) -> bool {
+        false
+    }
+
     /// Waits until every copy enqueued on `stream` has finished; reports the first failure.
     fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError>;
 

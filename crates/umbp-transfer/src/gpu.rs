@@ -34,11 +34,15 @@ pub struct GpuCopyConfig {
     /// GB/s: the per-copy cost is not the enqueueing thread's), hence the default; a runtime whose
     /// enqueue path is the limit may gain from more. Default: 1.
     pub submit_threads: usize,
+    /// Enqueue a stream's copies with the runtime's batched copy (`cuMemcpyBatchAsync` on a CUDA 13
+    /// driver) instead of one call per copy, where the runtime has one. A failed batched call fails
+    /// every plan with a copy in it. Default: true.
+    pub driver_batch: bool,
 }
 
 impl Default for GpuCopyConfig {
     fn default() -> Self {
-        Self { pin_host_memory: true, batch: true, submit_threads: 1 }
+        Self { pin_host_memory: true, batch: true, submit_threads: 1, driver_batch: true }
     }
 }
 
@@ -291,22 +295,38 @@ impl GpuCopyEngine {
             }
         };
         let mut enqueued: Vec<usize> = Vec::new();
-        for (i, job) in jobs {
-            if failed.contains_key(i) {
-                continue;
+        let mut note = |i: usize, result: Result<(), GpuError>, failed: &mut BTreeMap<usize, String>| match result {
+            Ok(()) => {
+                if enqueued.last() != Some(&i) {
+                    enqueued.push(i);
+                }
             }
-            // SAFETY: `job` was built from a plan checked against both refs' local regions, which are
-            // valid under `LocalRegion`'s invariant for the duration of `submit`; the stream is
-            // synchronised below, before `submit` returns.
-            match unsafe { self.runtime.memcpy_async(job.dst, job.src, job.len, job.kind, &stream) } {
-                Ok(()) => {
-                    if enqueued.last() != Some(i) {
-                        enqueued.push(*i);
-                    }
+            Err(e) => {
+                failed.entry(i).or_insert_with(|| e.to_string());
+            }
+        };
+        if self.config.driver_batch && self.runtime.has_batched_copy() {
+            // One runtime call per run of copies of one kind; a failed call fails its whole run.
+            for run in jobs.chunk_by(|a, b| a.1.kind == b.1.kind) {
+                let copies: Vec<(NonNull<u8>, NonNull<u8>, usize)> =
+                    run.iter().map(|(_, j)| (j.dst, j.src, j.len)).collect();
+                let kind = run.first().map_or(CopyKind::HostToDevice, |(_, j)| j.kind);
+                // SAFETY: as for `memcpy_async` below, for every copy of the run.
+                let result = unsafe { self.runtime.memcpy_batch_async(&copies, kind, &stream) };
+                for (i, _) in run {
+                    note(*i, result.as_ref().map(|_| ()).map_err(clone_error), failed);
                 }
-                Err(e) => {
-                    failed.insert(*i, e.to_string());
+            }
+        } else {
+            for (i, job) in jobs {
+                if failed.contains_key(i) {
+                    continue;
                 }
+                // SAFETY: `job` was built from a plan checked against both refs' local regions, which
+                // are valid under `LocalRegion`'s invariant for the duration of `submit`; the stream is
+                // synchronised below, before `submit` returns.
+                let result = unsafe { self.runtime.memcpy_async(job.dst, job.src, job.len, job.kind, &stream) };
+                note(*i, result, failed);
             }
         }
         // One wait for the lane. A failure here cannot be pinned on one copy: every plan with a copy
@@ -346,6 +366,12 @@ impl Drop for GpuCopyEngine {
             }
         }
     }
+}
+
+/// `GpuError` is not `Clone` (it may carry a loader error); a failed batched call is reported to every
+/// plan of the run by its message.
+fn clone_error(e: &GpuError) -> GpuError {
+    GpuError::Unavailable(e.to_string())
 }
 
 /// One copy: `len` bytes from `src` to `dst`, in the places `kind` says.

@@ -255,3 +255,38 @@ fn many_small_pages_spread_over_submitting_threads_and_failures_stay_with_their_
     }
     assert!(bogus.iter().all(|b| *b == 0), "nothing was written through the lie");
 }
+
+#[test]
+fn a_runtime_with_a_batched_copy_gets_one_call_per_run_of_one_kind() {
+    let fake = Arc::new(FakeRuntime::new(1).with_batched_copy());
+    let e = engine(&fake, GpuCopyConfig::default());
+    let page = 1024u64;
+    let n = 64u64;
+    let mut src = pattern((n * page) as usize, 21);
+    let mut back = vec![0u8; (n * page) as usize];
+    let d = DevBuf::new(&fake, 0, (2 * n * page) as usize);
+    let (rs, rd, rb) = (host_ref(&mut src), d.r(), host_ref(&mut back));
+    let put: Vec<_> = (0..n).map(|i| item(&rs, i * page, &rd, 2 * i * page, page, i)).collect();
+    transfer(&e, &put).expect("h2d");
+    let get: Vec<_> = (0..n).map(|i| item(&rd, 2 * i * page, &rb, i * page, page, i)).collect();
+    transfer(&e, &get).expect("d2h");
+    drop((rs, rb));
+    assert_eq!(back, src);
+    let stats = fake.stats();
+    assert_eq!((stats.batched_calls, stats.batched_copies), (2, 2 * n), "one call per transfer");
+    assert_eq!(stats.async_copies, 0, "no copy enqueued one by one");
+    // A batched call the runtime refuses fails every plan with a copy in it, and nothing else.
+    let mut bogus = vec![0u8; page as usize];
+    let liar = {
+        let ptr = NonNull::new(bogus.as_mut_ptr()).expect("non-null");
+        // SAFETY: `bogus` outlives the transfer; only the fake's checks look at it.
+        TransferRef::local(unsafe { LocalRegion::new(ptr, page, MemoryLocation::Gpu { device: 0 }) })
+    };
+    let mut src2 = pattern(page as usize, 1);
+    let rs2 = host_ref(&mut src2);
+    let err = transfer(&e, &[item(&rs2, 0, &rd, 0, page, 1), item(&rs2, 0, &liar, 0, page, 2)]).expect_err("refused");
+    assert_eq!(failed_tags(&err), vec![1, 2], "the whole refused call fails");
+    let unbatched = engine(&fake, GpuCopyConfig { driver_batch: false, ..GpuCopyConfig::default() });
+    transfer(&unbatched, &[item(&rs2, 0, &rd, 0, page, 1)]).expect("one by one");
+    assert_eq!(fake.stats().async_copies, 1, "driver_batch = false enqueues copies one by one");
+}
