@@ -26,6 +26,7 @@
 //! `metrics-exporter-prometheus`'s listener cannot report the port it bound for port 0 and cannot
 //! sample the sources when a scrape arrives; ours does both in ~60 lines over tokio, so the
 //! exporter's crate is used without default features (its push gateway pulls a C crypto build).
+#![forbid(unsafe_code)]
 
 mod exporter;
 mod instrumented;
