@@ -33,7 +33,7 @@ use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBitmapAllocator, Pa
 use crate::config::SsdConfig;
 use crate::io::{AlignedBuf, IoEngine, IoOp, make_engine, probe_direct_io};
 use crate::record::{self, HeaderError, MAX_KEY_LEN, header_len, record_len};
-use crate::store::{DirState, Loc, Log, Lru, SegMeta, SegmentFile};
+use crate::store::{DirState, Loc, Log, Lru, SegId, SegMeta, SegmentFile};
 
 /// How long a follower waits for the leader of a single-flight read (the reference's 30 s).
 const FOLLOWER_WAIT: Duration = Duration::from_secs(30);
@@ -443,7 +443,8 @@ impl SsdBackend {
         let n = config.dirs.len() as u64;
         let total = (config.capacity_bytes / config.page_size) * config.page_size;
         let mut log = Log { segment_bytes: config.segment_bytes, preallocate: config.preallocate, ..Log::default() };
-        let mut found: Vec<(SegId2, usize)> = Vec::new();
+        // (segment id, directory index) of every segment file found.
+        let mut found: Vec<(SegId, usize)> = Vec::new();
         for (i, dir) in config.dirs.iter().enumerate() {
             fs::create_dir_all(dir).map_err(|e| Self::io_error(format!("creating {}", dir.display()), e))?;
             let direct = config.direct_io && probe_direct_io(dir);
@@ -584,9 +585,6 @@ impl SsdBackend {
 
 /// What `open_log` found: the log, the owned keys (oldest first) and the capacity in bytes.
 type Recovered = (Log, Vec<(String, Owned)>, u64);
-
-/// Segment id (kept apart from `store::SegId` only to keep `open_log`'s tuple readable).
-type SegId2 = u64;
 
 impl Inner {
     fn bytes_of(&self, size: u64) -> u64 {

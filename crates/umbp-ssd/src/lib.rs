@@ -26,8 +26,16 @@
 //! corrupt record is a miss, a `Remove` for the master and a counted medium event, never wrong bytes.
 //!
 //! Drive IO goes through one of two engines chosen by [`IoEngineKind`]: `psync` (`preadv` /
-//! `pwritev`, the portable default) or `io_uring` (a batch of records in one submission). Both use
-//! `O_DIRECT` where the directory's filesystem allows it (probed) and buffered IO otherwise.
+//! `pwritev`, the portable default) or `io_uring` (a batch of records in one submission; for large
+//! batches the CRC is computed while the drive works: values go out before their headers, and reads
+//! arrive in chunks checked as they land). Both use `O_DIRECT` where the directory's filesystem
+//! allows it (probed) and buffered IO otherwise. Segment files are preallocated (`fallocate`), so
+//! appends never extend a file.
+//!
+//! Durability: a commit returns once its record is written (with `O_DIRECT`, in the device);
+//! segments are `fdatasync`ed at `shutdown`, not per commit. A scan at start-up stops at the first
+//! invalid header of a segment (a torn or failed write), so records written behind such a hole are
+//! not recovered; a segment whose write failed is sealed at once for that reason.
 //!
 //! # Owns
 //! The staging arena and its registration, the drive log and its index, slots, read leases, the
