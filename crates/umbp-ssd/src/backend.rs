@@ -1407,6 +1407,9 @@ impl MediumBackend for SsdBackend {
                 return Err(Self::io_error("starting the reaper thread".into(), e));
             }
         };
+        // SAFETY: the arena stays mapped until `shutdown`, which drops the engine (and its rings)
+        // before releasing the arena; nothing between here and publishing can fail.
+        unsafe { engine.register_arena(base.base().as_ptr(), arena as usize) };
         let recovered = owned.len();
         let engine_name = engine.name();
         *self.inner.engine.write() = Some(engine);

@@ -110,7 +110,18 @@ impl IoOp {
     /// accessed by anyone else during a read) of its length, and `file` must stay open, until the
     /// engine's `submit` of this op has returned.
     pub(crate) unsafe fn new(file: &File, offset: u64, segments: &[(*mut u8, usize)], write: bool) -> Self {
-        let iov = segments.iter().map(|(p, l)| libc::iovec { iov_base: p.cast(), iov_len: *l }).collect();
+        // Adjacent segments (neighbouring staging pages) become one: fewer iovecs, and a single
+        // one can use a registered buffer.
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(segments.len());
+        for &(p, l) in segments {
+            if let Some(last) = iov.last_mut()
+                && last.iov_base.cast::<u8>().wrapping_add(last.iov_len) == p
+            {
+                last.iov_len += l;
+            } else {
+                iov.push(libc::iovec { iov_base: p.cast(), iov_len: l });
+            }
+        }
         // Not done until an engine says so: an op an engine never reached is never "ok".
         Self { fd: file.as_raw_fd(), offset, iov, write, result: Err(io::Error::other("not submitted")) }
     }
@@ -178,6 +189,15 @@ pub(crate) trait IoEngine: Send + Sync + fmt::Debug {
     /// Runs every op; returns when all are complete.
     fn submit(&self, ops: &mut [IoOp]);
 
+    /// Tells the engine about the staging arena, which it may register with the kernel (io_uring
+    /// fixed buffers: no page pinning per request). Default: ignored.
+    ///
+    /// # Safety
+    /// `base` must stay valid for `len` bytes until the engine is dropped.
+    unsafe fn register_arena(&self, base: *mut u8, len: usize) {
+        let _ = (base, len);
+    }
+
     /// Whether the engine overlaps IO with the caller's work in [`submit_split`](Self::submit_split)
     /// and [`submit_ordered`](Self::submit_ordered). Where it does not (psync: one blocking call
     /// at a time), splitting a transfer only adds system calls, so callers should not.
@@ -224,7 +244,29 @@ impl IoEngine for PsyncEngine {
 /// across IO.
 pub(crate) struct UringEngine {
     depth: u32,
-    rings: Mutex<Vec<io_uring::IoUring>>,
+    rings: Mutex<Vec<Ring>>,
+    /// The staging arena `(base, len)`, registered as fixed buffer 0 of every ring.
+    arena: Mutex<Option<(usize, usize)>>,
+}
+
+/// A ring and, when the arena is registered with it, the arena's address range.
+struct Ring {
+    io: io_uring::IoUring,
+    fixed: Option<(usize, usize)>,
+}
+
+impl Ring {
+    /// Registers `arena` as fixed buffer 0 (best effort: without it every request is vectored).
+    fn register(&mut self, arena: Option<(usize, usize)>) {
+        let Some((base, len)) = arena else { return };
+        let iov = [libc::iovec { iov_base: base as *mut libc::c_void, iov_len: len }];
+        // SAFETY: the arena stays mapped until the engine (and with it every ring) is dropped
+        // (`register_arena`'s contract).
+        match unsafe { self.io.submitter().register_buffers(&iov) } {
+            Ok(()) => self.fixed = Some((base, len)),
+            Err(e) => tracing::debug!(error = %e, "io_uring buffer registration refused; using vectored IO"),
+        }
+    }
 }
 
 impl fmt::Debug for UringEngine {
@@ -237,21 +279,34 @@ impl UringEngine {
     /// An engine whose rings have `depth` entries; fails when the kernel refuses io_uring (ENOSYS on
     /// old kernels, EPERM under seccomp or `io_uring_disabled`).
     pub(crate) fn new(depth: u32) -> io::Result<Self> {
-        let ring = io_uring::IoUring::new(depth)?;
-        Ok(Self { depth, rings: Mutex::new(vec![ring]) })
+        let ring = Ring { io: io_uring::IoUring::new(depth)?, fixed: None };
+        Ok(Self { depth, rings: Mutex::new(vec![ring]), arena: Mutex::new(None) })
     }
 
     /// Pushes `ops[from..to]` onto the ring's submission queue; returns how many fit.
-    fn push(ring: &mut io_uring::IoUring, ops: &[IoOp], from: usize, to: usize) -> usize {
+    fn push(ring: &mut Ring, ops: &[IoOp], from: usize, to: usize) -> usize {
         use io_uring::{opcode, types};
+        let fixed = ring.fixed;
         let mut queued = 0usize;
-        let mut sq = ring.submission();
+        let mut sq = ring.io.submission();
         for (i, op) in ops.iter().enumerate().take(to).skip(from) {
             let cnt = op.iov.len() as u32;
-            let entry = if op.write {
-                opcode::Writev::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build()
-            } else {
-                opcode::Readv::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build()
+            // One segment inside the registered arena: a fixed-buffer request.
+            let single = match (fixed, op.iov.as_slice()) {
+                (Some((base, len)), [v])
+                    if (v.iov_base as usize) >= base
+                        && (v.iov_base as usize) + v.iov_len <= base + len
+                        && u32::try_from(v.iov_len).is_ok() =>
+                {
+                    Some((v.iov_base.cast::<u8>(), v.iov_len as u32))
+                }
+                _ => None,
+            };
+            let entry = match (single, op.write) {
+                (Some((p, n)), true) => opcode::WriteFixed::new(types::Fd(op.fd), p, n, 0).offset(op.offset).build(),
+                (Some((p, n)), false) => opcode::ReadFixed::new(types::Fd(op.fd), p, n, 0).offset(op.offset).build(),
+                (None, true) => opcode::Writev::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build(),
+                (None, false) => opcode::Readv::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build(),
             };
             // SAFETY: the iovec arrays and the memory they name stay valid until every completion
             // has been reaped by the caller (`IoOp::new`'s contract; `ops` is borrowed for the whole
@@ -266,7 +321,7 @@ impl UringEngine {
 
     /// Runs `ops` (which must fit the ring) with the hooks of `submit_split` / `submit_ordered`.
     fn run_hooked(
-        ring: &mut io_uring::IoUring,
+        ring: &mut Ring,
         ops: &mut [IoOp],
         split: usize,
         meanwhile: &mut dyn FnMut(),
@@ -274,7 +329,7 @@ impl UringEngine {
     ) {
         let first = Self::push(ring, ops, 0, split);
         loop {
-            match ring.submit() {
+            match ring.io.submit() {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 // Any other failure shows again (and is handled) in the reaping loop below.
                 _ => break,
@@ -286,7 +341,7 @@ impl UringEngine {
         let mut done = vec![false; ops.len()];
         let mut remaining = first + second;
         while remaining > 0 {
-            match ring.submit_and_wait(1) {
+            match ring.io.submit_and_wait(1) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) => {}
                 Err(e) => {
@@ -301,7 +356,7 @@ impl UringEngine {
                 }
             }
             let completed: Vec<(usize, i32)> =
-                ring.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())).collect();
+                ring.io.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())).collect();
             for (i, res) in completed {
                 if i >= ops.len() || done[i] {
                     continue;
@@ -334,10 +389,14 @@ impl UringEngine {
 
     /// A ring from the pool, or a new one; `None` when the kernel will not give one (memlock
     /// limits), in which case the caller runs its batch with psync.
-    fn take_ring(&self) -> Option<io_uring::IoUring> {
+    fn take_ring(&self) -> Option<Ring> {
         let taken = self.rings.lock().pop();
         taken.or_else(|| match io_uring::IoUring::new(self.depth) {
-            Ok(r) => Some(r),
+            Ok(io) => {
+                let mut ring = Ring { io, fixed: None };
+                ring.register(*self.arena.lock());
+                Some(ring)
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "no io_uring ring available; running the batch with psync");
                 None
@@ -345,7 +404,7 @@ impl UringEngine {
         })
     }
 
-    fn put_ring(&self, ring: io_uring::IoUring) {
+    fn put_ring(&self, ring: Ring) {
         let mut rings = self.rings.lock();
         // Keep a few rings for the next callers; drop the rest.
         if rings.len() < 16 {
@@ -353,31 +412,12 @@ impl UringEngine {
         }
     }
 
-    fn run(&self, ring: &mut io_uring::IoUring, ops: &mut [IoOp]) {
-        use io_uring::{opcode, types};
-        let mut queued = 0usize;
-        {
-            let mut sq = ring.submission();
-            for (i, op) in ops.iter().enumerate() {
-                let cnt = op.iov.len() as u32;
-                let entry = if op.write {
-                    opcode::Writev::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build()
-                } else {
-                    opcode::Readv::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build()
-                };
-                // SAFETY: the iovec arrays and the memory they name stay valid until every
-                // completion has been reaped below (`IoOp::new`'s contract; `ops` is borrowed for
-                // the whole call).
-                if unsafe { sq.push(&entry.user_data(i as u64)) }.is_err() {
-                    break;
-                }
-                queued += 1;
-            }
-        }
+    fn run(&self, ring: &mut Ring, ops: &mut [IoOp]) {
+        let queued = Self::push(ring, ops, 0, ops.len());
         let mut done = vec![None::<i32>; queued];
         let mut remaining = queued;
         while remaining > 0 {
-            match ring.submit_and_wait(1) {
+            match ring.io.submit_and_wait(1) {
                 Ok(_) => {}
                 // Interrupted, or the completion queue is full (EBUSY): reap and go on.
                 Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) => {}
@@ -392,7 +432,7 @@ impl UringEngine {
                     return;
                 }
             }
-            for cqe in ring.completion() {
+            for cqe in ring.io.completion() {
                 let i = cqe.user_data() as usize;
                 if let Some(slot) = done.get_mut(i)
                     && slot.is_none()
@@ -443,6 +483,14 @@ impl IoEngine for UringEngine {
                 self.put_ring(ring);
             }
             None => PsyncEngine.submit(ops),
+        }
+    }
+
+    unsafe fn register_arena(&self, base: *mut u8, len: usize) {
+        let arena = Some((base as usize, len));
+        *self.arena.lock() = arena;
+        for ring in self.rings.lock().iter_mut() {
+            ring.register(arena);
         }
     }
 
@@ -559,6 +607,37 @@ mod tests {
         let mut ops = unsafe { vec![IoOp::new(&file, 65536, &[(po, 4096)], false)] };
         engine.submit(&mut ops);
         assert!(ops[0].result.is_err());
+    }
+
+    #[test]
+    fn io_uring_uses_the_registered_arena_for_single_segment_requests() {
+        let Ok(engine) = UringEngine::new(16) else {
+            eprintln!("skipped: io_uring unavailable here");
+            return;
+        };
+        let mut arena = AlignedBuf::zeroed(64 * 1024).expect("arena");
+        let base = arena.as_mut_ptr();
+        // SAFETY: `arena` outlives `engine` (declared before it is dropped at the end of the test:
+        // the engine is dropped first as it is used last below).
+        unsafe { engine.register_arena(base, arena.len()) };
+        let registered = engine.rings.lock().iter().all(|r| r.fixed.is_some());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = open_segment(&dir.path().join("seg"), true, probe_direct_io(dir.path())).expect("open");
+        arena.as_mut_slice()[..8192].iter_mut().enumerate().for_each(|(i, x)| *x = (i % 13) as u8);
+        // Two adjacent segments coalesce into one fixed request.
+        // SAFETY: both halves lie in the arena, which outlives the submit.
+        let mut ops = [unsafe { IoOp::new(&file, 0, &[(base, 4096), (base.add(4096), 4096)], true) }];
+        assert_eq!(ops[0].iov.len(), 1, "adjacent segments coalesce");
+        engine.submit(&mut ops);
+        assert!(ops[0].result.is_ok());
+        // SAFETY: as above; the read lands in the arena's second half.
+        let mut ops = [unsafe { IoOp::new(&file, 0, &[(base.add(32 * 1024), 8192)], false) }];
+        engine.submit(&mut ops);
+        assert!(ops[0].result.is_ok());
+        let a = arena.as_slice();
+        assert_eq!(&a[32 * 1024..32 * 1024 + 8192], &a[..8192]);
+        eprintln!("fixed buffers registered: {registered}");
+        drop(engine);
     }
 
     #[test]
