@@ -125,18 +125,21 @@ fn baselines(rt: &dyn GpuRuntime, total: u64, page: u64, iters: usize) -> [(Dura
     }
     let n = (total / page) as usize;
     let p = page as usize;
-    // SAFETY (all copies below): every range lies inside its `len`-byte buffer.
     let per_page_h2d = time(iters, || {
         for i in 0..n {
+            // SAFETY: page `i` lies inside both `len`-byte buffers (`n * p <= len`).
             unsafe { rt.memcpy(dev.add(i * p), host.ptr.add(i * p), p, CopyKind::HostToDevice) }.expect("copy");
         }
     });
     let per_page_d2h = time(iters, || {
         for i in 0..n {
+            // SAFETY: as above.
             unsafe { rt.memcpy(back.ptr.add(i * p), dev.add(i * p), p, CopyKind::DeviceToHost) }.expect("copy");
         }
     });
+    // SAFETY: both buffers hold `len` bytes.
     let bulk_h2d = time(iters, || unsafe { rt.memcpy(dev, host.ptr, len, CopyKind::HostToDevice) }.expect("copy"));
+    // SAFETY: as above.
     let bulk_d2h = time(iters, || unsafe { rt.memcpy(back.ptr, dev, len, CopyKind::DeviceToHost) }.expect("copy"));
     // SAFETY: registered above; no copy in flight; allocated above.
     unsafe {
