@@ -168,3 +168,27 @@ async fn other_nodes_cannot_reach_hbm_over_tcp_yet_and_fail_cleanly() {
     node.close().await;
     m.shutdown().await;
 }
+
+/// Bad HBM settings are refused at start with the cause named: a device the runtime does not have,
+/// and a runtime the machine does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_device_or_runtime_is_refused_at_start() {
+    let m = master().await;
+    let missing_device = config(&m, "no-device", 0).with_medium(Medium::Hbm(HbmConfig {
+        device: 3,
+        capacity_bytes: 4 << 20,
+        runtime: RuntimeSelection::Fake { devices: 1 },
+    }));
+    let err = PoolClient::start(missing_device).await.expect_err("device 3 of 1");
+    assert!(err.to_string().contains("device 3"), "{err}");
+    if umbp_gpu::probe().is_none() {
+        let no_runtime = config(&m, "no-runtime", 0).with_medium(Medium::Hbm(HbmConfig {
+            device: 0,
+            capacity_bytes: 4 << 20,
+            runtime: RuntimeSelection::Auto,
+        }));
+        let err = PoolClient::start(no_runtime).await.expect_err("no GPU here");
+        assert!(err.to_string().contains("GPU runtime auto"), "{err}");
+    }
+    m.shutdown().await;
+}
