@@ -2,7 +2,8 @@
 //! opened at run time.
 //!
 //! [`GpuRuntime`] covers device count, set/get device, device malloc/free, host memory registration
-//! (pinning), synchronous and stream-ordered copies, streams and error strings. Implementations:
+//! (pinning), synchronous and stream-ordered copies (one at a time, or many in one call where the
+//! driver has a batched copy), streams and error strings. Implementations:
 //!
 //! - HIP (`libamdhip64.so`) and the CUDA runtime (`libcudart.so`), which share one shape of API;
 //! - the CUDA driver API (`libcuda.so.1`), which every NVIDIA driver installs, so a binary built on a

@@ -210,29 +210,32 @@ impl GpuCopyEngine {
             if lanes <= 1 {
                 self.run_lane(device, &flat, &mut failed);
             } else {
-                // Several submitting threads, one stream each: one thread's rate of enqueueing copies
-                // is what limits small pages. Contiguous shares keep each stream's copies in order.
+                // Several submitting threads, one stream each, for runtimes whose enqueue rate limits
+                // small pages (see `GpuCopyConfig::submit_threads`). Contiguous shares keep each
+                // stream's copies in order.
                 let share = flat.len().div_ceil(lanes);
                 let mut shares = flat.chunks(share);
                 let mine = shares.next().unwrap_or(&[]);
                 let results: Vec<BTreeMap<usize, String>> = std::thread::scope(|s| {
                     let handles: Vec<_> = shares
                         .map(|c| {
-                            s.spawn(move || {
+                            let handle = s.spawn(move || {
                                 let mut f = BTreeMap::new();
                                 self.run_lane(device, c, &mut f);
-                                (c, f)
-                            })
+                                f
+                            });
+                            (c, handle)
                         })
                         .collect();
                     let mut own = BTreeMap::new();
                     self.run_lane(device, mine, &mut own);
                     let mut out = vec![own];
-                    for h in handles {
+                    for (c, h) in handles {
                         match h.join() {
-                            Ok((_, f)) => out.push(f),
+                            Ok(f) => out.push(f),
                             // A panicking lane cannot tell which of its copies ran: fail them all.
-                            Err(_) => out.push(BTreeMap::new()),
+                            Err(_) => out
+                                .push(c.iter().map(|(i, _)| (*i, "a submitting thread panicked".to_owned())).collect()),
                         }
                     }
                     out
