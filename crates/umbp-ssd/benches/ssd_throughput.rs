@@ -5,8 +5,9 @@
 //!
 //! Run: `cargo xtask bench -p umbp-ssd` or `cargo bench -p umbp-ssd --bench ssd_throughput`. Prints
 //! a markdown table of medians. `UMBP_BENCH_ROUNDS` (default 5), `UMBP_BENCH_MIB` (bytes per round
-//! and cell, default 256) and `UMBP_BENCH_DIR` (default: the system temp dir) tune it. Gets run
-//! after the staged copies are dropped, so every get reads the drive.
+//! and cell, default 256) and `UMBP_BENCH_DIR` (default: the system temp dir) tune it;
+//! `UMBP_BENCH_ENGINES` (`psync,io_uring`), `UMBP_BENCH_VALUES_MIB` (`1,2`) and `UMBP_BENCH_BATCHES`
+//! (`1,8`) pick cells. Gets run after the staged copies are dropped, so every get reads the drive.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fs::OpenOptions;
@@ -150,6 +151,14 @@ fn ssd(b: &SsdBackend, clock: &ManualClock, round: u64, size: u64, count: u64, b
     (put, get)
 }
 
+/// A comma-separated list from `name`, or `default`.
+fn list_or(name: &str, default: &[&str]) -> Vec<String> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => v.split(',').map(|s| s.trim().to_owned()).collect(),
+        _ => default.iter().map(|s| (*s).to_owned()).collect(),
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -160,11 +169,27 @@ fn main() {
     let bytes = env_or("UMBP_BENCH_MIB", 256).max(8) * MIB;
     let root = std::env::var_os("UMBP_BENCH_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
     let dir = tempfile::Builder::new().prefix("umbp-ssd-bench").tempdir_in(&root).expect("bench dir");
-    let mut engines = vec![IoEngineKind::Psync];
-    match umbp_ssd::io_uring_available() {
-        Ok(()) => engines.push(IoEngineKind::IoUring),
-        Err(e) => eprintln!("io_uring rows skipped: {e}"),
+    let mut engines = Vec::new();
+    for name in list_or("UMBP_BENCH_ENGINES", &["psync", "io_uring"]) {
+        match name.parse::<IoEngineKind>() {
+            Ok(IoEngineKind::IoUring) => match umbp_ssd::io_uring_available() {
+                Ok(()) => engines.push(IoEngineKind::IoUring),
+                Err(e) => eprintln!("io_uring rows skipped: {e}"),
+            },
+            Ok(kind) => engines.push(kind),
+            Err(e) => eprintln!("{e}"),
+        }
     }
+    let sizes: Vec<u64> = list_or("UMBP_BENCH_VALUES_MIB", &["1", "2"])
+        .iter()
+        .filter_map(|s| s.parse::<u64>().ok())
+        .map(|m| m * MIB)
+        .collect();
+    let batches: Vec<u64> = list_or("UMBP_BENCH_BATCHES", &["1", "8"])
+        .iter()
+        .filter_map(|s| s.parse::<u64>().ok())
+        .filter(|b| *b > 0)
+        .collect();
     println!(
         "SsdBackend vs raw O_DIRECT on {} ({} MiB per cell and round, medians of {rounds} rounds)\n",
         root.display(),
@@ -172,9 +197,9 @@ fn main() {
     );
     println!("| engine | op | value | batch | SsdBackend GB/s | raw O_DIRECT GB/s | ratio |");
     println!("|---|---|---|---|---|---|---|");
-    for engine in engines {
-        for size in [MIB, 2 * MIB] {
-            for batch in [1u64, 8] {
+    for &engine in &engines {
+        for &size in &sizes {
+            for &batch in &batches {
                 let clock = ManualClock::new();
                 let cell_dir = dir.path().join(format!("{engine}-{size}-{batch}"));
                 let config = SsdConfig::builder([cell_dir.clone()])

@@ -750,6 +750,12 @@ impl Inner {
             if state.compacting {
                 return;
             }
+            // Dead records cost nothing until the log outgrows its capacity: only then is live data
+            // moved (moving it costs drive bandwidth that puts and gets would otherwise have).
+            // Fully dead segments are deleted by the sweep regardless.
+            if state.log.physical_bytes() <= state.total {
+                return;
+            }
             let Some(seg) = state.log.compaction_candidate(self.config.reclaim_dead_ratio) else { return };
             let victims: Vec<(String, Owned, Arc<SegmentFile>)> = state
                 .owned

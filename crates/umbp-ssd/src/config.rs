@@ -282,8 +282,9 @@ impl SsdConfigBuilder {
         self
     }
 
-    /// A sealed segment whose dead bytes reach this fraction is compacted (its live records are
-    /// rewritten at the log head and the file deleted); fully dead segments are always deleted.
+    /// Once the log occupies more than `capacity_bytes` on the drives, the sealed segment with the
+    /// largest dead fraction at or above this one is compacted (its live records are rewritten at
+    /// the log head and the file deleted). Fully dead segments are always deleted, at once.
     /// In `(0, 1]`. Default: 0.5.
     pub fn reclaim_dead_ratio(mut self, ratio: f64) -> Self {
         self.config.reclaim_dead_ratio = ratio;

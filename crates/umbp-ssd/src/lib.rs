@@ -19,8 +19,9 @@
 //! Capacity is the drive's, not the arena's: what is advertised is `capacity_bytes`, and live
 //! values (page-rounded) never exceed it; LRU eviction between watermarks keeps room, never touching
 //! a key under a read lease or being read. Dead records (evicted, overwritten, cleared) are
-//! reclaimed: a segment with nothing live is deleted, and one that is mostly dead is compacted (its
-//! live records rewritten at the head) and then deleted. At `init` the log is scanned and the index
+//! reclaimed: a segment with nothing live is deleted at once, and once the log outgrows its capacity
+//! on the drives, the most wasteful segment is compacted (its live records rewritten at the head)
+//! and then deleted. At `init` the log is scanned and the index
 //! rebuilt (torn or corrupt tails dropped, every record's CRC verified), so a restarted node
 //! announces its keys in the full sync that follows registration. Every read is CRC-checked: a
 //! corrupt record is a miss, a `Remove` for the master and a counted medium event, never wrong bytes.
@@ -59,8 +60,11 @@
 //! # Deliberate differences from the reference
 //! - Values may span up to [`SsdConfigBuilder::max_value_pages`] pages (default 1, the reference's
 //!   one key = one page); larger values are `Failed`, never `FailedNoSpace`.
-//! - The drive contents survive a restart (the reference wipes them); evicted records whose space
-//!   was not reclaimed yet may be recovered too (their bytes are still valid).
+//! - The drive contents survive a restart (the reference wipes them). Evictions are not logged
+//!   (there are no tombstones): a key evicted (or removed) before the restart whose record was not
+//!   reclaimed yet comes back. Its bytes pass their CRC, but they may be an older value of the key
+//!   if a newer record of it was already reclaimed — harmless for a KV cache keyed by a prefix
+//!   hash, whose value for a key never changes; `clear_local` deletes the whole log.
 //! - Dead space is reclaimed; the reference never compacts.
 //! - `clear_local` keeps leased staging pages until their lease ends (the reference frees them at
 //!   once, under a reader's feet).
