@@ -140,31 +140,56 @@ async fn hbm_node_round_trips_host_and_device_buffers_on_a_real_gpu() {
     m.shutdown().await;
 }
 
-/// The TCP data plane serves host memory only: another node can neither write into nor read from
-/// an HBM node's device memory. Pinned here so that a data plane that learns device memory changes
-/// this deliberately: today the key fails cleanly (no hang, no stray slot), and the HBM node's own
-/// keys stay readable by itself.
+/// Other nodes reach an HBM node's device memory over TCP: its data server stages their reads and
+/// writes through host memory with its GPU runtime. A client-only node and a DRAM node (too small
+/// to be routed to, so their keys land on the HBM node) put multi-page values with partial tails
+/// into HBM and get them back byte-exact; the HBM node reads the same keys from its own device
+/// memory, and the other nodes read a key the HBM node wrote itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn other_nodes_cannot_reach_hbm_over_tcp_yet_and_fail_cleanly() {
+async fn other_nodes_put_to_and_get_from_hbm_over_tcp_byte_exact() {
     let m = master().await;
-    let node = hbm_node(&m, "hbm-only", RuntimeSelection::Fake { devices: 1 }).await;
-    let mut client_config = config(&m, "client", 0).with_medium(Medium::None);
-    client_config.max_reroutes = 1;
-    let client = PoolClient::start(client_config).await.expect("client starts");
-    let v = value(1, 3 * PAGE as usize + 5);
-    let put = client.put("remote-key", &v).await;
-    assert!(put.is_err(), "a remote write into device memory cannot succeed yet: {put:?}");
-    assert_eq!(node.medium().expect("medium").owned_key_count(), 0, "the refused write left no key");
-    node.put("local-key", &v).await.expect("the node's own put");
+    let node = hbm_node(&m, "hbm-served", RuntimeSelection::Fake { devices: 1 }).await;
+    let client = PoolClient::start(config(&m, "client", 0).with_medium(Medium::None)).await.expect("client starts");
+    let dram = PoolClient::start(config(&m, "dram", 16 * PAGE)).await.expect("dram node starts");
+    let mut all_keys = Vec::new();
+    let mut all_values = Vec::new();
+    for (who, writer) in [("client", &client), ("dram", &dram)] {
+        let keys: Vec<String> = (0..8).map(|i| format!("{who}-remote-{i}")).collect();
+        let values: Vec<Vec<u8>> = (0..8).map(|i| value(10 * i + who.len(), SIZES[i % SIZES.len()])).collect();
+        let items: Vec<(&str, &[u8])> = keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+        for (i, r) in writer.batch_put(&items).await.iter().enumerate() {
+            r.as_ref().unwrap_or_else(|e| panic!("{who} puts {} into remote HBM: {e:?}", keys[i]));
+        }
+        all_keys.extend(keys);
+        all_values.extend(values);
+    }
     node.flush();
-    indexed(&client, &["local-key"]).await;
-    let mut buf = vec![0u8; v.len()];
-    let get = client.get("local-key", &mut buf).await;
-    assert!(get.is_err(), "a remote read of device memory cannot succeed yet: {get:?}");
-    eprintln!("remote put: {put:?}; remote get: {get:?}");
-    assert_eq!(node.get("local-key", &mut buf).await, Ok(v.len() as u64));
-    assert_eq!(buf, v);
+    indexed(&client, &all_keys).await;
+    assert_eq!(node.medium().expect("medium").owned_key_count(), all_keys.len(), "every key is in HBM");
+    assert_eq!(dram.medium().expect("medium").owned_key_count(), 0, "the small DRAM node was not routed to");
+
+    node.put("hbm-own", &all_values[2]).await.expect("the HBM node's own put");
+    node.flush();
+    indexed(&client, &["hbm-own"]).await;
+    all_keys.push("hbm-own".to_owned());
+    all_values.push(all_values[2].clone());
+
+    let key_refs: Vec<&str> = all_keys.iter().map(String::as_str).collect();
+    for (who, reader) in [("client", &client), ("dram", &dram), ("hbm", &node)] {
+        let mut bufs: Vec<Vec<u8>> = all_values.iter().map(|v| vec![0xEE; v.len() + 8]).collect();
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        for (i, r) in reader.batch_get(&key_refs, &mut slices).await.iter().enumerate() {
+            assert_eq!(r.as_ref().ok().copied(), Some(all_values[i].len() as u64), "{who} gets {}: {r:?}", all_keys[i]);
+            assert_eq!(&bufs[i][..all_values[i].len()], all_values[i].as_slice(), "{who}: bytes of {}", all_keys[i]);
+            assert!(bufs[i][all_values[i].len()..].iter().all(|b| *b == 0xEE), "{who}: nothing past {}", all_keys[i]);
+        }
+    }
+    // One key alone, through the single-key API, from the client.
+    let mut buf = vec![0u8; all_values[3].len()];
+    assert_eq!(client.get(&all_keys[3], &mut buf).await, Ok(buf.len() as u64));
+    assert_eq!(buf, all_values[3]);
     client.close().await;
+    dram.close().await;
     node.close().await;
     m.shutdown().await;
 }

@@ -160,6 +160,9 @@ pub enum FailureKind {
     Protocol,
     /// A local error (a GPU runtime call, an invalid plan handed to submit).
     Local,
+    /// The remote side's GPU runtime failed to move the bytes of its GPU region through host
+    /// staging.
+    RemoteDevice,
 }
 
 /// One failed plan: every tag in it failed.

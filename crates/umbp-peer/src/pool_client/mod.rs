@@ -451,7 +451,18 @@ impl PoolClient {
         if config.page_size == 0 {
             return Err(PoolError::Config("page_size must be greater than 0".into()));
         }
-        let tcp = TcpEngine::new(TcpEngineConfig {
+        // The GPU runtime: the HBM medium's, else the machine's if it has a GPU. The GPU copy engine
+        // joins over it (so callers can put from and get into device memory), and the TCP data server
+        // stages peers' reads and writes of GPU regions (an HBM medium's pages) with it.
+        let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match &config.medium {
+            Medium::Hbm(hbm) => Some(
+                hbm.runtime
+                    .load()
+                    .map_err(|e| PoolError::Config(format!("hbm medium: GPU runtime {}: {e}", hbm.runtime)))?,
+            ),
+            _ => umbp_gpu::probe(),
+        };
+        let tcp_config = TcpEngineConfig {
             server: umbp_transfer::DataServerConfig {
                 listen: config.data_listen,
                 advertise: advertised(&config, config.data_listen)?,
@@ -459,7 +470,11 @@ impl PoolClient {
             },
             cluster_token: config.cluster_token.clone(),
             ..TcpEngineConfig::default()
-        })
+        };
+        let tcp = match &gpu_runtime {
+            Some(runtime) => TcpEngine::with_gpu_runtime(tcp_config, Arc::clone(runtime)),
+            None => TcpEngine::new(tcp_config),
+        }
         .map_err(|e| PoolError::Transfer(e.to_string()))?;
         let data_endpoint = tcp.endpoint().to_owned();
         let mut engines: Vec<Arc<dyn TransferEngine>> = vec![
@@ -471,16 +486,6 @@ impl PoolClient {
             })),
             Arc::new(tcp),
         ];
-        // The GPU copy engine joins when the node lends HBM (over that medium's runtime) or the
-        // machine has a GPU (so callers can put from and get into device memory).
-        let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match &config.medium {
-            Medium::Hbm(hbm) => Some(
-                hbm.runtime
-                    .load()
-                    .map_err(|e| PoolError::Config(format!("hbm medium: GPU runtime {}: {e}", hbm.runtime)))?,
-            ),
-            _ => umbp_gpu::probe(),
-        };
         if let Some(runtime) = &gpu_runtime {
             let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig::default())
                 .map_err(|e| PoolError::Transfer(format!("GPU copy engine: {e}")))?;

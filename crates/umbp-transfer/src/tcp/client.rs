@@ -750,6 +750,7 @@ fn status_kind(status: Status) -> FailureKind {
         Status::UnknownRegion => FailureKind::UnknownRegion,
         Status::OutOfRange => FailureKind::OutOfRange,
         Status::BadRequest => FailureKind::Protocol,
+        Status::DeviceError => FailureKind::RemoteDevice,
     }
 }
 
@@ -759,6 +760,10 @@ fn status_message(status: Status, req: &Req, endpoint: &str) -> String {
         Status::OutOfRange => {
             format!("{endpoint} refused [{}, +{}) of region {}: out of range", req.remote_offset, req.len, req.region)
         }
+        Status::DeviceError => format!(
+            "{endpoint} could not copy [{}, +{}) of GPU region {} through host staging (its GPU runtime failed)",
+            req.remote_offset, req.len, req.region
+        ),
         Status::BadRequest | Status::Ok => format!("{endpoint} refused the request ({})", status.as_str()),
     }
 }

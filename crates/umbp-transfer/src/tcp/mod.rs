@@ -14,6 +14,12 @@
 //! has been waited or dropped (see [`TcpEngine`]). Only the *remote* side must be registered: it is a
 //! region of another node's data server.
 //!
+//! # GPU regions
+//! An engine started with a GPU runtime ([`TcpEngine::with_gpu_runtime`]) also serves GPU regions
+//! registered with it (an HBM medium's device memory): the data server stages their bytes through
+//! a bounded host buffer per connection, copying with the runtime (see [`DataServer`]). Peers see
+//! no difference. A GPU region is never the *local* side of this engine's own transfers.
+//!
 //! # Threads
 //! The server: an acceptor and one thread per connection. The client: per peer and connection, a
 //! writer thread (lives as long as the engine) and a reader thread (lives as long as the
@@ -25,6 +31,7 @@ mod io;
 pub(crate) mod protocol;
 mod regions;
 mod server;
+mod staging;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,6 +39,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, MetricSource, RegistrationError, TransferRef};
+use umbp_gpu::GpuRuntime;
 
 use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandle};
 pub use self::error::TcpStartError;
@@ -128,7 +136,8 @@ const CONNECT_FAILURES_HELP: &str = "Failed connection attempts of this TCP engi
 ///   already demands of whoever built the ref.
 ///
 /// Either way every segment is bounded by the size of the ref the plan carries (planning and again
-/// at submit). GPU memory is never a local side.
+/// at submit). GPU memory is never a local side; GPU regions registered with an engine started
+/// [`with_gpu_runtime`](Self::with_gpu_runtime) are served to peers through host staging.
 #[derive(Debug)]
 pub struct TcpEngine {
     config: TcpEngineConfig,
@@ -145,6 +154,20 @@ impl TcpEngine {
     /// protocol allows (1024 bytes) or conflicts with `server.cluster_token`; or the server listens
     /// on a wildcard address without an advertised endpoint.
     pub fn new(config: TcpEngineConfig) -> Result<Self, TcpStartError> {
+        Self::start(config, None)
+    }
+
+    /// As [`new`](Self::new), and the data server serves GPU regions registered with the engine
+    /// (memory of `runtime`'s devices), staging their bytes through host memory with `runtime`
+    /// (see [`DataServer::start_with_gpu`]). Host regions are served as by [`new`](Self::new).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_gpu_runtime(config: TcpEngineConfig, runtime: Arc<dyn GpuRuntime>) -> Result<Self, TcpStartError> {
+        Self::start(config, Some(runtime))
+    }
+
+    fn start(config: TcpEngineConfig, gpu: Option<Arc<dyn GpuRuntime>>) -> Result<Self, TcpStartError> {
         if config.server.cluster_token.is_some() && config.server.cluster_token != config.cluster_token {
             return Err(TcpStartError::ConflictingTokens);
         }
@@ -152,7 +175,7 @@ impl TcpEngine {
         let hello = protocol::encode_hello(token)
             .map_err(|_| TcpStartError::TokenTooLong { len: token.len(), max: protocol::MAX_TOKEN_LEN })?;
         let server_config = DataServerConfig { cluster_token: config.cluster_token.clone(), ..config.server.clone() };
-        let server = DataServer::start(server_config)?;
+        let server = DataServer::start_with(server_config, Arc::default(), gpu)?;
         let client = Arc::new(ClientShared {
             connect_timeout: config.connect_timeout,
             io_timeout: config.io_timeout,
@@ -267,8 +290,10 @@ impl Drop for TcpEngine {
 }
 
 impl MemoryRegistrar for TcpEngine {
-    /// Host memory only (GPU memory → [`RegistrationError::Unsupported`]). The ref carries `region`
-    /// and (this engine's endpoint, a fresh region id).
+    /// Host memory, and GPU memory when the engine was started with a runtime that has the device
+    /// ([`with_gpu_runtime`](TcpEngine::with_gpu_runtime)); other GPU memory →
+    /// [`RegistrationError::Unsupported`]. The ref carries `region` and (this engine's endpoint, a
+    /// fresh region id).
     fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
         self.server.register_memory(region)
     }
@@ -322,7 +347,7 @@ impl TransferEngine for TcpEngine {
     }
 
     /// The region gets an id, so this engine accepts it as the local side, but the data server
-    /// refuses peers' requests for it.
+    /// refuses peers' requests for it. Host memory only.
     fn register_local_only(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
         self.server.register_local_only(region)
     }

@@ -70,6 +70,9 @@
 //!   non-zero flags: the request gets a status ([`Status::UnknownRegion`], [`Status::OutOfRange`],
 //!   [`Status::BadRequest`]); the payload of such a WRITE is read and discarded (through a small
 //!   fixed scratch buffer) so the connection stays in sync and keeps serving.
+//! - A GPU region whose staging copy the server's GPU runtime fails: [`Status::DeviceError`] (the
+//!   WRITE payload is still read in full). A READ larger than the staging buffer whose copy fails
+//!   after its first piece has left closes the connection instead: its reply is already under way.
 //! - Bad magic, bad version, unknown op, or `length` > [`MAX_REQUEST_BYTES`]: the stream can no
 //!   longer be trusted, so the server logs the reason and closes that connection.
 //!
@@ -80,6 +83,11 @@
 //! that buffer may arrive in it as read-ahead and is copied out, while a larger payload is read
 //! with only one header's worth of read-ahead, so it lands in region memory directly. Nothing is
 //! ever allocated from a length a peer sent.
+//!
+//! GPU regions (device memory, which neither the CPU nor the socket can touch) are the exception:
+//! their bytes pass through a per-connection host staging buffer, copied with the server's GPU
+//! runtime (socket → staging → device for a WRITE, device → staging → socket for a READ), in
+//! pieces of at most the staging size. The bytes on the wire are the same.
 
 /// The frame magic: the bytes `"UMBP"`.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"UMBP");
@@ -129,11 +137,16 @@ pub(crate) enum Status {
     OutOfRange = 2,
     /// The request is well-framed but not acceptable (non-zero flags).
     BadRequest = 3,
+    /// The region is GPU memory and the server's GPU runtime failed to copy it through host
+    /// staging. (A client that predates this status reads it as a malformed reply and drops the
+    /// connection: the request fails either way.)
+    DeviceError = 4,
 }
 
 impl Status {
     /// Every status, in wire order.
-    pub(crate) const ALL: [Status; 4] = [Self::Ok, Self::UnknownRegion, Self::OutOfRange, Self::BadRequest];
+    pub(crate) const ALL: [Status; 5] =
+        [Self::Ok, Self::UnknownRegion, Self::OutOfRange, Self::BadRequest, Self::DeviceError];
 
     fn from_u8(v: u8) -> Option<Self> {
         Self::ALL.get(usize::from(v)).copied()
@@ -146,6 +159,7 @@ impl Status {
             Self::UnknownRegion => "unknown_region",
             Self::OutOfRange => "out_of_range",
             Self::BadRequest => "bad_request",
+            Self::DeviceError => "device_error",
         }
     }
 }

@@ -5,10 +5,16 @@
 //! headers through a small buffer, streams WRITE payloads from the socket straight into region
 //! memory, and answers with gather writes (reply headers and READ payloads, the latter straight from
 //! region memory). See [`protocol`](super::protocol) for the bytes.
+//!
+//! GPU regions (a server started with a GPU runtime accepts them) cannot be reached by the socket:
+//! their bytes pass through the connection's host staging buffer ([`DeviceStaging`]) with the
+//! runtime's synchronous copies, in pieces of at most
+//! [`gpu_staging_bytes`](DataServerConfig::gpu_staging_bytes). Host regions never touch it.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -16,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, RegistrationError, RemoteRegion, TransferRef};
+use umbp_gpu::{CopyKind, DeviceGuard, GpuRuntime};
 
 use super::error::TcpStartError;
 use super::io::{
@@ -25,6 +32,7 @@ use super::protocol::{
     self, FrameError, HELLO_LEN, HelloStatus, MAX_TOKEN_LEN, Op, REQUEST_LEN, Reply, Request, Status,
 };
 use super::regions::{RegionGuard, RegionTable};
+use super::staging::DeviceStaging;
 
 /// Settings of a [`DataServer`].
 #[derive(Clone, PartialEq, Eq)]
@@ -54,6 +62,11 @@ pub struct DataServerConfig {
     pub io_timeout: Duration,
     /// A connection with no request for this long is closed. Default: 60 s.
     pub idle_timeout: Duration,
+    /// Bytes of the host staging buffer a connection allocates (once, when it first serves a GPU
+    /// region) to move GPU bytes between the socket and device memory; a longer request moves in
+    /// pieces of this size. Clamped to at least 4 KiB. Only used by a server started with a GPU
+    /// runtime. Default: 4 MiB.
+    pub gpu_staging_bytes: usize,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -68,6 +81,7 @@ impl std::fmt::Debug for DataServerConfig {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("io_timeout", &self.io_timeout)
             .field("idle_timeout", &self.idle_timeout)
+            .field("gpu_staging_bytes", &self.gpu_staging_bytes)
             .finish()
     }
 }
@@ -83,6 +97,7 @@ impl Default for DataServerConfig {
             handshake_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
+            gpu_staging_bytes: 4 << 20,
         }
     }
 }
@@ -96,6 +111,8 @@ const MAX_QUEUED_PAYLOAD: usize = 4 << 20;
 const MAX_QUEUED_AGE: Duration = Duration::from_millis(2);
 /// Buffer for request headers (read-ahead bytes of small frames are copied out of it).
 const READ_BUFFER: usize = 4 << 10;
+/// The smallest GPU staging buffer.
+const MIN_GPU_STAGING: usize = 4 << 10;
 /// Scratch for discarding the payload of a refused WRITE.
 const DISCARD_BUFFER: usize = 16 << 10;
 /// How long `Drop` waits for the server's threads.
@@ -113,7 +130,9 @@ pub(crate) struct ServerMetrics {
     refused_version: AtomicU64,
     refused_malformed: AtomicU64,
     malformed_frames: AtomicU64,
-    requests: [AtomicU64; 4],
+    requests: [AtomicU64; Status::ALL.len()],
+    /// Bytes moved between the socket and GPU regions through host staging.
+    gpu_staged_bytes: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -133,12 +152,18 @@ const SERVER_CONNECTIONS_HELP: &str = "Connections open on the TCP data server."
 /// Connections the data server refused, by reason.
 pub(crate) const SERVER_REFUSED_TOTAL: &str = "umbp_transfer_tcp_server_connections_refused_total";
 const SERVER_REFUSED_HELP: &str = "Connections refused or closed by the TCP data server, by reason.";
+/// Bytes of GPU regions the data server moved through host staging.
+pub(crate) const SERVER_GPU_STAGED_BYTES: &str = "umbp_transfer_tcp_server_gpu_staged_bytes_total";
+const SERVER_GPU_STAGED_HELP: &str =
+    "Bytes of GPU regions the TCP data server moved between the socket and device memory through host staging.";
 
 /// State shared by the acceptor and the connection threads.
 #[derive(Debug)]
 struct Shared {
     config: DataServerConfig,
     regions: Arc<RegionTable>,
+    /// The runtime GPU regions are copied with; `None`: host regions only.
+    gpu: Option<Arc<dyn GpuRuntime>>,
     stop: AtomicBool,
     conns: Mutex<HashMap<u64, ConnRecord>>,
     next_conn: AtomicU64,
@@ -192,11 +217,25 @@ impl DataServer {
     /// The address cannot be bound, the acceptor cannot be spawned, or `listen` is a wildcard
     /// address without `advertise`.
     pub fn start(config: DataServerConfig) -> Result<Self, TcpStartError> {
-        Self::start_with(config, Arc::new(RegionTable::default()))
+        Self::start_with(config, Arc::new(RegionTable::default()), None)
     }
 
-    /// Binds `config.listen` and starts serving `regions`.
-    pub(crate) fn start_with(config: DataServerConfig, regions: Arc<RegionTable>) -> Result<Self, TcpStartError> {
+    /// As [`start`](Self::start), and GPU regions (memory of `runtime`'s devices) may be registered
+    /// too: peers read and write them through a host staging buffer per connection (see
+    /// [`DataServerConfig::gpu_staging_bytes`]), copied with `runtime`.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    pub fn start_with_gpu(config: DataServerConfig, runtime: Arc<dyn GpuRuntime>) -> Result<Self, TcpStartError> {
+        Self::start_with(config, Arc::new(RegionTable::default()), Some(runtime))
+    }
+
+    /// Binds `config.listen` and starts serving `regions`, GPU regions with `gpu`.
+    pub(crate) fn start_with(
+        config: DataServerConfig,
+        regions: Arc<RegionTable>,
+        gpu: Option<Arc<dyn GpuRuntime>>,
+    ) -> Result<Self, TcpStartError> {
         if config.listen.ip().is_unspecified() && config.advertise.is_none() {
             return Err(TcpStartError::WildcardWithoutAdvertise { addr: config.listen });
         }
@@ -207,6 +246,7 @@ impl DataServer {
         let shared = Arc::new(Shared {
             config,
             regions,
+            gpu,
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
@@ -258,9 +298,20 @@ impl DataServer {
         self.register(region, false)
     }
 
+    /// Whether this server can serve GPU regions (it was started with a GPU runtime).
+    pub fn serves_gpu_memory(&self) -> bool {
+        self.shared.gpu.is_some()
+    }
+
     fn register(&self, region: LocalRegion, remote: bool) -> Result<TransferRef, RegistrationError> {
-        if !region.location().is_host() {
-            return Err(RegistrationError::Unsupported { len: region.len(), location: region.location() });
+        if let Some(device) = region.location().device() {
+            // Device memory is for peers only (through staging): the engine's own transfers never
+            // use it as a local side. It needs a runtime that has the device.
+            let servable =
+                remote && self.shared.gpu.as_ref().is_some_and(|gpu| gpu.device_count().is_ok_and(|n| device < n));
+            if !servable {
+                return Err(RegistrationError::Unsupported { len: region.len(), location: region.location() });
+            }
         }
         let region_id = self.shared.regions.insert(region, remote);
         Ok(TransferRef::local(region).with_remote(RemoteRegion { endpoint: self.endpoint.clone(), region_id }))
@@ -283,6 +334,10 @@ impl DataServer {
                     v,
                 ));
             }
+        }
+        let staged = m.gpu_staged_bytes.load(Ordering::Relaxed);
+        if staged > 0 {
+            out.push(MetricSample::counter(SERVER_GPU_STAGED_BYTES, SERVER_GPU_STAGED_HELP, Vec::new(), staged));
         }
         for (reason, count) in [
             ("limit", &m.refused_limit),
@@ -319,6 +374,9 @@ impl DataServer {
         if remote.endpoint != self.endpoint {
             return None;
         }
+        if !local.location().is_host() {
+            return None;
+        }
         let guard = self.shared.regions.acquire(remote.region_id)?;
         let inside = guard.region().ptr() == local.ptr()
             && guard.region().location() == local.location()
@@ -329,8 +387,10 @@ impl DataServer {
 }
 
 impl MemoryRegistrar for DataServer {
-    /// Host memory only. The returned ref carries `region` and this server's (endpoint, region id);
-    /// the id is fresh and never reused.
+    /// Host memory, and GPU memory of a device of the server's runtime when it was started with one
+    /// ([`start_with_gpu`](DataServer::start_with_gpu)); other GPU memory →
+    /// [`RegistrationError::Unsupported`]. The returned ref carries `region` and this server's
+    /// (endpoint, region id); the id is fresh and never reused.
     fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
         self.register(region, true)
     }
@@ -486,6 +546,8 @@ fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
         write_clock: SocketClock::new(io_timeout),
         replies: ReplyQueue::default(),
         scratch: vec![0u8; DISCARD_BUFFER].into_boxed_slice(),
+        staging: None,
+        staged: 0,
     };
     match conn.run() {
         Ok(()) | Err(End::Closed) => tracing::debug!(%peer, "tcp data server: connection closed"),
@@ -557,7 +619,8 @@ fn handshake<'a>(shared: &'a Shared, stream: &mut TcpStream) -> Result<Slot<'a>,
 #[derive(Debug, Default)]
 struct ReplyQueue {
     headers: Vec<[u8; protocol::REPLY_LEN]>,
-    /// Per header: the READ payload that follows it, if any (a range of a guarded region).
+    /// Per header: the READ payload that follows it, if any: a range of a guarded region, or of
+    /// the connection's GPU staging buffer (a GPU region's bytes, copied there).
     payloads: Vec<Option<(*const u8, usize)>>,
     /// Keeps the regions of queued payloads registered until they are written.
     guards: Vec<RegionGuard>,
@@ -582,6 +645,18 @@ struct ServerConn<'a> {
     write_clock: SocketClock,
     replies: ReplyQueue,
     scratch: Box<[u8]>,
+    /// Host staging for GPU regions, allocated on first use.
+    staging: Option<DeviceStaging>,
+    /// Bytes at the start of `staging` holding queued READ payloads (free again after a flush).
+    staged: usize,
+}
+
+/// Where a GPU request's bytes go: the runtime, the staging buffer and the region's device.
+struct DeviceSide {
+    gpu: Arc<dyn GpuRuntime>,
+    staging: NonNull<u8>,
+    capacity: usize,
+    device: u32,
 }
 
 impl ServerConn<'_> {
@@ -655,6 +730,15 @@ impl ServerConn<'_> {
 
     fn handle(&mut self, r: Request) -> Result<(), End> {
         let resolved = self.resolve(&r);
+        let device = resolved.as_ref().ok().and_then(|(guard, _, _)| guard.region().location().device());
+        if let (Some(device), Ok((guard, ptr, len))) = (device, &resolved) {
+            let status = match r.op {
+                Op::Write => self.write_device(r.id, guard, device, *ptr, *len)?,
+                Op::Read => self.read_device(r.id, guard, device, *ptr, *len)?,
+            };
+            bump(&self.shared.metrics.requests[status as usize]);
+            return Ok(());
+        }
         let status = match (r.op, resolved) {
             (Op::Write, Ok((guard, ptr, len))) => {
                 // SAFETY: `ptr..ptr + len` lies inside the region (bounds-checked by
@@ -700,6 +784,188 @@ impl ServerConn<'_> {
         }
     }
 
+    /// The runtime, the connection's staging buffer (allocated on first use) and `device`, for a
+    /// request on a GPU region; `None` (logged) when the server has no runtime or the buffer cannot
+    /// be mapped.
+    fn device_side(&mut self, device: u32) -> Option<DeviceSide> {
+        let gpu = Arc::clone(self.shared.gpu.as_ref()?);
+        if self.staging.is_none() {
+            let len = self.shared.config.gpu_staging_bytes.max(MIN_GPU_STAGING);
+            match DeviceStaging::new(&gpu, len) {
+                Ok(staging) => self.staging = Some(staging),
+                Err(reason) => {
+                    tracing::warn!(%reason, "tcp data server: no GPU staging buffer; refusing the request");
+                    return None;
+                }
+            }
+        }
+        let staging = self.staging.as_ref()?;
+        Some(DeviceSide { staging: staging.ptr(), capacity: staging.len(), gpu, device })
+    }
+
+    /// A WRITE into a GPU region: the payload is read into staging piece by piece, each piece
+    /// copied host → device. The whole payload is read whatever happens, so the stream stays in
+    /// sync; a failed copy answers [`Status::DeviceError`].
+    fn write_device(
+        &mut self,
+        id: u64,
+        _guard: &RegionGuard,
+        device: u32,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Status, End> {
+        if self.staged > 0 {
+            // Queued READ payloads live in staging: send them before it is reused.
+            self.flush()?;
+        }
+        let status = match self.device_side(device) {
+            None => {
+                self.discard(len as u64)?;
+                Status::DeviceError
+            }
+            Some(side) => {
+                let switched = DeviceGuard::switch(side.gpu.as_ref(), side.device);
+                let mut failure = switched.as_ref().err().map(ToString::to_string);
+                let mut done = 0usize;
+                while done < len {
+                    let n = (len - done).min(side.capacity);
+                    // SAFETY: the staging buffer is `capacity >= n` bytes of host memory owned by
+                    // this connection (`self.staging`, neither dropped nor replaced while the
+                    // connection runs); no queued reply references it (`staged` is 0, flushed
+                    // above), so nothing else reads or writes it now.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(side.staging.as_ptr(), n) };
+                    self.reader.read_exact_into(buf)?;
+                    if failure.is_none() {
+                        // SAFETY: `ptr..ptr + len` lies inside the GPU region (bounds-checked by
+                        // `RegionGuard::range`), which the caller's guard keeps registered (so
+                        // allocated, per `LocalRegion`'s invariant) until after this synchronous
+                        // copy; `done + n <= len`. The source is `n` host bytes of staging; device
+                        // memory and the mapping never overlap.
+                        let copied = unsafe {
+                            let dst = NonNull::new_unchecked(ptr.add(done));
+                            side.gpu.memcpy(dst, side.staging, n, CopyKind::HostToDevice)
+                        };
+                        if let Err(e) = copied {
+                            failure = Some(e.to_string());
+                        }
+                    }
+                    done += n;
+                }
+                drop(switched);
+                match failure {
+                    None => {
+                        self.shared.metrics.gpu_staged_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                        Status::Ok
+                    }
+                    Some(error) => {
+                        tracing::warn!(device, %error, "tcp data server: copying a WRITE into device memory failed");
+                        Status::DeviceError
+                    }
+                }
+            }
+        };
+        self.replies.payload_bytes += len;
+        self.queue(Reply { status, id, length: 0 }, None);
+        Ok(status)
+    }
+
+    /// A READ of a GPU region: copied device → host into staging and sent from there. A READ that
+    /// fits the staging space left joins the queued replies (so small reads still share one gather
+    /// write); a larger one goes out alone, piece by piece.
+    fn read_device(
+        &mut self,
+        id: u64,
+        _guard: &RegionGuard,
+        device: u32,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Status, End> {
+        if len == 0 {
+            self.queue(Reply { status: Status::Ok, id, length: 0 }, None);
+            return Ok(Status::Ok);
+        }
+        let Some(side) = self.device_side(device) else {
+            self.queue(Reply { status: Status::DeviceError, id, length: 0 }, None);
+            return Ok(Status::DeviceError);
+        };
+        if len > side.capacity - self.staged {
+            self.flush()?;
+        }
+        let switched = match DeviceGuard::switch(side.gpu.as_ref(), side.device) {
+            Ok(switched) => switched,
+            Err(error) => {
+                tracing::warn!(device, %error, "tcp data server: cannot switch to the region's device");
+                self.queue(Reply { status: Status::DeviceError, id, length: 0 }, None);
+                return Ok(Status::DeviceError);
+            }
+        };
+        let first = len.min(side.capacity);
+        let at = if len <= side.capacity { self.staged } else { 0 };
+        // SAFETY: `at + first <= capacity`: either the READ fits after the `staged` bytes of
+        // queued payloads (checked above, else flushed, making `staged` 0), or it is larger than
+        // staging and starts at 0 (flushed above). So the destination is inside this connection's
+        // staging buffer and overlaps no queued payload. The source lies inside the GPU region
+        // (bounds-checked by `RegionGuard::range`), kept registered by the caller's guard past this
+        // synchronous copy.
+        let copied = unsafe {
+            let dst = NonNull::new_unchecked(side.staging.as_ptr().add(at));
+            side.gpu.memcpy(dst, NonNull::new_unchecked(ptr), first, CopyKind::DeviceToHost)
+        };
+        if let Err(error) = copied {
+            tracing::warn!(device, %error, "tcp data server: copying a READ out of device memory failed");
+            self.queue(Reply { status: Status::DeviceError, id, length: 0 }, None);
+            return Ok(Status::DeviceError);
+        }
+        if len <= side.capacity {
+            drop(switched);
+            // SAFETY: `at + len <= capacity` (above): a range of the staging buffer, which lives as
+            // long as the connection; it is not written again before this reply is flushed
+            // (`staged` covers it until the flush resets it).
+            let payload = unsafe { side.staging.as_ptr().add(at) };
+            self.staged = at + len;
+            self.replies.oldest.get_or_insert_with(Instant::now);
+            self.replies.headers.push(Reply { status: Status::Ok, id, length: len as u64 }.encode());
+            self.replies.payloads.push(Some((payload.cast_const(), len)));
+            self.replies.payload_bytes += len;
+            self.shared.metrics.gpu_staged_bytes.fetch_add(len as u64, Ordering::Relaxed);
+            return Ok(Status::Ok);
+        }
+        // Larger than staging: the header and the first piece, then piece after piece, all within
+        // one IO timeout. A copy that fails once the reply is under way cannot be reported in the
+        // stream any more: the connection closes (its requests fail as a lost connection).
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        let head = Reply { status: Status::Ok, id, length: len as u64 }.encode();
+        // SAFETY: the first `first` bytes of staging, just filled by the copy above.
+        let piece = unsafe { std::slice::from_raw_parts(side.staging.as_ptr(), first) };
+        write_all_vectored_until(
+            &mut self.writer,
+            &mut [IoSlice::new(&head), IoSlice::new(piece)],
+            deadline,
+            &mut self.write_clock,
+        )?;
+        let mut done = first;
+        while done < len {
+            let n = (len - done).min(side.capacity);
+            // SAFETY: as the first copy: `n <= capacity` bytes into staging (nothing queued: flushed
+            // above), from inside the guarded GPU region (`done + n <= len`).
+            let copied = unsafe {
+                let src = NonNull::new_unchecked(ptr.add(done));
+                side.gpu.memcpy(side.staging, src, n, CopyKind::DeviceToHost)
+            };
+            if let Err(error) = copied {
+                tracing::warn!(device, %error, "tcp data server: a READ of device memory failed mid-reply; closing the connection");
+                return Err(End::Io(io::Error::other(format!("device copy failed mid-reply: {error}"))));
+            }
+            // SAFETY: the `n` bytes of staging just filled.
+            let piece = unsafe { std::slice::from_raw_parts(side.staging.as_ptr(), n) };
+            write_all_vectored_until(&mut self.writer, &mut [IoSlice::new(piece)], deadline, &mut self.write_clock)?;
+            done += n;
+        }
+        drop(switched);
+        self.shared.metrics.gpu_staged_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(Status::Ok)
+    }
+
     /// Reads and drops `len` payload bytes of a refused WRITE, keeping the stream in sync.
     fn discard(&mut self, mut len: u64) -> Result<(), End> {
         while len > 0 {
@@ -720,10 +986,12 @@ impl ServerConn<'_> {
         for (head, payload) in q.headers.iter().zip(&q.payloads) {
             slices.push(IoSlice::new(head));
             if let Some((ptr, len)) = *payload {
-                // SAFETY: `ptr..ptr + len` was bounds-checked against its region by
-                // `RegionGuard::range`, and the region stays registered (so valid) while the guard in
-                // `q.guards` lives, which is until after this write. The slice is only read (by the
-                // kernel's `send`).
+                // SAFETY: either `ptr..ptr + len` was bounds-checked against its host region by
+                // `RegionGuard::range`, and the region stays registered (so valid) while the guard
+                // in `q.guards` lives, which is until after this write; or it is a range of the
+                // connection's GPU staging buffer (`read_device`), which lives as long as the
+                // connection and is not written before `staged` is reset below. The slice is only
+                // read (by the kernel's `send`).
                 slices.push(IoSlice::new(unsafe { std::slice::from_raw_parts(ptr, len) }));
             }
         }
@@ -735,6 +1003,7 @@ impl ServerConn<'_> {
         self.replies.guards.clear();
         self.replies.payload_bytes = 0;
         self.replies.oldest = None;
+        self.staged = 0;
         result.map_err(End::Io)
     }
 }
