@@ -48,7 +48,7 @@ fn run(engine: IoEngineKind) {
                     let k = (step * 7 + t) % versions.len();
                     let key = format!("t{t}-k{k}");
                     let len = 1 + (step * 1237 + t * 31) % (2 * PAGE as usize);
-                    if step % 3 != 0 {
+                    if !step.is_multiple_of(3) {
                         let a = b.batch_allocate(&[AllocateRequest::new(key.clone(), len as u64)]).remove(0);
                         match a.outcome {
                             AllocateOutcome::Allocated => {
@@ -74,7 +74,7 @@ fn run(engine: IoEngineKind) {
                             }
                             // Owned already (only this thread writes the key): evict, write later.
                             AllocateOutcome::AlreadyExists => {
-                                b.evict(&[key.clone()]);
+                                b.evict(std::slice::from_ref(&key));
                             }
                             AllocateOutcome::FailedNoSpace => {}
                             AllocateOutcome::Failed => panic!("{key} of {len} bytes refused for good"),
@@ -97,10 +97,10 @@ fn run(engine: IoEngineKind) {
                             hits += 1;
                         }
                     }
-                    if step % 50 == 0 {
+                    if step.is_multiple_of(50) {
                         b.reaper_tick();
                     }
-                    if step % 20 == 0 {
+                    if step.is_multiple_of(20) {
                         // The next reads of these keys go to the drive.
                         b.drop_cached_copies();
                     }
