@@ -80,7 +80,7 @@ fn run(engine: IoEngineKind) {
                             AllocateOutcome::Failed => panic!("{key} of {len} bytes refused for good"),
                         }
                     } else {
-                        let r = b.batch_resolve(&[key.clone()], false).remove(0);
+                        let r = b.batch_resolve(std::slice::from_ref(&key), false).remove(0);
                         if r.found {
                             let mut got = Vec::with_capacity(r.size as usize);
                             let mut left = r.size as usize;
