@@ -147,8 +147,23 @@ async fn hbm_node_round_trips_host_and_device_buffers_on_a_real_gpu() {
 /// memory, and the other nodes read a key the HBM node wrote itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn other_nodes_put_to_and_get_from_hbm_over_tcp_byte_exact() {
+    cross_node_round_trip(RuntimeSelection::Fake { devices: 1 }).await;
+}
+
+/// The same over the machine's real GPU runtime (skipped with a printed reason without one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn other_nodes_put_to_and_get_from_hbm_over_tcp_on_a_real_gpu() {
+    let Some(gpu) = umbp_gpu::probe() else {
+        eprintln!("skipped: no HIP or CUDA runtime with a device found (set by umbp_gpu::probe)");
+        return;
+    };
+    eprintln!("running on the {} runtime", gpu.name());
+    cross_node_round_trip(RuntimeSelection::Auto).await;
+}
+
+async fn cross_node_round_trip(runtime: RuntimeSelection) {
     let m = master().await;
-    let node = hbm_node(&m, "hbm-served", RuntimeSelection::Fake { devices: 1 }).await;
+    let node = hbm_node(&m, "hbm-served", runtime).await;
     let client = PoolClient::start(config(&m, "client", 0).with_medium(Medium::None)).await.expect("client starts");
     let dram = PoolClient::start(config(&m, "dram", 16 * PAGE)).await.expect("dram node starts");
     let mut all_keys = Vec::new();
