@@ -57,6 +57,14 @@ struct Pending {
     generation: u64,
 }
 
+/// A tombstone on the drive: in force while a segment that may hold an older record of its key
+/// (any segment up to `horizon` but its own) still exists.
+#[derive(Debug, Clone, Copy)]
+struct Tomb {
+    loc: Loc,
+    horizon: u64,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Owned {
     loc: Loc,
@@ -131,6 +139,10 @@ struct State {
     /// Bytes of commits between their lock phases.
     committing: u64,
     compacting: bool,
+    /// Evictions not yet logged on the drive: key, the tombstone's seq, its horizon.
+    tomb_pending: Vec<(String, u64, u64)>,
+    /// Tombstones on the drive still in force, by key.
+    tombs: HashMap<String, Tomb>,
     generation: u64,
     outbox: Vec<KvEvent>,
     auto_flush: Option<AutoFlush>,
@@ -184,9 +196,15 @@ impl State {
             && !self.reading.contains_key(key)
     }
 
-    /// Drops `key` from the index (its record becomes dead space) and frees its staged copy.
+    /// Drops `key` from the index (its record becomes dead space), frees its staged copy and queues
+    /// a tombstone, so a restart does not bring the key back.
     fn drop_owned(&mut self, key: &str, page_size: u64) -> Option<Owned> {
         let owned = self.owned.remove(key)?;
+        // The seq is taken now: a later put of the key gets a larger one and wins over it.
+        let seq = self.log.next_seq;
+        self.log.next_seq += 1;
+        let horizon = self.log.next_seg.saturating_sub(1);
+        self.tomb_pending.push((key.to_owned(), seq, horizon));
         self.lru.remove(key);
         self.used = self.used.saturating_sub(owned.size.div_ceil(page_size) * page_size);
         self.log.kill(&owned.loc);
@@ -333,6 +351,8 @@ pub struct SsdStats {
     pub live_bytes: u64,
     /// Staging pages in use (pending, cached or leased).
     pub staging_pages_in_use: u64,
+    /// Tombstones in force on the drives (evicted keys a restart must not bring back).
+    pub tombstones: u64,
 }
 
 impl SsdBackend {
@@ -371,9 +391,9 @@ impl SsdBackend {
     pub fn stats(&self) -> SsdStats {
         let c = &self.inner.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (segments, log_bytes, live_bytes) = {
+        let (segments, log_bytes, live_bytes, tombstones) = {
             let s = self.inner.state.lock();
-            (s.log.segs.len() as u64, s.log.physical_bytes(), s.log.live_bytes())
+            (s.log.segs.len() as u64, s.log.physical_bytes(), s.log.live_bytes(), s.tombs.len() as u64)
         };
         SsdStats {
             device_reads: l(&c.device_read_ok) + l(&c.device_read_error) + l(&c.device_read_corrupt),
@@ -392,6 +412,7 @@ impl SsdBackend {
             log_bytes,
             live_bytes,
             staging_pages_in_use: l(&c.staging_in_use),
+            tombstones,
         }
     }
 
@@ -470,7 +491,7 @@ impl SsdBackend {
             found.clear();
         }
         // Every record found, newest wins per key.
-        let mut records: Vec<(String, u64, Loc)> = Vec::new();
+        let mut records: Vec<Found> = Vec::new();
         for (id, dir) in found {
             let d = &log.dirs[dir];
             let path = d.path.join(SegmentFile::segment_name(id));
@@ -483,13 +504,24 @@ impl SsdBackend {
             log.segs.insert(id, SegMeta { file: seg, dir, append: end, live: 0, writers: 0, sealed: true });
             log.next_seg = log.next_seg.max(id + 1);
         }
-        records.sort_by_key(|r| std::cmp::Reverse(r.2.seq));
-        log.next_seq = records.first().map_or(1, |r| r.2.seq + 1);
+        records.sort_by_key(|r| std::cmp::Reverse(r.loc.seq));
+        log.next_seq = records.first().map_or(1, |r| r.loc.seq + 1);
         let mut owned: HashMap<String, Owned> = HashMap::default();
+        let mut tombs: Vec<(String, Tomb)> = Vec::new();
+        let mut seen: foldhash::HashSet<String> = foldhash::HashSet::default();
         let mut used = 0u64;
         let max_value = config.max_value_pages * config.page_size;
-        for (key, size, loc) in records {
-            if owned.contains_key(&key) || size > max_value || size == 0 {
+        for Found { key, size, loc, horizon } in records {
+            // Newest first: only the newest record of a key decides, a tombstone as much as a value.
+            if !seen.insert(key.clone()) {
+                continue;
+            }
+            if let Some(horizon) = horizon {
+                log.add_live(&loc);
+                tombs.push((key, Tomb { loc, horizon }));
+                continue;
+            }
+            if size > max_value || size == 0 {
                 continue;
             }
             let bytes = size.div_ceil(config.page_size) * config.page_size;
@@ -504,7 +536,7 @@ impl SsdBackend {
         let mut owned: Vec<(String, Owned)> = owned.into_iter().collect();
         // Oldest first, so the LRU starts in write order.
         owned.sort_by_key(|(_, o)| o.loc.seq);
-        Ok((log, owned, total))
+        Ok(Recovered { log, owned, tombs, total })
     }
 
     /// Reads every record of one segment, verifying both CRCs; returns where valid data ends.
@@ -513,7 +545,7 @@ impl SsdBackend {
         engine: &dyn IoEngine,
         seg: &Arc<SegmentFile>,
         len: u64,
-        out: &mut Vec<(String, u64, Loc)>,
+        out: &mut Vec<Found>,
     ) -> Result<u64, BackendError> {
         let c = &self.inner.counters;
         let file = seg.file().map_err(|e| Self::io_error("opening a segment".into(), e))?;
@@ -561,7 +593,12 @@ impl SsdBackend {
             if record::data_crc(header.key.as_bytes(), body) == header.data_crc {
                 bump(&c.recovery_record);
                 let loc = Loc { seg: seg.id, offset, len: rlen, seq: header.seq };
-                out.push((header.key, header.value_size, loc));
+                let horizon = (header.flags & record::FLAG_TOMBSTONE != 0 && body.len() >= 8).then(|| {
+                    let mut h = [0u8; 8];
+                    h.copy_from_slice(&body[..8]);
+                    u64::from_le_bytes(h)
+                });
+                out.push(Found { key: header.key, size: header.value_size, loc, horizon });
             } else {
                 bump(&c.recovery_corrupt);
                 tracing::warn!(segment = %seg.path.display(), offset, key = %header.key, "record fails its CRC; skipped");
@@ -583,8 +620,24 @@ impl SsdBackend {
     }
 }
 
-/// What `open_log` found: the log, the owned keys (oldest first) and the capacity in bytes.
-type Recovered = (Log, Vec<(String, Owned)>, u64);
+/// What `open_log` found.
+struct Recovered {
+    log: Log,
+    /// Owned keys, oldest first.
+    owned: Vec<(String, Owned)>,
+    /// Tombstones still in force.
+    tombs: Vec<(String, Tomb)>,
+    /// The capacity in bytes.
+    total: u64,
+}
+
+/// One valid record found by a scan (`horizon`: a tombstone's).
+struct Found {
+    key: String,
+    size: u64,
+    loc: Loc,
+    horizon: Option<u64>,
+}
 
 impl Inner {
     fn bytes_of(&self, size: u64) -> u64 {
@@ -724,10 +777,83 @@ impl Inner {
                 state.free(&pages);
             }
             self.update_staging_gauge(&state);
+            retire_tombstones(&mut state);
             state.log.take_dead_segments()
         };
         self.delete_segments(dead);
+        self.flush_tombstones();
         self.compact_once();
+    }
+
+    /// Writes the queued tombstones (one small record each, in one engine batch) and puts them in
+    /// force. A tombstone lost to a failed write or a crash only lets its key come back after a
+    /// restart, with bytes that still pass their CRC.
+    fn flush_tombstones(&self) {
+        let Some(engine) = self.engine() else { return };
+        let (mut batch, generation) = {
+            let mut state = self.state.lock();
+            if state.tomb_pending.is_empty() {
+                return;
+            }
+            let pending = std::mem::take(&mut state.tomb_pending);
+            let generation = state.generation;
+            let batch: Vec<(String, u64, u64, crate::store::Reservation)> = pending
+                .into_iter()
+                .map(|(key, seq, horizon)| {
+                    let res = state.log.reserve(record_len(key.len(), 8));
+                    (key, seq, horizon, res)
+                })
+                .collect();
+            (batch, generation)
+        };
+        let mut bufs = Vec::with_capacity(batch.len());
+        let mut ops = Vec::with_capacity(batch.len());
+        let mut op_of = Vec::with_capacity(batch.len());
+        for (key, seq, horizon, res) in &batch {
+            let hl = header_len(key.len()) as usize;
+            let Ok(mut buf) = AlignedBuf::zeroed(res.loc.len as usize) else {
+                op_of.push(None);
+                continue;
+            };
+            let value = horizon.to_le_bytes();
+            buf.as_mut_slice()[hl..hl + 8].copy_from_slice(&value);
+            let crc = record::data_crc(key.as_bytes(), &value);
+            record::encode_header_flags(&mut buf.as_mut_slice()[..hl], key, 8, *seq, crc, record::FLAG_TOMBSTONE);
+            match res.file.file() {
+                Ok(f) => {
+                    let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+                    // SAFETY: `buf` is kept in `bufs` until after the submit; `f` stays open
+                    // through `res.file`.
+                    ops.push(unsafe { IoOp::new(f, res.loc.offset, &[(ptr, len)], true) });
+                    op_of.push(Some(ops.len() - 1));
+                }
+                Err(_) => op_of.push(None),
+            }
+            bufs.push(buf);
+        }
+        engine.submit(&mut ops);
+        let mut state = self.state.lock();
+        for ((key, seq, horizon, res), o) in batch.drain(..).zip(op_of) {
+            state.log.finish_write(res.loc.seg);
+            let ok = o.is_some_and(|i| ops[i].result.is_ok());
+            if !ok {
+                state.log.seal(res.loc.seg);
+                tracing::warn!(key = %key, "could not log an eviction; the key may come back after a restart");
+                continue;
+            }
+            // Not needed when a clear wiped the log or the key was put again since.
+            let superseded = state.generation != generation || state.owned.get(&key).is_some_and(|o| o.loc.seq > seq);
+            if superseded {
+                continue;
+            }
+            let loc = Loc { seq, ..res.loc };
+            state.log.add_live(&loc);
+            if let Some(old) = state.tombs.insert(key, Tomb { loc, horizon }) {
+                // The newer tombstone covers every segment the older one did.
+                state.log.kill(&old.loc);
+            }
+        }
+        drop(bufs);
     }
 
     fn delete_segments(&self, dead: Vec<Arc<SegmentFile>>) {
@@ -757,11 +883,20 @@ impl Inner {
                 return;
             }
             let Some(seg) = state.log.compaction_candidate(self.config.reclaim_dead_ratio) else { return };
-            let victims: Vec<(String, Owned, Arc<SegmentFile>)> = state
+            let Some(file) = state.log.segs.get(&seg).map(|s| Arc::clone(&s.file)) else { return };
+            // Live records and tombstones in force both move (a tombstone is a record too).
+            let victims: Vec<(String, Loc, bool, Arc<SegmentFile>)> = state
                 .owned
                 .iter()
                 .filter(|(_, o)| o.loc.seg == seg)
-                .filter_map(|(k, o)| state.log.segs.get(&seg).map(|s| (k.clone(), *o, Arc::clone(&s.file))))
+                .map(|(k, o)| (k.clone(), o.loc, false, Arc::clone(&file)))
+                .chain(
+                    state
+                        .tombs
+                        .iter()
+                        .filter(|(_, t)| t.loc.seg == seg)
+                        .map(|(k, t)| (k.clone(), t.loc, true, Arc::clone(&file))),
+                )
                 .collect();
             if victims.is_empty() {
                 return;
@@ -769,7 +904,12 @@ impl Inner {
             state.compacting = true;
             (victims, state.generation)
         };
-        for (key, old, file) in victims {
+        // Where the index has `key`'s record (or its tombstone) now.
+        let current = |state: &State, key: &str, tomb: bool| {
+            if tomb { state.tombs.get(key).map(|t| t.loc) } else { state.owned.get(key).map(|o| o.loc) }
+        };
+        for (key, old_loc, tomb, file) in victims {
+            let old = Owned { loc: old_loc, size: 0 };
             let moved = (|| -> io::Result<bool> {
                 let mut buf = AlignedBuf::zeroed(old.loc.len as usize)?;
                 let ptr = buf.as_mut_ptr();
@@ -788,7 +928,7 @@ impl Inner {
                 }
                 let res = {
                     let mut state = self.state.lock();
-                    if state.generation != generation || state.owned.get(&key).is_none_or(|o| o.loc != old.loc) {
+                    if state.generation != generation || current(&state, &key, tomb) != Some(old.loc) {
                         return Ok(false);
                     }
                     state.log.reserve(old.loc.len)
@@ -806,7 +946,7 @@ impl Inner {
                 if result.is_err() {
                     return result.map(|()| false);
                 }
-                let still = state.generation == generation && state.owned.get(&key).is_some_and(|o| o.loc == old.loc);
+                let still = state.generation == generation && current(&state, &key, tomb) == Some(old.loc);
                 if !still {
                     return Ok(false);
                 }
@@ -814,7 +954,11 @@ impl Inner {
                 let new = Loc { seq: old.loc.seq, ..res.loc };
                 state.log.kill(&old.loc);
                 state.log.add_live(&new);
-                if let Some(o) = state.owned.get_mut(&key) {
+                if tomb {
+                    if let Some(t) = state.tombs.get_mut(&key) {
+                        t.loc = new;
+                    }
+                } else if let Some(o) = state.owned.get_mut(&key) {
                     o.loc = new;
                 }
                 Ok(true)
@@ -1097,6 +1241,23 @@ impl Inner {
     }
 }
 
+/// Takes out of force every tombstone no older record of its key can be hiding behind: no segment
+/// up to its horizon is left but its own.
+fn retire_tombstones(state: &mut State) {
+    let log = &state.log;
+    let retired: Vec<String> = state
+        .tombs
+        .iter()
+        .filter(|(_, t)| !log.segs.range(..=t.horizon).any(|(id, _)| *id != t.loc.seg))
+        .map(|(k, _)| k.clone())
+        .collect();
+    for key in retired {
+        if let Some(t) = state.tombs.remove(&key) {
+            state.log.kill(&t.loc);
+        }
+    }
+}
+
 /// Splits `(address, length)` segments into groups of at most `chunk` bytes each (a segment
 /// larger than `chunk` is cut; `chunk` and every length are multiples of the record alignment).
 fn split_segments(segs: &[(*mut u8, usize)], chunk: usize) -> Vec<Vec<(*mut u8, usize)>> {
@@ -1373,7 +1534,7 @@ impl MediumBackend for SsdBackend {
         let engine: Arc<dyn IoEngine> = make_engine(config.io_engine, config.queue_depth)
             .map_err(|e| Self::io_error(format!("starting the {} io engine", config.io_engine), e))?
             .into();
-        let (log, owned, total) = self.open_log(engine.as_ref())?;
+        let Recovered { log, owned, tombs, total } = self.open_log(engine.as_ref())?;
         let arena = config.staging_pages * config.page_size;
         let buffers = self.source.allocate(&[arena]).map_err(|e| BackendError::OutOfMemory {
             medium: NAME.into(),
@@ -1431,6 +1592,7 @@ impl MediumBackend for SsdBackend {
             state.used = used;
             state.total = total;
             state.log = log;
+            state.tombs = tombs.into_iter().collect();
             state.staging = Some(staging);
         }
         *self.reaper.lock() = Some(reaper);
@@ -1446,6 +1608,8 @@ impl MediumBackend for SsdBackend {
         }
         *lifecycle = Lifecycle::ShutDown;
         self.stop_reaper();
+        // Log the last evictions, so the keys stay gone after a restart.
+        self.inner.flush_tombstones();
         let old = std::mem::take(&mut *self.inner.state.lock());
         // Make what was written durable before the process may go (outside the lock).
         for seg in old.log.segs.values() {
@@ -1498,6 +1662,9 @@ impl MediumBackend for SsdBackend {
             state.generation += 1;
             state.owned.clear();
             state.lru.clear();
+            // The whole log goes: nothing is left for a tombstone to hold down.
+            state.tombs.clear();
+            state.tomb_pending.clear();
             let staged = std::mem::take(&mut state.staged);
             for (_, s) in staged {
                 match s.lease_until.filter(|t| *t > now) {
@@ -1692,6 +1859,11 @@ impl MediumBackend for SsdBackend {
                 continue;
             }
             state.log.add_live(&job.loc);
+            // The new record outranks every older one of the key: its tombstones are not needed.
+            if let Some(t) = state.tombs.remove(&job.key) {
+                state.log.kill(&t.loc);
+            }
+            state.tomb_pending.retain(|(k, _, _)| *k != job.key);
             state.owned.insert(job.key.clone(), Owned { loc: job.loc, size: job.size });
             state.lru.touch(&job.key);
             if config.cache_committed && !state.staged.contains_key(&job.key) {

@@ -60,11 +60,11 @@
 //! # Deliberate differences from the reference
 //! - Values may span up to [`SsdConfigBuilder::max_value_pages`] pages (default 1, the reference's
 //!   one key = one page); larger values are `Failed`, never `FailedNoSpace`.
-//! - The drive contents survive a restart (the reference wipes them). Evictions are not logged
-//!   (there are no tombstones): a key evicted (or removed) before the restart whose record was not
-//!   reclaimed yet comes back. Its bytes pass their CRC, but they may be an older value of the key
-//!   if a newer record of it was already reclaimed — harmless for a KV cache keyed by a prefix
-//!   hash, whose value for a key never changes; `clear_local` deletes the whole log.
+//! - The drive contents survive a restart (the reference wipes them). An eviction is logged as a
+//!   tombstone record (written by the reaper, and at `shutdown`), which stays in force while any
+//!   segment that may hold an older record of its key exists; a restart therefore brings back no
+//!   evicted key — unless the process died before the tombstone was written, in which case the key
+//!   comes back with bytes that pass their CRC. `clear_local` deletes the whole log.
 //! - Dead space is reclaimed; the reference never compacts.
 //! - `clear_local` keeps leased staging pages until their lease ends (the reference frees them at
 //!   once, under a reader's feet).

@@ -22,6 +22,11 @@ pub(crate) const MAGIC: u32 = 0x554D_4250;
 pub(crate) const VERSION: u16 = 1;
 /// Fixed header bytes before the key.
 pub(crate) const FIXED: usize = 40;
+/// `flags` bit: the record is a tombstone — its key was evicted at its `seq`, so no record of the
+/// key with a smaller `seq` may be recovered. Its 8-byte value is the horizon: the highest segment id
+/// that existed when the key was evicted (only those segments can hold older records of it).
+pub(crate) const FLAG_TOMBSTONE: u16 = 1;
+
 /// The longest key a record may carry (keys are prefix hashes: far shorter in practice).
 pub(crate) const MAX_KEY_LEN: usize = 64 * 1024;
 
@@ -47,6 +52,7 @@ pub(crate) struct Header {
     pub(crate) value_size: u64,
     pub(crate) seq: u64,
     pub(crate) data_crc: u32,
+    pub(crate) flags: u16,
 }
 
 impl Header {
@@ -73,11 +79,16 @@ pub(crate) fn data_crc(key: &[u8], value: &[u8]) -> u32 {
 /// Writes the header block of a record into `block` (which must be `header_len(key.len())` bytes,
 /// zeroed or not: the padding is zeroed here).
 pub(crate) fn encode_header(block: &mut [u8], key: &str, value_size: u64, seq: u64, data_crc: u32) {
+    encode_header_flags(block, key, value_size, seq, data_crc, 0);
+}
+
+/// [`encode_header`] with `flags` (see [`FLAG_TOMBSTONE`]).
+pub(crate) fn encode_header_flags(block: &mut [u8], key: &str, value_size: u64, seq: u64, data_crc: u32, flags: u16) {
     debug_assert_eq!(block.len() as u64, header_len(key.len()));
     block.fill(0);
     block[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     block[4..6].copy_from_slice(&VERSION.to_le_bytes());
-    // flags (6..8) stay 0: no flag is defined in version 1.
+    block[6..8].copy_from_slice(&flags.to_le_bytes());
     block[8..12].copy_from_slice(&(key.len() as u32).to_le_bytes());
     block[16..24].copy_from_slice(&value_size.to_le_bytes());
     block[24..32].copy_from_slice(&seq.to_le_bytes());
@@ -124,7 +135,12 @@ pub(crate) fn decode_header(block: &[u8]) -> Result<Header, HeaderError> {
         return Err(HeaderError::Invalid);
     }
     let key = std::str::from_utf8(&block[FIXED..FIXED + key_len]).map_err(|_| HeaderError::Invalid)?.to_owned();
-    Ok(Header { key, value_size: u64_at(block, 16), seq: u64_at(block, 24), data_crc: u32_at(block, 32) })
+    let flags = u16::from_le_bytes([block[6], block[7]]);
+    if flags & !FLAG_TOMBSTONE != 0 {
+        // A flag this version does not know: not a record it can interpret.
+        return Err(HeaderError::Invalid);
+    }
+    Ok(Header { key, value_size: u64_at(block, 16), seq: u64_at(block, 24), data_crc: u32_at(block, 32), flags })
 }
 
 #[cfg(test)]
@@ -137,7 +153,10 @@ mod tests {
         let mut block = vec![0u8; header_len(key.len()) as usize];
         encode_header(&mut block, key, 12345, 7, 0xDEAD_BEEF);
         let h = decode_header(&block).expect("valid header");
-        assert_eq!(h, Header { key: key.into(), value_size: 12345, seq: 7, data_crc: 0xDEAD_BEEF });
+        assert_eq!(h, Header { key: key.into(), value_size: 12345, seq: 7, data_crc: 0xDEAD_BEEF, flags: 0 });
+        let mut tomb = vec![0u8; header_len(key.len()) as usize];
+        encode_header_flags(&mut tomb, key, 8, 9, 1, FLAG_TOMBSTONE);
+        assert_eq!(decode_header(&tomb).map(|h| h.flags), Ok(FLAG_TOMBSTONE));
         assert_eq!(h.record_len(), 4096 + 16384);
         for i in 0..FIXED + key.len() {
             let mut bad = block.clone();
