@@ -6,6 +6,7 @@
 //! resolve of an OWNED key: cached copy? ─yes─► lease it  │
 //!                          └─no─► take staging pages, read the drive (single flight), verify CRC, lease
 //! evict / LRU eviction: OWNED ─► dead record (space reclaimed by the reaper) + REMOVE
+//!                                 + a tombstone record (written by the reaper) for restarts
 //! ```
 //!
 //! Every call works in three phases when it touches the drive: take what it needs under the lock,
