@@ -369,3 +369,39 @@ fn killing_the_server_mid_batch_fails_pending_items_promptly() {
     assert_eq!(kinds(&failures), vec![FailureKind::ConnectionLost]);
     assert!(started.elapsed() < Duration::from_secs(4));
 }
+
+#[test]
+fn killing_the_server_mid_read_batch_fails_pending_items_promptly_and_reports_them() {
+    let mut child = Child::spawn(None);
+    let engine = parent_engine(None);
+    let mut bufs: Vec<HostBuf> = (0..4).map(|i| HostBuf::with_pattern(16 << 20, 100 + i)).collect();
+    let refs: Vec<TransferRef> = bufs.iter_mut().map(|b| b.register(&engine)).collect();
+    // Warm up: the pooled connections exist before the big batch.
+    transfer(&engine, &[item(&child.main, 0, &refs[0], 0, 16 << 20, 0)]).expect("warm up read");
+
+    // 1 GiB of reads: 256 items of 4 MiB from the child into the four local buffers.
+    let items: Vec<_> = (0..256u64)
+        .map(|i| {
+            let b = (i % 4) as usize;
+            item(&child.main, (i % 16) << 22, &refs[b], ((i / 4) % 4) << 22, 4 << 20, i)
+        })
+        .collect();
+    let set = engine.plan(&items);
+    let mut handle = engine.submit(set.plans).expect("submitted");
+    // Killed right away: 1 GiB cannot have crossed loopback yet.
+    child.kill();
+    let started = Instant::now();
+    let failures = handle.wait();
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(4), "wait took {waited:?}");
+    assert!(!failures.is_empty(), "the batch cannot have finished before the kill");
+    for f in &failures {
+        assert!(matches!(f.kind, FailureKind::ConnectionLost | FailureKind::Timeout), "{f:?}");
+        assert_eq!(f.endpoint, child.endpoint);
+    }
+    // Each failure names the items it failed, and only items of this batch.
+    for f in &failures {
+        assert!(!f.tags.is_empty(), "a failure without the items it failed: {f:?}");
+        assert!(f.tags.iter().all(|t| *t < 256), "a tag outside the batch: {f:?}");
+    }
+}
