@@ -474,6 +474,14 @@ impl SsdBackend {
                 tracing::info!(dir = %dir.display(), "O_DIRECT refused by the filesystem; using buffered IO");
             }
             let share = total / n + if i == 0 { total % n } else { 0 };
+            // The advertised capacity is a promise about the drive: say so when the filesystem
+            // cannot keep it (the log's own segments already there count as room).
+            if let Some(free) = free_bytes(dir) {
+                let ours = segment_bytes_in(dir);
+                if free.saturating_add(ours) < share {
+                    tracing::warn!(dir = %dir.display(), share, free, "the filesystem has less free space than this directory's share of the SSD capacity; writes may fail with ENOSPC");
+                }
+            }
             log.dirs.push(DirState { path: dir.clone(), direct, share, physical: 0, active: None });
             let entries = fs::read_dir(dir).map_err(|e| Self::io_error(format!("listing {}", dir.display()), e))?;
             for entry in entries {
@@ -1240,6 +1248,32 @@ impl Inner {
             self.count_write(job, result);
         }
     }
+}
+
+/// Bytes available to unprivileged users on the filesystem holding `dir` (`statvfs`).
+fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is a valid NUL-terminated string and `st` is writable for one `statvfs`.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: `statvfs` returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// Bytes of segment files already in `dir`.
+fn segment_bytes_in(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else { return 0 };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_str().and_then(SegmentFile::parse_name).is_some())
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
 }
 
 /// Takes out of force every tombstone no older record of its key can be hiding behind: no segment
