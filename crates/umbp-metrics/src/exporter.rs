@@ -3,16 +3,18 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusRecorder};
 use metrics_util::MetricKindMask;
 use parking_lot::Mutex;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use umbp_core::{MediumBackend, MetricSource};
 
+use crate::names;
 use crate::publisher::{Labels, MetricPublisher};
 
 /// Why the endpoint could not start.
@@ -30,20 +32,26 @@ pub enum MetricsError {
     },
 }
 
-/// Settings of a metrics endpoint.
+/// Settings of a metrics endpoint. Labels stamped on every series belong to the exporter
+/// ([`MetricsExporter::new`]), not to the endpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MetricsConfig {
     /// Where `/metrics` is served; port 0 picks a free one. Default: `127.0.0.1:9091`.
     pub listen: SocketAddr,
     /// How often every source is sampled between scrapes (a scrape also samples). Default: 1 s.
     pub interval: Duration,
-    /// Labels stamped on every series of the process (a node stamps `node=`). Default: none.
-    pub labels: Labels,
+    /// Connections served at once; one beyond them is closed at once and counted in
+    /// [`names::METRICS_REFUSED_CONNECTIONS_TOTAL`]. Default: 8 (at least 1).
+    pub max_connections: usize,
 }
 
 impl Default for MetricsConfig {
     fn default() -> Self {
-        Self { listen: SocketAddr::from(([127, 0, 0, 1], 9091)), interval: Duration::from_secs(1), labels: Vec::new() }
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9091)),
+            interval: Duration::from_secs(1),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
     }
 }
 
@@ -59,12 +67,15 @@ impl MetricsConfig {
         self
     }
 
-    /// Stamps `key=value` on every series.
-    pub fn with_label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.labels.push((key.into(), value.into()));
+    /// Serves at most `max` connections at once.
+    pub fn with_max_connections(mut self, max: usize) -> Self {
+        self.max_connections = max;
         self
     }
 }
+
+/// Connections the endpoint serves at once by default: Prometheus holds one per scrape.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 8;
 
 struct Source {
     id: String,
@@ -79,6 +90,9 @@ pub struct MetricsExporter {
     recorder: PrometheusRecorder,
     sources: Mutex<Vec<Source>>,
     publisher: Mutex<MetricPublisher>,
+    /// The latest scrape render and when it finished: one render at a time, shared by the scrapes
+    /// that arrived while it ran.
+    last_render: tokio::sync::Mutex<Option<(Instant, Arc<str>)>>,
 }
 
 impl std::fmt::Debug for MetricsExporter {
@@ -99,6 +113,7 @@ impl MetricsExporter {
             recorder: builder.build_recorder(),
             sources: Mutex::new(Vec::new()),
             publisher: Mutex::new(MetricPublisher::new()),
+            last_render: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -132,6 +147,41 @@ impl MetricsExporter {
     pub fn render(&self) -> String {
         self.publish();
         self.recorder.handle().render()
+    }
+
+    /// [`render`](Self::render) for a scrape, single-flight: one render runs at a time (on the
+    /// blocking pool), and a scrape that arrived while one ran waits for it and serves its text
+    /// instead of rendering again, so a burst of scrapes costs one render and one blocking thread.
+    pub async fn render_shared(self: &Arc<Self>) -> Option<Arc<str>> {
+        let arrived = Instant::now();
+        let mut last = self.last_render.lock().await;
+        if let Some((done, text)) = last.as_ref()
+            && *done >= arrived
+        {
+            return Some(Arc::clone(text));
+        }
+        let e = Arc::clone(self);
+        let text: Arc<str> = tokio::task::spawn_blocking(move || e.render()).await.ok()?.into();
+        *last = Some((Instant::now(), Arc::clone(&text)));
+        Some(text)
+    }
+
+    /// Counts a connection the endpoint closed unserved (over its connection limit).
+    fn count_refused(&self) {
+        let key = metrics::Key::from_static_name(names::METRICS_REFUSED_CONNECTIONS_TOTAL);
+        metrics::Recorder::register_counter(&self.recorder, &key, &metadata()).increment(1);
+    }
+
+    /// Makes the refusal counter exist (at 0) before the first refusal.
+    fn describe_endpoint(&self) {
+        use metrics::Recorder;
+        self.recorder.describe_counter(
+            names::METRICS_REFUSED_CONNECTIONS_TOTAL.into(),
+            None,
+            names::METRICS_REFUSED_CONNECTIONS_TOTAL_HELP.into(),
+        );
+        let key = metrics::Key::from_static_name(names::METRICS_REFUSED_CONNECTIONS_TOTAL);
+        self.recorder.register_counter(&key, &metadata()).increment(0);
     }
 
     /// The recorder (for tests that check series without HTTP).
@@ -168,17 +218,37 @@ impl MetricsServer {
                 }
             })
         };
+        exporter.describe_endpoint();
+        let permits = Arc::new(Semaphore::new(config.max_connections.max(1)));
         let server = {
             let exporter = Arc::clone(&exporter);
             tokio::spawn(async move {
+                let mut last_warn: Option<Instant> = None;
                 loop {
                     match listener.accept().await {
-                        Ok((stream, _)) => {
-                            tokio::spawn(answer(stream, Arc::clone(&exporter)));
-                        }
-                        // Out of descriptors and the like: back off instead of spinning.
+                        Ok((stream, _)) => match Arc::clone(&permits).try_acquire_owned() {
+                            Ok(permit) => {
+                                let exporter = Arc::clone(&exporter);
+                                tokio::spawn(async move {
+                                    answer(stream, exporter).await;
+                                    drop(permit);
+                                });
+                            }
+                            // Over the limit: close at once (dropping the stream), count it.
+                            Err(_) => {
+                                drop(stream);
+                                exporter.count_refused();
+                            }
+                        },
+                        // Out of descriptors and the like: back off instead of spinning; say so at
+                        // most once a second.
                         Err(e) => {
-                            tracing::debug!(error = %e, "metrics endpoint: accept failed");
+                            if last_warn.is_none_or(|t| t.elapsed() >= ACCEPT_WARN_EVERY) {
+                                last_warn = Some(Instant::now());
+                                tracing::warn!(error = %e, "metrics endpoint: accept failed");
+                            } else {
+                                tracing::debug!(error = %e, "metrics endpoint: accept failed");
+                            }
                             tokio::time::sleep(Duration::from_millis(100)).await;
                         }
                     }
@@ -217,10 +287,28 @@ impl Drop for MetricsServer {
     }
 }
 
+fn metadata() -> metrics::Metadata<'static> {
+    metrics::Metadata::new("umbp", metrics::Level::INFO, Some(module_path!()))
+}
+
 /// The largest request head read: a scrape's is a few hundred bytes.
 const MAX_REQUEST: usize = 8 << 10;
 /// How long a client may take to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a client may take to take the reply.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The least time between two accept-failure warnings.
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(1);
+
+/// How reading a request head ended.
+enum Head {
+    /// The head, through its blank line.
+    Complete,
+    /// Larger than [`MAX_REQUEST`] with no end in sight.
+    TooLarge,
+    /// Closed, failed or too slow.
+    Gone,
+}
 
 /// Answers one HTTP/1.x request on `stream`, then closes it. Only `GET /metrics` (any query string)
 /// is served; the peer's bytes are only searched for the end of the head and the request line.
@@ -228,38 +316,47 @@ async fn answer(mut stream: TcpStream, exporter: Arc<MetricsExporter>) {
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 1024];
     let read = tokio::time::timeout(REQUEST_TIMEOUT, async {
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
+        loop {
+            if head.windows(4).any(|w| w == b"\r\n\r\n") {
+                return Head::Complete;
+            }
+            if head.len() >= MAX_REQUEST {
+                return Head::TooLarge;
+            }
             match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => return false,
+                Ok(0) | Err(_) => return Head::Gone,
                 Ok(n) => head.extend_from_slice(&buf[..n]),
             }
         }
-        true
     })
     .await;
-    if !matches!(read, Ok(true)) {
-        return;
-    }
-    let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
-    let mut parts = line.split(|b| *b == b' ');
-    let (method, target) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
-    let path = target.split(|b| *b == b'?').next().unwrap_or_default();
-    let (status, content_type, body) = match (method, path) {
-        (b"GET", b"/metrics") => {
-            let e = Arc::clone(&exporter);
-            match tokio::task::spawn_blocking(move || e.render()).await {
-                Ok(body) => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", body),
-                Err(_) => ("500 Internal Server Error", "text/plain", "rendering failed\n".to_owned()),
+    let (status, content_type, body): (&str, &str, Arc<str>) = match read {
+        Ok(Head::Complete) => {
+            let line = head.split(|b| *b == b'\r').next().unwrap_or_default();
+            let mut parts = line.split(|b| *b == b' ');
+            let (method, target) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+            let path = target.split(|b| *b == b'?').next().unwrap_or_default();
+            match (method, path) {
+                (b"GET", b"/metrics") => match exporter.render_shared().await {
+                    Some(body) => ("200 OK", "text/plain; version=0.0.4; charset=utf-8", body),
+                    None => ("500 Internal Server Error", "text/plain", "rendering failed\n".into()),
+                },
+                (b"GET", _) => ("404 Not Found", "text/plain", "umbp: metrics are at /metrics\n".into()),
+                _ => ("405 Method Not Allowed", "text/plain", "only GET is served\n".into()),
             }
         }
-        (b"GET", _) => ("404 Not Found", "text/plain", "umbp: metrics are at /metrics\n".to_owned()),
-        _ => ("405 Method Not Allowed", "text/plain", "only GET is served\n".to_owned()),
+        Ok(Head::TooLarge) => ("431 Request Header Fields Too Large", "text/plain", "request head too large\n".into()),
+        Ok(Head::Gone) | Err(_) => return,
     };
     let reply = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
-    if stream.write_all(reply.as_bytes()).await.is_ok() && stream.write_all(body.as_bytes()).await.is_ok() {
-        let _ = stream.shutdown().await;
-    }
+    // A client that does not take the reply is dropped after WRITE_TIMEOUT, giving its permit back.
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, async {
+        if stream.write_all(reply.as_bytes()).await.is_ok() && stream.write_all(body.as_bytes()).await.is_ok() {
+            let _ = stream.shutdown().await;
+        }
+    })
+    .await;
 }

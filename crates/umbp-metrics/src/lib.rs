@@ -24,8 +24,11 @@
 //!
 //! # Why our own HTTP endpoint
 //! `metrics-exporter-prometheus`'s listener cannot report the port it bound for port 0 and cannot
-//! sample the sources when a scrape arrives; ours does both in ~60 lines over tokio, so the
-//! exporter's crate is used without default features (its push gateway pulls a C crypto build).
+//! sample the sources when a scrape arrives; ours does both in a page over tokio, so the
+//! exporter's crate is used without default features (its push gateway pulls a C crypto build). It
+//! serves at most [`MetricsConfig::max_connections`] connections at once (closing the others at once
+//! and counting them), renders single-flight on the blocking pool (a scrape burst costs one render),
+//! and gives a client 5 s to send its request and 10 s to take the reply.
 #![forbid(unsafe_code)]
 
 mod exporter;
@@ -33,7 +36,7 @@ mod instrumented;
 pub mod names;
 mod publisher;
 
-pub use exporter::{MetricsConfig, MetricsError, MetricsExporter, MetricsServer};
+pub use exporter::{DEFAULT_MAX_CONNECTIONS, MetricsConfig, MetricsError, MetricsExporter, MetricsServer};
 pub use instrumented::{InstrumentedBackend, Op, OpCounts, Status};
 pub use publisher::{Labels, MetricPublisher};
 

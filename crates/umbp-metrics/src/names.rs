@@ -92,6 +92,15 @@ pub const OPS: [&str; 5] = ["allocate", "commit", "abort", "resolve", "evict"];
 /// The outcomes of one entry, as their `status=` label values.
 pub const STATUSES: [&str; 5] = ["ok", "exists", "no_space", "miss", "failed"];
 
+// --- the `/metrics` endpoint itself ---------------------------------------------------------------
+
+/// Counter of connections the `/metrics` endpoint closed unserved because it was serving its
+/// connection limit already.
+pub const METRICS_REFUSED_CONNECTIONS_TOTAL: &str = "umbp_metrics_refused_connections_total";
+/// Help text of [`METRICS_REFUSED_CONNECTIONS_TOTAL`].
+pub const METRICS_REFUSED_CONNECTIONS_TOTAL_HELP: &str =
+    "Connections the metrics endpoint closed unserved, over its connection limit.";
+
 // --- the client side of a node (`PoolClient`) -----------------------------------------------------
 
 /// Counter of keys sent to the master again after a failed attempt (put or get).
