@@ -31,6 +31,44 @@ pub mod names {
     /// Help text of [`TRANSFER_SECONDS_TOTAL`].
     pub const TRANSFER_SECONDS_TOTAL_HELP: &str =
         "Seconds from submit to completion of transfer plans, by engine and direction.";
+
+    /// Counter of connections a TCP engine opened to peers.
+    pub const TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL: &str = "umbp_transfer_tcp_connections_opened_total";
+    /// Help text of [`TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL`].
+    pub const TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL_HELP: &str = "Connections this TCP engine opened to peers.";
+    /// Counter of a TCP engine's failed connection attempts, by `reason=`.
+    pub const TRANSFER_TCP_CONNECT_FAILURES_TOTAL: &str = "umbp_transfer_tcp_connect_failures_total";
+    /// Help text of [`TRANSFER_TCP_CONNECT_FAILURES_TOTAL`].
+    pub const TRANSFER_TCP_CONNECT_FAILURES_TOTAL_HELP: &str =
+        "Failed connection attempts of this TCP engine, by reason.";
+    /// Counter of requests the TCP data server served, by `status=`.
+    pub const TRANSFER_TCP_SERVER_REQUESTS_TOTAL: &str = "umbp_transfer_tcp_server_requests_total";
+    /// Help text of [`TRANSFER_TCP_SERVER_REQUESTS_TOTAL`].
+    pub const TRANSFER_TCP_SERVER_REQUESTS_TOTAL_HELP: &str = "Requests served by the TCP data server, by status.";
+    /// Gauge of connections open on the TCP data server.
+    pub const TRANSFER_TCP_SERVER_CONNECTIONS: &str = "umbp_transfer_tcp_server_connections";
+    /// Help text of [`TRANSFER_TCP_SERVER_CONNECTIONS`].
+    pub const TRANSFER_TCP_SERVER_CONNECTIONS_HELP: &str = "Connections open on the TCP data server.";
+    /// Counter of connections the TCP data server refused or closed, by `reason=`.
+    pub const TRANSFER_TCP_SERVER_REFUSED_TOTAL: &str = "umbp_transfer_tcp_server_connections_refused_total";
+    /// Help text of [`TRANSFER_TCP_SERVER_REFUSED_TOTAL`].
+    pub const TRANSFER_TCP_SERVER_REFUSED_TOTAL_HELP: &str =
+        "Connections refused or closed by the TCP data server, by reason.";
+    /// Counter of bytes of GPU regions the TCP data server moved through host staging.
+    pub const TRANSFER_TCP_SERVER_GPU_STAGED_BYTES_TOTAL: &str = "umbp_transfer_tcp_server_gpu_staged_bytes_total";
+    /// Help text of [`TRANSFER_TCP_SERVER_GPU_STAGED_BYTES_TOTAL`].
+    pub const TRANSFER_TCP_SERVER_GPU_STAGED_BYTES_TOTAL_HELP: &str =
+        "Bytes of GPU regions the TCP data server moved between the socket and device memory through host staging.";
+
+    /// Every `umbp_transfer_tcp_*` series name, for checks that a TCP engine publishes nothing else.
+    pub const TRANSFER_TCP_ALL: [&str; 6] = [
+        TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL,
+        TRANSFER_TCP_CONNECT_FAILURES_TOTAL,
+        TRANSFER_TCP_SERVER_REQUESTS_TOTAL,
+        TRANSFER_TCP_SERVER_CONNECTIONS,
+        TRANSFER_TCP_SERVER_REFUSED_TOTAL,
+        TRANSFER_TCP_SERVER_GPU_STAGED_BYTES_TOTAL,
+    ];
 }
 
 /// Counter or gauge.

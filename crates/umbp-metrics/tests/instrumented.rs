@@ -322,3 +322,11 @@ fn untimed_small_calls_are_charged_the_latest_timed_duration() {
     let r = wrapped.counts(Op::Resolve);
     assert_eq!((r.batches, r.nanos), (2, 2 * first));
 }
+
+/// `names` is the complete list: the TCP engine's series are there, under their exported names.
+#[test]
+fn names_include_the_tcp_engine_series() {
+    assert_eq!(names::TRANSFER_TCP_SERVER_REQUESTS_TOTAL, "umbp_transfer_tcp_server_requests_total");
+    assert_eq!(names::TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL, "umbp_transfer_tcp_connections_opened_total");
+    assert!(names::TRANSFER_TCP_ALL.iter().all(|n| n.starts_with("umbp_transfer_tcp_")));
+}

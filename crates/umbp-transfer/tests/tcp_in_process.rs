@@ -454,6 +454,8 @@ fn metrics_are_named_for_the_tcp_engine() {
     let samples: Vec<_> = a.sample_metrics().into_iter().chain(b.sample_metrics()).collect();
     assert!(!samples.is_empty());
     assert!(samples.iter().all(|s| s.name.starts_with("umbp_transfer_tcp_")), "{samples:?}");
+    // Every name is a public one (`umbp_core::metric_names`, re-exported by `umbp_metrics::names`).
+    assert!(samples.iter().all(|s| umbp_core::metric_names::TRANSFER_TCP_ALL.contains(&s.name)), "{samples:?}");
     let by_status = |status: &str| {
         samples
             .iter()

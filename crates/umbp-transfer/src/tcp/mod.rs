@@ -115,10 +115,12 @@ impl Default for TcpEngineConfig {
 /// Grace for stopping the engine's threads on drop (they finish queued work first).
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-const CONNECTIONS_OPENED_TOTAL: &str = "umbp_transfer_tcp_connections_opened_total";
-const CONNECTIONS_OPENED_HELP: &str = "Connections this TCP engine opened to peers.";
-const CONNECT_FAILURES_TOTAL: &str = "umbp_transfer_tcp_connect_failures_total";
-const CONNECT_FAILURES_HELP: &str = "Failed connection attempts of this TCP engine, by reason.";
+use umbp_core::metric_names::{
+    TRANSFER_TCP_CONNECT_FAILURES_TOTAL as CONNECT_FAILURES_TOTAL,
+    TRANSFER_TCP_CONNECT_FAILURES_TOTAL_HELP as CONNECT_FAILURES_HELP,
+    TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL as CONNECTIONS_OPENED_TOTAL,
+    TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL_HELP as CONNECTIONS_OPENED_HELP,
+};
 
 /// The TCP data plane: serves this node's registered host regions through its [`DataServer`] and
 /// reads and writes peers' regions over pooled, striped, pipelined connections.

@@ -143,19 +143,16 @@ fn label(k: &str, v: &str) -> Vec<(String, String)> {
     vec![(k.to_owned(), v.to_owned())]
 }
 
-/// A server-side request count by status.
-pub(crate) const SERVER_REQUESTS_TOTAL: &str = "umbp_transfer_tcp_server_requests_total";
-const SERVER_REQUESTS_HELP: &str = "Requests served by the TCP data server, by status.";
-/// Connections open on the data server now.
-pub(crate) const SERVER_CONNECTIONS: &str = "umbp_transfer_tcp_server_connections";
-const SERVER_CONNECTIONS_HELP: &str = "Connections open on the TCP data server.";
-/// Connections the data server refused, by reason.
-pub(crate) const SERVER_REFUSED_TOTAL: &str = "umbp_transfer_tcp_server_connections_refused_total";
-const SERVER_REFUSED_HELP: &str = "Connections refused or closed by the TCP data server, by reason.";
-/// Bytes of GPU regions the data server moved through host staging.
-pub(crate) const SERVER_GPU_STAGED_BYTES: &str = "umbp_transfer_tcp_server_gpu_staged_bytes_total";
-const SERVER_GPU_STAGED_HELP: &str =
-    "Bytes of GPU regions the TCP data server moved between the socket and device memory through host staging.";
+use umbp_core::metric_names::{
+    TRANSFER_TCP_SERVER_CONNECTIONS as SERVER_CONNECTIONS,
+    TRANSFER_TCP_SERVER_CONNECTIONS_HELP as SERVER_CONNECTIONS_HELP,
+    TRANSFER_TCP_SERVER_GPU_STAGED_BYTES_TOTAL as SERVER_GPU_STAGED_BYTES,
+    TRANSFER_TCP_SERVER_GPU_STAGED_BYTES_TOTAL_HELP as SERVER_GPU_STAGED_HELP,
+    TRANSFER_TCP_SERVER_REFUSED_TOTAL as SERVER_REFUSED_TOTAL,
+    TRANSFER_TCP_SERVER_REFUSED_TOTAL_HELP as SERVER_REFUSED_HELP,
+    TRANSFER_TCP_SERVER_REQUESTS_TOTAL as SERVER_REQUESTS_TOTAL,
+    TRANSFER_TCP_SERVER_REQUESTS_TOTAL_HELP as SERVER_REQUESTS_HELP,
+};
 
 /// State shared by the acceptor and the connection threads.
 #[derive(Debug)]
