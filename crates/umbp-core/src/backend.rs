@@ -116,6 +116,13 @@ pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
     /// while a reader copies. Misses take no lease. One entry per key, in request order.
     fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry>;
 
+    /// Whether the medium owns each key: an existence check, which reads no value. One answer per
+    /// key, in request order. The default resolves without descriptors (a hit's read lease lapses
+    /// unused); a decorator overrides it to tell lookups from reads.
+    fn batch_contains(&self, keys: &[String]) -> Vec<bool> {
+        self.batch_resolve(keys, false).into_iter().map(|e| e.found).collect()
+    }
+
     /// Frees each key that is owned and neither leased nor pinned; one result per key, in request
     /// order, with 0 bytes for every key it did not free.
     fn evict(&self, keys: &[String]) -> Vec<EvictResult>;

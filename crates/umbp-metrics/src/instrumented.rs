@@ -25,11 +25,13 @@ pub enum Op {
     Resolve = 3,
     /// `evict`.
     Evict = 4,
+    /// `batch_contains`: an existence check, no bytes.
+    Lookup = 5,
 }
 
 impl Op {
     /// Every op, in label order.
-    pub const ALL: [Op; 5] = [Op::Allocate, Op::Commit, Op::Abort, Op::Resolve, Op::Evict];
+    pub const ALL: [Op; 6] = [Op::Allocate, Op::Commit, Op::Abort, Op::Resolve, Op::Evict, Op::Lookup];
 
     /// The `op=` label value.
     pub const fn as_str(self) -> &'static str {
@@ -51,7 +53,7 @@ pub enum Status {
     Exists = 1,
     /// Allocate: the medium is full now.
     NoSpace = 2,
-    /// Resolve: not found. Evict: nothing freed (unknown, leased or pinned).
+    /// Resolve, lookup: not found. Evict: nothing freed (unknown, leased or pinned).
     Miss = 3,
     /// Refused for good.
     Failed = 4,
@@ -129,7 +131,7 @@ const OWNED_SHARDS: usize = 32;
 /// The counters of every op in one shard.
 #[derive(Debug, Default)]
 struct Shard {
-    ops: [OpCounters; 5],
+    ops: [OpCounters; 6],
 }
 
 /// Shard ownership: a thread claims an id on its first instrumented call and gives it back when it
@@ -218,7 +220,8 @@ impl OpCounts {
 ///
 /// Classification, per entry: allocate `Allocated`→ok, `AlreadyExists`→exists,
 /// `FailedNoSpace`→no_space, `Failed`→failed; commit success→ok (+bytes) else failed; abort
-/// `true`→ok else failed; resolve found→ok (+size) else miss; evict bytes freed > 0→ok (+bytes) else
+/// `true`→ok else failed; resolve found→ok (+size) else miss; lookup (`batch_contains`, an
+/// existence check) found→ok else miss, no bytes; evict bytes freed > 0→ok (+bytes) else
 /// miss. The counters are monotonic for the life of the decorator, and exact — except the time: a
 /// call of 8 entries or more is always timed; one in 32 smaller calls is timed and each of the
 /// others is charged the latest timed small call's duration (reading the clock would otherwise cost
@@ -455,6 +458,19 @@ impl MediumBackend for InstrumentedBackend {
             |results, t| {
                 for r in results {
                     if r.found { t.add(Status::Ok, r.size) } else { t.add(Status::Miss, 0) }
+                }
+            },
+        )
+    }
+
+    fn batch_contains(&self, keys: &[String]) -> Vec<bool> {
+        self.measure(
+            Op::Lookup,
+            keys.len(),
+            || self.inner.batch_contains(keys),
+            |results, t| {
+                for found in results {
+                    t.add(if *found { Status::Ok } else { Status::Miss }, 0);
                 }
             },
         )

@@ -8,7 +8,7 @@ pub use umbp_core::metric_names::*;
 
 // --- derived by `InstrumentedBackend` from the `MediumBackend` calls ------------------------------
 
-/// Counter of slot-lifecycle entries by `op=` (allocate, commit, abort, resolve, evict) and `status=`
+/// Counter of slot-lifecycle entries by `op=` (allocate, commit, abort, resolve, evict, lookup) and `status=`
 /// (ok, exists, no_space, miss, failed). One per key, not per call.
 pub const OPS_TOTAL: &str = "umbp_backend_ops_total";
 /// Help text of [`OPS_TOTAL`].
@@ -86,8 +86,9 @@ pub const MASTER_EVICTED_BYTES_TOTAL: &str = "umbp_master_evicted_bytes_total";
 pub const MASTER_EVICTED_BYTES_TOTAL_HELP: &str = "Bytes the peers reported freed by master-driven eviction.";
 
 /// The slot-lifecycle operations [`InstrumentedBackend`](crate::InstrumentedBackend) counts, as
-/// their `op=` label values.
-pub const OPS: [&str; 5] = ["allocate", "commit", "abort", "resolve", "evict"];
+/// their `op=` label values. `resolve` is a read (its bytes are read bandwidth); `lookup` is an
+/// existence check (`batch_contains`: no bytes, never in the read or hit-rate panels).
+pub const OPS: [&str; 6] = ["allocate", "commit", "abort", "resolve", "evict", "lookup"];
 
 /// The outcomes of one entry, as their `status=` label values.
 pub const STATUSES: [&str; 5] = ["ok", "exists", "no_space", "miss", "failed"];

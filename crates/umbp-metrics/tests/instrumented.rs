@@ -90,6 +90,7 @@ fn a_medium_with_no_metrics_code_appears_under_its_tier_with_every_generic_serie
     backend.batch_abort(&[slot]);
     backend.batch_commit(&[CommitRequest::new(999_999, "ghost")]);
     backend.batch_resolve(&keys(&["b", "nope"]), false);
+    backend.batch_contains(&keys(&["a", "nope"]));
     std::thread::sleep(Duration::from_millis(600)); // past the mock's 500 ms read lease on "b"
     backend.evict(&keys(&["b", "nope"]));
 
@@ -114,6 +115,8 @@ fn a_medium_with_no_metrics_code_appears_under_its_tier_with_every_generic_serie
         ("resolve", "miss"),
         ("evict", "ok"),
         ("evict", "miss"),
+        ("lookup", "ok"),
+        ("lookup", "miss"),
     ] {
         assert!(
             value(&text, names::OPS_TOTAL, &with(&[("op", op), ("status", status)])).is_some(),
@@ -329,4 +332,44 @@ fn names_include_the_tcp_engine_series() {
     assert_eq!(names::TRANSFER_TCP_SERVER_REQUESTS_TOTAL, "umbp_transfer_tcp_server_requests_total");
     assert_eq!(names::TRANSFER_TCP_CONNECTIONS_OPENED_TOTAL, "umbp_transfer_tcp_connections_opened_total");
     assert!(names::TRANSFER_TCP_ALL.iter().all(|n| n.starts_with("umbp_transfer_tcp_")));
+}
+
+/// An existence check (`batch_contains`) is a lookup: it never moves the resolve series — neither
+/// the read bytes nor the hit and miss counts the read-bandwidth and hit-rate panels use.
+#[test]
+fn exists_traffic_moves_lookup_not_resolve() {
+    let (backend, wrapped) = mock(TierType::Dram, 16);
+    put(backend.as_ref(), &["k1", "k2"]);
+    backend.batch_resolve(&keys(&["k1", "x"]), true);
+    let exporter = MetricsExporter::new(&[], Duration::from_secs(60));
+    exporter.add_backend(&backend);
+    let before_text = exporter.render();
+    let resolve_before = wrapped.counts(Op::Resolve);
+
+    for _ in 0..3 {
+        assert_eq!(backend.batch_contains(&keys(&["k1", "k2", "x"])), [true, true, false]);
+    }
+
+    assert_eq!(wrapped.counts(Op::Resolve), resolve_before, "a lookup moved the resolve counters");
+    let lookup = wrapped.counts(Op::Lookup);
+    assert_eq!((lookup.batches, lookup.entries(Status::Ok), lookup.entries(Status::Miss), lookup.bytes), (3, 6, 3, 0));
+    let text = exporter.render();
+    let dram = |extra: &[(&'static str, &'static str)]| {
+        let mut l = vec![("tier", "DRAM"), ("backend", "MockBackend")];
+        l.extend_from_slice(extra);
+        l
+    };
+    for labels in [&[("op", "resolve"), ("status", "ok")][..], &[("op", "resolve"), ("status", "miss")]] {
+        assert_eq!(
+            value(&text, names::OPS_TOTAL, &dram(labels)),
+            value(&before_text, names::OPS_TOTAL, &dram(labels)),
+            "{labels:?}"
+        );
+    }
+    assert_eq!(
+        value(&text, names::BYTES_TOTAL, &dram(&[("op", "resolve")])),
+        value(&before_text, names::BYTES_TOTAL, &dram(&[("op", "resolve")]))
+    );
+    assert_eq!(value(&text, names::OPS_TOTAL, &dram(&[("op", "lookup"), ("status", "ok")])), Some(6.0));
+    assert_eq!(value(&text, names::BYTES_TOTAL, &dram(&[("op", "lookup")])), None, "a lookup has no bytes");
 }

@@ -249,3 +249,39 @@ async fn curl_of_a_running_node_and_master_shows_the_series() {
     }
     cluster.master.shutdown().await;
 }
+
+/// The value of the one series `name` whose line carries every label in `labels`, 0 when absent.
+fn series_value(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
+        .map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).expect("a value"))
+        .sum()
+}
+
+/// `PoolClient::batch_exists` on a node's own medium is a lookup: the resolve series (read bytes,
+/// hits and misses: the read-bandwidth and hit-rate panels) do not move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exists_checks_are_lookups_not_resolves() {
+    let master =
+        umbp_master::start(MasterConfig { listen: any_port(), ..MasterConfig::default() }).await.expect("master");
+    let node = PoolClient::start(node_config(&master, "n1", true)).await.expect("node");
+    let addr = node.metrics_address().expect("metrics");
+    let resolve = |text: &str| {
+        (
+            series_value(text, "umbp_backend_ops_total", &["op=\"resolve\""]),
+            series_value(text, "umbp_backend_bytes_total", &["op=\"resolve\""]),
+        )
+    };
+    let before = scrape(addr).await;
+    // Keys the master does not know: each one is looked up in the node's own medium.
+    for _ in 0..3 {
+        let found = node.batch_exists(&["exists-a", "exists-b"]).await.expect("exists");
+        assert_eq!(found, [false, false]);
+    }
+    let after = scrape(addr).await;
+    assert_eq!(resolve(&after), resolve(&before), "exists moved the resolve series:\n{after}");
+    let lookups = series_value(&after, "umbp_backend_ops_total", &["op=\"lookup\"", "status=\"miss\""]);
+    assert_eq!(lookups, 6.0, "{after}");
+    node.close().await;
+    master.shutdown().await;
+}

@@ -487,7 +487,13 @@ impl PoolClient {
             Arc::new(tcp),
         ];
         if let Some(runtime) = &gpu_runtime {
-            let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig::default())
+            // Pinning needs a current device: an HBM node uses its medium's, so it never touches
+            // (on the CUDA driver API: creates a context on) another GPU.
+            let pin_device = match &config.medium {
+                Medium::Hbm(hbm) => hbm.device,
+                _ => 0,
+            };
+            let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig { pin_device, ..GpuCopyConfig::default() })
                 .map_err(|e| PoolError::Transfer(format!("GPU copy engine: {e}")))?;
             engines.push(Arc::new(gpu));
         }
@@ -851,9 +857,10 @@ impl PoolClient {
             let missed: Vec<usize> = (0..found.len()).filter(|i| !found[*i]).collect();
             if !missed.is_empty() {
                 let missed_keys: Vec<String> = missed.iter().map(|i| owned[*i].clone()).collect();
-                let resolved = blocking(|| m.batch_resolve(&missed_keys, false));
-                for (i, r) in missed.iter().zip(resolved) {
-                    found[*i] = r.found;
+                // A lookup, not a read: charted as op="lookup", never as resolve bytes or hits.
+                let held = blocking(|| m.batch_contains(&missed_keys));
+                for (i, hit) in missed.iter().zip(held) {
+                    found[*i] = hit;
                 }
             }
         }
