@@ -285,3 +285,23 @@ async fn exists_checks_are_lookups_not_resolves() {
     node.close().await;
     master.shutdown().await;
 }
+
+/// The medium is wrapped in `InstrumentedBackend` only when the node serves `/metrics`: without an
+/// endpoint its own samples carry no derived series (and its calls pay no counting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_medium_is_instrumented_only_when_metrics_are_served() {
+    let master =
+        umbp_master::start(MasterConfig { listen: any_port(), ..MasterConfig::default() }).await.expect("master");
+    let mut bare = node_config(&master, "bare", true);
+    bare.metrics_listen = None;
+    for (config, instrumented) in [(bare, false), (node_config(&master, "served", true), true)] {
+        let node = PoolClient::start(config).await.expect("node");
+        assert_eq!(node.metrics_address().is_some(), instrumented);
+        let medium = node.medium().expect("a medium");
+        medium.batch_allocate(&[AllocateRequest::new("probe", PAGE)]);
+        let derived = medium.sample_metrics().iter().any(|s| s.name == "umbp_backend_ops_total");
+        assert_eq!(derived, instrumented, "instrumented={instrumented}");
+        node.close().await;
+    }
+    master.shutdown().await;
+}

@@ -181,7 +181,8 @@ pub struct PoolClientConfig {
     /// The master client's settings.
     pub master: MasterClientConfig,
     /// Where to serve Prometheus `/metrics` (port 0 picks a free one; see
-    /// [`PoolClient::metrics_address`]). Default: none (no endpoint).
+    /// [`PoolClient::metrics_address`]). Default: none (no endpoint, and the medium is not wrapped
+    /// in `InstrumentedBackend`: nothing would read its counters).
     pub metrics_listen: Option<SocketAddr>,
 }
 
@@ -544,8 +545,9 @@ impl PoolClient {
                 Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config)))
             }
         };
-        // Every medium is charted by its tier= with no metrics code of its own.
-        let medium = medium.map(InstrumentedBackend::wrap);
+        // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
+        // endpoint is configured; otherwise nothing would read the counters).
+        let medium = if config.metrics_listen.is_some() { medium.map(InstrumentedBackend::wrap) } else { medium };
         let mut registry = BackendRegistry::new();
         if let Some(m) = &medium {
             m.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>)?;
@@ -670,7 +672,8 @@ impl PoolClient {
         self.metrics.lock().as_ref().map(MetricsServer::local_addr)
     }
 
-    /// The node's medium, if it lends one (wrapped in `InstrumentedBackend`).
+    /// The node's medium, if it lends one (wrapped in `InstrumentedBackend` when `metrics_listen` is
+    /// set).
     pub fn medium(&self) -> Option<&Arc<dyn MediumBackend>> {
         self.medium.as_ref()
     }
