@@ -12,7 +12,7 @@ use libloading::Library;
 use parking_lot::Mutex;
 
 use crate::error::GpuError;
-use crate::runtime::{CopyKind, GpuRuntime, Stream};
+use crate::runtime::{CopyKind, GpuRuntime, Stream, next_runtime_id};
 use crate::runtime_api::{open_first, symbol};
 
 pub(crate) const LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so"];
@@ -84,6 +84,8 @@ struct Api {
 
 /// The CUDA driver API.
 pub(crate) struct CudaDriver {
+    /// This instance's id: the owner tag of its streams.
+    id: u64,
     api: Api,
     count: u32,
     /// The driver's batched copy, when the driver has it (CUDA 13 drivers).
@@ -131,7 +133,8 @@ impl CudaDriver {
         // SAFETY: the documented signature of `cuMemcpyBatchAsync_v2` (CUDA 13); older drivers lack
         // the symbol and copies are enqueued one by one instead.
         let batch_copy = unsafe { symbol::<BatchCopy>(&lib, LIBRARY, "cuMemcpyBatchAsync_v2") }.ok();
-        let mut this = Self { api, batch_copy, count: 0, contexts: Mutex::new(Vec::new()), _lib: lib };
+        let mut this =
+            Self { id: next_runtime_id(), api, batch_copy, count: 0, contexts: Mutex::new(Vec::new()), _lib: lib };
         // SAFETY: plain value argument; cuInit is idempotent.
         this.check("cuInit", unsafe { (this.api.init)(0) })?;
         let mut n: c_int = 0;
@@ -173,13 +176,15 @@ impl CudaDriver {
         Ok(ctx)
     }
 
-    /// Makes sure the calling thread has a current context (device 0's when it has none), as the CUDA
-    /// runtime does implicitly: every call below needs one.
-    fn ensure_context(&self) -> Result<(), GpuError> {
+    /// Fails unless the calling thread has a current context: every call below needs one, and
+    /// falling back to device 0 (as the CUDA runtime does) would create device 0's primary context
+    /// in a process that may only use another GPU. Callers run under a `DeviceGuard` for their
+    /// device.
+    fn ensure_context(&self, call: &'static str) -> Result<(), GpuError> {
         let mut ctx: CuContext = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
         self.check("cuCtxGetCurrent", unsafe { (self.api.ctx_get_current)(&mut ctx) })?;
-        if ctx.is_null() { self.set_device(0) } else { Ok(()) }
+        if ctx.is_null() { Err(GpuError::NoCurrentDevice { call }) } else { Ok(()) }
     }
 }
 
@@ -198,24 +203,29 @@ impl GpuRuntime for CudaDriver {
         self.check("cuCtxSetCurrent", unsafe { (self.api.ctx_set_current)(ctx) })
     }
 
-    fn current_device(&self) -> Result<u32, GpuError> {
+    fn current_device(&self) -> Result<Option<u32>, GpuError> {
         let mut ctx: CuContext = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid out-pointer.
         self.check("cuCtxGetCurrent", unsafe { (self.api.ctx_get_current)(&mut ctx) })?;
         if ctx.is_null() {
-            return Ok(0);
+            return Ok(None);
         }
         let mut dev: CuDevice = 0;
         // SAFETY: `dev` is a valid out-pointer; a context is current.
         self.check("cuCtxGetDevice", unsafe { (self.api.ctx_get_device)(&mut dev) })?;
-        Ok(u32::try_from(dev).unwrap_or(0))
+        u32::try_from(dev).map(Some).map_err(|_| GpuError::Invalid(format!("the current context reports device {dev}")))
+    }
+
+    fn clear_device(&self) -> Result<(), GpuError> {
+        // SAFETY: a null context is cuCtxSetCurrent's documented way to unbind the thread's context.
+        self.check("cuCtxSetCurrent", unsafe { (self.api.ctx_set_current)(std::ptr::null_mut()) })
     }
 
     fn malloc(&self, bytes: usize) -> Result<NonNull<u8>, GpuError> {
         if bytes == 0 {
             return Err(GpuError::Invalid("a zero-byte device allocation".into()));
         }
-        self.ensure_context()?;
+        self.ensure_context("cuMemAlloc")?;
         let mut p: CuDevicePtr = 0;
         // SAFETY: `p` is a valid out-pointer; a context is current.
         self.check("cuMemAlloc", unsafe { (self.api.mem_alloc)(&mut p, bytes) })?;
@@ -224,13 +234,13 @@ impl GpuRuntime for CudaDriver {
     }
 
     unsafe fn free(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
-        self.ensure_context()?;
+        self.ensure_context("cuMemFree")?;
         // SAFETY: the caller guarantees `ptr` is a live allocation of this runtime that nothing uses.
         self.check("cuMemFree", unsafe { (self.api.mem_free)(ptr.as_ptr() as usize as CuDevicePtr) })
     }
 
     unsafe fn host_register(&self, ptr: NonNull<u8>, bytes: usize) -> Result<(), GpuError> {
-        self.ensure_context()?;
+        self.ensure_context("cuMemHostRegister")?;
         // SAFETY: the caller guarantees `bytes` of host memory at `ptr` stay valid while registered.
         self.check("cuMemHostRegister", unsafe {
             (self.api.host_register)(ptr.as_ptr().cast(), bytes, HOST_REGISTER_PORTABLE)
@@ -238,13 +248,13 @@ impl GpuRuntime for CudaDriver {
     }
 
     unsafe fn host_unregister(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
-        self.ensure_context()?;
+        self.ensure_context("cuMemHostUnregister")?;
         // SAFETY: the caller guarantees `ptr` is a registration base no copy in flight uses.
         self.check("cuMemHostUnregister", unsafe { (self.api.host_unregister)(ptr.as_ptr().cast()) })
     }
 
     unsafe fn memcpy(&self, dst: NonNull<u8>, src: NonNull<u8>, bytes: usize, _kind: CopyKind) -> Result<(), GpuError> {
-        self.ensure_context()?;
+        self.ensure_context("cuMemcpy")?;
         // cuMemcpy infers the direction from the pointers (unified addressing, always on for 64-bit
         // Linux processes), so `kind` is not passed.
         // SAFETY: the caller guarantees both ranges are valid.
@@ -254,12 +264,11 @@ impl GpuRuntime for CudaDriver {
     }
 
     fn stream_create(&self) -> Result<Stream, GpuError> {
-        self.ensure_context()?;
-        let device = self.current_device()?;
+        let device = self.current_device()?.ok_or(GpuError::NoCurrentDevice { call: "cuStreamCreate" })?;
         let mut s: CuStream = std::ptr::null_mut();
         // SAFETY: `s` is a valid out-pointer; a context is current.
         self.check("cuStreamCreate", unsafe { (self.api.stream_create)(&mut s, STREAM_NON_BLOCKING) })?;
-        Ok(Stream { raw: s as usize, device })
+        Ok(Stream { raw: s as usize, device, owner: self.id })
     }
 
     unsafe fn memcpy_async(
@@ -270,8 +279,11 @@ impl GpuRuntime for CudaDriver {
         _kind: CopyKind,
         stream: &Stream,
     ) -> Result<(), GpuError> {
+        stream.check_owner(self.id)?;
         // SAFETY: the caller guarantees both ranges stay valid until the stream is synchronized;
-        // `stream.raw` is a stream of this driver (`Stream` is only made by `stream_create`).
+        // `stream.raw` is a live stream of this driver instance: `Stream` is only made by
+        // `stream_create` (its fields are private to this crate), the owner check above refuses
+        // another instance's, and `stream_destroy` consumes it, so it is not destroyed yet.
         self.check("cuMemcpyAsync", unsafe {
             (self.api.memcpy_async)(
                 dst.as_ptr() as usize as CuDevicePtr,
@@ -288,6 +300,7 @@ impl GpuRuntime for CudaDriver {
         kind: CopyKind,
         stream: &Stream,
     ) -> Result<(), GpuError> {
+        stream.check_owner(self.id)?;
         let Some(batch_copy) = self.batch_copy.filter(|_| copies.len() > 1) else {
             for &(dst, src, bytes) in copies {
                 // SAFETY: the caller's contract covers every copy.
@@ -302,7 +315,8 @@ impl GpuRuntime for CudaDriver {
         let mut first: usize = 0;
         // SAFETY: the three arrays hold `copies.len()` entries each and one attribute entry applies from
         // copy 0; the driver reads them during the call only. The caller guarantees every range stays
-        // valid until the stream is synchronized; `stream.raw` is a stream of this driver.
+        // valid until the stream is synchronized; `stream.raw` is a live stream of this driver
+        // instance (owner checked above; see `memcpy_async`).
         self.check("cuMemcpyBatchAsync", unsafe {
             batch_copy(
                 dsts.as_mut_ptr(),
@@ -322,12 +336,17 @@ impl GpuRuntime for CudaDriver {
     }
 
     fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError> {
-        // SAFETY: `stream.raw` is a live stream of this driver.
+        stream.check_owner(self.id)?;
+        // SAFETY: `stream.raw` is a live stream of this driver instance (owner checked above; only
+        // `stream_create` makes a `Stream`, and only `stream_destroy`, which consumes it, ends it).
         self.check("cuStreamSynchronize", unsafe { (self.api.stream_synchronize)(stream.raw as CuStream) })
     }
 
     fn stream_destroy(&self, stream: Stream) -> Result<(), GpuError> {
-        // SAFETY: `stream` is consumed, so it is destroyed once.
+        stream.check_owner(self.id)?;
+        // SAFETY: `stream.raw` is a live stream of this driver instance (owner checked above), and
+        // `stream` is consumed, so it is destroyed once. cuStreamDestroy does not wait: queued work
+        // completes and the driver releases the stream afterwards.
         self.check("cuStreamDestroy", unsafe { (self.api.stream_destroy)(stream.raw as CuStream) })
     }
 

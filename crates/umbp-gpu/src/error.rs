@@ -48,6 +48,21 @@ pub enum GpuError {
     /// runtime is loaded once per process).
     #[error("{0}")]
     Unavailable(String),
+    /// A stream handed to a runtime instance that did not create it.
+    #[error("a stream of runtime instance {stream_owner} was handed to runtime instance {runtime}")]
+    ForeignStream {
+        /// The instance that created the stream.
+        stream_owner: u64,
+        /// The instance it was handed to.
+        runtime: u64,
+    },
+    /// The calling thread has no current device and the call needs one (run it under a
+    /// `DeviceGuard`).
+    #[error("{call}: the calling thread has no current device")]
+    NoCurrentDevice {
+        /// The call that needed a device.
+        call: &'static str,
+    },
     /// A request the shim refuses before calling the runtime (a zero-byte allocation, a size past
     /// the address space).
     #[error("invalid request: {0}")]

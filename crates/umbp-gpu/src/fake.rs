@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use crate::error::GpuError;
-use crate::runtime::{CopyKind, GpuRuntime, Stream};
+use crate::runtime::{CopyKind, GpuRuntime, Stream, next_runtime_id};
 
 /// Device allocations are aligned like the real runtimes' (256 bytes).
 const ALIGN: usize = 256;
@@ -18,11 +18,11 @@ const ALIGN: usize = 256;
 /// pointer one fake handed out is device memory to every fake (a test's caller buffer and a node's
 /// medium come from different fakes and must still agree on which memory is "on the device").
 static DEVICE_MEMORY: Mutex<BTreeMap<usize, (u32, usize)>> = Mutex::new(BTreeMap::new());
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     /// The calling thread's current device per fake instance (the vendor runtimes keep it per
-    /// thread too).
+    /// thread too); no entry: the thread has no current device, as a thread of the CUDA driver API
+    /// with no current context.
     static CURRENT: RefCell<HashMap<u64, u32>> = RefCell::new(HashMap::new());
 }
 
@@ -82,11 +82,20 @@ struct Counters {
 /// host-to-device copy whose destination is not fake device memory, or runs past the end of its
 /// allocation, fails as a real runtime would fail or fault), injectable allocation failures and
 /// counters of every call.
+///
+/// Stricter than the vendor runtimes where that exposes bugs: a thread has no current device until
+/// it sets one (as with the CUDA driver API), and allocation, free, host (de)registration, blocking
+/// copies and stream creation fail without one instead of falling back to device 0; every
+/// [`set_device`](GpuRuntime::set_device) is counted per device
+/// ([`set_device_calls`](Self::set_device_calls)), so a test can assert a device was never touched;
+/// a stream of another runtime instance is refused.
 #[derive(Debug)]
 pub struct FakeRuntime {
     id: u64,
     devices: u32,
     counters: Counters,
+    /// `set_device` calls per device.
+    set_device_calls: Vec<AtomicU64>,
     /// Allocations left before `malloc` fails (`u64::MAX`: never).
     malloc_budget: AtomicU64,
     /// Host registrations: base → length.
@@ -102,9 +111,10 @@ impl FakeRuntime {
     /// A fake with `devices` devices (at least one).
     pub fn new(devices: u32) -> Self {
         Self {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id: next_runtime_id(),
             devices: devices.max(1),
             counters: Counters::default(),
+            set_device_calls: (0..devices.max(1)).map(|_| AtomicU64::new(0)).collect(),
             malloc_budget: AtomicU64::new(u64::MAX),
             pinned: Mutex::new(BTreeMap::new()),
             owned: Mutex::new(BTreeMap::new()),
@@ -145,6 +155,13 @@ impl FakeRuntime {
         }
     }
 
+    /// How many times `device` was made current (by [`set_device`](GpuRuntime::set_device), which
+    /// is how a [`DeviceGuard`](crate::DeviceGuard) switches) on any thread: 0 means this fake never
+    /// touched the device (on the CUDA driver API that would have created its context).
+    pub fn set_device_calls(&self, device: u32) -> u64 {
+        self.set_device_calls.get(device as usize).map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
     /// The device whose fake memory holds `[ptr, ptr + len)`, if any fake's does.
     pub fn device_of(ptr: NonNull<u8>, len: usize) -> Option<u32> {
         device_of(ptr.as_ptr() as usize, len)
@@ -164,8 +181,13 @@ impl FakeRuntime {
         GpuError::Call { runtime: "fake", call, code, message: self.error_string(code) }
     }
 
-    fn current(&self) -> u32 {
-        CURRENT.with(|c| c.borrow().get(&self.id).copied().unwrap_or(0))
+    fn current(&self) -> Option<u32> {
+        CURRENT.with(|c| c.borrow().get(&self.id).copied())
+    }
+
+    /// The current device, or the error a call that needs one fails with.
+    fn require_device(&self, call: &'static str) -> Result<u32, GpuError> {
+        self.current().ok_or(GpuError::NoCurrentDevice { call })
     }
 
     /// Checks a copy against its kind and the fake device table, then copies.
@@ -256,17 +278,26 @@ impl GpuRuntime for FakeRuntime {
             return Err(GpuError::InvalidDevice { device, count: self.devices });
         }
         CURRENT.with(|c| c.borrow_mut().insert(self.id, device));
+        if let Some(calls) = self.set_device_calls.get(device as usize) {
+            calls.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
-    fn current_device(&self) -> Result<u32, GpuError> {
+    fn current_device(&self) -> Result<Option<u32>, GpuError> {
         Ok(self.current())
+    }
+
+    fn clear_device(&self) -> Result<(), GpuError> {
+        CURRENT.with(|c| c.borrow_mut().remove(&self.id));
+        Ok(())
     }
 
     fn malloc(&self, bytes: usize) -> Result<NonNull<u8>, GpuError> {
         if bytes == 0 {
             return Err(GpuError::Invalid("a zero-byte device allocation".into()));
         }
+        let device = self.require_device("malloc")?;
         let budget = self.malloc_budget.load(Ordering::SeqCst);
         if budget != u64::MAX {
             if budget == 0 {
@@ -278,13 +309,14 @@ impl GpuRuntime for FakeRuntime {
         // SAFETY: `layout` has a non-zero size (checked above).
         let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or_else(|| self.error("malloc", 2))?;
         let addr = ptr.as_ptr() as usize;
-        DEVICE_MEMORY.lock().insert(addr, (self.current(), bytes));
+        DEVICE_MEMORY.lock().insert(addr, (device, bytes));
         self.owned.lock().insert(addr, bytes);
         self.counters.mallocs.fetch_add(1, Ordering::Relaxed);
         Ok(ptr)
     }
 
     unsafe fn free(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
+        self.require_device("free")?;
         let addr = ptr.as_ptr() as usize;
         let Some(len) = self.owned.lock().remove(&addr) else {
             return Err(self.error("free", 1));
@@ -299,6 +331,7 @@ impl GpuRuntime for FakeRuntime {
     }
 
     unsafe fn host_register(&self, ptr: NonNull<u8>, bytes: usize) -> Result<(), GpuError> {
+        self.require_device("host_register")?;
         let addr = ptr.as_ptr() as usize;
         if bytes == 0 || device_of(addr, 1).is_some() {
             return Err(self.error("host_register", 1));
@@ -315,6 +348,7 @@ impl GpuRuntime for FakeRuntime {
     }
 
     unsafe fn host_unregister(&self, ptr: NonNull<u8>) -> Result<(), GpuError> {
+        self.require_device("host_unregister")?;
         if self.pinned.lock().remove(&(ptr.as_ptr() as usize)).is_none() {
             return Err(self.error("host_unregister", 713));
         }
@@ -323,14 +357,16 @@ impl GpuRuntime for FakeRuntime {
     }
 
     unsafe fn memcpy(&self, dst: NonNull<u8>, src: NonNull<u8>, bytes: usize, kind: CopyKind) -> Result<(), GpuError> {
+        self.require_device("memcpy")?;
         self.copy("memcpy", dst, src, bytes, kind)?;
         self.counters.sync_copies.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     fn stream_create(&self) -> Result<Stream, GpuError> {
+        let device = self.require_device("stream_create")?;
         let raw = self.next_stream.fetch_add(1, Ordering::Relaxed) as usize;
-        Ok(Stream { raw, device: self.current() })
+        Ok(Stream { raw, device, owner: self.id })
     }
 
     unsafe fn memcpy_async(
@@ -339,8 +375,9 @@ impl GpuRuntime for FakeRuntime {
         src: NonNull<u8>,
         bytes: usize,
         kind: CopyKind,
-        _stream: &Stream,
+        stream: &Stream,
     ) -> Result<(), GpuError> {
+        stream.check_owner(self.id)?;
         // The fake runs the copy at once: stream order is trivially kept.
         self.copy("memcpy_async", dst, src, bytes, kind)?;
         self.counters.async_copies.fetch_add(1, Ordering::Relaxed);
@@ -353,6 +390,7 @@ impl GpuRuntime for FakeRuntime {
         kind: CopyKind,
         stream: &Stream,
     ) -> Result<(), GpuError> {
+        stream.check_owner(self.id)?;
         if !self.batched {
             for &(dst, src, bytes) in copies {
                 // SAFETY: the caller's contract covers every copy.
@@ -375,13 +413,14 @@ impl GpuRuntime for FakeRuntime {
         self.batched
     }
 
-    fn stream_synchronize(&self, _stream: &Stream) -> Result<(), GpuError> {
+    fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError> {
+        stream.check_owner(self.id)?;
         self.counters.stream_syncs.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    fn stream_destroy(&self, _stream: Stream) -> Result<(), GpuError> {
-        Ok(())
+    fn stream_destroy(&self, stream: Stream) -> Result<(), GpuError> {
+        stream.check_owner(self.id)
     }
 
     fn error_string(&self, code: i32) -> String {
@@ -424,6 +463,7 @@ mod tests {
     #[test]
     fn copies_that_lie_about_their_direction_are_refused() {
         let fake = FakeRuntime::new(1);
+        fake.set_device(0).expect("device 0");
         let d = fake.malloc(1024).expect("malloc");
         let mut host = vec![0u8; 1024];
         let h = NonNull::new(host.as_mut_ptr()).expect("non-null");
@@ -441,6 +481,7 @@ mod tests {
     #[test]
     fn injected_malloc_failures_and_registrations() {
         let fake = FakeRuntime::new(1);
+        fake.set_device(0).expect("device 0");
         fake.fail_mallocs_after(1);
         let a = fake.malloc(64).expect("first allocation");
         let err = fake.malloc(64).expect_err("second fails");

@@ -1,8 +1,10 @@
 //! The runtime trait, streams, the scoped device switch and runtime selection.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::error::GpuError;
@@ -45,21 +47,43 @@ impl CopyKind {
     }
 }
 
+static NEXT_RUNTIME_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh id for a runtime instance: the owner tag of its streams.
+pub(crate) fn next_runtime_id() -> u64 {
+    NEXT_RUNTIME_ID.fetch_add(1, Ordering::Relaxed)
+}
+
 /// A stream of one device: copies enqueued on it run in order, asynchronously to the host. Created by
 /// [`GpuRuntime::stream_create`] on the current device and given back with
 /// [`GpuRuntime::stream_destroy`] by the same runtime.
+///
+/// A stream carries the id of the runtime instance that created it: every method that takes one
+/// refuses ([`GpuError::ForeignStream`]) a stream of another runtime, so a raw handle never reaches
+/// a library that did not make it.
 #[derive(Debug)]
 pub struct Stream {
     /// The runtime's handle (a pointer for the real runtimes, a counter for the fake).
     pub(crate) raw: usize,
     /// The device the stream belongs to.
     pub(crate) device: u32,
+    /// The id of the runtime instance that created the stream.
+    pub(crate) owner: u64,
 }
 
 impl Stream {
     /// The device the stream was created on.
     pub const fn device(&self) -> u32 {
         self.device
+    }
+
+    /// `Ok` when the stream was created by the runtime instance `owner`.
+    pub(crate) fn check_owner(&self, owner: u64) -> Result<(), GpuError> {
+        if self.owner == owner {
+            Ok(())
+        } else {
+            Err(GpuError::ForeignStream { stream_owner: self.owner, runtime: owner })
+        }
     }
 }
 
@@ -82,10 +106,21 @@ pub trait GpuRuntime: Send + Sync + fmt::Debug {
     /// Makes `device` current on the calling thread.
     fn set_device(&self, device: u32) -> Result<(), GpuError>;
 
-    /// The calling thread's current device (0 if none was set, as the vendor runtimes do).
-    fn current_device(&self) -> Result<u32, GpuError>;
+    /// The calling thread's current device; `None` when the thread has none. The CUDA driver API:
+    /// the thread has no current context. HIP and the CUDA runtime have no "none" (they fall back to
+    /// device 0 and create its context on first use), so for them `None` means this thread has not
+    /// made a device current through this shim (a device made current by other code is not seen).
+    fn current_device(&self) -> Result<Option<u32>, GpuError>;
 
-    /// Allocates `bytes` (> 0) of device memory on the current device.
+    /// Leaves the calling thread with no current device where the runtime has that state (the CUDA
+    /// driver API: no current context); HIP and the CUDA runtime have no such state, and their
+    /// current device stays as it is. What [`DeviceGuard`] restores for a thread that had none.
+    fn clear_device(&self) -> Result<(), GpuError>;
+
+    /// Allocates `bytes` (> 0) of device memory on the current device. The calling thread must have
+    /// a current device (run it under a [`DeviceGuard`]): the CUDA driver API and the fake refuse
+    /// otherwise, rather than fall back to device 0. The same holds for `free`, `host_register`,
+    /// `host_unregister`, `memcpy` and `stream_create`.
     fn malloc(&self, bytes: usize) -> Result<NonNull<u8>, GpuError>;
 
     /// Frees device memory.
@@ -137,7 +172,7 @@ pub trait GpuRuntime: Send + Sync + fmt::Debug {
 
     /// Enqueues every copy of `copies` (`(dst, src, bytes)`, all of one `kind`) on `stream` in as
     /// few runtime calls as the runtime allows: the CUDA driver's batched copy
-    /// (`cuMemcpyBatchAsync`, driver ≥ 12.8) where it exists, else one
+    /// (`cuMemcpyBatchAsync_v2`, a CUDA 13 driver) where it exists, else one
     /// [`memcpy_async`](Self::memcpy_async) per copy (the default). A failure cannot be pinned on one
     /// copy: treat every copy of the call as failed.
     ///
@@ -162,25 +197,36 @@ pub trait GpuRuntime: Send + Sync + fmt::Debug {
         false
     }
 
-    /// Waits until every copy enqueued on `stream` has finished; reports the first failure.
+    /// Waits until every copy enqueued on `stream` has finished; reports the first failure. A stream
+    /// of another runtime instance is refused ([`GpuError::ForeignStream`]), as in every method that
+    /// takes a stream.
     fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError>;
 
-    /// Destroys a stream (after synchronizing it).
+    /// Destroys a stream. It does not wait: copies still queued on it complete, and the runtime
+    /// releases the stream once they have; synchronize first to wait for them and see their
+    /// failures. A stream of another runtime instance is refused (and dropped, not destroyed).
     fn stream_destroy(&self, stream: Stream) -> Result<(), GpuError>;
 
     /// The runtime's message for an error code.
     fn error_string(&self, code: i32) -> String;
 }
 
-/// Switches the calling thread to a device for a scope and restores the previous device on drop.
+/// Switches the calling thread to a device for a scope and restores the previous state on drop: the
+/// previous device, or no current device when the thread had none (the CUDA driver API: no current
+/// context, so a guard never leaves a context of a device the thread did not ask for).
 ///
 /// Allocation and release of a device's memory run under one, so the medium's device is fixed at
-/// construction and never depends on the calling thread's current device.
+/// construction and never depends on the calling thread's current device. The guard is bound to
+/// its thread (the current device is per thread): it is neither `Send` nor `Sync`.
 #[must_use = "the device is restored when the guard drops"]
 pub struct DeviceGuard<'a> {
     runtime: &'a dyn GpuRuntime,
     device: u32,
-    previous: Option<u32>,
+    /// What to restore: `Some(previous)` (`previous` is `None` when the thread had no device), or
+    /// `None` when the previous state could not be read (nothing is restored).
+    previous: Option<Option<u32>>,
+    /// Not `Send`/`Sync`: dropping on another thread would restore that thread's device.
+    _thread: PhantomData<*const ()>,
 }
 
 impl fmt::Debug for DeviceGuard<'_> {
@@ -193,11 +239,17 @@ impl<'a> DeviceGuard<'a> {
     /// Makes `device` current until the guard drops; fails (changing nothing) if the device does not
     /// exist or cannot be made current.
     pub fn switch(runtime: &'a dyn GpuRuntime, device: u32) -> Result<Self, GpuError> {
-        let previous = runtime.current_device().ok();
-        // Set even when the device already reads as current: a thread that never set one reads
-        // device 0 but may have no context yet (the CUDA driver API), and setting is cheap.
-        runtime.set_device(device)?;
-        Ok(Self { runtime, device, previous })
+        let previous = match runtime.current_device() {
+            Ok(previous) => Some(previous),
+            Err(e) => {
+                tracing::warn!(runtime = runtime.name(), device, error = %e, "cannot read the current device; it will not be restored");
+                None
+            }
+        };
+        if previous != Some(Some(device)) {
+            runtime.set_device(device)?;
+        }
+        Ok(Self { runtime, device, previous, _thread: PhantomData })
     }
 
     /// The device this guard made current.
@@ -208,11 +260,13 @@ impl<'a> DeviceGuard<'a> {
 
 impl Drop for DeviceGuard<'_> {
     fn drop(&mut self) {
-        if let Some(previous) = self.previous
-            && previous != self.device
-            && let Err(e) = self.runtime.set_device(previous)
-        {
-            tracing::warn!(runtime = self.runtime.name(), previous, error = %e, "could not restore the current device");
+        let result = match self.previous {
+            Some(Some(previous)) if previous != self.device => self.runtime.set_device(previous),
+            Some(None) => self.runtime.clear_device(),
+            _ => Ok(()),
+        };
+        if let Err(e) = result {
+            tracing::warn!(runtime = self.runtime.name(), previous = ?self.previous, error = %e, "could not restore the current device");
         }
     }
 }
@@ -371,10 +425,47 @@ mod tests {
         {
             let guard = DeviceGuard::switch(&fake, 2).expect("switch");
             assert_eq!(guard.device(), 2);
-            assert_eq!(fake.current_device().expect("current"), 2);
+            assert_eq!(fake.current_device().expect("current"), Some(2));
         }
-        assert_eq!(fake.current_device().expect("current"), 1, "restored on drop");
+        assert_eq!(fake.current_device().expect("current"), Some(1), "restored on drop");
         assert!(matches!(DeviceGuard::switch(&fake, 7), Err(GpuError::InvalidDevice { device: 7, count: 3 })));
-        assert_eq!(fake.current_device().expect("current"), 1, "a failed switch changes nothing");
+        assert_eq!(fake.current_device().expect("current"), Some(1), "a failed switch changes nothing");
+    }
+
+    #[test]
+    fn a_guard_on_a_thread_with_no_device_restores_none_and_never_touches_device_0() {
+        let fake = FakeRuntime::new(3);
+        assert_eq!(fake.current_device().expect("current"), None, "a fresh thread has no device");
+        {
+            let _guard = DeviceGuard::switch(&fake, 2).expect("switch");
+            assert_eq!(fake.current_device().expect("current"), Some(2));
+        }
+        assert_eq!(fake.current_device().expect("current"), None, "no device again, not device 0");
+        assert_eq!(fake.set_device_calls(0), 0, "device 0 was never made current");
+        assert_eq!(fake.set_device_calls(2), 1);
+        assert!(fake.malloc(64).is_err(), "no implicit device 0 for an allocation");
+    }
+
+    #[test]
+    fn streams_of_another_runtime_are_refused() {
+        let a = FakeRuntime::new(1);
+        let b = FakeRuntime::new(1);
+        let _guard = DeviceGuard::switch(&a, 0).expect("switch");
+        let stream = a.stream_create().expect("stream");
+        assert!(matches!(b.stream_synchronize(&stream), Err(GpuError::ForeignStream { .. })));
+        let mut byte = 0u8;
+        let p = NonNull::from(&mut byte);
+        // SAFETY: the call is refused before anything is copied.
+        let refused = unsafe { b.memcpy_async(p, p, 1, CopyKind::HostToHost, &stream) };
+        assert!(matches!(refused, Err(GpuError::ForeignStream { .. })));
+        // SAFETY: as above.
+        let refused = unsafe { b.memcpy_batch_async(&[(p, p, 1), (p, p, 1)], CopyKind::HostToHost, &stream) };
+        assert!(matches!(refused, Err(GpuError::ForeignStream { .. })));
+        let other = b.stream_create();
+        assert!(other.is_err(), "b has no current device on this thread");
+        assert!(matches!(b.stream_destroy(stream), Err(GpuError::ForeignStream { .. })));
+        let own = a.stream_create().expect("stream");
+        a.stream_synchronize(&own).expect("own stream");
+        a.stream_destroy(own).expect("own stream");
     }
 }

@@ -2,13 +2,22 @@
 //! `cudaMalloc`, the same copy-kind values, the same per-thread current device), so one type serves
 //! both, told apart by the symbol prefix.
 
+use std::cell::RefCell;
+use std::collections::HashSet;
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::ptr::NonNull;
 
 use libloading::Library;
 
 use crate::error::GpuError;
-use crate::runtime::{CopyKind, GpuRuntime, Stream};
+use crate::runtime::{CopyKind, GpuRuntime, Stream, next_runtime_id};
+
+thread_local! {
+    /// The runtime instances (by id) through which the calling thread made a device current. HIP
+    /// and the CUDA runtime have no "no current device" (they report device 0 and create its
+    /// context on first use), so a thread not in here reads as having none.
+    static SET_HERE: RefCell<HashSet<u64>> = RefCell::new(HashSet::new());
+}
 
 pub(crate) const HIP_LIBRARIES: &[&str] = &["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"];
 pub(crate) const CUDART_LIBRARIES: &[&str] =
@@ -78,6 +87,8 @@ struct Api {
 
 /// HIP or the CUDA runtime.
 pub(crate) struct RuntimeApi {
+    /// This instance's id: the owner tag of its streams.
+    id: u64,
     name: &'static str,
     library: &'static str,
     api: Api,
@@ -125,7 +136,7 @@ impl RuntimeApi {
                 get_error_string: symbol(&lib, library, sym("GetErrorString"))?,
             }
         };
-        Ok(Self { name, library, api, _lib: lib })
+        Ok(Self { id: next_runtime_id(), name, library, api, _lib: lib })
     }
 
     fn check(&self, call: &'static str, code: Err) -> Result<(), GpuError> {
@@ -157,14 +168,26 @@ impl GpuRuntime for RuntimeApi {
         // `device < count`, which fits a c_int.
         let ordinal = c_int::try_from(device).map_err(|_| GpuError::InvalidDevice { device, count })?;
         // SAFETY: plain value argument.
-        self.check("SetDevice", unsafe { (self.api.set_device)(ordinal) })
+        self.check("SetDevice", unsafe { (self.api.set_device)(ordinal) })?;
+        SET_HERE.with(|s| s.borrow_mut().insert(self.id));
+        Ok(())
     }
 
-    fn current_device(&self) -> Result<u32, GpuError> {
+    fn current_device(&self) -> Result<Option<u32>, GpuError> {
+        if !SET_HERE.with(|s| s.borrow().contains(&self.id)) {
+            return Ok(None);
+        }
         let mut d: c_int = 0;
         // SAFETY: `d` is a valid out-pointer for the call's duration.
         self.check("GetDevice", unsafe { (self.api.get_device)(&mut d) })?;
-        Ok(u32::try_from(d).unwrap_or(0))
+        u32::try_from(d).map(Some).map_err(|_| GpuError::Invalid(format!("the runtime reports device {d}")))
+    }
+
+    /// HIP and the CUDA runtime cannot unbind a thread's device: it stays as it is (only the record
+    /// that this thread set one is dropped).
+    fn clear_device(&self) -> Result<(), GpuError> {
+        SET_HERE.with(|s| s.borrow_mut().remove(&self.id));
+        Ok(())
     }
 
     fn malloc(&self, bytes: usize) -> Result<NonNull<u8>, GpuError> {
@@ -200,13 +223,13 @@ impl GpuRuntime for RuntimeApi {
     }
 
     fn stream_create(&self) -> Result<Stream, GpuError> {
-        let device = self.current_device()?;
+        let device = self.current_device()?.ok_or(GpuError::NoCurrentDevice { call: "StreamCreateWithFlags" })?;
         let mut s: RawStream = std::ptr::null_mut();
         // SAFETY: `s` is a valid out-pointer for the call's duration.
         self.check("StreamCreateWithFlags", unsafe {
             (self.api.stream_create_with_flags)(&mut s, STREAM_NON_BLOCKING)
         })?;
-        Ok(Stream { raw: s as usize, device })
+        Ok(Stream { raw: s as usize, device, owner: self.id })
     }
 
     unsafe fn memcpy_async(
@@ -217,8 +240,11 @@ impl GpuRuntime for RuntimeApi {
         kind: CopyKind,
         stream: &Stream,
     ) -> Result<(), GpuError> {
+        stream.check_owner(self.id)?;
         // SAFETY: the caller guarantees both ranges stay valid until the stream is synchronized;
-        // `stream.raw` is a stream this runtime created (`Stream` is only made by `stream_create`).
+        // `stream.raw` is a live stream of this runtime instance: `Stream` is only made by
+        // `stream_create` (its fields are private to this crate), the owner check above refuses
+        // another instance's, and `stream_destroy` consumes it, so it is not destroyed yet.
         self.check("MemcpyAsync", unsafe {
             (self.api.memcpy_async)(
                 dst.as_ptr().cast(),
@@ -231,12 +257,17 @@ impl GpuRuntime for RuntimeApi {
     }
 
     fn stream_synchronize(&self, stream: &Stream) -> Result<(), GpuError> {
-        // SAFETY: `stream.raw` is a live stream of this runtime (see `memcpy_async`).
+        stream.check_owner(self.id)?;
+        // SAFETY: `stream.raw` is a live stream of this runtime instance (owner checked above; see
+        // `memcpy_async`).
         self.check("StreamSynchronize", unsafe { (self.api.stream_synchronize)(stream.raw as RawStream) })
     }
 
     fn stream_destroy(&self, stream: Stream) -> Result<(), GpuError> {
-        // SAFETY: `stream` is consumed, so it is destroyed once.
+        stream.check_owner(self.id)?;
+        // SAFETY: `stream.raw` is a live stream of this runtime instance (owner checked above), and
+        // `stream` is consumed, so it is destroyed once. The runtime does not wait: queued work
+        // completes and the stream is released afterwards.
         self.check("StreamDestroy", unsafe { (self.api.stream_destroy)(stream.raw as RawStream) })
     }
 

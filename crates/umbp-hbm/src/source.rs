@@ -229,7 +229,7 @@ mod tests {
         for b in &buffers {
             assert_eq!(FakeRuntime::device_of(b.base(), b.len() as usize), Some(1), "memory of the fixed device");
         }
-        assert_eq!(fake.current_device().expect("current"), 2, "the caller's device is restored");
+        assert_eq!(fake.current_device().expect("current"), Some(2), "the caller's device is restored");
         assert_eq!(source.location(), MemoryLocation::Gpu { device: 1 });
         assert_eq!(source.device(), Some(1));
         source.release();

@@ -135,6 +135,46 @@ fn hbm_registers_gpu_memory_of_its_device_and_moves_through_the_gpu_engine() {
     assert_eq!(n.fake.live_bytes(), 0, "shutdown frees the device memory");
 }
 
+#[test]
+fn an_hbm_medium_on_device_1_never_touches_device_0() {
+    // The caller thread has no current device, as a fresh thread of the CUDA driver API: nothing
+    // may fall back to device 0 (which would create a context on a GPU the node does not use).
+    let fake = Arc::new(FakeRuntime::new(2));
+    let runtime = Arc::clone(&fake) as Arc<dyn GpuRuntime>;
+    let gpu = Arc::new(
+        GpuCopyEngine::new(Arc::clone(&runtime), GpuCopyConfig { pin_device: 1, ..GpuCopyConfig::default() })
+            .expect("engine"),
+    );
+    let engines: Vec<Arc<dyn TransferEngine>> = vec![Arc::new(LocalCopyEngine::default()), gpu.clone()];
+    let composite =
+        Arc::new(CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: 1 << 20 }).expect("composite"));
+    let backend = make_hbm_backend(
+        Arc::clone(&runtime),
+        &HbmConfig::new(1, 64 << 10),
+        PageBackendConfig::new(TierType::Hbm, 4096, vec![]),
+    )
+    .expect("backend");
+    backend.init(Arc::clone(&composite) as Arc<dyn MemoryRegistrar>).expect("init");
+    let mut pinned = vec![0u8; 8192];
+    let pinned_ptr = NonNull::new(pinned.as_mut_ptr()).expect("non-null");
+    // SAFETY: `pinned` outlives the registration (deregistered below).
+    let pinned_ref = composite
+        .register_memory(unsafe { LocalRegion::new(pinned_ptr, 8192, MemoryLocation::Host) })
+        .expect("host memory registers");
+    assert!(gpu.is_pinned(pinned_ptr));
+    let mut value: Vec<u8> = (0..2 * 4096 + 99).map(|i| (i % 253) as u8).collect();
+    let back = round_trip(backend.as_ref(), &composite, "k", &mut value);
+    assert_eq!(back, value);
+    composite.deregister(&pinned_ref);
+    backend.shutdown();
+    drop(composite);
+    drop(gpu);
+    assert_eq!(fake.live_bytes(), 0);
+    assert_eq!(fake.set_device_calls(0), 0, "device 0 was never made current");
+    assert!(fake.set_device_calls(1) > 0);
+    assert_eq!(fake.current_device().expect("current"), None, "every guard restored \"no device\"");
+}
+
 /// Device memory that claims to be host memory: the bug the location contract exists to catch.
 #[derive(Debug)]
 struct Mislabelled(HbmPageMemorySource);

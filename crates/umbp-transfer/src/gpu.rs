@@ -38,11 +38,16 @@ pub struct GpuCopyConfig {
     /// driver) instead of one call per copy, where the runtime has one. A failed batched call fails
     /// every plan with a copy in it. Default: true.
     pub driver_batch: bool,
+    /// The device made current (under a scoped switch) while host memory is pinned and unpinned. A
+    /// registration is portable (every device sees it), but the runtime needs a current device to
+    /// make it; an HBM node sets its medium's device so it never touches another GPU (on the CUDA
+    /// driver API, touching a device creates its context). Default: 0.
+    pub pin_device: u32,
 }
 
 impl Default for GpuCopyConfig {
     fn default() -> Self {
-        Self { pin_host_memory: true, batch: true, submit_threads: 1, driver_batch: true }
+        Self { pin_host_memory: true, batch: true, submit_threads: 1, driver_batch: true, pin_device: 0 }
     }
 }
 
@@ -363,6 +368,10 @@ impl Drop for GpuCopyEngine {
         // Regions still pinned were not deregistered by their owners; unpin them so the pages are not
         // locked for the rest of the process (errors are harmless if the memory is already gone).
         let pins = std::mem::take(&mut *self.pins.lock());
+        if pins.is_empty() {
+            return;
+        }
+        let Ok(_guard) = DeviceGuard::switch(self.runtime.as_ref(), self.config.pin_device) else { return };
         for base in pins.keys() {
             if let Some(ptr) = NonNull::new(*base as *mut u8) {
                 // SAFETY: `ptr` is the base of a registration this engine made; no copy is in flight
@@ -396,6 +405,10 @@ unsafe impl Send for Job {}
 unsafe impl Sync for Job {}
 
 impl MemoryRegistrar for GpuCopyEngine {
+    /// Host memory is pinned once per (base, length): a registration of a region already pinned
+    /// with that exact length takes a count on the pin; one at a pinned base with another length, or
+    /// one the runtime refused to pin, is accepted unpinned and takes no count. Pinning runs under a
+    /// scoped switch to [`GpuCopyConfig::pin_device`].
     fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
         match region.location() {
             MemoryLocation::Gpu { device } if device >= self.devices => {
@@ -409,13 +422,18 @@ impl MemoryRegistrar for GpuCopyEngine {
                     match pins.entry(base) {
                         // The same region again (another ref of one buffer): share the pin.
                         Entry::Occupied(mut pin) if pin.get().len == region.len() => pin.get_mut().refs += 1,
-                        // A different length at a pinned base: leave it to the existing pin.
+                        // A different length at a pinned base: leave it to the existing pin (no count
+                        // taken, so its deregistration gives none back).
                         Entry::Occupied(_) => {}
                         Entry::Vacant(slot) => {
                             let len = usize::try_from(region.len()).unwrap_or(usize::MAX);
-                            // SAFETY: the region is valid host memory until it is deregistered
-                            // (`LocalRegion`'s invariant); `deregister` unpins it before that.
-                            match unsafe { self.runtime.host_register(region.ptr(), len) } {
+                            let pinned =
+                                DeviceGuard::switch(self.runtime.as_ref(), self.config.pin_device).and_then(|_guard| {
+                                    // SAFETY: the region is valid host memory until it is deregistered
+                                    // (`LocalRegion`'s invariant); `deregister` unpins it before that.
+                                    unsafe { self.runtime.host_register(region.ptr(), len) }
+                                });
+                            match pinned {
                                 Ok(()) => {
                                     slot.insert(Pin { len: region.len(), refs: 1 });
                                     self.counters.pinned_bytes.fetch_add(region.len(), Ordering::Relaxed);
@@ -431,20 +449,29 @@ impl MemoryRegistrar for GpuCopyEngine {
         }
     }
 
+    /// Gives back the count a registration took: only a ref whose (base, length) is a pin of this
+    /// engine does, so a ref that took none (another length at a pinned base, a refused pin) changes
+    /// nothing, and a deregistration beyond the registrations of that (base, length) is a no-op.
+    /// Refs of one (base, length) are indistinguishable: each registration takes one count, each
+    /// deregistration of any of them returns one, and the last unpins.
     fn deregister(&self, r: &TransferRef) {
         let Some(local) = r.local_region().filter(|l| l.location().is_host()) else { return };
         let base = local.ptr().as_ptr() as usize;
         let mut pins = self.pins.lock();
-        let Some(pin) = pins.get_mut(&base) else { return };
-        pin.refs -= 1;
+        let Some(pin) = pins.get_mut(&base).filter(|p| p.len == local.len()) else { return };
+        pin.refs = pin.refs.saturating_sub(1);
         if pin.refs > 0 {
             return;
         }
         let len = pin.len;
         pins.remove(&base);
-        // SAFETY: the region is a registration base this engine pinned; its owner deregisters it before
-        // releasing it and no copy of this engine is in flight on it (copies finish inside `submit`).
-        if let Err(e) = unsafe { self.runtime.host_unregister(local.ptr()) } {
+        let unpinned = DeviceGuard::switch(self.runtime.as_ref(), self.config.pin_device).and_then(|_guard| {
+            // SAFETY: the region is a registration base this engine pinned; its owner deregisters it
+            // before releasing it and no copy of this engine is in flight on it (copies finish inside
+            // `submit`).
+            unsafe { self.runtime.host_unregister(local.ptr()) }
+        });
+        if let Err(e) = unpinned {
             tracing::warn!(bytes = len, error = %e, "unpinning host memory failed");
         }
         self.counters.pinned_bytes.fetch_sub(len, Ordering::Relaxed);

@@ -43,6 +43,7 @@ impl DevBuf {
 
 impl Drop for DevBuf {
     fn drop(&mut self) {
+        let _guard = umbp_gpu::DeviceGuard::switch(self.fake.as_ref(), self.device).expect("device");
         // SAFETY: allocated in `new`, no copy in flight (copies finish in submit).
         unsafe { self.fake.free(self.ptr) }.expect("free");
     }
@@ -163,6 +164,31 @@ fn pairs_are_claimed_by_location_only_with_a_gpu_side() {
     assert!(set.plans.is_empty(), "a 0-byte item is skipped");
     let err = transfer(&e, &[item(&ha, 0, &rd, 32, 64, 7)]).expect_err("rejected");
     assert_eq!(failed_tags(&err), vec![7]);
+}
+
+#[test]
+fn only_refs_that_took_a_pin_count_give_one_back() {
+    let fake = Arc::new(FakeRuntime::new(2));
+    let e = engine(&fake, GpuCopyConfig { pin_device: 1, ..GpuCopyConfig::default() });
+    let mut host = vec![0u8; 4096];
+    let ptr = NonNull::new(host.as_mut_ptr()).expect("non-null");
+    // SAFETY: `host` outlives every registration below.
+    let (whole, head) = unsafe {
+        (LocalRegion::new(ptr, 4096, MemoryLocation::Host), LocalRegion::new(ptr, 1024, MemoryLocation::Host))
+    };
+    let r_whole = e.register_memory(whole).expect("registers");
+    let r_head = e.register_memory(head).expect("another length at the pinned base: accepted, no count");
+    assert!(fake.is_host_registered(ptr));
+    e.deregister(&r_head);
+    e.deregister(&r_head);
+    assert!(fake.is_host_registered(ptr), "a ref that took no count cannot unpin another's pin");
+    e.deregister(&r_whole);
+    assert!(!fake.is_host_registered(ptr) && e.pinned_bytes() == 0, "unpinned by its own ref");
+    e.deregister(&r_whole);
+    assert_eq!(fake.stats().host_unregisters, 1, "a repeated deregistration is a no-op");
+    assert_eq!(fake.set_device_calls(0), 0, "pinning runs under the configured device only");
+    assert!(fake.set_device_calls(1) >= 2);
+    assert_eq!(fake.current_device().expect("current"), None, "the thread is left with no device");
 }
 
 #[test]

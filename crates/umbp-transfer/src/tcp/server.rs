@@ -788,7 +788,7 @@ impl ServerConn<'_> {
         let gpu = Arc::clone(self.shared.gpu.as_ref()?);
         if self.staging.is_none() {
             let len = self.shared.config.gpu_staging_bytes.max(MIN_GPU_STAGING);
-            match DeviceStaging::new(&gpu, len) {
+            match DeviceStaging::new(&gpu, device, len) {
                 Ok(staging) => self.staging = Some(staging),
                 Err(reason) => {
                     tracing::warn!(%reason, "tcp data server: no GPU staging buffer; refusing the request");

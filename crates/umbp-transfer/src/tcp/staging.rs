@@ -11,7 +11,7 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use umbp_gpu::GpuRuntime;
+use umbp_gpu::{DeviceGuard, GpuRuntime};
 
 /// A private anonymous mapping, pinned with `runtime` when the runtime accepts it; unpinned and
 /// unmapped on drop.
@@ -19,14 +19,16 @@ use umbp_gpu::GpuRuntime;
 pub(crate) struct DeviceStaging {
     base: NonNull<u8>,
     len: usize,
-    /// The runtime that pinned the buffer, if it did.
-    pinned: Option<Arc<dyn GpuRuntime>>,
+    /// The runtime that pinned the buffer and the device current while it did, if it did.
+    pinned: Option<(Arc<dyn GpuRuntime>, u32)>,
 }
 
 impl DeviceStaging {
-    /// Maps `len` (> 0) bytes and tries to pin them with `runtime`; `Err` is the reason for a log
-    /// line (the mapping failed). A runtime that refuses to pin leaves the buffer usable, pageable.
-    pub(crate) fn new(runtime: &Arc<dyn GpuRuntime>, len: usize) -> Result<Self, String> {
+    /// Maps `len` (> 0) bytes and tries to pin them with `runtime`, under a scoped switch to
+    /// `device` (the device of the region that needs staging: the connection touches no other, and
+    /// unpins under the same device); `Err` is the reason for a log line (the mapping failed). A
+    /// runtime that refuses to pin leaves the buffer usable, pageable.
+    pub(crate) fn new(runtime: &Arc<dyn GpuRuntime>, device: u32, len: usize) -> Result<Self, String> {
         // SAFETY: a fresh private anonymous mapping aliases nothing; it is unmapped in `Drop`.
         let ptr = unsafe {
             rustix::mm::mmap_anonymous(
@@ -40,10 +42,12 @@ impl DeviceStaging {
         let Some(base) = NonNull::new(ptr.cast::<u8>()) else {
             return Err("mmap returned null".into());
         };
-        // SAFETY: the mapping is valid host memory of `len` bytes until `Drop`, which unpins it
-        // before unmapping.
-        let pinned = match unsafe { runtime.host_register(base, len) } {
-            Ok(()) => Some(Arc::clone(runtime)),
+        let pinned = match DeviceGuard::switch(runtime.as_ref(), device).and_then(|_guard| {
+            // SAFETY: the mapping is valid host memory of `len` bytes until `Drop`, which unpins it
+            // before unmapping.
+            unsafe { runtime.host_register(base, len) }
+        }) {
+            Ok(()) => Some((Arc::clone(runtime), device)),
             Err(e) => {
                 tracing::debug!(runtime = runtime.name(), error = %e, len, "GPU staging left unpinned");
                 None
@@ -71,10 +75,13 @@ impl DeviceStaging {
 
 impl Drop for DeviceStaging {
     fn drop(&mut self) {
-        if let Some(runtime) = self.pinned.take() {
-            // SAFETY: `base` is the base of this runtime's registration (made in `new`); every copy
-            // through the buffer is synchronous, so none is in flight once its owner drops it.
-            if let Err(e) = unsafe { runtime.host_unregister(self.base) } {
+        if let Some((runtime, device)) = self.pinned.take() {
+            let unpinned = DeviceGuard::switch(runtime.as_ref(), device).and_then(|_guard| {
+                // SAFETY: `base` is the base of this runtime's registration (made in `new`); every
+                // copy through the buffer is synchronous, so none is in flight once its owner drops it.
+                unsafe { runtime.host_unregister(self.base) }
+            });
+            if let Err(e) = unpinned {
                 tracing::warn!(runtime = runtime.name(), error = %e, "could not unpin the GPU staging buffer");
             }
         }
@@ -93,7 +100,7 @@ mod tests {
     fn staging_is_pinned_with_the_runtime_and_unpinned_on_drop() {
         let fake = Arc::new(FakeRuntime::new(1));
         let runtime: Arc<dyn GpuRuntime> = Arc::clone(&fake) as Arc<dyn GpuRuntime>;
-        let staging = DeviceStaging::new(&runtime, 64 << 10).expect("maps");
+        let staging = DeviceStaging::new(&runtime, 0, 64 << 10).expect("maps");
         assert!(staging.is_pinned());
         assert_eq!(staging.len(), 64 << 10);
         assert_eq!(fake.stats().host_registers, 1);
