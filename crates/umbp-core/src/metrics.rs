@@ -74,7 +74,8 @@ pub mod names {
 /// Counter or gauge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum MetricKind {
-    /// Monotonic; the publisher ships the increase since the last sample (a decrease rebases).
+    /// Monotonic; the publisher ships the increase since the last sample (after a decrease, a restart
+    /// of the count, the new value whole).
     #[default]
     Counter,
     /// A reading, shipped as-is every tick.

@@ -146,7 +146,8 @@ impl MetricsExporter {
     /// Publishes, then renders every series in the Prometheus text format.
     pub fn render(&self) -> String {
         self.publish();
-        self.recorder.handle().render()
+        let text = self.recorder.handle().render();
+        self.publisher.lock().retype_scaled_counters(text)
     }
 
     /// [`render`](Self::render) for a scrape, single-flight: one render runs at a time (on the

@@ -13,21 +13,25 @@ fn metadata() -> Metadata<'static> {
 }
 
 /// Turns [`MetricSample`]s into series of a [`metrics::Recorder`]: a gauge is set to its reading, a
-/// counter is incremented by its increase since the previous sample of the same series (a decrease
-/// rebases silently: the source restarted), each times the sample's `scale`.
+/// counter is incremented by its increase since the previous sample of the same series, each times
+/// the sample's `scale`. A decrease means the source restarted its count: its new value is shipped
+/// whole (what it counted since the restart), as Prometheus reads a counter reset.
 ///
 /// The publisher stamps the source's labels (`tier=`, `backend=` for a medium) on every sample; a
 /// sample label with the same name as a source label is dropped, so a source cannot override them.
 ///
 /// A counter with a scale other than 1 (nanoseconds shipped as seconds) becomes a `metrics` gauge
 /// moved by the scaled increase: `metrics` counters are integers. Its value is still a monotonic
-/// total, and `rate()` over it is what the dashboard asks for.
+/// total, so [`retype_scaled_counters`](Self::retype_scaled_counters) types it `counter` in the
+/// rendered text; `rate()` over it is what the dashboard asks for.
 #[derive(Debug, Default)]
 pub struct MetricPublisher {
     /// Last raw value of each counter series, keyed by source id, name and labels.
     baselines: HashMap<String, u64>,
     /// Names whose help text was handed to the recorder.
     described: HashSet<&'static str>,
+    /// Counter names published with a scale (kept as `metrics` gauges, rendered as counters).
+    scaled_counters: HashSet<&'static str>,
 }
 
 impl MetricPublisher {
@@ -62,6 +66,9 @@ impl MetricPublisher {
                     .map(|(k, v)| Label::new(k.clone(), v.clone())),
             );
             let integral = sample.scale == 1.0;
+            if !integral && sample.kind == MetricKind::Counter {
+                self.scaled_counters.insert(sample.name);
+            }
             if self.described.insert(sample.name) {
                 let help = SharedString::const_str(sample.help);
                 match sample.kind {
@@ -75,8 +82,8 @@ impl MetricPublisher {
                 MetricKind::Counter => {
                     let id = baseline_key(source_id, &key);
                     let last = self.baselines.insert(id, sample.value).unwrap_or(0);
-                    // A decrease means the source restarted its count: ship nothing, rebase.
-                    let delta = sample.value.saturating_sub(last);
+                    // A decrease means the source restarted its count: ship the new value whole.
+                    let delta = if sample.value >= last { sample.value - last } else { sample.value };
                     if integral {
                         sink.register_counter(&key, &metadata()).increment(delta);
                     } else {
@@ -86,6 +93,29 @@ impl MetricPublisher {
                 }
             }
         }
+    }
+}
+
+impl MetricPublisher {
+    /// `text` (the Prometheus exposition of the recorder this publisher feeds) with the `# TYPE`
+    /// line of every scaled counter saying `counter` instead of `gauge`.
+    pub fn retype_scaled_counters(&self, text: String) -> String {
+        if self.scaled_counters.is_empty() {
+            return text;
+        }
+        let mut out = String::with_capacity(text.len());
+        for line in text.split_inclusive('\n') {
+            let scaled = line
+                .strip_prefix("# TYPE ")
+                .and_then(|rest| rest.trim_end().strip_suffix(" gauge"))
+                .is_some_and(|name| self.scaled_counters.contains(name));
+            if scaled {
+                out.push_str(&line.replacen(" gauge", " counter", 1));
+            } else {
+                out.push_str(line);
+            }
+        }
+        out
     }
 }
 

@@ -245,7 +245,7 @@ impl MetricSource for Fixed {
 }
 
 #[test]
-fn publisher_ships_counter_deltas_rebases_on_decrease_and_scales() {
+fn publisher_ships_counter_deltas_ships_a_reset_whole_and_scales() {
     let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
     let mut publisher = MetricPublisher::new();
     let counter = |v| MetricSample::counter(names::MEDIUM_EVENTS_TOTAL, "h", vec![("event".into(), "x".into())], v);
@@ -263,14 +263,15 @@ fn publisher_ships_counter_deltas_rebases_on_decrease_and_scales() {
     publisher.publish("s", &[], vec![counter(15), seconds(3_000_000_000)], &recorder);
     assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 15.0);
     assert!((read(&recorder, names::OP_SECONDS_TOTAL) - 3.0).abs() < 1e-9);
-    // The source restarted at 4: nothing shipped, the baseline moves to 4; then +2.
+    // The source restarted and counted 4 since: those 4 are shipped whole (as Prometheus reads a
+    // counter reset), the baseline moves to 4; then +2.
     publisher.publish("s", &[], vec![counter(4)], &recorder);
-    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 15.0);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 19.0);
     publisher.publish("s", &[], vec![counter(6)], &recorder);
-    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 17.0);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 21.0);
     // A second source of the same series has baselines of its own.
     publisher.publish("t", &[], vec![counter(1)], &recorder);
-    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 18.0);
+    assert_eq!(read(&recorder, names::MEDIUM_EVENTS_TOTAL), 22.0);
     // Gauges are readings.
     let gauge = |v| MetricSample::gauge(names::MEDIUM_STATE, "h", vec![], v);
     publisher.publish("s", &[], vec![gauge(9)], &recorder);
@@ -372,4 +373,20 @@ fn exists_traffic_moves_lookup_not_resolve() {
     );
     assert_eq!(value(&text, names::OPS_TOTAL, &dram(&[("op", "lookup"), ("status", "ok")])), Some(6.0));
     assert_eq!(value(&text, names::BYTES_TOTAL, &dram(&[("op", "lookup")])), None, "a lookup has no bytes");
+}
+
+/// A scaled counter (seconds shipped from nanoseconds) is a `metrics` gauge inside, but the rendered
+/// text types it `counter`: it is a monotonic total.
+#[test]
+fn scaled_counters_are_typed_counter_in_the_rendered_text() {
+    let (backend, _) = mock(TierType::Dram, 16);
+    put(backend.as_ref(), &["k1"]);
+    let exporter = MetricsExporter::new(&[], Duration::from_secs(60));
+    exporter.add_backend(&backend);
+    let text = exporter.render();
+    assert!(text.contains(&format!("# TYPE {} counter\n", names::OP_SECONDS_TOTAL)), "{text}");
+    assert!(!text.contains(&format!("# TYPE {} gauge", names::OP_SECONDS_TOTAL)), "{text}");
+    // Gauges stay gauges, integer counters stay counters.
+    assert!(text.contains(&format!("# TYPE {} gauge\n", names::MEDIUM_STATE)), "{text}");
+    assert!(text.contains(&format!("# TYPE {} counter\n", names::OPS_TOTAL)), "{text}");
 }
