@@ -36,7 +36,8 @@ use crate::io::{AlignedBuf, IoEngine, IoOp, make_engine, probe_direct_io};
 use crate::record::{self, HeaderError, MAX_KEY_LEN, header_len, record_len};
 use crate::store::{DirState, Loc, Log, Lru, SegId, SegMeta, SegmentFile};
 
-/// How long a follower waits for the leader of a single-flight read (the reference's 30 s).
+/// The longest a follower waits for the leader of a single-flight read (the reference's 30 s); the
+/// wait is also capped at half the read lease (see [`follower_wait`]).
 const FOLLOWER_WAIT: Duration = Duration::from_secs(30);
 /// How many times a resolve of one key follows someone else's read before it gives up (a miss).
 const FOLLOW_ROUNDS: usize = 3;
@@ -198,8 +199,10 @@ impl State {
     }
 
     /// Drops `key` from the index (its record becomes dead space), frees its staged copy and queues
-    /// a tombstone, so a restart does not bring the key back.
-    fn drop_owned(&mut self, key: &str, page_size: u64) -> Option<Owned> {
+    /// a tombstone, so a restart does not bring the key back. A staged copy under a live lease is
+    /// not freed but deferred to its lease's end (a reader may still be copying out of it), as
+    /// `clear_local` does.
+    fn drop_owned(&mut self, key: &str, page_size: u64, now: Instant) -> Option<Owned> {
         let owned = self.owned.remove(key)?;
         // The seq is taken now: a later put of the key gets a larger one and wins over it.
         let seq = self.log.next_seq;
@@ -210,7 +213,10 @@ impl State {
         self.used = self.used.saturating_sub(owned.size.div_ceil(page_size) * page_size);
         self.log.kill(&owned.loc);
         if let Some(s) = self.staged.remove(key) {
-            self.free(&s.pages);
+            match s.lease_until.filter(|t| *t > now) {
+                Some(until) => self.deferred.push((s.pages, until)),
+                None => self.free(&s.pages),
+            }
         }
         Some(owned)
     }
@@ -733,7 +739,7 @@ impl Inner {
             if !state.evictable(&key, now) || spare.contains(&key) {
                 continue;
             }
-            if state.drop_owned(&key, ps).is_some() {
+            if state.drop_owned(&key, ps, now).is_some() {
                 bump(&self.counters.eviction_victim);
                 state.push_event(KvEvent::remove(key, TierType::Ssd));
             }
@@ -984,6 +990,32 @@ impl Inner {
             state.log.take_dead_segments()
         };
         self.delete_segments(dead);
+    }
+
+    /// The last step of a resolve: every hit is checked again under the lock, just before the
+    /// entries go to the reader. A hit's lease was taken when its round ran; the resolve may since
+    /// have waited on other keys' reads and done drive IO, long enough for that lease to lapse and
+    /// its pages to be handed to an allocation or another fill. A hit whose key's cached copy still
+    /// holds exactly the pages in the entry gets its lease renewed from now; any other hit becomes a
+    /// miss.
+    fn revalidate(&self, keys: &[String], mut entries: Vec<ResolvedEntry>) -> Vec<ResolvedEntry> {
+        if !entries.iter().any(|e| e.found) {
+            return entries;
+        }
+        let until = self.config.clock.now() + self.config.read_lease_ttl;
+        let mut state = self.state.lock();
+        for (key, entry) in keys.iter().zip(entries.iter_mut()) {
+            if !entry.found {
+                continue;
+            }
+            match state.staged.get_mut(key) {
+                Some(s) if s.pages == entry.pages && s.size == entry.size => {
+                    s.lease_until = Some(s.lease_until.map_or(until, |t| t.max(until)));
+                }
+                _ => *entry = ResolvedEntry::miss(),
+            }
+        }
+        entries
     }
 
     /// Reads the records of `jobs` into their staging pages and verifies them (no lock held).
@@ -1250,6 +1282,13 @@ impl Inner {
     }
 }
 
+/// How long a follower waits for a single-flight leader: at most [`FOLLOWER_WAIT`] and at most half
+/// the read lease, so a resolve that follows never holds its other hits' leases for long (they are
+/// re-validated and renewed before it returns anyway).
+fn follower_wait(lease: Duration) -> Duration {
+    FOLLOWER_WAIT.min(lease / 2)
+}
+
 /// Bytes available to unprivileged users on the filesystem holding `dir` (`statvfs`).
 fn free_bytes(dir: &std::path::Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
@@ -1461,7 +1500,7 @@ impl SsdBackend {
                     JobOutcome::Corrupt if current => {
                         state.free(&job.pages);
                         // Never serve wrong bytes: the key goes, and the master hears about it.
-                        if state.drop_owned(&job.key, config.page_size).is_some() {
+                        if state.drop_owned(&job.key, config.page_size, now).is_some() {
                             state.push_event(KvEvent::remove(job.key.clone(), TierType::Ssd));
                         }
                         ResolvedEntry::miss()
@@ -1937,8 +1976,9 @@ impl MediumBackend for SsdBackend {
         if keys.is_empty() {
             return Vec::new();
         }
+        let wait = follower_wait(self.inner.config.read_lease_ttl);
         let plans = self.resolve_round(keys, include_descs);
-        plans
+        let entries: Vec<ResolvedEntry> = plans
             .into_iter()
             .zip(keys)
             .map(|(plan, key)| {
@@ -1949,7 +1989,7 @@ impl MediumBackend for SsdBackend {
                         Plan::Done(entry) => return entry,
                         Plan::Lead => return ResolvedEntry::miss(),
                         Plan::Follow(flight) => {
-                            if !flight.wait(FOLLOWER_WAIT) {
+                            if !flight.wait(wait) {
                                 tracing::warn!(key = %key, "gave up waiting for another read of the key");
                                 return ResolvedEntry::miss();
                             }
@@ -1965,7 +2005,8 @@ impl MediumBackend for SsdBackend {
                     _ => ResolvedEntry::miss(),
                 }
             })
-            .collect()
+            .collect();
+        self.inner.revalidate(keys, entries)
     }
 
     fn evict(&self, keys: &[String]) -> Vec<EvictResult> {
@@ -1975,7 +2016,7 @@ impl MediumBackend for SsdBackend {
         let mut results = Vec::with_capacity(keys.len());
         for key in keys {
             let bytes_freed = if state.evictable(key, now) {
-                match state.drop_owned(key, ps) {
+                match state.drop_owned(key, ps, now) {
                     Some(o) => {
                         state.push_event(KvEvent::remove(key.clone(), TierType::Ssd));
                         o.size
@@ -2021,6 +2062,119 @@ impl Drop for SsdBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use umbp_core::{Clock, ManualClock};
+    use umbp_testkit::LocalOnlyRegistrar;
+
+    const PAGE: u64 = 4096;
+
+    fn backend(dir: &std::path::Path, clock: &Arc<ManualClock>, staging_pages: u64) -> SsdBackend {
+        let config = SsdConfig::builder([dir])
+            .page_size(PAGE)
+            .capacity_bytes(64 * PAGE)
+            .staging_pages(staging_pages)
+            .segment_bytes(256 * 1024)
+            .clock(Arc::clone(clock) as Arc<dyn Clock>)
+            .build()
+            .expect("config");
+        let b = SsdBackend::new(config);
+        b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+        b
+    }
+
+    fn page_ptr(b: &SsdBackend, page: &PageLocation) -> *mut u8 {
+        let r = b.buffer_ref(0).expect("arena");
+        let base = r.local_region().expect("local").ptr().as_ptr();
+        // SAFETY: the page index comes from the backend, so the offset lies inside the arena.
+        unsafe { base.add((u64::from(page.page_index) * PAGE) as usize) }
+    }
+
+    fn put(b: &SsdBackend, key: &str, fill: u8, len: usize) {
+        let a = b.batch_allocate(&[AllocateRequest::new(key, len as u64)]).remove(0);
+        assert_eq!(a.outcome, AllocateOutcome::Allocated, "allocate {key}");
+        // SAFETY: the page is the slot's, inside the arena, and `len` fits one page.
+        unsafe { std::ptr::write_bytes(page_ptr(b, &a.pages[0]), fill, len) };
+        assert!(b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].success, "commit {key}");
+    }
+
+    fn read(b: &SsdBackend, e: &ResolvedEntry) -> Vec<u8> {
+        // SAFETY: the entry's page lies inside the arena and is leased to this reader.
+        unsafe { std::slice::from_raw_parts(page_ptr(b, &e.pages[0]), e.size as usize) }.to_vec()
+    }
+
+    /// A hit resolved early in a batch whose resolve then waits on another key's read: by the time
+    /// the batch returns, the hit's first lease has lapsed and its page went to an allocation. The
+    /// entry must not point at that page (a miss, or a renewed lease on the same copy).
+    #[test]
+    fn a_hit_whose_lease_lapsed_while_the_batch_waited_is_revalidated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let b = Arc::new(backend(dir.path(), &clock, 1));
+        put(&b, "a", 0xAA, 3000);
+        put(&b, "b", 0xBB, 3000);
+        // Only "b"'s copy is cached now (one staging page); make "a" the cached one.
+        b.drop_cached_copies();
+        assert!(b.batch_resolve(&["a".to_owned()], false)[0].found);
+        clock.advance(b.config().read_lease_ttl() + Duration::from_millis(1));
+        b.reaper_tick();
+        // A read of "b" is in flight elsewhere: the batch follows it.
+        let flight = Arc::new(Flight::default());
+        b.inner.state.lock().flights.insert("b".into(), Arc::clone(&flight));
+        let reader = {
+            let b = Arc::clone(&b);
+            std::thread::spawn(move || b.batch_resolve(&["a".to_owned(), "b".to_owned()], false))
+        };
+        // Wait until the reader took its lease on "a" and is following "b".
+        let leased = |b: &SsdBackend| {
+            let now = b.inner.config.clock.now();
+            b.inner.state.lock().staged.get("a").is_some_and(|s| s.leased(now))
+        };
+        let start = Instant::now();
+        while !leased(&b) {
+            assert!(start.elapsed() < Duration::from_secs(10), "the reader never leased a");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        // The lease lapses while the reader waits; a writer takes the page and fills it.
+        clock.advance(b.config().read_lease_ttl() + Duration::from_millis(1));
+        let slot = b.batch_allocate(&[AllocateRequest::new("c", 3000)]).remove(0);
+        assert_eq!(slot.outcome, AllocateOutcome::Allocated, "the unleased copy of a makes room");
+        // SAFETY: the page is the slot's.
+        unsafe { std::ptr::write_bytes(page_ptr(&b, &slot.pages[0]), 0xCC, 3000) };
+        b.inner.state.lock().flights.remove("b");
+        flight.finish();
+        let entries = reader.join().expect("reader");
+        if entries[0].found {
+            assert_ne!(entries[0].pages, slot.pages, "a hit points at a page another writer owns");
+            assert_eq!(read(&b, &entries[0]), vec![0xAA; 3000], "wrong bytes for a");
+        }
+        b.batch_abort(&[slot.slot_id]);
+    }
+
+    /// Dropping a key (the corrupt-read path does) while a reader holds a lease on its cached copy
+    /// must not free the copy's pages under the reader.
+    #[test]
+    fn dropping_a_leased_key_defers_its_pages_to_the_lease_end() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let b = backend(dir.path(), &clock, 1);
+        put(&b, "a", 0xAA, 3000);
+        let e = b.batch_resolve(&["a".to_owned()], false).remove(0);
+        assert!(e.found);
+        {
+            let now = clock.now();
+            let mut state = b.inner.state.lock();
+            assert!(state.drop_owned("a", PAGE, now).is_some());
+        }
+        assert_eq!(
+            b.batch_allocate(&[AllocateRequest::new("c", 10)])[0].outcome,
+            AllocateOutcome::FailedNoSpace,
+            "the leased page went to a writer while its reader copies"
+        );
+        assert_eq!(read(&b, &e), vec![0xAA; 3000]);
+        clock.advance(b.config().read_lease_ttl() + Duration::from_millis(1));
+        b.reaper_tick();
+        assert_eq!(b.batch_allocate(&[AllocateRequest::new("c", 10)])[0].outcome, AllocateOutcome::Allocated);
+    }
 
     #[test]
     fn split_segments_cuts_at_the_chunk_size_and_keeps_every_byte_in_order() {
