@@ -97,27 +97,37 @@ impl MetricSource for ClusterMetrics {
         let (mut alive, mut expired) = (0u64, 0u64);
         for n in &nodes {
             let node = label("node", &n.node_id);
-            match n.status {
-                NodeStatus::Alive => alive += 1,
-                NodeStatus::Expired => {
-                    expired += 1;
-                    continue;
-                }
+            let up = n.status == NodeStatus::Alive;
+            if up {
+                alive += 1;
+            } else {
+                expired += 1;
             }
-            for cap in &n.caps {
-                let labels = vec![node.clone(), label("tier", cap.tier.as_str())];
-                out.push(MetricSample::gauge(
-                    names::MASTER_CAPACITY_TOTAL_BYTES,
-                    names::MASTER_CAPACITY_TOTAL_BYTES_HELP,
-                    labels.clone(),
-                    cap.total_bytes,
-                ));
-                out.push(MetricSample::gauge(
-                    names::MASTER_CAPACITY_AVAILABLE_BYTES,
-                    names::MASTER_CAPACITY_AVAILABLE_BYTES_HELP,
-                    labels,
-                    cap.available_bytes,
-                ));
+            out.push(MetricSample::gauge(
+                names::MASTER_NODE_UP,
+                names::MASTER_NODE_UP_HELP,
+                vec![node.clone()],
+                u64::from(up),
+            ));
+            // An expired node's capacity is not in the pool any more: not exported (the last
+            // reading leaves the output with the exporter's gauge idle timeout). Its heartbeat age
+            // keeps growing, so a panel shows how long it has been gone.
+            if up {
+                for cap in &n.caps {
+                    let labels = vec![node.clone(), label("tier", cap.tier.as_str())];
+                    out.push(MetricSample::gauge(
+                        names::MASTER_CAPACITY_TOTAL_BYTES,
+                        names::MASTER_CAPACITY_TOTAL_BYTES_HELP,
+                        labels.clone(),
+                        cap.total_bytes,
+                    ));
+                    out.push(MetricSample::gauge(
+                        names::MASTER_CAPACITY_AVAILABLE_BYTES,
+                        names::MASTER_CAPACITY_AVAILABLE_BYTES_HELP,
+                        labels,
+                        cap.available_bytes,
+                    ));
+                }
             }
             if let Ok(keys) = self.store.node_key_count(&n.node_id) {
                 out.push(MetricSample::gauge(
@@ -148,5 +158,52 @@ impl MetricSource for ClusterMetrics {
             out.push(MetricSample::gauge(names::MASTER_KEYS, names::MASTER_KEYS_HELP, vec![], keys));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use umbp_core::TierType;
+
+    use super::*;
+    use crate::store::{InMemoryStore, Registration, TierCap};
+
+    fn find<'a>(samples: &'a [MetricSample], name: &str, node: &str) -> Vec<&'a MetricSample> {
+        samples.iter().filter(|s| s.name == name && s.labels.iter().any(|(k, v)| k == "node" && v == node)).collect()
+    }
+
+    /// An expired node is `node_up 0`, keeps its growing heartbeat age and exports no capacity; an
+    /// alive one is `node_up 1` with its capacity.
+    #[test]
+    fn expired_nodes_are_down_keep_their_heartbeat_age_and_lose_their_capacity() {
+        let store = Arc::new(InMemoryStore::new());
+        let now = now_ms();
+        for (id, at) in [("live", now), ("gone", now - 60_000)] {
+            let reg = Registration {
+                node_id: id.to_owned(),
+                node_address: "127.0.0.1".to_owned(),
+                peer_address: format!("{id}:7000"),
+                data_endpoint: format!("{id}:7001"),
+                tier_capacities: vec![TierCap::new(TierType::Dram, 1 << 30, 1 << 29)],
+                tags: Vec::new(),
+            };
+            store.register(reg, at, 30_000).expect("register");
+        }
+        assert_eq!(store.expire_stale(now - 30_000).expect("expire"), vec!["gone".to_owned()]);
+        let metrics = ClusterMetrics {
+            store: store as Arc<dyn MetadataStore>,
+            stats: Arc::new(ServiceStats::default()),
+            eviction: Arc::new(EvictionStats::default()),
+        };
+        let samples = metrics.sample_metrics();
+        let up = |node| find(&samples, names::MASTER_NODE_UP, node).iter().map(|s| s.value).collect::<Vec<_>>();
+        assert_eq!(up("live"), [1]);
+        assert_eq!(up("gone"), [0]);
+        let age = find(&samples, names::MASTER_HEARTBEAT_AGE_SECONDS, "gone");
+        assert_eq!(age.len(), 1);
+        assert!(age[0].value >= 60_000, "{:?}", age[0]);
+        assert!(find(&samples, names::MASTER_CAPACITY_TOTAL_BYTES, "gone").is_empty());
+        assert!(find(&samples, names::MASTER_CAPACITY_AVAILABLE_BYTES, "gone").is_empty());
+        assert_eq!(find(&samples, names::MASTER_CAPACITY_TOTAL_BYTES, "live").len(), 1);
     }
 }

@@ -32,6 +32,10 @@ pub const OP_SECONDS_TOTAL_HELP: &str = "Seconds spent inside the medium's batch
 pub const MASTER_NODES: &str = "umbp_master_nodes";
 /// Help text of [`MASTER_NODES`].
 pub const MASTER_NODES_HELP: &str = "Nodes the master knows, by status.";
+/// Gauge per `node=` the master knows: 1 while it heartbeats, 0 once expired.
+pub const MASTER_NODE_UP: &str = "umbp_master_node_up";
+/// Help text of [`MASTER_NODE_UP`].
+pub const MASTER_NODE_UP_HELP: &str = "1 for each node the master sees alive, 0 for one it expired.";
 /// Gauge of distinct keys in the master's index.
 pub const MASTER_KEYS: &str = "umbp_master_keys";
 /// Help text of [`MASTER_KEYS`].

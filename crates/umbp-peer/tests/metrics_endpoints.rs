@@ -185,6 +185,30 @@ async fn every_metric_the_dashboard_queries_is_exported_by_a_running_master_or_n
     assert!(wanted.len() >= 20, "the dashboard queries only {wanted:?}");
     let missing: Vec<&String> = wanted.difference(&exported).collect();
     assert!(missing.is_empty(), "the dashboard queries series nobody exports: {missing:?}\nexported: {exported:?}");
+    // The `node` variable lists every node, a client-only one included: its series carries each
+    // node's node= label.
+    let json: serde_json::Value = serde_json::from_str(umbp_metrics::DASHBOARD_JSON).expect("dashboard JSON");
+    let var = json["templating"]["list"]
+        .as_array()
+        .and_then(|l| l.iter().find(|v| v["name"] == "node"))
+        .and_then(|v| v["definition"].as_str())
+        .expect("node variable");
+    let series = var
+        .strip_prefix("label_values(")
+        .and_then(|r| r.split(',').next())
+        .expect("label_values(series, node)")
+        .trim()
+        .to_owned();
+    for node in &cluster.nodes {
+        let text = scrape(node.metrics_address().expect("node metrics")).await;
+        let id = format!("node=\"{}\"", node.node_id());
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!("{series}{{")) && l.contains(&id)),
+            "the node variable's {series} has no {id}:\n{text}"
+        );
+    }
+    let master = scrape(cluster.master.metrics_addr().expect("master metrics")).await;
+    assert!(master.lines().any(|l| l.starts_with("umbp_master_node_up{") && l.ends_with(" 1")), "{master}");
     for node in &cluster.nodes {
         node.close().await;
     }
