@@ -1,5 +1,6 @@
 //! An HBM node through `PoolClient`: byte-exact puts and gets between host buffers and HBM, and
-//! between the caller's own device buffers and HBM (registered with `register_memory_at`), with
+//! between the caller's own device buffers and HBM (registered with `register_memory_at`, moved with
+//! `batch_put_raw` / `batch_get_raw`: no slice ever covers device memory), with
 //! multi-page values and partial tails. Over the fake GPU runtime everywhere; over the real runtime
 //! when the machine has a GPU (skipped with a printed reason otherwise).
 
@@ -69,36 +70,32 @@ async fn device_round_trip(node: &PoolClient, runtime: &dyn GpuRuntime, prefix: 
         offsets.push(at);
         at += v.len();
     }
-    {
-        // The registered device ranges, as the byte slices the API takes. The client never
-        // dereferences them (register_memory_at's contract): only the GPU engine copies.
-        // SAFETY: `total` bytes at `src` / `dst` are allocated; nothing reads them through these
-        // slices on the host.
-        let (src_all, dst_all) = unsafe {
-            (std::slice::from_raw_parts(src.as_ptr(), total), std::slice::from_raw_parts_mut(dst.as_ptr(), total))
-        };
-        let items: Vec<(&str, &[u8])> = keys
-            .iter()
-            .zip(&offsets)
-            .zip(&values)
-            .map(|((k, o), v)| (k.as_str(), &src_all[*o..*o + v.len()]))
-            .collect();
-        for r in node.batch_put(&items).await {
-            r.expect("put device → HBM");
-        }
-        node.flush();
-        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        indexed(node, &key_refs).await;
-        let mut rest = dst_all;
-        let mut slices: Vec<&mut [u8]> = Vec::new();
-        for v in &values {
-            let (head, tail) = rest.split_at_mut(v.len());
-            slices.push(head);
-            rest = tail;
-        }
-        for (i, r) in node.batch_get(&key_refs, &mut slices).await.iter().enumerate() {
-            assert_eq!(r.as_ref().ok().copied(), Some(values[i].len() as u64), "get {} into device memory", keys[i]);
-        }
+    // The registered device ranges go in as raw pointers: no Rust slice may cover device memory.
+    let items: Vec<(&str, NonNull<u8>, usize)> = keys
+        .iter()
+        .zip(&offsets)
+        .zip(&values)
+        // `wrapping_add`: an address computation only, never dereferenced here.
+        .map(|((k, o), v)| (k.as_str(), NonNull::new(src.as_ptr().wrapping_add(*o)).expect("non-null"), v.len()))
+        .collect();
+    // SAFETY: every range lies inside `src`, registered above as device memory and live (and not
+    // written by anyone else) until after the call.
+    for r in unsafe { node.batch_put_raw(&items) }.await {
+        r.expect("put device → HBM");
+    }
+    node.flush();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    indexed(node, &key_refs).await;
+    let targets: Vec<(NonNull<u8>, usize)> = offsets
+        .iter()
+        .zip(&values)
+        .map(|(o, v)| (NonNull::new(dst.as_ptr().wrapping_add(*o)).expect("non-null"), v.len()))
+        .collect();
+    // SAFETY: every range lies inside `dst`, registered above as device memory, live until after the
+    // call; the ranges do not overlap and nothing else touches them.
+    let got = unsafe { node.batch_get_raw(&key_refs, &targets) }.await;
+    for (i, r) in got.iter().enumerate() {
+        assert_eq!(r.as_ref().ok().copied(), Some(values[i].len() as u64), "get {} into device memory", keys[i]);
     }
     let mut back = vec![0u8; total];
     let back_ptr = NonNull::new(back.as_mut_ptr()).expect("non-null");
@@ -205,6 +202,38 @@ async fn cross_node_round_trip(runtime: RuntimeSelection) {
     assert_eq!(buf, all_values[3]);
     client.close().await;
     dram.close().await;
+    node.close().await;
+    m.shutdown().await;
+}
+
+/// Caller memory registrations may not overlap: a second registration of a range (at the same base
+/// or overlapping) is refused instead of silently replacing (and leaking) the first; after
+/// deregistration the range registers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_caller_registrations_are_refused() {
+    let m = master().await;
+    let node = hbm_node(&m, "hbm-regs", RuntimeSelection::Fake { devices: 1 }).await;
+    let mut host = vec![0u8; 8192];
+    let base = NonNull::new(host.as_mut_ptr()).expect("non-null");
+    let middle = NonNull::new(host[4096..].as_mut_ptr()).expect("non-null");
+    let inside = NonNull::new(host[100..].as_mut_ptr()).expect("non-null");
+    // SAFETY: `host` outlives every registration (all deregistered before it drops).
+    unsafe {
+        node.register_memory(base, 4096).expect("first registration");
+        assert!(node.register_memory(base, 4096).is_err(), "the same range again");
+        assert!(node.register_memory(base, 8192).is_err(), "the same base, longer");
+        assert!(node.register_memory(inside, 64).is_err(), "inside the first range");
+        assert!(
+            node.register_memory_at(inside, 64, MemoryLocation::Gpu { device: 0 }).is_err(),
+            "inside, at another location"
+        );
+        node.register_memory(middle, 4096).expect("the adjacent range does not overlap");
+    }
+    node.deregister_memory(base);
+    // SAFETY: as above.
+    unsafe { node.register_memory(base, 4096) }.expect("registers again after deregistration");
+    node.deregister_memory(base);
+    node.deregister_memory(middle);
     node.close().await;
     m.shutdown().await;
 }

@@ -38,6 +38,35 @@ impl PoolClient {
     /// without a buffer (fewer buffers than keys) gets [`KeyError::NoBuffer`]. On an error the
     /// buffer's contents are unspecified.
     pub async fn batch_get(&self, keys: &[&str], bufs: &mut [&mut [u8]]) -> Vec<Result<u64, KeyError>> {
+        // The caller's buffers, borrowed for this call (every transfer is waited for).
+        let targets: Vec<CallerBuf> = bufs.iter_mut().map(|b| CallerBuf::of_mut(b)).collect();
+        self.get_bufs(keys, &targets).await
+    }
+
+    /// [`batch_get`](Self::batch_get) into raw ranges `(ptr, len)`: the way to get into memory no
+    /// Rust slice may cover, such as device buffers registered with
+    /// [`register_memory_at`](Self::register_memory_at). The client never dereferences a range
+    /// inside a device registration (a fetched value is re-cached locally only from host memory);
+    /// only the transfer engine that registered the memory copies into it.
+    ///
+    /// # Safety
+    /// Each `len` bytes at `ptr` lie inside one region registered with this client
+    /// ([`register_memory`](Self::register_memory) or [`register_memory_at`](Self::register_memory_at),
+    /// at its true location), or are valid host memory; they stay valid, and are neither read nor
+    /// written by anyone else, until the returned future completes or is dropped; no two ranges
+    /// overlap; and a registration is not undone before then.
+    pub async unsafe fn batch_get_raw(
+        &self,
+        keys: &[&str],
+        bufs: &[(NonNull<u8>, usize)],
+    ) -> Vec<Result<u64, KeyError>> {
+        let targets: Vec<CallerBuf> = bufs.iter().map(|(ptr, len)| CallerBuf { ptr: *ptr, len: *len }).collect();
+        self.get_bufs(keys, &targets).await
+    }
+
+    /// The get path over caller buffers (slices or raw ranges).
+    async fn get_bufs(&self, keys: &[&str], targets: &[CallerBuf]) -> Vec<Result<u64, KeyError>> {
+        let bufs = targets;
         let gate = self.gate.read().await;
         if *gate {
             return vec![Err(KeyError::Closed); keys.len()];
@@ -51,8 +80,6 @@ impl PoolClient {
                 results[i] = Some(Err(KeyError::NoBuffer));
             }
         }
-        // The caller's buffers, borrowed for this call (every transfer is waited for).
-        let targets: Vec<CallerBuf> = bufs.iter_mut().map(|b| CallerBuf::of_mut(b)).collect();
         let valid: Vec<usize> = (0..n).filter(|i| results[*i].is_none()).collect();
         // Chunks run as a pipeline: one chunk's route and resolve overlap another's transfer. A
         // buffer's length stands for its value's size.
@@ -70,7 +97,7 @@ impl PoolClient {
             }
             fetched_remote.extend(fetched.into_iter().map(|j| chunk[j]));
         }
-        self.queue_recache(keys, bufs, &results, &fetched_remote);
+        self.queue_recache(keys, targets, &results, &fetched_remote);
         results.into_iter().map(|r| r.unwrap_or(Err(KeyError::Miss))).collect()
     }
 
@@ -379,10 +406,11 @@ impl PoolClient {
 
     /// Queues remotely fetched values for the local medium when the admission policy allows; a full
     /// queue drops the job (counted). Never blocks the caller beyond one copy of the admitted bytes.
+    /// A buffer inside a device (non-host) registration is skipped: the CPU cannot read it.
     fn queue_recache(
         &self,
         keys: &[&str],
-        bufs: &[&mut [u8]],
+        bufs: &[CallerBuf],
         results: &[Option<Result<u64, KeyError>>],
         fetched: &[usize],
     ) {
@@ -395,14 +423,20 @@ impl PoolClient {
         };
         for i in fetched {
             let Some(Some(Ok(size))) = results.get(*i) else { continue };
-            if !admit(*size) {
+            let Some(buf) = bufs.get(*i).filter(|b| *size as usize <= b.len) else { continue };
+            if !admit(*size) || self.in_device_registration(*buf) {
                 continue;
             }
             let Ok(permit) = tx.try_reserve() else {
                 StatCounters::add(&self.stats.recache_dropped, 1);
                 continue;
             };
-            permit.send(RecacheJob { key: keys[*i].to_owned(), bytes: bufs[*i][..*size as usize].to_vec() });
+            // SAFETY: `buf` is a caller buffer of this call (a slice it borrows, or a raw range its
+            // contract keeps valid until the call returns) that is not device memory registered
+            // with this client, so host memory; the value's `size <= len` bytes were just written
+            // by the finished transfer, and nothing else writes them during the call.
+            let bytes = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr(), *size as usize) }.to_vec();
+            permit.send(RecacheJob { key: keys[*i].to_owned(), bytes });
             StatCounters::add(&self.stats.recache_queued, 1);
         }
     }

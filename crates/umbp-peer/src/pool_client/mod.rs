@@ -684,27 +684,27 @@ impl PoolClient {
     }
 
     /// Registers caller memory for zero-copy puts and gets. The memory is registered **local only**:
-    /// this node's engines can move it, but no peer can address it.
+    /// this node's engines can move it, but no peer can address it. A range that overlaps one
+    /// already registered is refused ([`PoolError::Config`]): deregister the old one first.
     ///
     /// # Safety
     /// `ptr` must be valid for reads and writes of `len` bytes until
     /// [`deregister_memory`](Self::deregister_memory) returns or the client is closed.
     pub unsafe fn register_memory(&self, ptr: NonNull<u8>, len: u64) -> Result<(), PoolError> {
-        // SAFETY: the caller guarantees validity until deregistration (this function's contract).
-        let region = unsafe { LocalRegion::new(ptr, len, MemoryLocation::Host) };
-        let r = self.engine.register_local_only(region).map_err(|e| PoolError::Transfer(e.to_string()))?;
-        self.user_regions.lock().insert(ptr.as_ptr() as usize, (len, r));
-        Ok(())
+        // SAFETY: this function's contract is `register_memory_at`'s, with host memory.
+        unsafe { self.register_memory_at(ptr, len, MemoryLocation::Host) }
     }
 
     /// Registers caller memory at `location` for zero-copy puts and gets: with
     /// [`MemoryLocation::Gpu`], the caller's own device buffers, which the GPU copy engine moves to and
     /// from this node's medium with no host copy. Registered local only, as
-    /// [`register_memory`](Self::register_memory). Puts and gets then take the registered range as
-    /// their value or buffer (`std::slice::from_raw_parts` over the device pointer): the client never
-    /// dereferences a registered range itself, only the engine that registered it copies. A value on
-    /// another node cannot reach a GPU buffer (no engine chains the network into device memory): such
-    /// keys fail with a transfer error.
+    /// [`register_memory`](Self::register_memory); a range overlapping one already registered is
+    /// refused. Device memory is then put from and got into with the raw entry points,
+    /// [`batch_put_raw`](Self::batch_put_raw) and [`batch_get_raw`](Self::batch_get_raw), which take
+    /// pointers and lengths: a Rust slice (`&[u8]` / `&mut [u8]`) over device memory is undefined
+    /// behaviour, so never build one. The client never dereferences a device range itself, only the
+    /// engine that registered it copies. A value on another node cannot reach a GPU buffer (no engine
+    /// chains the network into device memory): such keys fail with a transfer error.
     ///
     /// # Safety
     /// As [`register_memory`](Self::register_memory), and `location` is where the memory really lives
@@ -715,11 +715,27 @@ impl PoolClient {
         len: u64,
         location: MemoryLocation,
     ) -> Result<(), PoolError> {
+        let base = ptr.as_ptr() as usize;
+        let end = usize::try_from(len)
+            .ok()
+            .and_then(|l| base.checked_add(l))
+            .ok_or_else(|| PoolError::Config(format!("{len} bytes at {ptr:p} do not fit the address space")))?;
+        // Held across the registration: two racing registrations of one range cannot both pass.
+        let mut regions = self.user_regions.lock();
+        let overlapping = regions
+            .range(..end.max(base + 1))
+            .next_back()
+            .filter(|(b, (l, _))| **b == base || (**b as u64).saturating_add(*l) > base as u64);
+        if let Some((b, (l, _))) = overlapping {
+            return Err(PoolError::Config(format!(
+                "{len} bytes at {ptr:p} overlap a registered range ({l} bytes at {b:#x}): deregister it first"
+            )));
+        }
         // SAFETY: the caller guarantees validity until deregistration and the location (this
         // function's contract).
         let region = unsafe { LocalRegion::new(ptr, len, location) };
         let r = self.engine.register_local_only(region).map_err(|e| PoolError::Transfer(e.to_string()))?;
-        self.user_regions.lock().insert(ptr.as_ptr() as usize, (len, r));
+        regions.insert(base, (len, r));
         Ok(())
     }
 
@@ -743,6 +759,21 @@ impl PoolClient {
         // transfer (and drains on every exit path) before returning.
         let region = unsafe { LocalRegion::new(buf.ptr, buf.len as u64, MemoryLocation::Host) };
         (TransferRef::local(region), 0)
+    }
+
+    /// Whether `buf` overlaps caller memory registered at a non-host location (device buffers the
+    /// CPU must never read).
+    fn in_device_registration(&self, buf: CallerBuf) -> bool {
+        let addr = buf.ptr.as_ptr() as usize;
+        let end = addr.saturating_add(buf.len).max(addr.saturating_add(1));
+        self.user_regions
+            .lock()
+            .range(..end)
+            .rev()
+            // Registered ranges never overlap, so their ends grow with their bases: walking down from
+            // `end`, the first range ending at or before `addr` ends the overlapping ones.
+            .take_while(|(base, (rlen, _))| (**base as u64).saturating_add(*rlen) > addr as u64)
+            .any(|(_, (_, r))| !r.location().is_host())
     }
 
     /// Nodes that failed to answer within the last [`UNREACHABLE_FOR`].

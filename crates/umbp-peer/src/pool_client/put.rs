@@ -77,6 +77,29 @@ impl PoolClient {
     /// as written. A key repeated in the batch is written once (its first value) and every repeat gets
     /// that write's result.
     pub async fn batch_put(&self, items: &[(&str, &[u8])]) -> Vec<Result<(), KeyError>> {
+        let bufs: Vec<(&str, CallerBuf)> = items.iter().map(|(k, v)| (*k, CallerBuf::of(v))).collect();
+        self.put_bufs(&bufs).await
+    }
+
+    /// [`batch_put`](Self::batch_put) from raw ranges `(key, ptr, len)`: the way to put from memory
+    /// no Rust slice may cover, such as device buffers registered with
+    /// [`register_memory_at`](Self::register_memory_at). The client never dereferences the
+    /// pointers; only the transfer engine that registered the memory copies from them.
+    ///
+    /// # Safety
+    /// Each `len` bytes at `ptr` lie inside one region registered with this client
+    /// ([`register_memory`](Self::register_memory) or [`register_memory_at`](Self::register_memory_at),
+    /// at its true location), stay valid and unwritten by anyone else until the returned future
+    /// completes or is dropped, and that registration is not undone before then. (Host memory that
+    /// is not registered is accepted too, as by `batch_put`, if it is valid host memory.)
+    pub async unsafe fn batch_put_raw(&self, items: &[(&str, NonNull<u8>, usize)]) -> Vec<Result<(), KeyError>> {
+        let bufs: Vec<(&str, CallerBuf)> =
+            items.iter().map(|(k, ptr, len)| (*k, CallerBuf { ptr: *ptr, len: *len })).collect();
+        self.put_bufs(&bufs).await
+    }
+
+    /// The put path over caller buffers (slices or raw ranges).
+    async fn put_bufs(&self, items: &[(&str, CallerBuf)]) -> Vec<Result<(), KeyError>> {
         let gate = self.gate.read().await;
         if *gate {
             return vec![Err(KeyError::Closed); items.len()];
@@ -88,7 +111,7 @@ impl PoolClient {
         for (i, (key, value)) in items.iter().enumerate() {
             if key.is_empty() {
                 results[i] = Some(Err(KeyError::EmptyKey));
-            } else if value.is_empty() {
+            } else if value.len == 0 {
                 results[i] = Some(Err(KeyError::EmptyValue));
             } else if let Some(first) = first_of.get(key) {
                 repeat_of[i] = Some(*first);
@@ -98,7 +121,7 @@ impl PoolClient {
         }
         let unique: Vec<usize> = (0..n).filter(|i| results[*i].is_none() && repeat_of[*i].is_none()).collect();
         // Chunks run as a pipeline: one chunk's route and allocate overlap another's transfer.
-        let chunks = chunk_by_bytes(unique, |i| items[i].1.len() as u64);
+        let chunks = chunk_by_bytes(unique, |i| items[i].1.len as u64);
         let states = pipelined(&chunks, |chunk| self.put_chunk(items, chunk)).await;
         for (chunk, mut st) in chunks.iter().zip(states) {
             for i in chunk {
@@ -120,7 +143,7 @@ impl PoolClient {
 
     /// Writes one chunk of distinct, valid keys (`chunk` holds their indexes in `items`): route,
     /// allocate, transfer, commit, with bounded re-routes.
-    async fn put_chunk(&self, items: &[(&str, &[u8])], chunk: &[usize]) -> PutState {
+    async fn put_chunk(&self, items: &[(&str, CallerBuf)], chunk: &[usize]) -> PutState {
         let mut st = PutState::default();
         let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
         for attempt in 0..=self.config.max_reroutes {
@@ -140,7 +163,7 @@ impl PoolClient {
 
     /// Turns `NoSpace` into `TooLarge` for values larger than every medium's total capacity (one
     /// cluster-status call, only when some key found no space).
-    async fn tell_too_large(&self, items: &[(&str, &[u8])], results: &mut [Option<Result<(), KeyError>>]) {
+    async fn tell_too_large(&self, items: &[(&str, CallerBuf)], results: &mut [Option<Result<(), KeyError>>]) {
         if !results.iter().any(|r| matches!(r, Some(Err(KeyError::NoSpace { .. })))) {
             return;
         }
@@ -148,7 +171,7 @@ impl PoolClient {
         let largest =
             status.nodes.iter().flat_map(|n| n.tier_capacities.iter().map(|(_, c)| c.total_bytes)).max().unwrap_or(0);
         for (r, (_, value)) in results.iter_mut().zip(items) {
-            let size = value.len() as u64;
+            let size = value.len as u64;
             if matches!(r, Some(Err(KeyError::NoSpace { .. }))) && size > largest {
                 *r = Some(Err(KeyError::TooLarge { size, largest }));
             }
@@ -157,7 +180,7 @@ impl PoolClient {
 
     /// Routes `pending` at the master, one call per distinct exclude set (concurrently), and groups
     /// the routed keys by node and tier.
-    async fn route_puts(&self, items: &[(&str, &[u8])], pending: &[usize], st: &mut PutState) -> Vec<Group> {
+    async fn route_puts(&self, items: &[(&str, CallerBuf)], pending: &[usize], st: &mut PutState) -> Vec<Group> {
         let unreachable = self.recently_unreachable();
         let mut by_set: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
         for i in pending {
@@ -170,7 +193,7 @@ impl PoolClient {
             .iter()
             .map(|(set, indexes)| async move {
                 let keys: Vec<String> = indexes.iter().map(|i| items[*i].0.to_owned()).collect();
-                let sizes: Vec<u64> = indexes.iter().map(|i| items[*i].1.len() as u64).collect();
+                let sizes: Vec<u64> = indexes.iter().map(|i| items[*i].1.len as u64).collect();
                 self.master.batch_route_put(&keys, &sizes, set).await
             })
             .collect();
@@ -191,7 +214,7 @@ impl PoolClient {
                         st.results.insert(*i, Ok(()));
                     }
                     RoutePutDecision::Unavailable => {
-                        let size = items[*i].1.len() as u64;
+                        let size = items[*i].1.len as u64;
                         let e = st.last_error.remove(i).unwrap_or(KeyError::NoSpace { size });
                         st.results.insert(*i, Err(e));
                     }
@@ -204,7 +227,7 @@ impl PoolClient {
         groups.into_iter().map(|((node, peer, tier), indexes)| Group { node, peer, tier, indexes }).collect()
     }
 
-    async fn put_round(&self, items: &[(&str, &[u8])], groups: &[Group], guard: &mut SlotGuard, st: &mut PutState) {
+    async fn put_round(&self, items: &[(&str, CallerBuf)], groups: &[Group], guard: &mut SlotGuard, st: &mut PutState) {
         // 1. Allocate on every node at once.
         let allocs = join_all(groups.iter().map(|g| self.allocate_group(items, g)).collect()).await;
         let mut transfers = Vec::new();
@@ -234,7 +257,7 @@ impl PoolClient {
                     Alloc::Exists => {
                         st.results.insert(*i, Ok(()));
                     }
-                    Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.len() as u64 }),
+                    Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.len as u64 }),
                     Alloc::Refused => st.retry_elsewhere(
                         *i,
                         node,
@@ -247,8 +270,8 @@ impl PoolClient {
                             st.last_error.insert(*i, KeyError::SlotExpired { node: node.to_owned() });
                             continue;
                         }
-                        let (src, base) = self.caller_ref(CallerBuf::of(value));
-                        match page_items(&src, base, value.len() as u64, &pages, &refs, page_size, *i as u64, true) {
+                        let (src, base) = self.caller_ref(value);
+                        match page_items(&src, base, value.len as u64, &pages, &refs, page_size, *i as u64, true) {
                             Ok(p) => {
                                 transfers.extend(p);
                                 planned.push((g, *i, slot_id, deadline));
@@ -310,7 +333,7 @@ impl PoolClient {
     /// Allocates a group's keys on its node: `(the peer client or None for this node, outcomes)`.
     async fn allocate_group(
         &self,
-        items: &[(&str, &[u8])],
+        items: &[(&str, CallerBuf)],
         group: &Group,
     ) -> Result<(Option<PeerClient>, Vec<Alloc>), KeyError> {
         let node = group.node.as_str();
@@ -319,7 +342,7 @@ impl PoolClient {
                 return Err(KeyError::Refused { node: node.to_owned(), message: "this node lends no medium".into() });
             };
             let reqs: Vec<AllocateRequest> =
-                group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len() as u64)).collect();
+                group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
             let start = Instant::now();
             let results = blocking(|| m.batch_allocate(&reqs));
             let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
@@ -335,7 +358,7 @@ impl PoolClient {
             .indexes
             .iter()
             .map(|i| pb::AllocateSlotRequest {
-                size: items[*i].1.len() as u64,
+                size: items[*i].1.len as u64,
                 tier: tier_to_wire(group.tier),
                 key: items[*i].0.to_owned(),
             })
@@ -410,7 +433,7 @@ impl PoolClient {
     /// Commits `(key index, slot)` pairs on a group's node; one result per pair.
     async fn commit_group(
         &self,
-        items: &[(&str, &[u8])],
+        items: &[(&str, CallerBuf)],
         group: &Group,
         client: Option<PeerClient>,
         list: &[(usize, u64)],
