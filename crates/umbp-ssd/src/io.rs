@@ -242,20 +242,45 @@ impl IoEngine for PsyncEngine {
 /// io_uring: a batch goes to one ring in one submission. Rings are pooled: a caller takes one (or
 /// makes one) for its batch and puts it back, so concurrent callers never share a ring or a lock
 /// across IO.
+///
+/// A ring goes back to the pool only after every request it took from a batch has completed, and
+/// every request carries its batch's generation, so a completion can never be taken for another
+/// batch's. When `io_uring_enter` fails for a reason other than `EINTR`, `EAGAIN` or `EBUSY`, the
+/// batch waits for every request the kernel already took (the kernel may still be reading or
+/// writing their memory) and the ring is dropped, never reused.
 pub(crate) struct UringEngine {
     depth: u32,
     rings: Mutex<Vec<Ring>>,
     /// The staging arena `(base, len)`, registered as fixed buffer 0 of every ring.
     arena: Mutex<Option<(usize, usize)>>,
+    /// Tests: the next wait fails with this errno (after the batch went to the kernel).
+    #[cfg(test)]
+    inject_wait_error: Mutex<Option<i32>>,
 }
 
 /// A ring and, when the arena is registered with it, the arena's address range.
 struct Ring {
     io: io_uring::IoUring,
     fixed: Option<(usize, usize)>,
+    /// The generation of the batch in flight; the high 32 bits of every request's `user_data`.
+    generation: u32,
+}
+
+/// `user_data` of op `index` of batch `generation`.
+fn tag(generation: u32, index: usize) -> u64 {
+    (u64::from(generation) << 32) | (index as u64 & 0xFFFF_FFFF)
+}
+
+/// The `(generation, index)` of a `user_data`.
+fn untag(user_data: u64) -> (u32, usize) {
+    ((user_data >> 32) as u32, (user_data & 0xFFFF_FFFF) as usize)
 }
 
 impl Ring {
+    fn new(io: io_uring::IoUring) -> Self {
+        Self { io, fixed: None, generation: 0 }
+    }
+
     /// Registers `arena` as fixed buffer 0 (best effort: without it every request is vectored).
     fn register(&mut self, arena: Option<(usize, usize)>) {
         let Some((base, len)) = arena else { return };
@@ -275,18 +300,31 @@ impl fmt::Debug for UringEngine {
     }
 }
 
+/// Whether an `io_uring_enter` error only means "try again" (nothing is wrong with the ring).
+fn retryable(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::Interrupted || matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EBUSY))
+}
+
 impl UringEngine {
     /// An engine whose rings have `depth` entries; fails when the kernel refuses io_uring (ENOSYS on
     /// old kernels, EPERM under seccomp or `io_uring_disabled`).
     pub(crate) fn new(depth: u32) -> io::Result<Self> {
-        let ring = Ring { io: io_uring::IoUring::new(depth)?, fixed: None };
-        Ok(Self { depth, rings: Mutex::new(vec![ring]), arena: Mutex::new(None) })
+        let ring = Ring::new(io_uring::IoUring::new(depth)?);
+        Ok(Self {
+            depth,
+            rings: Mutex::new(vec![ring]),
+            arena: Mutex::new(None),
+            #[cfg(test)]
+            inject_wait_error: Mutex::new(None),
+        })
     }
 
-    /// Pushes `ops[from..to]` onto the ring's submission queue; returns how many fit.
+    /// Pushes `ops[from..to]` onto the ring's submission queue, tagged with the ring's generation;
+    /// returns how many fit.
     fn push(ring: &mut Ring, ops: &[IoOp], from: usize, to: usize) -> usize {
         use io_uring::{opcode, types};
         let fixed = ring.fixed;
+        let generation = ring.generation;
         let mut queued = 0usize;
         let mut sq = ring.io.submission();
         for (i, op) in ops.iter().enumerate().take(to).skip(from) {
@@ -308,10 +346,11 @@ impl UringEngine {
                 (None, true) => opcode::Writev::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build(),
                 (None, false) => opcode::Readv::new(types::Fd(op.fd), op.iov.as_ptr(), cnt).offset(op.offset).build(),
             };
-            // SAFETY: the iovec arrays and the memory they name stay valid until every completion
-            // has been reaped by the caller (`IoOp::new`'s contract; `ops` is borrowed for the whole
-            // call that reaps them).
-            if unsafe { sq.push(&entry.user_data(i as u64)) }.is_err() {
+            // SAFETY: the iovec arrays and the memory they name stay valid until every request the
+            // kernel took has completed: `run_hooked` does not return before that (it waits even
+            // when the ring fails), and `ops` is borrowed for the whole call (`IoOp::new`'s
+            // contract covers the memory until the submit returns).
+            if unsafe { sq.push(&entry.user_data(tag(generation, i))) }.is_err() {
                 break;
             }
             queued += 1;
@@ -319,14 +358,45 @@ impl UringEngine {
         queued
     }
 
+    /// Submits what is queued and waits for at least one completion, retrying `EINTR`, `EAGAIN`
+    /// and `EBUSY`; an error is a failure of the ring itself.
+    fn wait(&self, ring: &mut Ring) -> io::Result<()> {
+        #[cfg(test)]
+        if let Some(errno) = self.inject_wait_error.lock().take() {
+            // As if the enter that submitted the batch failed afterwards: submit for real first, so
+            // the requests are in the kernel's hands.
+            let _ = ring.io.submit();
+            return Err(io::Error::from_raw_os_error(errno));
+        }
+        match ring.io.submit_and_wait(1) {
+            Ok(_) => Ok(()),
+            Err(e) if retryable(&e) => {
+                if e.raw_os_error() == Some(libc::EAGAIN) {
+                    // Out of kernel resources for now: give them a moment.
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+                // The caller reaps (EBUSY: the completion queue is full; reaping makes room) and
+                // waits again.
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Runs `ops` (which must fit the ring) with the hooks of `submit_split` / `submit_ordered`.
+    /// Returns `false` when the ring failed: the caller must not put it back in the pool.
     fn run_hooked(
+        &self,
         ring: &mut Ring,
         ops: &mut [IoOp],
         split: usize,
         meanwhile: &mut dyn FnMut(),
         on_complete: &mut dyn FnMut(usize),
-    ) {
+    ) -> bool {
+        ring.generation = ring.generation.wrapping_add(1);
+        let generation = ring.generation;
+        // Leftovers of an earlier batch (there should be none): never taken for this one's.
+        ring.io.completion().for_each(drop);
         let first = Self::push(ring, ops, 0, split);
         loop {
             match ring.io.submit() {
@@ -338,35 +408,59 @@ impl UringEngine {
         meanwhile();
         let second = Self::push(ring, ops, split, ops.len());
         debug_assert_eq!(first + second, ops.len(), "the caller checked that the batch fits the ring");
+        // Which ops went onto the ring, in push order.
+        let queued: Vec<usize> = (0..first).chain(split..split + second).collect();
         let mut done = vec![false; ops.len()];
-        let mut remaining = first + second;
-        while remaining > 0 {
-            match ring.io.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) => {}
-                Err(e) => {
-                    // io_uring_enter itself failed with an error other than EINTR or EBUSY: only a
-                    // broken ring (bad fd or memory) does that, and it takes no further entry.
-                    for (i, d) in done.iter().enumerate() {
-                        if !d {
-                            ops[i].result = Err(io::Error::new(e.kind(), format!("io_uring submit: {e}")));
-                        }
-                    }
-                    return;
-                }
-            }
-            let completed: Vec<(usize, i32)> =
-                ring.io.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())).collect();
-            for (i, res) in completed {
-                if i >= ops.len() || done[i] {
+        let mut remaining = queued.len();
+        let mut reap = |ring: &mut Ring, done: &mut [bool], remaining: &mut usize, ops: &mut [IoOp]| {
+            let completed: Vec<(u64, i32)> = ring.io.completion().map(|cqe| (cqe.user_data(), cqe.result())).collect();
+            for (user_data, res) in completed {
+                let (g, i) = untag(user_data);
+                if g != generation || i >= ops.len() || done[i] {
                     continue;
                 }
                 done[i] = true;
-                remaining -= 1;
+                *remaining -= 1;
                 ops[i].result = Self::finish(&mut ops[i], res);
                 on_complete(i);
             }
+        };
+        while remaining > 0 {
+            if let Err(e) = self.wait(ring) {
+                // The ring failed. Requests the kernel already took may still be reading or
+                // writing the caller's memory: wait for every one of them before returning.
+                let mut sq = ring.io.submission();
+                sq.sync();
+                let untaken = sq.len().min(remaining);
+                drop(sq);
+                tracing::error!(error = %e, in_flight = remaining - untaken, "io_uring_enter failed; waiting for the requests in flight, then dropping the ring");
+                // The last `untaken` pushes never reached the kernel (and never will: the ring is
+                // not entered again).
+                for &i in queued.iter().rev().take(untaken) {
+                    if !done[i] {
+                        done[i] = true;
+                        remaining -= 1;
+                        ops[i].result = Err(io::Error::new(e.kind(), format!("io_uring submit: {e}")));
+                    }
+                }
+                let started = std::time::Instant::now();
+                let mut warned = started;
+                while remaining > 0 {
+                    reap(ring, &mut done, &mut remaining, ops);
+                    if remaining == 0 {
+                        break;
+                    }
+                    if warned.elapsed() >= std::time::Duration::from_secs(10) {
+                        warned = std::time::Instant::now();
+                        tracing::error!(remaining, waited = ?started.elapsed(), "still waiting for io_uring requests of a failed ring");
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                return false;
+            }
+            reap(ring, &mut done, &mut remaining, ops);
         }
+        true
     }
 
     /// The result of an op whose completion reported `res`; a short transfer is finished here.
@@ -393,7 +487,7 @@ impl UringEngine {
         let taken = self.rings.lock().pop();
         taken.or_else(|| match io_uring::IoUring::new(self.depth) {
             Ok(io) => {
-                let mut ring = Ring { io, fixed: None };
+                let mut ring = Ring::new(io);
                 ring.register(*self.arena.lock());
                 Some(ring)
             }
@@ -404,7 +498,12 @@ impl UringEngine {
         })
     }
 
-    fn put_ring(&self, ring: Ring) {
+    /// Gives a ring back after a batch: to the pool if it is healthy (`ok`), else it is dropped
+    /// (every request it took has completed by then).
+    fn put_ring(&self, ring: Ring, ok: bool) {
+        if !ok {
+            return;
+        }
         let mut rings = self.rings.lock();
         // Keep a few rings for the next callers; drop the rest.
         if rings.len() < 16 {
@@ -412,59 +511,17 @@ impl UringEngine {
         }
     }
 
-    fn run(&self, ring: &mut Ring, ops: &mut [IoOp]) {
-        let queued = Self::push(ring, ops, 0, ops.len());
-        let mut done = vec![None::<i32>; queued];
-        let mut remaining = queued;
-        while remaining > 0 {
-            match ring.io.submit_and_wait(1) {
-                Ok(_) => {}
-                // Interrupted, or the completion queue is full (EBUSY): reap and go on.
-                Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) => {}
-                Err(e) => {
-                    // The ring itself failed (not an op): the kernel took no entry it could still be
-                    // working on, so failing the unfinished ops is safe.
-                    for (i, d) in done.iter().enumerate() {
-                        if d.is_none() {
-                            ops[i].result = Err(io::Error::new(e.kind(), format!("io_uring submit: {e}")));
-                        }
-                    }
-                    return;
-                }
-            }
-            for cqe in ring.io.completion() {
-                let i = cqe.user_data() as usize;
-                if let Some(slot) = done.get_mut(i)
-                    && slot.is_none()
-                {
-                    *slot = Some(cqe.result());
-                    remaining -= 1;
-                }
+    /// Runs `ops` in batches of at most the ring's size; `false` when the ring failed (ops of the
+    /// batches after the failure are not run and report an error).
+    fn run(&self, ring: &mut Ring, ops: &mut [IoOp]) -> bool {
+        let cap = (ring.io.params().sq_entries() as usize).max(1);
+        for chunk in ops.chunks_mut(cap) {
+            let n = chunk.len();
+            if !self.run_hooked(ring, chunk, n, &mut || {}, &mut |_| {}) {
+                return false;
             }
         }
-        for (i, res) in done.into_iter().enumerate() {
-            let op = &mut ops[i];
-            let res = res.unwrap_or(-libc::EIO);
-            op.result = if res < 0 {
-                Err(io::Error::from_raw_os_error(-res))
-            } else {
-                let n = res as usize;
-                if n >= op.total() {
-                    Ok(())
-                } else if n == 0 && !op.write {
-                    Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the segment ends before the record"))
-                } else {
-                    // A short transfer: finish it synchronously (rare; the kernel may split IO).
-                    advance(&mut op.iov, n);
-                    op.offset += n as u64;
-                    run_psync(op)
-                }
-            };
-        }
-        // Ops the ring had no room for run on the next round.
-        if queued < ops.len() {
-            self.run(ring, &mut ops[queued..]);
-        }
+        true
     }
 }
 
@@ -479,8 +536,8 @@ impl IoEngine for UringEngine {
         }
         match self.take_ring() {
             Some(mut ring) => {
-                self.run(&mut ring, ops);
-                self.put_ring(ring);
+                let ok = self.run(&mut ring, ops);
+                self.put_ring(ring, ok);
             }
             None => PsyncEngine.submit(ops),
         }
@@ -502,8 +559,8 @@ impl IoEngine for UringEngine {
         let ring = (ops.len() <= self.depth as usize && split <= ops.len()).then(|| self.take_ring()).flatten();
         match ring {
             Some(mut ring) => {
-                Self::run_hooked(&mut ring, ops, split, meanwhile, &mut |_| {});
-                self.put_ring(ring);
+                let ok = self.run_hooked(&mut ring, ops, split, meanwhile, &mut |_| {});
+                self.put_ring(ring, ok);
             }
             None => {
                 // The second part must not go out before `meanwhile` has finished it.
@@ -518,8 +575,8 @@ impl IoEngine for UringEngine {
         match ring {
             Some(mut ring) => {
                 let n = ops.len();
-                Self::run_hooked(&mut ring, ops, n, &mut || {}, on_complete);
-                self.put_ring(ring);
+                let ok = self.run_hooked(&mut ring, ops, n, &mut || {}, on_complete);
+                self.put_ring(ring, ok);
             }
             None => {
                 self.submit(ops);
@@ -638,6 +695,79 @@ mod tests {
         assert_eq!(&a[32 * 1024..32 * 1024 + 8192], &a[..8192]);
         eprintln!("fixed buffers registered: {registered}");
         drop(engine);
+    }
+
+    /// A pipe whose write end gets `fill` bytes after `delay` (a read of the read end stays in
+    /// flight until then).
+    fn delayed_pipe(delay: std::time::Duration, fill: u8) -> (File, std::thread::JoinHandle<()>) {
+        use std::io::Write;
+        use std::os::fd::FromRawFd;
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: `fds` has room for the two descriptors.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: both descriptors were just created and are owned by these files alone.
+        let (r, mut w) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            w.write_all(&[fill; 4096]).expect("pipe write");
+        });
+        (r, writer)
+    }
+
+    /// A completion left on a pooled ring by an earlier batch (here a timeout that fires in the
+    /// middle of the next batch) is never taken for the next batch's op.
+    #[test]
+    fn io_uring_ignores_a_stale_completion_from_an_earlier_batch() {
+        let Ok(engine) = UringEngine::new(16) else {
+            eprintln!("skipped: io_uring unavailable here");
+            return;
+        };
+        let mut ring = engine.take_ring().expect("a ring");
+        let ts = io_uring::types::Timespec::new().nsec(30_000_000);
+        let stale = io_uring::opcode::Timeout::new(&ts).build().user_data(tag(ring.generation, 0));
+        // SAFETY: `ts` outlives the timeout (the test waits well past it before returning).
+        unsafe { ring.io.submission().push(&stale) }.expect("push");
+        ring.io.submit().expect("submit");
+        engine.put_ring(ring, true);
+        let (pipe, writer) = delayed_pipe(std::time::Duration::from_millis(200), 0x5A);
+        let mut buf = AlignedBuf::zeroed(4096).expect("buf");
+        // SAFETY: `buf` outlives the submit and only this op uses it.
+        let mut ops = [unsafe { IoOp::new(&pipe, 0, &[(buf.as_mut_ptr(), 4096)], false) }];
+        engine.submit(&mut ops);
+        writer.join().expect("writer");
+        assert!(ops[0].result.is_ok(), "the timeout's completion was taken for the read: {:?}", ops[0].result);
+        assert!(buf.as_slice().iter().all(|b| *b == 0x5A), "the read's bytes landed");
+    }
+
+    /// When io_uring_enter fails for real, the batch does not return while the kernel still holds
+    /// its requests, and the ring is not put back in the pool.
+    #[test]
+    fn io_uring_waits_for_requests_in_flight_when_the_ring_fails_and_drops_the_ring() {
+        let Ok(engine) = UringEngine::new(16) else {
+            eprintln!("skipped: io_uring unavailable here");
+            return;
+        };
+        let (pipe, writer) = delayed_pipe(std::time::Duration::from_millis(150), 0x33);
+        let mut buf = AlignedBuf::zeroed(4096).expect("buf");
+        // SAFETY: `buf` outlives the submit and only this op uses it.
+        let mut ops = [unsafe { IoOp::new(&pipe, 0, &[(buf.as_mut_ptr(), 4096)], false) }];
+        *engine.inject_wait_error.lock() = Some(libc::EIO);
+        let start = std::time::Instant::now();
+        engine.submit(&mut ops);
+        let waited = start.elapsed();
+        writer.join().expect("writer");
+        assert!(waited >= std::time::Duration::from_millis(100), "returned after {waited:?} with the read in flight");
+        assert!(ops[0].result.is_ok(), "the request completed for real: {:?}", ops[0].result);
+        assert!(buf.as_slice().iter().all(|b| *b == 0x33));
+        assert!(engine.rings.lock().is_empty(), "a failed ring went back to the pool");
+        // The engine still works (with a fresh ring).
+        let (pipe, writer) = delayed_pipe(std::time::Duration::ZERO, 0x44);
+        // SAFETY: as above.
+        let mut ops = [unsafe { IoOp::new(&pipe, 0, &[(buf.as_mut_ptr(), 4096)], false) }];
+        engine.submit(&mut ops);
+        writer.join().expect("writer");
+        assert!(ops[0].result.is_ok());
+        assert_eq!(engine.rings.lock().len(), 1);
     }
 
     #[test]
