@@ -49,7 +49,7 @@ mod runtime_api;
 
 pub use error::GpuError;
 pub use fake::{FakeRuntime, FakeStats};
-pub use runtime::{CopyKind, DeviceGuard, GpuRuntime, RuntimeSelection, Stream, probe};
+pub use runtime::{CopyKind, DeviceGuard, GpuRuntime, RuntimeSelection, Stream, gpu_required, probe};
 
 const _: () = {
     const fn pin<T: Send + Sync>() {}

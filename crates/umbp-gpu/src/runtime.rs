@@ -368,6 +368,12 @@ fn shared<R: GpuRuntime + 'static>(
     }
 }
 
+/// Whether the environment asks GPU tests to fail rather than skip when no GPU runtime is found
+/// (`UMBP_REQUIRE_GPU=1`, for runs on a GPU machine, where a skip would hide a broken probe).
+pub fn gpu_required() -> bool {
+    std::env::var("UMBP_REQUIRE_GPU").is_ok_and(|v| v.trim() == "1")
+}
+
 /// The machine's GPU runtime, if any: the first of HIP, the CUDA driver API and the CUDA runtime that
 /// loads and sees at least one device. Probed once per process; `None` on a machine with no GPU
 /// (quietly: that is the normal case on a CPU-only machine). The environment variable

@@ -12,6 +12,21 @@ fn exercise(rt: &dyn GpuRuntime) {
     let count = rt.device_count().expect("device count");
     assert!(count >= 1);
     let last = count - 1;
+    // A fresh thread has no current device, and a guard leaves it with none again (on the CUDA
+    // driver API: no current context, so no context of a device the thread never asked for).
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            assert_eq!(rt.current_device().expect("current"), None, "a fresh thread has no device");
+            {
+                let _g = DeviceGuard::switch(rt, last).expect("switch");
+                assert_eq!(rt.current_device().expect("current"), Some(last));
+            }
+            assert_eq!(rt.current_device().expect("current"), None, "the guard restored no device");
+            if matches!(rt.name(), "cuda" | "fake") {
+                assert!(rt.malloc(64).is_err(), "no implicit device 0 for an allocation");
+            }
+        });
+    });
     {
         let _g = DeviceGuard::switch(rt, last).expect("switch");
         assert_eq!(rt.current_device().expect("current"), Some(last));
@@ -65,6 +80,7 @@ fn the_runtime_contract_holds_on_the_fake() {
 #[test]
 fn the_runtime_contract_holds_on_a_real_gpu() {
     let Some(rt) = umbp_gpu::probe() else {
+        assert!(!umbp_gpu::gpu_required(), "UMBP_REQUIRE_GPU=1 but no HIP or CUDA runtime with a device was found");
         eprintln!("skipped: no HIP or CUDA runtime with a device found (set by umbp_gpu::probe)");
         return;
     };
@@ -75,14 +91,17 @@ fn the_runtime_contract_holds_on_a_real_gpu() {
 #[test]
 fn every_runtime_library_present_keeps_the_contract() {
     use umbp_gpu::RuntimeSelection;
+    let mut ran = 0;
     for selection in [RuntimeSelection::Cuda, RuntimeSelection::CudaRuntime, RuntimeSelection::Hip] {
         match selection.load() {
             Ok(rt) if rt.device_count().is_ok_and(|n| n > 0) => {
                 eprintln!("running on {selection} ({})", rt.name());
                 exercise(rt.as_ref());
+                ran += 1;
             }
             Ok(_) => eprintln!("skipped {selection}: loaded, but it sees no device"),
             Err(e) => eprintln!("skipped {selection}: {e}"),
         }
     }
+    assert!(ran > 0 || !umbp_gpu::gpu_required(), "UMBP_REQUIRE_GPU=1 but no runtime library ran");
 }

@@ -47,6 +47,7 @@ fn hbm_backend_conforms_on_the_fake_runtime_with_a_busy_reaper() {
 #[test]
 fn hbm_backend_conforms_on_a_real_gpu() {
     let Some(gpu) = umbp_gpu::probe() else {
+        assert!(!umbp_gpu::gpu_required(), "UMBP_REQUIRE_GPU=1 but no HIP or CUDA runtime with a device was found");
         eprintln!("skipped: no HIP or CUDA runtime with a device found (set by umbp_gpu::probe)");
         return;
     };

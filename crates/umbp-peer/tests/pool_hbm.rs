@@ -125,6 +125,7 @@ async fn hbm_node_round_trips_host_and_device_buffers_on_the_fake_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn hbm_node_round_trips_host_and_device_buffers_on_a_real_gpu() {
     let Some(gpu) = umbp_gpu::probe() else {
+        assert!(!umbp_gpu::gpu_required(), "UMBP_REQUIRE_GPU=1 but no HIP or CUDA runtime with a device was found");
         eprintln!("skipped: no HIP or CUDA runtime with a device found (set by umbp_gpu::probe)");
         return;
     };
@@ -151,6 +152,7 @@ async fn other_nodes_put_to_and_get_from_hbm_over_tcp_byte_exact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn other_nodes_put_to_and_get_from_hbm_over_tcp_on_a_real_gpu() {
     let Some(gpu) = umbp_gpu::probe() else {
+        assert!(!umbp_gpu::gpu_required(), "UMBP_REQUIRE_GPU=1 but no HIP or CUDA runtime with a device was found");
         eprintln!("skipped: no HIP or CUDA runtime with a device found (set by umbp_gpu::probe)");
         return;
     };
