@@ -574,15 +574,31 @@ impl SsdBackend {
             let [op] = ops;
             op.result.map(|()| buf)
         };
+        // A read error ends the segment's scan as a torn tail would: what was read so far stays
+        // recovered, the segment is sealed (every recovered segment is), init goes on.
+        let failed = |offset: u64, e: io::Error| {
+            bump(&c.recovery_torn_tail);
+            tracing::warn!(segment = %seg.path.display(), offset, error = %e, "read error while scanning; dropping the rest of the segment");
+        };
         while offset + record::ALIGN <= len {
-            let mut block = read(offset, record::ALIGN as usize)
-                .map_err(|e| Self::io_error(format!("reading {}", seg.path.display()), e))?;
-            let header = match record::decode_header(block.as_slice()) {
-                Err(HeaderError::Short { needed }) if offset + needed as u64 <= len => {
-                    block = read(offset, needed)
-                        .map_err(|e| Self::io_error(format!("reading {}", seg.path.display()), e))?;
-                    record::decode_header(block.as_slice())
+            let mut block = match read(offset, record::ALIGN as usize) {
+                Ok(b) => b,
+                Err(e) => {
+                    failed(offset, e);
+                    break;
                 }
+            };
+            let header = match record::decode_header(block.as_slice()) {
+                Err(HeaderError::Short { needed }) if offset + needed as u64 <= len => match read(offset, needed) {
+                    Ok(b) => {
+                        block = b;
+                        record::decode_header(block.as_slice())
+                    }
+                    Err(e) => {
+                        failed(offset, e);
+                        break;
+                    }
+                },
                 other => other,
             };
             let Ok(header) = header else {
@@ -594,21 +610,36 @@ impl SsdBackend {
                 }
                 break;
             };
-            let rlen = header.record_len();
-            if offset + rlen > len {
+            // `value_size` comes from the drive: bounded by the segment before anything is sized
+            // or sliced by it.
+            let Some(rlen) = header.record_len().filter(|r| offset.checked_add(*r).is_some_and(|end| end <= len))
+            else {
                 bump(&c.recovery_torn_tail);
                 tracing::warn!(segment = %seg.path.display(), offset, "record runs past the end of the segment (torn write); dropped");
                 break;
+            };
+            if !header.well_formed() {
+                // The header is intact (its CRC holds), so its length can be stepped over.
+                bump(&c.recovery_corrupt);
+                tracing::warn!(segment = %seg.path.display(), offset, key = %header.key, "malformed record (a tombstone whose value is not 8 bytes); skipped");
+                offset += rlen;
+                continue;
             }
             let hlen = header_len(header.key.len());
             let vlen = (rlen - hlen) as usize;
-            let value =
-                read(offset + hlen, vlen).map_err(|e| Self::io_error(format!("reading {}", seg.path.display()), e))?;
+            let value = match read(offset + hlen, vlen) {
+                Ok(v) => v,
+                Err(e) => {
+                    failed(offset, e);
+                    break;
+                }
+            };
+            // `vlen` is `value_size` rounded up, so the slice is in bounds.
             let body = &value.as_slice()[..header.value_size as usize];
             if record::data_crc(header.key.as_bytes(), body) == header.data_crc {
                 bump(&c.recovery_record);
                 let loc = Loc { seg: seg.id, offset, len: rlen, seq: header.seq };
-                let horizon = (header.flags & record::FLAG_TOMBSTONE != 0 && body.len() >= 8).then(|| {
+                let horizon = (header.flags & record::FLAG_TOMBSTONE != 0).then(|| {
                     let mut h = [0u8; 8];
                     h.copy_from_slice(&body[..8]);
                     u64::from_le_bytes(h)
@@ -934,11 +965,10 @@ impl Inner {
                 engine.submit(&mut ops);
                 let [op] = ops;
                 op.result?;
-                let Ok(h) = record::decode_header(buf.as_slice()) else { return Ok(false) };
-                let hl = header_len(h.key.len()) as usize;
-                let body = &buf.as_slice()[hl..hl + h.value_size as usize];
-                if h.key != key || h.seq != old.loc.seq || record::data_crc(key.as_bytes(), body) != h.data_crc {
-                    // A bad record is not moved; a read of it will find out and drop it.
+                // Verified before anything is sliced by the header's size (a panic here would
+                // end the reaper). A bad record is not moved; a read of it will find out and drop it.
+                let Some((h, _)) = record::verify_record(buf.as_slice()) else { return Ok(false) };
+                if h.key != key || h.seq != old.loc.seq || h.record_len() != Some(old.loc.len) {
                     return Ok(false);
                 }
                 let res = {
@@ -2148,6 +2178,87 @@ mod tests {
             assert_eq!(read(&b, &entries[0]), vec![0xAA; 3000], "wrong bytes for a");
         }
         b.batch_abort(&[slot.slot_id]);
+    }
+
+    /// An engine that fails every op starting at `offset` with EIO.
+    #[derive(Debug)]
+    struct FailAt(u64);
+
+    impl IoEngine for FailAt {
+        fn name(&self) -> &'static str {
+            "fail-at"
+        }
+
+        fn submit(&self, ops: &mut [IoOp]) {
+            crate::io::PsyncEngine.submit(ops);
+            for op in ops.iter_mut().filter(|op| op.offset() == self.0) {
+                op.result = Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+        }
+    }
+
+    #[test]
+    fn a_read_error_while_scanning_is_a_torn_tail_not_a_failed_init() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let b = backend(dir.path(), &clock, 4);
+        for (i, k) in ["a", "b", "c"].iter().enumerate() {
+            put(&b, k, i as u8 + 1, 3000);
+        }
+        b.shutdown();
+        drop(b);
+        // Each record is 8 KiB: the second one's header cannot be read.
+        let b = backend_uninit(dir.path(), &clock);
+        let recovered = b.open_log(&FailAt(8192)).expect("init survives a read error");
+        let keys: Vec<&str> = recovered.owned.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["a"], "the records before the error are recovered");
+        assert_eq!(b.inner.counters.recovery_torn_tail.load(Ordering::Relaxed), 1, "counted as a torn tail");
+        assert!(recovered.log.segs.values().all(|s| s.sealed), "the segment is sealed");
+    }
+
+    fn backend_uninit(dir: &std::path::Path, clock: &Arc<ManualClock>) -> SsdBackend {
+        let config = SsdConfig::builder([dir])
+            .page_size(PAGE)
+            .capacity_bytes(64 * PAGE)
+            .staging_pages(4)
+            .segment_bytes(256 * 1024)
+            .clock(Arc::clone(clock) as Arc<dyn Clock>)
+            .build()
+            .expect("config");
+        SsdBackend::new(config)
+    }
+
+    fn record_bytes(key: &str, value: &[u8], seq: u64, flags: u16) -> Vec<u8> {
+        let hl = header_len(key.len()) as usize;
+        let mut buf = vec![0u8; hl + record::align_up(value.len() as u64) as usize];
+        buf[hl..hl + value.len()].copy_from_slice(value);
+        let crc = record::data_crc(key.as_bytes(), value);
+        record::encode_header_flags(&mut buf[..hl], key, value.len() as u64, seq, crc, flags);
+        buf
+    }
+
+    /// Hand-made segment: a value, a CRC-valid tombstone of 3 bytes (malformed: skipped, the scan
+    /// goes on), a value, then a CRC-valid header claiming an absurd size (a torn tail, no panic).
+    #[test]
+    fn recovery_rejects_malformed_tombstones_and_absurd_sizes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut seg = record_bytes("a", &[1u8; 100], 1, 0);
+        seg.extend(record_bytes("t", &[9u8; 3], 2, record::FLAG_TOMBSTONE));
+        seg.extend(record_bytes("b", &[2u8; 200], 3, 0));
+        let mut absurd = vec![0u8; header_len(1) as usize];
+        record::encode_header(&mut absurd, "z", u64::MAX - 1, 4, 0);
+        seg.extend(absurd);
+        seg.resize(seg.len() + 8192, 0);
+        fs::write(dir.path().join(SegmentFile::segment_name(0)), &seg).expect("write segment");
+        let clock = ManualClock::new();
+        let b = backend(dir.path(), &clock, 4);
+        let mut keys: Vec<String> = b.snapshot_owned_keys().into_iter().map(|e| e.key).collect();
+        keys.sort();
+        assert_eq!(keys, ["a", "b"], "the malformed tombstone is not a value");
+        let stats = b.stats();
+        assert_eq!((stats.recovery_corrupt, stats.torn_tails, stats.tombstones), (1, 1, 0), "{stats:?}");
+        let e = b.batch_resolve(&["b".to_owned()], false).remove(0);
+        assert_eq!(read(&b, &e), vec![2u8; 200]);
     }
 
     /// Dropping a key (the corrupt-read path does) while a reader holds a lease on its cached copy

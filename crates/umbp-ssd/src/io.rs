@@ -126,6 +126,12 @@ impl IoOp {
         Self { fd: file.as_raw_fd(), offset, iov, write, result: Err(io::Error::other("not submitted")) }
     }
 
+    /// Where the op starts in its file.
+    #[cfg(test)]
+    pub(crate) fn offset(&self) -> u64 {
+        self.offset
+    }
+
     fn total(&self) -> usize {
         self.iov.iter().map(|v| v.iov_len).sum()
     }

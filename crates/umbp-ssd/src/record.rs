@@ -56,10 +56,41 @@ pub(crate) struct Header {
 }
 
 impl Header {
-    /// The record's length on the drive.
-    pub(crate) fn record_len(&self) -> u64 {
-        record_len(self.key.len(), self.value_size)
+    /// The record's length on the drive; `None` when the header's `value_size` is too large to
+    /// describe any record (the arithmetic would overflow).
+    pub(crate) fn record_len(&self) -> Option<u64> {
+        checked_record_len(self.key.len(), self.value_size)
     }
+
+    /// Whether the header's flags and size agree: a tombstone carries exactly 8 value bytes (its
+    /// horizon). A header that passes its CRC but not this is not a record this version wrote.
+    pub(crate) fn well_formed(&self) -> bool {
+        self.flags & FLAG_TOMBSTONE == 0 || self.value_size == 8
+    }
+}
+
+/// [`record_len`] with checked arithmetic (`value_size` comes from the drive): `None` on overflow.
+pub(crate) fn checked_record_len(key_len: usize, value_size: u64) -> Option<u64> {
+    let value = value_size.checked_add(ALIGN - 1)? / ALIGN * ALIGN;
+    header_len(key_len).checked_add(value)
+}
+
+/// Verifies a whole record read into `buf` (its header block, then its value and padding): the
+/// header CRC, a length that fits `buf`, a well-formed header and the data CRC. Returns the header
+/// and the value bytes; `None` for anything else. Nothing is sliced before the lengths are checked.
+pub(crate) fn verify_record(buf: &[u8]) -> Option<(Header, &[u8])> {
+    let h = decode_header(buf).ok()?;
+    if !h.well_formed() {
+        return None;
+    }
+    let len = usize::try_from(h.record_len()?).ok()?;
+    if len > buf.len() {
+        return None;
+    }
+    let hl = usize::try_from(header_len(h.key.len())).ok()?;
+    let end = hl.checked_add(usize::try_from(h.value_size).ok()?)?;
+    let body = buf.get(hl..end)?;
+    (data_crc(h.key.as_bytes(), body) == h.data_crc).then_some((h, body))
 }
 
 /// Why a header block is not a valid header.
@@ -157,7 +188,7 @@ mod tests {
         let mut tomb = vec![0u8; header_len(key.len()) as usize];
         encode_header_flags(&mut tomb, key, 8, 9, 1, FLAG_TOMBSTONE);
         assert_eq!(decode_header(&tomb).map(|h| h.flags), Ok(FLAG_TOMBSTONE));
-        assert_eq!(h.record_len(), 4096 + 16384);
+        assert_eq!(h.record_len(), Some(4096 + 16384));
         for i in 0..FIXED + key.len() {
             let mut bad = block.clone();
             bad[i] ^= 0x01;
@@ -175,6 +206,35 @@ mod tests {
         encode_header(&mut block, &key, 1, 1, 0);
         assert_eq!(decode_header(&block[..4096]), Err(HeaderError::Short { needed: 8192 }));
         assert_eq!(decode_header(&block).map(|h| h.key), Ok(key));
+    }
+
+    #[test]
+    fn a_crc_valid_header_with_an_absurd_size_is_no_record_and_never_panics() {
+        let key = "k";
+        let hl = header_len(key.len()) as usize;
+        let mut buf = vec![0u8; hl + 4096];
+        for size in [u64::MAX, u64::MAX - 4095, 1 << 62, 8193] {
+            encode_header(&mut buf[..hl], key, size, 1, 0);
+            let h = decode_header(&buf).expect("the header itself is valid");
+            assert_eq!(h.record_len().is_none(), size > u64::MAX - 8192, "{size}: overflow detected");
+            assert!(verify_record(&buf).is_none(), "{size}: a record longer than the buffer");
+        }
+        let value = [7u8; 100];
+        buf[hl..hl + 100].copy_from_slice(&value);
+        encode_header(&mut buf[..hl], key, 100, 1, data_crc(key.as_bytes(), &value));
+        assert_eq!(verify_record(&buf).map(|(h, v)| (h.value_size, v.len())), Some((100, 100)));
+    }
+
+    #[test]
+    fn a_tombstone_must_carry_exactly_eight_bytes() {
+        let key = "k";
+        let hl = header_len(key.len()) as usize;
+        for size in [0u64, 3, 8, 9, 4096] {
+            let mut buf = vec![0u8; hl + 4096];
+            let crc = data_crc(key.as_bytes(), &buf[hl..hl + size as usize]);
+            encode_header_flags(&mut buf[..hl], key, size, 1, crc, FLAG_TOMBSTONE);
+            assert_eq!(verify_record(&buf).is_some(), size == 8, "a tombstone of {size} bytes");
+        }
     }
 
     #[test]
