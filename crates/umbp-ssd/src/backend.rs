@@ -1828,8 +1828,15 @@ impl MediumBackend for SsdBackend {
         for req in requests {
             let n = req.size.div_ceil(ps);
             // Too large for a staged value here, or for the whole drive: no peer like us would do
-            // better, so the writer must not go hunting (Failed, not FailedNoSpace).
-            if req.size == 0 || clearing || n > config.max_value_pages || n > total_pages || req.key.len() > MAX_KEY_LEN
+            // better, so the writer must not go hunting (Failed, not FailedNoSpace). An empty key
+            // cannot be logged (a record names its key; recovery reads a key length of 0 as a torn
+            // header and would drop every record after it in the segment).
+            if req.size == 0
+                || clearing
+                || n > config.max_value_pages
+                || n > total_pages
+                || req.key.is_empty()
+                || req.key.len() > MAX_KEY_LEN
             {
                 results.push(AllocateResult::outcome(AllocateOutcome::Failed));
                 continue;
@@ -1894,7 +1901,11 @@ impl MediumBackend for SsdBackend {
             for (i, req) in requests.iter().enumerate() {
                 let Some(slot) = state.pending.remove(&req.slot_id) else { continue };
                 let bytes = inner.bytes_of(slot.size);
-                if slot.generation != generation || slot.deadline <= now || req.key.len() > MAX_KEY_LEN {
+                // The commit-time key is the one stored (the trait's contract; `AllocateRequest::key`
+                // is a dedup hint), so it is checked here as allocate checks its own: empty or too
+                // long, the slot is released and the commit fails.
+                let bad_key = req.key.is_empty() || req.key.len() > MAX_KEY_LEN;
+                if slot.generation != generation || slot.deadline <= now || bad_key {
                     // Pre-clear or expired: the writer's bytes may be stale; the pages go back silently.
                     state.free(&slot.pages);
                     state.used = state.used.saturating_sub(bytes);

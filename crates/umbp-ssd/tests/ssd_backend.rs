@@ -615,3 +615,23 @@ fn large_multi_page_values_round_trip_through_a_restart() {
 fn base_of(b: &SsdBackend) -> *mut u8 {
     arena(b).0
 }
+
+#[test]
+fn an_empty_key_is_refused_at_allocate_and_commit_so_no_record_hides_later_ones() {
+    let dir = tempdir();
+    let config = || builder(&[dir.path()]).build().expect("config");
+    let b = live(config());
+    put(&b, "a", &value(1, 100));
+    assert_eq!(b.batch_allocate(&[AllocateRequest::new("", 10)])[0].outcome, AllocateOutcome::Failed);
+    // The commit-time key is the one stored, so an empty one is refused there too.
+    let slot = b.batch_allocate(&[AllocateRequest::new("x", 10)]).remove(0);
+    assert_eq!(slot.outcome, AllocateOutcome::Allocated);
+    assert!(!b.batch_commit(&[CommitRequest::new(slot.slot_id, "")])[0].success, "commit under an empty key");
+    assert_eq!(b.capacity().available_bytes, b.capacity().total_bytes - PAGE, "the refused slot is released");
+    put(&b, "b", &value(2, 100));
+    b.shutdown();
+    drop(b);
+    let b = live(config());
+    assert_eq!(b.owned_key_count(), 2);
+    assert_eq!(get(&b, "b"), Some(value(2, 100)), "the record after the refused one is recovered");
+}
