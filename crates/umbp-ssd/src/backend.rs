@@ -277,6 +277,8 @@ struct Inner {
     next_slot_id: AtomicU64,
     clear_pending: AtomicBool,
     counters: Counters,
+    /// The directories' locked lock files (see [`lock_dir`]), from `init` to `shutdown`.
+    locks: Mutex<Vec<fs::File>>,
 }
 
 /// A read or write between its lock phases.
@@ -376,6 +378,7 @@ impl SsdBackend {
                 next_slot_id: AtomicU64::new(1),
                 clear_pending: AtomicBool::new(false),
                 counters: Counters::default(),
+                locks: Mutex::new(Vec::new()),
             }),
             source: HostPageMemorySource::new(options),
             lifecycle: Mutex::new(Lifecycle::New),
@@ -473,8 +476,10 @@ impl SsdBackend {
         let mut log = Log { segment_bytes: config.segment_bytes, preallocate: config.preallocate, ..Log::default() };
         // (segment id, directory index) of every segment file found.
         let mut found: Vec<(SegId, usize)> = Vec::new();
+        let mut locks = Vec::with_capacity(config.dirs.len());
         for (i, dir) in config.dirs.iter().enumerate() {
             fs::create_dir_all(dir).map_err(|e| Self::io_error(format!("creating {}", dir.display()), e))?;
+            locks.push(lock_dir(dir)?);
             let direct = config.direct_io && probe_direct_io(dir);
             if config.direct_io && !direct {
                 tracing::info!(dir = %dir.display(), "O_DIRECT refused by the filesystem; using buffered IO");
@@ -551,7 +556,7 @@ impl SsdBackend {
         let mut owned: Vec<(String, Owned)> = owned.into_iter().collect();
         // Oldest first, so the LRU starts in write order.
         owned.sort_by_key(|(_, o)| o.loc.seq);
-        Ok(Recovered { log, owned, tombs, total })
+        Ok(Recovered { log, owned, tombs, total, locks })
     }
 
     /// Reads every record of one segment, verifying both CRCs; returns where valid data ends.
@@ -675,6 +680,45 @@ struct Recovered {
     tombs: Vec<(String, Tomb)>,
     /// The capacity in bytes.
     total: u64,
+    /// The directories' lock files, locked (held until `shutdown`).
+    locks: Vec<fs::File>,
+}
+
+/// The lock file in each directory: a backend holds an exclusive `flock` on it from `init` to
+/// `shutdown` (or the end of the process), so two backends never share a directory.
+const LOCK_FILE: &str = ".umbp-ssd.lock";
+
+/// Takes the directory's lock, or fails with an error that says who holds it.
+fn lock_dir(dir: &std::path::Path) -> Result<fs::File, BackendError> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join(LOCK_FILE);
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| SsdBackend::io_error(format!("opening the lock file {}", path.display()), e))?;
+    loop {
+        // SAFETY: `file` is an open descriptor for the duration of the call; flock touches no memory.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(file);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        let context = if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            format!(
+                "{} is in use by another SSD medium (in this or another process): its lock file {} is locked",
+                dir.display(),
+                path.display()
+            )
+        } else {
+            format!("locking {}", path.display())
+        };
+        return Err(SsdBackend::io_error(context, e));
+    }
 }
 
 /// One valid record found by a scan (`horizon`: a tombstone's).
@@ -717,6 +761,31 @@ impl Inner {
             out.push((ptr, len as usize));
         }
         out
+    }
+
+    /// Zeroes the bytes between the end of a value of `size` bytes in `pages` and the next record
+    /// boundary: they go to the drive with the value, and would otherwise carry whatever an earlier
+    /// value left in the staging page.
+    fn zero_padding(&self, published: &Published, pages: &[PageLocation], size: u64) {
+        let ps = self.config.page_size;
+        let pad = record::align_up(size) - size;
+        if pad == 0 || size == 0 {
+            return;
+        }
+        // The padding lies in the page holding the value's last byte: pages are multiples of the
+        // record alignment, so rounding up never crosses into the next page.
+        let last = (size - 1) / ps;
+        let Some(page) = pages.get(last as usize) else { return };
+        let at = size - last * ps;
+        // SAFETY: the page lies inside the arena (see `page_segments`) and `at + pad <= ps`; it
+        // belongs to the committing slot, whose writer is done with it, and nothing else writes it.
+        unsafe {
+            std::ptr::write_bytes(
+                published.base.base().as_ptr().add((u64::from(page.page_index) * ps + at) as usize),
+                0,
+                pad as usize,
+            );
+        }
     }
 
     /// CRC-32C of `key` and the value bytes in staging `pages`.
@@ -1279,6 +1348,9 @@ impl Inner {
 
     /// Writes the records of `jobs` from their staging pages (no lock held).
     fn write_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        for job in jobs.iter() {
+            self.zero_padding(published, &job.pages, job.size);
+        }
         if engine.overlaps() && jobs.iter().map(|j| j.size).sum::<u64>() >= OVERLAP_MIN {
             self.write_jobs_overlapped(engine, published, jobs);
             return;
@@ -1638,7 +1710,7 @@ impl MediumBackend for SsdBackend {
         let engine: Arc<dyn IoEngine> = make_engine(config.io_engine, config.queue_depth)
             .map_err(|e| Self::io_error(format!("starting the {} io engine", config.io_engine), e))?
             .into();
-        let Recovered { log, owned, tombs, total } = self.open_log(engine.as_ref())?;
+        let Recovered { log, owned, tombs, total, locks } = self.open_log(engine.as_ref())?;
         let arena = config.staging_pages * config.page_size;
         let buffers = self.source.allocate(&[arena]).map_err(|e| BackendError::OutOfMemory {
             medium: NAME.into(),
@@ -1700,6 +1772,7 @@ impl MediumBackend for SsdBackend {
             state.staging = Some(staging);
         }
         *self.reaper.lock() = Some(reaper);
+        *self.inner.locks.lock() = locks;
         *lifecycle = Lifecycle::Live;
         tracing::info!(dirs = ?config.dirs, capacity = total, recovered, engine = engine_name, "SSD medium live");
         Ok(())
@@ -1725,6 +1798,8 @@ impl MediumBackend for SsdBackend {
         }
         drop(old);
         *self.inner.engine.write() = None;
+        // The directories are free for another medium once nothing more is written to them.
+        self.inner.locks.lock().clear();
         // Deregister before release: a transport may still map the arena.
         if let Some(p) = self.inner.published.write().take() {
             p.registrar.deregister(&p.registered);

@@ -635,3 +635,43 @@ fn an_empty_key_is_refused_at_allocate_and_commit_so_no_record_hides_later_ones(
     assert_eq!(b.owned_key_count(), 2);
     assert_eq!(get(&b, "b"), Some(value(2, 100)), "the record after the refused one is recovered");
 }
+
+#[test]
+fn the_padding_after_a_value_is_zeroes_not_an_earlier_value() {
+    for engine in engines() {
+        let dir = tempdir();
+        let b = live(builder(&[dir.path()]).io_engine(engine).staging_pages(1).build().expect("config"));
+        // One staging page: the second value is written into the page the first one filled.
+        put(&b, "old", &[0xAB; PAGE as usize]);
+        put(&b, "new", &value(3, 10));
+        b.shutdown();
+        drop(b);
+        let bytes = fs::read(segments(dir.path()).remove(0)).expect("read segment");
+        // Record 0: 4 KiB header + 4 KiB value; record 1's value starts at 12 KiB.
+        let pad = &bytes[12288 + 10..16384];
+        assert!(
+            pad.iter().all(|b| *b == 0),
+            "{engine}: {} bytes of the old value leaked",
+            pad.iter().filter(|b| **b == 0xAB).count()
+        );
+    }
+}
+
+#[test]
+fn a_second_backend_on_a_directory_in_use_fails_to_init_with_a_clear_error() {
+    let (a, b_dir) = (tempdir(), tempdir());
+    let first = live(builder(&[a.path()]).build().expect("config"));
+    put(&first, "k", &value(1, 10));
+    // Any directory of the second medium already in use is refused, here its second one.
+    let second = SsdBackend::new(builder(&[b_dir.path(), a.path()]).build().expect("config"));
+    let err = second.init(Arc::new(LocalOnlyRegistrar::new())).expect_err("the directory is in use");
+    let msg = err.to_string();
+    assert!(msg.contains("in use by another SSD medium") && msg.contains(&a.path().display().to_string()), "{msg}");
+    assert_eq!(get(&first, "k"), Some(value(1, 10)), "the first medium is untouched");
+    assert!(!segments(a.path()).is_empty());
+    first.shutdown();
+    drop(first);
+    // Once the first is shut down, the directory is free.
+    let third = live(builder(&[a.path()]).build().expect("config"));
+    assert_eq!(get(&third, "k"), Some(value(1, 10)));
+}
