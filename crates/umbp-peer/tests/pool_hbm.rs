@@ -240,6 +240,56 @@ async fn overlapping_caller_registrations_are_refused() {
     m.shutdown().await;
 }
 
+/// A node that lends no HBM touches no GPU unless its config asks: by default its GPU copy engine is
+/// absent (caller device memory cannot be registered, so nothing probed or pinned with a GPU), and
+/// with `gpu_runtime` set it moves the caller's device buffers to and from its DRAM medium.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_hbm_node_uses_a_gpu_only_when_asked() {
+    let m = master().await;
+    let caller = FakeRuntime::new(1);
+    caller.set_device(0).expect("device 0");
+    let len = 3 * PAGE as usize + 5;
+    let dev = caller.malloc(2 * len).expect("device buffer");
+    let gpu = MemoryLocation::Gpu { device: 0 };
+    let plain = PoolClient::start(config(&m, "dram-plain", 64 * PAGE)).await.expect("starts");
+    // SAFETY: `dev` lives until the end of the test (deregistered before it is freed).
+    let registered = unsafe { plain.register_memory_at(dev, 2 * len as u64, gpu) }.is_ok();
+    // SAFETY: the range lies inside `dev`, live for the call; no engine of this node may copy it.
+    let put = unsafe { plain.batch_put_raw(&[("plain-key", dev, len)]).await };
+    assert!(put[0].is_err(), "no GPU engine on a DRAM node by default: device memory cannot move");
+    if registered {
+        plain.deregister_memory(dev);
+    }
+    plain.close().await;
+    let mut asked = config(&m, "dram-gpu", 64 * PAGE);
+    asked.gpu_runtime = Some(RuntimeSelection::Fake { devices: 1 });
+    let node = PoolClient::start(asked).await.expect("starts");
+    let v = value(7, len);
+    let v_ptr = NonNull::new(v.as_ptr().cast_mut()).expect("non-null");
+    // SAFETY: `dev` holds `2 * len` device bytes, `v` is `len` host bytes.
+    unsafe { caller.memcpy(dev, v_ptr, len, CopyKind::HostToDevice) }.expect("stage");
+    // SAFETY: `dev` lives until after deregistration below.
+    unsafe { node.register_memory_at(dev, 2 * len as u64, gpu) }.expect("GPU engine present when asked");
+    let out = NonNull::new(dev.as_ptr().wrapping_add(len)).expect("non-null");
+    // SAFETY: both ranges lie inside the registered device buffer, live for the calls, disjoint.
+    unsafe {
+        assert_eq!(node.batch_put_raw(&[("dev-key", dev, len)]).await, vec![Ok(())]);
+        node.flush();
+        indexed(&node, &["dev-key"]).await;
+        assert_eq!(node.batch_get_raw(&["dev-key"], &[(out, len)]).await, vec![Ok(len as u64)]);
+    }
+    let mut back = vec![0u8; len];
+    let back_ptr = NonNull::new(back.as_mut_ptr()).expect("non-null");
+    // SAFETY: `out` holds `len` device bytes, `back` `len` host bytes.
+    unsafe { caller.memcpy(back_ptr, out, len, CopyKind::DeviceToHost) }.expect("read back");
+    assert_eq!(back, v, "device → DRAM → device is byte-exact");
+    node.deregister_memory(dev);
+    node.close().await;
+    // SAFETY: deregistered, no copy in flight.
+    unsafe { caller.free(dev) }.expect("free");
+    m.shutdown().await;
+}
+
 /// Bad HBM settings are refused at start with the cause named: a device the runtime does not have,
 /// and a runtime the machine does not have.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

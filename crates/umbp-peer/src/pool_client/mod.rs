@@ -1,7 +1,7 @@
 //! `PoolClient`: the composition root of a node, and the API a client uses.
 //!
 //! It is the only place that names concrete media and transfer engines: it builds the composite
-//! engine (local copy + TCP, plus GPU copy when the node lends HBM or the machine has a GPU), the
+//! engine (local copy + TCP, plus GPU copy when the node lends HBM or `gpu_runtime` asks for it), the
 //! node's one medium from [`Medium`] with a `match`, `init`s it with the engine as registrar,
 //! registers it, starts the peer service and the heartbeat, and offers `put` / `get` / `exists` /
 //! `remove` / `clear` / `flush` over the whole pool.
@@ -184,6 +184,12 @@ pub struct PoolClientConfig {
     /// [`PoolClient::metrics_address`]). Default: none (no endpoint, and the medium is not wrapped
     /// in `InstrumentedBackend`: nothing would read its counters).
     pub metrics_listen: Option<SocketAddr>,
+    /// The GPU runtime of a node that lends no HBM (an HBM node uses its medium's). With one, the GPU
+    /// copy engine joins, so the caller can put from and get into its own device buffers
+    /// ([`register_memory_at`](PoolClient::register_memory_at)); `auto` probes the machine (and
+    /// finds nothing under `UMBP_GPU_RUNTIME=none`). Default: none, so a DRAM, SSD or client-only
+    /// node never probes a GPU nor pins its medium and bounce pool with one.
+    pub gpu_runtime: Option<RuntimeSelection>,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -206,6 +212,7 @@ impl std::fmt::Debug for PoolClientConfig {
             .field("rpc_timeout", &self.rpc_timeout)
             .field("master", &self.master)
             .field("metrics_listen", &self.metrics_listen)
+            .field("gpu_runtime", &self.gpu_runtime)
             .finish()
     }
 }
@@ -230,6 +237,7 @@ impl PoolClientConfig {
             rpc_timeout: Duration::from_secs(5),
             master: MasterClientConfig::default(),
             metrics_listen: None,
+            gpu_runtime: None,
         }
     }
 
@@ -452,16 +460,21 @@ impl PoolClient {
         if config.page_size == 0 {
             return Err(PoolError::Config("page_size must be greater than 0".into()));
         }
-        // The GPU runtime: the HBM medium's, else the machine's if it has a GPU. The GPU copy engine
-        // joins over it (so callers can put from and get into device memory), and the TCP data server
-        // stages peers' reads and writes of GPU regions (an HBM medium's pages) with it.
-        let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match &config.medium {
-            Medium::Hbm(hbm) => Some(
+        // The GPU runtime: the HBM medium's, else the one `gpu_runtime` asks for (none by default:
+        // other nodes never touch a GPU unless asked). The GPU copy engine joins over it (so callers
+        // can put from and get into device memory), and the TCP data server stages peers' reads and
+        // writes of GPU regions (an HBM medium's pages) with it.
+        let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match (&config.medium, config.gpu_runtime) {
+            (Medium::Hbm(hbm), _) => Some(
                 hbm.runtime
                     .load()
                     .map_err(|e| PoolError::Config(format!("hbm medium: GPU runtime {}: {e}", hbm.runtime)))?,
             ),
-            _ => umbp_gpu::probe(),
+            (_, None) => None,
+            (_, Some(RuntimeSelection::Auto)) => umbp_gpu::probe(),
+            (_, Some(selection)) => {
+                Some(selection.load().map_err(|e| PoolError::Config(format!("gpu_runtime {selection}: {e}")))?)
+            }
         };
         let tcp_config = TcpEngineConfig {
             server: umbp_transfer::DataServerConfig {
