@@ -539,9 +539,16 @@ impl TransferEngine for GpuCopyEngine {
                     fits = false;
                     break;
                 };
-                // SAFETY: `offset + len <= ref size <= region len` (checked above), so both pointers
-                // stay inside their regions; nothing is dereferenced here.
-                let (src_ptr, dst_ptr) = unsafe { (src.ptr().add(src_off), dst.ptr().add(dst_off)) };
+                // Address arithmetic only (`wrapping_add`: device addresses are no Rust allocation, so
+                // `add`'s in-bounds rule cannot be claimed for them); `offset + len <= ref size <=
+                // region len` (checked above) keeps both inside their regions for the runtime.
+                let (Some(src_ptr), Some(dst_ptr)) = (
+                    NonNull::new(src.ptr().as_ptr().wrapping_add(src_off)),
+                    NonNull::new(dst.ptr().as_ptr().wrapping_add(dst_off)),
+                ) else {
+                    fits = false;
+                    break;
+                };
                 jobs.push(Job { src: src_ptr, dst: dst_ptr, len, kind });
                 self.counters.bytes.fetch_add(s.len, Ordering::Relaxed);
             }

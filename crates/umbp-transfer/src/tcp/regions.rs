@@ -56,10 +56,11 @@ impl RegionGuard {
         let (Ok(offset), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
             return Err(Status::OutOfRange);
         };
-        // SAFETY: `offset + len <= region.len()` (checked just above), so the result stays inside
-        // the registered region, which is one allocation valid while registered (`LocalRegion`'s
-        // invariant) — and it stays registered while this guard lives.
-        let ptr = unsafe { region.ptr().as_ptr().add(offset) };
+        // `offset + len <= region.len()` (checked just above), so the result stays inside the
+        // registered region, valid while registered (`LocalRegion`'s invariant) — and it stays
+        // registered while this guard lives. `wrapping_add`: the region may be device memory, no
+        // Rust allocation, so `add`'s in-bounds rule cannot be claimed for it.
+        let ptr = region.ptr().as_ptr().wrapping_add(offset);
         Ok((ptr, len))
     }
 }
@@ -117,10 +118,10 @@ impl LocalSide {
                 let (Ok(offset), Ok(_)) = (usize::try_from(offset), usize::try_from(len)) else {
                     return Err(Status::OutOfRange);
                 };
-                // SAFETY: `offset + len <= bound <= region.len()` (checked just above), so the
-                // result stays inside the caller's region, one allocation valid for the batch
-                // under `LocalRegion`'s invariant.
-                Ok(unsafe { region.ptr().as_ptr().add(offset) })
+                // `offset + len <= bound <= region.len()` (checked just above), so the result stays
+                // inside the caller's region, valid for the batch under `LocalRegion`'s invariant
+                // (`wrapping_add`: address arithmetic only, whatever memory the region is).
+                Ok(region.ptr().as_ptr().wrapping_add(offset))
             }
         }
     }

@@ -839,7 +839,7 @@ impl ServerConn<'_> {
                         // copy; `done + n <= len`. The source is `n` host bytes of staging; device
                         // memory and the mapping never overlap.
                         let copied = unsafe {
-                            let dst = NonNull::new_unchecked(ptr.add(done));
+                            let dst = NonNull::new_unchecked(ptr.wrapping_add(done));
                             side.gpu.memcpy(dst, side.staging, n, CopyKind::HostToDevice)
                         };
                         if let Err(e) = copied {
@@ -946,7 +946,7 @@ impl ServerConn<'_> {
             // SAFETY: as the first copy: `n <= capacity` bytes into staging (nothing queued: flushed
             // above), from inside the guarded GPU region (`done + n <= len`).
             let copied = unsafe {
-                let src = NonNull::new_unchecked(ptr.add(done));
+                let src = NonNull::new_unchecked(ptr.wrapping_add(done));
                 side.gpu.memcpy(side.staging, src, n, CopyKind::DeviceToHost)
             };
             if let Err(error) = copied {
