@@ -214,6 +214,46 @@ fn concurrent_resolves_of_one_key_read_the_drive_once() {
     }
 }
 
+/// The negative control of `concurrent_resolves_of_one_key_read_the_drive_once`: with single
+/// flight off, the same concurrent readers do read the drive more than once (so the test above
+/// measures the coalescing, not a race the readers happen to lose).
+#[test]
+fn without_single_flight_concurrent_resolves_read_the_drive_more_than_once() {
+    let dir = tempdir();
+    let b = live(
+        builder(&[dir.path()])
+            .max_value_pages(4)
+            .single_flight(false)
+            .read_lease_ttl(Duration::from_millis(30))
+            .build()
+            .expect("config"),
+    );
+    let v = value(7, 4 * PAGE as usize);
+    put(&b, "hot", &v);
+    let (rounds, n) = (20, 8);
+    let before = b.stats().device_reads;
+    for _ in 0..rounds {
+        b.drop_cached_copies();
+        let barrier = Arc::new(Barrier::new(n));
+        let readers: Vec<_> = (0..n)
+            .map(|_| {
+                let (b, barrier) = (Arc::clone(&b), Arc::clone(&barrier));
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    b.batch_resolve(&["hot".to_owned()], false).remove(0)
+                })
+            })
+            .collect();
+        let entries: Vec<_> = readers.into_iter().map(|t| t.join().expect("reader")).collect();
+        assert!(entries.iter().all(|e| e.found), "every reader hits");
+        assert_eq!(get(&b, "hot"), Some(v.clone()));
+        drop_leases(&b);
+    }
+    let reads = b.stats().device_reads - before;
+    assert!(reads > rounds, "{reads} drive reads for {rounds} rounds of {n} readers without single flight");
+    assert_eq!(b.stats().single_flight_merged, 0);
+}
+
 /// Waits out every read lease (the backend runs on the system clock with a short lease).
 fn drop_leases(b: &SsdBackend) {
     std::thread::sleep(b.config().read_lease_ttl() + Duration::from_millis(5));
