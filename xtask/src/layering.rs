@@ -1,4 +1,5 @@
-//! The layering check: a storage backend may not depend on the byte-moving or networked layers.
+//! The layering check: a storage backend may not depend on the byte-moving or networked layers, and
+//! the GPU runtime shim (`layer = "runtime-shim"`) on no umbp crate, tokio or tonic.
 //!
 //! A crate declares its layer in its manifest:
 //!
@@ -63,6 +64,30 @@ pub const RULES: &[LayerRule] = &[
         reason: "a medium is charted by the InstrumentedBackend the composition root wraps it in; it reports \
                  medium-internal state through umbp_core::MetricSource under the generic names, never through \
                  the metrics crate",
+    },
+    LayerRule {
+        layer: "runtime-shim",
+        forbidden: &["tokio", "tonic"],
+        reason: "the GPU runtime shim is a thin synchronous FFI layer: it never spawns tasks or depends on an \
+                 async runtime or RPC",
+    },
+    LayerRule {
+        layer: "runtime-shim",
+        forbidden: &[
+            "umbp",
+            "umbp-core",
+            "umbp-page",
+            "umbp-hbm",
+            "umbp-ssd",
+            "umbp-transfer",
+            "umbp-peer",
+            "umbp-master",
+            "umbp-proto",
+            "umbp-metrics",
+            "umbp-testkit",
+        ],
+        reason: "the GPU runtime shim sits below every umbp crate: it knows no medium, key, tier or transfer \
+                 plan, so it names none of them",
     },
 ];
 
@@ -609,6 +634,34 @@ mod tests {
         let outcome = check(&g, RULES);
         let found: Vec<String> = outcome.violations.iter().map(|v| format!("{}:{}", v.package, v.forbidden)).collect();
         assert_eq!(found, ["umbp-hbm:tonic", "umbp-hbm:umbp-peer", "umbp-page:tonic"]);
+    }
+
+    #[test]
+    fn the_runtime_shim_may_reach_no_async_runtime_and_no_umbp_crate() {
+        const SHIM: Option<&str> = Some("runtime-shim");
+        let clean = graph(
+            &[("umbp-gpu", SHIM), ("libloading", None), ("tracing", None), ("umbp-hbm", BACKEND)],
+            &[
+                ("umbp-gpu", "libloading", DepKind::Normal),
+                ("umbp-gpu", "tracing", DepKind::Normal),
+                ("umbp-hbm", "umbp-gpu", DepKind::Normal),
+            ],
+        );
+        let outcome = check(&clean, RULES);
+        assert!(outcome.is_ok(), "{outcome}");
+        assert!(outcome.checked.contains(&("umbp-gpu".to_owned(), "runtime-shim".to_owned())));
+        let g = graph(
+            &[("umbp-gpu", SHIM), ("tokio", None), ("umbp-core", None), ("helper", None), ("tonic", None)],
+            &[
+                ("umbp-gpu", "tokio", DepKind::Normal),
+                ("umbp-gpu", "umbp-core", DepKind::Normal),
+                ("umbp-gpu", "helper", DepKind::Build),
+                ("helper", "tonic", DepKind::Normal),
+            ],
+        );
+        let found: Vec<String> =
+            check(&g, RULES).violations.iter().map(|v| format!("{}:{}", v.package, v.forbidden)).collect();
+        assert_eq!(found, ["umbp-gpu:tokio", "umbp-gpu:tonic", "umbp-gpu:umbp-core"]);
     }
 
     #[test]

@@ -27,7 +27,7 @@ tasks:
         --fast       skip the slow, rarely-failing steps (deny, package)
         --list       list the steps and exit
   layering [--manifest-path PATH]
-        check that no `layer = \"backend\"` crate depends on a forbidden crate
+        check that no layered crate (`layer = \"backend\"`, `\"runtime-shim\"`) depends on a forbidden crate
   bench [ARGS]...
         cargo bench --workspace --bench '*' [ARGS]... (arguments after `--` go to the bench binaries)
   help

@@ -36,7 +36,9 @@
 //!
 //! # Never
 //! Knows a medium, a key, a tier or a transfer plan; never spawns threads or depends on an async
-//! runtime. It hands out device pointers and copies bytes only when a caller asks it to.
+//! runtime. It hands out device pointers and copies bytes only when a caller asks it to. It depends
+//! on no umbp crate, tokio or tonic (`[package.metadata.umbp] layer = "runtime-shim"`, checked by
+//! `cargo xtask ci`).
 //!
 //! # Platforms
 //! The real runtimes are looked for on Linux (`.so` names); elsewhere only the fake is available.
