@@ -34,7 +34,7 @@ use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBitmapAllocator, Pa
 use crate::config::SsdConfig;
 use crate::io::{AlignedBuf, IoEngine, IoOp, make_engine, probe_direct_io};
 use crate::record::{self, HeaderError, MAX_KEY_LEN, header_len, record_len};
-use crate::store::{DirState, Loc, Log, Lru, SegId, SegMeta, SegmentFile};
+use crate::store::{DirState, Loc, Log, Lru, SegId, SegMeta, SegmentFile, sync_dir};
 
 /// The longest a follower waits for the leader of a single-flight read (the reference's 30 s); the
 /// wait is also capped at half the read lease (see [`follower_wait`]).
@@ -262,6 +262,8 @@ struct Counters {
     recovery_record: AtomicU64,
     recovery_corrupt: AtomicU64,
     recovery_torn_tail: AtomicU64,
+    segment_sync: AtomicU64,
+    segment_sync_error: AtomicU64,
     staging_in_use: AtomicU64,
 }
 
@@ -279,6 +281,10 @@ struct Inner {
     counters: Counters,
     /// The directories' locked lock files (see [`lock_dir`]), from `init` to `shutdown`.
     locks: Mutex<Vec<fs::File>>,
+    /// When the reaper last synced the segments (`None`: never).
+    last_sync: Mutex<Option<Instant>>,
+    /// Held through a sync pass (never with `state`'s lock held across a sync).
+    sync_pass: Mutex<()>,
 }
 
 /// A read or write between its lock phases.
@@ -362,6 +368,8 @@ pub struct SsdStats {
     pub staging_pages_in_use: u64,
     /// Tombstones in force on the drives (evicted keys a restart must not bring back).
     pub tombstones: u64,
+    /// Segment `fdatasync`s done by the periodic sync (and [`SsdBackend::sync`]).
+    pub segment_syncs: u64,
 }
 
 impl SsdBackend {
@@ -379,6 +387,8 @@ impl SsdBackend {
                 clear_pending: AtomicBool::new(false),
                 counters: Counters::default(),
                 locks: Mutex::new(Vec::new()),
+                last_sync: Mutex::new(None),
+                sync_pass: Mutex::new(()),
             }),
             source: HostPageMemorySource::new(options),
             lifecycle: Mutex::new(Lifecycle::New),
@@ -395,6 +405,13 @@ impl SsdBackend {
     /// segments and one round of compaction.
     pub fn reaper_tick(&self) {
         self.inner.sweep();
+    }
+
+    /// `fdatasync`s every segment written since the last sync, now (the reaper does it every
+    /// `sync_interval`). When it returns, every record whose commit returned before the call is on
+    /// stable storage, short of a hole left by a write still in flight (see the crate docs).
+    pub fn sync(&self) {
+        self.inner.sync_segments();
     }
 
     /// Counters and gauges of the medium.
@@ -423,6 +440,7 @@ impl SsdBackend {
             live_bytes,
             staging_pages_in_use: l(&c.staging_in_use),
             tombstones,
+            segment_syncs: l(&c.segment_sync),
         }
     }
 
@@ -509,6 +527,9 @@ impl SsdBackend {
                 fs::remove_file(&path).map_err(|e| Self::io_error(format!("removing {}", path.display()), e))?;
             }
             found.clear();
+            for d in &log.dirs {
+                sync_dir(&d.path).map_err(|e| Self::io_error(format!("fsync of {}", d.path.display()), e))?;
+            }
         }
         // Every record found, newest wins per key.
         let mut records: Vec<Found> = Vec::new();
@@ -521,7 +542,8 @@ impl SsdBackend {
             let seg = Arc::new(SegmentFile::opened(id, path, d.direct, file));
             let end = self.scan_segment(engine, &seg, len, &mut records)?;
             log.dirs[dir].physical += end;
-            log.segs.insert(id, SegMeta { file: seg, dir, append: end, live: 0, writers: 0, sealed: true });
+            log.segs
+                .insert(id, SegMeta { file: seg, dir, append: end, live: 0, writers: 0, sealed: true, dirty: false });
             log.next_seg = log.next_seg.max(id + 1);
         }
         records.sort_by_key(|r| std::cmp::Reverse(r.loc.seq));
@@ -898,6 +920,7 @@ impl Inner {
         self.delete_segments(dead);
         self.flush_tombstones();
         self.compact_once();
+        self.maybe_sync(now);
     }
 
     /// Writes the queued tombstones (one small record each, in one engine batch) and puts them in
@@ -972,14 +995,61 @@ impl Inner {
     }
 
     fn delete_segments(&self, dead: Vec<Arc<SegmentFile>>) {
-        for seg in dead {
+        let mut dirs: Vec<&std::path::Path> = Vec::new();
+        for seg in &dead {
             match fs::remove_file(&seg.path) {
-                Ok(()) => bump(&self.counters.segment_reclaimed),
+                Ok(()) => {
+                    bump(&self.counters.segment_reclaimed);
+                    if let Some(d) = seg.path.parent()
+                        && !dirs.contains(&d)
+                    {
+                        dirs.push(d);
+                    }
+                }
                 // Never created (a segment whose only writes failed before opening it).
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                 Err(e) => tracing::warn!(segment = %seg.path.display(), error = %e, "could not delete a dead segment"),
             }
         }
+        // Make the removals durable: a segment that came back after a power loss could bring back
+        // keys that were cleared or evicted (their tombstones may have gone with other segments).
+        for d in dirs {
+            if let Err(e) = sync_dir(d) {
+                tracing::warn!(dir = %d.display(), error = %e, "fsync of a directory after deleting segments failed");
+            }
+        }
+    }
+
+    /// `fdatasync`s every segment written since the last sync (no lock held during the syncs).
+    fn sync_segments(&self) {
+        // One pass at a time: a pass that finds a segment clean because another pass took it waits
+        // for that pass's syncs to complete first.
+        let _pass = self.sync_pass.lock();
+        let files = self.state.lock().log.take_unsynced();
+        for f in files {
+            let Some(file) = f.if_open() else { continue };
+            match file.sync_data() {
+                Ok(()) => bump(&self.counters.segment_sync),
+                Err(e) => {
+                    bump(&self.counters.segment_sync_error);
+                    tracing::warn!(segment = %f.path.display(), error = %e, "fdatasync of a segment failed");
+                }
+            }
+        }
+    }
+
+    /// The reaper's periodic sync: runs [`sync_segments`](Self::sync_segments) once
+    /// `sync_interval` has passed since the last one.
+    fn maybe_sync(&self, now: Instant) {
+        let Some(interval) = self.config.sync_interval else { return };
+        {
+            let mut last = self.last_sync.lock();
+            if last.is_some_and(|t| now < t + interval) {
+                return;
+            }
+            *last = Some(now);
+        }
+        self.sync_segments();
     }
 
     /// Moves the live records of the most wasteful sealed segment to the log head, so the
@@ -1627,7 +1697,7 @@ impl MetricSource for SsdBackend {
     fn sample_metrics(&self) -> Vec<MetricSample> {
         let c = &self.inner.counters;
         let mut out = Vec::new();
-        let events: [(&str, &AtomicU64); 17] = [
+        let events: [(&str, &AtomicU64); 19] = [
             ("device_read_ok", &c.device_read_ok),
             ("device_read_error", &c.device_read_error),
             ("device_read_corrupt", &c.device_read_corrupt),
@@ -1645,6 +1715,8 @@ impl MetricSource for SsdBackend {
             ("recovery_record", &c.recovery_record),
             ("recovery_corrupt", &c.recovery_corrupt),
             ("recovery_torn_tail", &c.recovery_torn_tail),
+            ("segment_sync", &c.segment_sync),
+            ("segment_sync_error", &c.segment_sync_error),
         ];
         for (event, v) in events {
             let v = v.load(Ordering::Relaxed);

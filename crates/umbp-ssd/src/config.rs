@@ -92,6 +92,7 @@ pub struct SsdConfig {
     pub(crate) pending_ttl: Duration,
     pub(crate) read_lease_ttl: Duration,
     pub(crate) reaper_interval: Duration,
+    pub(crate) sync_interval: Option<Duration>,
     pub(crate) clock: Arc<dyn Clock>,
 }
 
@@ -116,6 +117,7 @@ impl fmt::Debug for SsdConfig {
             .field("pending_ttl", &self.pending_ttl)
             .field("read_lease_ttl", &self.read_lease_ttl)
             .field("reaper_interval", &self.reaper_interval)
+            .field("sync_interval", &self.sync_interval)
             .finish_non_exhaustive()
     }
 }
@@ -151,6 +153,7 @@ impl SsdConfig {
             pending_ttl: Duration::from_secs(30),
             read_lease_ttl: Duration::from_secs(3),
             reaper_interval: Duration::from_millis(200),
+            sync_interval: Some(Duration::from_secs(1)),
             clock: SystemClock::shared(),
         }
     }
@@ -312,6 +315,16 @@ impl SsdConfigBuilder {
         self
     }
 
+    /// How often the reaper `fdatasync`s every segment written since its last sync (`None`: only
+    /// at `shutdown`). Commits do not wait for it: a record is safe from a power loss only once a
+    /// sync that started after its commit returned has completed (see the crate docs,
+    /// "Durability"). Checked on each reaper pass, so the effective period is at least the reaper
+    /// interval. Default: 1 s.
+    pub fn sync_interval(mut self, interval: Option<Duration>) -> Self {
+        self.config.sync_interval = interval;
+        self
+    }
+
     /// The time source of TTLs and leases. Default: the system clock.
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.config.clock = clock;
@@ -377,6 +390,7 @@ impl SsdConfigBuilder {
             ("pending_ttl", c.pending_ttl),
             ("read_lease_ttl", c.read_lease_ttl),
             ("reaper_interval", c.reaper_interval),
+            ("sync_interval", c.sync_interval.unwrap_or(c.reaper_interval)),
         ] {
             if value.is_zero() || value > MAX_DURATION {
                 return bad(format!("{name} of {value:?} must be greater than 0 and at most {MAX_DURATION:?}"));
@@ -419,6 +433,8 @@ mod tests {
         assert!(b().read_lease_ttl(Duration::ZERO).build().is_err());
         assert!(b().reclaim_dead_ratio(0.0).build().is_err());
         assert!(b().queue_depth(0).build().is_err());
+        assert!(b().sync_interval(Some(Duration::ZERO)).build().is_err());
+        assert!(b().sync_interval(None).build().is_ok());
     }
 
     #[test]

@@ -33,10 +33,35 @@
 //! allows it (probed) and buffered IO otherwise. Segment files are preallocated (`fallocate`), so
 //! appends never extend a file.
 //!
-//! Durability: a commit returns once its record is written (with `O_DIRECT`, in the device);
-//! segments are `fdatasync`ed at `shutdown`, not per commit. A scan at start-up stops at the first
-//! invalid header of a segment (a torn or failed write), so records written behind such a hole are
-//! not recovered; a segment whose write failed is sealed at once for that reason.
+//! # Durability
+//! What a restart recovers, exactly:
+//!
+//! - **A commit returns once its record's write has completed** — into the device with `O_DIRECT`
+//!   (possibly only its volatile write cache), into the page cache otherwise. Nothing is synced per
+//!   commit.
+//! - **The hole rule.** Concurrent commits reserve neighbouring places in a segment and write them
+//!   concurrently. The start-up scan of a segment stops at the first place that holds no valid
+//!   header (zeroes of a write that never happened, a torn or failed write) and drops every record
+//!   after it *in that segment* — acknowledged or not. Holes are not skipped: nothing after one can
+//!   be trusted to start on a record boundary. A segment whose write failed is sealed at once, so
+//!   no later commit lands behind a known hole.
+//! - **Process crash** (SIGKILL, abort, OOM kill; the kernel keeps running): every record whose
+//!   commit returned is recovered, unless it lies behind a hole — a write to the same segment that
+//!   was reserved before it and had not completed when the process died. A node that dies with
+//!   commits in flight can therefore lose acknowledged records of the segments those commits were
+//!   writing. Evictions whose tombstone was not written yet (the reaper writes them each pass, and
+//!   `shutdown` does) come back, with bytes that pass their CRC.
+//! - **Power loss or kernel crash**: only what was synced survives. The reaper `fdatasync`s every
+//!   segment written since its last sync every [`SsdConfigBuilder::sync_interval`] (default 1 s;
+//!   checked on each reaper pass), [`SsdBackend::sync`] does it on demand and `shutdown` syncs
+//!   everything; the directory is `fsync`ed after every segment file is created or deleted. A
+//!   record survives a power loss if a sync that started after its commit returned completed before
+//!   the power went (and the hole rule spares it: every write of the segment reserved before it had
+//!   completed by that sync). Records acknowledged since the last completed sync — up to about
+//!   `sync_interval` plus a reaper interval of them — may be lost: the unsynced parts of a
+//!   preallocated (`fallocate`d) segment read back as zeroes, so the scan stops at the first lost
+//!   record of each segment, dropping the rest of that segment.
+//! - Whatever survives is CRC-checked: a torn record is dropped, never served.
 //!
 //! # Owns
 //! The staging arena and its registration, the drive log and its index, slots, read leases, the

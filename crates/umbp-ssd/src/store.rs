@@ -47,8 +47,14 @@ impl SegmentFile {
         self.file
             .get_or_init(|| {
                 let file = open_segment(&self.path, self.create, self.direct).map_err(|e| e.to_string())?;
-                if self.create && self.prealloc > 0 {
-                    preallocate(&file, self.prealloc, &self.path);
+                if self.create {
+                    if self.prealloc > 0 {
+                        preallocate(&file, self.prealloc, &self.path);
+                    }
+                    // The new name must survive a power loss as much as the records written in it.
+                    if let Some(dir) = self.path.parent() {
+                        sync_dir(dir).map_err(|e| format!("fsync of the directory after creating the segment: {e}"))?;
+                    }
                 }
                 Ok(file)
             })
@@ -72,6 +78,11 @@ impl SegmentFile {
         }
         u64::from_str_radix(hex, 16).ok()
     }
+}
+
+/// `fsync`s a directory, making the creation and removal of the files in it durable.
+pub(crate) fn sync_dir(dir: &std::path::Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 /// Allocates `len` bytes of `file` up front (the file's size becomes `len`). Appends then write
@@ -101,6 +112,8 @@ pub(crate) struct SegMeta {
     pub(crate) writers: u32,
     /// No more records are appended.
     pub(crate) sealed: bool,
+    /// Written since its last `fdatasync`.
+    pub(crate) dirty: bool,
 }
 
 /// One drive directory.
@@ -176,7 +189,8 @@ impl Log {
                 let prealloc = if self.preallocate { self.segment_bytes } else { 0 };
                 let path = d.path.join(SegmentFile::segment_name(id));
                 let file = Arc::new(SegmentFile::new(id, path, d.direct, true, prealloc));
-                self.segs.insert(id, SegMeta { file, dir, append: 0, live: 0, writers: 0, sealed: false });
+                self.segs
+                    .insert(id, SegMeta { file, dir, append: 0, live: 0, writers: 0, sealed: false, dirty: false });
                 self.dirs[dir].active = Some(id);
                 id
             }
@@ -193,7 +207,21 @@ impl Log {
     pub(crate) fn finish_write(&mut self, seg: SegId) {
         if let Some(s) = self.segs.get_mut(&seg) {
             s.writers = s.writers.saturating_sub(1);
+            s.dirty = true;
         }
+    }
+
+    /// The files of every segment written since the last call, for an `fdatasync` outside the
+    /// lock (they are marked clean now: a write that finishes after this marks its segment again).
+    pub(crate) fn take_unsynced(&mut self) -> Vec<Arc<SegmentFile>> {
+        self.segs
+            .values_mut()
+            .filter(|s| s.dirty)
+            .map(|s| {
+                s.dirty = false;
+                Arc::clone(&s.file)
+            })
+            .collect()
     }
 
     /// Seals segment `seg` (after a failed write: a scan stops at the hole it left, so nothing

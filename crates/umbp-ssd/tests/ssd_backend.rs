@@ -715,3 +715,36 @@ fn a_second_backend_on_a_directory_in_use_fails_to_init_with_a_clear_error() {
     let third = live(builder(&[a.path()]).build().expect("config"));
     assert_eq!(get(&third, "k"), Some(value(1, 10)));
 }
+
+#[test]
+fn the_reaper_syncs_written_segments_periodically_not_only_at_shutdown() {
+    let dir = tempdir();
+    let b = live(
+        builder(&[dir.path()])
+            .reaper_interval(Duration::from_millis(2))
+            .sync_interval(Some(Duration::from_millis(10)))
+            .build()
+            .expect("config"),
+    );
+    put(&b, "k", &value(1, 100));
+    let start = std::time::Instant::now();
+    while b.stats().segment_syncs == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "no periodic sync: {:?}", b.stats());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Nothing written since: nothing more to sync.
+    let synced = b.stats().segment_syncs;
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(b.stats().segment_syncs, synced, "clean segments are not synced again");
+    put(&b, "k2", &value(2, 100));
+    b.sync();
+    assert_eq!(b.stats().segment_syncs, synced + 1, "an explicit sync covers the new write");
+    // Off: only shutdown syncs.
+    let dir = tempdir();
+    let b = live(
+        builder(&[dir.path()]).reaper_interval(Duration::from_millis(2)).sync_interval(None).build().expect("config"),
+    );
+    put(&b, "k", &value(1, 100));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(b.stats().segment_syncs, 0);
+}
