@@ -34,7 +34,7 @@
 //! appends never extend a file.
 //!
 //! # Durability
-//! What a restart recovers, exactly:
+//! What a restart recovers, exactly (the process-crash case is pinned by `tests/crash_restart.rs`):
 //!
 //! - **A commit returns once its record's write has completed** — into the device with `O_DIRECT`
 //!   (possibly only its volatile write cache), into the page cache otherwise. Nothing is synced per
