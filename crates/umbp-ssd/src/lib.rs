@@ -63,6 +63,10 @@
 //!   record of each segment, dropping the rest of that segment.
 //! - Whatever survives is CRC-checked: a torn record is dropped, never served.
 //!
+//! One medium per directory: `init` takes an exclusive `flock` on `.umbp-ssd.lock` in each
+//! directory and holds it until `shutdown` (or the process ends), so a second medium on a directory
+//! in use — in this process or another — fails its `init` with an error naming the directory.
+//!
 //! # Owns
 //! The staging arena and its registration, the drive log and its index, slots, read leases, the
 //! medium's LRU and the event outbox.
