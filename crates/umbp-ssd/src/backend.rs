@@ -2261,6 +2261,9 @@ mod tests {
             .capacity_bytes(64 * PAGE)
             .staging_pages(staging_pages)
             .segment_bytes(256 * 1024)
+            // Leases run on the manual clock; a long one makes the follower wait (half of it, in
+            // real time) far longer than any test step.
+            .read_lease_ttl(Duration::from_secs(60))
             .clock(Arc::clone(clock) as Arc<dyn Clock>)
             .build()
             .expect("config");

@@ -753,16 +753,17 @@ mod tests {
             eprintln!("skipped: io_uring unavailable here");
             return;
         };
+        // The read cannot complete before the writer writes, 150 ms after this.
+        let start = std::time::Instant::now();
         let (pipe, writer) = delayed_pipe(std::time::Duration::from_millis(150), 0x33);
         let mut buf = AlignedBuf::zeroed(4096).expect("buf");
         // SAFETY: `buf` outlives the submit and only this op uses it.
         let mut ops = [unsafe { IoOp::new(&pipe, 0, &[(buf.as_mut_ptr(), 4096)], false) }];
         *engine.inject_wait_error.lock() = Some(libc::EIO);
-        let start = std::time::Instant::now();
         engine.submit(&mut ops);
         let waited = start.elapsed();
         writer.join().expect("writer");
-        assert!(waited >= std::time::Duration::from_millis(100), "returned after {waited:?} with the read in flight");
+        assert!(waited >= std::time::Duration::from_millis(150), "returned after {waited:?} with the read in flight");
         assert!(ops[0].result.is_ok(), "the request completed for real: {:?}", ops[0].result);
         assert!(buf.as_slice().iter().all(|b| *b == 0x33));
         assert!(engine.rings.lock().is_empty(), "a failed ring went back to the pool");
