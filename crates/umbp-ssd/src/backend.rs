@@ -134,6 +134,10 @@ struct State {
     flights: HashMap<String, Arc<Flight>>,
     /// Drive reads in progress per key (protects the key from eviction).
     reading: HashMap<String, u32>,
+    /// Commits whose record is being written, per key: a commit of the same key from another
+    /// batch waits for it (so one key never has two records in flight, whose seqs could disagree
+    /// with which one lands first).
+    writing: HashMap<String, Arc<Flight>>,
     log: Log,
     /// Drive bytes reserved by pending slots, commits in flight and owned keys (page-rounded).
     used: u64,
@@ -203,12 +207,20 @@ impl State {
     /// not freed but deferred to its lease's end (a reader may still be copying out of it), as
     /// `clear_local` does.
     fn drop_owned(&mut self, key: &str, page_size: u64, now: Instant) -> Option<Owned> {
-        let owned = self.owned.remove(key)?;
+        let owned = self.forget_owned(key, page_size, now)?;
         // The seq is taken now: a later put of the key gets a larger one and wins over it.
         let seq = self.log.next_seq;
         self.log.next_seq += 1;
         let horizon = self.log.next_seg.saturating_sub(1);
         self.tomb_pending.push((key.to_owned(), seq, horizon));
+        Some(owned)
+    }
+
+    /// Drops `key` from the index, LRU and staged copies (its record becomes dead space) without
+    /// logging anything: for a record that a newer record or tombstone of the key on the drive
+    /// already outranks at recovery. The caller queues any event.
+    fn forget_owned(&mut self, key: &str, page_size: u64, now: Instant) -> Option<Owned> {
+        let owned = self.owned.remove(key)?;
         self.lru.remove(key);
         self.used = self.used.saturating_sub(owned.size.div_ceil(page_size) * page_size);
         self.log.kill(&owned.loc);
@@ -983,6 +995,12 @@ impl Inner {
             let superseded = state.generation != generation || state.owned.get(&key).is_some_and(|o| o.loc.seq > seq);
             if superseded {
                 continue;
+            }
+            // A record of the key older than this tombstone was published while the tombstone was
+            // being written (a commit reserved before the eviction and landed after it): recovery
+            // would hide it, so memory drops it too.
+            if state.forget_owned(&key, self.config.page_size, self.config.clock.now()).is_some() {
+                state.push_event(KvEvent::remove(key.clone(), TierType::Ssd));
             }
             let loc = Loc { seq, ..res.loc };
             state.log.add_live(&loc);
@@ -2041,9 +2059,25 @@ impl MediumBackend for SsdBackend {
         };
         let now = config.clock.now();
         // Phase 1: take the slots and reserve their places in the log.
-        let mut jobs = Vec::new();
+        let mut jobs: Vec<Job> = Vec::new();
+        // Later commits of a key that an earlier request of this batch commits: (request, winner).
+        let mut in_batch_losers = Vec::new();
+        let mut flights: Vec<(String, Arc<Flight>)> = Vec::new();
         {
-            let mut state = inner.state.lock();
+            // Wait (without the lock) until no other batch is writing one of these keys: the first
+            // commit of a key lands before the next one reserves, so the live record (the first to
+            // land) is also the one with the highest seq, as recovery decides.
+            let mut state = loop {
+                let state = inner.state.lock();
+                let busy = requests.iter().find_map(|r| state.writing.get(&r.key).cloned());
+                match busy {
+                    Some(flight) => {
+                        drop(state);
+                        flight.wait(Duration::from_millis(100));
+                    }
+                    None => break state,
+                }
+            };
             let generation = state.generation;
             for (i, req) in requests.iter().enumerate() {
                 let Some(slot) = state.pending.remove(&req.slot_id) else { continue };
@@ -2065,6 +2099,14 @@ impl MediumBackend for SsdBackend {
                     state.used = state.used.saturating_sub(bytes);
                     continue;
                 }
+                if let Some(winner) = jobs.iter().find(|j| j.key == req.key) {
+                    // An earlier request of this batch commits the key: it is first, this one is
+                    // not written (it answers with the winner's outcome after phase 3).
+                    in_batch_losers.push((i, winner.index));
+                    state.free(&slot.pages);
+                    state.used = state.used.saturating_sub(bytes);
+                    continue;
+                }
                 let Ok(header) = AlignedBuf::zeroed(header_len(req.key.len()) as usize) else {
                     state.free(&slot.pages);
                     state.used = state.used.saturating_sub(bytes);
@@ -2072,6 +2114,9 @@ impl MediumBackend for SsdBackend {
                 };
                 let res = state.log.reserve(record_len(req.key.len(), slot.size));
                 state.committing += bytes;
+                let flight = Arc::new(Flight::default());
+                state.writing.insert(req.key.clone(), Arc::clone(&flight));
+                flights.push((req.key.clone(), flight));
                 jobs.push(Job {
                     index: i,
                     key: req.key.clone(),
@@ -2114,8 +2159,14 @@ impl MediumBackend for SsdBackend {
                 state.used = state.used.saturating_sub(bytes);
                 continue;
             }
-            if let Some(existing) = state.owned.get(&job.key) {
-                results[job.index] = CommitResult { success: true, bytes_committed: existing.size };
+            // Commits of one key are serialized (`writing`), so neither case below is expected; both
+            // keep memory where recovery would be: a value already owned stays (first wins, and it
+            // is the newer record), and a record older than a tombstone of the key on the drive is
+            // dead (the tombstone hides it at a restart).
+            let existing = state.owned.get(&job.key).map(|o| o.size);
+            let tomb_newer = state.tombs.get(&job.key).is_some_and(|t| t.loc.seq > job.loc.seq);
+            if tomb_newer || existing.is_some() {
+                results[job.index] = CommitResult { success: true, bytes_committed: existing.unwrap_or(job.size) };
                 state.free(&job.pages);
                 state.used = state.used.saturating_sub(bytes);
                 continue;
@@ -2139,6 +2190,17 @@ impl MediumBackend for SsdBackend {
             state.push_event(KvEvent::add(job.key.clone(), TierType::Ssd, job.size));
             results[job.index] = CommitResult { success: true, bytes_committed: job.size };
             written.push(job.key);
+        }
+        for (i, winner) in in_batch_losers {
+            if results[winner].success {
+                results[i] = results[winner];
+            }
+        }
+        for (key, flight) in flights {
+            if state.writing.get(&key).is_some_and(|f| Arc::ptr_eq(f, &flight)) {
+                state.writing.remove(&key);
+            }
+            flight.finish();
         }
         inner.after_commit_watermark(&mut state, now, &written);
         inner.update_staging_gauge(&state);
@@ -2464,5 +2526,145 @@ mod tests {
         assert_eq!(flat[0], (base, 8192));
         assert_eq!(flat[1], (at_8k, 4096));
         assert_eq!(flat[2], (at_16k, 4096));
+    }
+
+    /// An engine that holds every submit made from a thread whose name is in `held` until the test
+    /// lets that name go (other threads pass straight through).
+    #[derive(Debug, Default)]
+    struct Gate {
+        state: Mutex<(std::collections::HashSet<String>, std::collections::HashSet<String>)>,
+        cv: Condvar,
+    }
+
+    impl Gate {
+        fn hold(&self, name: &str) {
+            self.state.lock().0.insert(name.to_owned());
+        }
+
+        /// Waits until a submit of thread `name` is being held.
+        fn wait_entered(&self, name: &str) {
+            let mut st = self.state.lock();
+            while !st.1.contains(name) {
+                self.cv.wait(&mut st);
+            }
+        }
+
+        fn release(&self, name: &str) {
+            self.state.lock().0.remove(name);
+            self.cv.notify_all();
+        }
+    }
+
+    impl IoEngine for Gate {
+        fn name(&self) -> &'static str {
+            "gate"
+        }
+
+        fn submit(&self, ops: &mut [IoOp]) {
+            let name = std::thread::current().name().unwrap_or_default().to_owned();
+            {
+                let mut st = self.state.lock();
+                if st.0.contains(&name) {
+                    st.1.insert(name.clone());
+                    self.cv.notify_all();
+                    while st.0.contains(&name) {
+                        self.cv.wait(&mut st);
+                    }
+                }
+            }
+            crate::io::PsyncEngine.submit(ops);
+        }
+    }
+
+    /// Puts `key` on a named thread (its drive write held by `gate` when the name is held).
+    fn spawn_put(b: &Arc<SsdBackend>, name: &str, key: &'static str, fill: u8) -> std::thread::JoinHandle<()> {
+        let b = Arc::clone(b);
+        std::thread::Builder::new().name(name.to_owned()).spawn(move || put(&b, key, fill, 3000)).expect("spawn")
+    }
+
+    fn gated(dir: &std::path::Path, clock: &Arc<ManualClock>) -> (Arc<SsdBackend>, Arc<Gate>) {
+        let b = Arc::new(backend(dir, clock, 8));
+        // No background pass may write or compact while the test orders the writes.
+        b.stop_reaper();
+        let gate = Arc::new(Gate::default());
+        *b.inner.engine.write() = Some(Arc::clone(&gate) as Arc<dyn IoEngine>);
+        (b, gate)
+    }
+
+    fn resolve_bytes(b: &SsdBackend, key: &str) -> Option<Vec<u8>> {
+        let e = b.batch_resolve(&[key.to_owned()], false).remove(0);
+        e.found.then(|| read(b, &e))
+    }
+
+    fn restarted(b: Arc<SsdBackend>, dir: &std::path::Path, clock: &Arc<ManualClock>) -> SsdBackend {
+        b.shutdown();
+        drop(b);
+        backend(dir, clock, 8)
+    }
+
+    /// Two commits of one key in different batches: A reserves first and lands first; B starts
+    /// while A's write is in flight and lands second. Whatever the node serves before a restart, it
+    /// must serve after it (recovery keeps the record with the highest seq).
+    #[test]
+    fn a_restart_after_two_racing_commits_serves_the_same_bytes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let (b, gate) = gated(dir.path(), &clock);
+        gate.hold("a");
+        gate.hold("b");
+        let a = spawn_put(&b, "a", "k", 0xAA);
+        gate.wait_entered("a");
+        let bt = spawn_put(&b, "b", "k", 0xBB);
+        // Time for B to reserve and reach the drive (or to wait for A, as it should).
+        std::thread::sleep(Duration::from_millis(100));
+        gate.release("a");
+        a.join().expect("a");
+        gate.release("b");
+        bt.join().expect("b");
+        let before = resolve_bytes(&b, "k").expect("k is served before the restart");
+        assert_eq!(before, vec![0xAA; 3000], "the first commit wins");
+        let b = restarted(b, dir.path(), &clock);
+        let after = resolve_bytes(&b, "k").expect("k is recovered");
+        assert_eq!(after, before, "the restart serves other bytes than the node did");
+        assert_eq!(b.owned_key_count(), 1);
+    }
+
+    /// A commit of `k` is in flight when another commit of `k` starts; if the second one lands
+    /// first, `k` is evicted and its tombstone written before the first lands. The node and a
+    /// restart of it must agree about `k` (a record older than a tombstone on the drive is hidden
+    /// at recovery, so it must not be served before either).
+    #[test]
+    fn a_key_evicted_while_an_older_commit_is_in_flight_agrees_after_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let (b, gate) = gated(dir.path(), &clock);
+        gate.hold("late");
+        let late = spawn_put(&b, "late", "k", 0xBB);
+        gate.wait_entered("late");
+        let early = spawn_put(&b, "early", "k", 0xAA);
+        std::thread::sleep(Duration::from_millis(100));
+        // Only if the second commit did not wait for the first: evict it and log the tombstone.
+        b.evict(&["k".to_owned()]);
+        b.inner.flush_tombstones();
+        gate.release("late");
+        late.join().expect("late");
+        early.join().expect("early");
+        let before = resolve_bytes(&b, "k");
+        let b = restarted(b, dir.path(), &clock);
+        assert_eq!(resolve_bytes(&b, "k"), before, "memory and recovery disagree about k");
+    }
+
+    /// Evicted, tombstone logged, then put again: the re-put is recovered after a restart.
+    #[test]
+    fn a_key_evicted_then_put_again_is_recovered_after_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let b = Arc::new(backend(dir.path(), &clock, 8));
+        put(&b, "k", 0xAA, 3000);
+        b.evict(&["k".to_owned()]);
+        b.inner.flush_tombstones();
+        put(&b, "k", 0xBB, 3000);
+        let b = restarted(b, dir.path(), &clock);
+        assert_eq!(resolve_bytes(&b, "k"), Some(vec![0xBB; 3000]));
     }
 }

@@ -62,6 +62,12 @@
 //!   preallocated (`fallocate`d) segment read back as zeroes, so the scan stops at the first lost
 //!   record of each segment, dropping the rest of that segment.
 //! - Whatever survives is CRC-checked: a torn record is dropped, never served.
+//! - **Memory and recovery agree on which record of a key is live**: recovery keeps the one with
+//!   the highest seq (taken when a commit reserves its place, or when an eviction is made), so a
+//!   commit of a key waits while another batch is writing a record of the same key; it then finds
+//!   the key owned and loses (the first commit wins, as the interface says) without writing. Two
+//!   records of one key are therefore never in flight together, and every record published is
+//!   newer than every tombstone of its key.
 //!
 //! One medium per directory: `init` takes an exclusive `flock` on `.umbp-ssd.lock` in each
 //! directory and holds it until `shutdown` (or the process ends), so a second medium on a directory
