@@ -73,6 +73,13 @@ struct Owned {
     size: u64,
 }
 
+impl Owned {
+    /// Drive bytes of the record beyond the page-rounded value (header block, padding).
+    fn overhead(&self, page_size: u64) -> u64 {
+        self.loc.len.saturating_sub(self.size.div_ceil(page_size) * page_size)
+    }
+}
+
 /// A staged copy of an owned key's value in staging pages: clean, and leased while a reader may be
 /// copying out of it.
 #[derive(Debug)]
@@ -141,6 +148,10 @@ struct State {
     log: Log,
     /// Drive bytes reserved by pending slots, commits in flight and owned keys (page-rounded).
     used: u64,
+    /// What the owned keys' records take on the drive beyond their page-rounded values in `used`
+    /// (header blocks, 4 KiB padding): `used + overhead` is what the after-commit eviction
+    /// watches, so live records on the drive stay within the capacity, not only their values.
+    overhead: u64,
     total: u64,
     /// Bytes of commits between their lock phases.
     committing: u64,
@@ -221,6 +232,7 @@ impl State {
     /// already outranks at recovery. The caller queues any event.
     fn forget_owned(&mut self, key: &str, page_size: u64, now: Instant) -> Option<Owned> {
         let owned = self.owned.remove(key)?;
+        self.overhead = self.overhead.saturating_sub(owned.overhead(page_size));
         self.lru.remove(key);
         self.used = self.used.saturating_sub(owned.size.div_ceil(page_size) * page_size);
         self.log.kill(&owned.loc);
@@ -516,11 +528,13 @@ impl SsdBackend {
             }
             let share = total / n + if i == 0 { total % n } else { 0 };
             // The advertised capacity is a promise about the drive: say so when the filesystem
-            // cannot keep it (the log's own segments already there count as room).
+            // cannot keep it (the log's own segments already there count as room). The log may
+            // take its share of the headroom beyond the capacity (crate docs, "Disk use").
             if let Some(free) = free_bytes(dir) {
                 let ours = segment_bytes_in(dir);
-                if free.saturating_add(ours) < share {
-                    tracing::warn!(dir = %dir.display(), share, free, "the filesystem has less free space than this directory's share of the SSD capacity; writes may fail with ENOSPC");
+                let need = share.saturating_add(config.disk_headroom_bytes().div_ceil(n));
+                if free.saturating_add(ours) < need {
+                    tracing::warn!(dir = %dir.display(), share, need, free, "the filesystem has less free space than this directory's share of the SSD capacity plus its headroom; writes may fail with ENOSPC");
                 }
             }
             log.dirs.push(DirState { path: dir.clone(), direct, share, physical: 0, active: None });
@@ -860,14 +874,19 @@ impl Inner {
     /// Evicts least recently used keys until `used <= target` (metadata only: no IO), never one in
     /// `spare`.
     fn evict_down_to(&self, state: &mut State, target: u64, now: Instant, spare: &[String]) {
-        if state.used <= target {
+        self.evict_while(state, |s| s.used > target, now, spare);
+    }
+
+    /// Evicts least recently used keys (sparing `spare` and keys in use) while `over` holds.
+    fn evict_while(&self, state: &mut State, over: impl Fn(&State) -> bool, now: Instant, spare: &[String]) {
+        if !over(state) {
             return;
         }
         bump(&self.counters.eviction_round);
         let ps = self.config.page_size;
         let candidates: Vec<String> = state.lru.oldest_first().cloned().collect();
         for key in candidates {
-            if state.used <= target {
+            if !over(state) {
                 break;
             }
             if !state.evictable(&key, now) || spare.contains(&key) {
@@ -882,12 +901,15 @@ impl Inner {
 
     /// The check after a write: at the high watermark, evict down to the low one (sparing the keys
     /// just written, which would otherwise be the only candidates when the rest is leased).
+    ///
+    /// What is watched is the drive footprint of the values (`used`) plus their records' overhead
+    /// (header blocks, padding): live records on the drive, not only values, stay within capacity.
     fn after_commit_watermark(&self, state: &mut State, now: Instant, written: &[String]) {
         if let Some(w) = self.config.watermarks
-            && state.used as f64 >= w.high * state.total as f64
+            && (state.used + state.overhead) as f64 >= w.high * state.total as f64
         {
             let low = (w.low * state.total as f64) as u64;
-            self.evict_down_to(state, low, now, written);
+            self.evict_while(state, |s| s.used + s.overhead > low, now, written);
         }
     }
 
@@ -1079,13 +1101,26 @@ impl Inner {
             if state.compacting {
                 return;
             }
-            // Dead records cost nothing until the log outgrows its capacity: only then is live data
-            // moved (moving it costs drive bandwidth that puts and gets would otherwise have).
+            // Moving live data costs drive bandwidth that puts and gets would otherwise have, so
+            // dead records are left alone while they are few: compaction starts once they take an
+            // eighth of the capacity, or once the segment files come within one segment per
+            // directory of the capacity (then the oldest segment goes, whatever its dead share: that
+            // also retires the tombstones whose horizon it holds), so the files stay within the
+            // capacity plus the headroom documented in the crate.
             // Fully dead segments are deleted by the sweep regardless.
-            if state.log.physical_bytes() <= state.total {
+            let files = state.log.file_bytes();
+            let dead = files.saturating_sub(state.log.live_bytes());
+            let margin = self.config.segment_bytes * self.config.dirs.len() as u64;
+            let tight = files.saturating_add(margin) > state.total;
+            if !tight && dead <= state.total / 8 {
                 return;
             }
-            let Some(seg) = state.log.compaction_candidate(self.config.reclaim_dead_ratio) else { return };
+            let seg = if tight {
+                state.log.oldest_sealed()
+            } else {
+                state.log.compaction_candidate(self.config.reclaim_dead_ratio)
+            };
+            let Some(seg) = seg else { return };
             let Some(file) = state.log.segs.get(&seg).map(|s| Arc::clone(&s.file)) else { return };
             // Live records and tombstones in force both move (a tombstone is a record too).
             let victims: Vec<(String, Loc, bool, Arc<SegmentFile>)> = state
@@ -1850,12 +1885,15 @@ impl MediumBackend for SsdBackend {
         {
             let mut state = self.inner.state.lock();
             let mut used = 0;
+            let mut overhead = 0;
             for (key, o) in owned {
                 used += self.inner.bytes_of(o.size);
+                overhead += o.overhead(config.page_size);
                 state.lru.touch(&key);
                 state.owned.insert(key, o);
             }
             state.used = used;
+            state.overhead = overhead;
             state.total = total;
             state.log = log;
             state.tombs = tombs.into_iter().collect();
@@ -1930,6 +1968,7 @@ impl MediumBackend for SsdBackend {
             let mut state = self.inner.state.lock();
             state.generation += 1;
             state.owned.clear();
+            state.overhead = 0;
             state.lru.clear();
             // The whole log goes: nothing is left for a tombstone to hold down.
             state.tombs.clear();
@@ -2177,7 +2216,9 @@ impl MediumBackend for SsdBackend {
                 state.log.kill(&t.loc);
             }
             state.tomb_pending.retain(|(k, _, _)| *k != job.key);
-            state.owned.insert(job.key.clone(), Owned { loc: job.loc, size: job.size });
+            let owned = Owned { loc: job.loc, size: job.size };
+            state.overhead += owned.overhead(config.page_size);
+            state.owned.insert(job.key.clone(), owned);
             state.lru.touch(&job.key);
             if config.cache_committed && !state.staged.contains_key(&job.key) {
                 let touched = state.touch_staged();
@@ -2666,5 +2707,38 @@ mod tests {
         put(&b, "k", 0xBB, 3000);
         let b = restarted(b, dir.path(), &clock);
         assert_eq!(resolve_bytes(&b, "k"), Some(vec![0xBB; 3000]));
+    }
+
+    /// Repeated overwrite (evict + put) and eviction under pressure: the segment files on the drive
+    /// never exceed the capacity by more than the documented headroom
+    /// ([`SsdConfig::disk_headroom_bytes`]).
+    #[test]
+    fn repeated_overwrite_and_eviction_keep_the_log_within_capacity_plus_headroom() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let config = SsdConfig::builder([dir.path()])
+            .page_size(PAGE)
+            .capacity_bytes(256 * PAGE)
+            .staging_pages(8)
+            .segment_bytes(32 * PAGE)
+            .clock(Arc::clone(&clock) as Arc<dyn Clock>)
+            .build()
+            .expect("config");
+        let limit = config.capacity_bytes + config.disk_headroom_bytes();
+        let b = SsdBackend::new(config);
+        b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+        b.stop_reaper();
+        let mut worst = 0;
+        for i in 0..2000u32 {
+            let key = format!("k{}", i % 300);
+            b.evict(std::slice::from_ref(&key));
+            put(&b, &key, i as u8, 3000);
+            if i % 3 == 0 {
+                b.reaper_tick();
+            }
+            worst = worst.max(segment_bytes_in(dir.path()));
+            assert!(worst <= limit, "step {i}: {worst} bytes of segments > {limit} ({:?})", b.stats());
+        }
+        eprintln!("worst {worst} limit {limit}");
     }
 }

@@ -123,6 +123,13 @@ impl fmt::Debug for SsdConfig {
 }
 
 impl SsdConfig {
+    /// Drive bytes the segment files may take beyond `capacity_bytes`: (directories + 1) ×
+    /// `segment_bytes` (each directory's preallocated active segment and the segment being
+    /// compacted; see the crate docs, "Disk use"). Leave this much free on the drives too.
+    pub fn disk_headroom_bytes(&self) -> u64 {
+        (self.dirs.len() as u64 + 1) * self.segment_bytes
+    }
+
     /// A builder storing values in `dirs` (one directory per drive) with every other setting at its
     /// default.
     pub fn builder<I, P>(dirs: I) -> SsdConfigBuilder

@@ -19,9 +19,9 @@
 //! Capacity is the drive's, not the arena's: what is advertised is `capacity_bytes`, and live
 //! values (page-rounded) never exceed it; LRU eviction between watermarks keeps room, never touching
 //! a key under a read lease or being read. Dead records (evicted, overwritten, cleared) are
-//! reclaimed: a segment with nothing live is deleted at once, and once the log outgrows its capacity
-//! on the drives, the most wasteful segment is compacted (its live records rewritten at the head)
-//! and then deleted. At `init` the log is scanned and the index
+//! reclaimed: a segment with nothing live is deleted at once, and a segment is compacted (its live
+//! records rewritten at the head) and then deleted, one per reaper pass, before the log reaches its
+//! capacity (see "Disk use"). At `init` the log is scanned and the index
 //! rebuilt (torn or corrupt tails dropped, every record's CRC verified), so a restarted node
 //! announces its keys in the full sync that follows registration. Every read is CRC-checked: a
 //! corrupt record is a miss, a `Remove` for the master and a counted medium event, never wrong bytes.
@@ -68,6 +68,24 @@
 //!   the key owned and loses (the first commit wins, as the interface says) without writing. Two
 //!   records of one key are therefore never in flight together, and every record published is
 //!   newer than every tombstone of its key.
+//!
+//! # Disk use
+//! The segment files of all directories together stay within `capacity_bytes` plus a headroom of
+//! [`SsdConfig::disk_headroom_bytes`] = (number of directories + 1) × `segment_bytes` (each
+//! directory's preallocated active segment, and the segment being compacted while its records are
+//! rewritten), as long as the reaper keeps up (one segment compacted per reaper pass; pinned by the
+//! test `repeated_overwrite_and_eviction_keep_the_log_within_capacity_plus_headroom`). What keeps it:
+//!
+//! - The after-commit eviction watches the values' page-rounded bytes **plus their records'
+//!   overhead** (header block, 4 KiB padding), so live records on the drive, not only values, stay
+//!   between the watermarks. (The advertised `available_bytes` counts values only.)
+//! - Compaction starts once dead bytes (including each preallocated segment's unused tail) exceed
+//!   an eighth of the capacity (the most wasteful segment at least `reclaim_dead_ratio` dead), and
+//!   once the files come within one segment per directory of the capacity it compacts the oldest
+//!   segment every pass, whatever its dead share, so tombstones (a 4 KiB-aligned record each,
+//!   8 KiB for a short key) retire as the segments their horizon covers go.
+//! - `init` warns when a directory's filesystem has less free space (its own segments counted)
+//!   than its share of the capacity plus its share of the headroom.
 //!
 //! One medium per directory: `init` takes an exclusive `flock` on `.umbp-ssd.lock` in each
 //! directory and holds it until `shutdown` (or the process ends), so a second medium on a directory

@@ -289,9 +289,25 @@ impl Log {
             .map(|(id, _)| id)
     }
 
+    /// The oldest sealed, quiet segment: compacting it retires the tombstones whose horizon it
+    /// holds once it is gone, and moves the log forward as a circular log.
+    pub(crate) fn oldest_sealed(&self) -> Option<SegId> {
+        self.segs.iter().find(|(_, s)| s.sealed && s.writers == 0 && s.live > 0 && s.append > 0).map(|(id, _)| *id)
+    }
+
     /// Bytes all segments occupy.
     pub(crate) fn physical_bytes(&self) -> u64 {
         self.segs.values().map(|s| s.append).sum()
+    }
+
+    /// Bytes the segment files take on the drive: each a whole segment when preallocated, else
+    /// what was appended.
+    pub(crate) fn file_bytes(&self) -> u64 {
+        if self.preallocate {
+            self.segs.values().map(|s| s.append.max(self.segment_bytes)).sum()
+        } else {
+            self.physical_bytes()
+        }
     }
 
     /// Bytes of live records.
