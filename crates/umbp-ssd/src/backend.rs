@@ -13,6 +13,7 @@
 //! do the IO with no lock held, and come back under the lock to publish the outcome (re-checking the
 //! clear generation and the key's record, which may have changed meanwhile).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs;
 use std::io;
@@ -87,12 +88,93 @@ struct Staged {
     pages: Vec<PageLocation>,
     size: u64,
     lease_until: Option<Instant>,
+    /// Its place in the use order: set by [`StagedMap`] (insert, touch), never by hand.
     touched: u64,
 }
 
 impl Staged {
     fn leased(&self, now: Instant) -> bool {
         self.lease_until.is_some_and(|t| t > now)
+    }
+}
+
+/// The staged copies by key, with an index by last use: picking the coldest unleased copy walks
+/// from the cold end and steps over leased copies only, instead of scanning every copy.
+#[derive(Debug, Default)]
+struct StagedMap {
+    map: HashMap<String, Staged>,
+    by_touch: BTreeMap<u64, String>,
+    tick: u64,
+}
+
+impl StagedMap {
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn get(&self, key: &str) -> Option<&Staged> {
+        self.map.get(key)
+    }
+
+    /// The copy of `key`, to update its lease (its place in the use order stays: see [`touch`](Self::touch)).
+    fn get_mut(&mut self, key: &str) -> Option<&mut Staged> {
+        self.map.get_mut(key)
+    }
+
+    fn contains_key(&self, key: &str) -> bool {
+        self.map.contains_key(key)
+    }
+
+    /// Marks `key`'s copy as the most recently used.
+    fn touch(&mut self, key: &str) {
+        let tick = self.next_tick();
+        if let Some(s) = self.map.get_mut(key) {
+            if let Some(k) = self.by_touch.remove(&s.touched) {
+                self.by_touch.insert(tick, k);
+            }
+            s.touched = tick;
+        }
+    }
+
+    /// Inserts `staged` as the most recently used copy (replacing any copy of the key, returned).
+    fn insert(&mut self, key: String, mut staged: Staged) -> Option<Staged> {
+        let old = self.remove(&key);
+        staged.touched = self.next_tick();
+        self.by_touch.insert(staged.touched, key.clone());
+        self.map.insert(key, staged);
+        old
+    }
+
+    fn remove(&mut self, key: &str) -> Option<Staged> {
+        let s = self.map.remove(key)?;
+        self.by_touch.remove(&s.touched);
+        Some(s)
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Staged> {
+        self.map.values_mut()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&String, &Staged)> {
+        self.map.iter()
+    }
+
+    /// Empties the map, handing back every copy.
+    fn take(&mut self) -> HashMap<String, Staged> {
+        self.by_touch.clear();
+        std::mem::take(&mut self.map)
+    }
+
+    /// The least recently used copy with no live lease.
+    fn coldest_unleased(&self, now: Instant) -> Option<&String> {
+        self.by_touch.values().find(|k| self.map.get(*k).is_some_and(|s| !s.leased(now)))
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        debug_assert_eq!(self.map.len(), self.by_touch.len());
+        self.map.len()
     }
 }
 
@@ -134,8 +216,7 @@ struct State {
     pending: HashMap<u64, Pending>,
     owned: HashMap<String, Owned>,
     lru: Lru,
-    staged: HashMap<String, Staged>,
-    staged_tick: u64,
+    staged: StagedMap,
     /// Staging pages of keys dropped by a clear while a reader held them: freed at lease end.
     deferred: Vec<(Vec<PageLocation>, Instant)>,
     flights: HashMap<String, Arc<Flight>>,
@@ -183,23 +264,15 @@ impl State {
         }
     }
 
-    fn touch_staged(&mut self) -> u64 {
-        self.staged_tick += 1;
-        self.staged_tick
-    }
-
     /// `n` staging pages, dropping least recently used unleased cached copies to make room.
     fn take_staging(&mut self, n: u64, now: Instant) -> Option<Vec<PageLocation>> {
         loop {
             if let Some(pages) = self.staging.as_mut()?.allocate(n) {
                 return Some(pages);
             }
-            let victim = self
-                .staged
-                .iter()
-                .filter(|(_, s)| !s.leased(now))
-                .min_by_key(|(_, s)| s.touched)
-                .map(|(k, _)| k.clone())?;
+            // From the cold end of the use order: leased copies are stepped over, the rest is not
+            // looked at.
+            let victim = self.staged.coldest_unleased(now)?.clone();
             if let Some(s) = self.staged.remove(&victim) {
                 self.free(&s.pages);
             }
@@ -884,11 +957,12 @@ impl Inner {
         }
         bump(&self.counters.eviction_round);
         let ps = self.config.page_size;
-        let candidates: Vec<String> = state.lru.oldest_first().cloned().collect();
-        for key in candidates {
-            if !over(state) {
-                break;
-            }
+        // Walks the LRU from the cold end one key at a time (no copy of it): the work is the keys
+        // looked at (victims and the in-use keys stepped over), not the keys owned.
+        let mut cursor = None;
+        while over(state) {
+            let Some((tick, key)) = state.lru.next_oldest(cursor).map(|(t, k)| (t, k.clone())) else { break };
+            cursor = Some(tick);
             if !state.evictable(&key, now) || spare.contains(&key) {
                 continue;
             }
@@ -1611,11 +1685,10 @@ impl SsdBackend {
             let mut state = inner.state.lock();
             let generation = state.generation;
             for key in keys {
-                let tick = state.touch_staged();
                 if let Some(s) = state.staged.get_mut(key) {
                     s.lease_until = Some(s.lease_until.map_or(lease_until, |t| t.max(lease_until)));
-                    s.touched = tick;
                     let (pages, size) = (s.pages.clone(), s.size);
+                    state.staged.touch(key);
                     state.lru.touch(key);
                     bump(&inner.counters.staged_hit);
                     plans.push(Plan::Done(inner.entry(descs, pages, size)));
@@ -1699,25 +1772,19 @@ impl SsdBackend {
                     && state.owned.get(&job.key).is_some_and(|o| o.loc.seq == job.loc.seq);
                 let entry = match job.outcome {
                     JobOutcome::Ok if current => {
-                        let tick = state.touch_staged();
                         state.lru.touch(&job.key);
                         if let Some(s) = state.staged.get_mut(&job.key) {
                             // Another fill of the key landed first (single flight off): share it.
                             s.lease_until = Some(s.lease_until.map_or(lease_until, |t| t.max(lease_until)));
-                            s.touched = tick;
                             let (pages, size) = (s.pages.clone(), s.size);
+                            state.staged.touch(&job.key);
                             state.free(&job.pages);
                             inner.entry(descs, pages, size)
                         } else {
                             let pages = job.pages.clone();
                             state.staged.insert(
                                 job.key.clone(),
-                                Staged {
-                                    pages: job.pages,
-                                    size: job.size,
-                                    lease_until: Some(lease_until),
-                                    touched: tick,
-                                },
+                                Staged { pages: job.pages, size: job.size, lease_until: Some(lease_until), touched: 0 },
                             );
                             inner.entry(descs, pages, job.size)
                         }
@@ -1973,7 +2040,7 @@ impl MediumBackend for SsdBackend {
             // The whole log goes: nothing is left for a tombstone to hold down.
             state.tombs.clear();
             state.tomb_pending.clear();
-            let staged = std::mem::take(&mut state.staged);
+            let staged = state.staged.take();
             for (_, s) in staged {
                 match s.lease_until.filter(|t| *t > now) {
                     // A reader may still be copying out of these pages.
@@ -2221,10 +2288,10 @@ impl MediumBackend for SsdBackend {
             state.owned.insert(job.key.clone(), owned);
             state.lru.touch(&job.key);
             if config.cache_committed && !state.staged.contains_key(&job.key) {
-                let touched = state.touch_staged();
-                state
-                    .staged
-                    .insert(job.key.clone(), Staged { pages: job.pages, size: job.size, lease_until: None, touched });
+                state.staged.insert(
+                    job.key.clone(),
+                    Staged { pages: job.pages, size: job.size, lease_until: None, touched: 0 },
+                );
             } else {
                 state.free(&job.pages);
             }
@@ -2740,5 +2807,59 @@ mod tests {
             assert!(worst <= limit, "step {i}: {worst} bytes of segments > {limit} ({:?})", b.stats());
         }
         eprintln!("worst {worst} limit {limit}");
+    }
+
+    /// Eviction walks the LRU from its cold end and steps over a leased key and a spared one,
+    /// evicting exactly as many keys as the target needs (no copy of the LRU is taken).
+    #[test]
+    fn eviction_takes_the_coldest_keys_in_order_and_steps_over_keys_in_use() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let b = backend(dir.path(), &clock, 8);
+        b.stop_reaper();
+        for k in ["a", "b", "c", "d", "e"] {
+            put(&b, k, 1, 3000);
+        }
+        // `b` becomes the most recently used and leased: LRU order a, c, d, e, b.
+        assert!(b.batch_resolve(&["b".to_owned()], false)[0].found);
+        let now = clock.now();
+        let mut state = b.inner.state.lock();
+        let target = state.used - 2 * PAGE;
+        b.inner.evict_down_to(&mut state, target, now, &["a".to_owned()]);
+        let mut left: Vec<&String> = state.owned.keys().collect();
+        left.sort();
+        assert_eq!(left, ["a", "b", "e"], "c and d go: a is spared, b is leased and warm");
+        assert_eq!(state.lru.oldest_first().cloned().collect::<Vec<_>>(), ["a", "e", "b"]);
+        // Nothing evictable but spared or leased keys: the walk ends at the warm end.
+        b.inner.evict_down_to(&mut state, 0, now, &["a".to_owned(), "e".to_owned()]);
+        assert_eq!(state.owned.len(), 3);
+    }
+
+    /// Making room in staging drops the least recently used unleased cached copy, and only as many
+    /// as needed: the use order is indexed, so this looks at leased copies and victims only.
+    #[test]
+    fn staging_pressure_drops_the_coldest_unleased_cached_copy() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let b = backend(dir.path(), &clock, 3);
+        b.stop_reaper();
+        for k in ["a", "b", "c"] {
+            put(&b, k, 1, 3000);
+        }
+        // `a` is resolved (leased, most recently used); cache order b, c, a.
+        assert!(b.batch_resolve(&["a".to_owned()], false)[0].found);
+        assert_eq!(b.batch_allocate(&[AllocateRequest::new("x", 10)])[0].outcome, AllocateOutcome::Allocated);
+        {
+            let state = b.inner.state.lock();
+            assert!(!state.staged.contains_key("b"), "b was the coldest unleased copy");
+            assert!(state.staged.contains_key("a") && state.staged.contains_key("c"));
+            assert_eq!(state.staged.len(), 2);
+        }
+        assert_eq!(b.batch_allocate(&[AllocateRequest::new("y", 10)])[0].outcome, AllocateOutcome::Allocated);
+        let state = b.inner.state.lock();
+        assert!(state.staged.contains_key("a") && !state.staged.contains_key("c"), "the leased copy stays");
+        // With only a leased copy left, no more room is made.
+        drop(state);
+        assert_eq!(b.batch_allocate(&[AllocateRequest::new("z", 10)])[0].outcome, AllocateOutcome::FailedNoSpace);
     }
 }

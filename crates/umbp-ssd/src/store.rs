@@ -344,8 +344,17 @@ impl Lru {
     }
 
     /// Keys, least recently used first.
+    #[cfg(test)]
     pub(crate) fn oldest_first(&self) -> impl Iterator<Item = &String> {
         self.by_tick.values()
+    }
+
+    /// The least recently used key touched after `after` (from the cold end when `None`), with its
+    /// tick: a walk from the cold end that costs `O(log n)` a step and copies nothing else.
+    pub(crate) fn next_oldest(&self, after: Option<u64>) -> Option<(u64, &String)> {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let lower = after.map_or(Unbounded, Excluded);
+        self.by_tick.range((lower, Unbounded)).next().map(|(t, k)| (*t, k))
     }
 
     pub(crate) fn clear(&mut self) {
