@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, Sender};
-use foldhash::HashMap;
+use foldhash::{HashMap, HashSet};
 use parking_lot::{Condvar, Mutex, RwLock};
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, CommitRequest,
@@ -95,6 +95,110 @@ struct Staged {
 impl Staged {
     fn leased(&self, now: Instant) -> bool {
         self.lease_until.is_some_and(|t| t > now)
+    }
+}
+
+/// A value that names where its record lies on the drive.
+trait Located {
+    fn loc(&self) -> Loc;
+    fn set_loc(&mut self, loc: Loc);
+}
+
+impl Located for Owned {
+    fn loc(&self) -> Loc {
+        self.loc
+    }
+    fn set_loc(&mut self, loc: Loc) {
+        self.loc = loc;
+    }
+}
+
+impl Located for Tomb {
+    fn loc(&self) -> Loc {
+        self.loc
+    }
+    fn set_loc(&mut self, loc: Loc) {
+        self.loc = loc;
+    }
+}
+
+/// Records by key with an index by segment, so compaction finds a segment's records in time
+/// proportional to their number, not to every key's. Reads go through `Deref` to the map; every
+/// change goes through the methods below, which keep the index in step.
+#[derive(Debug)]
+struct KeyIndex<V> {
+    map: HashMap<String, V>,
+    by_seg: HashMap<SegId, HashSet<String>>,
+}
+
+impl<V> Default for KeyIndex<V> {
+    fn default() -> Self {
+        Self { map: HashMap::default(), by_seg: HashMap::default() }
+    }
+}
+
+impl<V> std::ops::Deref for KeyIndex<V> {
+    type Target = HashMap<String, V>;
+    fn deref(&self) -> &Self::Target {
+        &self.map
+    }
+}
+
+impl<V: Located> KeyIndex<V> {
+    fn unindex(&mut self, key: &str, seg: SegId) {
+        if let Some(set) = self.by_seg.get_mut(&seg) {
+            set.remove(key);
+            if set.is_empty() {
+                self.by_seg.remove(&seg);
+            }
+        }
+    }
+
+    fn insert(&mut self, key: String, value: V) -> Option<V> {
+        self.by_seg.entry(value.loc().seg).or_default().insert(key.clone());
+        let old = self.map.insert(key.clone(), value)?;
+        let (old_seg, new_seg) = (old.loc().seg, self.map.get(&key).map(|v| v.loc().seg));
+        if Some(old_seg) != new_seg {
+            self.unindex(&key, old_seg);
+        }
+        Some(old)
+    }
+
+    fn remove(&mut self, key: &str) -> Option<V> {
+        let v = self.map.remove(key)?;
+        self.unindex(key, v.loc().seg);
+        Some(v)
+    }
+
+    /// Moves `key`'s record to `loc` (a compaction's copy).
+    fn set_loc(&mut self, key: &str, loc: Loc) {
+        let Some(v) = self.map.get_mut(key) else { return };
+        let old = v.loc().seg;
+        v.set_loc(loc);
+        if old != loc.seg {
+            self.unindex(key, old);
+            self.by_seg.entry(loc.seg).or_default().insert(key.to_owned());
+        }
+    }
+
+    fn clear(&mut self) {
+        self.map.clear();
+        self.by_seg.clear();
+    }
+
+    /// Panics unless the segment index names exactly each key's record segment.
+    #[cfg(test)]
+    fn check(&self) {
+        let indexed: usize = self.by_seg.values().map(|s| s.len()).sum();
+        assert_eq!(indexed, self.map.len(), "every key is indexed once");
+        for (k, v) in &self.map {
+            assert!(self.by_seg.get(&v.loc().seg).is_some_and(|s| s.contains(k)), "{k} indexed under its segment");
+        }
+    }
+
+    /// The keys whose record lies in `seg`.
+    fn keys_in(&self, seg: SegId) -> impl Iterator<Item = (&String, &V)> {
+        self.by_seg.get(&seg).into_iter().flatten().filter_map(|k| self.map.get_key_value(k))
     }
 }
 
@@ -214,7 +318,7 @@ struct State {
     /// `None` until `init` and after `shutdown`.
     staging: Option<PageBitmapAllocator>,
     pending: HashMap<u64, Pending>,
-    owned: HashMap<String, Owned>,
+    owned: KeyIndex<Owned>,
     lru: Lru,
     staged: StagedMap,
     /// Staging pages of keys dropped by a clear while a reader held them: freed at lease end.
@@ -240,7 +344,7 @@ struct State {
     /// Evictions not yet logged on the drive: key, the tombstone's seq, its horizon.
     tomb_pending: Vec<(String, u64, u64)>,
     /// Tombstones on the drive still in force, by key.
-    tombs: HashMap<String, Tomb>,
+    tombs: KeyIndex<Tomb>,
     generation: u64,
     outbox: Vec<KvEvent>,
     auto_flush: Option<AutoFlush>,
@@ -1197,18 +1301,12 @@ impl Inner {
             let Some(seg) = seg else { return };
             let Some(file) = state.log.segs.get(&seg).map(|s| Arc::clone(&s.file)) else { return };
             // Live records and tombstones in force both move (a tombstone is a record too).
+            // From the per-segment index: the work is the segment's records, not every key.
             let victims: Vec<(String, Loc, bool, Arc<SegmentFile>)> = state
                 .owned
-                .iter()
-                .filter(|(_, o)| o.loc.seg == seg)
+                .keys_in(seg)
                 .map(|(k, o)| (k.clone(), o.loc, false, Arc::clone(&file)))
-                .chain(
-                    state
-                        .tombs
-                        .iter()
-                        .filter(|(_, t)| t.loc.seg == seg)
-                        .map(|(k, t)| (k.clone(), t.loc, true, Arc::clone(&file))),
-                )
+                .chain(state.tombs.keys_in(seg).map(|(k, t)| (k.clone(), t.loc, true, Arc::clone(&file))))
                 .collect();
             if victims.is_empty() {
                 return;
@@ -1266,11 +1364,9 @@ impl Inner {
                 state.log.kill(&old.loc);
                 state.log.add_live(&new);
                 if tomb {
-                    if let Some(t) = state.tombs.get_mut(&key) {
-                        t.loc = new;
-                    }
-                } else if let Some(o) = state.owned.get_mut(&key) {
-                    o.loc = new;
+                    state.tombs.set_loc(&key, new);
+                } else {
+                    state.owned.set_loc(&key, new);
                 }
                 Ok(true)
             })();
@@ -1963,7 +2059,10 @@ impl MediumBackend for SsdBackend {
             state.overhead = overhead;
             state.total = total;
             state.log = log;
-            state.tombs = tombs.into_iter().collect();
+            state.tombs.clear();
+            for (key, t) in tombs {
+                state.tombs.insert(key, t);
+            }
             state.staging = Some(staging);
         }
         *self.reaper.lock() = Some(reaper);
@@ -2861,5 +2960,49 @@ mod tests {
         // With only a leased copy left, no more room is made.
         drop(state);
         assert_eq!(b.batch_allocate(&[AllocateRequest::new("z", 10)])[0].outcome, AllocateOutcome::FailedNoSpace);
+    }
+
+    /// Compaction finds a segment's records through the per-segment index: after every pass the
+    /// index agrees with each key's record, no key points into a deleted segment, and records were
+    /// moved (so the index was what compaction used).
+    #[test]
+    fn compaction_through_the_segment_index_keeps_every_key_on_a_live_segment() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let config = SsdConfig::builder([dir.path()])
+            .page_size(PAGE)
+            .capacity_bytes(256 * PAGE)
+            .staging_pages(8)
+            .segment_bytes(32 * PAGE)
+            .clock(Arc::clone(&clock) as Arc<dyn Clock>)
+            .build()
+            .expect("config");
+        let b = SsdBackend::new(config);
+        b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+        b.stop_reaper();
+        for i in 0..600u32 {
+            let key = format!("k{}", i % 150);
+            b.evict(std::slice::from_ref(&key));
+            put(&b, &key, i as u8, 3000);
+            if i % 3 == 0 {
+                b.reaper_tick();
+                let state = b.inner.state.lock();
+                state.owned.check();
+                state.tombs.check();
+                for (k, o) in state.owned.iter() {
+                    assert!(state.log.segs.contains_key(&o.loc.seg), "step {i}: {k} in a deleted segment");
+                }
+                for (k, t) in state.tombs.iter() {
+                    assert!(state.log.segs.contains_key(&t.loc.seg), "step {i}: tombstone of {k} in a deleted segment");
+                }
+            }
+        }
+        assert!(b.stats().compaction_moved > 0, "compaction ran ({:?})", b.stats());
+        for i in 0..150u32 {
+            let key = format!("k{i}");
+            if let Some(v) = resolve_bytes(&b, &key) {
+                assert_eq!(v.len(), 3000);
+            }
+        }
     }
 }
