@@ -42,6 +42,10 @@ use crate::store::{DirState, Loc, Log, Lru, SegId, SegMeta, SegmentFile, sync_di
 const FOLLOWER_WAIT: Duration = Duration::from_secs(30);
 /// How many times a resolve of one key follows someone else's read before it gives up (a miss).
 const FOLLOW_ROUNDS: usize = 3;
+/// The reaper thread's name (expiry only).
+const REAPER_THREAD: &str = "umbp-reaper-SSD";
+/// The log thread's name (tombstones, compaction, segment deletion, sync).
+const LOG_THREAD: &str = "umbp-log-SSD";
 /// The name this medium reports.
 const NAME: &str = "SsdBackend";
 /// With an engine that overlaps IO and work (io_uring), a batch of at least this many value bytes
@@ -509,9 +513,12 @@ enum JobOutcome {
     Corrupt,
 }
 
+/// The background threads: the reaper (slot and lease expiry, no drive IO) and the log thread
+/// (segment deletion, tombstone writes, compaction, periodic sync), so a slow drive never delays
+/// expiry.
 struct Reaper {
     stop: Sender<()>,
-    thread: JoinHandle<()>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 /// The SSD medium: a registered host staging arena over an append-only drive log (see the crate
@@ -662,23 +669,38 @@ impl SsdBackend {
         let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
         let inner = Arc::clone(&self.inner);
         let interval = inner.config.reaper_interval;
-        let thread = std::thread::Builder::new().name("umbp-reaper-SSD".into()).spawn(move || {
-            loop {
-                match stopped.recv_timeout(interval) {
-                    Err(RecvTimeoutError::Timeout) => inner.sweep(),
-                    Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+        let spawn = |name: &str, pass: fn(&Inner)| {
+            let inner = Arc::clone(&inner);
+            let stopped = stopped.clone();
+            std::thread::Builder::new().name(name.into()).spawn(move || {
+                loop {
+                    match stopped.recv_timeout(interval) {
+                        Err(RecvTimeoutError::Timeout) => pass(&inner),
+                        Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+                    }
                 }
+            })
+        };
+        let reaper = spawn(REAPER_THREAD, Inner::expire)?;
+        let log = match spawn(LOG_THREAD, Inner::log_pass) {
+            Ok(t) => t,
+            Err(e) => {
+                drop(stop);
+                let _ = reaper.join();
+                return Err(e);
             }
-        })?;
-        Ok(Reaper { stop, thread })
+        };
+        Ok(Reaper { stop, threads: vec![reaper, log] })
     }
 
     fn stop_reaper(&self) {
         if let Some(reaper) = self.reaper.lock().take() {
-            let _ = reaper.stop.try_send(());
+            // Dropping the only sender wakes both threads (their receive sees it disconnected).
             drop(reaper.stop);
-            if reaper.thread.join().is_err() {
-                tracing::error!("SSD reaper thread panicked");
+            for t in reaper.threads {
+                if t.join().is_err() {
+                    tracing::error!("SSD reaper or log thread panicked");
+                }
             }
         }
     }
@@ -1091,9 +1113,18 @@ impl Inner {
         }
     }
 
+    /// One reaper pass: expiry, then the log's work, in order (the background threads run the two
+    /// halves on their own threads).
     fn sweep(&self) {
+        self.expire();
+        self.log_pass();
+    }
+
+    /// Slot and lease expiry: metadata only, no drive IO, so it keeps its interval whatever the
+    /// drive does.
+    fn expire(&self) {
         let now = self.config.clock.now();
-        let dead = {
+        {
             let mut state = self.state.lock();
             if state.staging.is_none() {
                 return;
@@ -1126,6 +1157,18 @@ impl Inner {
                 state.free(&pages);
             }
             self.update_staging_gauge(&state);
+        }
+    }
+
+    /// The log's background work: deletes dead segments, writes queued tombstones, compacts one
+    /// segment and syncs when due. All of it drive IO, off the reaper's thread.
+    fn log_pass(&self) {
+        let now = self.config.clock.now();
+        let dead = {
+            let mut state = self.state.lock();
+            if state.staging.is_none() {
+                return;
+            }
             retire_tombstones(&mut state);
             state.log.take_dead_segments()
         };
@@ -3004,5 +3047,60 @@ mod tests {
                 assert_eq!(v.len(), 3000);
             }
         }
+    }
+
+    /// Waits (real time) up to `bound` for `cond`.
+    fn eventually(bound: Duration, mut cond: impl FnMut() -> bool) -> bool {
+        let end = Instant::now() + bound;
+        while Instant::now() < end {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        cond()
+    }
+
+    /// The log thread is stuck in a drive write (a tombstone): slot and lease expiry still run on
+    /// the reaper's interval.
+    #[test]
+    fn expiry_runs_while_the_log_thread_is_stuck_in_drive_io() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let config = SsdConfig::builder([dir.path()])
+            .page_size(PAGE)
+            .capacity_bytes(64 * PAGE)
+            .staging_pages(8)
+            .segment_bytes(256 * 1024)
+            .read_lease_ttl(Duration::from_secs(5))
+            .pending_ttl(Duration::from_secs(5))
+            .reaper_interval(Duration::from_millis(5))
+            .clock(Arc::clone(&clock) as Arc<dyn Clock>)
+            .build()
+            .expect("config");
+        let b = SsdBackend::new(config);
+        b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+        b.stop_reaper();
+        let gate = Arc::new(Gate::default());
+        *b.inner.engine.write() = Some(Arc::clone(&gate) as Arc<dyn IoEngine>);
+        gate.hold(LOG_THREAD);
+        *b.reaper.lock() = Some(b.start_reaper().expect("reaper"));
+        put(&b, "a", 1, 3000);
+        put(&b, "b", 2, 3000);
+        b.evict(&["a".to_owned()]);
+        gate.wait_entered(LOG_THREAD);
+        // A slot never committed and a read lease, both due once the clock moves on.
+        let slot = b.batch_allocate(&[AllocateRequest::new("p", 10)]).remove(0);
+        assert_eq!(slot.outcome, AllocateOutcome::Allocated);
+        assert!(b.batch_resolve(&["b".to_owned()], false)[0].found);
+        clock.advance(Duration::from_secs(6));
+        let expired = eventually(Duration::from_secs(2), || {
+            b.inner.counters.staging_expired_reclaim.load(Ordering::Relaxed) == 1
+                && b.inner.state.lock().staged.get("b").is_some_and(|s| s.lease_until.is_none())
+        });
+        gate.release(LOG_THREAD);
+        assert!(expired, "the slot and the lease expired while the log thread was held");
+        assert!(!b.batch_commit(&[CommitRequest::new(slot.slot_id, "p")])[0].success, "the slot expired");
+        b.shutdown();
     }
 }

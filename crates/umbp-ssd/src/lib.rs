@@ -26,6 +26,11 @@
 //! announces its keys in the full sync that follows registration. Every read is CRC-checked: a
 //! corrupt record is a miss, a `Remove` for the master and a counted medium event, never wrong bytes.
 //!
+//! Background work runs on two threads every `reaper_interval`: the reaper proper expires slots
+//! and read leases (metadata only, never drive IO), and the log thread deletes dead segments,
+//! writes tombstones, compacts one segment and syncs when due. A slow or stuck drive therefore
+//! delays reclamation, never expiry. "Reaper pass" below means the log thread's pass for drive work.
+//!
 //! Drive IO goes through one of two engines chosen by [`IoEngineKind`]: `psync` (`preadv` /
 //! `pwritev`, the portable default) or `io_uring` (a batch of records in one submission; for large
 //! batches the CRC is computed while the drive works: values go out before their headers, and reads
