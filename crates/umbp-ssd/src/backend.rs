@@ -3103,4 +3103,62 @@ mod tests {
         assert!(!b.batch_commit(&[CommitRequest::new(slot.slot_id, "p")])[0].success, "the slot expired");
         b.shutdown();
     }
+
+    /// A commit's drive write is held: allocate, a resolve of another key that reads the drive,
+    /// and an evict, each on its own thread, complete within a bound (the state lock is not held
+    /// across the write).
+    #[test]
+    fn the_state_lock_is_not_held_across_a_commits_drive_write() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        let (b, gate) = gated(dir.path(), &clock);
+        put(&b, "other", 0x11, 3000);
+        put(&b, "victim", 0x22, 3000);
+        // So the resolve of `other` has to read the drive.
+        b.drop_cached_copies();
+        gate.hold("w");
+        let writer = spawn_put(&b, "w", "k", 0xAA);
+        gate.wait_entered("w");
+        let (tx, rx) = crossbeam_channel::unbounded::<&'static str>();
+        let mut threads = Vec::new();
+        let spawn = |name: &'static str, f: Box<dyn FnOnce(&SsdBackend) + Send>| {
+            let (b, tx) = (Arc::clone(&b), tx.clone());
+            std::thread::spawn(move || {
+                f(&b);
+                let _ = tx.send(name);
+            })
+        };
+        threads.push(spawn(
+            "allocate",
+            Box::new(|b| {
+                let a = b.batch_allocate(&[AllocateRequest::new("n", 10)]).remove(0);
+                assert_eq!(a.outcome, AllocateOutcome::Allocated);
+            }),
+        ));
+        threads.push(spawn("resolve", Box::new(|b| assert_eq!(resolve_bytes(b, "other"), Some(vec![0x11; 3000])))));
+        threads.push(spawn(
+            "evict",
+            Box::new(|b| {
+                let r = b.evict(&["victim".to_owned()]);
+                assert!(r.len() == 1 && r[0].bytes_freed > 0, "{r:?}");
+            }),
+        ));
+        let mut done = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while done.len() < 3 {
+            match rx.recv_deadline(deadline) {
+                Ok(name) => done.push(name),
+                Err(_) => break,
+            }
+        }
+        let held = !writer.is_finished();
+        gate.release("w");
+        writer.join().expect("writer");
+        for t in threads {
+            t.join().expect("a call panicked");
+        }
+        assert_eq!(done.len(), 3, "only {done:?} completed while a commit's write was held");
+        assert!(held, "the commit's write was held throughout");
+        assert_eq!(resolve_bytes(&b, "k"), Some(vec![0xAA; 3000]));
+    }
 }
