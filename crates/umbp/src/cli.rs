@@ -52,6 +52,7 @@ CONFIGURATION
     ssd_io_engine = \"psync\"           # or \"io_uring\"
     ssd_staging_pages = 16              # host staging pages of an ssd node (reads and writes in flight)
     ssd_read_lease = \"3s\"             # the SSD read lease
+    ssd_sync_interval = \"1s\"          # how often an ssd node fdatasyncs its log, or \"off\" (shutdown only)
     hbm_device = 0                      # the GPU an hbm node lends
     hbm_capacity = \"1GiB\"               # device memory an hbm node lends
     hbm_runtime = \"auto\"                # or \"cuda\", \"hip\", \"cudart\", \"fake\" (host memory, for tests)
@@ -78,6 +79,7 @@ ENVIRONMENT
   UMBP_CAPACITY, UMBP_PAGE_SIZE, UMBP_NODE_ADDRESS, UMBP_PEER_SERVICE_PORT, UMBP_IO_ENGINE_PORT,
   UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_SSD_DIRS (comma-separated),
   UMBP_SSD_CAPACITY, UMBP_SSD_IO_ENGINE, UMBP_SSD_STAGING_PAGES, UMBP_SSD_READ_LEASE_MS,
+  UMBP_SSD_SYNC_INTERVAL (a duration or off),
   UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME, UMBP_GPU_RUNTIME=none (no GPU copy engine on a
   node that does not lend HBM), UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
   master client's UMBP_HEARTBEAT_* / UMBP_MASTER_RPC_TIMEOUT_MS; the master's UMBP_MASTER_LISTEN and
@@ -317,6 +319,11 @@ pub struct NodeArgs {
     /// [env: UMBP_SSD_READ_LEASE_MS, in ms] [default: 3s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub ssd_read_lease: Option<Duration>,
+    /// How often an ssd node fdatasyncs the log segments written since its last sync (commits do
+    /// not wait for it; it bounds what a power loss can take), or off: only at shutdown
+    /// [env: UMBP_SSD_SYNC_INTERVAL] [default: 1s]
+    #[arg(long, value_name = "DURATION|off")]
+    pub ssd_sync_interval: Option<String>,
     /// The GPU an hbm node lends [env: UMBP_HBM_DEVICE] [default: 0]
     #[arg(long, value_name = "N")]
     pub hbm_device: Option<u32>,

@@ -173,6 +173,18 @@ pub fn parse_recache(text: &str) -> Result<RecachePolicy, UnitError> {
     }
 }
 
+/// Reads an SSD sync interval: a duration greater than zero, or `off` (sync only at shutdown).
+fn parse_sync_interval(text: &str) -> Result<Option<Duration>, String> {
+    match text.trim() {
+        "off" | "false" | "none" => Ok(None),
+        t => match parse_duration(t) {
+            Ok(d) if !d.is_zero() => Ok(Some(d)),
+            Ok(_) => Err("must be greater than zero (\"off\" syncs only at shutdown)".into()),
+            Err(e) => Err(e.to_string()),
+        },
+    }
+}
+
 /// Writes a re-cache policy the way [`parse_recache`] reads it.
 pub fn format_recache(policy: RecachePolicy) -> String {
     match policy {
@@ -276,6 +288,8 @@ pub struct NodeFile {
     pub ssd_staging_pages: Option<u64>,
     /// The SSD read lease.
     pub ssd_read_lease: Option<HumanDuration>,
+    /// How often an ssd node syncs its log: a duration, or `off` (only at shutdown).
+    pub ssd_sync_interval: Option<String>,
     /// Re-cache policy for remote fetches.
     pub recache: Option<Recache>,
     /// Read lease of a resolve.
@@ -645,6 +659,15 @@ pub fn resolve_node(
     })?;
     if let Some(d) = pick(flags.ssd_read_lease, ssd_lease_ms, f.ssd_read_lease.map(|d| d.0)) {
         ssd.read_lease = d;
+    }
+    let sync = |setting: &'static str, value: Option<&str>| {
+        value.map(parse_sync_interval).transpose().map_err(|reason| SettingsError::Invalid { setting, reason })
+    };
+    let sync_flag = sync("--ssd-sync-interval", flags.ssd_sync_interval.as_deref())?;
+    let sync_file = sync("node.ssd_sync_interval", f.ssd_sync_interval.as_deref())?;
+    let sync_env = env_value(env, "UMBP_SSD_SYNC_INTERVAL", parse_sync_interval)?;
+    if let Some(i) = pick(sync_flag, sync_env, sync_file) {
+        ssd.sync_interval = i;
     }
     c.medium = match medium {
         MediumKind::Dram => Medium::Dram(dram),

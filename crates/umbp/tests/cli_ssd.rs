@@ -130,3 +130,58 @@ fn bad_ssd_settings_are_errors_that_name_them() {
     assert!(err.to_string().contains("ssd_capacity"), "{err}");
     assert!(Cli::try_parse_from(["umbp", "node", "--medium", "ssd", "--ssd-capacity", "4GB"]).is_err());
 }
+
+#[test]
+fn the_ssd_sync_interval_takes_the_highest_layer_and_can_be_off() {
+    let base = ["--node-id", "s1", "--medium", "ssd", "--ssd-dir", "/d"];
+    let none = FileConfig::default();
+    let sync = |f: &FileConfig, e: &[(&str, &str)], extra: &[&str]| {
+        let c = resolve_node(f, &env(e), &node_args(&[&base[..], extra].concat()), None).expect("settings");
+        ssd(&c).sync_interval
+    };
+    assert_eq!(SsdConfig::default().sync_interval, Some(Duration::from_secs(1)), "the documented default");
+    assert_eq!(sync(&none, &[], &[]), Some(Duration::from_secs(1)));
+    let f = file(
+        r#"
+        [node]
+        ssd_sync_interval = "5s"
+        "#,
+    );
+    assert_eq!(sync(&f, &[], &[]), Some(Duration::from_secs(5)), "file");
+    assert_eq!(
+        sync(&f, &[("UMBP_SSD_SYNC_INTERVAL", "250ms")], &[]),
+        Some(Duration::from_millis(250)),
+        "env over file"
+    );
+    assert_eq!(
+        sync(&f, &[("UMBP_SSD_SYNC_INTERVAL", "250ms")], &["--ssd-sync-interval", "2s"]),
+        Some(Duration::from_secs(2)),
+        "flag over env"
+    );
+    assert_eq!(sync(&f, &[], &["--ssd-sync-interval", "off"]), None, "off: only at shutdown");
+    assert_eq!(sync(&none, &[("UMBP_SSD_SYNC_INTERVAL", "off")], &[]), None);
+
+    let err = resolve_node(&none, &env(&[]), &node_args(&[&base[..], &["--ssd-sync-interval", "0s"]].concat()), None)
+        .expect_err("zero interval");
+    assert!(err.to_string().contains("--ssd-sync-interval"), "{err}");
+    let err =
+        resolve_node(&none, &env(&[("UMBP_SSD_SYNC_INTERVAL", "soon")]), &node_args(&base), None).expect_err("bad env");
+    assert!(err.to_string().contains("UMBP_SSD_SYNC_INTERVAL"), "{err}");
+    let bad = file(
+        r#"
+        [node]
+        ssd_sync_interval = "5"
+        "#,
+    );
+    let err = resolve_node(&bad, &env(&[]), &node_args(&base), None).expect_err("bad file value");
+    assert!(err.to_string().contains("ssd_sync_interval"), "{err}");
+}
+
+#[test]
+fn help_states_the_ssd_sync_interval_and_its_default() {
+    use clap::CommandFactory;
+    let help = Cli::command().find_subcommand_mut("node").expect("node").render_long_help().to_string();
+    for needle in ["--ssd-sync-interval", "[env: UMBP_SSD_SYNC_INTERVAL] [default: 1s]"] {
+        assert!(help.contains(needle), "missing {needle:?} in:\n{help}");
+    }
+}

@@ -122,6 +122,9 @@ pub struct SsdConfig {
     /// The SSD read lease (its own setting: a reader of a staged page also waited for the drive).
     /// Default: 3 s.
     pub read_lease: Duration,
+    /// How often the medium `fdatasync`s the segments written since its last sync (`None`: only at
+    /// shutdown). Commits do not wait for it: it bounds what a power loss can take. Default: 1 s.
+    pub sync_interval: Option<Duration>,
 }
 
 impl Default for SsdConfig {
@@ -132,6 +135,7 @@ impl Default for SsdConfig {
             io_engine: umbp_ssd::IoEngineKind::Psync,
             staging_pages: 16,
             read_lease: Duration::from_secs(3),
+            sync_interval: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -553,6 +557,7 @@ impl PoolClient {
                     .staging_pages(ssd.staging_pages)
                     .pending_ttl(config.pending_ttl)
                     .read_lease_ttl(ssd.read_lease)
+                    .sync_interval(ssd.sync_interval)
                     .build()
                     .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
                 Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config)))
