@@ -1106,11 +1106,13 @@ impl Inner {
         let ps = self.config.page_size;
         // Walks the LRU from the cold end one key at a time (no copy of it): the work is the keys
         // looked at (victims and the in-use keys stepped over), not the keys owned.
+        // A set, so stepping over a key costs O(1) however large the batch that was just written.
+        let spare: HashSet<&str> = spare.iter().map(String::as_str).collect();
         let mut cursor = None;
         while over(state) {
             let Some((tick, key)) = state.lru.next_oldest(cursor).map(|(t, k)| (t, k.clone())) else { break };
             cursor = Some(tick);
-            if !state.evictable(&key, now) || spare.contains(&key) {
+            if !state.evictable(&key, now) || spare.contains(key.as_str()) {
                 continue;
             }
             if state.drop_owned(&key, ps, now).is_some() {
