@@ -93,3 +93,40 @@ async fn a_local_key_is_read_without_the_master_and_the_master_still_hears_of_th
     }
     n1.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_of_many_chunks_of_local_hits_tells_the_master_of_every_key() {
+    let m = master().await;
+    let n1 = node(&m, "n1", 48 << 20).await;
+    // 40 values of a MiB: five pipelined chunks, every key a local hit.
+    let size = 256 * PAGE as usize;
+    let keys: Vec<String> = (0..40).map(|i| format!("hit-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..40).map(|i| value(i, size)).collect();
+    let items: Vec<(&str, &[u8])> = keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    for r in n1.batch_put(&items).await {
+        r.expect("put");
+    }
+    indexed(&n1, &keys).await;
+    let before = m.stats().route_get_keys;
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut bufs: Vec<Vec<u8>> = (0..40).map(|_| vec![0u8; size]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+    for (i, r) in n1.batch_get(&key_refs, &mut slices).await.into_iter().enumerate() {
+        assert_eq!(r.expect("local get"), size as u64);
+        assert!(bufs[i] == values[i], "key {i}: wrong bytes");
+    }
+    // One hint for the batch: the master hears of all 40 keys, none dropped for want of a permit.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while m.stats().route_get_keys < before + 40 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the master heard of {} of 40 hits",
+            m.stats().route_get_keys - before
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(m.stats().route_get_keys, before + 40, "each hit is hinted once");
+    n1.close().await;
+    m.shutdown().await;
+}

@@ -18,6 +18,16 @@ use umbp_core::PageLocation;
 /// Where a found key lives: size, pages, the holder's buffer refs by index, page size.
 type Located = (u64, Vec<PageLocation>, Vec<Option<TransferRef>>, u64);
 
+/// What reading one chunk produced.
+struct ChunkRead {
+    /// One result per key of the chunk.
+    results: Vec<Result<u64, KeyError>>,
+    /// Positions fetched from another node (re-cache candidates).
+    fetched_remote: Vec<usize>,
+    /// Keys found on this node's medium (the master hears of them in one hint per batch).
+    local_hits: Vec<String>,
+}
+
 /// One key's planned read.
 struct Planned {
     index: usize,
@@ -91,19 +101,22 @@ impl PoolClient {
         })
         .await;
         let mut fetched_remote: Vec<usize> = Vec::new();
-        for (chunk, (chunk_results, fetched)) in chunks.iter().zip(outcomes) {
-            for (i, r) in chunk.iter().zip(chunk_results) {
+        let mut local_hits: Vec<String> = Vec::new();
+        for (chunk, outcome) in chunks.iter().zip(outcomes) {
+            for (i, r) in chunk.iter().zip(outcome.results) {
                 results[*i] = Some(r);
             }
-            fetched_remote.extend(fetched.into_iter().map(|j| chunk[j]));
+            fetched_remote.extend(outcome.fetched_remote.into_iter().map(|j| chunk[j]));
+            local_hits.extend(outcome.local_hits);
         }
+        // One access hint for the whole batch's local hits.
+        self.touch(local_hits);
         self.queue_recache(keys, targets, &results, &fetched_remote);
         results.into_iter().map(|r| r.unwrap_or(Err(KeyError::Miss))).collect()
     }
 
-    /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes. One result per key, and
-    /// the positions fetched from another node (re-cache candidates).
-    async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf]) -> (Vec<Result<u64, KeyError>>, Vec<usize>) {
+    /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes.
+    async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf]) -> ChunkRead {
         let n = keys.len();
         let mut results: Vec<Option<Result<u64, KeyError>>> = vec![None; n];
         let mut exclude: Vec<BTreeSet<String>> = vec![BTreeSet::new(); n];
@@ -115,18 +128,17 @@ impl PoolClient {
         // this node excluded. Their copies join the first round's submit.
         let mut carried: (Vec<TransferItem>, Vec<Planned>) = (Vec::new(), Vec::new());
         let mut read_locally = vec![false; n];
+        let mut local_hits = Vec::new();
         if let Some(m) = &self.medium {
             let all: Vec<(usize, bool)> = (0..n).map(|i| (i, true)).collect();
             let found = self.read_here(m, keys, targets, &all, &mut carried.0, &mut carried.1, &mut results);
-            let mut hits = Vec::new();
             for (i, found) in found.into_iter().enumerate() {
                 exclude[i].insert(me.clone());
                 read_locally[i] = found;
                 if found {
-                    hits.push(keys[i].to_owned());
+                    local_hits.push(keys[i].to_owned());
                 }
             }
-            self.touch(hits);
         }
         for attempt in 0..=self.config.max_reroutes {
             let pending: Vec<usize> =
@@ -270,7 +282,7 @@ impl PoolClient {
             .enumerate()
             .map(|(i, r)| r.unwrap_or_else(|| Err(last_error.remove(&i).unwrap_or(KeyError::Miss))))
             .collect();
-        (results, fetched_remote)
+        ChunkRead { results, fetched_remote, local_hits }
     }
 
     /// Resolves `local` (index, whether the master routed it here) on this node's medium and plans
