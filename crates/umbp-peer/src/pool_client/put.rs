@@ -1,7 +1,7 @@
 //! The put path: route → allocate (every group concurrently) → one submit for every group's pages →
 //! commit survivors (every group concurrently) → abort the rest, with a bounded re-route of failed
 //! keys, each excluding the nodes that failed *it*. A large batch runs as a pipeline of chunks of
-//! about 8 MiB, up to three in flight, so one chunk's route, allocate and commit calls overlap
+//! about 8 MiB, up to six in flight, so one chunk's route, allocate and commit calls overlap
 //! another chunk's bytes moving (the copies run on the blocking pool, not in this task).
 //!
 //! Slots are guarded from the moment they are allocated ([`SlotGuard`]): any key that does not end in
