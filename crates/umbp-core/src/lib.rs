@@ -31,6 +31,7 @@ mod backend;
 mod clock;
 mod error;
 mod metrics;
+mod outbox;
 mod registry;
 mod transfer_ref;
 mod types;
@@ -39,6 +40,7 @@ pub use backend::{AutoFlushHook, MediumBackend};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BackendError, RegistrationError, RegistryError};
 pub use metrics::{MetricKind, MetricSample, MetricSource, names as metric_names};
+pub use outbox::EventOutbox;
 pub use registry::{BackendRegistry, drain_all_backends, snapshot_all_backends_for_full_sync};
 pub use transfer_ref::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegion, TransferRef};
 pub use types::{

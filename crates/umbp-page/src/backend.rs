@@ -21,8 +21,8 @@ use foldhash::HashMap;
 use parking_lot::{Mutex, RwLock};
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, Clock, CommitRequest,
-    CommitResult, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryRegistrar, MetricSample, MetricSource,
-    PageLocation, ResolvedEntry, SystemClock, TierCapacity, TierType, TransferRef, metric_names,
+    CommitResult, EventOutbox, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryRegistrar, MetricSample,
+    MetricSource, PageLocation, ResolvedEntry, SystemClock, TierCapacity, TierType, TransferRef, metric_names,
 };
 
 use crate::allocator::PageBitmapAllocator;
@@ -214,11 +214,6 @@ struct OrphanedPin {
     warned: bool,
 }
 
-struct AutoFlush {
-    threshold: usize,
-    hook: AutoFlushHook,
-}
-
 /// Everything behind the backend's one lock.
 #[derive(Default)]
 struct State {
@@ -231,10 +226,9 @@ struct State {
     /// Pins of keys that `clear_local` dropped, by token.
     orphaned_pins: HashMap<u64, OrphanedPin>,
     deferred: Vec<Deferred>,
-    outbox: Vec<KvEvent>,
+    outbox: EventOutbox,
     generation: u64,
     next_pin_token: u64,
-    auto_flush: Option<AutoFlush>,
 }
 
 impl State {
@@ -246,13 +240,6 @@ impl State {
 
     fn push_event(&mut self, event: KvEvent) {
         self.outbox.push(event);
-        // Fires once per crossing: the length passes `threshold` exactly once between drains.
-        if let Some(af) = &self.auto_flush
-            && af.threshold > 0
-            && self.outbox.len() == af.threshold
-        {
-            (af.hook)();
-        }
     }
 
     fn lease_active(&mut self, key: &str, now: Instant) -> bool {
@@ -691,7 +678,7 @@ impl MediumBackend for PageBackend {
     }
 
     fn drain_pending_events(&self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.inner.state.lock().outbox)
+        self.inner.state.lock().outbox.take()
     }
 
     fn snapshot_owned_keys(&self) -> Vec<KvEvent> {
@@ -751,7 +738,7 @@ impl MediumBackend for PageBackend {
     }
 
     fn set_auto_flush_hook(&self, threshold: usize, hook: Option<AutoFlushHook>) {
-        self.inner.state.lock().auto_flush = hook.map(|hook| AutoFlush { threshold, hook });
+        self.inner.state.lock().outbox.set_auto_flush(threshold, hook);
     }
 
     fn batch_allocate(&self, requests: &[AllocateRequest]) -> Vec<AllocateResult> {

@@ -27,8 +27,8 @@ use foldhash::{HashMap, HashSet};
 use parking_lot::{Condvar, Mutex, RwLock};
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, CommitRequest,
-    CommitResult, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSample,
-    MetricSource, PageLocation, ResolvedEntry, TierCapacity, TierType, TransferRef, metric_names,
+    CommitResult, EventOutbox, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar,
+    MetricSample, MetricSource, PageLocation, ResolvedEntry, TierCapacity, TierType, TransferRef, metric_names,
 };
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBitmapAllocator, PageMemorySource, RawBuffer};
 
@@ -332,11 +332,6 @@ impl Flight {
     }
 }
 
-struct AutoFlush {
-    threshold: usize,
-    hook: AutoFlushHook,
-}
-
 /// Everything behind the backend's one lock.
 #[derive(Default)]
 struct State {
@@ -371,8 +366,7 @@ struct State {
     /// Tombstones on the drive still in force, by key.
     tombs: KeyIndex<Tomb>,
     generation: u64,
-    outbox: Vec<KvEvent>,
-    auto_flush: Option<AutoFlush>,
+    outbox: EventOutbox,
 }
 
 impl State {
@@ -384,13 +378,6 @@ impl State {
 
     fn push_event(&mut self, event: KvEvent) {
         self.outbox.push(event);
-        // Fires once per crossing: the length passes `threshold` exactly once between drains.
-        if let Some(af) = &self.auto_flush
-            && af.threshold > 0
-            && self.outbox.len() == af.threshold
-        {
-            (af.hook)();
-        }
     }
 
     /// `n` staging pages, dropping least recently used unleased cached copies to make room.
@@ -2189,7 +2176,7 @@ impl MediumBackend for SsdBackend {
     }
 
     fn drain_pending_events(&self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.inner.state.lock().outbox)
+        self.inner.state.lock().outbox.take()
     }
 
     fn snapshot_owned_keys(&self) -> Vec<KvEvent> {
@@ -2251,7 +2238,7 @@ impl MediumBackend for SsdBackend {
     }
 
     fn set_auto_flush_hook(&self, threshold: usize, hook: Option<AutoFlushHook>) {
-        self.inner.state.lock().auto_flush = hook.map(|hook| AutoFlush { threshold, hook });
+        self.inner.state.lock().outbox.set_auto_flush(threshold, hook);
     }
 
     fn batch_allocate(&self, requests: &[AllocateRequest]) -> Vec<AllocateResult> {
