@@ -5,51 +5,26 @@
 //!
 //! Every child is killed by a guard's `Drop`; every wait is bounded.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use umbp_peer::master_client::NodeLiveness;
 use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig};
 
-const UMBP: &str = env!("CARGO_BIN_EXE_umbp");
+mod cli_support;
+
+use cli_support::{Proc, TempDir, command, field, value};
+
 const PAGE: &str = "64KiB";
-const STARTUP: Duration = Duration::from_secs(30);
 const CLI_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Short heartbeats, so keys become visible and nodes recover quickly.
 const FAST_HEARTBEATS: &[(&str, &str)] =
     &[("UMBP_HEARTBEAT_TTL_SEC", "1"), ("UMBP_MAX_MISSED_HEARTBEATS", "10"), ("UMBP_REAPER_INTERVAL_SEC", "1")];
-
-/// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("umbp-cli-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("temp dir");
-        Self(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A child `umbp` process, SIGKILLed on drop; its stderr goes to `log`.
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
 
 impl Proc {
     /// Starts `umbp ARGS…` and waits for its ready line (`PREFIX … ready …`); returns the line.
@@ -57,56 +32,8 @@ impl Proc {
         Self::try_start(dir, name, args, env, ready).unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// [`start`](Self::start), returning why the process never became ready.
-    fn try_start(
-        dir: &Path,
-        name: &str,
-        args: &[&str],
-        env: &[(&str, &str)],
-        ready: &str,
-    ) -> Result<(Self, String), String> {
-        let log = dir.join(format!("{name}.log"));
-        let mut cmd = command(args, env);
-        cmd.stdout(Stdio::piped()).stderr(File::create(&log).expect("log file")).stdin(Stdio::null());
-        let child = cmd.spawn().expect("spawn umbp");
-        let mut proc = Self { name: name.to_owned(), child, log };
-        let stdout = proc.child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + STARTUP;
-        loop {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) if line.starts_with(ready) && line.contains(" ready ") => return Ok((proc, line)),
-                Ok(_) => {}
-                Err(_) => {
-                    if let Ok(Some(status)) = proc.child.try_wait() {
-                        return Err(format!("{name} exited with {status} before it was ready:\n{}", proc.log_tail()));
-                    }
-                    if Instant::now() > deadline {
-                        return Err(format!("{name} not ready in {STARTUP:?}:\n{}", proc.log_tail()));
-                    }
-                }
-            }
-        }
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
     fn pid(&self) -> u32 {
         self.child.id()
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 
     fn running(&mut self) -> bool {
@@ -126,32 +53,6 @@ impl Proc {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- last lines of {} ({}) ---\n{}", self.name, self.log.display(), self.log_tail());
-        }
-    }
-}
-
-/// `umbp ARGS…` with a clean `UMBP_*` environment plus `env`.
-fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new(UMBP);
-    cmd.args(args);
-    for (var, _) in std::env::vars() {
-        if var.starts_with("UMBP_") {
-            cmd.env_remove(var);
-        }
-    }
-    cmd.env("RUST_LOG", "info").env("NO_COLOR", "1");
-    for (var, value) in env {
-        cmd.env(var, value);
-    }
-    cmd
 }
 
 /// What a client command did.
@@ -285,19 +186,6 @@ impl Cluster {
             [command, "--master", self.address.as_str()].into_iter().chain(rest.iter().copied()).collect();
         cli(&args, stdin)
     }
-}
-
-/// The value of `name=` in a ready line.
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-}
-
-/// The bytes of `key`, `len` long: every key's value differs, so a mix-up is caught.
-fn value(key: &str, len: usize) -> Vec<u8> {
-    let seed = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    (0..len).map(|i| (seed.wrapping_add(i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8).collect()
 }
 
 /// Waits until the master's index says `present` for every key.

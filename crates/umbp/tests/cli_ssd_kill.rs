@@ -4,123 +4,19 @@
 //!
 //! Every child is killed by a guard's `Drop`; every wait is bounded.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use umbp_peer::pool_client::{PoolClient, PoolClientConfig};
 
-const UMBP: &str = env!("CARGO_BIN_EXE_umbp");
+mod cli_support;
+
+use cli_support::{Proc, TempDir, field, value};
+
 const PAGE: usize = 64 * 1024;
-const STARTUP: Duration = Duration::from_secs(30);
 /// Short heartbeats: the killed node expires within seconds, so its restart can register again.
 const ENV: &[(&str, &str)] =
     &[("UMBP_HEARTBEAT_TTL_SEC", "1"), ("UMBP_MAX_MISSED_HEARTBEATS", "2"), ("UMBP_REAPER_INTERVAL_SEC", "1")];
-
-/// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let path = std::env::temp_dir().join(format!("umbp-cli-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("temp dir");
-        Self(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A child `umbp` process, SIGKILLed on drop; its stderr goes to `log`.
-struct Proc {
-    name: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    /// Starts `umbp ARGS…` and waits for its ready line (`PREFIX … ready …`).
-    fn try_start(dir: &Path, name: &str, args: &[&str], ready: &str) -> Result<(Self, String), String> {
-        let log = dir.join(format!("{name}.log"));
-        let mut cmd = Command::new(UMBP);
-        cmd.args(args);
-        for (var, _) in std::env::vars() {
-            if var.starts_with("UMBP_") {
-                cmd.env_remove(var);
-            }
-        }
-        cmd.env("RUST_LOG", "info").env("NO_COLOR", "1");
-        for (var, value) in ENV {
-            cmd.env(var, value);
-        }
-        cmd.stdout(Stdio::piped()).stderr(File::create(&log).expect("log file")).stdin(Stdio::null());
-        let child = cmd.spawn().expect("spawn umbp");
-        let mut proc = Self { name: name.to_owned(), child, log };
-        let stdout = proc.child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + STARTUP;
-        loop {
-            match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(line) if line.starts_with(ready) && line.contains(" ready ") => return Ok((proc, line)),
-                Ok(_) => {}
-                Err(_) => {
-                    if let Ok(Some(status)) = proc.child.try_wait() {
-                        return Err(format!("{name} exited with {status} before it was ready:\n{}", proc.log_tail()));
-                    }
-                    if Instant::now() > deadline {
-                        return Err(format!("{name} not ready in {STARTUP:?}:\n{}", proc.log_tail()));
-                    }
-                }
-            }
-        }
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- last lines of {} ({}) ---\n{}", self.name, self.log.display(), self.log_tail());
-        }
-    }
-}
-
-/// The value of `name=` in a ready line.
-fn field<'a>(line: &'a str, name: &str) -> &'a str {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(name).and_then(|r| r.strip_prefix('=')))
-        .unwrap_or_else(|| panic!("no {name}= in {line:?}"))
-}
-
-/// The bytes of `key`, `len` long: every key's value differs, so a mix-up is caught.
-fn value(key: &str, len: usize) -> Vec<u8> {
-    let seed = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
-    (0..len).map(|i| (seed.wrapping_add(i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8).collect()
-}
 
 /// Waits until the master's index has every key.
 async fn until_indexed(client: &PoolClient, keys: &[String]) {
@@ -157,14 +53,14 @@ fn start_node(dir: &Path, master: &str, ssd_dir: &Path) -> Result<(Proc, String)
         "--ssd-staging-pages",
         "64",
     ];
-    Proc::try_start(dir, "s1", &args, "node s1")
+    Proc::try_start(dir, "s1", &args, ENV, "node s1")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ssd_node_killed_with_sigkill_serves_every_acknowledged_value_after_a_restart() {
     let dir = TempDir::new("ssd-kill9");
     let ssd_dir = dir.0.join("drive");
-    let (_master, line) = Proc::try_start(&dir.0, "master", &["master", "--listen", "127.0.0.1:0"], "master")
+    let (_master, line) = Proc::try_start(&dir.0, "master", &["master", "--listen", "127.0.0.1:0"], ENV, "master")
         .unwrap_or_else(|e| panic!("{e}"));
     let master = field(&line, "listen").to_owned();
     let (mut node, line) = start_node(&dir.0, &master, &ssd_dir).unwrap_or_else(|e| panic!("{e}"));
