@@ -51,6 +51,7 @@ CONFIGURATION
     ssd_capacity = \"32GiB\"            # drive bytes an ssd node lends
     ssd_io_engine = \"psync\"           # or \"io_uring\"
     ssd_staging_pages = 16              # host staging pages of an ssd node (reads and writes in flight)
+    ssd_max_value_pages = 1             # largest value on an ssd node, in pages (at most ssd_staging_pages)
     ssd_read_lease = \"3s\"             # the SSD read lease
     ssd_sync_interval = \"1s\"          # how often an ssd node fdatasyncs its log, or \"off\" (shutdown only)
     hbm_device = 0                      # the GPU an hbm node lends
@@ -78,7 +79,8 @@ ENVIRONMENT
   UMBP_CONFIG, UMBP_CLUSTER_TOKEN, UMBP_MASTER_ADDRESS; the node's UMBP_NODE_ID, UMBP_MEDIUM,
   UMBP_CAPACITY, UMBP_PAGE_SIZE, UMBP_NODE_ADDRESS, UMBP_PEER_SERVICE_PORT, UMBP_IO_ENGINE_PORT,
   UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_SSD_DIRS (comma-separated),
-  UMBP_SSD_CAPACITY, UMBP_SSD_IO_ENGINE, UMBP_SSD_STAGING_PAGES, UMBP_SSD_READ_LEASE_MS,
+  UMBP_SSD_CAPACITY, UMBP_SSD_IO_ENGINE, UMBP_SSD_STAGING_PAGES, UMBP_SSD_MAX_VALUE_PAGES,
+  UMBP_SSD_READ_LEASE_MS,
   UMBP_SSD_SYNC_INTERVAL (a duration or off),
   UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME, UMBP_GPU_RUNTIME=none (no GPU copy engine on a
   node that does not lend HBM), UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
@@ -315,6 +317,10 @@ pub struct NodeArgs {
     /// [env: UMBP_SSD_STAGING_PAGES] [default: 16]
     #[arg(long, value_name = "N")]
     pub ssd_staging_pages: Option<u64>,
+    /// The largest value an ssd node stores, in pages of --page-size (a larger one is refused); at
+    /// most --ssd-staging-pages [env: UMBP_SSD_MAX_VALUE_PAGES] [default: 1]
+    #[arg(long, value_name = "N")]
+    pub ssd_max_value_pages: Option<u64>,
     /// How long an ssd node keeps a read's staged copy for its reader
     /// [env: UMBP_SSD_READ_LEASE_MS, in ms] [default: 3s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]

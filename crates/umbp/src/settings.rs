@@ -286,6 +286,8 @@ pub struct NodeFile {
     pub ssd_io_engine: Option<String>,
     /// Host staging pages of an ssd node.
     pub ssd_staging_pages: Option<u64>,
+    /// The largest value of an ssd node, in pages.
+    pub ssd_max_value_pages: Option<u64>,
     /// The SSD read lease.
     pub ssd_read_lease: Option<HumanDuration>,
     /// How often an ssd node syncs its log: a duration, or `off` (only at shutdown).
@@ -653,6 +655,10 @@ pub fn resolve_node(
     if let Some(n) = pick(flags.ssd_staging_pages, staging_env, f.ssd_staging_pages) {
         ssd.staging_pages = n;
     }
+    let max_pages_env = env_parsed::<u64>(env, "UMBP_SSD_MAX_VALUE_PAGES", "a page count")?;
+    if let Some(n) = pick(flags.ssd_max_value_pages, max_pages_env, f.ssd_max_value_pages) {
+        ssd.max_value_pages = n;
+    }
     let ssd_lease_ms = env_value(env, "UMBP_SSD_READ_LEASE_MS", |s| match s.parse::<u64>() {
         Ok(ms) if ms >= 1 => Ok(Duration::from_millis(ms)),
         _ => Err("expected milliseconds >= 1"),
@@ -753,6 +759,14 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
             return Err(SettingsError::Missing {
                 what: "the SSD directories",
                 how: "pass --ssd-dir DIR (repeatable), set UMBP_SSD_DIRS, or set node.ssd_dirs in the configuration file",
+            });
+        }
+        if s.max_value_pages == 0 || s.max_value_pages > s.staging_pages {
+            // The medium stages a whole value at once: a value of more pages than the arena holds
+            // could never be written or read.
+            return Err(SettingsError::Invalid {
+                setting: "ssd_max_value_pages",
+                reason: format!("{} must be in 1..=ssd_staging_pages ({})", s.max_value_pages, s.staging_pages),
             });
         }
         if s.capacity_bytes < c.page_size {

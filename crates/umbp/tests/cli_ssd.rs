@@ -185,3 +185,101 @@ fn help_states_the_ssd_sync_interval_and_its_default() {
         assert!(help.contains(needle), "missing {needle:?} in:\n{help}");
     }
 }
+
+#[test]
+fn the_ssd_max_value_pages_takes_the_highest_layer_and_stays_within_the_staging_arena() {
+    let base = ["--node-id", "s1", "--medium", "ssd", "--ssd-dir", "/d"];
+    let none = FileConfig::default();
+    let pages = |f: &FileConfig, e: &[(&str, &str)], extra: &[&str]| {
+        let c = resolve_node(f, &env(e), &node_args(&[&base[..], extra].concat()), None).expect("settings");
+        ssd(&c).max_value_pages
+    };
+    assert_eq!(SsdConfig::default().max_value_pages, 1, "the documented default");
+    assert_eq!(pages(&none, &[], &[]), 1);
+    let f = file(
+        r#"
+        [node]
+        ssd_max_value_pages = 2
+        "#,
+    );
+    assert_eq!(pages(&f, &[], &[]), 2, "file");
+    assert_eq!(pages(&f, &[("UMBP_SSD_MAX_VALUE_PAGES", "3")], &[]), 3, "env over file");
+    assert_eq!(pages(&f, &[("UMBP_SSD_MAX_VALUE_PAGES", "3")], &["--ssd-max-value-pages", "4"]), 4, "flag over env");
+
+    // More pages than the staging arena holds (16 by default) could never be staged.
+    let err = resolve_node(&none, &env(&[]), &node_args(&[&base[..], &["--ssd-max-value-pages", "17"]].concat()), None)
+        .expect_err("above the staging pages");
+    assert!(err.to_string().contains("ssd_max_value_pages"), "{err}");
+    let flags = node_args(&[&base[..], &["--ssd-max-value-pages", "17", "--ssd-staging-pages", "17"]].concat());
+    assert_eq!(ssd(&resolve_node(&none, &env(&[]), &flags, None).expect("within a larger arena")).max_value_pages, 17);
+    let err = resolve_node(&none, &env(&[("UMBP_SSD_MAX_VALUE_PAGES", "0")]), &node_args(&base), None)
+        .expect_err("zero pages");
+    assert!(err.to_string().contains("ssd_max_value_pages"), "{err}");
+    let err = resolve_node(&none, &env(&[("UMBP_SSD_MAX_VALUE_PAGES", "two")]), &node_args(&base), None)
+        .expect_err("bad env");
+    assert!(err.to_string().contains("UMBP_SSD_MAX_VALUE_PAGES"), "{err}");
+    let err = FileConfig::parse("[node]\nssd_max_value_pages = \"2\"\n", Path::new("t.toml")).expect_err("a string");
+    assert!(err.to_string().contains("ssd_max_value_pages"), "{err}");
+}
+
+#[test]
+fn help_states_the_ssd_max_value_pages_and_its_default() {
+    use clap::CommandFactory;
+    let help = Cli::command().find_subcommand_mut("node").expect("node").render_long_help().to_string();
+    for needle in ["--ssd-max-value-pages", "[env: UMBP_SSD_MAX_VALUE_PAGES] [default: 1]"] {
+        assert!(help.contains(needle), "missing {needle:?} in:\n{help}");
+    }
+    let top = Cli::command().render_long_help().to_string();
+    assert!(top.contains("ssd_max_value_pages = 1") && top.contains("UMBP_SSD_MAX_VALUE_PAGES"), "{top}");
+}
+
+/// The setting reaches the medium: a node resolved with `--ssd-max-value-pages 2` stores and serves a
+/// two-page value, one resolved without it refuses the same value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_resolved_with_ssd_max_value_pages_stores_values_of_that_many_pages() {
+    let master = umbp_master::start(umbp_master::MasterConfig {
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        ..umbp_master::MasterConfig::default()
+    })
+    .await
+    .expect("master");
+    let address = master.local_addr().to_string();
+    // A directory on the work disk: the medium opens its log with O_DIRECT, which tmpfs refuses.
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-ssd-max-pages-{}", std::process::id()));
+    let page = 64 << 10;
+    let value: Vec<u8> = (0..2 * page).map(|i| (i % 251) as u8).collect();
+    for (id, extra, fits) in [("wide", &["--ssd-max-value-pages", "2"][..], true), ("narrow", &[][..], false)] {
+        let dir = root.join(id);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let dir_arg = dir.to_str().expect("utf-8 path");
+        let args = [
+            "--node-id",
+            id,
+            "--medium",
+            "ssd",
+            "--ssd-dir",
+            dir_arg,
+            "--ssd-capacity",
+            "16MiB",
+            "--page-size",
+            "64KiB",
+            "--master",
+            &address,
+        ];
+        let config = resolve_node(&FileConfig::default(), &env(&[]), &node_args(&[&args[..], extra].concat()), None)
+            .expect("settings");
+        let node = umbp_peer::pool_client::PoolClient::start(config).await.expect("ssd node");
+        let put = node.put(&format!("{id}-two-pages"), &value).await;
+        if fits {
+            put.expect("a two-page value fits two pages");
+            let mut back = vec![0u8; value.len()];
+            let got = node.get(&format!("{id}-two-pages"), &mut back).await.expect("get");
+            assert_eq!((got, back == value), (value.len() as u64, true), "read back byte-exact");
+        } else {
+            assert!(put.is_err(), "one page per value by default");
+        }
+        node.close().await;
+    }
+    master.shutdown().await;
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -125,6 +125,13 @@ pub struct SsdConfig {
     /// How often the medium `fdatasync`s the segments written since its last sync (`None`: only at
     /// shutdown). Commits do not wait for it: it bounds what a power loss can take. Default: 1 s.
     pub sync_interval: Option<Duration>,
+    /// The largest value, in pages (`page_size` each); a larger value is refused. At most
+    /// `staging_pages`. Default: 1 (one key, one page, as the reference stores them).
+    pub max_value_pages: u64,
+    /// Keep a committed value's staging pages as a clean copy until they are needed again, so a
+    /// read of a value just written skips the drive. Default: true (off only where every read must
+    /// reach the drive, as in `umbp bench ssd`).
+    pub cache_committed: bool,
 }
 
 impl Default for SsdConfig {
@@ -136,6 +143,8 @@ impl Default for SsdConfig {
             staging_pages: 16,
             read_lease: Duration::from_secs(3),
             sync_interval: Some(Duration::from_secs(1)),
+            max_value_pages: 1,
+            cache_committed: true,
         }
     }
 }
@@ -558,6 +567,8 @@ impl PoolClient {
                     .pending_ttl(config.pending_ttl)
                     .read_lease_ttl(ssd.read_lease)
                     .sync_interval(ssd.sync_interval)
+                    .max_value_pages(ssd.max_value_pages)
+                    .cache_committed(ssd.cache_committed)
                     .build()
                     .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
                 Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config)))
