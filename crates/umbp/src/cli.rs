@@ -116,11 +116,23 @@ and runs until SIGINT or SIGTERM, then leaves the cluster (unregisters, releases
 
 /// What `umbp bench --help` adds after the flags.
 pub const BENCH_AFTER_HELP: &str = "\
-Runs an embedded master on 127.0.0.1, a DRAM node in this process (local rows), then a DRAM node in
-a child process (`umbp` re-executed) reached over the TCP data plane (remote rows). Each PoolClient
-figure stands beside its same-run baseline (memcpy; a raw TCP stream over as many connections) and
-their ratio. Build with --release for meaningful figures:
-  cargo run --release -p umbp -- bench";
+SUITE pool (the default) runs an embedded master on 127.0.0.1, a DRAM node in this process (local
+rows), then a DRAM node in a child process (`umbp` re-executed) reached over the TCP data plane
+(remote rows). Each PoolClient figure stands beside its same-run baseline (memcpy; a raw TCP stream
+over as many connections) and their ratio.
+
+SUITE ssd runs an embedded master and, per io engine and value size (1 MiB, 2 MiB; page size = value
+size), an SSD node in this process whose log is in a fresh subdirectory of --ssd-dir: batch put and
+batch get through PoolClient, beside raw O_DIRECT sequential writes and reads of the same bytes, in
+value-sized requests, to a file in the same directory, in the same rounds (which side goes first
+alternates). The node keeps no cached copy of a committed value, so every get reads the drive (the
+bench checks the medium's counters: one drive read per key). The keys of every round stay stored,
+so no eviction runs under the measurement. --ssd-dir must be on the drive to measure (O_DIRECT: not
+tmpfs); the subdirectory is removed at the end. Progress goes to stderr, the table to stdout.
+
+Build with --release for meaningful figures:
+  cargo run --release -p umbp -- bench
+  cargo run --release -p umbp -- bench ssd --ssd-dir /mnt/nvme0/umbp-bench";
 
 /// `umbp`: the umbp-rs command line.
 #[derive(Debug, Parser)]
@@ -171,8 +183,8 @@ pub enum Command {
     /// (ignores --config and --token)
     Demo(DemoArgs),
     /// Benchmark batch put/get (local, and to a node in a second process over TCP) beside memcpy and
-    /// raw-socket baselines, plus single 64 KiB get latency; prints a markdown table
-    /// (ignores --config and --token)
+    /// raw-socket baselines, plus single 64 KiB get latency; `bench ssd`: an SSD node beside raw
+    /// O_DIRECT on the same directory. Prints a markdown table (ignores --config and --token)
     #[command(after_help = BENCH_AFTER_HELP)]
     Bench(BenchArgs),
     /// The child node of `umbp bench` (internal)
@@ -432,6 +444,20 @@ pub struct DemoArgs {
 pub enum BenchSuite {
     /// Batch put/get through PoolClient, local and between two processes, and single-get latency.
     Pool,
+    /// Batch put/get through an SSD node's PoolClient beside raw O_DIRECT IO on the same directory.
+    Ssd,
+}
+
+/// The io engines `umbp bench ssd` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SsdEngineChoice {
+    /// Blocking preadv / pwritev.
+    Psync,
+    /// Linux io_uring.
+    #[value(name = "io_uring", alias = "io-uring")]
+    IoUring,
+    /// Both, psync first; io_uring rows are skipped, with a note, where its node cannot start.
+    Both,
 }
 
 /// `umbp bench`.
@@ -443,12 +469,19 @@ pub struct BenchArgs {
     /// Rounds per cell; each cell is the median [default: 5]
     #[arg(long, value_name = "N")]
     pub rounds: Option<usize>,
-    /// Bytes per batch put and batch get (at least 1MiB) [default: 64MiB]
+    /// Bytes per batch put and batch get (at least 1MiB; ssd: 2MiB) [default: 64MiB; ssd: 256MiB]
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub batch_bytes: Option<u64>,
-    /// Single 64 KiB gets timed for p50/p99 (at least 100) [default: 1000]
+    /// Single 64 KiB gets timed for p50/p99, pool suite (at least 100) [default: 1000]
     #[arg(long, value_name = "N")]
     pub latency_calls: Option<usize>,
+    /// ssd suite: a directory on the drive to measure; the node's log and the raw file go in a fresh
+    /// subdirectory, removed at the end (required for ssd) [default: none]
+    #[arg(long, value_name = "DIR")]
+    pub ssd_dir: Option<PathBuf>,
+    /// ssd suite: the node's io engine [default: both]
+    #[arg(long, value_name = "ENGINE")]
+    pub ssd_io_engine: Option<SsdEngineChoice>,
     /// Print one JSON object instead of the markdown table [default: off]
     #[arg(long)]
     pub json: bool,

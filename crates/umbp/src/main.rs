@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow, bail};
 use clap::Parser;
 use umbp::{
-    Cli, Command, FileConfig, GetArgs, KeysArgs, MasterAddress, PutArgs, SettingsError, bench, demo, format_size,
-    human_size, resolve_client, resolve_master, resolve_master_address, resolve_max_get_size, resolve_node,
+    BenchSuite, Cli, Command, FileConfig, GetArgs, KeysArgs, MasterAddress, PutArgs, SettingsError, bench, bench_ssd,
+    demo, format_size, human_size, resolve_client, resolve_master, resolve_master_address, resolve_max_get_size,
+    resolve_node,
 };
 use umbp_peer::master_client::{NodeLiveness, NodeStatusReport};
 use umbp_peer::pool_client::{KeyError, Medium, PoolClient};
@@ -128,6 +129,15 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<E
             let report = demo::run(demo::DemoOptions::from_args(args)).await?;
             println!("{report}");
             Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::from(EXIT_FAILURE) })
+        }
+        Command::Bench(args) if args.suite == Some(BenchSuite::Ssd) => {
+            let report = bench_ssd::run(bench_ssd::SsdBenchOptions::from_args(args)?).await?;
+            if args.json {
+                println!("{}", report.to_json());
+            } else {
+                println!("{report}");
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => {
             let report = bench::run(bench::BenchOptions::from_args(args)).await?;

@@ -1,11 +1,13 @@
 //! `umbp bench`: the binary runs a small bench end to end (the local node, a child node process over
-//! TCP, the latency probe) and prints the table with its ratio column.
+//! TCP, the latency probe) and prints the table with its ratio column; `umbp bench ssd` does the same
+//! for an SSD node beside raw `O_DIRECT` IO.
 
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use umbp::bench::TABLE_HEADER;
+use umbp::bench_ssd::SSD_TABLE_HEADER;
 
 /// Runs `umbp ARGS`, killing it past `limit`; returns (exit code, stdout, stderr).
 fn run_bounded(args: &[&str], limit: Duration) -> (Option<i32>, String, String) {
@@ -62,4 +64,114 @@ fn the_bench_refuses_impossible_options_and_hides_its_child() {
     assert_eq!(code, Some(0));
     assert!(out.contains("bench"), "{out}");
     assert!(!out.contains("bench-child"), "the child subcommand is hidden:\n{out}");
+}
+
+/// A directory on the disk the workspace is on: the ssd suite needs `O_DIRECT`, which tmpfs (a
+/// common system temp dir) refuses.
+fn work_disk_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("bench dir");
+    dir
+}
+
+/// The cells of a markdown table row.
+fn cells(row: &str) -> Vec<&str> {
+    row.trim_matches('|').split('|').map(str::trim).collect()
+}
+
+#[test]
+fn a_small_ssd_bench_prints_every_engine_and_size_beside_raw_o_direct() {
+    let dir = work_disk_dir("bench-ssd");
+    let dir_arg = dir.to_str().expect("utf-8 path");
+    let args = ["bench", "ssd", "--ssd-dir", dir_arg, "--rounds", "1", "--batch-bytes", "4MiB"];
+    let (code, out, err) = run_bounded(&args, Duration::from_secs(60));
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains(SSD_TABLE_HEADER), "{out}");
+    assert!(err.contains("umbp bench ssd: psync 1 MiB values, rounds 1/1"), "progress on stderr:\n{err}");
+    let rows: Vec<Vec<&str>> =
+        out.lines().filter(|l| l.starts_with("| psync") || l.starts_with("| io_uring")).map(cells).collect();
+    let mut expected = vec![
+        ("psync", "put", "1 MiB"),
+        ("psync", "get", "1 MiB"),
+        ("psync", "put", "2 MiB"),
+        ("psync", "get", "2 MiB"),
+    ];
+    // io_uring may be refused (an old kernel, a seccomp sandbox): then the table says so instead.
+    if out.contains("io_uring rows skipped") {
+        assert!(!out.contains("| io_uring |"), "{out}");
+    } else {
+        expected.extend([
+            ("io_uring", "put", "1 MiB"),
+            ("io_uring", "get", "1 MiB"),
+            ("io_uring", "put", "2 MiB"),
+            ("io_uring", "get", "2 MiB"),
+        ]);
+    }
+    let found: Vec<(&str, &str, &str)> = rows.iter().map(|c| (c[0], c[1], c[2])).collect();
+    assert_eq!(found, expected, "{out}");
+    for row in &rows {
+        assert_eq!(row.len(), 7, "{row:?}");
+        let number = |i: usize| -> f64 { row[i].parse().unwrap_or_else(|_| panic!("cell {i} of {row:?} is a number")) };
+        let (pool, raw, ratio) = (number(3), number(4), number(5));
+        assert!(pool > 0.0 && raw > 0.0 && ratio > 0.0 && ratio.is_finite(), "{row:?}");
+        // Printed to two decimals: the ratio is pool / raw within rounding.
+        assert!((ratio - pool / raw).abs() <= 0.01 + 0.01 * ratio, "{row:?}");
+        let (low, high) = row[6].split_once('–').expect("a range of round ratios");
+        let (low, high): (f64, f64) = (low.parse().expect("low"), high.parse().expect("high"));
+        // One round: the range is that round's ratio, which is the ratio of the medians.
+        assert!((low - ratio).abs() < 0.011 && (high - ratio).abs() < 0.011, "{row:?}");
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir).expect("bench dir").collect();
+    assert!(left.is_empty(), "the bench removes its subdirectory: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_ssd_bench_prints_json_for_one_engine() {
+    let dir = work_disk_dir("bench-ssd-json");
+    let dir_arg = dir.to_str().expect("utf-8 path");
+    let args = [
+        "bench",
+        "ssd",
+        "--ssd-dir",
+        dir_arg,
+        "--ssd-io-engine",
+        "psync",
+        "--rounds",
+        "1",
+        "--batch-bytes",
+        "2MiB",
+        "--json",
+    ];
+    let (code, out, err) = run_bounded(&args, Duration::from_secs(60));
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    let json = out.trim();
+    assert!(json.starts_with("{\"suite\":\"ssd\"") && json.ends_with('}'), "{json}");
+    assert_eq!(json.matches("\"engine\":\"psync\"").count(), 4, "put and get of two sizes: {json}");
+    assert!(!json.contains("io_uring"), "{json}");
+    assert_eq!(json.matches("\"ratio\":").count(), 4, "{json}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_ssd_bench_needs_a_directory_and_a_batch_of_one_value() {
+    let (code, _, err) = run_bounded(&["bench", "ssd"], Duration::from_secs(10));
+    assert_eq!(code, Some(2), "a usage error: {err}");
+    assert!(err.contains("--ssd-dir"), "{err}");
+    let dir = work_disk_dir("bench-ssd-usage");
+    let dir_arg = dir.to_str().expect("utf-8 path");
+    let (code, _, err) =
+        run_bounded(&["bench", "ssd", "--ssd-dir", dir_arg, "--batch-bytes", "1MiB"], Duration::from_secs(10));
+    assert_eq!(code, Some(2), "a usage error: {err}");
+    assert!(err.contains("at least 2MiB"), "{err}");
+    let (code, _, err) =
+        run_bounded(&["bench", "ssd", "--ssd-dir", dir_arg, "--ssd-io-engine", "aio"], Duration::from_secs(10));
+    assert_eq!(code, Some(2), "clap refuses an unknown engine: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+    let (code, out, _) = run_bounded(&["bench", "--help"], Duration::from_secs(10));
+    assert_eq!(code, Some(0));
+    for needle in ["--ssd-dir", "--ssd-io-engine", "- io_uring:", "- both:", "SUITE ssd", "O_DIRECT"] {
+        assert!(out.contains(needle), "`umbp bench --help` lacks {needle:?}:\n{out}");
+    }
 }
