@@ -52,7 +52,8 @@ pub struct MasterConfig {
     /// other value is an error). Default: `most_available`.
     pub route_put_algo: SelectAlgo,
     /// Put affinity. Env `UMBP_ROUTE_PUT_NODE_AFFINITY` (`none` | `same` | `local`; any other value is
-    /// an error). Default: `none`.
+    /// an error). Default: `none`. `local` also grants nodes local placement (no route call for a
+    /// put their own medium takes; see [`Affinity::Local`]).
     pub route_put_affinity: Affinity,
     /// Shards of the key index. Env `UMBP_MASTER_INDEX_SHARDS` (1..=4096). Default: 32.
     pub index_shards: usize,

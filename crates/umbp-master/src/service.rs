@@ -12,7 +12,7 @@ use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_server::UmbpMaster;
 
 use crate::config::MasterConfig;
-use crate::routing::{Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
+use crate::routing::{Affinity, Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
 use crate::store::{
     HeartbeatApply, HeartbeatKind, HeartbeatOutcome, MetadataStore, NodeStatus, RegisterOutcome, Registration,
     StoreError, TierCap,
@@ -36,6 +36,14 @@ fn caps_from_wire(caps: &[v1::TierCapacity]) -> Vec<TierCap> {
         .map(|c| TierCap::new(tier_from_wire(c.tier), c.total_bytes, c.available_bytes))
         .filter(|c| c.tier != TierType::Unknown)
         .collect()
+}
+
+/// Whether the master grants a node with these media local placement (`local_puts` in the register
+/// and heartbeat replies): under `local` affinity its put policy places a requester's keys on the
+/// requester's own medium whenever that has room, so the node may skip the route call for them (a
+/// key its medium refuses is routed as usual). A node that lends nothing is never granted it.
+fn grants_local_puts(config: &MasterConfig, caps: &[v1::TierCapacity]) -> bool {
+    config.route_put_affinity == Affinity::Local && caps.iter().any(|c| c.total_bytes > 0)
 }
 
 fn caps_to_wire(caps: &[TierCap]) -> Vec<v1::TierCapacity> {
@@ -102,6 +110,8 @@ fn apply_heartbeat_request(
         status: v1::NodeStatus::Alive as i32,
         acked_seq,
         request_full_sync,
+        // Stamped by the caller, which knows the master's configuration.
+        local_puts: false,
     };
     let mut skipped = 0;
     let reply = if r.is_full_sync {
@@ -348,6 +358,7 @@ impl UmbpMaster for MasterService {
             return Err(Status::invalid_argument("node_id must not be empty"));
         }
         let node_id = r.node_id.clone();
+        let local_puts = grants_local_puts(&self.config, &r.tier_capacities);
         let reg = Registration {
             node_id: r.node_id,
             node_address: r.node_address,
@@ -363,7 +374,7 @@ impl UmbpMaster for MasterService {
             RegisterOutcome::Registered => {
                 tracing::info!(node = %node_id, "node registered");
                 let interval = u64::try_from(self.config.heartbeat_interval().as_millis()).unwrap_or(u64::MAX);
-                Ok(Response::new(v1::RegisterClientResponse { heartbeat_interval_ms: interval }))
+                Ok(Response::new(v1::RegisterClientResponse { heartbeat_interval_ms: interval, local_puts }))
             }
             RegisterOutcome::AlreadyExists => Err(Status::already_exists(format!(
                 "node {node_id} is registered and alive; a restarted node must wait for its old record to expire or unregister first"
@@ -392,9 +403,12 @@ impl UmbpMaster for MasterService {
         // stripe may hold for tens of ms, and a chunk itself applies up to ~100k events: all of it runs
         // on the blocking pool, never on an async worker.
         let (store, stats) = (Arc::clone(&self.store), Arc::clone(&self.stats));
-        let reply = tokio::task::spawn_blocking(move || apply_heartbeat_request(&*store, &stats, request.into_inner()))
+        let request = request.into_inner();
+        let local_puts = grants_local_puts(&self.config, &request.tier_capacities);
+        let mut reply = tokio::task::spawn_blocking(move || apply_heartbeat_request(&*store, &stats, request))
             .await
             .map_err(|e| Status::internal(format!("heartbeat apply task failed: {e}")))??;
+        reply.local_puts = local_puts && reply.status == v1::NodeStatus::Alive as i32;
         Ok(Response::new(reply))
     }
 

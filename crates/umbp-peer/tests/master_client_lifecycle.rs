@@ -131,6 +131,48 @@ async fn unknown_re_registers_with_the_full_record_then_full_syncs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_placement_grant_follows_the_masters_replies() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    master.fake.local_puts.store(true, Ordering::SeqCst);
+    let unknown_once = Arc::new(AtomicBool::new(false));
+    let u = Arc::clone(&unknown_once);
+    master.fake.on_heartbeat(move |_| if u.swap(false, Ordering::SeqCst) { Action::Unknown } else { Action::Normal });
+    // Registering does not re-register on its own here: the UNKNOWN reply's re-registration is
+    // refused, so the cleared grant is observable.
+    let refuse = Arc::new(AtomicBool::new(false));
+    let r = Arc::clone(&refuse);
+    master.fake.on_register(move |_| {
+        if r.load(Ordering::SeqCst) { Action::Fail(tonic::Code::Unavailable) } else { Action::Normal }
+    });
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client = client(&master, quiet_config(), registry(&[Arc::clone(&dram)])).await;
+    assert!(client.local_puts_granted(), "the register reply grants it");
+
+    // The master withdraws it: the next heartbeat reply says so.
+    master.fake.local_puts.store(false, Ordering::SeqCst);
+    client.heartbeat_once().await.expect("keepalive");
+    assert!(!client.local_puts_granted(), "an ALIVE reply without the grant withdraws it");
+    master.fake.local_puts.store(true, Ordering::SeqCst);
+    client.heartbeat_once().await.expect("keepalive");
+    assert!(client.local_puts_granted(), "and a later one restores it");
+
+    // UNKNOWN: the master lost this node, so the grant goes with it until a registration succeeds.
+    refuse.store(true, Ordering::SeqCst);
+    unknown_once.store(true, Ordering::SeqCst);
+    let _ = client.heartbeat_once().await;
+    assert!(!client.local_puts_granted(), "an UNKNOWN reply clears the grant");
+    refuse.store(false, Ordering::SeqCst);
+    for _ in 0..3 {
+        if client.local_puts_granted() {
+            break;
+        }
+        let _ = client.heartbeat_once().await;
+    }
+    assert!(client.local_puts_granted(), "the re-registration's reply grants it again");
+    client.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn already_exists_on_re_registration_counts_as_success() {
     let master = FakeMaster::start(LONG_INTERVAL_MS).await;
     let unknown_once = Arc::new(AtomicBool::new(true));
@@ -456,6 +498,7 @@ async fn a_final_chunk_ack_other_than_the_baseline_restarts_the_sync_at_a_fresh_
                 status: pb::NodeStatus::Alive as i32,
                 acked_seq: h.delta_seq_baseline - 1,
                 request_full_sync: false,
+                local_puts: false,
             });
         }
         Action::Normal

@@ -2,7 +2,9 @@
 //! its same-run baseline:
 //!
 //! - **local**: a node writing to and reading from its own DRAM medium, against raw `memcpy` of the
-//!   same bytes on one thread;
+//!   same bytes on one thread. The master runs with `local` put affinity, so it grants the node local
+//!   placement and its puts need no route call; the `put (routed)` rows measure the same puts on a
+//!   node of a second master without that affinity, where every chunk is routed first;
 //! - **remote**: a client-only node in this process and a DRAM node in a CHILD PROCESS (`umbp
 //!   bench-child`, the same binary re-executed), bytes over the TCP data plane, against a plain socket
 //!   stream of the same bytes (from the same source buffers, into the same destination buffers, the
@@ -21,6 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use umbp_master::MasterConfig;
+use umbp_master::routing::Affinity;
 use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy};
 
 use crate::cli::BenchArgs;
@@ -436,17 +439,25 @@ fn fail(what: &str, results: &[Result<impl Sized, impl fmt::Display>]) -> Result
 /// Runs the bench: an embedded master on 127.0.0.1, a local node, then a node in a child process.
 pub async fn run(options: BenchOptions) -> Result<BenchReport, BenchError> {
     options.validate()?;
-    let master = umbp_master::start(MasterConfig {
+    // `local` affinity: the master grants the local node local placement (its puts skip the route
+    // call). The remote rows are unaffected: their writer lends no medium, so it is never granted.
+    let master = bench_master(Affinity::Local).await?;
+    let result = measure(&options, &master.local_addr().to_string()).await;
+    master.shutdown().await;
+    result
+}
+
+/// An in-process master on 127.0.0.1 with the given put affinity.
+async fn bench_master(affinity: Affinity) -> Result<umbp_master::MasterHandle, BenchError> {
+    Ok(umbp_master::start(MasterConfig {
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         // Heartbeats every second, so small batches (fewer keys than the auto-flush threshold) are
         // indexed quickly; the wait for the index is not timed.
         heartbeat_ttl: Duration::from_secs(2),
+        route_put_affinity: affinity,
         ..MasterConfig::default()
     })
-    .await?;
-    let result = measure(&options, &master.local_addr().to_string()).await;
-    master.shutdown().await;
-    result
+    .await?)
 }
 
 async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, BenchError> {
@@ -454,11 +465,24 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     let batch = options.batch_bytes as usize;
     let mut rows = Vec::new();
 
-    // Local: a node with its own medium, alone in the cluster, so every key routes to itself.
+    // Local: a node with its own medium, alone in the cluster, granted local placement.
     let local = start_node(node_config("local", master, dram(options.capacity()))).await?;
-    let local_result = measure_local(&local, rounds, batch, &mut rows).await;
+    let local_result = measure_local(&local, rounds, batch, LocalRows::Granted, &mut rows).await;
     local.close().await;
     local_result?;
+
+    // The same puts through a master without `local` affinity: every chunk is routed first.
+    let routed_master = bench_master(Affinity::None).await?;
+    let routed_result = async {
+        let addr = routed_master.local_addr().to_string();
+        let node = start_node(node_config("local-routed", &addr, dram(options.capacity()))).await?;
+        let result = measure_local(&node, rounds, batch, LocalRows::Routed, &mut rows).await;
+        node.close().await;
+        result
+    }
+    .await;
+    routed_master.shutdown().await;
+    routed_result?;
 
     // Remote: a DRAM node in a child process; this process is a client-only node.
     let program = match &options.child_program {
@@ -502,10 +526,20 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     Ok(BenchReport { rounds, batch_bytes: options.batch_bytes, rows, latency: result? })
 }
 
+/// Which local rows [`measure_local`] produces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LocalRows {
+    /// Put and get on a node granted local placement.
+    Granted,
+    /// Put only, on a node whose every put chunk is routed at the master.
+    Routed,
+}
+
 async fn measure_local(
     local: &PoolClient,
     rounds: usize,
     batch: usize,
+    which: LocalRows,
     rows: &mut Vec<BenchRow>,
 ) -> Result<(), BenchError> {
     for value in VALUE_SIZES {
@@ -514,8 +548,12 @@ async fn measure_local(
         let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut copy) = (Vec::new(), Vec::new(), Vec::new());
+        let what = match which {
+            LocalRows::Granted => "local",
+            LocalRows::Routed => "local routed",
+        };
         let mut progress =
-            Progress::new(format!("umbp bench: local {} values, rounds", human_size(value as u64)), rounds);
+            Progress::new(format!("umbp bench: {what} {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
             let keys: Vec<String> = (0..n).map(|i| format!("local-{value}-{round}-{i}")).collect();
             let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
@@ -523,6 +561,11 @@ async fn measure_local(
             let results = local.batch_put(&items).await;
             put.push(gbps(bytes, t));
             fail("local put", &results)?;
+            if which == LocalRows::Routed {
+                copy.push(memcpy_gbps(&mut out, &data, bytes));
+                progress.advance(1);
+                continue;
+            }
             let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             let mut slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
             let t = Instant::now();
@@ -532,17 +575,16 @@ async fn measure_local(
             if out[n / 2] != data[n / 2] {
                 return Err(BenchError::Failed("local get returned other bytes than were put".into()));
             }
-            let t = Instant::now();
-            for (d, s) in out.iter_mut().zip(&data) {
-                d.copy_from_slice(std::hint::black_box(s));
-            }
-            std::hint::black_box(&out);
-            copy.push(gbps(bytes, t));
+            copy.push(memcpy_gbps(&mut out, &data, bytes));
             progress.advance(1);
         }
         progress.finish();
         let copy = median(copy);
-        for (op, figures) in [("put", put), ("get", get)] {
+        let cells = match which {
+            LocalRows::Granted => vec![("put", put), ("get", get)],
+            LocalRows::Routed => vec![("put (routed)", put)],
+        };
+        for (op, figures) in cells {
             rows.push(BenchRow {
                 path: BenchPath::Local,
                 op,
@@ -554,6 +596,16 @@ async fn measure_local(
         }
     }
     Ok(())
+}
+
+/// The baseline: one `memcpy` per value from `data` into `out`, GB/s.
+fn memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> f64 {
+    let t = Instant::now();
+    for (d, s) in out.iter_mut().zip(data) {
+        d.copy_from_slice(std::hint::black_box(s));
+    }
+    std::hint::black_box(&*out);
+    gbps(bytes, t)
 }
 
 async fn measure_remote(

@@ -211,7 +211,9 @@ pub struct MasterArgs {
     /// Put placement: most_available or random [env: UMBP_ROUTE_PUT_SELECT_ALGO] [default: most_available]
     #[arg(long, value_name = "ALGO")]
     pub route_put_algo: Option<SelectAlgo>,
-    /// Put affinity: none, same or local [env: UMBP_ROUTE_PUT_NODE_AFFINITY] [default: none]
+    /// Put affinity: none, same or local. local places a node's puts on its own medium first, and lets
+    /// that node write them there without asking the master (no route call; cross-node dedup is given
+    /// up for those keys) [env: UMBP_ROUTE_PUT_NODE_AFFINITY] [default: none]
     #[arg(long, value_name = "AFFINITY")]
     pub route_put_affinity: Option<Affinity>,
     /// Nodes heartbeat every TTL / N [env: UMBP_HEARTBEAT_INTERVAL_DIVISOR] [default: 2]

@@ -43,7 +43,8 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
     assert!(out.contains(TABLE_HEADER), "{out}");
     assert!(out.contains("| ratio |"), "{out}");
     let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("| local |") || l.starts_with("| remote")).collect();
-    assert_eq!(rows.len(), 8, "put and get of 64 KiB and 1 MiB, local and remote:\n{out}");
+    assert_eq!(rows.len(), 10, "put and get of 64 KiB and 1 MiB, local and remote, and routed local puts:\n{out}");
+    assert_eq!(rows.iter().filter(|r| r.contains("| put (routed) |")).count(), 2, "{out}");
     for row in &rows {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), 7, "{row}");

@@ -66,6 +66,10 @@ pub enum Affinity {
     Same,
     /// Prefer the requester's own node (`local`), on its roomiest medium, before any other node —
     /// deliberately local DRAM over remote HBM, because the writer usually reads its keys back.
+    /// The master also grants every node that lends a medium *local placement* (`local_puts` in the
+    /// register and heartbeat replies): such a node writes its own puts to its own medium without a
+    /// route call and routes only the keys its medium refuses. What that gives up is cross-node
+    /// dedup: a key another node already holds gets a second replica on the writer.
     Local,
 }
 

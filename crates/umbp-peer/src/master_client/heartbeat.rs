@@ -124,6 +124,19 @@ fn alive(resp: &pb::HeartbeatResponse) -> bool {
 }
 
 impl Inner {
+    /// One `Heartbeat` RPC; a reply also refreshes the local placement grant.
+    async fn heartbeat_rpc(
+        &self,
+        timeout: Duration,
+        request: pb::HeartbeatRequest,
+    ) -> Result<pb::HeartbeatResponse, MasterClientError> {
+        let reply = self.call("Heartbeat", timeout, request, |mut c, r| async move { c.heartbeat(r).await }).await;
+        if let Ok(reply) = &reply {
+            self.local_puts.store(alive(reply) && reply.local_puts, Ordering::Relaxed);
+        }
+        reply
+    }
+
     /// The live capacity of every medium with total > 0, and the key count of every medium.
     fn caps_and_counts(&self) -> (Vec<pb::TierCapacity>, Vec<pb::TierKvCount>) {
         let mut caps = Vec::with_capacity(self.registry.len());
@@ -162,7 +175,10 @@ impl Inner {
             })
             .await;
         let interval_ms = match reply {
-            Ok(reply) => Some(reply.heartbeat_interval_ms),
+            Ok(reply) => {
+                self.local_puts.store(reply.local_puts, Ordering::Relaxed);
+                Some(reply.heartbeat_interval_ms)
+            }
             Err(MasterClientError::Rpc { status, .. }) if status.code() == tonic::Code::AlreadyExists => {
                 if !again {
                     return Err(MasterClientError::AlreadyRegistered { node_id: self.node.node_id.clone() });
@@ -242,11 +258,7 @@ impl Inner {
         } else {
             bump(&self.stats.bundles_sent, request.bundles.len() as u64);
         }
-        let reply =
-            self.call("Heartbeat", self.config.heartbeat_rpc_timeout, request, |mut c, r| async move {
-                c.heartbeat(r).await
-            })
-            .await;
+        let reply = self.heartbeat_rpc(self.config.heartbeat_rpc_timeout, request).await;
         match reply {
             // Nothing changes: the same seqs go again next tick.
             Err(e) => {
@@ -280,11 +292,7 @@ impl Inner {
             bump(&self.stats.heartbeats_sent, 1);
             bump(&self.stats.keepalives_sent, 1);
             let request = self.keepalive_request();
-            let reply = self
-                .call("Heartbeat", self.config.heartbeat_rpc_timeout, request, |mut c, r| async move {
-                    c.heartbeat(r).await
-                })
-                .await;
+            let reply = self.heartbeat_rpc(self.config.heartbeat_rpc_timeout, request).await;
             match reply {
                 Err(e) => {
                     tracing::debug!(node = %self.node.node_id, error = %e, "the master is still unreachable; the full sync waits");
@@ -425,11 +433,7 @@ impl Inner {
             };
             bump(&self.stats.heartbeats_sent, 1);
             bump(&self.stats.full_sync_chunks_sent, 1);
-            let reply = self
-                .call("Heartbeat", self.config.heartbeat_rpc_timeout, request, |mut c, r| async move {
-                    c.heartbeat(r).await
-                })
-                .await;
+            let reply = self.heartbeat_rpc(self.config.heartbeat_rpc_timeout, request).await;
             let refused = |reason: String| {
                 tracing::warn!(node = %self.node.node_id, chunk = chunk_index, baseline, reason, "full sync chunk failed; restarting from chunk 0 next tick");
                 MasterClientError::Refused {
@@ -568,7 +572,7 @@ impl Inner {
         bump(&self.stats.full_syncs_started, 1);
         bump(&self.stats.full_sync_chunks_sent, 1);
         let timeout = self.config.heartbeat_rpc_timeout.min(remaining).max(Duration::from_millis(1));
-        let reply = self.call("Heartbeat", timeout, request, |mut c, r| async move { c.heartbeat(r).await }).await;
+        let reply = self.heartbeat_rpc(timeout, request).await;
         let reply = match reply {
             Ok(reply) => reply,
             Err(e) => {

@@ -137,6 +137,9 @@ struct Inner {
     /// Turns `true` when shutdown begins: cancels a running clear or round, so nothing registers the
     /// node again behind its unregister.
     shutdown: tokio::sync::watch::Sender<bool>,
+    /// The master's local placement grant, from its last register or heartbeat reply (see
+    /// [`MasterClient::local_puts_granted`]).
+    local_puts: AtomicBool,
     stats: Counters,
 }
 
@@ -319,6 +322,7 @@ impl MasterClient {
                 running: AtomicBool::new(false),
                 shut_down: AtomicBool::new(false),
                 shutdown: tokio::sync::watch::Sender::new(false),
+                local_puts: AtomicBool::new(false),
                 stats: Counters::default(),
             }),
             task: Mutex::new(None),
@@ -359,6 +363,15 @@ impl MasterClient {
         self.inner.running.store(true, Ordering::Release);
         *task = Some(runtime.spawn(run_loop(Arc::clone(&self.inner))));
         Ok(())
+    }
+
+    /// Whether the master granted this node local placement: its put policy (`local` affinity) would
+    /// place this node's own puts on this node's medium whenever that has room, so `PoolClient` may
+    /// write them there without a route call (a key the medium refuses is routed as usual). Taken from
+    /// the last register or heartbeat reply; cleared when the master answers `UNKNOWN`, kept through
+    /// an outage (the local writes reach the master by the full sync that follows it).
+    pub fn local_puts_granted(&self) -> bool {
+        self.inner.local_puts.load(Ordering::Relaxed)
     }
 
     /// Wakes the heartbeat loop now (an in-flight heartbeat is followed at once by another). A no-op

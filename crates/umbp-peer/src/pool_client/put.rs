@@ -1,4 +1,4 @@
-//! The put path: route → allocate (every group concurrently) → one submit for every group's pages →
+//! The put path: route (skipped for a node the master granted local placement) → allocate (every group concurrently) → one submit for every group's pages →
 //! commit survivors (every group concurrently) → abort the rest, with a bounded re-route of failed
 //! keys, each excluding the nodes that failed *it*. A large batch runs as a pipeline of chunks of
 //! about 8 MiB, up to six in flight, so one chunk's route, allocate and commit calls overlap
@@ -154,11 +154,34 @@ impl PoolClient {
             if attempt > 0 {
                 StatCounters::add(&self.stats.reroutes, pending.len() as u64);
             }
-            let groups = self.route_puts(items, &pending, &mut st).await;
+            let groups = match self.granted_local_group(&pending) {
+                Some(local) if attempt == 0 => vec![local],
+                _ => self.route_puts(items, &pending, &mut st).await,
+            };
             self.put_round(items, &groups, &mut guard, &mut st).await;
             guard.abort_all().await;
         }
         st
+    }
+
+    /// Every pending key as one group on this node's own medium, when the master granted local
+    /// placement (its `local` affinity would route them here anyway): the first round then needs no
+    /// route call, which on a node writing to itself is most of a put's control-plane cost. A key
+    /// the medium refuses (full, too large) is retried with this node excluded, through the master,
+    /// as after any other refusal. A key held only by another node gets a replica here too: the
+    /// master's cross-node dedup is what the grant gives up.
+    fn granted_local_group(&self, pending: &[usize]) -> Option<Group> {
+        let medium = self.medium.as_ref()?;
+        if !self.master.local_puts_granted() {
+            return None;
+        }
+        Some(Group {
+            node: self.config.node_id.clone(),
+            // Never dialled: allocate and commit on this node go straight to the medium.
+            peer: String::new(),
+            tier: medium.tier(),
+            indexes: pending.to_vec(),
+        })
     }
 
     /// Turns `NoSpace` into `TooLarge` for values larger than every medium's total capacity (one

@@ -178,6 +178,7 @@ impl Model {
             status: pb::NodeStatus::Alive as i32,
             acked_seq,
             request_full_sync,
+            local_puts: false,
         };
         let unknown = pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, ..Default::default() };
         let apply = |kind| {
@@ -283,6 +284,8 @@ pub(crate) struct Fake {
     pub(crate) rec: Mutex<Recorded>,
     pub(crate) model: Mutex<Model>,
     pub(crate) interval_ms: AtomicU64,
+    /// The local placement grant every register and ALIVE heartbeat reply carries.
+    pub(crate) local_puts: AtomicBool,
     pub(crate) hang_all: AtomicBool,
     heartbeat_script: Mutex<HeartbeatScript>,
     register_script: Mutex<RegisterScript>,
@@ -350,6 +353,7 @@ impl UmbpMaster for FakeService {
         self.model.lock().register(&r)?;
         Ok(Response::new(pb::RegisterClientResponse {
             heartbeat_interval_ms: self.interval_ms.load(Ordering::Relaxed),
+            local_puts: self.local_puts.load(Ordering::Relaxed),
         }))
     }
 
@@ -384,6 +388,7 @@ impl UmbpMaster for FakeService {
                     status: pb::NodeStatus::Alive as i32,
                     acked_seq: acked,
                     request_full_sync: true,
+                    local_puts: false,
                 }
             }
             Action::ApplyThenDelay(d) => {
@@ -398,7 +403,8 @@ impl UmbpMaster for FakeService {
             Action::Reply(reply) => reply,
             Action::Hang => std::future::pending().await,
         };
-        Ok(Response::new(reply))
+        let granted = reply.status == pb::NodeStatus::Alive as i32 && self.local_puts.load(Ordering::Relaxed);
+        Ok(Response::new(pb::HeartbeatResponse { local_puts: granted, ..reply }))
     }
 
     async fn route_put(&self, _: Request<pb::RoutePutRequest>) -> Result<Response<pb::RoutePutResponse>, Status> {
@@ -461,6 +467,7 @@ impl FakeMaster {
             rec: Mutex::new(Recorded::default()),
             model: Mutex::new(Model::default()),
             interval_ms: AtomicU64::new(interval_ms),
+            local_puts: AtomicBool::new(false),
             hang_all: AtomicBool::new(false),
             heartbeat_script: Mutex::new(Box::new(|_| Action::Normal)),
             register_script: Mutex::new(Box::new(|_| Action::Normal)),
