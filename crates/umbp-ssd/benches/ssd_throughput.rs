@@ -8,6 +8,7 @@
 //! and cell, default 256) and `UMBP_BENCH_DIR` (default: the system temp dir) tune it;
 //! `UMBP_BENCH_ENGINES` (`psync,io_uring`), `UMBP_BENCH_VALUES_MIB` (`1,2`) and `UMBP_BENCH_BATCHES`
 //! (`1,8`) pick cells. Gets run after the staged copies are dropped, so every get reads the drive.
+//! Each cell also reports on stderr how many records compaction moved (0: it never competed).
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fs::OpenOptions;
@@ -223,6 +224,14 @@ fn main() {
                     put.push(p);
                     get.push(g);
                 }
+                // Compaction competes with puts for the drive: say whether it ran in this cell.
+                let stats = b.stats();
+                eprintln!(
+                    "{engine} {} MiB batch {batch}: compaction moved {} records, {} segments deleted",
+                    size / MIB,
+                    stats.compaction_moved,
+                    stats.segments_reclaimed
+                );
                 b.shutdown();
                 drop(b);
                 let _ = std::fs::remove_dir_all(&cell_dir);

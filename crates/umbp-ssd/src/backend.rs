@@ -332,6 +332,35 @@ impl Flight {
     }
 }
 
+/// How fast the writers grow the log, measured once per log pass: compaction runs only when the
+/// space left would not take what they are expected to write before the next pass.
+#[derive(Debug, Default)]
+struct Pace {
+    /// Bytes reserved by writers (commits, tombstones) up to the last pass.
+    seen: u64,
+    /// Bytes compaction reserved for its own copies: not demand (counting them would let
+    /// compaction feed on itself).
+    compaction: u64,
+    /// The growth expected before the next pass: the last pass's, or half the previous estimate
+    /// if that is more, so a burst is remembered for a few passes.
+    expected: u64,
+}
+
+impl Pace {
+    /// Takes the log's reserved total at a pass; returns the growth expected before the next one.
+    fn observe(&mut self, reserved_total: u64) -> u64 {
+        let demand = reserved_total.saturating_sub(self.compaction);
+        let grown = demand.saturating_sub(self.seen);
+        self.seen = demand;
+        self.expected = grown.max(self.expected / 2);
+        self.expected
+    }
+}
+
+/// The most segments one log pass compacts, whatever the writers' pace: a bound on how long the
+/// pass's sync waits behind compaction.
+const MAX_COMPACTIONS_PER_PASS: u64 = 16;
+
 /// Everything behind the backend's one lock.
 #[derive(Default)]
 struct State {
@@ -361,6 +390,7 @@ struct State {
     /// Bytes of commits between their lock phases.
     committing: u64,
     compacting: bool,
+    pace: Pace,
     /// Evictions not yet logged on the drive: key, the tombstone's seq, its horizon.
     tomb_pending: Vec<(String, u64, u64)>,
     /// Tombstones on the drive still in force, by key.
@@ -618,7 +648,7 @@ impl SsdBackend {
     }
 
     /// Runs one reaper pass now: expired slots and leases, due deferred frees, deletion of dead
-    /// segments and one round of compaction.
+    /// segments, tombstone writes and compaction if the log needs the room.
     pub fn reaper_tick(&self) {
         self.inner.sweep();
     }
@@ -1174,17 +1204,27 @@ impl Inner {
     /// segment and syncs when due. All of it drive IO, off the reaper's thread.
     fn log_pass(&self) {
         let now = self.config.clock.now();
-        let dead = {
+        let (dead, expected) = {
             let mut state = self.state.lock();
             if state.staging.is_none() {
                 return;
             }
             retire_tombstones(&mut state);
-            state.log.take_dead_segments()
+            let reserved = state.log.reserved_total;
+            (state.log.take_dead_segments(), state.pace.observe(reserved))
         };
         self.delete_segments(dead);
         self.flush_tombstones();
-        self.compact_once();
+        // The log grows a whole (preallocated) segment at a time.
+        let seg = self.config.segment_bytes;
+        let expected = expected.div_ceil(seg).saturating_mul(seg);
+        // Compacting a segment at least half dead (the default `reclaim_dead_ratio`) frees at least
+        // half a segment, so twice the expected growth in segments keeps up with the writers.
+        for _ in 0..(2 + 2 * (expected / seg)).min(MAX_COMPACTIONS_PER_PASS) {
+            if !self.compact_once(expected) {
+                break;
+            }
+        }
         self.maybe_sync(now);
     }
 
@@ -1323,36 +1363,36 @@ impl Inner {
         self.sync_segments();
     }
 
-    /// Moves the live records of the most wasteful sealed segment to the log head, so the
-    /// segment can be deleted. One segment per call; skipped if another call is compacting.
-    fn compact_once(&self) {
-        let Some(engine) = self.engine() else { return };
+    /// Moves the live records of one sealed segment to the log head, so the segment can be
+    /// deleted, if the log needs the room: `expected` is what the writers are expected to append
+    /// before the next pass. Returns whether it compacted a segment (`false`: no need, nothing
+    /// to compact, or another call is compacting).
+    fn compact_once(&self, expected: u64) -> bool {
+        let Some(engine) = self.engine() else { return false };
         let (victims, generation) = {
             let mut state = self.state.lock();
             if state.compacting {
-                return;
+                return false;
             }
             // Moving live data costs drive bandwidth that puts and gets would otherwise have, so
-            // dead records are left alone while they are few: compaction starts once they take an
-            // eighth of the capacity, or once the segment files come within one segment per
-            // directory of the capacity (then the oldest segment goes, whatever its dead share: that
-            // also retires the tombstones whose horizon it holds), so the files stay within the
-            // capacity plus the headroom documented in the crate.
-            // Fully dead segments are deleted by the sweep regardless.
+            // dead records stay until the room is needed: compaction runs once the segment files
+            // plus the writers' expected growth before the next pass would pass the capacity plus
+            // one segment per directory. That keeps the files within the capacity plus the
+            // headroom documented in the crate (one more segment: the one a compaction copies
+            // into), as long as the estimate holds and the passes keep up. Fully dead segments
+            // are deleted by the sweep regardless.
             let files = state.log.file_bytes();
-            let dead = files.saturating_sub(state.log.live_bytes());
             let margin = self.config.segment_bytes * self.config.dirs.len() as u64;
-            let tight = files.saturating_add(margin) > state.total;
-            if !tight && dead <= state.total / 8 {
-                return;
+            if files.saturating_add(expected) <= state.total.saturating_add(margin) {
+                return false;
             }
-            let seg = if tight {
-                state.log.oldest_sealed()
-            } else {
-                state.log.compaction_candidate(self.config.reclaim_dead_ratio)
-            };
-            let Some(seg) = seg else { return };
-            let Some(file) = state.log.segs.get(&seg).map(|s| Arc::clone(&s.file)) else { return };
+            // The most wasteful segment (most room per byte moved) if one is dead enough, else the
+            // oldest (a circular log: its going also retires the tombstones whose horizon it
+            // holds).
+            let seg =
+                state.log.compaction_candidate(self.config.reclaim_dead_ratio).or_else(|| state.log.oldest_sealed());
+            let Some(seg) = seg else { return false };
+            let Some(file) = state.log.segs.get(&seg).map(|s| Arc::clone(&s.file)) else { return false };
             // Live records and tombstones in force both move (a tombstone is a record too).
             // From the per-segment index: the work is the segment's records, not every key.
             let victims: Vec<(String, Loc, bool, Arc<SegmentFile>)> = state
@@ -1362,7 +1402,7 @@ impl Inner {
                 .chain(state.tombs.keys_in(seg).map(|(k, t)| (k.clone(), t.loc, true, Arc::clone(&file))))
                 .collect();
             if victims.is_empty() {
-                return;
+                return false;
             }
             state.compacting = true;
             (victims, state.generation)
@@ -1393,6 +1433,7 @@ impl Inner {
                     if state.generation != generation || current(&state, &key, tomb) != Some(old.loc) {
                         return Ok(false);
                     }
+                    state.pace.compaction += old.loc.len;
                     state.log.reserve(old.loc.len)
                 };
                 let nf = res.file.file();
@@ -1435,6 +1476,7 @@ impl Inner {
             state.log.take_dead_segments()
         };
         self.delete_segments(dead);
+        true
     }
 
     /// The last step of a resolve: every hit is checked again under the lock, just before the
@@ -2121,6 +2163,7 @@ impl MediumBackend for SsdBackend {
             state.overhead = overhead;
             state.total = total;
             state.log = log;
+            state.pace = Pace::default();
             state.tombs.clear();
             for (key, t) in tombs {
                 state.tombs.insert(key, t);
@@ -2968,6 +3011,104 @@ mod tests {
             assert!(worst <= limit, "step {i}: {worst} bytes of segments > {limit} ({:?})", b.stats());
         }
         eprintln!("worst {worst} limit {limit}");
+    }
+
+    /// A one-directory backend with 4 KiB pages, `capacity_pages` of capacity and segments of 32
+    /// records of 4 KiB-page values (8 KiB each: a header block and a value block), its reaper
+    /// stopped so the test decides when log passes run.
+    fn paced(dir: &std::path::Path, clock: &Arc<ManualClock>, capacity_pages: u64) -> (SsdBackend, u64) {
+        let config = SsdConfig::builder([dir])
+            .page_size(PAGE)
+            .capacity_bytes(capacity_pages * PAGE)
+            .staging_pages(8)
+            .segment_bytes(32 * PAGE)
+            .clock(Arc::clone(clock) as Arc<dyn Clock>)
+            .build()
+            .expect("config");
+        let limit = config.capacity_bytes + config.disk_headroom_bytes();
+        let b = SsdBackend::new(config);
+        b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+        b.stop_reaper();
+        (b, limit)
+    }
+
+    /// Writers that append several segments between two log passes: the passes compact as many
+    /// segments as the measured pace needs, so the files still never pass the capacity plus the
+    /// headroom. (64 KiB values: a tombstone, 8 KiB, is small beside a record, as with real KV
+    /// blocks; tombstones in force are live records the watermarks do not count.)
+    #[test]
+    fn bursts_between_passes_keep_the_log_within_capacity_plus_headroom() {
+        const BIG: u64 = 64 * 1024;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        // Records of 68 KiB (a header block and the value); 15 to a 1 MiB segment.
+        let config = SsdConfig::builder([dir.path()])
+            .page_size(BIG)
+            .capacity_bytes(128 * BIG)
+            .staging_pages(8)
+            .segment_bytes(1 << 20)
+            .clock(Arc::clone(&clock) as Arc<dyn Clock>)
+            .build()
+            .expect("config");
+        let limit = config.capacity_bytes + config.disk_headroom_bytes();
+        let b = SsdBackend::new(config);
+        b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+        b.stop_reaper();
+        let mut worst = 0;
+        for i in 0..1200u32 {
+            let key = format!("k{}", i % 150);
+            b.evict(std::slice::from_ref(&key));
+            let a = b.batch_allocate(&[AllocateRequest::new(key.as_str(), BIG)]).remove(0);
+            assert_eq!(a.outcome, AllocateOutcome::Allocated, "allocate {key}");
+            assert!(b.batch_commit(&[CommitRequest::new(a.slot_id, key.as_str())])[0].success, "commit {key}");
+            // 40 overwrites between passes: 2.7 MiB, nearly three segments.
+            if i % 40 == 39 {
+                b.reaper_tick();
+            }
+            worst = worst.max(segment_bytes_in(dir.path()));
+            assert!(worst <= limit, "step {i}: {worst} bytes of segments > {limit} ({:?})", b.stats());
+        }
+        assert!(b.stats().compaction_moved > 0, "compaction ran ({:?})", b.stats());
+        eprintln!("worst {worst} limit {limit}");
+    }
+
+    /// Dead records far beyond an eighth of the capacity are left alone while the log is far from
+    /// its capacity (moving them would only take bandwidth from the writers); compaction starts
+    /// once the log comes near the capacity, and the files stay within capacity plus headroom.
+    #[test]
+    fn compaction_waits_until_the_log_needs_the_room() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let clock = ManualClock::new();
+        // 2 MiB of capacity; 64 values of 8 KiB records fill four segments.
+        let (b, limit) = paced(dir.path(), &clock, 512);
+        for i in 0..64u32 {
+            put(&b, &format!("k{i}"), i as u8, 3000);
+        }
+        // Three quarters of the four segments die: 384 KiB of dead records, well past an eighth of
+        // the capacity (256 KiB), which the earlier rule compacted at.
+        let victims: Vec<String> = (0..64u32).filter(|i| i % 4 != 0).map(|i| format!("k{i}")).collect();
+        assert!(b.evict(&victims).iter().all(|e| e.bytes_freed > 0));
+        for _ in 0..10 {
+            b.reaper_tick();
+        }
+        let s = b.stats();
+        assert_eq!(s.compaction_moved, 0, "nothing was compacted while the room was not needed: {s:?}");
+        let dead = {
+            let state = b.inner.state.lock();
+            state.log.file_bytes() - state.log.live_bytes()
+        };
+        assert!(dead > 512 * PAGE / 8, "the dead bytes ({dead}) are past an eighth of the capacity: {s:?}");
+        // Keep writing: the log nears its capacity and compaction starts.
+        let mut worst = 0;
+        for i in 0..600u32 {
+            put(&b, &format!("n{i}"), i as u8, 3000);
+            if i % 4 == 3 {
+                b.reaper_tick();
+            }
+            worst = worst.max(segment_bytes_in(dir.path()));
+            assert!(worst <= limit, "step {i}: {worst} bytes of segments > {limit} ({:?})", b.stats());
+        }
+        assert!(b.stats().compaction_moved > 0, "compaction ran once the room was needed ({:?})", b.stats());
     }
 
     /// Eviction walks the LRU from its cold end and steps over a leased key and a spared one,

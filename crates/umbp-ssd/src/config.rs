@@ -292,10 +292,10 @@ impl SsdConfigBuilder {
         self
     }
 
-    /// Once the log occupies more than `capacity_bytes` on the drives, the sealed segment with the
-    /// largest dead fraction at or above this one is compacted (its live records are rewritten at
-    /// the log head and the file deleted). Fully dead segments are always deleted, at once.
-    /// In `(0, 1]`. Default: 0.5.
+    /// When the log needs room on the drives (see the crate docs, "Disk use"), the sealed segment
+    /// with the largest dead fraction at or above this one is compacted (its live records are
+    /// rewritten at the log head and the file deleted); the oldest sealed segment when none is
+    /// that dead. Fully dead segments are always deleted, at once. In `(0, 1]`. Default: 0.5.
     pub fn reclaim_dead_ratio(mut self, ratio: f64) -> Self {
         self.config.reclaim_dead_ratio = ratio;
         self

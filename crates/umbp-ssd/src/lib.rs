@@ -20,15 +20,15 @@
 //! values (page-rounded) never exceed it; LRU eviction between watermarks keeps room, never touching
 //! a key under a read lease or being read. Dead records (evicted, overwritten, cleared) are
 //! reclaimed: a segment with nothing live is deleted at once, and a segment is compacted (its live
-//! records rewritten at the head) and then deleted, one per reaper pass, before the log reaches its
-//! capacity (see "Disk use"). At `init` the log is scanned and the index
+//! records rewritten at the head) and then deleted when the log needs the room, before it reaches
+//! its capacity (see "Disk use"). At `init` the log is scanned and the index
 //! rebuilt (torn or corrupt tails dropped, every record's CRC verified), so a restarted node
 //! announces its keys in the full sync that follows registration. Every read is CRC-checked: a
 //! corrupt record is a miss, a `Remove` for the master and a counted medium event, never wrong bytes.
 //!
 //! Background work runs on two threads every `reaper_interval`: the reaper proper expires slots
 //! and read leases (metadata only, never drive IO), and the log thread deletes dead segments,
-//! writes tombstones, compacts one segment and syncs when due. A slow or stuck drive therefore
+//! writes tombstones, compacts when the room is needed and syncs when due. A slow or stuck drive therefore
 //! delays reclamation, never expiry. "Reaper pass" below means the log thread's pass for drive work.
 //!
 //! Drive IO goes through one of two engines chosen by [`IoEngineKind`]: `psync` (`preadv` /
@@ -78,17 +78,28 @@
 //! The segment files of all directories together stay within `capacity_bytes` plus a headroom of
 //! [`SsdConfig::disk_headroom_bytes`] = (number of directories + 1) × `segment_bytes` (each
 //! directory's preallocated active segment, and the segment being compacted while its records are
-//! rewritten), as long as the reaper keeps up (one segment compacted per reaper pass; pinned by the
-//! test `repeated_overwrite_and_eviction_keep_the_log_within_capacity_plus_headroom`). What keeps it:
+//! rewritten), as long as the reaper keeps up (as many segments compacted per reaper pass as the
+//! writers' pace needs, up to 16; pinned by the tests
+//! `repeated_overwrite_and_eviction_keep_the_log_within_capacity_plus_headroom` and
+//! `bursts_between_passes_keep_the_log_within_capacity_plus_headroom`). What keeps it:
 //!
 //! - The after-commit eviction watches the values' page-rounded bytes **plus their records'
 //!   overhead** (header block, 4 KiB padding), so live records on the drive, not only values, stay
 //!   between the watermarks. (The advertised `available_bytes` counts values only.)
-//! - Compaction starts once dead bytes (including each preallocated segment's unused tail) exceed
-//!   an eighth of the capacity (the most wasteful segment at least `reclaim_dead_ratio` dead), and
-//!   once the files come within one segment per directory of the capacity it compacts the oldest
-//!   segment every pass, whatever its dead share, so tombstones (a 4 KiB-aligned record each,
-//!   8 KiB for a short key) retire as the segments their horizon covers go.
+//! - Compaction is paced by need, not by how much is dead: moving live records takes drive
+//!   bandwidth from puts and gets, so dead records stay until the room is wanted. Each log pass
+//!   measures how much the writers (commits and tombstones, not compaction's own copies) appended
+//!   since the last pass; compaction runs once the segment files plus that expected growth (in
+//!   whole segments) would pass the capacity plus one segment per directory. It then compacts the
+//!   most wasteful sealed segment at least `reclaim_dead_ratio` dead, or else the oldest, whatever
+//!   its dead share (a circular log: tombstones, a 4 KiB-aligned record each, 8 KiB for a short
+//!   key, retire as the segments their horizon covers go), segment after segment until the room
+//!   is there, up to two per segment of expected growth (a segment at least half dead frees half
+//!   a segment) and 16 a pass.
+//! - Tombstones in force are live records the watermarks do not count. With values of a page of
+//!   1 MiB or more they are noise; with pages near 4 KiB, where a tombstone is as large as the
+//!   record it hides, many evictions in a short time can keep the log above the bound until their
+//!   horizons pass.
 //! - `init` warns when a directory's filesystem has less free space (its own segments counted)
 //!   than its share of the capacity plus its share of the headroom.
 //!

@@ -154,6 +154,8 @@ pub(crate) struct Log {
     pub(crate) segment_bytes: u64,
     /// Allocate each new segment's whole size when it is created.
     pub(crate) preallocate: bool,
+    /// Bytes ever reserved (never decreases): compaction paces itself by how fast it grows.
+    pub(crate) reserved_total: u64,
 }
 
 impl Log {
@@ -200,6 +202,7 @@ impl Log {
         seg.append += len;
         seg.writers += 1;
         self.dirs[dir].physical += len;
+        self.reserved_total += len;
         Reservation { file: Arc::clone(&seg.file), loc: Loc { seg: id, offset, len, seq } }
     }
 
