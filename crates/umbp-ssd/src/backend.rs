@@ -2099,9 +2099,10 @@ impl MediumBackend for SsdBackend {
             Lifecycle::New => {}
         }
         let config = &self.inner.config;
-        let engine: Arc<dyn IoEngine> = make_engine(config.io_engine, config.queue_depth)
-            .map_err(|e| Self::io_error(format!("starting the {} io engine", config.io_engine), e))?
-            .into();
+        let engine: Arc<dyn IoEngine> =
+            make_engine(config.io_engine, config.queue_depth, config.io_uring_rings as usize)
+                .map_err(|e| Self::io_error(format!("starting the {} io engine", config.io_engine), e))?
+                .into();
         let Recovered { log, owned, tombs, total, locks } = self.open_log(engine.as_ref())?;
         let arena = config.staging_pages * config.page_size;
         let buffers = self.source.allocate(&[arena]).map_err(|e| BackendError::OutOfMemory {

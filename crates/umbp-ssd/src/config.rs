@@ -82,6 +82,7 @@ pub struct SsdConfig {
     pub(crate) segment_bytes: u64,
     pub(crate) io_engine: IoEngineKind,
     pub(crate) queue_depth: u32,
+    pub(crate) io_uring_rings: u32,
     pub(crate) direct_io: bool,
     pub(crate) preallocate: bool,
     pub(crate) watermarks: Option<Watermarks>,
@@ -107,6 +108,7 @@ impl fmt::Debug for SsdConfig {
             .field("segment_bytes", &self.segment_bytes)
             .field("io_engine", &self.io_engine)
             .field("queue_depth", &self.queue_depth)
+            .field("io_uring_rings", &self.io_uring_rings)
             .field("direct_io", &self.direct_io)
             .field("preallocate", &self.preallocate)
             .field("watermarks", &self.watermarks)
@@ -150,6 +152,7 @@ impl SsdConfig {
             segment_bytes: 256 << 20,
             io_engine: IoEngineKind::Psync,
             queue_depth: 256,
+            io_uring_rings: 8,
             direct_io: true,
             preallocate: true,
             watermarks: Some(Watermarks::default()),
@@ -246,6 +249,14 @@ impl SsdConfigBuilder {
     /// Entries of each io_uring ring. Default: 256.
     pub fn queue_depth(mut self, depth: u32) -> Self {
         self.config.queue_depth = depth;
+        self
+    }
+
+    /// The most io_uring rings the medium keeps (each registers the staging arena once, when
+    /// made). A batch takes a free ring for its IO; when every ring is busy it waits for one
+    /// rather than making another, so this many batches at most do drive IO at once. Default: 8.
+    pub fn io_uring_rings(mut self, rings: u32) -> Self {
+        self.config.io_uring_rings = rings;
         self
     }
 
@@ -385,6 +396,9 @@ impl SsdConfigBuilder {
         if c.queue_depth == 0 || c.queue_depth > 32768 {
             return bad(format!("queue_depth {} must be in 1..=32768", c.queue_depth));
         }
+        if c.io_uring_rings == 0 || c.io_uring_rings > 1024 {
+            return bad(format!("io_uring_rings {} must be in 1..=1024", c.io_uring_rings));
+        }
         if let Some(w) = c.watermarks
             && !(w.low > 0.0 && w.low < w.high && w.high <= 1.0)
         {
@@ -440,6 +454,8 @@ mod tests {
         assert!(b().read_lease_ttl(Duration::ZERO).build().is_err());
         assert!(b().reclaim_dead_ratio(0.0).build().is_err());
         assert!(b().queue_depth(0).build().is_err());
+        assert!(b().io_uring_rings(0).build().is_err());
+        assert!(b().io_uring_rings(1025).build().is_err());
         assert!(b().sync_interval(Some(Duration::ZERO)).build().is_err());
         assert!(b().sync_interval(None).build().is_ok());
     }

@@ -15,7 +15,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::ptr::NonNull;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::config::IoEngineKind;
 use crate::record::ALIGN;
@@ -245,9 +245,12 @@ impl IoEngine for PsyncEngine {
     }
 }
 
-/// io_uring: a batch goes to one ring in one submission. Rings are pooled: a caller takes one (or
-/// makes one) for its batch and puts it back, so concurrent callers never share a ring or a lock
-/// across IO.
+/// io_uring: a batch goes to one ring in one submission. Rings are pooled: a caller takes one for
+/// its batch and puts it back, so concurrent callers never share a ring or a lock across IO. The
+/// pool is bounded: at most `max_rings` rings exist at once (idle or in use), each registering the
+/// staging arena once, when it is made; a caller that finds every ring in use waits for one to
+/// come back rather than making another, so concurrency never multiplies rings, their kernel
+/// memory (locked, counted against `RLIMIT_MEMLOCK` on older kernels) or arena registrations.
 ///
 /// A ring goes back to the pool only after every request it took from a batch has completed, and
 /// every request carries its batch's generation, so a completion can never be taken for another
@@ -256,12 +259,30 @@ impl IoEngine for PsyncEngine {
 /// writing their memory) and the ring is dropped, never reused.
 pub(crate) struct UringEngine {
     depth: u32,
-    rings: Mutex<Vec<Ring>>,
+    /// The most rings that exist at once.
+    max_rings: usize,
+    pool: Mutex<Pool>,
+    /// Signalled when a ring goes back to the pool or stops counting against `max_rings`.
+    ring_free: Condvar,
     /// The staging arena `(base, len)`, registered as fixed buffer 0 of every ring.
     arena: Mutex<Option<(usize, usize)>>,
     /// Tests: the next wait fails with this errno (after the batch went to the kernel).
     #[cfg(test)]
     inject_wait_error: Mutex<Option<i32>>,
+    /// Tests: how many times the arena was registered with a ring.
+    #[cfg(test)]
+    registrations: std::sync::atomic::AtomicUsize,
+}
+
+/// The rings of an engine.
+struct Pool {
+    /// Rings no batch is using.
+    idle: Vec<Ring>,
+    /// Rings that exist: idle, in use, or being made.
+    alive: usize,
+    /// Tests: the most rings that ever existed at once.
+    #[cfg(test)]
+    peak: usize,
 }
 
 /// A ring and, when the arena is registered with it, the arena's address range.
@@ -302,7 +323,10 @@ impl Ring {
 
 impl fmt::Debug for UringEngine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UringEngine").field("depth", &self.depth).finish_non_exhaustive()
+        f.debug_struct("UringEngine")
+            .field("depth", &self.depth)
+            .field("max_rings", &self.max_rings)
+            .finish_non_exhaustive()
     }
 }
 
@@ -312,17 +336,37 @@ fn retryable(e: &io::Error) -> bool {
 }
 
 impl UringEngine {
-    /// An engine whose rings have `depth` entries; fails when the kernel refuses io_uring (ENOSYS on
-    /// old kernels, EPERM under seccomp or `io_uring_disabled`).
-    pub(crate) fn new(depth: u32) -> io::Result<Self> {
+    /// An engine of at most `max_rings` rings (at least one) of `depth` entries each; fails when
+    /// the kernel refuses io_uring (ENOSYS on old kernels, EPERM under seccomp or
+    /// `io_uring_disabled`).
+    pub(crate) fn new(depth: u32, max_rings: usize) -> io::Result<Self> {
+        // The first ring is made now, so a kernel without io_uring is found out at once.
         let ring = Ring::new(io_uring::IoUring::new(depth)?);
         Ok(Self {
             depth,
-            rings: Mutex::new(vec![ring]),
+            max_rings: max_rings.max(1),
+            pool: Mutex::new(Pool {
+                idle: vec![ring],
+                alive: 1,
+                #[cfg(test)]
+                peak: 1,
+            }),
+            ring_free: Condvar::new(),
             arena: Mutex::new(None),
             #[cfg(test)]
             inject_wait_error: Mutex::new(None),
+            #[cfg(test)]
+            registrations: std::sync::atomic::AtomicUsize::new(0),
         })
+    }
+
+    /// Registers the arena with `ring` (counted, for tests).
+    fn register(&self, ring: &mut Ring, arena: Option<(usize, usize)>) {
+        ring.register(arena);
+        #[cfg(test)]
+        if ring.fixed.is_some() {
+            self.registrations.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Pushes `ops[from..to]` onto the ring's submission queue, tagged with the ring's generation;
@@ -487,34 +531,59 @@ impl UringEngine {
         }
     }
 
-    /// A ring from the pool, or a new one; `None` when the kernel will not give one (memlock
-    /// limits), in which case the caller runs its batch with psync.
+    /// An idle ring from the pool; a new one while fewer than `max_rings` exist; otherwise waits
+    /// for one to come back. `None` when the kernel will not make a ring (memlock limits), in
+    /// which case the caller runs its batch with psync. A caller holds at most one ring at a
+    /// time (no engine call is made while holding one), so waiting cannot deadlock.
     fn take_ring(&self) -> Option<Ring> {
-        let taken = self.rings.lock().pop();
-        taken.or_else(|| match io_uring::IoUring::new(self.depth) {
+        let mut pool = self.pool.lock();
+        loop {
+            if let Some(ring) = pool.idle.pop() {
+                return Some(ring);
+            }
+            if pool.alive < self.max_rings {
+                break;
+            }
+            self.ring_free.wait(&mut pool);
+        }
+        pool.alive += 1;
+        #[cfg(test)]
+        {
+            pool.peak = pool.peak.max(pool.alive);
+        }
+        drop(pool);
+        // Made outside the pool's lock: creating and registering a ring are system calls.
+        match io_uring::IoUring::new(self.depth) {
             Ok(io) => {
                 let mut ring = Ring::new(io);
-                ring.register(*self.arena.lock());
+                self.register(&mut ring, *self.arena.lock());
                 Some(ring)
             }
             Err(e) => {
+                self.pool.lock().alive -= 1;
+                self.ring_free.notify_one();
                 tracing::debug!(error = %e, "no io_uring ring available; running the batch with psync");
                 None
             }
-        })
+        }
     }
 
     /// Gives a ring back after a batch: to the pool if it is healthy (`ok`), else it is dropped
-    /// (every request it took has completed by then).
+    /// (every request it took has completed by then) and a new one may be made in its place.
     fn put_ring(&self, ring: Ring, ok: bool) {
-        if !ok {
-            return;
-        }
-        let mut rings = self.rings.lock();
-        // Keep a few rings for the next callers; drop the rest.
-        if rings.len() < 16 {
-            rings.push(ring);
-        }
+        let failed = {
+            let mut pool = self.pool.lock();
+            if ok {
+                pool.idle.push(ring);
+                None
+            } else {
+                pool.alive -= 1;
+                Some(ring)
+            }
+        };
+        // Closed outside the lock.
+        drop(failed);
+        self.ring_free.notify_one();
     }
 
     /// Runs `ops` in batches of at most the ring's size; `false` when the ring failed (ops of the
@@ -552,8 +621,11 @@ impl IoEngine for UringEngine {
     unsafe fn register_arena(&self, base: *mut u8, len: usize) {
         let arena = Some((base as usize, len));
         *self.arena.lock() = arena;
-        for ring in self.rings.lock().iter_mut() {
-            ring.register(arena);
+        // Rings made from now on register it when made; a ring in use now keeps vectored IO (the
+        // backend registers the arena at `init`, before any IO).
+        let mut pool = self.pool.lock();
+        for ring in pool.idle.iter_mut() {
+            self.register(ring, arena);
         }
     }
 
@@ -592,11 +664,11 @@ impl IoEngine for UringEngine {
     }
 }
 
-/// Builds the engine `kind` names.
-pub(crate) fn make_engine(kind: IoEngineKind, depth: u32) -> io::Result<Box<dyn IoEngine>> {
+/// Builds the engine `kind` names (`depth` and `rings`: io_uring's ring size and most rings).
+pub(crate) fn make_engine(kind: IoEngineKind, depth: u32, rings: usize) -> io::Result<Box<dyn IoEngine>> {
     Ok(match kind {
         IoEngineKind::Psync => Box::new(PsyncEngine),
-        IoEngineKind::IoUring => Box::new(UringEngine::new(depth)?),
+        IoEngineKind::IoUring => Box::new(UringEngine::new(depth, rings)?),
     })
 }
 
@@ -674,7 +746,7 @@ mod tests {
 
     #[test]
     fn io_uring_uses_the_registered_arena_for_single_segment_requests() {
-        let Ok(engine) = UringEngine::new(16) else {
+        let Ok(engine) = UringEngine::new(16, 4) else {
             eprintln!("skipped: io_uring unavailable here");
             return;
         };
@@ -683,7 +755,7 @@ mod tests {
         // SAFETY: `arena` outlives `engine` (declared before it is dropped at the end of the test:
         // the engine is dropped first as it is used last below).
         unsafe { engine.register_arena(base, arena.len()) };
-        let registered = engine.rings.lock().iter().all(|r| r.fixed.is_some());
+        let registered = engine.pool.lock().idle.iter().all(|r| r.fixed.is_some());
         let dir = tempfile::tempdir().expect("tempdir");
         let file = open_segment(&dir.path().join("seg"), true, probe_direct_io(dir.path())).expect("open");
         arena.as_mut_slice()[..8192].iter_mut().enumerate().for_each(|(i, x)| *x = (i % 13) as u8);
@@ -724,7 +796,7 @@ mod tests {
     /// middle of the next batch) is never taken for the next batch's op.
     #[test]
     fn io_uring_ignores_a_stale_completion_from_an_earlier_batch() {
-        let Ok(engine) = UringEngine::new(16) else {
+        let Ok(engine) = UringEngine::new(16, 4) else {
             eprintln!("skipped: io_uring unavailable here");
             return;
         };
@@ -749,7 +821,7 @@ mod tests {
     /// its requests, and the ring is not put back in the pool.
     #[test]
     fn io_uring_waits_for_requests_in_flight_when_the_ring_fails_and_drops_the_ring() {
-        let Ok(engine) = UringEngine::new(16) else {
+        let Ok(engine) = UringEngine::new(16, 4) else {
             eprintln!("skipped: io_uring unavailable here");
             return;
         };
@@ -766,7 +838,8 @@ mod tests {
         assert!(waited >= std::time::Duration::from_millis(150), "returned after {waited:?} with the read in flight");
         assert!(ops[0].result.is_ok(), "the request completed for real: {:?}", ops[0].result);
         assert!(buf.as_slice().iter().all(|b| *b == 0x33));
-        assert!(engine.rings.lock().is_empty(), "a failed ring went back to the pool");
+        assert!(engine.pool.lock().idle.is_empty(), "a failed ring went back to the pool");
+        assert_eq!(engine.pool.lock().alive, 0, "a failed ring no longer counts against the bound");
         // The engine still works (with a fresh ring).
         let (pipe, writer) = delayed_pipe(std::time::Duration::ZERO, 0x44);
         // SAFETY: as above.
@@ -774,7 +847,54 @@ mod tests {
         engine.submit(&mut ops);
         writer.join().expect("writer");
         assert!(ops[0].result.is_ok());
-        assert_eq!(engine.rings.lock().len(), 1);
+        assert_eq!(engine.pool.lock().idle.len(), 1);
+    }
+
+    /// Many threads submitting at once, each batch held in flight for a while: no more rings are
+    /// ever made than the bound (each registering the arena once), the callers beyond it wait for
+    /// a ring instead of making one, and every batch completes.
+    #[test]
+    fn concurrent_batches_never_make_more_rings_than_the_bound() {
+        const BOUND: usize = 3;
+        const THREADS: usize = 12;
+        let Ok(engine) = UringEngine::new(16, BOUND) else {
+            eprintln!("skipped: io_uring unavailable here");
+            return;
+        };
+        let mut arena = AlignedBuf::zeroed(THREADS * 4096).expect("arena");
+        let base = arena.as_mut_ptr() as usize;
+        // SAFETY: `arena` outlives `engine`, which is dropped at the end of the scope below.
+        unsafe { engine.register_arena(base as *mut u8, arena.len()) };
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let engine = &engine;
+                s.spawn(move || {
+                    for round in 0..2u8 {
+                        // A read that stays in flight until its pipe is written, 50 ms from now:
+                        // every thread holds its ring that long.
+                        let fill = (t as u8).wrapping_mul(2).wrapping_add(round);
+                        let (pipe, writer) = delayed_pipe(std::time::Duration::from_millis(50), fill);
+                        let page = (base + t * 4096) as *mut u8;
+                        // SAFETY: each thread reads into its own page of the arena, which
+                        // outlives the submit.
+                        let mut ops = [unsafe { IoOp::new(&pipe, 0, &[(page, 4096)], false) }];
+                        engine.submit(&mut ops);
+                        writer.join().expect("writer");
+                        assert!(ops[0].result.is_ok(), "thread {t}: {:?}", ops[0].result);
+                        // SAFETY: the read into this thread's page has completed.
+                        let got = unsafe { std::slice::from_raw_parts(page, 4096) };
+                        assert!(got.iter().all(|b| *b == fill), "thread {t} round {round}");
+                    }
+                });
+            }
+        });
+        let pool = engine.pool.lock();
+        assert!(pool.peak <= BOUND, "{} rings existed at once (bound {BOUND})", pool.peak);
+        assert!(pool.alive <= BOUND && pool.idle.len() == pool.alive, "every ring came back");
+        let registrations = engine.registrations.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(registrations <= BOUND, "the arena was registered {registrations} times");
+        drop(pool);
+        drop(engine);
     }
 
     #[test]
@@ -784,7 +904,7 @@ mod tests {
 
     #[test]
     fn io_uring_round_trips_or_skips() {
-        match UringEngine::new(64) {
+        match UringEngine::new(64, 4) {
             Ok(engine) => round_trip(&engine),
             Err(e) => eprintln!("skipped: io_uring unavailable here ({e})"),
         }

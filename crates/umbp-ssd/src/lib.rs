@@ -34,7 +34,9 @@
 //! Drive IO goes through one of two engines chosen by [`IoEngineKind`]: `psync` (`preadv` /
 //! `pwritev`, the portable default) or `io_uring` (a batch of records in one submission; for large
 //! batches the CRC is computed while the drive works: values go out before their headers, and reads
-//! arrive in chunks checked as they land). Both use `O_DIRECT` where the directory's filesystem
+//! arrive in chunks checked as they land). io_uring keeps at most
+//! [`SsdConfigBuilder::io_uring_rings`] rings (default 8), the staging arena registered with each
+//! once; a batch that finds them all busy waits for one. Both use `O_DIRECT` where the directory's filesystem
 //! allows it (probed) and buffered IO otherwise. Segment files are preallocated (`fallocate`), so
 //! appends never extend a file.
 //!
@@ -159,5 +161,5 @@ pub fn make_ssd_backend(config: SsdConfig) -> Box<dyn umbp_core::MediumBackend> 
 /// Whether this process may use io_uring (`Err` carries why not: ENOSYS, EPERM, …). Tests and the
 /// command line use it to skip or refuse the `io_uring` engine with a clear message.
 pub fn io_uring_available() -> std::io::Result<()> {
-    io::make_engine(IoEngineKind::IoUring, 8).map(|_| ())
+    io::make_engine(IoEngineKind::IoUring, 8, 1).map(|_| ())
 }
