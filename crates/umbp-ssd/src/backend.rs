@@ -1805,6 +1805,27 @@ fn segment_bytes_in(dir: &std::path::Path) -> u64 {
         .sum()
 }
 
+/// Refuses a configuration whose worst case needs more open files than the process may have
+/// ([`SsdConfig::max_open_files`]): better a clear error at `init` than `EMFILE` on some later
+/// segment, which would fail commits one by one.
+fn check_open_file_limit(config: &SsdConfig) -> Result<(), BackendError> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid `rlimit` for the call to fill; nothing else is read or written.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 || limit.rlim_cur == libc::RLIM_INFINITY {
+        return Ok(());
+    }
+    let need = config.max_open_files();
+    if need > limit.rlim_cur {
+        return Err(BackendError::InvalidConfig(format!(
+            "{NAME}: up to {need} open files at worst (a segment file per {} bytes of capacity_bytes {} plus headroom, \
+             a lock per directory, the io_uring rings), more than the process's open-file limit {} (hard limit {}): \
+             raise `ulimit -n` or segment_bytes",
+            config.segment_bytes, config.capacity_bytes, limit.rlim_cur, limit.rlim_max
+        )));
+    }
+    Ok(())
+}
+
 /// Takes out of force every tombstone no older record of its key can be hiding behind: no segment
 /// up to its horizon is left but its own.
 fn retire_tombstones(state: &mut State) {
@@ -2099,6 +2120,7 @@ impl MediumBackend for SsdBackend {
             Lifecycle::New => {}
         }
         let config = &self.inner.config;
+        check_open_file_limit(config)?;
         let engine: Arc<dyn IoEngine> =
             make_engine(config.io_engine, config.queue_depth, config.io_uring_rings as usize)
                 .map_err(|e| Self::io_error(format!("starting the {} io engine", config.io_engine), e))?

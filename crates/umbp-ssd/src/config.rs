@@ -132,6 +132,24 @@ impl SsdConfig {
         (self.dirs.len() as u64 + 1) * self.segment_bytes
     }
 
+    /// File descriptors the medium may hold open at once, at worst: one per segment file (each
+    /// stays open while the segment exists) for the capacity plus the headroom in whole segments
+    /// plus each directory's partly filled active segment, one lock per directory, and one per
+    /// io_uring ring. `init` refuses a configuration whose worst case passes the process's
+    /// open-file limit (`RLIMIT_NOFILE`, `ulimit -n`), naming both: raise the limit, or
+    /// `segment_bytes`. For scale: 4 TiB in the default 256 MiB segments needs about 16 400, more
+    /// than the usual default soft limit of 1024. The rest of the process (sockets, other files)
+    /// needs descriptors of its own on top.
+    pub fn max_open_files(&self) -> u64 {
+        let dirs = self.dirs.len() as u64;
+        let segments = (self.capacity_bytes + self.disk_headroom_bytes()).div_ceil(self.segment_bytes) + dirs;
+        let rings = match self.io_engine {
+            IoEngineKind::IoUring => u64::from(self.io_uring_rings),
+            IoEngineKind::Psync => 0,
+        };
+        segments + dirs + rings
+    }
+
     /// A builder storing values in `dirs` (one directory per drive) with every other setting at its
     /// default.
     pub fn builder<I, P>(dirs: I) -> SsdConfigBuilder

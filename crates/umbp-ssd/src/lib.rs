@@ -105,6 +105,11 @@
 //! - `init` warns when a directory's filesystem has less free space (its own segments counted)
 //!   than its share of the capacity plus its share of the headroom.
 //!
+//! Every segment file keeps a file descriptor open while it exists, so `init` refuses a
+//! configuration whose worst case ([`SsdConfig::max_open_files`]: the capacity plus the headroom in
+//! segments, a lock per directory, the io_uring rings) passes the process's open-file limit; 4 TiB
+//! in 256 MiB segments needs about 16 400 descriptors.
+//!
 //! One medium per directory: `init` takes an exclusive `flock` on `.umbp-ssd.lock` in each
 //! directory and holds it until `shutdown` (or the process ends), so a second medium on a directory
 //! in use — in this process or another — fails its `init` with an error naming the directory.

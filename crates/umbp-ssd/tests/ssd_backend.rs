@@ -748,3 +748,34 @@ fn the_reaper_syncs_written_segments_periodically_not_only_at_shutdown() {
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(b.stats().segment_syncs, 0);
 }
+
+/// A configuration whose worst case needs more open files than the process may have fails `init`
+/// with an error naming the limit, instead of running into `EMFILE` on some later segment; one
+/// that needs exactly the limit starts.
+#[test]
+fn a_configuration_needing_more_open_files_than_the_limit_fails_init() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid `rlimit` for the call to fill.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+    if limit.rlim_cur == libc::RLIM_INFINITY || limit.rlim_cur > 1 << 24 {
+        eprintln!("skipped: the open-file limit ({}) is too large to reach with a test configuration", limit.rlim_cur);
+        return;
+    }
+    let dir = tempdir();
+    let segment = 256 * 1024;
+    // One directory, psync: segment files for the capacity plus two segments of headroom, plus the
+    // active one, plus the directory lock: capacity / segment + 4.
+    let config = |open_files: u64| {
+        builder(&[dir.path()]).capacity_bytes((open_files - 4) * segment).watermarks(None).build().expect("config")
+    };
+    let over = config(limit.rlim_cur + 1);
+    assert_eq!(over.max_open_files(), limit.rlim_cur + 1);
+    let b = SsdBackend::new(over);
+    let err = b.init(Arc::new(LocalOnlyRegistrar::new())).expect_err("over the open-file limit");
+    let msg = err.to_string();
+    assert!(msg.contains("open-file limit") && msg.contains(&limit.rlim_cur.to_string()), "{msg}");
+    let at = config(limit.rlim_cur);
+    assert_eq!(at.max_open_files(), limit.rlim_cur);
+    let b = live(at);
+    b.shutdown();
+}
