@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use crate::error::RegistrationError;
 
@@ -118,7 +119,8 @@ pub struct TransferRef {
     size: u64,
     location: MemoryLocation,
     local: Option<LocalRegion>,
-    remote: Option<RemoteRegion>,
+    /// Shared, so cloning a ref (once per page of every transfer) never allocates.
+    remote: Option<Arc<RemoteRegion>>,
 }
 
 impl TransferRef {
@@ -129,12 +131,12 @@ impl TransferRef {
 
     /// A ref for memory owned by another node, reachable only through `remote`.
     pub fn remote_only(remote: RemoteRegion, size: u64, location: MemoryLocation) -> Self {
-        Self { size, location, local: None, remote: Some(remote) }
+        Self { size, location, local: None, remote: Some(Arc::new(remote)) }
     }
 
     /// The same ref with a remote handle attached (what registration with a data plane adds).
     pub fn with_remote(mut self, remote: RemoteRegion) -> Self {
-        self.remote = Some(remote);
+        self.remote = Some(Arc::new(remote));
         self
     }
 
@@ -166,8 +168,8 @@ impl TransferRef {
     }
 
     /// The remote handle, when a data plane registered the memory.
-    pub const fn remote(&self) -> Option<&RemoteRegion> {
-        self.remote.as_ref()
+    pub fn remote(&self) -> Option<&RemoteRegion> {
+        self.remote.as_deref()
     }
 
     /// Whether this process can address the bytes directly.

@@ -23,7 +23,14 @@ use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
 
 /// What allocating one key on a node produced.
 enum Alloc {
-    Slot { slot_id: u64, pages: Vec<PageLocation>, refs: Vec<Option<TransferRef>>, page_size: u64, deadline: Instant },
+    /// `refs` is the node's buffer table, shared by every key of the reply.
+    Slot {
+        slot_id: u64,
+        pages: Vec<PageLocation>,
+        refs: Arc<[Option<TransferRef>]>,
+        page_size: u64,
+        deadline: Instant,
+    },
     Exists,
     NoSpace,
     Refused,
@@ -368,10 +375,13 @@ impl PoolClient {
                 group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
             let start = Instant::now();
             let results = blocking(|| m.batch_allocate(&reqs));
-            let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
+            let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
             let allocs = results
                 .into_iter()
-                .map(|a| self.alloc(a.outcome, a.slot_id, a.pages, refs.clone(), a.page_size, start, a.pending_ttl_ms))
+                .map(|a| {
+                    let refs = Arc::clone(&refs);
+                    self.alloc(a.outcome, a.slot_id, a.pages, refs, a.page_size, start, a.pending_ttl_ms)
+                })
                 .collect();
             return Ok((None, allocs));
         }
@@ -415,15 +425,16 @@ impl PoolClient {
             reply.entries.iter().flat_map(|e| e.descs.iter()).filter_map(|d| desc_from_wire(d).ok()).collect();
         // A restarted peer publishes new handles for the same buffers: the reply's descriptors win.
         self.directory.replace_remote_buffers(node, &descs);
-        let mut shelves: HashMap<u32, Vec<Option<TransferRef>>> = HashMap::new();
+        let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
         let allocs = reply
             .entries
             .into_iter()
             .map(|e| {
-                let refs = shelves
-                    .entry(e.backend_id)
-                    .or_insert_with(|| self.directory.remote_buffer_snapshot(node, e.backend_id))
-                    .clone();
+                let refs = Arc::clone(
+                    shelves
+                        .entry(e.backend_id)
+                        .or_insert_with(|| self.directory.remote_buffer_snapshot(node, e.backend_id).into()),
+                );
                 let pages = e.pages.iter().map(page_from_wire).collect();
                 self.alloc(outcome_from_wire(e.outcome), e.slot_id, pages, refs, e.page_size, start, e.pending_ttl_ms)
             })
@@ -437,7 +448,7 @@ impl PoolClient {
         outcome: AllocateOutcome,
         slot_id: u64,
         pages: Vec<PageLocation>,
-        refs: Vec<Option<TransferRef>>,
+        refs: Arc<[Option<TransferRef>]>,
         page_size: u64,
         start: Instant,
         ttl_ms: u64,
