@@ -209,6 +209,7 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
         Medium::Hbm(h) => ("hbm", format!("{} device={}", format_size(h.capacity_bytes), h.device)),
         _ => ("none", "0".to_owned()),
     };
+    raise_open_files_limit();
     let client = PoolClient::start(config)
         .await
         .with_context(|| format!("starting node {id} (master {master}); is `umbp master` running there?"))?;
@@ -418,4 +419,23 @@ async fn stat(client: &PoolClient, address: &str) -> anyhow::Result<ExitCode> {
         println!("{}", line(std::array::from_fn(|i| row[i].as_str())));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Raises this process's soft limit on open files to its hard limit, as servers do: an SSD node keeps
+/// one descriptor per log segment (about 16k for 4 TiB of 256 MiB segments) and refuses to start when
+/// the soft limit cannot cover its worst case, and the common soft default (1024) is far below the
+/// usual hard limit. Best effort: a failure leaves the limit as it was, and the medium's own check
+/// then says what to raise.
+fn raise_open_files_limit() {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid, writable rlimit for the duration of the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 || limit.rlim_cur >= limit.rlim_max {
+        return;
+    }
+    let before = limit.rlim_cur;
+    limit.rlim_cur = limit.rlim_max;
+    // SAFETY: `limit` is a valid rlimit; raising the soft limit up to the hard one needs no privilege.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } == 0 {
+        tracing::debug!(from = before, to = limit.rlim_cur, "raised the open-files soft limit to the hard limit");
+    }
 }

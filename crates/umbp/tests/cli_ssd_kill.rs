@@ -1,6 +1,10 @@
-//! `umbp node --medium ssd` killed with SIGKILL (no shutdown, no final sync) and restarted on the
-//! same directory: it recovers its log, announces the keys in its full sync, and a remote client
-//! reads every value back byte-exact.
+//! `umbp node --medium ssd` as a process:
+//!
+//! - killed with SIGKILL (no shutdown, no final sync) and restarted on the same directory: it
+//!   recovers its log, announces the keys in its full sync, and a remote client reads every value
+//!   back byte-exact;
+//! - started under an open-files soft limit too low for its log's worst case (one descriptor per
+//!   segment): it raises the soft limit to the hard one and starts.
 //!
 //! Every child is killed by a guard's `Drop`; every wait is bounded.
 
@@ -116,4 +120,74 @@ async fn an_ssd_node_killed_with_sigkill_serves_every_acknowledged_value_after_a
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     client.close().await;
+}
+
+#[test]
+fn an_ssd_node_raises_a_low_open_files_soft_limit_and_starts() {
+    use std::os::unix::process::CommandExt;
+    let mut hard = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `hard` is a valid, writable rlimit.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) }, 0);
+    // 75 GiB in 256 MiB segments needs about 304 descriptors at worst.
+    if hard.rlim_max < 400 {
+        eprintln!("skipped: the hard open-files limit ({}) is below what the check needs", hard.rlim_max);
+        return;
+    }
+    let dir = TempDir::new("ssd-nofile");
+    let ssd_dir = dir.0.join("drive");
+    let (_master, line) = Proc::try_start(&dir.0, "master", &["master", "--listen", "127.0.0.1:0"], ENV, "master")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let master = field(&line, "listen").to_owned();
+    let args = [
+        "node",
+        "--master",
+        &master,
+        "--node-id",
+        "nofile",
+        "--medium",
+        "ssd",
+        "--ssd-dir",
+        ssd_dir.to_str().expect("utf-8 path"),
+        "--ssd-capacity",
+        "75GiB",
+    ];
+    let mut cmd = cli_support::command(&args, ENV);
+    let log = dir.0.join("nofile.log");
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .stdin(std::process::Stdio::null());
+    // SAFETY: the closure only calls setrlimit, which is async-signal-safe, between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            l.rlim_cur = 128;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("spawn umbp node");
+    let stdout = child.stdout.take().expect("stdout");
+    let ready = std::thread::spawn(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout).lines().map_while(Result::ok).find(|l| l.contains(" ready "))
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let started = loop {
+        if ready.is_finished() {
+            break ready.join().expect("reader").is_some();
+        }
+        if Instant::now() > deadline {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(started, "the node did not start under a soft limit of 128:\n{text}");
 }
