@@ -31,6 +31,16 @@ fn heartbeat_field_numbers_are_pinned() {
 }
 
 #[test]
+fn the_local_placement_grant_field_numbers_are_pinned() {
+    let reg = v1::RegisterClientResponse { heartbeat_interval_ms: 5, local_puts: true };
+    // field 1 (varint) 5, field 3 (varint) 1.
+    assert_eq!(reg.encode_to_vec(), vec![0x08, 5, 0x18, 1]);
+    let hb = v1::HeartbeatResponse { local_puts: true, ..Default::default() };
+    // field 4 (varint) 1.
+    assert_eq!(hb.encode_to_vec(), vec![0x20, 1]);
+}
+
+#[test]
 fn buffer_desc_field_numbers_are_pinned() {
     let d = v1::BufferDesc {
         backend_id: 1,
