@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{chunk_by_bytes, join_all, pipelined};
+use super::support::{chunk_by_bytes, join_all, medium_call, pipelined};
 use super::*;
 use crate::peer_service::decode_batch_resolve;
 use umbp_core::PageLocation;
@@ -131,7 +131,7 @@ impl PoolClient {
         let mut local_hits = Vec::new();
         if let Some(m) = &self.medium {
             let all: Vec<(usize, bool)> = (0..n).map(|i| (i, true)).collect();
-            let found = self.read_here(m, keys, targets, &all, &mut carried.0, &mut carried.1, &mut results);
+            let found = self.read_here(m, keys, targets, &all, &mut carried.0, &mut carried.1, &mut results).await;
             for (i, found) in found.into_iter().enumerate() {
                 exclude[i].insert(me.clone());
                 read_locally[i] = found;
@@ -237,7 +237,7 @@ impl PoolClient {
             if let Some(m) = &self.medium
                 && !local.is_empty()
             {
-                let found = self.read_here(m, keys, targets, &local, &mut transfers, &mut planned, &mut results);
+                let found = self.read_here(m, keys, targets, &local, &mut transfers, &mut planned, &mut results).await;
                 for ((i, routed_here), found) in local.iter().zip(found) {
                     exclude[*i].insert(me.clone());
                     if found {
@@ -289,7 +289,7 @@ impl PoolClient {
     /// the copies of the keys found, each under the medium's read lease. Returns, per entry, whether
     /// the key was found.
     #[expect(clippy::too_many_arguments, reason = "the chunk's keys and the round's accumulators")]
-    fn read_here(
+    async fn read_here(
         &self,
         m: &Arc<dyn MediumBackend>,
         keys: &[&str],
@@ -301,10 +301,13 @@ impl PoolClient {
     ) -> Vec<bool> {
         let local_keys: Vec<String> = local.iter().map(|(i, _)| keys[*i].to_owned()).collect();
         let start = Instant::now();
-        let (resolved, refs) = blocking(|| {
+        // A panicked resolve reads nothing here: every key is then routed elsewhere.
+        let (resolved, refs) = medium_call(m, move |m| {
             let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
             (m.batch_resolve(&local_keys, false), refs)
-        });
+        })
+        .await
+        .unwrap_or_default();
         let mut found = vec![false; local.len()];
         for ((f, (i, _)), r) in found.iter_mut().zip(local).zip(resolved) {
             if r.found {

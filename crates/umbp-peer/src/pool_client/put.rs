@@ -15,7 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{SlotGuard, chunk_by_bytes, join_all, pipelined};
+use super::support::{SlotGuard, chunk_by_bytes, join_all, medium_call, pipelined};
 use super::*;
 use crate::master_client::RoutePutDecision;
 use crate::peer_service::{outcome_from_wire, page_from_wire, tier_to_wire};
@@ -374,7 +374,9 @@ impl PoolClient {
             let reqs: Vec<AllocateRequest> =
                 group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
             let start = Instant::now();
-            let results = blocking(|| m.batch_allocate(&reqs));
+            let results = medium_call(m, move |m| m.batch_allocate(&reqs))
+                .await
+                .ok_or_else(|| KeyError::Failed("the medium's allocate panicked".into()))?;
             let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
             let allocs = results
                 .into_iter()
@@ -477,7 +479,9 @@ impl PoolClient {
         let Some(mut client) = client else {
             let Some(m) = &self.medium else { return vec![Err(refused()); list.len()] };
             let reqs: Vec<CommitRequest> = list.iter().map(|(i, id)| CommitRequest::new(*id, items[*i].0)).collect();
-            let results = blocking(|| m.batch_commit(&reqs));
+            let Some(results) = medium_call(m, move |m| m.batch_commit(&reqs)).await else {
+                return vec![Err(refused()); list.len()];
+            };
             if results.iter().any(|r| r.success) {
                 // Local writes become visible to other nodes as soon as the master hears.
                 self.master.flush();

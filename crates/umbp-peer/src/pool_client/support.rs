@@ -87,6 +87,19 @@ impl Drop for MarkDone {
     }
 }
 
+/// Runs a call on this node's medium on the blocking pool and awaits it; `None` if it panicked.
+///
+/// Not `block_in_place`: a batch's pipelined chunks are futures of one task, so a medium call that
+/// blocked the task (an SSD commit writing the drive, a resolve reading it) would stall every other
+/// chunk's route, allocate and copy for as long as the drive takes. Awaited, it overlaps them.
+pub(super) async fn medium_call<R: Send + 'static>(
+    medium: &Arc<dyn MediumBackend>,
+    f: impl FnOnce(&dyn MediumBackend) -> R + Send + 'static,
+) -> Option<R> {
+    let medium = Arc::clone(medium);
+    offload(move || f(medium.as_ref())).await
+}
+
 /// Runs `f` on the blocking pool (inline without a runtime); see [`Offloaded`].
 pub(super) fn offload<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Offloaded<R> {
     let done = Arc::new(WorkDone::default());
@@ -441,5 +454,27 @@ mod tests {
         assert!(finished.load(Ordering::SeqCst), "the drop returned while the work still ran");
         assert_eq!(offload(|| 5).await, Some(5));
         assert_eq!(offload(|| -> u8 { panic!("boom") }).await, None, "a panic is None, not a hang");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn medium_calls_of_one_task_overlap_instead_of_blocking_it() {
+        // Four chunks of one batch, each with a medium call that takes 300 ms (a drive write):
+        // awaited on the blocking pool they overlap; blocking the task would take 1.2 s.
+        let medium: Arc<dyn MediumBackend> =
+            Arc::new(umbp_testkit::MockBackend::new(umbp_testkit::MockConfig::default()));
+        let start = std::time::Instant::now();
+        let calls = (0..4)
+            .map(|i| {
+                medium_call(&medium, move |m| {
+                    std::thread::sleep(Duration::from_millis(300));
+                    (i, m.tier())
+                })
+            })
+            .collect();
+        let out = join_all(calls).await;
+        let took = start.elapsed();
+        assert_eq!(out.iter().map(|o| o.map(|(i, _)| i)).collect::<Vec<_>>(), [Some(0), Some(1), Some(2), Some(3)]);
+        assert!(took < Duration::from_millis(900), "the calls ran one after another: {took:?}");
+        assert_eq!(medium_call(&medium, |_| -> u8 { panic!("boom") }).await, None, "a panic is None");
     }
 }
