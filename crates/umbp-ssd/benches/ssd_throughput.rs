@@ -1,11 +1,15 @@
 //! `SsdBackend` put (allocate + copy into the staging pages + commit) and get (resolve + copy out of
 //! the staging pages) throughput for 1 MiB and 2 MiB values, with each io engine, in batches of 1
 //! and 8 keys, beside a same-run baseline: raw `O_DIRECT` sequential writes and reads of the same
-//! number of bytes, in the same value-sized requests, to a file in the same directory.
+//! number of bytes, in the same value-sized requests, to a file in the same directory. The two
+//! take turns in groups of about `UMBP_BENCH_GROUP_MIB` (default 16) MiB — the baseline writes (or
+//! reads) a group, then the backend puts (or gets) as many bytes — so both see the same drive:
+//! a shared VM disk's speed swings by a factor of two from one second to the next, which made
+//! back-to-back phases of 256 MiB compare different disks.
 //!
 //! Run: `cargo xtask bench -p umbp-ssd` or `cargo bench -p umbp-ssd --bench ssd_throughput`. Prints
 //! a markdown table of medians. `UMBP_BENCH_ROUNDS` (default 5), `UMBP_BENCH_MIB` (bytes per round
-//! and cell, default 256) and `UMBP_BENCH_DIR` (default: the system temp dir) tune it;
+//! and cell, default 256), `UMBP_BENCH_GROUP_MIB` and `UMBP_BENCH_DIR` (default: the system temp dir) tune it;
 //! `UMBP_BENCH_ENGINES` (`psync,io_uring`), `UMBP_BENCH_VALUES_MIB` (`1,2`) and `UMBP_BENCH_BATCHES`
 //! (`1,8`) pick cells. Gets run after the staged copies are dropped, so every get reads the drive.
 //! Each cell also reports on stderr how many records compaction moved (0: it never competed).
@@ -60,96 +64,150 @@ impl Drop for Aligned {
     }
 }
 
-/// Raw `O_DIRECT` sequential writes then reads of `count` requests of `size` bytes; GB/s each.
-fn raw(dir: &Path, size: u64, count: u64) -> (f64, f64) {
-    let path = dir.join("raw-baseline.bin");
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&path)
-        .expect("O_DIRECT open (the bench needs a filesystem that allows it)");
-    let mut buf = Aligned::new(size as usize);
-    let start = Instant::now();
-    for i in 0..count {
-        file.write_all_at(buf.slice(), i * size).expect("write");
+/// The raw baseline of one round: `O_DIRECT` sequential writes, then reads, of `size`-byte requests
+/// from one aligned buffer, to a fresh file in the bench directory.
+struct Raw {
+    file: std::fs::File,
+    path: PathBuf,
+    buf: Aligned,
+    size: u64,
+    written: u64,
+    read: u64,
+}
+
+impl Raw {
+    fn new(dir: &Path, size: u64) -> Self {
+        let path = dir.join("raw-baseline.bin");
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .expect("O_DIRECT open (the bench needs a filesystem that allows it)");
+        Self { file, path, buf: Aligned::new(size as usize), size, written: 0, read: 0 }
     }
-    let write = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
-    let start = Instant::now();
-    for i in 0..count {
-        file.read_exact_at(buf.slice_mut(), i * size).expect("read");
+
+    /// Writes the next `n` requests; how long they took.
+    fn write(&mut self, n: usize) -> Duration {
+        let start = Instant::now();
+        for _ in 0..n {
+            self.file.write_all_at(self.buf.slice(), self.written * self.size).expect("write");
+            self.written += 1;
+        }
+        start.elapsed()
     }
-    let read = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
-    drop(file);
-    let _ = std::fs::remove_file(&path);
-    (write, read)
+
+    /// Reads the next `n` requests back; how long they took.
+    fn read(&mut self, n: usize) -> Duration {
+        let start = Instant::now();
+        for _ in 0..n {
+            self.file.read_exact_at(self.buf.slice_mut(), self.read * self.size).expect("read");
+            self.read += 1;
+        }
+        start.elapsed()
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// GB/s of `bytes` in `time`.
+fn gbps(bytes: u64, time: Duration) -> f64 {
+    bytes as f64 / time.as_secs_f64() / 1e9
 }
 
 fn arena(b: &SsdBackend) -> *mut u8 {
     b.buffer_ref(0).and_then(|r| r.local_region().map(|l| l.ptr().as_ptr())).expect("arena")
 }
 
-/// Puts then gets `count` values of `size` bytes in batches of `batch`; GB/s each.
-fn ssd(b: &SsdBackend, clock: &ManualClock, round: u64, size: u64, count: u64, batch: u64) -> (f64, f64) {
+/// Puts then gets `count` values of `size` bytes in batches of `batch`, each group of `group` keys
+/// right after the raw baseline wrote (or read) as many bytes: both see the same drive conditions
+/// (this VM's disk swings by a factor of two within seconds). GB/s of put, get, raw write and raw
+/// read.
+#[expect(clippy::too_many_arguments, reason = "a bench cell's parameters, spelled out")]
+fn round_of(
+    b: &SsdBackend,
+    clock: &ManualClock,
+    dir: &Path,
+    round: u64,
+    size: u64,
+    count: u64,
+    batch: u64,
+    group: usize,
+) -> (f64, f64, f64, f64) {
     let page = b.page_size();
     let src = Aligned::new(size as usize);
     let mut dst = Aligned::new(size as usize);
     let base = arena(b);
+    let mut raw = Raw::new(dir, size);
     let keys: Vec<String> = (0..count).map(|i| format!("r{round}-k{i}")).collect();
-    let start = Instant::now();
-    for chunk in keys.chunks(batch as usize) {
-        let reqs: Vec<AllocateRequest> = chunk.iter().map(|k| AllocateRequest::new(k.clone(), size)).collect();
-        let allocated = b.batch_allocate(&reqs);
-        let mut commits = Vec::with_capacity(chunk.len());
-        for (a, k) in allocated.iter().zip(chunk) {
-            assert_eq!(a.outcome, AllocateOutcome::Allocated, "allocate {k}");
-            for (j, p) in a.pages.iter().enumerate() {
-                let off = j as u64 * page;
-                let n = (size - off).min(page) as usize;
-                // SAFETY: the page is inside the arena and reserved for this slot.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.slice().as_ptr().add(off as usize),
-                        base.add((u64::from(p.page_index) * page) as usize),
-                        n,
-                    )
-                };
+    let (mut put, mut raw_write) = (Duration::ZERO, Duration::ZERO);
+    for keys in keys.chunks(group) {
+        raw_write += raw.write(keys.len());
+        let start = Instant::now();
+        for chunk in keys.chunks(batch as usize) {
+            let reqs: Vec<AllocateRequest> = chunk.iter().map(|k| AllocateRequest::new(k.clone(), size)).collect();
+            let allocated = b.batch_allocate(&reqs);
+            let mut commits = Vec::with_capacity(chunk.len());
+            for (a, k) in allocated.iter().zip(chunk) {
+                assert_eq!(a.outcome, AllocateOutcome::Allocated, "allocate {k}");
+                for (j, p) in a.pages.iter().enumerate() {
+                    let off = j as u64 * page;
+                    let n = (size - off).min(page) as usize;
+                    // SAFETY: the page is inside the arena and reserved for this slot.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.slice().as_ptr().add(off as usize),
+                            base.add((u64::from(p.page_index) * page) as usize),
+                            n,
+                        )
+                    };
+                }
+                commits.push(CommitRequest::new(a.slot_id, k.clone()));
             }
-            commits.push(CommitRequest::new(a.slot_id, k.clone()));
+            assert!(b.batch_commit(&commits).iter().all(|c| c.success), "commit");
         }
-        assert!(b.batch_commit(&commits).iter().all(|c| c.success), "commit");
+        put += start.elapsed();
     }
-    let put = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
     b.drop_cached_copies();
     let lease = b.config().read_lease_ttl();
-    let start = Instant::now();
-    for chunk in keys.chunks(batch as usize) {
-        let entries = b.batch_resolve(chunk, false);
-        for e in &entries {
-            assert!(e.found && e.size == size, "resolve");
-            for (j, p) in e.pages.iter().enumerate() {
-                let off = j as u64 * page;
-                let n = (size - off).min(page) as usize;
-                // SAFETY: the page is inside the arena and leased to this reader.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        base.add((u64::from(p.page_index) * page) as usize),
-                        dst.slice_mut().as_mut_ptr().add(off as usize),
-                        n,
-                    )
-                };
+    let (mut get, mut raw_read) = (Duration::ZERO, Duration::ZERO);
+    for keys in keys.chunks(group) {
+        raw_read += raw.read(keys.len());
+        let start = Instant::now();
+        for chunk in keys.chunks(batch as usize) {
+            let entries = b.batch_resolve(chunk, false);
+            for e in &entries {
+                assert!(e.found && e.size == size, "resolve");
+                for (j, p) in e.pages.iter().enumerate() {
+                    let off = j as u64 * page;
+                    let n = (size - off).min(page) as usize;
+                    // SAFETY: the page is inside the arena and leased to this reader.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            base.add((u64::from(p.page_index) * page) as usize),
+                            dst.slice_mut().as_mut_ptr().add(off as usize),
+                            n,
+                        )
+                    };
+                }
             }
+            // The reader is done: end its leases so the pages serve the next batch.
+            clock.advance(lease + Duration::from_millis(1));
         }
-        // The reader is done: end its leases so the pages serve the next batch.
-        clock.advance(lease + Duration::from_millis(1));
+        get += start.elapsed();
     }
-    let get = (size * count) as f64 / start.elapsed().as_secs_f64() / 1e9;
     assert_eq!(dst.slice(), src.slice(), "the last value read back differs");
+    drop(raw);
     b.evict(&keys);
     b.reaper_tick();
-    (put, get)
+    let bytes = size * count;
+    (gbps(bytes, put), gbps(bytes, get), gbps(bytes, raw_write), gbps(bytes, raw_read))
 }
 
 /// A comma-separated list from `name`, or `default`.
@@ -168,6 +226,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() {
     let rounds = env_or("UMBP_BENCH_ROUNDS", 5).max(1);
     let bytes = env_or("UMBP_BENCH_MIB", 256).max(8) * MIB;
+    let group_bytes = env_or("UMBP_BENCH_GROUP_MIB", 16).max(1) * MIB;
     let root = std::env::var_os("UMBP_BENCH_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
     let dir = tempfile::Builder::new().prefix("umbp-ssd-bench").tempdir_in(&root).expect("bench dir");
     let mut engines = Vec::new();
@@ -216,9 +275,10 @@ fn main() {
                 b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
                 let count = bytes / size;
                 let (mut put, mut get, mut rw, mut rr) = (vec![], vec![], vec![], vec![]);
+                // Whole batches of about `UMBP_BENCH_GROUP_MIB` per group.
+                let group = ((group_bytes / size).max(1).div_ceil(batch) * batch) as usize;
                 for round in 0..rounds {
-                    let (w, r) = raw(dir.path(), size, count);
-                    let (p, g) = ssd(&b, &clock, round, size, count, batch);
+                    let (p, g, w, r) = round_of(&b, &clock, dir.path(), round, size, count, batch, group);
                     rw.push(w);
                     rr.push(r);
                     put.push(p);
