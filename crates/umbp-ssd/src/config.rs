@@ -285,10 +285,11 @@ impl SsdConfigBuilder {
         self
     }
 
-    /// Allocate each new segment file's whole size when it is created (`fallocate`), so appends
-    /// never extend the file: the filesystem then neither updates the size on every write nor
-    /// serialises neighbouring writes. A segment on the drive occupies its full size from the
-    /// start. Default: true.
+    /// Allocate each new segment file's blocks when it is created (`fallocate`, keeping the
+    /// file's size): a lone writer appends into them (ext4's cheapest path for `O_DIRECT` writes
+    /// to new space), and once writes share a segment its size is raised to the whole segment, so
+    /// the filesystem no longer serialises neighbouring writes as it does appends. A segment on
+    /// the drive occupies its full size from the start. Default: true.
     pub fn preallocate(mut self, on: bool) -> Self {
         self.config.preallocate = on;
         self

@@ -132,6 +132,12 @@ impl IoOp {
         self.offset
     }
 
+    /// Whether the op writes, its bytes and its iovecs.
+    #[cfg(test)]
+    pub(crate) fn shape(&self) -> (bool, usize, usize) {
+        (self.write, self.total(), self.iov.len())
+    }
+
     fn total(&self) -> usize {
         self.iov.iter().map(|v| v.iov_len).sum()
     }

@@ -33,12 +33,16 @@
 //!
 //! Drive IO goes through one of two engines chosen by [`IoEngineKind`]: `psync` (`preadv` /
 //! `pwritev`, the portable default) or `io_uring` (a batch of records in one submission; for large
-//! batches the CRC is computed while the drive works: values go out before their headers, and reads
-//! arrive in chunks checked as they land). io_uring keeps at most
+//! batches the CRC is computed while the drive works: the first record goes out while the rest are
+//! checksummed, and reads arrive in chunks checked as they land). Either way the records a batch
+//! reserved side by side go out as one write. io_uring keeps at most
 //! [`SsdConfigBuilder::io_uring_rings`] rings (default 8), the staging arena registered with each
 //! once; a batch that finds them all busy waits for one. Both use `O_DIRECT` where the directory's filesystem
-//! allows it (probed) and buffered IO otherwise. Segment files are preallocated (`fallocate`), so
-//! appends never extend a file.
+//! allows it (probed) and buffered IO otherwise. A segment's blocks are allocated when it is
+//! created (`fallocate`, keeping the file's size), so a lone writer appends into blocks already
+//! there — ext4's cheapest path for `O_DIRECT` writes to new space; once a write finds another
+//! caller's write in flight in its segment, the file's size is raised to the whole segment, so
+//! neighbouring writes no longer queue behind each other as appends do.
 //!
 //! # Durability
 //! What a restart recovers, exactly (the process-crash case is pinned by `tests/crash_restart.rs`):
@@ -66,8 +70,8 @@
 //!   the power went (and the hole rule spares it: every write of the segment reserved before it had
 //!   completed by that sync). Records acknowledged since the last completed sync — up to about
 //!   `sync_interval` plus a reaper interval of them — may be lost: the unsynced parts of a
-//!   preallocated (`fallocate`d) segment read back as zeroes, so the scan stops at the first lost
-//!   record of each segment, dropping the rest of that segment.
+//!   segment read back as zeroes (preallocated blocks) or lie past its end (a size not yet synced),
+//!   so the scan stops at the first lost record of each segment, dropping the rest of that segment.
 //! - Whatever survives is CRC-checked: a torn record is dropped, never served.
 //! - **Memory and recovery agree on which record of a key is live**: recovery keeps the one with
 //!   the highest seq (taken when a commit reserves its place, or when an eviction is made), so a

@@ -426,8 +426,8 @@ fn a_torn_tail_is_dropped_at_recovery() {
     }
     b.shutdown();
     drop(b);
-    // Each record is 4 KiB of header + 8 KiB of value; cut the last one in half (the file itself is
-    // preallocated to the segment size).
+    // Each record is 4 KiB of header + 8 KiB of value; cut the last one in half (the file may be
+    // longer: its size is raised to the whole segment when writes share it).
     let seg = segments(dir.path()).remove(0);
     let len = fs::metadata(&seg).expect("stat").len();
     assert!(len >= 3 * 12288, "{len}");
