@@ -436,9 +436,10 @@ struct PeerConn {
 
 /// A node of the pool (with or without a medium) and the client API over the whole pool.
 ///
-/// Blocking work (transfers, local medium calls) runs under `block_in_place` on a multi-threaded
-/// tokio runtime; on a current-thread runtime it runs inline (correct, but it stalls that runtime
-/// for the duration).
+/// Transfers, and calls on a medium that does drive IO (SSD), run on tokio's blocking pool and are
+/// awaited, so the chunks of a batch overlap them; a memory-only medium's calls run under
+/// `block_in_place` on a multi-threaded tokio runtime, and inline on a current-thread runtime
+/// (correct, but it stalls that runtime for the duration).
 #[derive(Debug)]
 pub struct PoolClient {
     config: PoolClientConfig,

@@ -374,7 +374,7 @@ impl PoolClient {
             let reqs: Vec<AllocateRequest> =
                 group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
             let start = Instant::now();
-            let results = medium_call(m, move |m| m.batch_allocate(&reqs))
+            let results = medium_call(m, self.medium_does_io(), move |m| m.batch_allocate(&reqs))
                 .await
                 .ok_or_else(|| KeyError::Failed("the medium's allocate panicked".into()))?;
             let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
@@ -479,7 +479,7 @@ impl PoolClient {
         let Some(mut client) = client else {
             let Some(m) = &self.medium else { return vec![Err(refused()); list.len()] };
             let reqs: Vec<CommitRequest> = list.iter().map(|(i, id)| CommitRequest::new(*id, items[*i].0)).collect();
-            let Some(results) = medium_call(m, move |m| m.batch_commit(&reqs)).await else {
+            let Some(results) = medium_call(m, self.medium_does_io(), move |m| m.batch_commit(&reqs)).await else {
                 return vec![Err(refused()); list.len()];
             };
             if results.iter().any(|r| r.success) {

@@ -87,17 +87,31 @@ impl Drop for MarkDone {
     }
 }
 
-/// Runs a call on this node's medium on the blocking pool and awaits it; `None` if it panicked.
+/// Runs a call on this node's medium: awaited on the blocking pool when the medium does drive IO
+/// (`drive_io`), else in place; `None` if an awaited call panicked.
 ///
-/// Not `block_in_place`: a batch's pipelined chunks are futures of one task, so a medium call that
-/// blocked the task (an SSD commit writing the drive, a resolve reading it) would stall every other
-/// chunk's route, allocate and copy for as long as the drive takes. Awaited, it overlaps them.
+/// A batch's pipelined chunks are futures of one task, so a call that blocked the task for a drive
+/// write (an SSD commit) or read (a resolve) would stall every other chunk's route, allocate and copy
+/// for as long as the drive takes; awaited, it overlaps them. A memory-only medium (DRAM, HBM)
+/// answers in microseconds, less than the hand-off to the blocking pool costs, so it runs in place
+/// (under `block_in_place` on a multi-threaded runtime).
 pub(super) async fn medium_call<R: Send + 'static>(
     medium: &Arc<dyn MediumBackend>,
+    drive_io: bool,
     f: impl FnOnce(&dyn MediumBackend) -> R + Send + 'static,
 ) -> Option<R> {
+    if !drive_io {
+        return Some(blocking(|| f(medium.as_ref())));
+    }
     let medium = Arc::clone(medium);
     offload(move || f(medium.as_ref())).await
+}
+
+impl super::PoolClient {
+    /// Whether this node's medium does drive IO in its calls (see [`medium_call`]).
+    pub(super) fn medium_does_io(&self) -> bool {
+        matches!(self.config.medium, super::Medium::Ssd(_))
+    }
 }
 
 /// Runs `f` on the blocking pool (inline without a runtime); see [`Offloaded`].
@@ -458,14 +472,14 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn medium_calls_of_one_task_overlap_instead_of_blocking_it() {
-        // Four chunks of one batch, each with a medium call that takes 300 ms (a drive write):
+        // Four chunks of one batch, each with a drive-IO medium call that takes 300 ms (a write):
         // awaited on the blocking pool they overlap; blocking the task would take 1.2 s.
         let medium: Arc<dyn MediumBackend> =
             Arc::new(umbp_testkit::MockBackend::new(umbp_testkit::MockConfig::default()));
         let start = std::time::Instant::now();
         let calls = (0..4)
             .map(|i| {
-                medium_call(&medium, move |m| {
+                medium_call(&medium, true, move |m| {
                     std::thread::sleep(Duration::from_millis(300));
                     (i, m.tier())
                 })
@@ -475,6 +489,7 @@ mod tests {
         let took = start.elapsed();
         assert_eq!(out.iter().map(|o| o.map(|(i, _)| i)).collect::<Vec<_>>(), [Some(0), Some(1), Some(2), Some(3)]);
         assert!(took < Duration::from_millis(900), "the calls ran one after another: {took:?}");
-        assert_eq!(medium_call(&medium, |_| -> u8 { panic!("boom") }).await, None, "a panic is None");
+        assert_eq!(medium_call(&medium, true, |_| -> u8 { panic!("boom") }).await, None, "a panic is None");
+        assert_eq!(medium_call(&medium, false, |m| m.tier()).await, Some(medium.tier()), "in place");
     }
 }
