@@ -292,6 +292,17 @@ fn main() {
                     stats.compaction_moved,
                     stats.segments_reclaimed
                 );
+                // Each round's own ratios (ours over the baseline of the same round): pooled over
+                // runs, a steadier figure than one run's ratio of medians on a noisy disk.
+                let paired = |ours: &[f64], base: &[f64]| {
+                    ours.iter().zip(base).map(|(o, b)| format!("{:.2}", o / b)).collect::<Vec<_>>().join(" ")
+                };
+                eprintln!(
+                    "paired {engine} {} {batch} put: {} | get: {}",
+                    size / MIB,
+                    paired(&put, &rw),
+                    paired(&get, &rr)
+                );
                 b.shutdown();
                 drop(b);
                 let _ = std::fs::remove_dir_all(&cell_dir);

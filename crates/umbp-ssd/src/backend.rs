@@ -1674,6 +1674,56 @@ impl Inner {
         }
     }
 
+    /// `write_jobs` for an engine that overlaps: the values go to the drive first; while they
+    /// move, the CRCs are computed and the headers encoded, and the headers follow in the same
+    /// ring. A record whose header did not land is no record: a scan stops at its header block.
+    fn write_jobs_overlapped(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
+        let mut values = Vec::with_capacity(jobs.len());
+        let mut headers = Vec::with_capacity(jobs.len());
+        let mut which = Vec::with_capacity(jobs.len());
+        for (j, job) in jobs.iter_mut().enumerate() {
+            match job.file.file() {
+                Ok(f) => {
+                    let segs = self.page_segments(published, &job.pages, job.size);
+                    // SAFETY: the staging pages belong to the committing slot (its writer is done;
+                    // the checksum only reads them); the header buffer is filled by the checksum
+                    // step before its op is handed to the kernel (`submit_split`'s contract) and
+                    // not touched after; `f` stays open through `job.file`.
+                    values.push(unsafe { IoOp::new(f, job.loc.offset + job.header.len() as u64, &segs, true) });
+                    // SAFETY: as above.
+                    headers.push(unsafe {
+                        IoOp::new(f, job.loc.offset, &[(job.header.as_mut_ptr(), job.header.len())], true)
+                    });
+                    which.push(j);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot open a segment to write"),
+            }
+        }
+        let split = values.len();
+        values.extend(headers);
+        let mut ops = values;
+        {
+            let mut checksum = || {
+                for &j in &which {
+                    let job = &mut jobs[j];
+                    let crc = self.crc_of(published, &job.key, &job.pages, job.size);
+                    record::encode_header(job.header.as_mut_slice(), &job.key, job.size, job.loc.seq, crc);
+                }
+            };
+            engine.submit_split(&mut ops, split, &mut checksum);
+        }
+        let mut results: Vec<Option<io::Result<()>>> = Vec::with_capacity(jobs.len());
+        results.resize_with(jobs.len(), || None);
+        for (k, &j) in which.iter().enumerate() {
+            let value = std::mem::replace(&mut ops[k].result, Ok(()));
+            let header = std::mem::replace(&mut ops[split + k].result, Ok(()));
+            results[j] = Some(value.and(header));
+        }
+        for (job, result) in jobs.iter_mut().zip(results) {
+            self.count_write(job, result);
+        }
+    }
+
     /// Sets a write job's outcome (`None`: it never reached the drive) and counts it.
     fn count_write(&self, job: &mut Job, result: Option<io::Result<()>>) {
         job.outcome = match result {
@@ -1713,7 +1763,6 @@ impl Inner {
         &self,
         published: &Published,
         jobs: &mut [Job],
-        base: usize,
         ops: &mut Vec<IoOp>,
         carried: &mut Vec<(std::ops::Range<usize>, Option<usize>)>,
     ) {
@@ -1737,37 +1786,42 @@ impl Inner {
                     None
                 }
             };
-            carried.push((run.start + base..run.end + base, op));
+            carried.push((run, op));
         }
     }
 
-    /// Writes the records of `jobs` from their staging pages (no lock held). Records the batch
-    /// reserved side by side go out as one write (one system call, one drive request: a lone
-    /// appender pays ext4's per-write costs once per run, not once per record). With an engine
-    /// that overlaps, the first record goes out as soon as its header is encoded and the rest are
-    /// checksummed while it is in flight, so the checksums cost the batch no drive time.
+    /// Writes the records of `jobs` from their staging pages (no lock held).
+    ///
+    /// A batch of several records with an engine that overlaps goes out as concurrent writes
+    /// (see [`write_jobs_overlapped`](Self::write_jobs_overlapped)), so its segments are sized
+    /// first: appends would queue behind each other. Otherwise the records are checksummed, then
+    /// those reserved side by side go out as one write each run (one system call; a lone appender
+    /// pays ext4's per-write costs once per run).
     fn write_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
         for job in jobs.iter() {
             self.zero_padding(published, &job.pages, job.size);
+        }
+        let total: u64 = jobs.iter().map(|j| j.size).sum();
+        if engine.overlaps() && jobs.len() > 1 && total >= OVERLAP_MIN {
+            for job in jobs.iter() {
+                job.file.size_for_shared_writes();
+            }
+            self.write_jobs_overlapped(engine, published, jobs);
+            return;
+        }
+        for job in jobs.iter() {
             if job.shared {
                 job.file.size_for_shared_writes();
             }
         }
-        let total: u64 = jobs.iter().map(|j| j.size).sum();
-        let first = if engine.overlaps() && jobs.len() > 1 && total >= OVERLAP_MIN { 1 } else { jobs.len() };
-        let (head, tail) = jobs.split_at_mut(first);
-        self.encode_headers(published, head);
+        self.encode_headers(published, jobs);
         let mut ops = Vec::new();
         let mut carried = Vec::new();
-        // SAFETY: the headers are the jobs' own buffers, filled before their ops are submitted
-        // (`head`'s now, `tail`'s by `meanwhile`, which `submit_split` runs before it submits
-        // them) and not touched afterwards; the staging pages belong to the committing slots
-        // (their writers are done; checksumming only reads them).
-        unsafe { self.push_write_ops(published, head, 0, &mut ops, &mut carried) };
-        let split = ops.len();
-        // SAFETY: as above.
-        unsafe { self.push_write_ops(published, tail, first, &mut ops, &mut carried) };
-        engine.submit_split(&mut ops, split, &mut || self.encode_headers(published, tail));
+        // SAFETY: the headers are the jobs' own buffers, encoded above and not touched until the
+        // submit returns; the staging pages belong to the committing slots (their writers are
+        // done).
+        unsafe { self.push_write_ops(published, jobs, &mut ops, &mut carried) };
+        engine.submit(&mut ops);
         for (run, op) in carried {
             for job in &mut jobs[run] {
                 let result = op.map(|i| match &ops[i].result {

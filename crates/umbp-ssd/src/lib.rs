@@ -33,9 +33,9 @@
 //!
 //! Drive IO goes through one of two engines chosen by [`IoEngineKind`]: `psync` (`preadv` /
 //! `pwritev`, the portable default) or `io_uring` (a batch of records in one submission; for large
-//! batches the CRC is computed while the drive works: the first record goes out while the rest are
-//! checksummed, and reads arrive in chunks checked as they land). Either way the records a batch
-//! reserved side by side go out as one write. io_uring keeps at most
+//! batches the CRC is computed while the drive works: values go out before their headers, and reads
+//! arrive in chunks checked as they land). Otherwise the records a batch reserved side by side go
+//! out as one write. io_uring keeps at most
 //! [`SsdConfigBuilder::io_uring_rings`] rings (default 8), the staging arena registered with each
 //! once; a batch that finds them all busy waits for one. Both use `O_DIRECT` where the directory's filesystem
 //! allows it (probed) and buffered IO otherwise. A segment's blocks are allocated when it is
