@@ -4,6 +4,7 @@
 //! a miss is allowed (the key may have been evicted), wrong bytes never are. Each io engine.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend};
@@ -11,6 +12,9 @@ use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig, Watermarks};
 use umbp_testkit::LocalOnlyRegistrar;
 
 const PAGE: u64 = 8192;
+/// The least work a run must do to count: verified puts and reads over all threads.
+const MIN_PUTS: u64 = 50;
+const MIN_HITS: u64 = 10;
 
 fn pattern(thread: usize, key: usize, version: u32, len: usize) -> Vec<u8> {
     let seed = (thread as u32).wrapping_mul(0x9E37_79B9) ^ (key as u32).wrapping_mul(0x85EB_CA6B) ^ version;
@@ -34,16 +38,23 @@ fn run(engine: IoEngineKind) {
     let b = Arc::new(SsdBackend::new(config.clone()));
     b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
     let base = b.buffer_ref(0).and_then(|r| r.local_region().map(|l| l.ptr().as_ptr() as usize)).expect("arena");
-    let deadline = Instant::now() + Duration::from_millis(1500);
+    // At least 1.5 s, and on a loaded machine longer (up to 20 s) until the run has done enough
+    // work to mean something: a time bound alone once left the io_uring leg with too few reads.
+    let (deadline, hard_deadline) =
+        (Instant::now() + Duration::from_millis(1500), Instant::now() + Duration::from_secs(20));
+    let (all_puts, all_hits) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let threads: Vec<_> = (0..4)
         .map(|t| {
             let b = Arc::clone(&b);
+            let (all_puts, all_hits) = (Arc::clone(&all_puts), Arc::clone(&all_hits));
             std::thread::spawn(move || {
                 let base = base as *mut u8;
                 let mut versions = [0u32; 16];
                 let (mut puts, mut hits) = (0u64, 0u64);
                 let mut step = 0usize;
-                while Instant::now() < deadline {
+                let enough =
+                    || all_puts.load(Ordering::Relaxed) > MIN_PUTS && all_hits.load(Ordering::Relaxed) > MIN_HITS;
+                while Instant::now() < deadline || (!enough() && Instant::now() < hard_deadline) {
                     step += 1;
                     let k = (step * 7 + t) % versions.len();
                     let key = format!("t{t}-k{k}");
@@ -70,6 +81,7 @@ fn run(engine: IoEngineKind) {
                                 if c.bytes_committed == len as u64 {
                                     versions[k] += 1;
                                     puts += 1;
+                                    all_puts.fetch_add(1, Ordering::Relaxed);
                                 }
                             }
                             // Owned already (only this thread writes the key): evict, write later.
@@ -95,6 +107,7 @@ fn run(engine: IoEngineKind) {
                             let want = pattern(t, k, versions[k], r.size as usize);
                             assert!(got == want, "{key}: read back bytes of another version or key");
                             hits += 1;
+                            all_hits.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                     if step.is_multiple_of(50) {
@@ -119,7 +132,7 @@ fn run(engine: IoEngineKind) {
     }
     let s = b.stats();
     eprintln!("{engine}: {puts} puts, {hits} verified reads, {s:?}");
-    assert!(puts > 50 && hits > 10, "{engine}: too little work: {puts} puts, {hits} reads");
+    assert!(puts > MIN_PUTS && hits > MIN_HITS, "{engine}: too little work in 20 s: {puts} puts, {hits} reads");
     assert!(s.evicted > 0, "{engine}: the drive never filled: {s:?}");
     assert!(s.device_reads > 0, "{engine}: no read reached the drive: {s:?}");
     assert!(b.capacity().available_bytes <= b.capacity().total_bytes);
