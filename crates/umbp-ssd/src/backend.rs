@@ -1792,17 +1792,20 @@ impl Inner {
 
     /// Writes the records of `jobs` from their staging pages (no lock held).
     ///
-    /// A batch of several records with an engine that overlaps goes out as concurrent writes
-    /// (see [`write_jobs_overlapped`](Self::write_jobs_overlapped)), so its segments are sized
-    /// first: appends would queue behind each other. Otherwise the records are checksummed, then
-    /// those reserved side by side go out as one write each run (one system call; a lone appender
-    /// pays ext4's per-write costs once per run).
+    /// With an engine that overlaps, large values go out as concurrent writes from registered
+    /// buffers (see [`write_jobs_overlapped`](Self::write_jobs_overlapped)), so their segments
+    /// are sized first: appends would queue behind each other. (A record written as one
+    /// header-and-value request instead pins every staging page per request and checksums before
+    /// writing: io_uring single 1 MiB puts measured 0.67 of raw that way, 0.76 this way.)
+    /// Otherwise the records are checksummed, then those reserved side by side go out as one
+    /// write each run (one system call; a lone appender pays ext4's per-write costs once per
+    /// run).
     fn write_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
         for job in jobs.iter() {
             self.zero_padding(published, &job.pages, job.size);
         }
         let total: u64 = jobs.iter().map(|j| j.size).sum();
-        if engine.overlaps() && jobs.len() > 1 && total >= OVERLAP_MIN {
+        if engine.overlaps() && total >= OVERLAP_MIN {
             for job in jobs.iter() {
                 job.file.size_for_shared_writes();
             }

@@ -41,8 +41,9 @@
 //! allows it (probed) and buffered IO otherwise. A segment's blocks are allocated when it is
 //! created (`fallocate`, keeping the file's size), so a lone writer appends into blocks already
 //! there — ext4's cheapest path for `O_DIRECT` writes to new space; once a write finds another
-//! caller's write in flight in its segment, the file's size is raised to the whole segment, so
-//! neighbouring writes no longer queue behind each other as appends do.
+//! caller's write in flight in its segment (or io_uring writes a large batch's values and headers
+//! side by side), the file's size is raised to the whole segment, so neighbouring writes no longer
+//! queue behind each other as appends do.
 //!
 //! # Durability
 //! What a restart recovers, exactly (the process-crash case is pinned by `tests/crash_restart.rs`):
