@@ -25,5 +25,5 @@ mod source;
 
 pub use allocator::{AllocatorError, PageBitmapAllocator};
 pub use backend::{CopyPin, CopySegment, PageBackend, PageBackendConfig, make_page_backend};
-pub use host::{HostMemoryOptions, HostPageMemorySource};
+pub use host::{HostMemoryOptions, HostPageMemorySource, HostRegion};
 pub use source::{PageMemorySource, RawBuffer, SourceError};
