@@ -444,6 +444,8 @@ struct PeerConn {
 pub struct PoolClient {
     config: PoolClientConfig,
     medium: Option<Arc<dyn MediumBackend>>,
+    /// Whether the medium's calls do drive IO (set by the medium switch; see `medium_call`).
+    medium_drive_io: bool,
     engine: Arc<CompositeTransferEngine>,
     data_endpoint: String,
     master: Arc<MasterClient>,
@@ -530,8 +532,9 @@ impl PoolClient {
                 .map_err(|e| PoolError::Transfer(e.to_string()))?,
         );
         // The medium switch: one arm per medium. Adding a medium adds an arm here and nowhere else.
-        let medium: Option<Arc<dyn MediumBackend>> = match &config.medium {
-            Medium::None => None,
+        // Each arm also says whether the medium's calls do drive IO (see `medium_call`).
+        let (medium, medium_drive_io): (Option<Arc<dyn MediumBackend>>, bool) = match &config.medium {
+            Medium::None => (None, false),
             Medium::Dram(dram) => {
                 let backend_config =
                     PageBackendConfig::new(TierType::Dram, config.page_size, vec![dram.capacity_bytes])
@@ -543,7 +546,7 @@ impl PoolClient {
                     prefault: dram.prefault,
                     ..HostMemoryOptions::default()
                 });
-                Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?))
+                (Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?)), false)
             }
             Medium::Hbm(hbm) => {
                 let runtime =
@@ -557,7 +560,7 @@ impl PoolClient {
                     backend_config,
                 )
                 .map_err(|e| PoolError::Config(format!("hbm medium: {e}")))?;
-                Some(Arc::from(backend))
+                (Some(Arc::from(backend)), false)
             }
             Medium::Ssd(ssd) => {
                 let ssd_config = umbp_ssd::SsdConfig::builder(ssd.dirs.iter().cloned())
@@ -572,7 +575,7 @@ impl PoolClient {
                     .cache_committed(ssd.cache_committed)
                     .build()
                     .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
-                Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config)))
+                (Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config))), true)
             }
         };
         // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
@@ -660,6 +663,7 @@ impl PoolClient {
         Ok(Self {
             config,
             medium,
+            medium_drive_io,
             engine,
             data_endpoint,
             master,
