@@ -62,7 +62,7 @@ CONFIGURATION
     peer_port = 0                       # 0: any free port
     data_port = 0
     prefault = true                     # touch every page of the medium at start-up
-    hugepages = false
+    hugepages = false                   # hugetlb pages (transparent huge pages are advised either way)
     numa_node = 0                       # default: no binding
     recache = \"16MiB\"                   # re-cache remote fetches: \"off\", \"always\" or a size cap
     read_lease = \"500ms\"

@@ -76,7 +76,8 @@ pub enum Medium {
 pub struct DramConfig {
     /// Bytes of host memory to lend. Default: 4 GiB.
     pub capacity_bytes: u64,
-    /// Use hugetlb pages (falls back to transparent huge pages). Default: false.
+    /// Use hugetlb pages (reserved in `/proc/sys/vm/nr_hugepages`). Without them, or when none are
+    /// reserved, the memory is still advised for transparent huge pages. Default: false.
     pub use_hugepages: bool,
     /// Bind the memory to this NUMA node. Default: none.
     pub numa_node: Option<u32>,
