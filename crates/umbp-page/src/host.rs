@@ -243,6 +243,8 @@ impl HostPageMemorySource {
 pub struct HostRegion {
     source: HostPageMemorySource,
     buffer: RawBuffer,
+    /// Where the region starts in `buffer`: its first huge-page boundary.
+    offset: usize,
     len: usize,
 }
 
@@ -250,29 +252,38 @@ impl HostRegion {
     /// A zeroed region of `len` bytes (more than zero). The mapping behind it is whole 2 MiB huge
     /// pages long, so that huge pages can back even a short region, as they back a medium's arena.
     pub fn new(len: usize) -> Result<Self, SourceError> {
+        if len == 0 {
+            return Err(HostPageMemorySource::invalid("a region of 0 bytes".to_owned()));
+        }
         let options = HostMemoryOptions::default();
+        let huge = options.hugepage_size;
+        // One huge page more than the whole pages asked for, so the region can start on a huge-page
+        // boundary whatever address the kernel picks (older kernels do not align large mappings).
         let mapped = (len as u64)
-            .checked_next_multiple_of(options.hugepage_size)
+            .checked_next_multiple_of(huge)
+            .and_then(|l| l.checked_add(huge))
             .ok_or_else(|| HostPageMemorySource::invalid(format!("a region of {len} bytes")))?;
         let source = HostPageMemorySource::new(options);
         let buffer = source
             .allocate(&[mapped])?
             .pop()
-            .ok_or_else(|| HostPageMemorySource::invalid("a region of 0 bytes".to_owned()))?;
-        Ok(Self { source, buffer, len })
+            .ok_or_else(|| HostPageMemorySource::invalid(format!("no mapping for a region of {len} bytes")))?;
+        let offset = buffer.base().as_ptr().align_offset(huge as usize);
+        Ok(Self { source, buffer, offset, len })
     }
 
     /// The region's bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the buffer is a live read-write mapping of at least `len` bytes owned by
-        // `self.source`, unmapped only when `self` drops; `&self` keeps it alive and unwritten.
-        unsafe { std::slice::from_raw_parts(self.buffer.base().as_ptr(), self.len) }
+        // SAFETY: the buffer is a live read-write mapping of at least `offset + len` bytes (`offset`
+        // is under one huge page, which `new` mapped extra) owned by `self.source`, unmapped only
+        // when `self` drops; `&self` keeps it alive and unwritten.
+        unsafe { std::slice::from_raw_parts(self.buffer.base().as_ptr().add(self.offset), self.len) }
     }
 
     /// The region's bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.buffer.base().as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.buffer.base().as_ptr().add(self.offset), self.len) }
     }
 }
 
@@ -535,6 +546,7 @@ mod tests {
     fn a_host_region_is_zeroed_writable_and_exactly_as_long_as_asked() {
         let mut r = HostRegion::new(5000).expect("region");
         assert_eq!(r.as_slice().len(), 5000);
+        assert_eq!(r.as_slice().as_ptr() as usize % (2 << 20), 0, "starts on a huge-page boundary");
         assert!(r.as_slice().iter().all(|b| *b == 0));
         r.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
         assert!(r.as_slice().iter().enumerate().all(|(i, b)| *b == i as u8));

@@ -170,6 +170,7 @@ async fn the_local_placement_grant_follows_the_masters_replies() {
     }
     assert!(client.local_puts_granted(), "the re-registration's reply grants it again");
     client.shutdown().await.expect("shutdown");
+    assert!(!client.local_puts_granted(), "no master hears of a shut-down node's writes");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -69,7 +69,9 @@ pub enum Affinity {
     /// The master also grants every node that lends a medium *local placement* (`local_puts` in the
     /// register and heartbeat replies): such a node writes its own puts to its own medium without a
     /// route call and routes only the keys its medium refuses. What that gives up is cross-node
-    /// dedup: a key another node already holds gets a second replica on the writer.
+    /// dedup: a key another node already holds gets a second replica on the writer, with the
+    /// writer's bytes (the same bytes for content-addressed keys; otherwise the first writer wins per
+    /// node, not across the pool).
     Local,
 }
 

@@ -368,8 +368,10 @@ impl MasterClient {
     /// Whether the master granted this node local placement: its put policy (`local` affinity) would
     /// place this node's own puts on this node's medium whenever that has room, so `PoolClient` may
     /// write them there without a route call (a key the medium refuses is routed as usual). Taken from
-    /// the last register or heartbeat reply; cleared when the master answers `UNKNOWN`, kept through
-    /// an outage (the local writes reach the master by the full sync that follows it).
+    /// the last register or heartbeat reply; cleared when the master answers `UNKNOWN` and by
+    /// [`unregister`](Self::unregister) and [`shutdown`](Self::shutdown); kept through an outage (the
+    /// local writes reach the master by the full sync that follows it, so other nodes may not find
+    /// them until then).
     pub fn local_puts_granted(&self) -> bool {
         self.inner.local_puts.load(Ordering::Relaxed)
     }
@@ -422,6 +424,8 @@ impl MasterClient {
     /// The loop stays stopped even if the call fails; [`register`](Self::register) and
     /// [`start_heartbeat`](Self::start_heartbeat) may rejoin later.
     pub async fn unregister(&self) -> Result<(), MasterClientError> {
+        // No master hears of this node's writes from now on: its puts must ask again.
+        self.inner.local_puts.store(false, Ordering::Relaxed);
         self.stop_loop().await;
         self.inner.unregister(self.inner.config.rpc_timeout).await
     }
@@ -436,6 +440,7 @@ impl MasterClient {
         if self.inner.shut_down.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
+        self.inner.local_puts.store(false, Ordering::Relaxed);
         let started = tokio::time::Instant::now();
         let budget = self.inner.config.shutdown_timeout;
         self.inner.shutdown.send_replace(true);

@@ -81,7 +81,8 @@ impl PoolClient {
     }
 
     /// Writes every `(key, value)`; one result per item, in order. A key the pool already holds counts
-    /// as written. A key repeated in the batch is written once (its first value) and every repeat gets
+    /// as written (on a node granted local placement — `local` put affinity — a key only another node
+    /// holds is written here too, with these bytes: the first writer wins per node, not pool-wide). A key repeated in the batch is written once (its first value) and every repeat gets
     /// that write's result.
     pub async fn batch_put(&self, items: &[(&str, &[u8])]) -> Vec<Result<(), KeyError>> {
         let bufs: Vec<(&str, CallerBuf)> = items.iter().map(|(k, v)| (*k, CallerBuf::of(v))).collect();
@@ -153,17 +154,21 @@ impl PoolClient {
     async fn put_chunk(&self, items: &[(&str, CallerBuf)], chunk: &[usize]) -> PutState {
         let mut st = PutState::default();
         let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
-        for attempt in 0..=self.config.max_reroutes {
+        // A granted local round comes on top of the routed ones: a key the medium refuses still
+        // gets the master's placement (and its re-routes), even with `max_reroutes` 0.
+        let granted = self.medium.is_some() && self.master.local_puts_granted();
+        for attempt in 0..=self.config.max_reroutes + u32::from(granted) {
             let pending: Vec<usize> = chunk.iter().copied().filter(|i| !st.results.contains_key(i)).collect();
             if pending.is_empty() {
                 break;
             }
-            if attempt > 0 {
+            if attempt > u32::from(granted) {
                 StatCounters::add(&self.stats.reroutes, pending.len() as u64);
             }
-            let groups = match self.granted_local_group(&pending) {
-                Some(local) if attempt == 0 => vec![local],
-                _ => self.route_puts(items, &pending, &mut st).await,
+            let local = if attempt == 0 && granted { self.granted_local_group(&pending) } else { None };
+            let groups = match local {
+                Some(local) => vec![local],
+                None => self.route_puts(items, &pending, &mut st).await,
             };
             self.put_round(items, &groups, &mut guard, &mut st).await;
             guard.abort_all().await;
@@ -175,8 +180,9 @@ impl PoolClient {
     /// placement (its `local` affinity would route them here anyway): the first round then needs no
     /// route call, which on a node writing to itself is most of a put's control-plane cost. A key
     /// the medium refuses (full, too large) is retried with this node excluded, through the master,
-    /// as after any other refusal. A key held only by another node gets a replica here too: the
-    /// master's cross-node dedup is what the grant gives up.
+    /// as after any other refusal. A key held only by another node gets a replica here too, with
+    /// this caller's bytes: the master's cross-node dedup (first writer wins across the pool) is
+    /// what the grant gives up; within this node the first writer still wins.
     fn granted_local_group(&self, pending: &[usize]) -> Option<Group> {
         let medium = self.medium.as_ref()?;
         if !self.master.local_puts_granted() {
@@ -374,9 +380,9 @@ impl PoolClient {
             let reqs: Vec<AllocateRequest> =
                 group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
             let start = Instant::now();
-            let results = medium_call(m, self.medium_does_io(), move |m| m.batch_allocate(&reqs))
-                .await
-                .ok_or_else(|| KeyError::Failed("the medium's allocate panicked".into()))?;
+            // In place for every medium: allocation is bookkeeping (no drive IO), and slots handed
+            // out by a call this future could be dropped in the middle of would not be guarded.
+            let results = blocking(|| m.batch_allocate(&reqs));
             let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
             let allocs = results
                 .into_iter()

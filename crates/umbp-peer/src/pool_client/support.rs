@@ -87,24 +87,34 @@ impl Drop for MarkDone {
     }
 }
 
-/// Runs a call on this node's medium: awaited on the blocking pool when the medium does drive IO
-/// (`drive_io`), else in place; `None` if an awaited call panicked.
+/// Runs a call on this node's medium: on the blocking pool, awaited, when the medium does drive IO
+/// (`drive_io`), else in place; `None` if the call panicked on the pool.
 ///
 /// A batch's pipelined chunks are futures of one task, so a call that blocked the task for a drive
 /// write (an SSD commit) or read (a resolve) would stall every other chunk's route, allocate and copy
 /// for as long as the drive takes; awaited, it overlaps them. A memory-only medium (DRAM, HBM)
 /// answers in microseconds, less than the hand-off to the blocking pool costs, so it runs in place
 /// (under `block_in_place` on a multi-threaded runtime).
+///
+/// The call owns everything it touches (no caller buffer), so a dropped future does not wait for it:
+/// it runs to its end detached (a commit then settles its slots, which the dropped batch's guard's
+/// aborts leave alone; a resolve's leases lapse), and no async worker blocks on a slow drive.
 pub(super) async fn medium_call<R: Send + 'static>(
     medium: &Arc<dyn MediumBackend>,
     drive_io: bool,
     f: impl FnOnce(&dyn MediumBackend) -> R + Send + 'static,
 ) -> Option<R> {
-    if !drive_io {
+    let Some(handle) = Handle::try_current().ok().filter(|_| drive_io) else {
         return Some(blocking(|| f(medium.as_ref())));
-    }
+    };
     let medium = Arc::clone(medium);
-    offload(move || f(medium.as_ref())).await
+    match handle.spawn_blocking(move || f(medium.as_ref())).await {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::error!(error = %e, "a call on this node's medium panicked; its keys fail or miss");
+            None
+        }
+    }
 }
 
 impl super::PoolClient {
