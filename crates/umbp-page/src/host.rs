@@ -238,10 +238,11 @@ impl HostPageMemorySource {
 /// out — an anonymous mapping advised for transparent huge pages, prefaulted — for code that needs a
 /// buffer like the pool's own, such as a benchmark baseline that must pay the same per-page costs
 /// (a page pin per `O_DIRECT` request, a TLB entry per copy) as the medium it is compared with.
-/// Unmapped on drop.
+/// Unmapped on drop (its source releases its mapping).
 #[derive(Debug)]
 pub struct HostRegion {
-    source: HostPageMemorySource,
+    /// Owns the mapping: dropping it unmaps the region.
+    _source: HostPageMemorySource,
     buffer: RawBuffer,
     /// Where the region starts in `buffer`: its first huge-page boundary.
     offset: usize,
@@ -269,13 +270,13 @@ impl HostRegion {
             .pop()
             .ok_or_else(|| HostPageMemorySource::invalid(format!("no mapping for a region of {len} bytes")))?;
         let offset = buffer.base().as_ptr().align_offset(huge as usize);
-        Ok(Self { source, buffer, offset, len })
+        Ok(Self { _source: source, buffer, offset, len })
     }
 
     /// The region's bytes.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the buffer is a live read-write mapping of at least `offset + len` bytes (`offset`
-        // is under one huge page, which `new` mapped extra) owned by `self.source`, unmapped only
+        // is under one huge page, which `new` mapped extra) owned by `self._source`, unmapped only
         // when `self` drops; `&self` keeps it alive and unwritten.
         unsafe { std::slice::from_raw_parts(self.buffer.base().as_ptr().add(self.offset), self.len) }
     }
@@ -284,12 +285,6 @@ impl HostRegion {
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.buffer.base().as_ptr().add(self.offset), self.len) }
-    }
-}
-
-impl Drop for HostRegion {
-    fn drop(&mut self) {
-        self.source.release();
     }
 }
 

@@ -42,6 +42,16 @@ async fn read_back(reader: &PoolClient, keys: &[String], values: &[Vec<u8>]) {
     }
 }
 
+/// Writes every key from `writer` (each must succeed); how many keys the master routed meanwhile.
+async fn put_all(m: &MasterHandle, writer: &PoolClient, keys: &[String], values: &[Vec<u8>]) -> u64 {
+    let items: Vec<(&str, &[u8])> = keys.iter().zip(values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    let routed_before = m.stats().route_put_keys;
+    for (i, r) in writer.batch_put(&items).await.into_iter().enumerate() {
+        r.unwrap_or_else(|e| panic!("{} put {i}: {e}", writer.node_id()));
+    }
+    m.stats().route_put_keys - routed_before
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_granted_node_writes_its_own_puts_without_a_route_call() {
     let m = local_affinity_master().await;
@@ -49,12 +59,7 @@ async fn a_granted_node_writes_its_own_puts_without_a_route_call() {
     assert!(n1.master().local_puts_granted(), "a DRAM node under local affinity is granted local placement");
     let keys: Vec<String> = (0..16).map(|i| format!("granted-{i}")).collect();
     let values: Vec<Vec<u8>> = (0..16).map(|i| value(i, 2 * PAGE as usize + 11)).collect();
-    let items: Vec<(&str, &[u8])> = keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-    let routed_before = m.stats().route_put_keys;
-    for (i, r) in n1.batch_put(&items).await.into_iter().enumerate() {
-        r.unwrap_or_else(|e| panic!("put {i}: {e}"));
-    }
-    assert_eq!(m.stats().route_put_keys, routed_before, "a granted put makes no route call");
+    assert_eq!(put_all(&m, &n1, &keys, &values).await, 0, "a granted put makes no route call");
     // The heartbeat tells the master, and another node reads them over the data plane.
     indexed(&n2, &keys).await;
     read_back(&n2, &keys, &values).await;
@@ -76,14 +81,8 @@ async fn a_key_the_granted_medium_refuses_is_routed_to_another_node() {
     assert!(n1.master().local_puts_granted());
     let keys: Vec<String> = (0..8).map(|i| format!("spill-{i}")).collect();
     let values: Vec<Vec<u8>> = (0..8).map(|i| value(100 + i, 3 * PAGE as usize)).collect();
-    let items: Vec<(&str, &[u8])> = keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-    let routed_before = m.stats().route_put_keys;
-    for (i, r) in n1.batch_put(&items).await.into_iter().enumerate() {
-        r.unwrap_or_else(|e| panic!("put {i}: {e}"));
-    }
-    // At most 5 keys of 3 pages fit in 16 pages: at least 3 were refused locally and routed.
-    let routed = m.stats().route_put_keys - routed_before;
-    assert!((3..=8).contains(&routed), "{routed} keys routed; expected the ones n1 refused");
+    // 5 keys of 3 pages fit in 16 pages: the other 3 were refused locally and routed.
+    assert_eq!(put_all(&m, &n1, &keys, &values).await, 3, "exactly the keys n1 refused are routed");
     indexed(&n1, &keys).await;
     read_back(&n2, &keys, &values).await;
     read_back(&n1, &keys, &values).await;
@@ -100,12 +99,7 @@ async fn no_grant_without_local_affinity_or_without_a_medium() {
     assert!(!n1.master().local_puts_granted(), "no grant under the default affinity");
     let keys: Vec<String> = (0..4).map(|i| format!("routed-{i}")).collect();
     let values: Vec<Vec<u8>> = (0..4).map(|i| value(200 + i, PAGE as usize)).collect();
-    let items: Vec<(&str, &[u8])> = keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-    let routed_before = m.stats().route_put_keys;
-    for r in n1.batch_put(&items).await {
-        r.expect("put");
-    }
-    assert_eq!(m.stats().route_put_keys, routed_before + 4, "every put is routed without a grant");
+    assert_eq!(put_all(&m, &n1, &keys, &values).await, 4, "every put is routed without a grant");
     indexed(&n1, &keys).await;
     n1.close().await;
     m.shutdown().await;
@@ -115,11 +109,7 @@ async fn no_grant_without_local_affinity_or_without_a_medium() {
     let store = node(&m, "store", 4 << 20).await;
     let client = PoolClient::start(config(&m, "client", 0).with_medium(Medium::None)).await.expect("client starts");
     assert!(!client.master().local_puts_granted(), "a node that lends nothing is never granted");
-    let routed_before = m.stats().route_put_keys;
-    for r in client.batch_put(&items).await {
-        r.expect("put through the store node");
-    }
-    assert_eq!(m.stats().route_put_keys, routed_before + 4);
+    assert_eq!(put_all(&m, &client, &keys, &values).await, 4, "a client-only node's puts are routed");
     indexed(&client, &keys).await;
     read_back(&client, &keys, &values).await;
     client.close().await;

@@ -302,7 +302,7 @@ impl PoolClient {
         let local_keys: Vec<String> = local.iter().map(|(i, _)| keys[*i].to_owned()).collect();
         let start = Instant::now();
         // A panicked resolve reads nothing here: every key is then routed elsewhere.
-        let (resolved, refs) = medium_call(m, self.medium_does_io(), move |m| {
+        let (resolved, refs) = medium_call(m, self.medium_drive_io, move |m| {
             let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
             (m.batch_resolve(&local_keys, false), refs)
         })

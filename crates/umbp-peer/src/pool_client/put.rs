@@ -156,19 +156,19 @@ impl PoolClient {
         let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
         // A granted local round comes on top of the routed ones: a key the medium refuses still
         // gets the master's placement (and its re-routes), even with `max_reroutes` 0.
-        let granted = self.medium.is_some() && self.master.local_puts_granted();
-        for attempt in 0..=self.config.max_reroutes + u32::from(granted) {
+        let granted_tier = self.medium.as_ref().filter(|_| self.master.local_puts_granted()).map(|m| m.tier());
+        let granted = u32::from(granted_tier.is_some());
+        for attempt in 0..=self.config.max_reroutes + granted {
             let pending: Vec<usize> = chunk.iter().copied().filter(|i| !st.results.contains_key(i)).collect();
             if pending.is_empty() {
                 break;
             }
-            if attempt > u32::from(granted) {
+            if attempt > granted {
                 StatCounters::add(&self.stats.reroutes, pending.len() as u64);
             }
-            let local = if attempt == 0 && granted { self.granted_local_group(&pending) } else { None };
-            let groups = match local {
-                Some(local) => vec![local],
-                None => self.route_puts(items, &pending, &mut st).await,
+            let groups = match granted_tier {
+                Some(tier) if attempt == 0 => vec![self.local_group(tier, pending)],
+                _ => self.route_puts(items, &pending, &mut st).await,
             };
             self.put_round(items, &groups, &mut guard, &mut st).await;
             guard.abort_all().await;
@@ -176,25 +176,21 @@ impl PoolClient {
         st
     }
 
-    /// Every pending key as one group on this node's own medium, when the master granted local
-    /// placement (its `local` affinity would route them here anyway): the first round then needs no
-    /// route call, which on a node writing to itself is most of a put's control-plane cost. A key
-    /// the medium refuses (full, too large) is retried with this node excluded, through the master,
-    /// as after any other refusal. A key held only by another node gets a replica here too, with
-    /// this caller's bytes: the master's cross-node dedup (first writer wins across the pool) is
-    /// what the grant gives up; within this node the first writer still wins.
-    fn granted_local_group(&self, pending: &[usize]) -> Option<Group> {
-        let medium = self.medium.as_ref()?;
-        if !self.master.local_puts_granted() {
-            return None;
-        }
-        Some(Group {
+    /// Every pending key as one group on this node's own medium (of `tier`), for a node the master
+    /// granted local placement (its `local` affinity would route them here anyway): the first round
+    /// then needs no route call, which on a node writing to itself is most of a put's control-plane
+    /// cost. A key the medium refuses (full, too large) is retried with this node excluded, through
+    /// the master, as after any other refusal. A key held only by another node gets a replica here
+    /// too, with this caller's bytes: the master's cross-node dedup (first writer wins across the
+    /// pool) is what the grant gives up; within this node the first writer still wins.
+    fn local_group(&self, tier: TierType, pending: Vec<usize>) -> Group {
+        Group {
             node: self.config.node_id.clone(),
             // Never dialled: allocate and commit on this node go straight to the medium.
             peer: String::new(),
-            tier: medium.tier(),
-            indexes: pending.to_vec(),
-        })
+            tier,
+            indexes: pending,
+        }
     }
 
     /// Turns `NoSpace` into `TooLarge` for values larger than every medium's total capacity (one
@@ -485,7 +481,7 @@ impl PoolClient {
         let Some(mut client) = client else {
             let Some(m) = &self.medium else { return vec![Err(refused()); list.len()] };
             let reqs: Vec<CommitRequest> = list.iter().map(|(i, id)| CommitRequest::new(*id, items[*i].0)).collect();
-            let Some(results) = medium_call(m, self.medium_does_io(), move |m| m.batch_commit(&reqs)).await else {
+            let Some(results) = medium_call(m, self.medium_drive_io, move |m| m.batch_commit(&reqs)).await else {
                 return vec![Err(refused()); list.len()];
             };
             if results.iter().any(|r| r.success) {

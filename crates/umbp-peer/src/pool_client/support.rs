@@ -117,14 +117,6 @@ pub(super) async fn medium_call<R: Send + 'static>(
     }
 }
 
-impl super::PoolClient {
-    /// Whether this node's medium does drive IO in its calls (see [`medium_call`]); the medium
-    /// switch in `start` says, so adding a medium still touches one match arm.
-    pub(super) fn medium_does_io(&self) -> bool {
-        self.medium_drive_io
-    }
-}
-
 /// Runs `f` on the blocking pool (inline without a runtime); see [`Offloaded`].
 pub(super) fn offload<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> Offloaded<R> {
     let done = Arc::new(WorkDone::default());
