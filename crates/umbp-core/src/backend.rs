@@ -7,8 +7,8 @@ use crate::error::BackendError;
 use crate::metrics::MetricSource;
 use crate::transfer_ref::{MemoryRegistrar, TransferRef};
 use crate::types::{
-    AllocateRequest, AllocateResult, BufferDesc, CommitRequest, CommitResult, EvictResult, KvEvent, ResolvedEntry,
-    TierCapacity, TierType,
+    AllocateRequest, AllocateResult, BufferDesc, CommitRequest, CommitResult, EvictResult, KvEvent, ReadRelease,
+    ResolvedEntry, TierCapacity, TierType,
 };
 
 /// The callback a backend runs when its unshipped outbox reaches the auto-flush threshold.
@@ -45,6 +45,17 @@ pub type AutoFlushHook = Arc<dyn Fn() + Send + Sync>;
 /// - The auto-flush hook fires exactly once each time the unshipped outbox grows to the threshold
 ///   (length == threshold after a push); draining or snapshotting for full sync re-arms it; a
 ///   threshold of 0 disables it.
+/// - A resolve answers each key with a hit, a miss or **busy**. A miss means the medium does not own
+///   the key. Busy means it owns the key but cannot serve it now (a staged medium with every staging
+///   page held by other readers or writers): the reader waits and asks this medium again; it never
+///   treats busy as a miss or excludes the node for it. A medium that can always serve what it owns
+///   never answers busy. Running out of a resource the key needs to be served is never a miss.
+/// - Read leases are counted ([`ReadLeases`](crate::ReadLeases) is the shared table): every hit
+///   adds a reader to its key's lease and carries the lease's id; [`release_reads`](Self::release_reads)
+///   removes one reader, and the lease (the key's protection from eviction, a staged copy's hold on
+///   its pages) ends when the last reader is released or when it expires, whichever comes first. A
+///   release of a lease that already ended changes nothing. The expiry stays the safety net for a
+///   reader that died.
 pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
     // --- identity -------------------------------------------------------------------------------
 
@@ -113,8 +124,21 @@ pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
     fn batch_abort(&self, slot_ids: &[u64]) -> Vec<bool>;
 
     /// Looks each key up and takes a read lease on every hit, protecting its pages from eviction
-    /// while a reader copies. Misses take no lease. One entry per key, in request order.
+    /// while a reader copies (the hit's [`lease`](ResolvedEntry::lease) names it). Misses and busy
+    /// answers take no lease. One entry per key, in request order.
     fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry>;
+
+    /// The reader finished copying these hits: each removes one reader from the lease it names, and
+    /// a lease whose last reader is gone ends now (its key may be evicted, a staged copy's pages
+    /// reused) instead of at its expiry. Call it once per hit, after the copy completed (or failed):
+    /// releasing a hit whose copy still runs lets its pages be reused under it. Unknown keys, lease
+    /// 0 and leases that already ended are ignored.
+    ///
+    /// The default does nothing: the leases simply expire (correct, but it holds pages for the
+    /// whole lease).
+    fn release_reads(&self, reads: &[ReadRelease]) {
+        let _ = reads;
+    }
 
     /// Whether the medium owns each key: an existence check, which reads no value. One answer per
     /// key, in request order. The default resolves without descriptors (a hit's read lease lapses

@@ -45,5 +45,6 @@ pub use registry::{BackendRegistry, drain_all_backends, snapshot_all_backends_fo
 pub use transfer_ref::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegion, TransferRef};
 pub use types::{
     AllocateOutcome, AllocateRequest, AllocateResult, BufferDesc, CommitRequest, CommitResult, EvictResult, KvEvent,
-    KvEventKind, MAX_BACKENDS_PER_PEER, PageLocation, ResolvedEntry, TierCapacity, TierType,
+    KvEventKind, MAX_BACKENDS_PER_PEER, PageLocation, ReadLease, ReadLeases, ReadRelease, ResolvedEntry, TierCapacity,
+    TierType,
 };

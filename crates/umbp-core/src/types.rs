@@ -216,10 +216,18 @@ pub struct CommitResult {
 }
 
 /// Where a key's bytes are, as answered by a resolve.
+///
+/// Three answers: a **hit** (`found`, with pages and a read lease), a **miss** (the medium does not
+/// own the key: look elsewhere) and **busy** (`busy`: the medium owns the key but cannot serve it
+/// right now, e.g. every staging page is in use by other readers; retry *this* medium after a short
+/// wait, do not exclude it and do not report the key as missing).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ResolvedEntry {
-    /// Whether the medium owns the key. A miss carries nothing else.
+    /// Whether the medium owns the key and serves it now. A miss or busy entry carries nothing else.
     pub found: bool,
+    /// The medium owns the key but cannot serve it now: retry here (never set together with
+    /// `found`).
+    pub busy: bool,
     /// The pages, in value order.
     pub pages: Vec<PageLocation>,
     /// Value size in bytes.
@@ -228,12 +236,143 @@ pub struct ResolvedEntry {
     pub page_size: u64,
     /// Buffer descriptors for the pages (empty when not requested or on a miss).
     pub descs: Vec<BufferDesc>,
+    /// The read lease this hit holds, to hand back in a [`ReadRelease`] once the copy is done; 0 on
+    /// a miss, on busy, and from a medium whose leases only lapse.
+    pub lease: u64,
 }
 
 impl ResolvedEntry {
     /// A miss.
     pub fn miss() -> Self {
         Self::default()
+    }
+
+    /// Busy: the key is here, but cannot be served now; retry this medium shortly.
+    pub fn busy() -> Self {
+        Self { busy: true, ..Self::default() }
+    }
+}
+
+/// A reader is done copying one hit: the read it held on `key` under lease `lease` (the hit's
+/// [`ResolvedEntry::lease`]) may end now instead of at the lease's expiry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ReadRelease {
+    /// The key that was read.
+    pub key: String,
+    /// The lease the hit carried.
+    pub lease: u64,
+}
+
+impl ReadRelease {
+    /// A release of one hit.
+    pub fn new(key: impl Into<String>, lease: u64) -> Self {
+        Self { key: key.into(), lease }
+    }
+}
+
+/// The read leases of one medium, counted: each hit of a key adds a reader to the key's current
+/// lease (starting one, with a fresh id, when none is live); a release removes one reader of the
+/// lease it names, and the lease ends when its last reader is gone. A release naming a lease that
+/// already ended (lapsed, or released to zero and replaced) changes nothing, so a late reader can
+/// never end a later reader's lease.
+///
+/// Shared by the media so every one counts the same way; it holds no clock and no lock (the
+/// medium's state lock guards it).
+#[derive(Debug, Clone, Default)]
+pub struct ReadLeases {
+    by_key: std::collections::HashMap<String, ReadLease>,
+    next_id: u64,
+}
+
+/// One key's live read lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLease {
+    /// The id hits carry (never 0).
+    pub id: u64,
+    /// Until when it protects the key whatever its readers do (the safety net for a reader that
+    /// died).
+    pub until: std::time::Instant,
+    /// Hits not yet released.
+    pub readers: u32,
+}
+
+impl ReadLeases {
+    /// A fresh lease id (never 0).
+    pub fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// Adds a reader to `key`'s lease live at `now` (extending it to `until`), or starts a lease;
+    /// returns the lease id the hit carries.
+    pub fn acquire(&mut self, key: &str, now: std::time::Instant, until: std::time::Instant) -> u64 {
+        if let Some(l) = self.by_key.get_mut(key)
+            && l.until > now
+        {
+            l.readers = l.readers.saturating_add(1);
+            l.until = l.until.max(until);
+            return l.id;
+        }
+        let id = self.next_id();
+        self.by_key.insert(key.to_owned(), ReadLease { id, until, readers: 1 });
+        id
+    }
+
+    /// Removes one reader of lease `id` on `key`; returns whether the lease ended (its last reader
+    /// released it). A lease that is not `key`'s live one is left alone.
+    pub fn release(&mut self, key: &str, id: u64, now: std::time::Instant) -> bool {
+        let Some(l) = self.by_key.get_mut(key) else { return false };
+        if id == 0 || l.id != id || l.until <= now {
+            return false;
+        }
+        l.readers = l.readers.saturating_sub(1);
+        if l.readers == 0 {
+            self.by_key.remove(key);
+            return true;
+        }
+        false
+    }
+
+    /// Whether `key` has a live lease at `now` (an expired one is dropped).
+    pub fn active(&mut self, key: &str, now: std::time::Instant) -> bool {
+        match self.by_key.get(key) {
+            Some(l) if l.until > now => true,
+            Some(_) => {
+                self.by_key.remove(key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// `key`'s live lease at `now`, if any.
+    pub fn get(&self, key: &str, now: std::time::Instant) -> Option<ReadLease> {
+        self.by_key.get(key).copied().filter(|l| l.until > now)
+    }
+
+    /// Drops every lease that ended by `now`.
+    pub fn sweep(&mut self, now: std::time::Instant) {
+        self.by_key.retain(|_, l| l.until > now);
+    }
+
+    /// Removes `key`'s lease (whatever its state) and returns it.
+    pub fn remove(&mut self, key: &str) -> Option<ReadLease> {
+        self.by_key.remove(key)
+    }
+
+    /// Empties the table, handing back every lease by key (ids keep counting up).
+    pub fn take(&mut self) -> std::collections::HashMap<String, ReadLease> {
+        std::mem::take(&mut self.by_key)
+    }
+
+    /// How many keys hold a lease (live or not yet swept).
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Whether no key holds a lease.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
     }
 }
 
@@ -306,6 +445,38 @@ mod tests {
     fn page_locations_order_lexicographically() {
         assert!(PageLocation::new(0, 5) < PageLocation::new(1, 0));
         assert!(PageLocation::new(1, 0) < PageLocation::new(1, 1));
+    }
+
+    #[test]
+    fn read_leases_count_readers_and_ignore_stale_releases() {
+        let t0 = std::time::Instant::now();
+        let lease = std::time::Duration::from_secs(3);
+        let mut l = ReadLeases::default();
+        let a = l.acquire("k", t0, t0 + lease);
+        let b = l.acquire("k", t0, t0 + lease);
+        assert_eq!(a, b, "two readers of one live lease share its id");
+        assert_ne!(a, 0);
+        assert!(!l.release("k", a, t0), "one of two readers released: the lease stays");
+        assert!(l.active("k", t0));
+        assert!(l.release("k", a, t0), "the last reader ends it");
+        assert!(!l.active("k", t0));
+        // A lease that lapsed is replaced; the old one's late release leaves the new one alone.
+        let old = l.acquire("k", t0, t0 + lease);
+        let later = t0 + lease * 2;
+        let new = l.acquire("k", later, later + lease);
+        assert_ne!(old, new, "a lapsed lease is not extended");
+        assert!(!l.release("k", old, later), "a stale release");
+        assert!(l.active("k", later), "the new reader is still protected");
+        assert!(!l.release("k", 0, later) && !l.release("other", new, later), "unknown ids and keys");
+        assert!(l.release("k", new, later));
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn a_busy_entry_is_neither_a_hit_nor_a_miss() {
+        let b = ResolvedEntry::busy();
+        assert!(b.busy && !b.found && b.pages.is_empty() && b.lease == 0);
+        assert_ne!(b, ResolvedEntry::miss());
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //!               │                 │
 //!               ├─abort / TTL / pre-clear commit ─► freed silently
 //!               │                 └─clear_local─► freed now, or deferred to its lease's end (no event)
-//! overlays on OWNED: read lease (TTL, blocks evict) · copy pin (no TTL, blocks evict)
+//! overlays on OWNED: read lease (counted readers, ends at the last release or its TTL; blocks
+//!                   evict) · copy pin (no TTL, blocks evict)
 //! ```
 
 use std::fmt;
@@ -22,7 +23,8 @@ use parking_lot::{Mutex, RwLock};
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, Clock, CommitRequest,
     CommitResult, EventOutbox, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryRegistrar, MetricSample,
-    MetricSource, PageLocation, ResolvedEntry, SystemClock, TierCapacity, TierType, TransferRef, metric_names,
+    MetricSource, PageLocation, ReadLeases, ReadRelease, ResolvedEntry, SystemClock, TierCapacity, TierType,
+    TransferRef, metric_names,
 };
 
 use crate::allocator::PageBitmapAllocator;
@@ -202,6 +204,8 @@ struct Pin {
 struct Deferred {
     pages: Vec<PageLocation>,
     release_at: Instant,
+    /// The read lease (key, id) whose last release frees the pages before `release_at`.
+    lease: Option<(String, u64)>,
 }
 
 /// The pages of a key dropped by `clear_local` while a copier held its pin: they stay reserved until
@@ -221,7 +225,7 @@ struct State {
     allocator: Option<PageBitmapAllocator>,
     pending: HashMap<u64, Pending>,
     owned: HashMap<String, Owned>,
-    leases: HashMap<String, Instant>,
+    leases: ReadLeases,
     pins: HashMap<String, Pin>,
     /// Pins of keys that `clear_local` dropped, by token.
     orphaned_pins: HashMap<u64, OrphanedPin>,
@@ -243,14 +247,7 @@ impl State {
     }
 
     fn lease_active(&mut self, key: &str, now: Instant) -> bool {
-        match self.leases.get(key) {
-            Some(until) if *until > now => true,
-            Some(_) => {
-                self.leases.remove(key);
-                false
-            }
-            None => false,
-        }
+        self.leases.active(key, now)
     }
 
     /// Returns the pending slots it reaped and their pages.
@@ -264,7 +261,7 @@ impl State {
                 reaped.1 += p.pages.len() as u64;
             }
         }
-        self.leases.retain(|_, until| *until > now);
+        self.leases.sweep(now);
         for (key, pin) in &mut self.pins {
             if !pin.warned && now.saturating_duration_since(pin.acquired_at) >= long_pin {
                 pin.warned = true;
@@ -462,7 +459,7 @@ impl PageBackend {
             if orphan.not_before <= now {
                 state.free(&orphan.pages);
             } else {
-                state.deferred.push(Deferred { pages: orphan.pages, release_at: orphan.not_before });
+                state.deferred.push(Deferred { pages: orphan.pages, release_at: orphan.not_before, lease: None });
             }
         }
     }
@@ -704,10 +701,12 @@ impl MediumBackend for PageBackend {
             tracing::error!(tier = %self.inner.config.tier, pins = state.pins.len(), "clear_local with copy pins held; their pages stay reserved until released");
         }
         let owned = std::mem::take(&mut state.owned);
-        let leases = std::mem::take(&mut state.leases);
+        // Leases stay in the table: a reader still copying out of a dropped key's pages ends its
+        // lease by releasing it, which frees the deferred pages at once.
         let mut pins = std::mem::take(&mut state.pins);
         for (key, o) in owned {
-            let lease = leases.get(&key).copied().filter(|until| *until > now);
+            let live = state.leases.get(&key, now);
+            let lease = live.map(|l| l.until);
             if let Some(pin) = pins.remove(&key) {
                 let orphan = OrphanedPin {
                     pages: o.pages,
@@ -720,7 +719,11 @@ impl MediumBackend for PageBackend {
             }
             match lease {
                 // A reader may still be copying out of these pages: free them when its lease ends.
-                Some(until) => state.deferred.push(Deferred { pages: o.pages, release_at: until }),
+                Some(until) => state.deferred.push(Deferred {
+                    pages: o.pages,
+                    release_at: until,
+                    lease: live.map(|l| (key, l.id)),
+                }),
                 None => state.free(&o.pages),
             }
         }
@@ -847,7 +850,8 @@ impl MediumBackend for PageBackend {
         }
         let config = &self.inner.config;
         let published = if include_descs { self.inner.published.read().clone() } else { None };
-        let lease_until = config.clock.now() + config.read_lease_ttl;
+        let now = config.clock.now();
+        let lease_until = now + config.read_lease_ttl;
         let mut state = self.inner.state.lock();
         let mut results = Vec::with_capacity(keys.len());
         for key in keys {
@@ -855,22 +859,43 @@ impl MediumBackend for PageBackend {
                 results.push(ResolvedEntry::miss());
                 continue;
             };
-            let entry = ResolvedEntry {
+            let mut entry = ResolvedEntry {
                 found: true,
                 pages: owned.pages.clone(),
                 size: owned.size,
                 page_size: config.page_size,
                 descs: Inner::descs_for_pages(published.as_deref(), &owned.pages),
+                ..ResolvedEntry::default()
             };
-            match state.leases.get_mut(key) {
-                Some(until) => *until = (*until).max(lease_until),
-                None => {
-                    state.leases.insert(key.clone(), lease_until);
-                }
-            }
+            entry.lease = state.leases.acquire(key, now, lease_until);
             results.push(entry);
         }
         results
+    }
+
+    fn release_reads(&self, reads: &[ReadRelease]) {
+        if reads.is_empty() {
+            return;
+        }
+        let now = self.inner.config.clock.now();
+        let mut state = self.inner.state.lock();
+        for r in reads {
+            if !state.leases.release(&r.key, r.lease, now) {
+                continue;
+            }
+            // The last reader of a key a clear dropped: its deferred pages go back now.
+            let mut due = Vec::new();
+            state.deferred.retain_mut(|d| {
+                let hit = d.lease.as_ref().is_some_and(|(k, id)| *id == r.lease && *k == r.key);
+                if hit {
+                    due.push(std::mem::take(&mut d.pages));
+                }
+                !hit
+            });
+            for pages in due {
+                state.free(&pages);
+            }
+        }
     }
 
     fn evict(&self, keys: &[String]) -> Vec<EvictResult> {

@@ -13,7 +13,7 @@
 //! do the IO with no lock held, and come back under the lock to publish the outcome (re-checking the
 //! clear generation and the key's record, which may have changed meanwhile).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::fs;
 use std::io;
@@ -35,12 +35,14 @@ use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBitmapAllocator, Pa
 use crate::config::SsdConfig;
 use crate::io::{AlignedBuf, IoEngine, IoOp, make_engine, probe_direct_io};
 use crate::record::{self, HeaderError, MAX_KEY_LEN, header_len, record_len};
+use crate::staged::{Deferred, LeaseIds, Staged, StagedMap};
 use crate::store::{DirState, Loc, Log, Lru, SegId, SegMeta, SegmentFile, sync_dir};
 
 /// The longest a follower waits for the leader of a single-flight read (the reference's 30 s); the
 /// wait is also capped at half the read lease (see [`follower_wait`]).
 const FOLLOWER_WAIT: Duration = Duration::from_secs(30);
-/// How many times a resolve of one key follows someone else's read before it gives up (a miss).
+/// How many times a resolve of one key follows someone else's read before it gives up (busy:
+/// the reader asks again later).
 const FOLLOW_ROUNDS: usize = 3;
 /// The reaper thread's name (expiry only).
 const REAPER_THREAD: &str = "umbp-reaper-SSD";
@@ -82,23 +84,6 @@ impl Owned {
     /// Drive bytes of the record beyond the page-rounded value (header block, padding).
     fn overhead(&self, page_size: u64) -> u64 {
         self.loc.len.saturating_sub(self.size.div_ceil(page_size) * page_size)
-    }
-}
-
-/// A staged copy of an owned key's value in staging pages: clean, and leased while a reader may be
-/// copying out of it.
-#[derive(Debug)]
-struct Staged {
-    pages: Vec<PageLocation>,
-    size: u64,
-    lease_until: Option<Instant>,
-    /// Its place in the use order: set by [`StagedMap`] (insert, touch), never by hand.
-    touched: u64,
-}
-
-impl Staged {
-    fn leased(&self, now: Instant) -> bool {
-        self.lease_until.is_some_and(|t| t > now)
     }
 }
 
@@ -227,86 +212,6 @@ impl<V: Located> KeyIndex<V> {
     }
 }
 
-/// The staged copies by key, with an index by last use: picking the coldest unleased copy walks
-/// from the cold end and steps over leased copies only, instead of scanning every copy.
-#[derive(Debug, Default)]
-struct StagedMap {
-    map: HashMap<String, Staged>,
-    by_touch: BTreeMap<u64, String>,
-    tick: u64,
-}
-
-impl StagedMap {
-    fn next_tick(&mut self) -> u64 {
-        self.tick += 1;
-        self.tick
-    }
-
-    fn get(&self, key: &str) -> Option<&Staged> {
-        self.map.get(key)
-    }
-
-    /// The copy of `key`, to update its lease (its place in the use order stays: see [`touch`](Self::touch)).
-    fn get_mut(&mut self, key: &str) -> Option<&mut Staged> {
-        self.map.get_mut(key)
-    }
-
-    fn contains_key(&self, key: &str) -> bool {
-        self.map.contains_key(key)
-    }
-
-    /// Marks `key`'s copy as the most recently used.
-    fn touch(&mut self, key: &str) {
-        let tick = self.next_tick();
-        if let Some(s) = self.map.get_mut(key) {
-            if let Some(k) = self.by_touch.remove(&s.touched) {
-                self.by_touch.insert(tick, k);
-            }
-            s.touched = tick;
-        }
-    }
-
-    /// Inserts `staged` as the most recently used copy (replacing any copy of the key, returned).
-    fn insert(&mut self, key: String, mut staged: Staged) -> Option<Staged> {
-        let old = self.remove(&key);
-        staged.touched = self.next_tick();
-        self.by_touch.insert(staged.touched, key.clone());
-        self.map.insert(key, staged);
-        old
-    }
-
-    fn remove(&mut self, key: &str) -> Option<Staged> {
-        let s = self.map.remove(key)?;
-        self.by_touch.remove(&s.touched);
-        Some(s)
-    }
-
-    fn values_mut(&mut self) -> impl Iterator<Item = &mut Staged> {
-        self.map.values_mut()
-    }
-
-    fn iter(&self) -> impl Iterator<Item = (&String, &Staged)> {
-        self.map.iter()
-    }
-
-    /// Empties the map, handing back every copy.
-    fn take(&mut self) -> HashMap<String, Staged> {
-        self.by_touch.clear();
-        std::mem::take(&mut self.map)
-    }
-
-    /// The least recently used copy with no live lease.
-    fn coldest_unleased(&self, now: Instant) -> Option<&String> {
-        self.by_touch.values().find(|k| self.map.get(*k).is_some_and(|s| !s.leased(now)))
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        debug_assert_eq!(self.map.len(), self.by_touch.len());
-        self.map.len()
-    }
-}
-
 /// One drive read of a key that concurrent resolves of the key wait on.
 #[derive(Debug, Default)]
 struct Flight {
@@ -370,8 +275,10 @@ struct State {
     owned: KeyIndex<Owned>,
     lru: Lru,
     staged: StagedMap,
-    /// Staging pages of keys dropped by a clear while a reader held them: freed at lease end.
-    deferred: Vec<(Vec<PageLocation>, Instant)>,
+    /// Staging pages of keys dropped while a reader held them: freed at lease end, or when the
+    /// lease's last reader releases it.
+    deferred: Vec<Deferred>,
+    lease_ids: LeaseIds,
     flights: HashMap<String, Arc<Flight>>,
     /// Drive reads in progress per key (protects the key from eviction).
     reading: HashMap<String, u32>,
@@ -456,9 +363,9 @@ impl State {
         self.used = self.used.saturating_sub(owned.size.div_ceil(page_size) * page_size);
         self.log.kill(&owned.loc);
         if let Some(s) = self.staged.remove(key) {
-            match s.lease_until.filter(|t| *t > now) {
-                Some(until) => self.deferred.push((s.pages, until)),
-                None => self.free(&s.pages),
+            match Deferred::of(key, s, now) {
+                Ok(d) => self.deferred.push(d),
+                Err(pages) => self.free(&pages),
             }
         }
         Some(owned)
@@ -497,6 +404,7 @@ struct Counters {
     single_flight_lead: AtomicU64,
     single_flight_merged: AtomicU64,
     staging_full_reject: AtomicU64,
+    lease_released: AtomicU64,
     staging_expired_reclaim: AtomicU64,
     eviction_round: AtomicU64,
     eviction_victim: AtomicU64,
@@ -590,8 +498,11 @@ pub struct SsdStats {
     pub staged_hits: u64,
     /// Resolves that waited for another resolve's read of the same key.
     pub single_flight_merged: u64,
-    /// Resolves that found the key but no free staging page (answered as a miss).
+    /// Resolves that found the key but no free staging page (answered busy: retry here).
     pub staging_full_rejects: u64,
+    /// Read leases on staged copies that ended because their last reader released them (before
+    /// their expiry).
+    pub leases_released: u64,
     /// Records whose CRC failed on a read (dropped, answered as a miss).
     pub corrupt_reads: u64,
     /// Keys evicted by the medium's own LRU.
@@ -676,6 +587,7 @@ impl SsdBackend {
             staged_hits: l(&c.staged_hit),
             single_flight_merged: l(&c.single_flight_merged),
             staging_full_rejects: l(&c.staging_full_reject),
+            leases_released: l(&c.lease_released),
             corrupt_reads: l(&c.device_read_corrupt),
             evicted: l(&c.eviction_victim),
             recovered: l(&c.recovery_record),
@@ -1100,13 +1012,15 @@ impl Inner {
         crc
     }
 
-    fn entry(&self, published: Option<&Published>, pages: Vec<PageLocation>, size: u64) -> ResolvedEntry {
+    fn entry(&self, published: Option<&Published>, pages: Vec<PageLocation>, size: u64, lease: u64) -> ResolvedEntry {
         ResolvedEntry {
             found: true,
             pages,
             size,
             page_size: self.config.page_size,
             descs: published.map(|p| vec![p.desc.clone()]).unwrap_or_default(),
+            lease,
+            ..ResolvedEntry::default()
         }
     }
 
@@ -1181,15 +1095,12 @@ impl Inner {
                 }
             }
             for s in state.staged.values_mut() {
-                if s.lease_until.is_some_and(|t| t <= now) {
-                    // The reader's time is up; the copy stays as a clean cache entry.
-                    s.lease_until = None;
-                }
+                s.expire(now);
             }
             let mut due = Vec::new();
-            state.deferred.retain_mut(|(pages, at)| {
-                if *at <= now {
-                    due.push(std::mem::take(pages));
+            state.deferred.retain_mut(|d| {
+                if d.until <= now {
+                    due.push(std::mem::take(&mut d.pages));
                     false
                 } else {
                     true
@@ -1499,20 +1410,55 @@ impl Inner {
         if !entries.iter().any(|e| e.found) {
             return entries;
         }
-        let until = self.config.clock.now() + self.config.read_lease_ttl;
-        let mut state = self.state.lock();
+        let now = self.config.clock.now();
+        let until = now + self.config.read_lease_ttl;
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
         for (key, entry) in keys.iter().zip(entries.iter_mut()) {
             if !entry.found {
                 continue;
             }
             match state.staged.get_mut(key) {
                 Some(s) if s.pages == entry.pages && s.size == entry.size => {
-                    s.lease_until = Some(s.lease_until.map_or(until, |t| t.max(until)));
+                    if s.holds(entry.lease, now) {
+                        s.extend(until);
+                    } else {
+                        // The hit's lease ended while the batch waited (lapsed, or its other
+                        // readers released it): the copy is still intact, so hold it afresh.
+                        entry.lease = s.hold(now, until, &mut state.lease_ids);
+                    }
                 }
+                // The copy went (its pages were needed), but the key may still be here.
+                _ if state.owned.contains_key(key) => *entry = ResolvedEntry::busy(),
                 _ => *entry = ResolvedEntry::miss(),
             }
         }
         entries
+    }
+
+    /// One reader of each hit is done: see [`MediumBackend::release_reads`].
+    fn release(&self, reads: &[umbp_core::ReadRelease]) {
+        let now = self.config.clock.now();
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let mut freed = false;
+        for r in reads {
+            if let Some(s) = state.staged.get_mut(&r.key)
+                && s.release(r.lease, now)
+            {
+                bump(&self.counters.lease_released);
+                continue;
+            }
+            // A key dropped while this reader copied: its pages wait for the last reader.
+            if let Some(at) = state.deferred.iter_mut().position(|d| d.release(&r.key, r.lease, now)) {
+                let d = state.deferred.swap_remove(at);
+                state.free(&d.pages);
+                freed = true;
+            }
+        }
+        if freed {
+            self.update_staging_gauge(state);
+        }
     }
 
     /// Reads the records of `jobs` into their staging pages and verifies them (no lock held).
@@ -2016,16 +1962,17 @@ impl SsdBackend {
         let mut plans = Vec::with_capacity(keys.len());
         let mut jobs = Vec::new();
         {
-            let mut state = inner.state.lock();
+            let mut guard = inner.state.lock();
+            let state = &mut *guard;
             let generation = state.generation;
             for key in keys {
                 if let Some(s) = state.staged.get_mut(key) {
-                    s.lease_until = Some(s.lease_until.map_or(lease_until, |t| t.max(lease_until)));
+                    let lease = s.hold(now, lease_until, &mut state.lease_ids);
                     let (pages, size) = (s.pages.clone(), s.size);
                     state.staged.touch(key);
                     state.lru.touch(key);
                     bump(&inner.counters.staged_hit);
-                    plans.push(Plan::Done(inner.entry(descs, pages, size)));
+                    plans.push(Plan::Done(inner.entry(descs, pages, size, lease)));
                     continue;
                 }
                 if config.single_flight
@@ -2045,11 +1992,16 @@ impl SsdBackend {
                 };
                 let n = owned.size.div_ceil(config.page_size);
                 let Some(pages) = state.take_staging(n, now) else {
-                    // Known wrong shape (pinned by a test): the key is here, but with no staging page
-                    // to fill the reader sees a miss and tries elsewhere. Size the arena for read
-                    // concurrency.
-                    bump(&inner.counters.staging_full_reject);
-                    plans.push(Plan::Done(ResolvedEntry::miss()));
+                    // The key is here, but every staging page is held by a reader or a writer:
+                    // busy, so the reader waits (its own and others' releases free pages) and asks
+                    // this node again instead of treating the key as missing (pinned by a test).
+                    // Only a value no arena could ever stage (or a medium shut down) is a miss.
+                    let stageable = state.staging.as_ref().is_some_and(|a| n <= a.total_pages());
+                    if stageable {
+                        bump(&inner.counters.staging_full_reject);
+                    }
+                    let entry = if stageable { ResolvedEntry::busy() } else { ResolvedEntry::miss() };
+                    plans.push(Plan::Done(entry));
                     continue;
                 };
                 let Ok(header) = AlignedBuf::zeroed(header_len(key.len()) as usize) else {
@@ -2079,7 +2031,7 @@ impl SsdBackend {
                     shared: false,
                 });
             }
-            inner.update_staging_gauge(&state);
+            inner.update_staging_gauge(state);
         }
         if jobs.is_empty() {
             return plans;
@@ -2089,7 +2041,8 @@ impl SsdBackend {
         let lease_until = now + config.read_lease_ttl;
         let mut finished = Vec::new();
         {
-            let mut state = inner.state.lock();
+            let mut guard = inner.state.lock();
+            let state = &mut *guard;
             for job in jobs {
                 if let Some(n) = state.reading.get_mut(&job.key) {
                     *n -= 1;
@@ -2110,18 +2063,17 @@ impl SsdBackend {
                         state.lru.touch(&job.key);
                         if let Some(s) = state.staged.get_mut(&job.key) {
                             // Another fill of the key landed first (single flight off): share it.
-                            s.lease_until = Some(s.lease_until.map_or(lease_until, |t| t.max(lease_until)));
+                            let lease = s.hold(now, lease_until, &mut state.lease_ids);
                             let (pages, size) = (s.pages.clone(), s.size);
                             state.staged.touch(&job.key);
                             state.free(&job.pages);
-                            inner.entry(descs, pages, size)
+                            inner.entry(descs, pages, size, lease)
                         } else {
                             let pages = job.pages.clone();
-                            state.staged.insert(
-                                job.key.clone(),
-                                Staged { pages: job.pages, size: job.size, lease_until: Some(lease_until), touched: 0 },
-                            );
-                            inner.entry(descs, pages, job.size)
+                            let mut staged = Staged::clean(job.pages, job.size);
+                            let lease = staged.hold(now, lease_until, &mut state.lease_ids);
+                            state.staged.insert(job.key.clone(), staged);
+                            inner.entry(descs, pages, job.size, lease)
                         }
                     }
                     JobOutcome::Corrupt if current => {
@@ -2139,7 +2091,7 @@ impl SsdBackend {
                 };
                 plans[job.index] = Plan::Done(entry);
             }
-            inner.update_staging_gauge(&state);
+            inner.update_staging_gauge(state);
         }
         for f in finished {
             f.finish();
@@ -2152,7 +2104,7 @@ impl MetricSource for SsdBackend {
     fn sample_metrics(&self) -> Vec<MetricSample> {
         let c = &self.inner.counters;
         let mut out = Vec::new();
-        let events: [(&str, &AtomicU64); 19] = [
+        let events: [(&str, &AtomicU64); 20] = [
             ("device_read_ok", &c.device_read_ok),
             ("device_read_error", &c.device_read_error),
             ("device_read_corrupt", &c.device_read_corrupt),
@@ -2162,6 +2114,7 @@ impl MetricSource for SsdBackend {
             ("single_flight_lead", &c.single_flight_lead),
             ("single_flight_merged", &c.single_flight_merged),
             ("staging_slot_full_reject", &c.staging_full_reject),
+            ("read_lease_released", &c.lease_released),
             ("staging_expired_reclaim", &c.staging_expired_reclaim),
             ("eviction_round", &c.eviction_round),
             ("eviction_victim", &c.eviction_victim),
@@ -2382,11 +2335,11 @@ impl MediumBackend for SsdBackend {
             state.tombs.clear();
             state.tomb_pending.clear();
             let staged = state.staged.take();
-            for (_, s) in staged {
-                match s.lease_until.filter(|t| *t > now) {
+            for (key, s) in staged {
+                match Deferred::of(&key, s, now) {
                     // A reader may still be copying out of these pages.
-                    Some(until) => state.deferred.push((s.pages, until)),
-                    None => state.free(&s.pages),
+                    Ok(d) => state.deferred.push(d),
+                    Err(pages) => state.free(&pages),
                 }
             }
             let pending: u64 = state.pending.values().map(|p| self.inner.bytes_of(p.size)).sum();
@@ -2633,10 +2586,7 @@ impl MediumBackend for SsdBackend {
             state.owned.insert(job.key.clone(), owned);
             state.lru.touch(&job.key);
             if config.cache_committed && !state.staged.contains_key(&job.key) {
-                state.staged.insert(
-                    job.key.clone(),
-                    Staged { pages: job.pages, size: job.size, lease_until: None, touched: 0 },
-                );
+                state.staged.insert(job.key.clone(), Staged::clean(job.pages, job.size));
             } else {
                 state.free(&job.pages);
             }
@@ -2687,14 +2637,16 @@ impl MediumBackend for SsdBackend {
             .map(|(plan, key)| {
                 let mut plan = plan;
                 // Follow someone else's read, then look again: usually the staged copy is there.
+                // A key still being read by someone else after that is busy, not missing: the
+                // reader asks again later.
                 for _ in 0..FOLLOW_ROUNDS {
                     match plan {
                         Plan::Done(entry) => return entry,
                         Plan::Lead => return ResolvedEntry::miss(),
                         Plan::Follow(flight) => {
                             if !flight.wait(wait) {
-                                tracing::warn!(key = %key, "gave up waiting for another read of the key");
-                                return ResolvedEntry::miss();
+                                tracing::warn!(key = %key, "gave up waiting for another read of the key; answering busy");
+                                return ResolvedEntry::busy();
                             }
                             plan = self
                                 .resolve_round(std::slice::from_ref(key), include_descs)
@@ -2705,11 +2657,18 @@ impl MediumBackend for SsdBackend {
                 }
                 match plan {
                     Plan::Done(entry) => entry,
-                    _ => ResolvedEntry::miss(),
+                    Plan::Follow(_) => ResolvedEntry::busy(),
+                    Plan::Lead => ResolvedEntry::miss(),
                 }
             })
             .collect();
         self.inner.revalidate(keys, entries)
+    }
+
+    fn release_reads(&self, reads: &[umbp_core::ReadRelease]) {
+        if !reads.is_empty() {
+            self.inner.release(reads);
+        }
     }
 
     fn evict(&self, keys: &[String]) -> Vec<EvictResult> {

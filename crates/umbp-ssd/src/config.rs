@@ -165,7 +165,7 @@ impl SsdConfig {
             dirs,
             capacity_bytes: 32 << 30,
             page_size: 2 << 20,
-            staging_pages: 16,
+            staging_pages: 128,
             max_value_pages: 1,
             segment_bytes: 256 << 20,
             io_engine: IoEngineKind::Psync,
@@ -237,7 +237,11 @@ impl SsdConfigBuilder {
     }
 
     /// Pages of the registered host staging arena: how many writes in flight plus reads being
-    /// served (leased) the node can hold at once. Default: 16.
+    /// served (leased) the node can hold at once. Default: 128, a page per value of a 128-key
+    /// batch of single-page values (256 MiB of host memory at the default 2 MiB page). A reader
+    /// releases its pages as soon as its copy is done, and a resolve that finds no free page
+    /// answers busy (the reader waits and asks again), so a smaller arena or a larger batch is
+    /// served in rounds, never missed.
     pub fn staging_pages(mut self, pages: u64) -> Self {
         self.config.staging_pages = pages;
         self
@@ -451,6 +455,8 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         assert!(SsdConfig::builder(["/tmp/a", "/tmp/b"]).build().is_ok());
+        // A page per value of a 128-key batch at the default page size.
+        assert_eq!(SsdConfig::builder(["/tmp/a"]).build().map(|c| c.staging_pages()).ok(), Some(128));
         assert!(b().build().is_ok());
     }
 
@@ -462,7 +468,8 @@ mod tests {
         assert!(b().page_size(1000).build().is_err());
         assert!(b().page_size(0).build().is_err());
         assert!(b().staging_pages(0).build().is_err());
-        assert!(b().max_value_pages(17).build().is_err());
+        assert!(b().max_value_pages(129).build().is_err());
+        assert!(b().staging_pages(16).max_value_pages(17).build().is_err());
         assert!(b().capacity_bytes(100).build().is_err());
         assert!(b().segment_bytes(4096).build().is_err());
         assert!(b().segment_bytes((1 << 20) + 1).build().is_err());

@@ -11,7 +11,8 @@
 //!   clean cached copy of the value until an allocation or a read needs them, so a read of a value
 //!   just written costs no drive read).
 //! - `batch_resolve` fills staging pages from the drive (one drive read for any number of concurrent
-//!   resolves of a key) and publishes them under the SSD read lease, which has its own setting.
+//!   resolves of a key) and publishes them under the SSD read lease, which has its own setting;
+//!   `release_reads` gives them back as soon as the readers are done.
 //!
 //! Underneath is the drive log: an append-only sequence of segment files per directory (one
 //! directory per drive, placement by free space), each holding 4 KiB-aligned records with a header
@@ -120,7 +121,7 @@
 //! in use — in this process or another — fails its `init` with an error naming the directory.
 //!
 //! # Owns
-//! The staging arena and its registration, the drive log and its index, slots, read leases, the
+//! The staging arena and its registration, the drive log and its index, slots, counted read leases, the
 //! medium's LRU and the event outbox.
 //!
 //! # Never
@@ -130,13 +131,22 @@
 //! may not depend on the transfer layer, the peer, the master, tonic or tokio (`cargo xtask ci`
 //! checks it: `[package.metadata.umbp] layer = "backend"`).
 //!
-//! # Staging exhaustion
+//! # Reads release their staging pages; exhaustion is busy
+//! A resolve's staged copy is held under a **counted** read lease: each hit adds a reader, and
+//! [`release_reads`](umbp_core::MediumBackend::release_reads) (sent by the reader once its copy is
+//! done) removes one; the last release ends the lease at once, so the copy's pages serve the next
+//! read or write instead of sitting out the whole read lease. The lease's expiry stays the safety
+//! net for a reader that died. A key dropped while a reader holds its copy keeps its pages until
+//! that last release (or the expiry).
+//!
 //! A resolve that finds its key but no free staging page (every page pending or leased) answers
-//! **a miss**, as the reference does: the interface has no "retry here" answer, so the reader
-//! excludes this node for that key and looks elsewhere. It is counted
+//! **busy** ([`ResolvedEntry::busy`](umbp_core::ResolvedEntry::busy)), never a miss: the key is
+//! here, and the reader waits (bounded backoff) and asks this node again. So is a resolve that gave
+//! up following another reader's drive read of the key. It is counted
 //! (`umbp_backend_medium_events_total{event="staging_slot_full_reject"}`) and pinned by the test
-//! `resolve_with_every_staging_page_leased_is_a_counted_miss`. Size `staging_pages` for the read
-//! concurrency you expect.
+//! `resolve_with_every_staging_page_leased_is_busy_not_a_miss`. The default arena
+//! (`staging_pages` 128) stages a 128-key batch of single-page values at once; a larger batch is
+//! served in rounds as its readers release.
 //!
 //! # Deliberate differences from the reference
 //! - Values may span up to [`SsdConfigBuilder::max_value_pages`] pages (default 1, the reference's
@@ -157,6 +167,7 @@ mod backend;
 mod config;
 mod io;
 mod record;
+mod staged;
 mod store;
 
 pub use backend::{SsdBackend, SsdStats};

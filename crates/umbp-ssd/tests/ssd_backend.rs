@@ -1,6 +1,6 @@
 //! `SsdBackend` behaviour beyond the conformance suite: staging pages come back, single-flight
 //! reads, eviction, restart recovery, corruption and torn tails, reclaim of dead space, several
-//! drives, and the pinned staging-exhaustion answer. Bytes move through the published arena, the
+//! drives, released reads and the pinned staging-exhaustion answer (busy). Bytes move through the published arena, the
 //! way the transfer layer would move them.
 
 use std::fs;
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use umbp_core::{
     AllocateOutcome, AllocateRequest, CommitRequest, KvEvent, ManualClock, MediumBackend, MetricKind, MetricSource,
-    TierType, metric_names,
+    ReadRelease, ResolvedEntry, TierType, metric_names,
 };
 use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig, SsdConfigBuilder, Watermarks};
 use umbp_testkit::LocalOnlyRegistrar;
@@ -106,9 +106,25 @@ fn put(b: &SsdBackend, key: &str, bytes: &[u8]) -> AllocateOutcome {
     AllocateOutcome::Allocated
 }
 
-/// Resolves and copies the value out of its staging pages, like a reader would.
+fn resolve(b: &SsdBackend, key: &str) -> ResolvedEntry {
+    b.batch_resolve(&[key.to_owned()], true).remove(0)
+}
+
+/// [`get`], then the release a reader sends once its copy is done.
+fn get_and_release(b: &SsdBackend, key: &str) -> Option<Bytes> {
+    let r = resolve(b, key);
+    let bytes = copy_out(b, &r);
+    b.release_reads(&[ReadRelease::new(key, r.lease)]);
+    bytes
+}
+
+/// Resolves and copies the value out of its staging pages, like a reader would (the lease is
+/// left to expire).
 fn get(b: &SsdBackend, key: &str) -> Option<Bytes> {
-    let r = b.batch_resolve(&[key.to_owned()], true).remove(0);
+    copy_out(b, &resolve(b, key))
+}
+
+fn copy_out(b: &SsdBackend, r: &ResolvedEntry) -> Option<Bytes> {
     if !r.found {
         return None;
     }
@@ -261,7 +277,7 @@ fn drop_leases(b: &SsdBackend) {
 }
 
 #[test]
-fn resolve_with_every_staging_page_leased_is_a_counted_miss() {
+fn resolve_with_every_staging_page_leased_is_busy_not_a_miss() {
     let dir = tempdir();
     let clock = ManualClock::new();
     let b = live(
@@ -275,10 +291,13 @@ fn resolve_with_every_staging_page_leased_is_a_counted_miss() {
         put(&b, k, &value(i as u64, 100));
     }
     b.drop_cached_copies();
-    assert!(get(&b, "a").is_some() && get(&b, "b").is_some(), "two leased reads fill both staging pages");
-    // The key is here, but no staging page is free: the pinned answer is a miss (the interface has
-    // no "retry here"), counted as staging_slot_full_reject.
-    assert_eq!(get(&b, "c"), None, "staging exhausted on resolve");
+    let a = resolve(&b, "a");
+    assert!(a.found && resolve(&b, "b").found, "two leased reads fill both staging pages");
+    // The key is here, but no staging page is free: busy (retry this node), never a miss, counted
+    // as staging_slot_full_reject.
+    let c = resolve(&b, "c");
+    assert!(c.busy && !c.found, "staging exhausted on resolve is busy: {c:?}");
+    assert_eq!(c, umbp_core::ResolvedEntry::busy(), "a busy answer carries nothing else");
     assert_eq!(b.stats().staging_full_rejects, 1);
     assert_eq!(b.owned_key_count(), 3, "the key was not dropped");
     let rejects = b
@@ -287,11 +306,130 @@ fn resolve_with_every_staging_page_leased_is_a_counted_miss() {
         .find(|m| m.labels.iter().any(|(k, v)| k == "event" && v == "staging_slot_full_reject"))
         .expect("the reject is a medium event");
     assert_eq!((rejects.name, rejects.value), (metric_names::MEDIUM_EVENTS_TOTAL, 1));
-    // Allocation is refused the same way while every page is leased.
+    assert!(!resolve(&b, "never-stored").busy, "an unknown key is a miss, not busy");
+    // Allocation is refused while every page is leased.
     assert_eq!(put(&b, "d", &value(9, 10)), AllocateOutcome::FailedNoSpace);
+    // The reader of "a" is done: its page serves "c" at once, with no lease expiry.
+    b.release_reads(&[ReadRelease::new("a", a.lease)]);
+    assert_eq!(b.stats().leases_released, 1);
+    assert_eq!(get(&b, "c"), Some(value(2, 100)), "a released page serves the next read");
     clock.advance(b.config().read_lease_ttl() + Duration::from_millis(1));
     b.reaper_tick();
-    assert_eq!(get(&b, "c"), Some(value(2, 100)), "once a lease ends, the key resolves");
+    assert_eq!(put(&b, "d", &value(9, 10)), AllocateOutcome::Allocated, "once the leases end, a put fits");
+}
+
+#[test]
+fn released_reads_let_sixteen_staging_pages_serve_any_number_of_reads_and_puts() {
+    // No clock moves: only releases give pages back. On the code before releases this wedged after
+    // 16 reads (a miss for the 17th and no room for a put).
+    let dir = tempdir();
+    let clock = ManualClock::new();
+    let b = live(
+        builder(&[dir.path()])
+            .staging_pages(16)
+            .capacity_bytes(512 * PAGE)
+            .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+            .build()
+            .expect("config"),
+    );
+    for i in 0..200u64 {
+        put(&b, &format!("k{i}"), &value(i, 3000));
+    }
+    b.drop_cached_copies();
+    for i in 0..200u64 {
+        let key = format!("k{i}");
+        assert_eq!(get_and_release(&b, &key), Some(value(i, 3000)), "read {i}");
+        if i % 10 == 0 {
+            assert_eq!(
+                put(&b, &format!("p{i}"), &value(1000 + i, 100)),
+                AllocateOutcome::Allocated,
+                "put after read {i}"
+            );
+        }
+    }
+    assert_eq!(b.stats().staging_full_rejects, 0, "no read ever found the arena full");
+    assert!(b.stats().leases_released >= 200);
+}
+
+#[test]
+fn a_staged_copy_read_by_two_readers_stays_leased_until_both_release() {
+    let dir = tempdir();
+    let clock = ManualClock::new();
+    let b = live(
+        builder(&[dir.path()])
+            .staging_pages(1)
+            .max_value_pages(1)
+            .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+            .build()
+            .expect("config"),
+    );
+    put(&b, "a", &value(1, 100));
+    put(&b, "b", &value(2, 100));
+    b.drop_cached_copies();
+    let first = resolve(&b, "a");
+    let second = resolve(&b, "a");
+    assert!(first.found && second.found);
+    assert_eq!((first.pages.clone(), first.lease), (second.pages.clone(), second.lease), "one copy, one lease");
+    b.release_reads(&[ReadRelease::new("a", first.lease)]);
+    assert!(resolve(&b, "b").busy, "the second reader still copies out of the only page");
+    // A second release of the same hit is a reader bug; the contract is once per hit. Releasing
+    // an unknown lease or key changes nothing.
+    b.release_reads(&[ReadRelease::new("a", first.lease + 99), ReadRelease::new("zz", first.lease)]);
+    assert!(resolve(&b, "b").busy, "stale or unknown releases end nothing");
+    b.release_reads(&[ReadRelease::new("a", second.lease)]);
+    assert_eq!(get_and_release(&b, "b"), Some(value(2, 100)), "the last release frees the page");
+}
+
+#[test]
+fn a_late_release_of_a_lapsed_lease_leaves_the_next_readers_lease_alone() {
+    let dir = tempdir();
+    let clock = ManualClock::new();
+    let b = live(
+        builder(&[dir.path()])
+            .staging_pages(1)
+            .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+            .build()
+            .expect("config"),
+    );
+    put(&b, "a", &value(1, 100));
+    put(&b, "b", &value(2, 100));
+    b.drop_cached_copies();
+    let slow = resolve(&b, "a");
+    clock.advance(b.config().read_lease_ttl() + Duration::from_millis(1));
+    b.reaper_tick();
+    let next = resolve(&b, "a");
+    assert!(next.found);
+    assert_ne!(slow.lease, next.lease, "a lapsed lease is not reused");
+    b.release_reads(&[ReadRelease::new("a", slow.lease)]);
+    assert!(resolve(&b, "b").busy, "the late release did not end the live reader's lease");
+    b.release_reads(&[ReadRelease::new("a", next.lease)]);
+    assert!(resolve(&b, "b").found);
+}
+
+#[test]
+fn a_key_cleared_under_a_reader_frees_its_staging_page_at_the_release() {
+    let dir = tempdir();
+    let clock = ManualClock::new();
+    let b = live(
+        builder(&[dir.path()])
+            .staging_pages(1)
+            .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+            .build()
+            .expect("config"),
+    );
+    put(&b, "a", &value(1, 100));
+    put(&b, "b", &value(2, 100));
+    b.drop_cached_copies();
+    let a = resolve(&b, "a");
+    b.clear_local();
+    b.clear_full_sync_acked();
+    put_expect_no_space(&b, "c");
+    b.release_reads(&[ReadRelease::new("a", a.lease)]);
+    assert_eq!(put(&b, "c", &value(3, 100)), AllocateOutcome::Allocated, "the deferred page came back at the release");
+}
+
+fn put_expect_no_space(b: &SsdBackend, key: &str) {
+    assert_eq!(put(b, key, &value(7, 100)), AllocateOutcome::FailedNoSpace, "the reader still holds the only page");
 }
 
 #[test]

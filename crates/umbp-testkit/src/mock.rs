@@ -11,7 +11,8 @@ use parking_lot::Mutex;
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, Clock, CommitRequest,
     CommitResult, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSample,
-    MetricSource, PageLocation, ResolvedEntry, SystemClock, TierCapacity, TierType, TransferRef,
+    MetricSource, PageLocation, ReadLeases, ReadRelease, ResolvedEntry, SystemClock, TierCapacity, TierType,
+    TransferRef,
 };
 
 const NAME: &str = "MockBackend";
@@ -68,6 +69,8 @@ pub struct MockCalls {
     pub reaper_ticks: u64,
     /// Times the auto-flush hook ran.
     pub auto_flushes: u64,
+    /// `release_reads` calls.
+    pub release_reads: u64,
 }
 
 #[derive(Debug, Default)]
@@ -81,6 +84,7 @@ struct Counters {
     evict: AtomicU64,
     reaper_ticks: AtomicU64,
     auto_flushes: AtomicU64,
+    release_reads: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -127,9 +131,12 @@ struct State {
     free: Vec<u32>,
     pending: HashMap<u64, Pending>,
     owned: HashMap<String, Owned>,
-    leases: HashMap<String, Instant>,
-    /// Pages of keys dropped by a clear while a reader still held a lease on them.
-    deferred: Vec<(Vec<u32>, Instant)>,
+    leases: ReadLeases,
+    /// Pages of keys dropped by a clear while a reader still held a lease on them, the lease's end
+    /// and the lease (key, id) whose last release frees them sooner.
+    deferred: Vec<(Vec<u32>, Instant, (String, u64))>,
+    /// Hits still to be answered busy instead (see [`MockBackend::answer_busy`]).
+    busy_hits: u64,
     outbox: Vec<KvEvent>,
     /// Bumped by every clear; a slot from an older generation can no longer commit.
     generation: u64,
@@ -200,8 +207,9 @@ impl State {
             free: Vec::new(),
             pending: HashMap::new(),
             owned: HashMap::new(),
-            leases: HashMap::new(),
+            leases: ReadLeases::default(),
             deferred: Vec::new(),
+            busy_hits: 0,
             outbox: Vec::new(),
             generation: 0,
             next_slot: 1,
@@ -267,7 +275,15 @@ impl MockBackend {
             evict: get(&c.evict),
             reaper_ticks: get(&c.reaper_ticks),
             auto_flushes: get(&c.auto_flushes),
+            release_reads: get(&c.release_reads),
         }
+    }
+
+    /// Answers the next `hits` resolve hits busy instead (the key is owned, no lease is taken), as
+    /// a staged medium with no free staging page does: for tests of readers that must wait a busy
+    /// medium out.
+    pub fn answer_busy(&self, hits: u64) {
+        self.state.lock().busy_hits = hits;
     }
 
     /// How many pending (allocated, not yet committed or aborted) slots exist.
@@ -288,10 +304,10 @@ impl MockBackend {
                 state.free.extend(p.pages);
             }
         }
-        state.leases.retain(|_, until| *until > now);
+        state.leases.sweep(now);
         let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut state.deferred).into_iter().partition(|d| d.1 <= now);
         state.deferred = keep;
-        for (pages, _) in due {
+        for (pages, _, _) in due {
             state.free.extend(pages);
         }
     }
@@ -365,12 +381,8 @@ impl MockBackend {
         if !state.owned.contains_key(key) {
             return 0;
         }
-        match state.leases.get(key) {
-            Some(until) if *until > now => return 0,
-            Some(_) => {
-                state.leases.remove(key);
-            }
-            None => {}
+        if state.leases.active(key, now) {
+            return 0;
         }
         let Some(owned) = state.owned.remove(key) else { return 0 };
         state.free_pages(owned.pages);
@@ -519,12 +531,12 @@ impl MediumBackend for MockBackend {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         state.generation += 1;
-        let leases = std::mem::take(&mut state.leases);
+        // Leases stay: a reader still copying out of a dropped key's pages releases its lease.
         for (key, owned) in std::mem::take(&mut state.owned) {
-            match leases.get(&key) {
+            match state.leases.get(&key, now) {
                 // A reader may still be copying out of these pages: free them when its lease ends.
-                Some(until) if *until > now => state.deferred.push((owned.pages, *until)),
-                _ => state.free.extend(owned.pages),
+                Some(l) => state.deferred.push((owned.pages, l.until, (key, l.id))),
+                None => state.free.extend(owned.pages),
             }
         }
         state.outbox.clear();
@@ -596,17 +608,40 @@ impl MediumBackend for MockBackend {
                 let Some(owned) = state.owned.get(key) else {
                     return ResolvedEntry::miss();
                 };
-                let lease = state.leases.entry(key.clone()).or_insert(until);
-                *lease = (*lease).max(until);
-                ResolvedEntry {
+                if state.busy_hits > 0 {
+                    state.busy_hits -= 1;
+                    return ResolvedEntry::busy();
+                }
+                let entry = ResolvedEntry {
                     found: true,
                     pages: locations(&owned.pages),
                     size: owned.size,
                     page_size: self.config.page_size,
                     descs: descs.clone(),
-                }
+                    ..ResolvedEntry::default()
+                };
+                ResolvedEntry { lease: state.leases.acquire(key, now, until), ..entry }
             })
             .collect()
+    }
+
+    fn release_reads(&self, reads: &[ReadRelease]) {
+        bump(&self.calls.release_reads);
+        let now = self.config.clock.now();
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        for r in reads {
+            if !state.leases.release(&r.key, r.lease, now) {
+                continue;
+            }
+            let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut state.deferred)
+                .into_iter()
+                .partition(|(_, _, (k, id))| *id == r.lease && *k == r.key);
+            state.deferred = keep;
+            for (pages, _, _) in due {
+                state.free.extend(pages);
+            }
+        }
     }
 
     fn evict(&self, keys: &[String]) -> Vec<EvictResult> {
