@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, CommitRequest,
-    CommitResult, EvictResult, KvEvent, MediumBackend, MemoryRegistrar, MetricSample, MetricSource, ResolvedEntry,
-    TierCapacity, TierType, TransferRef,
+    CommitResult, EvictResult, KvEvent, MediumBackend, MemoryRegistrar, MetricSample, MetricSource, ReadRelease,
+    ResolvedEntry, TierCapacity, TierType, TransferRef,
 };
 
 use crate::names;
@@ -51,7 +51,8 @@ pub enum Status {
     Ok = 0,
     /// Allocate: the key was already there.
     Exists = 1,
-    /// Allocate: the medium is full now.
+    /// Allocate: the medium is full now. Resolve: busy (the key is here, but the medium cannot
+    /// serve it now; the reader retries it here).
     NoSpace = 2,
     /// Resolve, lookup: not found. Evict: nothing freed (unknown, leased or pinned).
     Miss = 3,
@@ -457,10 +458,19 @@ impl MediumBackend for InstrumentedBackend {
             || self.inner.batch_resolve(keys, include_descs),
             |results, t| {
                 for r in results {
-                    if r.found { t.add(Status::Ok, r.size) } else { t.add(Status::Miss, 0) }
+                    match (r.found, r.busy) {
+                        (true, _) => t.add(Status::Ok, r.size),
+                        (false, true) => t.add(Status::NoSpace, 0),
+                        (false, false) => t.add(Status::Miss, 0),
+                    }
                 }
             },
         )
+    }
+
+    fn release_reads(&self, reads: &[ReadRelease]) {
+        // Not a slot-lifecycle op of its own: a release only ends leases early.
+        self.inner.release_reads(reads);
     }
 
     fn batch_contains(&self, keys: &[String]) -> Vec<bool> {

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, MetricSample, MetricSource, TierType};
+use umbp_core::{
+    AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, MetricSample, MetricSource, ReadRelease, TierType,
+};
 use umbp_metrics::{InstrumentedBackend, MetricPublisher, MetricsExporter, Op, Status, names};
 use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
 
@@ -389,4 +391,28 @@ fn scaled_counters_are_typed_counter_in_the_rendered_text() {
     // Gauges stay gauges, integer counters stay counters.
     assert!(text.contains(&format!("# TYPE {} gauge\n", names::MEDIUM_STATE)), "{text}");
     assert!(text.contains(&format!("# TYPE {} counter\n", names::OPS_TOTAL)), "{text}");
+}
+
+/// The decorator forwards a reader's release (so a wrapped medium's leases end at the release,
+/// not at their expiry) and counts a busy resolve as `no_space`, never as a miss.
+#[test]
+fn releases_reach_the_wrapped_medium_and_busy_is_not_a_miss() {
+    let inner = Arc::new(MockBackend::new(MockConfig { page_size: PAGE, pages: 4, ..MockConfig::default() }));
+    let wrapped = Arc::new(InstrumentedBackend::new(Arc::clone(&inner) as Arc<dyn MediumBackend>));
+    wrapped.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    put(wrapped.as_ref(), &["k"]);
+    let hit = wrapped.batch_resolve(&keys(&["k"]), false).remove(0);
+    assert!(hit.found && hit.lease != 0, "a hit names its lease: {hit:?}");
+    assert_eq!(wrapped.evict(&keys(&["k"]))[0].bytes_freed, 0, "leased");
+    wrapped.release_reads(&[ReadRelease::new("k", hit.lease)]);
+    assert_eq!(inner.calls().release_reads, 1, "the release reached the medium");
+    assert_eq!(wrapped.evict(&keys(&["k"]))[0].bytes_freed, PAGE, "the released key is evictable at once");
+
+    put(wrapped.as_ref(), &["b"]);
+    inner.answer_busy(1);
+    let before = wrapped.counts(Op::Resolve);
+    assert!(wrapped.batch_resolve(&keys(&["b"]), false)[0].busy);
+    let after = wrapped.counts(Op::Resolve);
+    assert_eq!(after.entries(Status::NoSpace) - before.entries(Status::NoSpace), 1, "busy counts as no_space");
+    assert_eq!(after.entries(Status::Miss), before.entries(Status::Miss), "busy is not a miss");
 }
