@@ -170,13 +170,56 @@ fn a_busy_server_is_reported_as_busy() {
     assert!(failures[0].message.contains("busy"), "{}", failures[0].message);
     fake.join().expect("fake server");
 
-    // And the real server answers BUSY beyond max_connections.
+    // And the real server answers BUSY beyond max_connections when every connection is in the
+    // middle of a request (an idle one would make room instead).
+    let mut region = HostBuf::zeroed(4096);
     let server = server(DataServerConfig { max_connections: 1, ..DataServerConfig::default() });
+    let id = region.register(&server).remote().expect("remote").region_id;
     let addr = server.local_addr().to_string();
-    let (_first, status) = hello(&addr, 1);
+    let mut busy = false;
+    for attempt in 1..=20u32 {
+        let (mut first, status) = hello(&addr, 1);
+        assert_eq!(status, 0);
+        // A WRITE whose payload never finishes keeps the first connection busy.
+        first.write_all(&request(2, 1, id, 0, 1024)).expect("header");
+        first.write_all(&[1u8; 16]).expect("some payload");
+        // Give its thread time to start reading the request (more on each attempt).
+        std::thread::sleep(Duration::from_millis(20) * attempt);
+        let (_second, status) = hello(&addr, 1);
+        if status == 3 {
+            busy = true;
+            break;
+        }
+        assert_eq!(status, 0, "OK (the first was still idle and made room) or BUSY");
+    }
+    assert!(busy, "a full server of busy connections answers BUSY");
+}
+
+#[test]
+fn an_idle_connection_makes_room_for_a_new_peer() {
+    let mut remote = HostBuf::with_pattern(4096, 12);
+    let mut local = HostBuf::zeroed(4096);
+    let config =
+        DataServerConfig { max_connections: 2, io_timeout: Duration::from_secs(5), ..DataServerConfig::default() };
+    let b = TcpEngine::new(TcpEngineConfig { server: config, ..fast_config() }).expect("server engine");
+    let remote_ref = remote.register(&b);
+    // Two authenticated connections that never send a request fill the server.
+    let (mut oldest, status) = hello(b.endpoint(), 1);
     assert_eq!(status, 0);
-    let (_second, status) = hello(&addr, 1);
-    assert_eq!(status, 3, "BUSY");
+    let (_newer, status) = hello(b.endpoint(), 1);
+    assert_eq!(status, 0);
+    let a = TcpEngine::new(TcpEngineConfig { connections_per_peer: 1, ..fast_config() }).expect("client");
+    let local_ref = local.register(&a);
+    let target = TransferRef::remote_only(remote_ref.remote().expect("remote").clone(), 4096, MemoryLocation::Host);
+    transfer(&a, &[item(&target, 0, &local_ref, 0, 4096, 1)]).expect("a new peer gets in");
+    assert_eq!(local.bytes(), remote.bytes());
+    assert!(closed_within(&mut oldest, Duration::from_secs(3)), "the connection idle longest made room");
+    let evicted = b
+        .sample_metrics()
+        .iter()
+        .find(|m| m.labels.iter().any(|(k, v)| k == "reason" && v == "idle_evicted"))
+        .map(|m| m.value);
+    assert_eq!(evicted, Some(1));
 }
 
 #[test]

@@ -7,6 +7,17 @@
 //! sends its stripe back to back in gather writes while its reader takes the replies as they come.
 //! So a batch is never one round trip per item, and neither side can stall the other: the reader
 //! always drains replies while the writer writes.
+//!
+//! # A connection the server closed
+//! A server closes connections on its own: idle ones at its idle timeout, and the one idle longest
+//! when it needs room for a newcomer (its connection caps). A pooled connection closed that way is
+//! normally seen before use (an idle connection is checked for an end of stream), but the close can
+//! also cross the next requests on the wire. So a request lost with its connection (the connection
+//! broke: end of stream, reset, broken pipe; not a timeout or a refusal) is sent once more, on a
+//! fresh connection, before it fails with [`FailureKind::ConnectionLost`]. Resending is safe: a
+//! READ is repeated, and a WRITE puts the same bytes at the same place again (the batch still owns
+//! the remote range until it completes). Likewise a handshake the server dropped before answering
+//! (its pending-handshake caps) is tried again, up to [`OPEN_ATTEMPTS`] times.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice, Write};
@@ -16,12 +27,13 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
 use super::io::{FrameReader, SocketClock, configure, failure_kind, read_exact_until, write_all_vectored};
 use super::protocol::{self, HELLO_REPLY_LEN, HelloStatus, Op, REPLY_LEN, Reply, Request, Status};
 use super::regions::RegionGuard;
+use super::warn::{WarnLimiter, warn_limited};
 use crate::engine::{FailureKind, TransferFailure, TransferHandle};
 
 /// Requests per gather write (two `iovec`s each, well under `IOV_MAX`).
@@ -32,6 +44,10 @@ const GROUP_BYTES: u64 = 16 << 20;
 const READ_BUFFER: usize = 4 << 10;
 /// Per-request weight in bytes when striping (so 100k tiny items spread evenly too).
 const REQUEST_WEIGHT: u64 = 512;
+/// Connection attempts when the server drops the handshake unanswered.
+const OPEN_ATTEMPTS: u32 = 3;
+/// Pause before the second attempt (doubled for the third).
+const OPEN_BACKOFF: Duration = Duration::from_millis(20);
 
 /// Client counters.
 #[derive(Debug, Default)]
@@ -51,6 +67,8 @@ pub(crate) struct ClientShared {
     /// The encoded hello (magic, version, token).
     pub(crate) hello: Vec<u8>,
     pub(crate) metrics: ClientMetrics,
+    /// Repeated warnings are rate-limited through it.
+    pub(crate) warns: WarnLimiter,
 }
 
 /// One request of a batch: `len` bytes between `local` and (`region`, `remote_offset`) at the peer.
@@ -71,6 +89,8 @@ pub(crate) struct Job {
     batch: Arc<Batch>,
     reqs: Vec<Req>,
     done: usize,
+    /// A resend of requests lost with a connection: lost again, they fail.
+    retried: bool,
 }
 
 // SAFETY: the raw pointers in `reqs` point into local memory that stays valid while any thread
@@ -83,7 +103,18 @@ unsafe impl Send for Job {}
 
 impl Job {
     fn new(batch: Arc<Batch>, reqs: Vec<Req>) -> Self {
-        Self { batch, reqs, done: 0 }
+        Self { batch, reqs, done: 0, retried: false }
+    }
+
+    /// The requests not handed on yet, after their connection broke with `kind`: a job resending
+    /// them if they may be resent (see the module docs), else they fail here.
+    fn retry_or_fail(mut self, kind: FailureKind, message: &str) -> Option<Self> {
+        if kind != FailureKind::ConnectionLost || self.retried || self.done >= self.reqs.len() {
+            self.fail_rest(kind, message);
+            return None;
+        }
+        let rest = self.reqs.split_off(self.done);
+        Some(Self { batch: Arc::clone(&self.batch), reqs: rest, done: 0, retried: true })
     }
 
     /// Fails every request not handed on yet.
@@ -109,6 +140,8 @@ struct Group {
     batch: Arc<Batch>,
     reqs: Vec<(u64, Req)>,
     settled: bool,
+    /// Its requests are a resend (see [`Job::retried`]).
+    retried: bool,
 }
 
 // SAFETY: as for `Job`: the pointers are only dereferenced under `Batch::touch`.
@@ -118,6 +151,29 @@ impl Group {
     fn settle(&mut self, failed: Vec<(u32, FailureKind, String)>) {
         self.settled = true;
         self.batch.complete(self.reqs.iter().map(|(_, r)| r.plan), failed);
+    }
+
+    /// Settles every request except `resend` (indices into `reqs`, in order), which are returned
+    /// as a job for a fresh connection; that job completes them.
+    fn settle_but(&mut self, failed: Vec<(u32, FailureKind, String)>, resend: &[usize]) -> Option<Job> {
+        if resend.is_empty() {
+            self.settle(failed);
+            return None;
+        }
+        self.settled = true;
+        let mut skip = resend.iter().copied().peekable();
+        let mut kept = Vec::with_capacity(resend.len());
+        let mut completed = Vec::with_capacity(self.reqs.len() - resend.len());
+        for (i, (_, r)) in self.reqs.iter().enumerate() {
+            if skip.peek() == Some(&i) {
+                skip.next();
+                kept.push(*r);
+            } else {
+                completed.push(r.plan);
+            }
+        }
+        self.batch.complete(completed.into_iter(), failed);
+        Some(Job { batch: Arc::clone(&self.batch), reqs: kept, done: 0, retried: true })
     }
 }
 
@@ -351,6 +407,7 @@ pub(crate) struct PeerPool {
     endpoint: String,
     slots: Vec<Slot>,
     next: AtomicUsize,
+    shared: Arc<ClientShared>,
 }
 
 #[derive(Debug)]
@@ -372,10 +429,11 @@ impl PeerPool {
             };
             match worker {
                 Ok(t) => slots.push(Slot { jobs: Mutex::new(Some(tx)), worker: Mutex::new(Some(t)) }),
-                Err(e) => tracing::warn!(%endpoint, error = %e, "tcp engine: cannot spawn a connection worker"),
+                Err(e) => warn_limited!(shared.warns, "spawn_failed", %endpoint, error = %e,
+                    "tcp engine: cannot spawn a connection worker"),
             }
         }
-        Self { endpoint: endpoint.to_owned(), slots, next: AtomicUsize::new(0) }
+        Self { endpoint: endpoint.to_owned(), slots, next: AtomicUsize::new(0), shared: Arc::clone(shared) }
     }
 
     /// Stripes `reqs` over the pool's connections.
@@ -408,7 +466,8 @@ impl PeerPool {
                 if t.is_finished() {
                     let _ = t.join();
                 } else {
-                    tracing::warn!(endpoint = %self.endpoint, "tcp engine: connection worker did not stop in time");
+                    warn_limited!(self.shared.warns, "worker_detached", endpoint = %self.endpoint,
+                        "tcp engine: connection worker did not stop in time");
                 }
             }
         }
@@ -466,45 +525,105 @@ impl Drop for Conn {
 }
 
 fn run_slot(shared: &ClientShared, endpoint: &str, jobs: &Receiver<Job>) {
+    // Requests lost with a connection come back here (from its reader) to be sent again.
+    let (resend_tx, resends) = crossbeam_channel::unbounded::<Job>();
     let mut conn: Option<Conn> = None;
+    let idle = shared.idle_timeout.max(Duration::from_millis(1));
     loop {
-        let mut job = match jobs.recv_timeout(shared.idle_timeout.max(Duration::from_millis(1))) {
+        let job = match resends.try_recv() {
             Ok(job) => job,
-            Err(RecvTimeoutError::Timeout) => {
-                if conn.take().is_some() {
-                    tracing::debug!(%endpoint, "tcp engine: closed an idle connection");
+            Err(_) => crossbeam_channel::select! {
+                recv(resends) -> job => match job {
+                    Ok(job) => job,
+                    Err(_) => continue,
+                },
+                recv(jobs) -> job => match job {
+                    Ok(job) => job,
+                    Err(_) => {
+                        // Closing: the reader hands back what it lost, which is sent once more.
+                        drop(conn.take());
+                        while let Ok(job) = resends.try_recv() {
+                            dispatch(shared, endpoint, &mut conn, &resend_tx, job);
+                        }
+                        return;
+                    }
+                },
+                default(idle) => {
+                    if conn.take().is_some() {
+                        tracing::debug!(%endpoint, "tcp engine: closed an idle connection");
+                    }
+                    continue;
                 }
-                continue;
-            }
-            Err(RecvTimeoutError::Disconnected) => return,
+            },
         };
+        dispatch(shared, endpoint, &mut conn, &resend_tx, job);
+    }
+}
+
+/// Sends `job` over `conn`, (re)connecting first if needed; requests the connection loses while
+/// being written are sent once more on a fresh one.
+fn dispatch(shared: &ClientShared, endpoint: &str, conn: &mut Option<Conn>, resend: &Sender<Job>, job: Job) {
+    let mut next = Some(job);
+    while let Some(mut job) = next.take() {
         if conn.as_ref().is_some_and(|c| !c.usable()) {
-            conn = None;
+            *conn = None;
         }
         if conn.is_none() {
-            match Conn::open(shared, endpoint) {
-                Ok(c) => conn = Some(c),
+            match Conn::open_retrying(shared, endpoint, resend) {
+                Ok(c) => *conn = Some(c),
                 Err((kind, message)) => {
                     tracing::debug!(%endpoint, %message, "tcp engine: cannot connect");
                     job.fail_rest(kind, &message);
-                    continue;
+                    return;
                 }
             }
         }
         if let Some(c) = conn.as_mut()
-            && !c.send(job)
+            && let Err(rest) = c.send(job)
         {
-            conn = None;
+            // Dropping the connection joins its reader, which hands back what it lost.
+            *conn = None;
+            next = rest;
         }
     }
 }
 
+/// Why a connection could not be opened.
+struct OpenFailure {
+    kind: FailureKind,
+    message: String,
+    /// The server accepted the connection and closed it before answering the hello (its
+    /// pending-handshake caps): worth another attempt.
+    dropped: bool,
+}
+
 impl Conn {
-    fn open(shared: &ClientShared, endpoint: &str) -> Result<Self, (FailureKind, String)> {
+    /// [`open`](Self::open), tried again (after a short pause) while the server drops the
+    /// handshake unanswered, at most [`OPEN_ATTEMPTS`] times.
+    fn open_retrying(
+        shared: &ClientShared,
+        endpoint: &str,
+        resend: &Sender<Job>,
+    ) -> Result<Self, (FailureKind, String)> {
+        let mut attempt = 1;
+        loop {
+            match Self::open(shared, endpoint, resend) {
+                Ok(c) => return Ok(c),
+                Err(f) if f.dropped && attempt < OPEN_ATTEMPTS => {
+                    tracing::debug!(%endpoint, message = %f.message, attempt, "tcp engine: handshake dropped; trying again");
+                    std::thread::sleep(OPEN_BACKOFF * attempt);
+                    attempt += 1;
+                }
+                Err(f) => return Err((f.kind, f.message)),
+            }
+        }
+    }
+
+    fn open(shared: &ClientShared, endpoint: &str, resend: &Sender<Job>) -> Result<Self, OpenFailure> {
         let metrics = &shared.metrics;
         let connect_failed = |kind: FailureKind, message: String| {
             metrics.connect_failed.fetch_add(1, Ordering::Relaxed);
-            (kind, message)
+            OpenFailure { kind, message, dropped: false }
         };
         let addrs = endpoint
             .to_socket_addrs()
@@ -524,7 +643,14 @@ impl Conn {
             let e = last.map_or_else(|| "no address".to_owned(), |e| e.to_string());
             connect_failed(FailureKind::ConnectionLost, format!("cannot connect to {endpoint}: {e}"))
         })?;
-        let io_err = |what: &str, e: io::Error| connect_failed(failure_kind(&e), format!("{what} {endpoint}: {e}"));
+        // Past the connect, a lost connection is the server dropping the handshake.
+        let io_err = |what: &str, e: io::Error| {
+            let kind = failure_kind(&e);
+            OpenFailure {
+                dropped: kind == FailureKind::ConnectionLost,
+                ..connect_failed(kind, format!("{what} {endpoint}: {e}"))
+            }
+        };
         configure(&stream, shared.io_timeout).map_err(|e| io_err("configuring the socket to", e))?;
         // The whole handshake within one IO timeout, however the peer paces its answer.
         let deadline = Instant::now() + shared.io_timeout;
@@ -568,9 +694,10 @@ impl Conn {
         let reader = {
             let state = Arc::clone(&state);
             let endpoint = endpoint.to_owned();
+            let resend = resend.clone();
             std::thread::Builder::new()
                 .name("umbp-tcp-rx".into())
-                .spawn(move || run_reader(read_half, &state, &rx, &endpoint, io_timeout))
+                .spawn(move || run_reader(read_half, &state, &rx, &endpoint, io_timeout, &resend))
                 .map_err(|e| connect_failed(FailureKind::Local, format!("cannot spawn a reader thread: {e}")))?
         };
         metrics.connections_opened.fetch_add(1, Ordering::Relaxed);
@@ -595,14 +722,16 @@ impl Conn {
         alive && self.stream.set_nonblocking(false).is_ok()
     }
 
-    /// Writes a job's requests; returns false when the connection broke (every request of the job
-    /// is completed either way: by the reader for those handed to it, here for the rest).
-    fn send(&mut self, mut job: Job) -> bool {
+    /// Writes a job's requests; `Err` when the connection broke, carrying the requests not handed
+    /// to the reader yet if they may be sent again (see the module docs). Every request of the job
+    /// is completed or handed on either way: by the reader for those handed to it, here (or by the
+    /// returned job) for the rest.
+    fn send(&mut self, mut job: Job) -> Result<(), Option<Job>> {
         let batch = Arc::clone(&job.batch);
         // The writes below read the batch's local memory: it stays registered until they return.
         let Some(_touch) = batch.touch(&self.state) else {
             job.fail_rest(FailureKind::Timeout, "the batch passed its deadline before it was sent");
-            return true;
+            return Ok(());
         };
         while job.done < job.reqs.len() {
             let start = job.done;
@@ -613,8 +742,7 @@ impl Conn {
                 end += 1;
             }
             if let Some((kind, message)) = self.state.error() {
-                job.fail_rest(kind, &message);
-                return false;
+                return Err(job.retry_or_fail(kind, &message));
             }
             let group: Vec<(u64, Req)> = job.reqs[start..end]
                 .iter()
@@ -648,7 +776,7 @@ impl Conn {
             self.state.in_flight.fetch_add(1, Ordering::SeqCst);
             // From here the group (and its failure, should the connection break) is the reader's.
             job.done = end;
-            let group = Group { batch: Arc::clone(&batch), reqs: group, settled: false };
+            let group = Group { batch: Arc::clone(&batch), reqs: group, settled: false, retried: job.retried };
             let handed = match self.groups.as_ref() {
                 Some(tx) => tx.send(group).map_err(|e| e.into_inner()),
                 None => Err(group),
@@ -661,15 +789,16 @@ impl Conn {
                 self.state.in_flight.fetch_sub(1, Ordering::SeqCst);
                 self.state.fail(FailureKind::ConnectionLost, message.into());
                 job.fail_rest(FailureKind::ConnectionLost, message);
-                return false;
+                return Err(None);
             }
             if let Err(e) = write_all_vectored(&mut self.stream, &mut slices) {
+                // The group already handed over is the reader's to resend or fail; the rest is ours.
                 self.state.fail(failure_kind(&e), format!("writing requests: {e}"));
-                job.fail_rest(failure_kind(&e), &format!("writing requests: {e}"));
-                return false;
+                let (kind, message) = self.state.error().unwrap_or((failure_kind(&e), e.to_string()));
+                return Err(job.retry_or_fail(kind, &message));
             }
         }
-        true
+        Ok(())
     }
 }
 
@@ -679,6 +808,7 @@ fn run_reader(
     groups: &Receiver<Group>,
     endpoint: &str,
     io_timeout: Duration,
+    resend: &Sender<Job>,
 ) {
     let mut reader = FrameReader::new(stream, READ_BUFFER, REPLY_LEN, io_timeout);
     while let Ok(mut group) = groups.recv() {
@@ -692,26 +822,37 @@ fn run_reader(
                 group.settle(failed);
             }
             Some(_touch) => {
-                for (id, req) in &group.reqs {
-                    if let Some((kind, message)) = state.error() {
-                        failed.push((req.plan, kind, message));
-                        continue;
-                    }
-                    match read_reply(&mut reader, *id, req) {
-                        Ok(Status::Ok) => {}
-                        Ok(status) => {
-                            failed.push((req.plan, status_kind(status), status_message(status, req, endpoint)))
-                        }
-                        Err((kind, message)) => {
-                            // The first reason wins: a deadline that shut the socket down, not the
-                            // broken read it caused.
-                            state.fail(kind, message.clone());
-                            let (kind, message) = state.error().unwrap_or((kind, message));
-                            failed.push((req.plan, kind, message));
-                        }
+                // Requests the broken connection lost, to send once more (see the module docs).
+                let mut lost = Vec::new();
+                for (i, (id, req)) in group.reqs.iter().enumerate() {
+                    let broken = match state.error() {
+                        Some(reason) => Some(reason),
+                        None => match read_reply(&mut reader, *id, req) {
+                            Ok(Status::Ok) => None,
+                            Ok(status) => {
+                                failed.push((req.plan, status_kind(status), status_message(status, req, endpoint)));
+                                None
+                            }
+                            Err((kind, message)) => {
+                                // The first reason wins: a deadline that shut the socket down, not
+                                // the broken read it caused.
+                                state.fail(kind, message.clone());
+                                Some(state.error().unwrap_or((kind, message)))
+                            }
+                        },
+                    };
+                    match broken {
+                        Some((FailureKind::ConnectionLost, _)) if !group.retried => lost.push(i),
+                        Some((kind, message)) => failed.push((req.plan, kind, message)),
+                        None => {}
                     }
                 }
-                group.settle(failed);
+                if let Some(job) = group.settle_but(failed, &lost)
+                    && let Err(e) = resend.send(job)
+                {
+                    // The slot's worker is gone: dropping the job fails its requests.
+                    drop(e.into_inner());
+                }
             }
         }
         state.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -834,7 +975,8 @@ mod tests {
     #[test]
     fn a_group_dropped_by_a_stopped_reader_fails_its_requests() {
         let b = batch(vec![1, 1]);
-        let group = Group { batch: Arc::clone(&b), reqs: vec![(1, req(0)), (2, req(1))], settled: false };
+        let group =
+            Group { batch: Arc::clone(&b), reqs: vec![(1, req(0)), (2, req(1))], settled: false, retried: false };
         drop(group);
         let started = Instant::now();
         let failures = b.wait();

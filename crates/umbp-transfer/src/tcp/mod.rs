@@ -26,12 +26,15 @@
 //! connection). No thread per request.
 
 mod client;
+mod conns;
 mod error;
+mod gate;
 mod io;
 pub(crate) mod protocol;
 mod regions;
 mod server;
 mod staging;
+mod warn;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -184,6 +187,7 @@ impl TcpEngine {
             idle_timeout: config.idle_timeout,
             hello,
             metrics: client::ClientMetrics::default(),
+            warns: warn::WarnLimiter::new(config.server.warn_interval),
         });
         Ok(Self { config, server, client, peers: Peers::default() })
     }

@@ -1,17 +1,22 @@
 //! The data server: serves the regions registered on this node to peers over TCP.
 //!
-//! One acceptor thread, one thread per connection (capped by
-//! [`max_connections`](DataServerConfig::max_connections)). A connection thread reads request
-//! headers through a small buffer, streams WRITE payloads from the socket straight into region
-//! memory, and answers with gather writes (reply headers and READ payloads, the latter straight from
-//! region memory). See [`protocol`](super::protocol) for the bytes.
+//! One gate thread accepts connections and runs every handshake over non-blocking sockets (see
+//! [`gate`](super::gate): what it caps and evicts, and why), then hands each authenticated
+//! connection to a thread of its own (capped by
+//! [`max_connections`](DataServerConfig::max_connections), the table in
+//! [`conns`](super::conns)). A connection thread reads request headers through a small buffer,
+//! streams WRITE payloads from the socket straight into region memory, and answers with gather
+//! writes (reply headers and READ payloads, the latter straight from region memory). See
+//! [`protocol`](super::protocol) for the bytes.
 //!
 //! GPU regions (a server started with a GPU runtime accepts them) cannot be reached by the socket:
 //! their bytes pass through the connection's host staging buffer ([`DeviceStaging`]) with the
 //! runtime's synchronous copies, in pieces of at most
 //! [`gpu_staging_bytes`](DataServerConfig::gpu_staging_bytes). Host regions never touch it.
+//!
+//! Every per-connection warning goes through the server's [`WarnLimiter`]: at most one line per
+//! kind per [`warn_interval`](DataServerConfig::warn_interval), carrying the count suppressed.
 
-use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::ptr::NonNull;
@@ -24,17 +29,22 @@ use parking_lot::Mutex;
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, RegistrationError, RemoteRegion, TransferRef};
 use umbp_gpu::{CopyKind, DeviceGuard, GpuRuntime};
 
+use super::conns::{Activity, Conns};
 use super::error::TcpStartError;
-use super::io::{
-    FrameReader, SocketClock, configure, is_timeout, read_exact_until, tokens_equal, write_all_vectored_until,
-};
-use super::protocol::{
-    self, FrameError, HELLO_LEN, HelloStatus, MAX_TOKEN_LEN, Op, REQUEST_LEN, Reply, Request, Status,
-};
+use super::gate;
+use super::io::{FrameReader, SocketClock, is_timeout, write_all_vectored_until};
+use super::protocol::{self, FrameError, Op, REQUEST_LEN, Reply, Request, Status};
 use super::regions::{RegionGuard, RegionTable};
 use super::staging::DeviceStaging;
+use super::warn::{WarnLimiter, warn_limited};
 
 /// Settings of a [`DataServer`].
+///
+/// The limits keep the port usable under a flood (see the gate's docs, `tcp/gate.rs`): a socket
+/// that has not authenticated holds a descriptor for at most
+/// [`handshake_timeout`](Self::handshake_timeout) and never a thread, pending handshakes are
+/// capped apart from authenticated connections and per source address, and at any cap the
+/// oldest pending handshake or the connection idle longest makes room for the newcomer.
 #[derive(Clone, PartialEq, Eq)]
 pub struct DataServerConfig {
     /// Address to listen on. Default: `127.0.0.1:0` (loopback, a port chosen by the OS). A wildcard
@@ -48,25 +58,39 @@ pub struct DataServerConfig {
     /// `cluster_token` serves both sides. Default: `None` (no authentication: any peer that speaks
     /// the protocol is served).
     pub cluster_token: Option<String>,
-    /// Authenticated connections served at once; a peer beyond this is answered `BUSY` in the
-    /// handshake and closed (and logged). Default: 1024.
+    /// Authenticated connections served at once (one thread each). A newcomer beyond this closes
+    /// the connection idle longest; only when every connection is in the middle of a request is it
+    /// answered `BUSY`. Default: 1024.
     pub max_connections: usize,
-    /// Connections still in the handshake at once; one beyond this is closed right after it is
-    /// accepted, so silent sockets cannot hold the server's threads. Default: 64.
+    /// Authenticated connections from one source address at once; beyond it a newcomer closes
+    /// that address's connection idle longest (or is answered `BUSY`), so one host cannot displace
+    /// everyone else's. Default: 256.
+    pub max_connections_per_peer: usize,
+    /// Connections still in the handshake at once, apart from the authenticated ones. They cost a
+    /// descriptor each, no thread; beyond this the oldest one is closed. Default: 256.
     pub max_handshakes: usize,
-    /// The whole handshake must arrive within this, however it is paced. Default: 2 s.
+    /// Connections in the handshake from one source address at once; beyond it that address's
+    /// oldest one is closed, so a flood from one host displaces only its own sockets. Default: 64.
+    pub max_handshakes_per_peer: usize,
+    /// The whole handshake must arrive within this of the accept, however it is paced (a real
+    /// client sends it the moment it connects). Default: 1 s.
     pub handshake_timeout: Duration,
     /// A request must arrive in full (header and WRITE payload) within this once it has started,
     /// and a batch of replies must be sent within it. A request that misses it closes the
     /// connection (releasing the regions it touched). Default: 30 s.
     pub io_timeout: Duration,
-    /// A connection with no request for this long is closed. Default: 60 s.
+    /// A connection with no request for this long is closed. Keep it above the clients'
+    /// [`idle_timeout`](super::TcpEngineConfig::idle_timeout) (they close first). Default: 60 s.
     pub idle_timeout: Duration,
     /// Bytes of the host staging buffer a connection allocates (once, when it first serves a GPU
     /// region) to move GPU bytes between the socket and device memory; a longer request moves in
     /// pieces of this size. Clamped to at least 4 KiB. Only used by a server started with a GPU
     /// runtime. Default: 4 MiB.
     pub gpu_staging_bytes: usize,
+    /// Each kind of warning (a refused handshake, a malformed frame, …) is logged at most once per
+    /// this; the line carries `suppressed`, how many of that kind were not logged since the last.
+    /// The engine's client side uses it too. Default: 5 s.
+    pub warn_interval: Duration,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -77,11 +101,14 @@ impl std::fmt::Debug for DataServerConfig {
             .field("advertise", &self.advertise)
             .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
             .field("max_connections", &self.max_connections)
+            .field("max_connections_per_peer", &self.max_connections_per_peer)
             .field("max_handshakes", &self.max_handshakes)
+            .field("max_handshakes_per_peer", &self.max_handshakes_per_peer)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("io_timeout", &self.io_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .field("gpu_staging_bytes", &self.gpu_staging_bytes)
+            .field("warn_interval", &self.warn_interval)
             .finish()
     }
 }
@@ -93,11 +120,14 @@ impl Default for DataServerConfig {
             advertise: None,
             cluster_token: None,
             max_connections: 1024,
-            max_handshakes: 64,
-            handshake_timeout: Duration::from_secs(2),
+            max_connections_per_peer: 256,
+            max_handshakes: 256,
+            max_handshakes_per_peer: 64,
+            handshake_timeout: Duration::from_secs(1),
             io_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             gpu_staging_bytes: 4 << 20,
+            warn_interval: Duration::from_secs(5),
         }
     }
 }
@@ -121,21 +151,22 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Counters of a data server.
 #[derive(Debug, Default)]
 pub(crate) struct ServerMetrics {
-    accepted: AtomicU64,
-    refused_limit: AtomicU64,
-    refused_handshake_limit: AtomicU64,
-    handshake_timeouts: AtomicU64,
+    pub(crate) accepted: AtomicU64,
+    pub(crate) refused_limit: AtomicU64,
+    pub(crate) refused_handshake_limit: AtomicU64,
+    pub(crate) handshake_timeouts: AtomicU64,
     idle_closed: AtomicU64,
-    refused_unauthorized: AtomicU64,
-    refused_version: AtomicU64,
-    refused_malformed: AtomicU64,
+    pub(crate) idle_evicted: AtomicU64,
+    pub(crate) refused_unauthorized: AtomicU64,
+    pub(crate) refused_version: AtomicU64,
+    pub(crate) refused_malformed: AtomicU64,
     malformed_frames: AtomicU64,
     requests: [AtomicU64; Status::ALL.len()],
     /// Bytes moved between the socket and GPU regions through host staging.
     gpu_staged_bytes: AtomicU64,
 }
 
-fn bump(c: &AtomicU64) {
+pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -154,42 +185,23 @@ use umbp_core::metric_names::{
     TRANSFER_TCP_SERVER_REQUESTS_TOTAL_HELP as SERVER_REQUESTS_HELP,
 };
 
-/// State shared by the acceptor and the connection threads.
+/// State shared by the gate and the connection threads.
 #[derive(Debug)]
-struct Shared {
-    config: DataServerConfig,
+pub(crate) struct Shared {
+    pub(crate) config: DataServerConfig,
     regions: Arc<RegionTable>,
     /// The runtime GPU regions are copied with; `None`: host regions only.
     gpu: Option<Arc<dyn GpuRuntime>>,
-    stop: AtomicBool,
-    conns: Mutex<HashMap<u64, ConnRecord>>,
-    next_conn: AtomicU64,
-    /// Connections in the handshake now (capped by `max_handshakes`).
-    handshaking: AtomicUsize,
-    /// Authenticated connections now (capped by `max_connections`).
-    serving: AtomicUsize,
-    metrics: ServerMetrics,
-}
-
-/// Decrements a connection count when dropped.
-struct Slot<'a>(&'a AtomicUsize);
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// Takes one of `limit` places in `count`, or `None` when all are taken.
-fn take_slot(count: &AtomicUsize, limit: usize) -> Option<Slot<'_>> {
-    count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < limit).then_some(n + 1)).ok().map(|_| Slot(count))
-}
-
-#[derive(Debug)]
-struct ConnRecord {
-    /// A clone of the socket, to shut it down on server shutdown.
-    stream: TcpStream,
-    thread: Option<JoinHandle<()>>,
+    pub(crate) stop: AtomicBool,
+    /// The authenticated connections.
+    pub(crate) conns: Mutex<Conns>,
+    /// Connections in the handshake now (the gate's count, published for `connection_count`).
+    pub(crate) handshaking: AtomicUsize,
+    /// Connections' idle instants are measured from this.
+    pub(crate) epoch: Instant,
+    pub(crate) metrics: ServerMetrics,
+    /// Every per-connection warning goes through it.
+    pub(crate) warns: WarnLimiter,
 }
 
 /// A node's data server: serves the regions registered with it to peers, by (region id, offset,
@@ -240,22 +252,23 @@ impl DataServer {
         let listener = TcpListener::bind(config.listen).map_err(bind)?;
         let local_addr = listener.local_addr().map_err(bind)?;
         let endpoint = config.advertise.clone().unwrap_or_else(|| local_addr.to_string());
+        let warns = WarnLimiter::new(config.warn_interval);
         let shared = Arc::new(Shared {
             config,
             regions,
             gpu,
             stop: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
-            next_conn: AtomicU64::new(1),
+            conns: Mutex::new(Conns::default()),
             handshaking: AtomicUsize::new(0),
-            serving: AtomicUsize::new(0),
+            epoch: Instant::now(),
             metrics: ServerMetrics::default(),
+            warns,
         });
         let acceptor = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
                 .name("umbp-tcp-accept".into())
-                .spawn(move || accept_loop(&shared, &listener))
+                .spawn(move || gate::run(&shared, &listener))
                 .map_err(TcpStartError::Spawn)?
         };
         tracing::debug!(%endpoint, "tcp data server listening");
@@ -285,7 +298,12 @@ impl DataServer {
 
     /// Connections open now (in the handshake or authenticated).
     pub fn connection_count(&self) -> usize {
-        self.shared.conns.lock().len()
+        self.shared.conns.lock().len() + self.handshake_count()
+    }
+
+    /// Connections in the handshake now (accepted, not authenticated yet).
+    pub fn handshake_count(&self) -> usize {
+        self.shared.handshaking.load(Ordering::SeqCst)
     }
 
     /// Registers `region` for this node's own transfers only: the ref carries this server's
@@ -341,6 +359,7 @@ impl DataServer {
             ("handshake_limit", &m.refused_handshake_limit),
             ("handshake_timeout", &m.handshake_timeouts),
             ("idle", &m.idle_closed),
+            ("idle_evicted", &m.idle_evicted),
             ("unauthorized", &m.refused_unauthorized),
             ("bad_version", &m.refused_version),
             ("malformed_hello", &m.refused_malformed),
@@ -421,15 +440,15 @@ impl Drop for DataServer {
         let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
         let deadline = Instant::now() + SHUTDOWN_GRACE;
         if let Some(acceptor) = self.acceptor.take() {
-            join_until(acceptor, deadline);
+            join_until(acceptor, deadline, &self.shared.warns);
         }
-        let conns: Vec<ConnRecord> = self.shared.conns.lock().drain().map(|(_, c)| c).collect();
-        for c in &conns {
-            let _ = c.stream.shutdown(Shutdown::Both);
+        let conns = self.shared.conns.lock().drain();
+        for (stream, _) in &conns {
+            let _ = stream.shutdown(Shutdown::Both);
         }
-        for c in conns {
-            if let Some(t) = c.thread {
-                join_until(t, deadline);
+        for (_, thread) in conns {
+            if let Some(t) = thread {
+                join_until(t, deadline, &self.shared.warns);
             }
         }
     }
@@ -437,66 +456,15 @@ impl Drop for DataServer {
 
 /// Joins `t` if it finishes before `deadline`; otherwise leaves it detached (it holds only shared
 /// state and finishes on its own once its socket call returns).
-fn join_until(t: JoinHandle<()>, deadline: Instant) {
+fn join_until(t: JoinHandle<()>, deadline: Instant, warns: &WarnLimiter) {
     while !t.is_finished() {
         if Instant::now() >= deadline {
-            tracing::warn!("tcp data server thread did not stop in time; leaving it detached");
+            warn_limited!(warns, "thread_detached", "tcp data server thread did not stop in time; leaving it detached");
             return;
         }
         std::thread::sleep(Duration::from_millis(2));
     }
     let _ = t.join();
-}
-
-fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener) {
-    loop {
-        let accepted = listener.accept();
-        if shared.stop.load(Ordering::SeqCst) {
-            return;
-        }
-        let (stream, peer) = match accepted {
-            Ok(x) => x,
-            Err(e) => {
-                tracing::warn!(error = %e, "tcp data server: accept failed");
-                // Out of descriptors and the like: back off instead of spinning.
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        bump(&shared.metrics.accepted);
-        if shared.handshaking.load(Ordering::SeqCst) >= shared.config.max_handshakes {
-            bump(&shared.metrics.refused_handshake_limit);
-            tracing::warn!(%peer, limit = shared.config.max_handshakes, "tcp data server: too many connections in the handshake; closing");
-            continue;
-        }
-        let (Ok(()), Ok(clone)) = (configure(&stream, shared.config.io_timeout), stream.try_clone()) else {
-            tracing::warn!(%peer, "tcp data server: cannot configure the socket; closing");
-            continue;
-        };
-        // Counted here, released by the connection thread once the handshake is over.
-        shared.handshaking.fetch_add(1, Ordering::SeqCst);
-        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        shared.conns.lock().insert(id, ConnRecord { stream: clone, thread: None });
-        let spawned = {
-            let shared = Arc::clone(shared);
-            std::thread::Builder::new().name("umbp-tcp-serve".into()).spawn(move || {
-                serve(&shared, stream, peer);
-                shared.conns.lock().remove(&id);
-            })
-        };
-        match spawned {
-            Ok(t) => {
-                if let Some(rec) = shared.conns.lock().get_mut(&id) {
-                    rec.thread = Some(t);
-                }
-            }
-            Err(e) => {
-                tracing::warn!(%peer, error = %e, "tcp data server: cannot spawn a connection thread");
-                shared.handshaking.fetch_sub(1, Ordering::SeqCst);
-                shared.conns.lock().remove(&id);
-            }
-        }
-    }
 }
 
 /// Why a connection ended.
@@ -510,6 +478,8 @@ enum End {
     Malformed(FrameError),
     /// No request came for the idle timeout.
     Idle,
+    /// Closed to make room for a newer connection while idle.
+    Evicted,
 }
 
 impl From<io::Error> for End {
@@ -518,26 +488,17 @@ impl From<io::Error> for End {
     }
 }
 
-fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
-    let handshake = {
-        let _handshaking = Slot(&shared.handshaking);
-        handshake(shared, &mut stream)
-    };
-    let _serving = match handshake {
-        Ok(slot) => slot,
-        Err(reason) => {
-            tracing::warn!(%peer, %reason, "tcp data server: handshake refused; closing the connection");
-            return;
-        }
-    };
+/// Serves an authenticated connection until it ends (the gate ran the handshake).
+pub(crate) fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr, activity: &Activity) {
     tracing::debug!(%peer, "tcp data server: connection authenticated");
     let Ok(write_half) = stream.try_clone() else {
-        tracing::warn!(%peer, "tcp data server: cannot clone the socket; closing");
+        warn_limited!(shared.warns, "socket_setup", %peer, "tcp data server: cannot clone the socket; closing");
         return;
     };
     let io_timeout = shared.config.io_timeout;
     let mut conn = ServerConn {
         shared,
+        activity,
         reader: FrameReader::new(stream, READ_BUFFER, REQUEST_LEN, io_timeout),
         writer: write_half,
         write_clock: SocketClock::new(io_timeout),
@@ -552,63 +513,13 @@ fn serve(shared: &Shared, mut stream: TcpStream, peer: SocketAddr) {
             bump(&shared.metrics.idle_closed);
             tracing::debug!(%peer, "tcp data server: idle connection closed");
         }
+        Err(End::Evicted) => tracing::debug!(%peer, "tcp data server: idle connection evicted for a newer one"),
         Err(End::Io(e)) => tracing::debug!(%peer, error = %e, "tcp data server: connection dropped"),
         Err(End::Malformed(e)) => {
             bump(&shared.metrics.malformed_frames);
-            tracing::warn!(%peer, reason = %e, "tcp data server: malformed frame; closing the connection");
+            warn_limited!(shared.warns, "malformed_frame", %peer, reason = %e,
+                "tcp data server: malformed frame; closing the connection");
         }
-    }
-}
-
-/// Runs the server side of the handshake, all of it within the handshake timeout; `Ok` carries the
-/// connection's place among the served ones, `Err` the reason to log.
-fn handshake<'a>(shared: &'a Shared, stream: &mut TcpStream) -> Result<Slot<'a>, String> {
-    let metrics = &shared.metrics;
-    let deadline = Instant::now() + shared.config.handshake_timeout;
-    let mut clock = SocketClock::new(shared.config.io_timeout);
-    let timed = |what: &str, e: io::Error| {
-        if is_timeout(&e) {
-            bump(&metrics.handshake_timeouts);
-        }
-        format!("{what}: {e}")
-    };
-    let mut head = [0u8; HELLO_LEN];
-    read_exact_until(stream, &mut head, deadline, &mut clock).map_err(|e| timed("reading the hello", e))?;
-    let hello = protocol::decode_hello(&head).map_err(|e| {
-        bump(&metrics.refused_malformed);
-        format!("malformed hello: {e}")
-    })?;
-    let mut token = [0u8; MAX_TOKEN_LEN];
-    let token = token.get_mut(..hello.token_len).ok_or("token length beyond the limit")?;
-    read_exact_until(stream, token, deadline, &mut clock).map_err(|e| timed("reading the token", e))?;
-    let mut slot = None;
-    let status = if hello.version != protocol::VERSION {
-        bump(&metrics.refused_version);
-        HelloStatus::BadVersion
-    } else if shared.config.cluster_token.as_ref().is_some_and(|t| !tokens_equal(t.as_bytes(), token)) {
-        bump(&metrics.refused_unauthorized);
-        HelloStatus::Unauthorized
-    } else {
-        slot = take_slot(&shared.serving, shared.config.max_connections);
-        if slot.is_some() {
-            HelloStatus::Ok
-        } else {
-            bump(&metrics.refused_limit);
-            HelloStatus::Busy
-        }
-    };
-    let answer = protocol::encode_hello_reply(status);
-    let mut write_clock = SocketClock::new(shared.config.io_timeout);
-    write_all_vectored_until(stream, &mut [IoSlice::new(&answer)], deadline, &mut write_clock)
-        .and_then(|()| write_clock.arm(None, |t| stream.set_write_timeout(t)))
-        .map_err(|e| timed("answering the hello", e))?;
-    match (status, slot) {
-        (HelloStatus::Ok, Some(slot)) => Ok(slot),
-        (HelloStatus::Unauthorized, _) => Err("wrong cluster token".into()),
-        (HelloStatus::BadVersion, _) => {
-            Err(format!("protocol version {} (this server speaks {})", hello.version, protocol::VERSION))
-        }
-        _ => Err(format!("connection limit of {} reached; answered busy", shared.config.max_connections)),
     }
 }
 
@@ -637,6 +548,8 @@ impl ReplyQueue {
 
 struct ServerConn<'a> {
     shared: &'a Shared,
+    /// Busy or idle (evictable while idle).
+    activity: &'a Activity,
     reader: FrameReader,
     writer: TcpStream,
     write_clock: SocketClock,
@@ -693,11 +606,22 @@ impl ServerConn<'_> {
     /// the request (header and payload) must arrive within the IO timeout in total.
     fn next_header(&mut self) -> Result<Option<[u8; REQUEST_LEN]>, End> {
         let idle_until = Instant::now() + self.shared.config.idle_timeout;
+        if self.reader.buffered() == 0 {
+            // Nothing queued and nothing buffered: the gate may evict us while we wait.
+            self.activity.idle().map_err(|_| End::Evicted)?;
+        }
         self.reader.set_deadline(Some(idle_until));
         loop {
             match self.reader.fill() {
+                Ok(0) if self.activity.is_evicted() => return Err(End::Evicted),
                 Ok(0) => return Ok(None),
-                Ok(_) => break,
+                Ok(_) => {
+                    // Evicted after the bytes arrived: the request is dropped unanswered (the client
+                    // resends it on a new connection).
+                    self.activity.busy().map_err(|_| End::Evicted)?;
+                    break;
+                }
+                Err(_) if self.activity.is_evicted() => return Err(End::Evicted),
                 Err(e) if is_timeout(&e) || e.kind() == io::ErrorKind::Interrupted => {
                     if self.shared.stop.load(Ordering::Relaxed) {
                         return Err(End::Closed);
@@ -791,7 +715,8 @@ impl ServerConn<'_> {
             match DeviceStaging::new(&gpu, device, len) {
                 Ok(staging) => self.staging = Some(staging),
                 Err(reason) => {
-                    tracing::warn!(%reason, "tcp data server: no GPU staging buffer; refusing the request");
+                    warn_limited!(self.shared.warns, "gpu_staging", %reason,
+                        "tcp data server: no GPU staging buffer; refusing the request");
                     return None;
                 }
             }
@@ -855,7 +780,8 @@ impl ServerConn<'_> {
                         Status::Ok
                     }
                     Some(error) => {
-                        tracing::warn!(device, %error, "tcp data server: copying a WRITE into device memory failed");
+                        warn_limited!(self.shared.warns, "gpu_copy", device, %error,
+                            "tcp data server: copying a WRITE into device memory failed");
                         Status::DeviceError
                     }
                 }
@@ -891,7 +817,8 @@ impl ServerConn<'_> {
         let switched = match DeviceGuard::switch(side.gpu.as_ref(), side.device) {
             Ok(switched) => switched,
             Err(error) => {
-                tracing::warn!(device, %error, "tcp data server: cannot switch to the region's device");
+                warn_limited!(self.shared.warns, "gpu_copy", device, %error,
+                    "tcp data server: cannot switch to the region's device");
                 self.queue(Reply { status: Status::DeviceError, id, length: 0 }, None);
                 return Ok(Status::DeviceError);
             }
@@ -909,7 +836,8 @@ impl ServerConn<'_> {
             side.gpu.memcpy(dst, NonNull::new_unchecked(ptr), first, CopyKind::DeviceToHost)
         };
         if let Err(error) = copied {
-            tracing::warn!(device, %error, "tcp data server: copying a READ out of device memory failed");
+            warn_limited!(self.shared.warns, "gpu_copy", device, %error,
+                "tcp data server: copying a READ out of device memory failed");
             self.queue(Reply { status: Status::DeviceError, id, length: 0 }, None);
             return Ok(Status::DeviceError);
         }
@@ -950,7 +878,8 @@ impl ServerConn<'_> {
                 side.gpu.memcpy(side.staging, src, n, CopyKind::DeviceToHost)
             };
             if let Err(error) = copied {
-                tracing::warn!(device, %error, "tcp data server: a READ of device memory failed mid-reply; closing the connection");
+                warn_limited!(self.shared.warns, "gpu_copy", device, %error,
+                    "tcp data server: a READ of device memory failed mid-reply; closing the connection");
                 return Err(End::Io(io::Error::other(format!("device copy failed mid-reply: {error}"))));
             }
             // SAFETY: the `n` bytes of staging just filled.
