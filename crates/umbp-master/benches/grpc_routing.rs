@@ -108,6 +108,7 @@ fn main() {
                     peer_address: format!("127.0.0.1:{}", 20000 + n),
                     data_endpoint: String::new(),
                     tags: vec![],
+                    incarnation: 0,
                 })
                 .await
                 .expect("register");

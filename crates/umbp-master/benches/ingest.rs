@@ -66,6 +66,7 @@ fn apply_deltas(store: &InMemoryStore, bundles: Vec<Vec<KvEvent>>, first_seq: u6
             now_ms: seq,
             caps: caps(),
             kind: HeartbeatKind::Delta { seq, events },
+            incarnation: 0,
         };
         let outcome = store.apply_heartbeat(hb).expect("apply");
         assert_eq!(outcome, HeartbeatOutcome::Applied { acked_seq: seq });
@@ -76,7 +77,8 @@ fn apply_deltas(store: &InMemoryStore, bundles: Vec<Vec<KvEvent>>, first_seq: u6
 fn apply_full_sync(store: &InMemoryStore, events: Vec<KvEvent>, baseline_seq: u64) -> Duration {
     let start = Instant::now();
     let kind = HeartbeatKind::FullSyncChunk { baseline_seq, chunk_index: 0, is_final: true, events };
-    let outcome = store.apply_heartbeat(HeartbeatApply { node_id: NODE.into(), now_ms: 1, caps: caps(), kind });
+    let outcome =
+        store.apply_heartbeat(HeartbeatApply { node_id: NODE.into(), now_ms: 1, caps: caps(), kind, incarnation: 0 });
     let elapsed = start.elapsed();
     assert_eq!(outcome.expect("apply"), HeartbeatOutcome::Applied { acked_seq: baseline_seq });
     elapsed

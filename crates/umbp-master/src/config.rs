@@ -39,6 +39,13 @@ pub struct MasterConfig {
     pub max_missed_heartbeats: u32,
     /// How often the registry reaper expires silent nodes. Env `UMBP_REAPER_INTERVAL_SEC`. Default: 5 s.
     pub reaper_interval: Duration,
+    /// How long an EXPIRED node record stays listed (cluster status, `umbp stat`) before the reaper
+    /// removes it, counted from its expiry (its last heartbeat plus
+    /// [`expiry_after`](Self::expiry_after)). A node that comes back within it registers over its
+    /// row; after it, like a new node. Without it every crashed node and every client process that
+    /// died without unregistering would stay listed forever. Env `UMBP_EXPIRED_RETENTION_SEC`
+    /// (0 = remove at expiry). Default: 300 s.
+    pub expired_retention: Duration,
     /// Eviction and route-get lease settings (the routing crate's [`EvictionConfig`], embedded so
     /// the two cannot drift apart):
     /// - `high_watermark`: env `UMBP_EVICTION_HIGH_WATERMARK`, default 0.9;
@@ -80,6 +87,7 @@ impl std::fmt::Debug for MasterConfig {
             .field("heartbeat_interval_divisor", &self.heartbeat_interval_divisor)
             .field("max_missed_heartbeats", &self.max_missed_heartbeats)
             .field("reaper_interval", &self.reaper_interval)
+            .field("expired_retention", &self.expired_retention)
             .field("eviction", &self.eviction)
             .field("route_put_algo", &self.route_put_algo)
             .field("route_put_affinity", &self.route_put_affinity)
@@ -100,6 +108,7 @@ impl Default for MasterConfig {
             heartbeat_interval_divisor: 2,
             max_missed_heartbeats: 3,
             reaper_interval: Duration::from_secs(5),
+            expired_retention: DEFAULT_EXPIRED_RETENTION,
             eviction: EvictionConfig::default(),
             route_put_algo: SelectAlgo::MostAvailable,
             route_put_affinity: Affinity::None,
@@ -111,6 +120,10 @@ impl Default for MasterConfig {
         }
     }
 }
+
+/// The default of [`MasterConfig::expired_retention`]: long enough for an operator to see a node
+/// that just died, short enough that a day of client processes does not pile up.
+pub const DEFAULT_EXPIRED_RETENTION: Duration = Duration::from_secs(300);
 
 /// The smallest `max_message_bytes` accepted: smaller would refuse ordinary heartbeats.
 pub const MIN_MESSAGE_BYTES: usize = 64 << 10;
@@ -151,6 +164,9 @@ impl MasterConfig {
         }
         if let Some(s) = secs("UMBP_REAPER_INTERVAL_SEC", 1)? {
             self.reaper_interval = Duration::from_secs(s);
+        }
+        if let Some(s) = secs("UMBP_EXPIRED_RETENTION_SEC", 0)? {
+            self.expired_retention = Duration::from_secs(s);
         }
         if let Some(s) = secs("UMBP_EVICTION_CHECK_INTERVAL_SEC", 1)? {
             self.eviction.check_interval = Duration::from_secs(s);
@@ -223,6 +239,12 @@ impl MasterConfig {
         self.heartbeat_ttl * self.max_missed_heartbeats.max(1)
     }
 
+    /// An EXPIRED record whose last heartbeat is older than this is removed:
+    /// [`expiry_after`](Self::expiry_after) plus [`expired_retention`](Self::expired_retention).
+    pub fn removal_after(&self) -> Duration {
+        self.expiry_after().saturating_add(self.expired_retention)
+    }
+
     /// Checks cross-field rules: watermarks ordered, no zero period, lease or deadline, a node expires
     /// only after more than one heartbeat interval, a usable message size.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -271,6 +293,8 @@ mod tests {
         assert_eq!(c.expiry_after(), Duration::from_secs(30));
         assert_eq!(c.eviction.lease_duration, Duration::from_secs(2));
         assert_eq!(c.index_shards, 32);
+        assert_eq!(c.expired_retention, Duration::from_secs(300));
+        assert_eq!(c.removal_after(), Duration::from_secs(330));
         c.validate().expect("defaults are valid");
     }
 
@@ -284,6 +308,7 @@ mod tests {
                 ("UMBP_ROUTE_PUT_SELECT_ALGO", "random"),
                 ("UMBP_EVICTKEY_DEADLINE_MS", "250"),
                 ("UMBP_CLUSTER_TOKEN", "s3cret"),
+                ("UMBP_EXPIRED_RETENTION_SEC", "0"),
             ]))
             .expect("valid env");
         assert_eq!(c.heartbeat_interval(), Duration::from_secs(1));
@@ -291,6 +316,7 @@ mod tests {
         assert_eq!(c.route_put_algo, SelectAlgo::Random);
         assert_eq!(c.eviction.evict_deadline, Duration::from_millis(250));
         assert_eq!(c.cluster_token.as_deref(), Some("s3cret"));
+        assert_eq!(c.expired_retention, Duration::ZERO);
     }
 
     #[test]
@@ -305,6 +331,7 @@ mod tests {
             ("UMBP_ROUTE_PUT_NODE_AFFINITY", "sticky"),
             ("UMBP_METADATA_BACKEND", "redis"),
             ("UMBP_MASTER_MAX_MESSAGE_BYTES", "1000"),
+            ("UMBP_EXPIRED_RETENTION_SEC", "5m"),
         ] {
             let err = MasterConfig::default().with_env(&env(&[(var, value)])).expect_err(value);
             assert!(err.to_string().contains(var), "{err}");

@@ -18,6 +18,7 @@ use umbp_proto::v1;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 
 use crate::config::MasterConfig;
+use crate::ratelimit::{RateLimited, WARN_WINDOW};
 use crate::routing::{Candidate, EvictionCandidate, TierSlot, VictimPicker, plan_eviction};
 use crate::server::TOKEN_METADATA;
 use crate::service::now_ms;
@@ -321,21 +322,57 @@ async fn evict_on_peer(
     Ok(freed)
 }
 
-/// The registry reaper: expires nodes that stopped heartbeating (their rows stay for operators, their
-/// locations go). Returns the ids expired by this call.
-pub(crate) async fn reap(store: &Arc<dyn MetadataStore>, config: &MasterConfig) -> Vec<String> {
+/// What one reaper pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReapReport {
+    /// Nodes expired by this pass (ALIVE records whose last heartbeat is older than the expiry).
+    pub expired: Vec<String>,
+    /// EXPIRED records removed by this pass (their retention passed).
+    pub removed: Vec<String>,
+}
+
+/// The registry reaper: expires nodes that stopped heartbeating (their rows stay for operators for
+/// [`MasterConfig::expired_retention`], their locations go), then removes the expired rows whose
+/// retention passed.
+pub(crate) async fn reap(store: &Arc<dyn MetadataStore>, config: &MasterConfig) -> ReapReport {
     let expiry = u64::try_from(config.expiry_after().as_millis()).unwrap_or(u64::MAX);
+    let removal = u64::try_from(config.removal_after().as_millis()).unwrap_or(u64::MAX);
     let store = Arc::clone(store);
-    match blocking(move || store.expire_stale(now_ms().saturating_sub(expiry))).await {
-        Ok(expired) => {
-            if !expired.is_empty() {
-                tracing::warn!(nodes = ?expired, "nodes expired: no heartbeat within {expiry} ms");
+    let pass = move || -> Result<(ReapReport, Vec<String>), StoreError> {
+        let now = now_ms();
+        let expired = store.expire_stale(now.saturating_sub(expiry))?;
+        // Storage nodes expiring is news for an operator; a client process that died is not.
+        let mut storage = Vec::new();
+        for id in &expired {
+            if store.get_node(id)?.is_some_and(|r| r.lends_medium()) {
+                storage.push(id.clone());
             }
-            expired
+        }
+        let removed = store.remove_expired(now.saturating_sub(removal))?;
+        Ok((ReapReport { expired, removed }, storage))
+    };
+    match blocking(pass).await {
+        Ok((report, storage)) => {
+            if !storage.is_empty() {
+                tracing::warn!(nodes = %storage.join(","), after_ms = expiry, "nodes expired: no heartbeat in time");
+            }
+            let clients = report.expired.len() - storage.len();
+            if clients > 0 {
+                tracing::debug!(clients, "clients expired without unregistering");
+            }
+            if !report.removed.is_empty() {
+                tracing::debug!(records = report.removed.len(), "expired records removed after their retention");
+            }
+            report
         }
         Err(e) => {
-            tracing::warn!(error = %e, "reaper: store call failed");
-            Vec::new()
+            if let Some(held_back) = REAPER_FAILED.check() {
+                tracing::warn!(error = %e, held_back, "reaper: store call failed");
+            }
+            ReapReport::default()
         }
     }
 }
+
+static REAPER_FAILED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));

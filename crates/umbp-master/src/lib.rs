@@ -17,13 +17,14 @@
 mod config;
 mod evictor;
 mod metrics;
+mod ratelimit;
 pub mod routing;
 mod server;
 mod service;
 pub mod store;
 
-pub use config::{ConfigError, MIN_MESSAGE_BYTES, MasterConfig};
-pub use evictor::EvictionReport;
+pub use config::{ConfigError, DEFAULT_EXPIRED_RETENTION, MIN_MESSAGE_BYTES, MasterConfig};
+pub use evictor::{EvictionReport, ReapReport};
 pub use server::{MasterError, MasterHandle, MasterStats, TOKEN_METADATA, start, start_with_store};
 
 /// Runs a master until SIGINT or SIGTERM, then shuts it down gracefully. The entry point of

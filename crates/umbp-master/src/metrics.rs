@@ -186,6 +186,7 @@ mod tests {
                 data_endpoint: format!("{id}:7001"),
                 tier_capacities: vec![TierCap::new(TierType::Dram, 1 << 30, 1 << 29)],
                 tags: Vec::new(),
+                incarnation: 0,
             };
             store.register(reg, at, 30_000).expect("register");
         }

@@ -10,7 +10,7 @@ use tonic::{Request, Status};
 use umbp_proto::v1::umbp_master_server::UmbpMasterServer;
 
 use crate::config::MasterConfig;
-use crate::evictor::{EvictionReport, EvictionStats, Evictor, reap};
+use crate::evictor::{EvictionReport, EvictionStats, Evictor, ReapReport, reap};
 use crate::metrics::ClusterMetrics;
 use crate::routing::{GetAlgo, PutStrategyConfig, RouteGetStrategy, RoutePutStrategy};
 use crate::service::{MasterService, ServiceStats};
@@ -134,6 +134,12 @@ impl MasterHandle {
 
     /// Runs the registry reaper once now; returns the nodes it expired.
     pub async fn run_reaper(&self) -> Vec<String> {
+        reap(&self.store, &self.config).await.expired
+    }
+
+    /// Runs the registry reaper once now: what it expired and which expired records it removed
+    /// (their [`expired_retention`](MasterConfig::expired_retention) passed).
+    pub async fn run_reaper_pass(&self) -> ReapReport {
         reap(&self.store, &self.config).await
     }
 

@@ -12,6 +12,7 @@ use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_server::UmbpMaster;
 
 use crate::config::MasterConfig;
+use crate::ratelimit::{RateLimited, WARN_WINDOW};
 use crate::routing::{Affinity, Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
 use crate::store::{
     HeartbeatApply, HeartbeatKind, HeartbeatOutcome, MetadataStore, NodeStatus, RegisterOutcome, Registration,
@@ -79,9 +80,26 @@ fn events_from_wire(events: Vec<v1::KvEvent>, skipped: &mut u64) -> Vec<KvEvent>
     out
 }
 
+/// `dram=68719476736/68719476736 ssd=…`: every medium's free/total bytes, for log lines.
+pub(crate) fn caps_for_log(caps: &[TierCap]) -> String {
+    let mut out = String::new();
+    for c in caps {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(&format!("{}={}/{}", c.tier, c.available_bytes, c.total_bytes));
+    }
+    if out.is_empty() { "none".to_owned() } else { out }
+}
+
+static STORE_FAILED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static EVENTS_SKIPPED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+
 fn store_status(e: StoreError) -> Status {
     // The master never crashes on a store failure: the caller retries, or another replica answers.
-    tracing::warn!(error = %e, "metadata store call failed");
+    if let Some(held_back) = STORE_FAILED.check() {
+        tracing::warn!(error = %e, held_back, "metadata store call failed");
+    }
     match e {
         StoreError::InvalidArgument { reason } => Status::invalid_argument(reason),
         other => Status::unavailable(other.to_string()),
@@ -104,14 +122,21 @@ fn apply_heartbeat_request(
 ) -> Result<v1::HeartbeatResponse, Status> {
     let caps = caps_from_wire(&r.tier_capacities);
     let now = now_ms();
-    let apply = |kind| HeartbeatApply { node_id: r.node_id.clone(), now_ms: now, caps: caps.clone(), kind };
+    let incarnation = r.incarnation;
+    let apply =
+        |kind| HeartbeatApply { node_id: r.node_id.clone(), now_ms: now, caps: caps.clone(), kind, incarnation };
     let unknown = || v1::HeartbeatResponse { status: v1::NodeStatus::Unknown as i32, ..Default::default() };
+    let superseded = |current: u64| {
+        tracing::debug!(node = %r.node_id, incarnation, current, "heartbeat of a superseded incarnation refused");
+        v1::HeartbeatResponse { status: v1::NodeStatus::Unknown as i32, superseded: true, ..Default::default() }
+    };
     let alive = |acked_seq, request_full_sync| v1::HeartbeatResponse {
         status: v1::NodeStatus::Alive as i32,
         acked_seq,
         request_full_sync,
         // Stamped by the caller, which knows the master's configuration.
         local_puts: false,
+        superseded: false,
     };
     let mut skipped = 0;
     let reply = if r.is_full_sync {
@@ -126,6 +151,7 @@ fn apply_heartbeat_request(
         };
         match store.apply_heartbeat(apply(kind)).map_err(store_status)? {
             HeartbeatOutcome::Unknown => unknown(),
+            HeartbeatOutcome::Superseded { current } => superseded(current),
             HeartbeatOutcome::SeqGap { acked_seq } => {
                 stats.seq_gaps.fetch_add(1, Ordering::Relaxed);
                 alive(acked_seq, true)
@@ -143,9 +169,12 @@ fn apply_heartbeat_request(
         }
     } else if r.bundles.is_empty() {
         // A keepalive refreshes liveness and capacity; it never asks for a full sync.
-        match store.apply_heartbeat(apply(HeartbeatKind::Keepalive)).map_err(store_status)?.acked_seq() {
-            None => unknown(),
-            Some(acked) => alive(acked, false),
+        match store.apply_heartbeat(apply(HeartbeatKind::Keepalive)).map_err(store_status)? {
+            HeartbeatOutcome::Superseded { current } => superseded(current),
+            outcome => match outcome.acked_seq() {
+                None => unknown(),
+                Some(acked) => alive(acked, false),
+            },
         }
     } else {
         let mut reply = None;
@@ -159,6 +188,10 @@ fn apply_heartbeat_request(
             {
                 HeartbeatOutcome::Unknown => {
                     reply = Some(unknown());
+                    break;
+                }
+                HeartbeatOutcome::Superseded { current } => {
+                    reply = Some(superseded(current));
                     break;
                 }
                 HeartbeatOutcome::SeqGap { acked_seq } => {
@@ -182,7 +215,9 @@ fn apply_heartbeat_request(
     };
     if skipped > 0 {
         stats.events_skipped.fetch_add(skipped, Ordering::Relaxed);
-        tracing::warn!(node = %r.node_id, skipped, "dropped events of an unknown kind or with an empty key");
+        if let Some(held_back) = EVENTS_SKIPPED.check() {
+            tracing::warn!(node = %r.node_id, skipped, held_back, "dropped events of an unknown kind or with an empty key");
+        }
     }
     Ok(reply)
 }
@@ -359,6 +394,7 @@ impl UmbpMaster for MasterService {
         }
         let node_id = r.node_id.clone();
         let local_puts = grants_local_puts(&self.config, &r.tier_capacities);
+        let incarnation = r.incarnation;
         let reg = Registration {
             node_id: r.node_id,
             node_address: r.node_address,
@@ -366,18 +402,40 @@ impl UmbpMaster for MasterService {
             data_endpoint: r.data_endpoint,
             tier_capacities: caps_from_wire(&r.tier_capacities),
             tags: r.tags,
+            incarnation,
         };
+        let lends_medium = !reg.peer_address.is_empty() || reg.tier_capacities.iter().any(|c| c.total_bytes > 0);
+        let log = (reg.peer_address.clone(), reg.data_endpoint.clone(), caps_for_log(&reg.tier_capacities));
         let stale_after = u64::try_from(self.config.expiry_after().as_millis()).unwrap_or(u64::MAX);
         let store = Arc::clone(&self.store);
         // Registering wipes the node's old locations (a scan of its keys): off the async workers.
-        match blocking(move || store.register(reg, now_ms(), stale_after)).await? {
-            RegisterOutcome::Registered => {
-                tracing::info!(node = %node_id, "node registered");
+        let outcome = blocking(move || store.register(reg, now_ms(), stale_after)).await?;
+        match outcome {
+            RegisterOutcome::Registered | RegisterOutcome::Replaced { .. } => {
+                let replaced = match outcome {
+                    RegisterOutcome::Replaced { previous } => previous,
+                    _ => 0,
+                };
+                let (peer, data, tiers) = log;
+                if lends_medium {
+                    // One line per storage node join, settings as key=value.
+                    tracing::info!(node = %node_id, incarnation, replaced, peer = %peer, data = %data, tiers = %tiers, "node joined");
+                } else {
+                    // A client (an engine process, every CLI command): not news for an operator.
+                    tracing::debug!(node = %node_id, incarnation, replaced, "client joined");
+                }
                 let interval = u64::try_from(self.config.heartbeat_interval().as_millis()).unwrap_or(u64::MAX);
                 Ok(Response::new(v1::RegisterClientResponse { heartbeat_interval_ms: interval, local_puts }))
             }
             RegisterOutcome::AlreadyExists => Err(Status::already_exists(format!(
-                "node {node_id} is registered and alive; a restarted node must wait for its old record to expire or unregister first"
+                "node {node_id} is already registered and alive, by a process that sent no incarnation or the same \
+                 one: another process runs under this id (give this one another node id), or wait {:?} for the old \
+                 record to expire",
+                self.config.expiry_after()
+            ))),
+            RegisterOutcome::Superseded { current } => Err(Status::failed_precondition(format!(
+                "node {node_id}: superseded: a newer process (incarnation {current}) holds this id; this process \
+                 (incarnation {incarnation}) must stop"
             ))),
         }
     }
@@ -386,10 +444,20 @@ impl UmbpMaster for MasterService {
         &self,
         request: Request<v1::UnregisterClientRequest>,
     ) -> Result<Response<v1::UnregisterClientResponse>, Status> {
-        let node_id = request.into_inner().node_id;
+        let r = request.into_inner();
+        let (node_id, incarnation) = (r.node_id, r.incarnation);
         let (store, id) = (Arc::clone(&self.store), node_id.clone());
-        if blocking(move || store.unregister(&id)).await? {
-            tracing::info!(node = %node_id, "node unregistered");
+        let record = blocking({
+            let (store, id) = (Arc::clone(&store), id.clone());
+            move || store.get_node(&id)
+        })
+        .await?;
+        if blocking(move || store.unregister_incarnation(&id, incarnation)).await? {
+            if record.as_ref().is_some_and(crate::store::NodeRecord::lends_medium) {
+                tracing::info!(node = %node_id, incarnation, "node left");
+            } else {
+                tracing::debug!(node = %node_id, incarnation, "client left");
+            }
         }
         Ok(Response::new(v1::UnregisterClientResponse {}))
     }
@@ -472,18 +540,20 @@ impl UmbpMaster for MasterService {
         _request: Request<v1::GetClusterStatusRequest>,
     ) -> Result<Response<v1::GetClusterStatusResponse>, Status> {
         let store = Arc::clone(&self.store);
+        let retention_ms = u64::try_from(self.config.expired_retention.as_millis()).unwrap_or(u64::MAX);
         // Per-node key counts are O(1), but the total sums every shard: off the async workers.
-        blocking(move || cluster_status(&*store)).await.map(Response::new)
+        blocking(move || cluster_status(&*store, retention_ms)).await.map(Response::new)
     }
 }
 
 /// The operator view of the cluster.
-fn cluster_status(store: &dyn MetadataStore) -> Result<v1::GetClusterStatusResponse, StoreError> {
+fn cluster_status(store: &dyn MetadataStore, retention_ms: u64) -> Result<v1::GetClusterStatusResponse, StoreError> {
     let now = now_ms();
     let nodes = store.list_nodes()?;
     let mut out = Vec::with_capacity(nodes.len());
     for n in nodes {
         let key_count = store.node_key_count(&n.node_id)?;
+        let role = if n.lends_medium() { v1::NodeRole::Storage } else { v1::NodeRole::Client };
         out.push(v1::NodeStatusInfo {
             node_id: n.node_id.to_string(),
             node_address: n.node_address,
@@ -498,9 +568,11 @@ fn cluster_status(store: &dyn MetadataStore) -> Result<v1::GetClusterStatusRespo
             last_heartbeat_age_ms: now.saturating_sub(n.last_heartbeat_ms),
             last_applied_seq: n.last_applied_seq,
             tags: n.tags,
+            role: role as i32,
+            incarnation: n.incarnation,
         });
     }
     out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
     let total_keys = store.key_count()?;
-    Ok(v1::GetClusterStatusResponse { nodes: out, total_keys })
+    Ok(v1::GetClusterStatusResponse { nodes: out, total_keys, expired_retention_ms: retention_ms })
 }

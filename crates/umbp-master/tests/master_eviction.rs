@@ -149,6 +149,7 @@ async fn node_with_keys(
         peer_address: peer.into(),
         data_endpoint: "127.0.0.1:1".into(),
         tags: vec![],
+        incarnation: 0,
     })
     .await
     .expect("register");

@@ -42,6 +42,7 @@ fn registration(node: &str, peer: &str) -> v1::RegisterClientRequest {
         peer_address: peer.into(),
         data_endpoint: "127.0.0.1:1".into(),
         tags: vec!["rack=a".into()],
+        incarnation: 0,
     }
 }
 
@@ -384,8 +385,14 @@ impl MetadataStore for GhostLocations {
     fn register(&self, reg: Registration, now_ms: u64, stale: u64) -> Result<RegisterOutcome, StoreError> {
         self.0.register(reg, now_ms, stale)
     }
-    fn unregister(&self, node_id: &str) -> Result<bool, StoreError> {
-        self.0.unregister(node_id)
+    fn unregister_incarnation(&self, node_id: &str, incarnation: u64) -> Result<bool, StoreError> {
+        self.0.unregister_incarnation(node_id, incarnation)
+    }
+    fn remove_expired(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
+        self.0.remove_expired(cutoff_ms)
+    }
+    fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
+        self.0.credit_capacity(node_id, tier, bytes)
     }
     fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError> {
         self.0.apply_heartbeat(hb)

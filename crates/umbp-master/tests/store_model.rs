@@ -296,6 +296,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                         now_ms: now,
                         caps: caps(),
                         kind: kind.clone(),
+                        incarnation: 0,
                     };
                     prop_assert_eq!(
                         s.apply_heartbeat(hb).expect("in-memory store call"),

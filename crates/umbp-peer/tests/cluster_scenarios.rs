@@ -294,6 +294,8 @@ fn rebuild_node_record(master: &MasterHandle, id: &str) {
         data_endpoint: rec.data_endpoint.clone(),
         tier_capacities: rec.caps.clone(),
         tags: rec.tags.clone(),
+        // The same process: a rebuilt record of the incarnation that stands.
+        incarnation: rec.incarnation,
     };
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64;
     master.store().register(reg, now, 30_000).expect("register");

@@ -500,6 +500,7 @@ async fn a_final_chunk_ack_other_than_the_baseline_restarts_the_sync_at_a_fresh_
                 acked_seq: h.delta_seq_baseline - 1,
                 request_full_sync: false,
                 local_puts: false,
+                superseded: false,
             });
         }
         Action::Normal

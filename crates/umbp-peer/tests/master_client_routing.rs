@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use master_client_support::{FakeMaster, client, keys, page_backend, registry, test_config};
 use umbp_core::{TierCapacity, TierType};
-use umbp_peer::master_client::{MasterClientConfig, MasterClientError, NodeLiveness, RouteGetHit, RoutePutDecision};
+use umbp_peer::master_client::{
+    MasterClientConfig, MasterClientError, NodeLiveness, NodeRole, RouteGetHit, RoutePutDecision,
+};
 use umbp_proto::v1 as pb;
 
 const LONG_INTERVAL_MS: u64 = 60_000;
@@ -173,8 +175,11 @@ async fn cluster_status_is_decoded() {
             last_heartbeat_age_ms: 1500,
             last_applied_seq: 12,
             tags: vec!["rack=r1".into()],
+            role: pb::NodeRole::Storage as i32,
+            incarnation: 42,
         }],
         total_keys: 7,
+        expired_retention_ms: 300_000,
     };
     let status = client.cluster_status().await.expect("status");
     assert_eq!(status.total_keys, 7);
@@ -183,6 +188,42 @@ async fn cluster_status_is_decoded() {
     assert_eq!(n.tier_capacities, [(TierType::Dram, TierCapacity { total_bytes: 100, available_bytes: 40 })]);
     assert_eq!(n.last_heartbeat_age, Duration::from_millis(1500));
     assert_eq!(n.data_endpoint, "10.0.0.1:7002");
+    assert_eq!((n.role, n.incarnation, n.is_storage()), (NodeRole::Storage, 42, true));
+    assert_eq!(status.expired_retention, Duration::from_secs(300));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_status_tells_storage_nodes_from_clients() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    let client = routed_client(&master, test_config()).await;
+    let node = |id: &str, role: pb::NodeRole, caps: bool| pb::NodeStatusInfo {
+        node_id: id.into(),
+        status: pb::NodeStatus::Alive as i32,
+        tier_capacities: if caps {
+            vec![pb::TierCapacity { tier: pb::TierType::TierDram as i32, total_bytes: 1, available_bytes: 1 }]
+        } else {
+            Vec::new()
+        },
+        role: role as i32,
+        ..Default::default()
+    };
+    *master.fake.cluster_reply.lock() = pb::GetClusterStatusResponse {
+        nodes: vec![
+            node("s1", pb::NodeRole::Storage, true),
+            node("c1", pb::NodeRole::Client, false),
+            // An older master sends no role: the capacity decides.
+            node("s2", pb::NodeRole::Unspecified, true),
+            node("c2", pb::NodeRole::Unspecified, false),
+        ],
+        ..Default::default()
+    };
+    let status = client.cluster_status().await.expect("status");
+    let ids = |it: &mut dyn Iterator<Item = &umbp_peer::master_client::NodeStatusReport>| {
+        it.map(|n| n.node_id.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&mut status.storage_nodes()), ["s1", "s2"]);
+    assert_eq!(ids(&mut status.clients()), ["c1", "c2"]);
+    assert_eq!(status.nodes[2].role, NodeRole::Unknown);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

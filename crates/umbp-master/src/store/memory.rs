@@ -359,6 +359,7 @@ enum ShardWork {
 ///     now_ms: 2_000,
 ///     caps: Vec::new(),
 ///     kind: HeartbeatKind::Delta { seq: 1, events: vec![KvEvent::add("k", TierType::Dram, 4096)] },
+///     incarnation: 0,
 /// };
 /// assert_eq!(store.apply_heartbeat(hb)?, HeartbeatOutcome::Applied { acked_seq: 1 });
 /// assert_eq!(store.lookup("k")?.len(), 1);
@@ -565,13 +566,25 @@ impl MetadataStore for InMemoryStore {
         }
         let _node = self.node_lock(&reg.node_id).lock();
         let node_id: Arc<str> = Arc::from(reg.node_id);
+        let mut outcome = RegisterOutcome::Registered;
         {
             let mut meta = self.meta.write();
             if let Some(old) = meta.get(&*node_id) {
+                let (new, current) = (reg.incarnation, old.record.incarnation);
+                if new != 0 && current != 0 && new < current {
+                    // A newer process holds the id (alive, or expired and not yet removed): an older
+                    // one coming back must not take it over.
+                    return Ok(RegisterOutcome::Superseded { current });
+                }
                 let fresh = old.record.status == NodeStatus::Alive
                     && now_ms.saturating_sub(old.record.last_heartbeat_ms) <= stale_after_ms;
                 if fresh {
-                    return Ok(RegisterOutcome::AlreadyExists);
+                    if new == 0 || current == 0 || new == current {
+                        return Ok(RegisterOutcome::AlreadyExists);
+                    }
+                    // A restarted process (a higher incarnation): it replaces the live record at
+                    // once instead of waiting for it to expire.
+                    outcome = RegisterOutcome::Replaced { previous: current };
                 }
                 old.handle.alive.store(false, Ordering::Release);
             }
@@ -586,6 +599,7 @@ impl MetadataStore for InMemoryStore {
                 registered_at_ms: now_ms,
                 last_applied_seq: 0,
                 caps: reg.tier_capacities,
+                incarnation: reg.incarnation,
             };
             let state = NodeState { record, handle: NodeHandle::new(Arc::clone(&node_id)), full_sync: None };
             meta.insert(Arc::clone(&node_id), state);
@@ -593,12 +607,24 @@ impl MetadataStore for InMemoryStore {
         // The new registration starts empty: the old one's locations are dead (its handle is no longer
         // alive, so readers already skip them) and are removed here.
         self.wipe_node_everywhere(&node_id);
-        Ok(RegisterOutcome::Registered)
+        Ok(outcome)
     }
 
-    fn unregister(&self, node_id: &str) -> Result<bool, StoreError> {
+    fn unregister_incarnation(&self, node_id: &str, incarnation: u64) -> Result<bool, StoreError> {
         let _node = self.node_lock(node_id).lock();
-        let removed = self.meta.write().remove(node_id);
+        let removed = {
+            let mut meta = self.meta.write();
+            match meta.get(node_id) {
+                Some(state)
+                    if incarnation != 0 && state.record.incarnation != 0 && state.record.incarnation != incarnation =>
+                {
+                    // Another process's registration: a superseded process leaving must not erase it.
+                    None
+                }
+                Some(_) => meta.remove(node_id),
+                None => None,
+            }
+        };
         let Some(state) = removed else { return Ok(false) };
         state.handle.alive.store(false, Ordering::Release);
         self.wipe_node_everywhere(node_id);
@@ -606,11 +632,21 @@ impl MetadataStore for InMemoryStore {
     }
 
     fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError> {
-        let HeartbeatApply { node_id, now_ms, caps, kind } = hb;
+        let HeartbeatApply { node_id, now_ms, caps, kind, incarnation } = hb;
         let _node = self.node_lock(&node_id).lock();
         let (outcome, work, handle) = {
             let mut meta = self.meta.write();
             let Some(state) = meta.get_mut(node_id.as_str()) else { return Ok(HeartbeatOutcome::Unknown) };
+            let current = state.record.incarnation;
+            if incarnation != 0 && current != 0 && incarnation != current {
+                // Another process's record: a superseded sender must stop; a newer one (its record
+                // lost to an older one's re-registration) registers again and replaces it.
+                return Ok(if incarnation < current {
+                    HeartbeatOutcome::Superseded { current }
+                } else {
+                    HeartbeatOutcome::Unknown
+                });
+            }
             if state.record.status != NodeStatus::Alive {
                 return Ok(HeartbeatOutcome::Unknown);
             }
@@ -709,6 +745,41 @@ impl MetadataStore for InMemoryStore {
         }
         expired.sort();
         Ok(expired)
+    }
+
+    fn remove_expired(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
+        let is_old = |state: &NodeState| {
+            state.record.status == NodeStatus::Expired && state.record.last_heartbeat_ms < cutoff_ms
+        };
+        let candidates: Vec<Arc<str>> = {
+            let meta = self.meta.read();
+            meta.values().filter(|state| is_old(state)).map(|state| Arc::clone(&state.record.node_id)).collect()
+        };
+        let mut removed = Vec::with_capacity(candidates.len());
+        for node_id in candidates {
+            let _node = self.node_lock(&node_id).lock();
+            let mut meta = self.meta.write();
+            // Re-check: the node may have registered again since the scan.
+            if meta.get(&*node_id).is_some_and(is_old) {
+                // Its locations went at expiry; only the row is left.
+                meta.remove(&*node_id);
+                removed.push(node_id.to_string());
+            }
+        }
+        removed.sort();
+        Ok(removed)
+    }
+
+    fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
+        let _node = self.node_lock(node_id).lock();
+        let mut meta = self.meta.write();
+        if let Some(state) = meta.get_mut(node_id)
+            && state.record.status == NodeStatus::Alive
+            && let Some(cap) = state.record.caps.iter_mut().find(|c| c.tier == tier)
+        {
+            cap.available_bytes = cap.available_bytes.saturating_add(bytes).min(cap.total_bytes);
+        }
+        Ok(())
     }
 
     fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {
@@ -873,6 +944,7 @@ mod tests {
                 now_ms: 1,
                 caps: Vec::new(),
                 kind: HeartbeatKind::Delta { seq: 1, events: vec![KvEvent::add(key, TierType::Dram, 8)] },
+                incarnation: 0,
             };
             store.apply_heartbeat(hb("dead", "k")).expect("apply");
             store.apply_heartbeat(hb("live", "shared")).expect("apply");

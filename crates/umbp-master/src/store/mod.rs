@@ -7,11 +7,24 @@
 //!
 //! # The contract
 //! - **Membership** ([`register`](MetadataStore::register), [`unregister`](MetadataStore::unregister),
-//!   [`expire_stale`](MetadataStore::expire_stale)). A node is absent, [`NodeStatus::Alive`] or
-//!   [`NodeStatus::Expired`]. Registering inserts an ALIVE record at seq 0 and replaces an EXPIRED or
-//!   stale one; a fresh ALIVE record answers [`RegisterOutcome::AlreadyExists`]. Registering **wipes
-//!   every location the node held** (the reference kept them, so its first delta after a restart built
-//!   on phantom entries). Expiry keeps the row and wipes the locations; unregistering erases both.
+//!   [`expire_stale`](MetadataStore::expire_stale), [`remove_expired`](MetadataStore::remove_expired)).
+//!   A node is absent, [`NodeStatus::Alive`] or [`NodeStatus::Expired`]. Registering inserts an ALIVE
+//!   record at seq 0 and replaces an EXPIRED or stale one; a fresh ALIVE record answers
+//!   [`RegisterOutcome::AlreadyExists`] unless the registration is a newer *incarnation* (below).
+//!   Registering **wipes every location the node held** (the reference kept them, so its first delta
+//!   after a restart built on phantom entries). Expiry keeps the row and wipes the locations;
+//!   [`remove_expired`](MetadataStore::remove_expired) drops expired rows after the master's
+//!   retention; unregistering erases both.
+//! - **Incarnations.** Every registration carries the registering process's incarnation (chosen once
+//!   per process start, increasing across restarts; 0 = unspecified). A fresh ALIVE record of a lower
+//!   incarnation is *replaced* at once ([`RegisterOutcome::Replaced`]: a node restarted after a crash
+//!   need not wait for its old record to expire); a registration of a lower incarnation than the
+//!   record's is refused ([`RegisterOutcome::Superseded`]). A heartbeat of a lower incarnation than
+//!   the record's changes nothing and answers [`HeartbeatOutcome::Superseded`] (its sender must stop),
+//!   one of a higher incarnation answers [`HeartbeatOutcome::Unknown`] (register first), and an
+//!   unregister of another incarnation erases nothing, so a superseded process can never touch the
+//!   newer one's record or locations. Incarnation 0 on either side keeps the plain compare-and-set
+//!   and matches any heartbeat.
 //! - **The index is built only from heartbeats** ([`apply_heartbeat`](MetadataStore::apply_heartbeat)).
 //!   There is no erase-key call: locations change through heartbeats, unregister and expiry. A delta
 //!   applies iff its seq is `last_applied + 1`; an older seq is re-acknowledged without being applied
@@ -80,6 +93,8 @@ pub struct Registration {
     pub tier_capacities: Vec<TierCap>,
     /// Operator tags, `k=v`.
     pub tags: Vec<String>,
+    /// The registering process's incarnation (see the [module docs](self)); 0 = unspecified.
+    pub incarnation: u64,
 }
 
 /// Liveness of a node that has a record.
@@ -116,6 +131,16 @@ pub struct NodeRecord {
     pub last_applied_seq: u64,
     /// The capacity the node last reported (registration, then every accepted heartbeat).
     pub caps: Vec<TierCap>,
+    /// The incarnation of the registration that stands (0 if the process sent none).
+    pub incarnation: u64,
+}
+
+impl NodeRecord {
+    /// Whether the node lends a medium (a peer service, or capacity it reported): a storage node,
+    /// as opposed to a client that only reads and writes through others.
+    pub fn lends_medium(&self) -> bool {
+        !self.peer_address.is_empty() || self.caps.iter().any(|c| c.total_bytes > 0)
+    }
 }
 
 /// One replica of a key: which node holds it, on which tier, and its size.
@@ -150,8 +175,28 @@ pub enum RegisterOutcome {
     /// A new ALIVE record at seq 0 now stands (inserted, or replacing an expired or stale one); the
     /// node holds no locations until it full-syncs.
     Registered,
-    /// An ALIVE record that heartbeated within `stale_after_ms` exists; nothing changed.
+    /// An ALIVE record that heartbeated within `stale_after_ms` exists with the same incarnation (or
+    /// either side's is 0); nothing changed.
     AlreadyExists,
+    /// A fresh ALIVE record of a lower incarnation stood and was replaced (a restarted process took
+    /// over its id): as [`Registered`](Self::Registered), and the previous incarnation's heartbeats
+    /// are answered [`HeartbeatOutcome::Superseded`] from now on.
+    Replaced {
+        /// The incarnation replaced.
+        previous: u64,
+    },
+    /// A record of a higher incarnation stands (a newer process holds the id); nothing changed.
+    Superseded {
+        /// The incarnation that stands.
+        current: u64,
+    },
+}
+
+impl RegisterOutcome {
+    /// Whether a new record now stands for the registering process.
+    pub const fn is_registered(self) -> bool {
+        matches!(self, Self::Registered | Self::Replaced { .. })
+    }
 }
 
 /// What a heartbeat carries.
@@ -192,6 +237,8 @@ pub struct HeartbeatApply {
     pub caps: Vec<TierCap>,
     /// Keepalive, delta or full-sync chunk.
     pub kind: HeartbeatKind,
+    /// The sender's incarnation; 0 = unspecified (matches any record).
+    pub incarnation: u64,
 }
 
 /// What [`MetadataStore::apply_heartbeat`] did. Every variant but `Unknown` refreshed the node's
@@ -221,8 +268,15 @@ pub enum HeartbeatOutcome {
         /// The node's last applied seq.
         acked_seq: u64,
     },
-    /// No record, or an expired one: the node must register again, then full-sync.
+    /// No record, or an expired one (or a record of a lower incarnation than the sender's): the node
+    /// must register again, then full-sync.
     Unknown,
+    /// The record belongs to a higher incarnation than the sender's: a newer process took over the
+    /// id. Nothing changed; the sender must stop (registering again would be refused).
+    Superseded {
+        /// The incarnation that stands.
+        current: u64,
+    },
 }
 
 impl HeartbeatOutcome {
@@ -232,7 +286,7 @@ impl HeartbeatOutcome {
             Self::Applied { acked_seq } | Self::AlreadyApplied { acked_seq } | Self::SeqGap { acked_seq } => {
                 Some(acked_seq)
             }
-            Self::Unknown => None,
+            Self::Unknown | Self::Superseded { .. } => None,
         }
     }
 
@@ -292,18 +346,31 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// Registers a node: inserts an ALIVE record (`last_applied_seq = 0`, `last_heartbeat_ms =
     /// registered_at_ms = now_ms`, caps from the registration), replacing an EXPIRED record or an ALIVE
     /// one whose last heartbeat is more than `stale_after_ms` old. Replacing or not, every location the
-    /// node held is wiped. A fresh ALIVE record is left alone: [`RegisterOutcome::AlreadyExists`].
+    /// node held is wiped. A fresh ALIVE record is left alone ([`RegisterOutcome::AlreadyExists`])
+    /// unless the registration's incarnation is higher ([`RegisterOutcome::Replaced`]); a record of a
+    /// higher incarnation than the registration's, fresh or not, refuses it
+    /// ([`RegisterOutcome::Superseded`]). Incarnation 0 on either side: the plain compare-and-set.
     ///
     /// # Errors
     /// [`StoreError::InvalidArgument`] for an empty node id; backend failures.
     fn register(&self, reg: Registration, now_ms: u64, stale_after_ms: u64) -> Result<RegisterOutcome, StoreError>;
 
-    /// Erases a node's record and every location it held. Returns whether a record existed;
-    /// unregistering an absent node is a no-op.
+    /// Erases a node's record and every location it held, whatever its incarnation. Returns whether a
+    /// record existed; unregistering an absent node is a no-op.
     ///
     /// # Errors
     /// Backend failures.
-    fn unregister(&self, node_id: &str) -> Result<bool, StoreError>;
+    fn unregister(&self, node_id: &str) -> Result<bool, StoreError> {
+        self.unregister_incarnation(node_id, 0)
+    }
+
+    /// [`unregister`](Self::unregister) on behalf of the process of `incarnation`: erases the record
+    /// only when it is that incarnation's (or either is 0), so a superseded process leaving cannot
+    /// erase the newer one. Returns whether a record was erased.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn unregister_incarnation(&self, node_id: &str, incarnation: u64) -> Result<bool, StoreError>;
 
     /// Applies one heartbeat (see [`HeartbeatKind`] and [`HeartbeatOutcome`]).
     ///
@@ -321,6 +388,23 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// # Errors
     /// Backend failures.
     fn expire_stale(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError>;
+
+    /// Removes every EXPIRED record whose last heartbeat is older than `cutoff_ms` (strictly): the
+    /// master keeps an expired row for operators for a retention, then forgets it. Returns the ids
+    /// removed by this call. ALIVE records are never touched.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn remove_expired(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError>;
+
+    /// Raises the available bytes recorded for `tier` of an ALIVE node by `bytes` (never past the
+    /// tier's total): the node's peer confirmed that an on-demand eviction freed them, and routing
+    /// must see the room before the node's next heartbeat reports it (which then replaces the figure,
+    /// as every heartbeat does). A no-op for an absent or expired node or an unreported tier.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError>;
 
     /// The key's locations on ALIVE nodes. No side effects.
     ///
@@ -418,7 +502,7 @@ mod tests {
         fn register(&self, reg: Registration, now_ms: u64, stale: u64) -> Result<RegisterOutcome, StoreError> {
             Ok(RegisterOutcome::Registered)
         }
-        fn unregister(&self, node_id: &str) -> Result<bool, StoreError> {
+        fn unregister_incarnation(&self, node_id: &str, incarnation: u64) -> Result<bool, StoreError> {
             Ok(false)
         }
         fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError> {
@@ -426,6 +510,12 @@ mod tests {
         }
         fn expire_stale(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
             Ok(Vec::new())
+        }
+        fn remove_expired(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
+            Ok(())
         }
         fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {
             Ok(Vec::new())
@@ -483,6 +573,7 @@ mod tests {
                     now_ms: 0,
                     caps: Vec::new(),
                     kind: HeartbeatKind::Keepalive,
+                    incarnation: 0,
                 })
                 .ok(),
             Some(HeartbeatOutcome::Unknown)

@@ -20,7 +20,46 @@ pub(crate) fn registration(node_id: &str) -> Registration {
         data_endpoint: format!("{node_id}:7001"),
         tier_capacities: vec![TierCap::new(TierType::Dram, 1 << 30, 1 << 30)],
         tags: vec!["role=test".to_owned()],
+        incarnation: 0,
     }
+}
+
+/// [`registration`] of the process of `incarnation`.
+pub(crate) fn registration_of(node_id: &str, incarnation: u64) -> Registration {
+    Registration { incarnation, ..registration(node_id) }
+}
+
+/// A keepalive from the process of `incarnation`.
+pub(crate) fn keepalive_of(store: &dyn MetadataStore, node_id: &str, now: u64, incarnation: u64) -> HeartbeatOutcome {
+    store
+        .apply_heartbeat(HeartbeatApply {
+            node_id: node_id.to_owned(),
+            now_ms: now,
+            caps: caps(),
+            kind: HeartbeatKind::Keepalive,
+            incarnation,
+        })
+        .expect("in-memory store call")
+}
+
+/// A delta from the process of `incarnation`.
+pub(crate) fn delta_of(
+    store: &dyn MetadataStore,
+    node_id: &str,
+    now: u64,
+    incarnation: u64,
+    seq: u64,
+    events: Vec<KvEvent>,
+) -> HeartbeatOutcome {
+    store
+        .apply_heartbeat(HeartbeatApply {
+            node_id: node_id.to_owned(),
+            now_ms: now,
+            caps: caps(),
+            kind: HeartbeatKind::Delta { seq, events },
+            incarnation,
+        })
+        .expect("in-memory store call")
 }
 
 /// Registers `node_id` at `now`, asserting it was registered.
@@ -60,6 +99,7 @@ pub(crate) fn delta(
             now_ms: now,
             caps: caps(),
             kind: HeartbeatKind::Delta { seq, events },
+            incarnation: 0,
         })
         .expect("in-memory store call")
 }
@@ -72,6 +112,7 @@ pub(crate) fn keepalive(store: &dyn MetadataStore, node_id: &str, now: u64, caps
             now_ms: now,
             caps,
             kind: HeartbeatKind::Keepalive,
+            incarnation: 0,
         })
         .expect("in-memory store call")
 }
@@ -92,6 +133,7 @@ pub(crate) fn chunk(
             now_ms: now,
             caps: caps(),
             kind: HeartbeatKind::FullSyncChunk { baseline_seq, chunk_index, is_final, events },
+            incarnation: 0,
         })
         .expect("in-memory store call")
 }

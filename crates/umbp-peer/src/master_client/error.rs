@@ -47,6 +47,19 @@ pub enum MasterClientError {
         /// The node id.
         node_id: String,
     },
+    /// A newer process registered this node id (a higher incarnation) and took it over: this process's
+    /// heartbeats are refused, its heartbeat loop has stopped and it will not register again. Stop
+    /// this process, or run it under another node id.
+    #[error(
+        "node {node_id} was taken over by a newer process with the same node id (this process's incarnation \
+         {incarnation} is superseded): stop this process, or give it another node id"
+    )]
+    Superseded {
+        /// The node id.
+        node_id: String,
+        /// This process's incarnation.
+        incarnation: u64,
+    },
     /// The master's reply breaks the protocol (for example arrays of the wrong length); nothing of it
     /// was used.
     #[error("malformed {rpc} reply: {reason}")]

@@ -10,7 +10,14 @@ use umbp_core::{drain_all_backends, snapshot_all_backends_for_full_sync};
 use umbp_proto::v1 as pb;
 
 use super::error::MasterClientError;
+use super::ratelimit::{RateLimited, WARN_WINDOW};
 use super::{Inner, bump, wire};
+
+/// Repeated warnings of the heartbeat loop (every tick of a master outage would print one).
+static RE_REGISTER_FAILED: std::sync::LazyLock<RateLimited> =
+    std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static SYNC_CHUNK_FAILED: std::sync::LazyLock<RateLimited> =
+    std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
 
 /// First pause between two attempts of a clear.
 const CLEAR_BACKOFF_START: Duration = Duration::from_millis(50);
@@ -124,7 +131,8 @@ fn alive(resp: &pb::HeartbeatResponse) -> bool {
 }
 
 impl Inner {
-    /// One `Heartbeat` RPC; a reply also refreshes the local placement grant.
+    /// One `Heartbeat` RPC; a reply also refreshes the local placement grant. A reply saying a newer
+    /// process took over the node id is [`MasterClientError::Superseded`].
     async fn heartbeat_rpc(
         &self,
         timeout: Duration,
@@ -133,8 +141,39 @@ impl Inner {
         let reply = self.call("Heartbeat", timeout, request, |mut c, r| async move { c.heartbeat(r).await }).await;
         if let Ok(reply) = &reply {
             self.local_puts.store(alive(reply) && reply.local_puts, Ordering::Relaxed);
+            if !alive(reply) && reply.superseded {
+                return Err(self.superseded_now());
+            }
         }
         reply
+    }
+
+    /// The master says a newer process holds this node id: stop for good (never register again, never
+    /// unregister: the record is the newer process's) and say so once, loudly.
+    pub(super) fn superseded_now(&self) -> MasterClientError {
+        let first = !self.superseded.send_replace(true);
+        self.local_puts.store(false, Ordering::Relaxed);
+        {
+            let mut st = self.state.lock();
+            st.registered = false;
+            st.needs_register = false;
+            st.full_sync_pending = false;
+        }
+        let error = MasterClientError::Superseded { node_id: self.node.node_id.clone(), incarnation: self.incarnation };
+        if first {
+            tracing::error!(node = %self.node.node_id, incarnation = self.incarnation, "{error}");
+        }
+        error
+    }
+
+    fn check_superseded(&self) -> Result<(), MasterClientError> {
+        if *self.superseded.borrow() {
+            return Err(MasterClientError::Superseded {
+                node_id: self.node.node_id.clone(),
+                incarnation: self.incarnation,
+            });
+        }
+        Ok(())
     }
 
     /// The live capacity of every medium with total > 0, and the key count of every medium.
@@ -160,7 +199,9 @@ impl Inner {
         if self.shut_down.load(Ordering::Acquire) {
             return Err(MasterClientError::ShutDown);
         }
+        self.check_superseded()?;
         let (caps, _) = self.caps_and_counts();
+        let lends_medium = !self.node.peer_address.is_empty() || !caps.is_empty();
         let request = pb::RegisterClientRequest {
             node_id: self.node.node_id.clone(),
             node_address: self.node.node_address.clone(),
@@ -168,6 +209,7 @@ impl Inner {
             peer_address: self.node.peer_address.clone(),
             data_endpoint: self.node.data_endpoint.clone(),
             tags: self.node.tags.clone(),
+            incarnation: self.incarnation,
         };
         let reply =
             self.call("RegisterClient", self.config.rpc_timeout, request, |mut c, r| async move {
@@ -184,6 +226,10 @@ impl Inner {
                     return Err(MasterClientError::AlreadyRegistered { node_id: self.node.node_id.clone() });
                 }
                 None
+            }
+            // The master's answer to a registration of a lower incarnation than the record's.
+            Err(MasterClientError::Rpc { status, .. }) if status.code() == tonic::Code::FailedPrecondition => {
+                return Err(self.superseded_now());
             }
             Err(e) => return Err(e),
         };
@@ -212,7 +258,12 @@ impl Inner {
         if again {
             bump(&self.stats.re_registrations, 1);
         }
-        tracing::info!(node = %self.node.node_id, again, "registered with the master");
+        if lends_medium {
+            tracing::info!(node = %self.node.node_id, incarnation = self.incarnation, again, "registered with the master");
+        } else {
+            // A client process (every CLI command is one): not worth an INFO line each.
+            tracing::debug!(node = %self.node.node_id, incarnation = self.incarnation, again, "registered with the master");
+        }
         Ok(())
     }
 
@@ -222,9 +273,10 @@ impl Inner {
         if self.shut_down.load(Ordering::Acquire) {
             return Err(MasterClientError::ShutDown);
         }
+        self.check_superseded()?;
         let needs_register = self.state.lock().needs_register;
         if needs_register && let Err(e) = self.register_locked(true).await {
-            tracing::warn!(node = %self.node.node_id, error = %e, "re-registration failed; retrying next tick");
+            self.warn_re_register_failed(&e);
             return Err(e);
         }
         if self.state.lock().full_sync_pending {
@@ -280,7 +332,17 @@ impl Inner {
             node_id: self.node.node_id.clone(),
             tier_capacities: caps,
             tier_kv_counts: counts,
+            incarnation: self.incarnation,
             ..Default::default()
+        }
+    }
+
+    fn warn_re_register_failed(&self, e: &MasterClientError) {
+        if matches!(e, MasterClientError::Superseded { .. }) {
+            return;
+        }
+        if let Some(held_back) = RE_REGISTER_FAILED.check() {
+            tracing::warn!(node = %self.node.node_id, error = %e, held_back, "re-registration failed; retrying next tick");
         }
     }
 
@@ -345,7 +407,7 @@ impl Inner {
             return match self.register_locked(true).await {
                 Ok(()) => Ok(Next::Now),
                 Err(e) => {
-                    tracing::warn!(node = %self.node.node_id, error = %e, "re-registration failed; retrying next tick");
+                    self.warn_re_register_failed(&e);
                     Err(e)
                 }
             };
@@ -397,7 +459,7 @@ impl Inner {
     /// writes gated by a clear reopen. Anything else (an RPC error, `UNKNOWN`, `request_full_sync`, or
     /// an ack that is not the baseline: the master did not take this sync) leaves it pending for the
     /// next tick, which starts again from chunk 0 with a fresh snapshot and a fresh baseline.
-    async fn full_sync_locked(&self) -> Result<Next, MasterClientError> {
+    pub(super) async fn full_sync_locked(&self) -> Result<Next, MasterClientError> {
         let snapshot = snapshot_all_backends_for_full_sync(self.registry.entries().map(|(_, b)| b));
         let baseline = {
             let mut st = self.state.lock();
@@ -435,15 +497,20 @@ impl Inner {
             bump(&self.stats.full_sync_chunks_sent, 1);
             let reply = self.heartbeat_rpc(self.config.heartbeat_rpc_timeout, request).await;
             let refused = |reason: String| {
-                tracing::warn!(node = %self.node.node_id, chunk = chunk_index, baseline, reason, "full sync chunk failed; restarting from chunk 0 next tick");
+                if let Some(held_back) = SYNC_CHUNK_FAILED.check() {
+                    tracing::warn!(node = %self.node.node_id, chunk = chunk_index, baseline, reason, held_back, "full sync chunk failed; restarting from chunk 0 next tick");
+                }
                 MasterClientError::Refused {
                     rpc: "Heartbeat",
                     reason: format!("full sync at baseline {baseline}, chunk {chunk_index}: {reason}"),
                 }
             };
             let reply = match reply {
+                Err(e @ MasterClientError::Superseded { .. }) => return Err(e),
                 Err(e) => {
-                    tracing::warn!(node = %self.node.node_id, chunk = chunk_index, baseline, error = %e, "full sync chunk failed; restarting from chunk 0 next tick");
+                    if let Some(held_back) = SYNC_CHUNK_FAILED.check() {
+                        tracing::warn!(node = %self.node.node_id, chunk = chunk_index, baseline, error = %e, held_back, "full sync chunk failed; restarting from chunk 0 next tick");
+                    }
                     self.state.lock().master_unreachable = true;
                     return Err(e);
                 }
@@ -533,6 +600,7 @@ impl Inner {
             let remaining = deadline.saturating_sub(started.elapsed());
             let error = match self.clear_attempt(remaining).await {
                 Ok(()) => return Ok(()),
+                Err(e @ MasterClientError::Superseded { .. }) => return Err(e),
                 Err(e) => e,
             };
             let remaining = deadline.saturating_sub(started.elapsed());

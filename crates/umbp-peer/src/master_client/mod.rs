@@ -49,6 +49,7 @@
 mod config;
 mod error;
 mod heartbeat;
+mod ratelimit;
 mod types;
 mod wire;
 
@@ -72,7 +73,8 @@ use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
 pub use config::{ConfigError, MasterClientConfig};
 pub use error::MasterClientError;
 pub use types::{
-    ClusterStatus, MasterClientStats, NodeLiveness, NodeRegistration, NodeStatusReport, RouteGetHit, RoutePutDecision,
+    ClusterStatus, MasterClientStats, NodeLiveness, NodeRegistration, NodeRole, NodeStatusReport, RouteGetHit,
+    RoutePutDecision,
 };
 
 use heartbeat::{HbState, Next};
@@ -140,6 +142,11 @@ struct Inner {
     /// The master's local placement grant, from its last register or heartbeat reply (see
     /// [`MasterClient::local_puts_granted`]).
     local_puts: AtomicBool,
+    /// This process's incarnation of the node id (see [`MasterClient::incarnation`]).
+    incarnation: u64,
+    /// Turns `true` when the master says a newer process took over the node id: the loop stops and
+    /// nothing registers again (see [`MasterClient::wait_superseded`]).
+    superseded: tokio::sync::watch::Sender<bool>,
     stats: Counters,
 }
 
@@ -196,7 +203,7 @@ impl Inner {
     }
 
     async fn unregister(&self, timeout: Duration) -> Result<(), MasterClientError> {
-        let request = pb::UnregisterClientRequest { node_id: self.node.node_id.clone() };
+        let request = pb::UnregisterClientRequest { node_id: self.node.node_id.clone(), incarnation: self.incarnation };
         self.call("UnregisterClient", timeout, request, |mut c, r| async move { c.unregister_client(r).await }).await?;
         let mut st = self.state.lock();
         st.registered = false;
@@ -226,6 +233,8 @@ fn deadline_passed(status: &tonic::Status) -> bool {
 }
 
 /// The loop: wait for the interval or a wake-up, then run heartbeat rounds while a backlog shrinks.
+/// Ends when the master says a newer process took over the node id (fighting it would flap the
+/// node's registration between the two processes).
 async fn run_loop(inner: Arc<Inner>) {
     loop {
         let interval = inner.state.lock().interval;
@@ -234,14 +243,41 @@ async fn run_loop(inner: Arc<Inner>) {
             () = tokio::time::sleep(interval) => {}
         }
         let mut rounds = 0;
-        while let Ok(Next::Now) = inner.tick().await {
-            rounds += 1;
-            if rounds >= MAX_BACK_TO_BACK_ROUNDS {
-                inner.wake.notify_one();
-                break;
+        loop {
+            match inner.tick().await {
+                Ok(Next::Now) => {
+                    rounds += 1;
+                    if rounds >= MAX_BACK_TO_BACK_ROUNDS {
+                        inner.wake.notify_one();
+                        break;
+                    }
+                }
+                Ok(Next::Wait) => break,
+                Err(MasterClientError::Superseded { .. }) => {
+                    inner.running.store(false, Ordering::Release);
+                    return;
+                }
+                Err(_) => break,
             }
         }
     }
+}
+
+/// A fresh incarnation for this process: wall-clock microseconds, so a process restarted later gets
+/// a higher one (the master lets the higher replace the lower), and strictly increasing within the
+/// process (two clients of one process never share one). Never 0 (0 means "unspecified").
+fn new_incarnation() -> u64 {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+        .max(1);
+    let previous = LAST.fetch_max(now, Ordering::Relaxed);
+    if previous < now {
+        return now;
+    }
+    // Same microsecond (or a clock step back): one past the highest handed out.
+    LAST.fetch_add(1, Ordering::Relaxed) + 1
 }
 
 /// A node's connection to the master: registration, the heartbeat loop and the routing calls.
@@ -323,6 +359,8 @@ impl MasterClient {
                 shut_down: AtomicBool::new(false),
                 shutdown: tokio::sync::watch::Sender::new(false),
                 local_puts: AtomicBool::new(false),
+                incarnation: new_incarnation(),
+                superseded: tokio::sync::watch::Sender::new(false),
                 stats: Counters::default(),
             }),
             task: Mutex::new(None),
@@ -332,17 +370,57 @@ impl MasterClient {
     /// Registers the node with its full record: the capacity of every medium with total > 0, the peer
     /// address, the data endpoint and the tags. Adopts the heartbeat interval of the reply.
     ///
-    /// Fails with [`AlreadyRegistered`](MasterClientError::AlreadyRegistered) when a live node with
-    /// this id exists. (The re-registration the heartbeat loop makes after the master forgot the node
-    /// counts `ALREADY_EXISTS` as success.) The first heartbeat round after a registration is a full
-    /// sync when the node already owns keys or has heartbeated before (the master starts it empty at
-    /// seq 0); otherwise deltas start at seq 1.
+    /// The registration carries this process's [`incarnation`](Self::incarnation): a live record of
+    /// the same node id left by an earlier process (one that crashed, or still runs) is replaced at
+    /// once, and that process's heartbeats are refused from then on. Fails with
+    /// [`Superseded`](MasterClientError::Superseded) when a newer process holds the id, and with
+    /// [`AlreadyRegistered`](MasterClientError::AlreadyRegistered) when a live record that cannot be
+    /// told apart from this process's exists (a master or an older client without incarnations).
+    /// (The re-registration the heartbeat loop makes after the master forgot the node counts
+    /// `ALREADY_EXISTS` as success.)
+    ///
+    /// When the node already owns keys (an SSD node restarted on its drives) or has heartbeated
+    /// before, the full sync that tells the master about them runs here, before this returns, so the
+    /// keys are readable as soon as the node is up; if it fails, the heartbeat loop's first round
+    /// sends it (at once, not after an interval). Otherwise deltas start at seq 1.
     pub async fn register(&self) -> Result<(), MasterClientError> {
         if self.inner.shut_down.load(Ordering::Acquire) {
             return Err(MasterClientError::ShutDown);
         }
         let _send = self.inner.send_lock.lock().await;
-        self.inner.register_locked(false).await
+        self.inner.register_locked(false).await?;
+        if self.inner.state.lock().full_sync_pending
+            && let Err(e) = self.inner.full_sync_locked().await
+        {
+            if matches!(e, MasterClientError::Superseded { .. }) {
+                return Err(e);
+            }
+            tracing::warn!(node = %self.inner.node.node_id, error = %e, "the first full sync failed; the heartbeat loop retries it at once");
+        }
+        Ok(())
+    }
+
+    /// This process's incarnation of the node id: wall-clock microseconds at the client's creation,
+    /// sent with the registration, every heartbeat and the unregister. The master lets a higher
+    /// incarnation (a restarted process) replace a live record at once and refuses the lower one's
+    /// heartbeats from then on.
+    pub fn incarnation(&self) -> u64 {
+        self.inner.incarnation
+    }
+
+    /// Whether the master said a newer process took over this node id. The heartbeat loop has then
+    /// stopped for good and [`register`](Self::register) fails with
+    /// [`Superseded`](MasterClientError::Superseded); the process should stop (its keys are no longer
+    /// indexed).
+    pub fn is_superseded(&self) -> bool {
+        *self.inner.superseded.borrow()
+    }
+
+    /// Resolves once the master says a newer process took over this node id (see
+    /// [`is_superseded`](Self::is_superseded)); a node process awaits it to stop with a clear error.
+    pub async fn wait_superseded(&self) {
+        let mut rx = self.inner.superseded.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
     }
 
     /// Spawns the heartbeat loop on the current tokio runtime and installs the auto-flush hook on every
@@ -361,6 +439,11 @@ impl MasterClient {
         }
         self.inner.set_hooks(true);
         self.inner.running.store(true, Ordering::Release);
+        if self.inner.state.lock().full_sync_pending {
+            // The node owns keys the master has not heard of (the first sync failed): send it now,
+            // not an interval from now.
+            self.inner.wake.notify_one();
+        }
         *task = Some(runtime.spawn(run_loop(Arc::clone(&self.inner))));
         Ok(())
     }

@@ -88,6 +88,17 @@ pub enum NodeLiveness {
     Unknown,
 }
 
+/// What a registered process is to the pool, as the master reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeRole {
+    /// Lends a medium (it has a peer service or reported capacity).
+    Storage,
+    /// Lends nothing: an engine process or a CLI command that reads and writes through others.
+    Client,
+    /// Not set (an older master), or a value this client does not know.
+    Unknown,
+}
+
 /// One node in [`ClusterStatus`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeStatusReport {
@@ -111,15 +122,47 @@ pub struct NodeStatusReport {
     pub last_applied_seq: u64,
     /// Its tags.
     pub tags: Vec<String>,
+    /// Storage node or client. An older master sends nothing: then [`NodeRole::Unknown`], and a
+    /// caller may tell the two apart by `tier_capacities` being empty.
+    pub role: NodeRole,
+    /// The incarnation of the registration that stands (0 if the process sent none).
+    pub incarnation: u64,
+}
+
+impl NodeStatusReport {
+    /// Whether it lends a medium: [`NodeRole::Storage`], or (from an older master that sends no
+    /// role) a reported capacity or a peer address.
+    pub fn is_storage(&self) -> bool {
+        match self.role {
+            NodeRole::Storage => true,
+            NodeRole::Client => false,
+            NodeRole::Unknown => !self.tier_capacities.is_empty() || !self.peer_address.is_empty(),
+        }
+    }
 }
 
 /// The cluster as an operator sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ClusterStatus {
-    /// Every node the master knows.
+    /// Every node the master knows: ALIVE ones, and EXPIRED ones within the retention.
     pub nodes: Vec<NodeStatusReport>,
     /// Distinct keys in the index.
     pub total_keys: u64,
+    /// How long the master keeps an EXPIRED record listed before removing it (zero from an older
+    /// master, which never removes them).
+    pub expired_retention: Duration,
+}
+
+impl ClusterStatus {
+    /// The storage nodes (they lend a medium), in the master's order.
+    pub fn storage_nodes(&self) -> impl Iterator<Item = &NodeStatusReport> {
+        self.nodes.iter().filter(|n| n.is_storage())
+    }
+
+    /// The clients (they lend nothing), in the master's order.
+    pub fn clients(&self) -> impl Iterator<Item = &NodeStatusReport> {
+        self.nodes.iter().filter(|n| !n.is_storage())
+    }
 }
 
 /// Counters and heartbeat state of one [`MasterClient`](super::MasterClient), for tests and metrics.

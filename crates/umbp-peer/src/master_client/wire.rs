@@ -7,7 +7,7 @@ use prost::Message;
 use umbp_core::{KvEvent, KvEventKind, TierCapacity, TierType};
 use umbp_proto::v1 as pb;
 
-use super::types::{ClusterStatus, NodeLiveness, NodeStatusReport, RouteGetHit, RoutePutDecision};
+use super::types::{ClusterStatus, NodeLiveness, NodeRole, NodeStatusReport, RouteGetHit, RoutePutDecision};
 
 /// The wire value of a tier.
 pub(crate) fn tier_to_wire(tier: TierType) -> i32 {
@@ -197,9 +197,19 @@ pub(crate) fn decode_cluster_status(reply: pb::GetClusterStatusResponse) -> Clus
             last_heartbeat_age: Duration::from_millis(n.last_heartbeat_age_ms),
             last_applied_seq: n.last_applied_seq,
             tags: n.tags,
+            role: match pb::NodeRole::try_from(n.role) {
+                Ok(pb::NodeRole::Storage) => NodeRole::Storage,
+                Ok(pb::NodeRole::Client) => NodeRole::Client,
+                Ok(pb::NodeRole::Unspecified) | Err(_) => NodeRole::Unknown,
+            },
+            incarnation: n.incarnation,
         })
         .collect();
-    ClusterStatus { nodes, total_keys: reply.total_keys }
+    ClusterStatus {
+        nodes,
+        total_keys: reply.total_keys,
+        expired_retention: Duration::from_millis(reply.expired_retention_ms),
+    }
 }
 
 #[cfg(test)]

@@ -138,6 +138,7 @@ impl Model {
             data_endpoint: rec.data_endpoint.clone(),
             tier_capacities: rec.caps.clone(),
             tags: rec.tags.clone(),
+            incarnation: rec.incarnation,
         };
         assert_eq!(self.store.register(reg, now_ms(), STALE_AFTER_MS).expect("store"), RegisterOutcome::Registered);
     }
@@ -151,6 +152,7 @@ impl Model {
                 now_ms: now_ms(),
                 caps: Vec::new(),
                 kind: HeartbeatKind::Delta { seq, events: Vec::new() },
+                incarnation: 0,
             };
             assert_eq!(self.store.apply_heartbeat(hb).expect("store"), HeartbeatOutcome::Applied { acked_seq: seq });
         }
@@ -164,10 +166,12 @@ impl Model {
             data_endpoint: r.data_endpoint.clone(),
             tier_capacities: caps_from_wire(&r.tier_capacities),
             tags: r.tags.clone(),
+            incarnation: r.incarnation,
         };
         match self.store.register(reg, now_ms(), STALE_AFTER_MS) {
-            Ok(RegisterOutcome::Registered) => Ok(()),
+            Ok(RegisterOutcome::Registered | RegisterOutcome::Replaced { .. }) => Ok(()),
             Ok(RegisterOutcome::AlreadyExists) => Err(Status::already_exists("node is registered and alive")),
+            Ok(RegisterOutcome::Superseded { .. }) => Err(Status::failed_precondition("superseded")),
             Err(e) => Err(Status::invalid_argument(e.to_string())),
         }
     }
@@ -179,14 +183,18 @@ impl Model {
             acked_seq,
             request_full_sync,
             local_puts: false,
+            superseded: false,
         };
         let unknown = pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, ..Default::default() };
+        let superseded =
+            pb::HeartbeatResponse { status: pb::NodeStatus::Unknown as i32, superseded: true, ..Default::default() };
         let apply = |kind| {
             let hb = HeartbeatApply {
                 node_id: r.node_id.clone(),
                 now_ms: now_ms(),
                 caps: caps_from_wire(&r.tier_capacities),
                 kind,
+                incarnation: r.incarnation,
             };
             self.store.apply_heartbeat(hb).expect("store")
         };
@@ -200,6 +208,7 @@ impl Model {
             });
             return match outcome {
                 HeartbeatOutcome::Unknown => unknown,
+                HeartbeatOutcome::Superseded { .. } => superseded,
                 HeartbeatOutcome::SeqGap { acked_seq } => {
                     self.seq_gaps += 1;
                     alive(acked_seq, true)
@@ -217,15 +226,19 @@ impl Model {
             };
         }
         if r.bundles.is_empty() {
-            return match apply(HeartbeatKind::Keepalive).acked_seq() {
-                None => unknown,
-                Some(acked) => alive(acked, false),
+            return match apply(HeartbeatKind::Keepalive) {
+                HeartbeatOutcome::Superseded { .. } => superseded,
+                outcome => match outcome.acked_seq() {
+                    None => unknown,
+                    Some(acked) => alive(acked, false),
+                },
             };
         }
         let mut acked = 0;
         for b in &r.bundles {
             match apply(HeartbeatKind::Delta { seq: b.seq, events: events_from_wire(b.events.iter().cloned()) }) {
                 HeartbeatOutcome::Unknown => return unknown,
+                HeartbeatOutcome::Superseded { .. } => return superseded,
                 HeartbeatOutcome::SeqGap { acked_seq } => {
                     self.seq_gaps += 1;
                     return alive(acked_seq, true);
@@ -363,8 +376,9 @@ impl UmbpMaster for FakeService {
     ) -> Result<Response<pb::UnregisterClientResponse>, Status> {
         self.record_token(&request);
         self.maybe_hang().await;
-        let node_id = request.into_inner().node_id;
-        self.model.lock().store().unregister(&node_id).expect("store");
+        let r = request.into_inner();
+        let node_id = r.node_id;
+        self.model.lock().store().unregister_incarnation(&node_id, r.incarnation).expect("store");
         self.rec.lock().unregisters.push(node_id);
         Ok(Response::new(pb::UnregisterClientResponse {}))
     }
@@ -389,6 +403,7 @@ impl UmbpMaster for FakeService {
                     acked_seq: acked,
                     request_full_sync: true,
                     local_puts: false,
+                    superseded: false,
                 }
             }
             Action::ApplyThenDelay(d) => {
