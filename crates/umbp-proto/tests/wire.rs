@@ -74,3 +74,23 @@ fn an_unknown_enum_value_still_decodes() {
     assert_eq!(cap.tier, 9);
     assert!(v1::TierType::try_from(cap.tier).is_err());
 }
+
+#[test]
+fn the_incarnation_role_and_retention_field_numbers_are_pinned() {
+    // RegisterClientRequest.incarnation = 14 (varint): tag 0x70.
+    let reg = v1::RegisterClientRequest { incarnation: 3, ..Default::default() };
+    assert_eq!(reg.encode_to_vec(), vec![0x70, 3]);
+    // UnregisterClientRequest.incarnation = 2.
+    assert_eq!(v1::UnregisterClientRequest { incarnation: 3, ..Default::default() }.encode_to_vec(), vec![0x10, 3]);
+    // HeartbeatRequest.incarnation = 10.
+    assert_eq!(v1::HeartbeatRequest { incarnation: 3, ..Default::default() }.encode_to_vec(), vec![0x50, 3]);
+    // HeartbeatResponse.superseded = 5.
+    assert_eq!(v1::HeartbeatResponse { superseded: true, ..Default::default() }.encode_to_vec(), vec![0x28, 1]);
+    // NodeStatusInfo.role = 11, incarnation = 12.
+    let info = v1::NodeStatusInfo { role: v1::NodeRole::Client as i32, incarnation: 3, ..Default::default() };
+    assert_eq!(info.encode_to_vec(), vec![0x58, 2, 0x60, 3]);
+    assert_eq!((v1::NodeRole::Unspecified as i32, v1::NodeRole::Storage as i32, v1::NodeRole::Client as i32), (0, 1, 2));
+    // GetClusterStatusResponse.expired_retention_ms = 3.
+    let status = v1::GetClusterStatusResponse { expired_retention_ms: 3, ..Default::default() };
+    assert_eq!(status.encode_to_vec(), vec![0x18, 3]);
+}
