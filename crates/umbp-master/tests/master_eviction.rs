@@ -35,6 +35,12 @@ impl FakePeer {
 
 #[tonic::async_trait]
 impl UmbpPeer for FakePeer {
+    async fn release_reads(
+        &self,
+        _: Request<v1::ReleaseReadsRequest>,
+    ) -> Result<Response<v1::ReleaseReadsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
     async fn get_peer_info(
         &self,
         _: Request<v1::GetPeerInfoRequest>,

@@ -13,7 +13,8 @@ use umbp_proto::v1 as pb;
 const PAGE: u64 = 4096;
 
 fn hit(tier: TierType, backend_id: u32, size: u64, pages: &[(u32, u32)]) -> Option<ResolvedKey> {
-    Some(ResolvedKey { tier, backend_id, size, pages: pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect() })
+    let pages = pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect();
+    Some(ResolvedKey { tier, backend_id, size, pages, lease: 0 })
 }
 
 fn desc(backend_id: u32, buffer_index: u32, location: MemoryLocation, remote: Option<u64>) -> BufferDesc {
@@ -28,7 +29,7 @@ fn desc(backend_id: u32, buffer_index: u32, location: MemoryLocation, remote: Op
 
 /// Encodes, serializes, parses and decodes: what a reader on another node sees.
 fn over_the_wire(keys: &[Option<ResolvedKey>], descs: &[BufferDesc], page_size: u64) -> DecodedResolve {
-    let bytes = encode_batch_resolve(keys, descs, page_size).encode_to_vec();
+    let bytes = encode_batch_resolve(keys, &[], descs, page_size).encode_to_vec();
     let parsed = pb::BatchResolveKeysResponse::decode(bytes.as_slice()).expect("parse");
     decode_batch_resolve(&parsed).expect("decode")
 }
@@ -53,7 +54,8 @@ fn sample() -> (Vec<Option<ResolvedKey>>, Vec<BufferDesc>) {
 fn round_trip_preserves_every_field() {
     let (keys, descs) = sample();
     let decoded = over_the_wire(&keys, &descs, PAGE);
-    assert_eq!(decoded, DecodedResolve { page_size: PAGE, descs, keys });
+    let busy = vec![false; keys.len()];
+    assert_eq!(decoded, DecodedResolve { page_size: PAGE, descs, keys, busy });
 }
 
 #[test]
@@ -63,7 +65,7 @@ fn flattened_pages_slice_by_key() {
         None,
         hit(TierType::Dram, 0, 3 * PAGE, &[(1, 7), (1, 8), (0, 0)]),
     ];
-    let wire = encode_batch_resolve(&keys, &[], PAGE);
+    let wire = encode_batch_resolve(&keys, &[], &[], PAGE);
     assert_eq!(wire.found, [true, false, true]);
     assert_eq!(wire.page_count, [2, 0, 3]);
     assert_eq!(wire.buffer_index, [0, 0, 1, 1, 0]);
@@ -82,7 +84,7 @@ fn omit_descs_round_trips() {
 
 #[test]
 fn all_not_found() {
-    let wire = encode_batch_resolve(&[None, None, None], &[], PAGE);
+    let wire = encode_batch_resolve(&[None, None, None], &[], &[], PAGE);
     assert_eq!(wire.found, [false; 3]);
     assert_eq!(wire.page_count, [0; 3]);
     assert!(wire.buffer_index.is_empty() && wire.page_index.is_empty());
@@ -92,13 +94,13 @@ fn all_not_found() {
 #[test]
 fn empty_batch() {
     let decoded = over_the_wire(&[], &[], PAGE);
-    assert_eq!(decoded, DecodedResolve { page_size: PAGE, descs: Vec::new(), keys: Vec::new() });
+    assert_eq!(decoded, DecodedResolve { page_size: PAGE, descs: Vec::new(), keys: Vec::new(), busy: Vec::new() });
 }
 
 #[test]
 fn malformed_mismatched_arrays_rejected() {
     let (keys, descs) = sample();
-    let good = encode_batch_resolve(&keys, &descs, PAGE);
+    let good = encode_batch_resolve(&keys, &[], &descs, PAGE);
     type Cut = fn(&mut pb::BatchResolveKeysResponse);
     let cuts: [(&str, Cut); 5] = [
         ("tier", |r| {
@@ -135,7 +137,7 @@ fn malformed_mismatched_arrays_rejected() {
 #[test]
 fn malformed_truncated_pages_rejected() {
     let (keys, descs) = sample();
-    let good = encode_batch_resolve(&keys, &descs, PAGE);
+    let good = encode_batch_resolve(&keys, &[], &descs, PAGE);
     let mut short = good.clone();
     short.buffer_index.pop();
     short.page_index.pop();
@@ -150,7 +152,7 @@ fn malformed_truncated_pages_rejected() {
 #[test]
 fn malformed_replies_of_other_shapes_are_rejected() {
     let (keys, descs) = sample();
-    let good = encode_batch_resolve(&keys, &descs, PAGE);
+    let good = encode_batch_resolve(&keys, &[], &descs, PAGE);
 
     // A miss that claims pages (and carries them, so the counts still add up).
     let mut bad = good.clone();
@@ -195,7 +197,7 @@ fn optimized_wire_is_smaller_than_per_key_descs() {
             hit(TierType::Dram, 0, u64::from(PAGES) * PAGE, &pages)
         })
         .collect();
-    let soa = encode_batch_resolve(&keys, &descs, PAGE).encoded_len();
+    let soa = encode_batch_resolve(&keys, &[], &descs, PAGE).encoded_len();
 
     // The per-key shape: one ResolveKeyResponse per key, each carrying its descriptors.
     let per_key: usize = keys
@@ -215,6 +217,7 @@ fn optimized_wire_is_smaller_than_per_key_descs() {
                 size: k.size,
                 backend_id: k.backend_id,
                 tier: tier_to_wire(k.tier),
+                ..Default::default()
             };
             // Framed as an element of a repeated field.
             let len = msg.encoded_len();
@@ -241,6 +244,7 @@ fn arb_key(page_size: u64) -> impl Strategy<Value = Option<ResolvedKey>> {
                 backend_id,
                 size,
                 pages: pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect(),
+                lease: 0,
             })
         },
     ))
@@ -265,8 +269,20 @@ fn arb_desc() -> impl Strategy<Value = BufferDesc> {
 
 fn arb_batch() -> impl Strategy<Value = DecodedResolve> {
     (1u64..(1 << 22)).prop_flat_map(|page_size| {
-        (prop::collection::vec(arb_key(page_size), 0..40), prop::collection::vec(arb_desc(), 0..6))
-            .prop_map(move |(keys, descs)| DecodedResolve { page_size, descs, keys })
+        (
+            prop::collection::vec((arb_key(page_size), any::<bool>(), any::<u64>()), 0..40),
+            prop::collection::vec(arb_desc(), 0..6),
+        )
+            .prop_map(move |(entries, descs)| {
+                let mut keys = Vec::new();
+                let mut busy = Vec::new();
+                for (key, b, lease) in entries {
+                    // A hit is never busy; a hit may hold a lease.
+                    busy.push(key.is_none() && b);
+                    keys.push(key.map(|k| ResolvedKey { lease, ..k }));
+                }
+                DecodedResolve { page_size, descs, keys, busy }
+            })
     })
 }
 
@@ -281,17 +297,22 @@ fn arb_wire() -> impl Strategy<Value = pb::BatchResolveKeysResponse> {
         0usize..12,
         0u64..8,
         prop::collection::vec(0u32..5, 0..6),
+        (0usize..6, 0usize..6),
     )
-        .prop_map(|(found, tier, size, backend, bi, pi, page_size, counts)| pb::BatchResolveKeysResponse {
-            descs: Vec::new(),
-            page_size,
-            found: (0..found).map(|i| i % 2 == 0).collect(),
-            tier: (0..tier).map(|i| i as i32 - 1).collect(),
-            size: (0..size).map(|i| i as u64 * 3).collect(),
-            page_count: counts,
-            buffer_index: (0..bi as u32).collect(),
-            page_index: (0..pi as u32).collect(),
-            backend_id: (0..backend as u32).map(|i| i * 3).collect(),
+        .prop_map(|(found, tier, size, backend, bi, pi, page_size, counts, (busy, leases))| {
+            pb::BatchResolveKeysResponse {
+                descs: Vec::new(),
+                page_size,
+                found: (0..found).map(|i| i % 2 == 0).collect(),
+                tier: (0..tier).map(|i| i as i32 - 1).collect(),
+                size: (0..size).map(|i| i as u64 * 3).collect(),
+                page_count: counts,
+                buffer_index: (0..bi as u32).collect(),
+                page_index: (0..pi as u32).collect(),
+                backend_id: (0..backend as u32).map(|i| i * 3).collect(),
+                busy: (0..busy).map(|i| i % 3 == 0).collect(),
+                lease_id: (0..leases).map(|i| i as u64).collect(),
+            }
         })
 }
 
@@ -300,7 +321,7 @@ proptest! {
 
     #[test]
     fn decode_inverts_encode(batch in arb_batch()) {
-        let wire = encode_batch_resolve(&batch.keys, &batch.descs, batch.page_size);
+        let wire = encode_batch_resolve(&batch.keys, &batch.busy, &batch.descs, batch.page_size);
         let parsed = pb::BatchResolveKeysResponse::decode(wire.encode_to_vec().as_slice()).expect("parse");
         prop_assert_eq!(decode_batch_resolve(&parsed), Ok(batch));
     }
@@ -312,9 +333,31 @@ proptest! {
             prop_assert_eq!(decoded.keys.len(), wire.found.len());
             let pages: usize = decoded.keys.iter().flatten().map(|k| k.pages.len()).sum();
             prop_assert_eq!(pages, wire.buffer_index.len());
-            let reencoded = encode_batch_resolve(&decoded.keys, &decoded.descs, decoded.page_size);
+            let reencoded = encode_batch_resolve(&decoded.keys, &decoded.busy, &decoded.descs, decoded.page_size);
             prop_assert_eq!(reencoded.buffer_index, wire.buffer_index);
             prop_assert_eq!(reencoded.page_index, wire.page_index);
         }
     }
+}
+
+#[test]
+fn busy_and_leases_travel_only_when_needed_and_round_trip() {
+    let keys = vec![hit(TierType::Ssd, 0, 5, &[(0, 1)]).map(|k| ResolvedKey { lease: 42, ..k }), None, None];
+    let busy = [false, true, false];
+    let wire = encode_batch_resolve(&keys, &busy, &[], PAGE);
+    assert_eq!(wire.busy, [false, true, false]);
+    assert_eq!(wire.lease_id, [42, 0, 0]);
+    let decoded = decode_batch_resolve(&wire).expect("decode");
+    assert_eq!((decoded.keys, decoded.busy), (keys, busy.to_vec()));
+    // Nothing busy and no lease: neither array is sent (an older reply decodes the same way).
+    let plain = encode_batch_resolve(&[None, hit(TierType::Dram, 0, 1, &[(0, 0)])], &[], &[], PAGE);
+    assert!(plain.busy.is_empty() && plain.lease_id.is_empty());
+    assert_eq!(decode_batch_resolve(&plain).expect("decode").busy, [false, false]);
+    // A busy flag on a hit is malformed, so is an optional array of the wrong length.
+    let mut bad = wire.clone();
+    bad.busy = vec![true, true, false];
+    assert_eq!(decode_batch_resolve(&bad), Err(CodecError::BusyHit { key_index: 0 }));
+    let mut short = wire;
+    short.lease_id = vec![1];
+    assert!(matches!(decode_batch_resolve(&short), Err(CodecError::MismatchedArrays { field: "lease_id", .. })));
 }

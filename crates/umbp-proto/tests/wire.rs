@@ -76,6 +76,20 @@ fn an_unknown_enum_value_still_decodes() {
 }
 
 #[test]
+fn the_read_release_and_busy_field_numbers_are_pinned() {
+    let r = v1::BatchResolveKeysResponse { busy: vec![true], lease_id: vec![7], ..Default::default() };
+    // field 10 (packed bool) [1], field 11 (packed varint) [7].
+    assert_eq!(r.encode_to_vec(), vec![0x52, 1, 1, 0x5a, 1, 7]);
+    let one = v1::ResolveKeyResponse { busy: true, lease_id: 9, ..Default::default() };
+    // field 8 (varint) 1, field 9 (varint) 9.
+    assert_eq!(one.encode_to_vec(), vec![0x40, 1, 0x48, 9]);
+    let release =
+        v1::ReleaseReadsRequest { reads: vec![v1::ReadRelease { key: "k".into(), lease_id: 5, backend_id: 2 }] };
+    // field 1 (len 7): { field 1 "k", field 2 (varint) 5, field 3 (varint) 2 }.
+    assert_eq!(release.encode_to_vec(), vec![0x0a, 7, 0x0a, 1, b'k', 0x10, 5, 0x18, 2]);
+}
+
+#[test]
 fn the_incarnation_role_and_retention_field_numbers_are_pinned() {
     // RegisterClientRequest.incarnation = 14 (varint): tag 0x70.
     let reg = v1::RegisterClientRequest { incarnation: 3, ..Default::default() };
@@ -89,7 +103,10 @@ fn the_incarnation_role_and_retention_field_numbers_are_pinned() {
     // NodeStatusInfo.role = 11, incarnation = 12.
     let info = v1::NodeStatusInfo { role: v1::NodeRole::Client as i32, incarnation: 3, ..Default::default() };
     assert_eq!(info.encode_to_vec(), vec![0x58, 2, 0x60, 3]);
-    assert_eq!((v1::NodeRole::Unspecified as i32, v1::NodeRole::Storage as i32, v1::NodeRole::Client as i32), (0, 1, 2));
+    assert_eq!(
+        (v1::NodeRole::Unspecified as i32, v1::NodeRole::Storage as i32, v1::NodeRole::Client as i32),
+        (0, 1, 2)
+    );
     // GetClusterStatusResponse.expired_retention_ms = 3.
     let status = v1::GetClusterStatusResponse { expired_retention_ms: 3, ..Default::default() };
     assert_eq!(status.encode_to_vec(), vec![0x18, 3]);

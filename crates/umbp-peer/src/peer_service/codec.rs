@@ -5,6 +5,10 @@
 //! `page_index`: key `i` owns the next `page_count[i]` entries. Buffer descriptors travel once per
 //! batch, deduplicated by `(backend_id, buffer_index)`, instead of once per key.
 //!
+//! Two optional per-key arrays ride along: `busy` (the node holds the key but cannot serve it now:
+//! retry this node) and `lease_id` (the read lease a hit holds, for `ReleaseReads`). Each is sent
+//! only when some key needs it; an empty one decodes as all false / all 0.
+//!
 //! Both directions are pure functions. The decoder trusts nothing: a reply whose arrays disagree is
 //! rejected as a whole (an error, never a panic and never a page sliced from the wrong key).
 
@@ -24,6 +28,8 @@ pub struct ResolvedKey {
     pub size: u64,
     /// The pages, in value order; buffer indexes are local to `backend_id`.
     pub pages: Vec<PageLocation>,
+    /// The read lease the hit holds on that medium, to release once the copy is done (0: none).
+    pub lease: u64,
 }
 
 /// A decoded `BatchResolveKeys` reply.
@@ -34,8 +40,11 @@ pub struct DecodedResolve {
     /// Descriptors of the buffers the hits live in, stamped with their backend ids; empty when the
     /// request set `omit_descs`.
     pub descs: Vec<BufferDesc>,
-    /// One entry per requested key, in request order; `None` is a miss.
+    /// One entry per requested key, in request order; `None` is a miss (or busy).
     pub keys: Vec<Option<ResolvedKey>>,
+    /// One entry per requested key: the node holds the key but cannot serve it now (retry this
+    /// node shortly; never set for a hit).
+    pub busy: Vec<bool>,
 }
 
 /// Why a `BatchResolveKeys` reply could not be decoded. Any of these fails the whole batch: the
@@ -95,6 +104,12 @@ pub enum CodecError {
         /// The id.
         backend_id: u32,
     },
+    /// A key is answered both as a hit and as busy.
+    #[error("malformed resolve reply: key {key_index} is both a hit and busy")]
+    BusyHit {
+        /// Position of the key in the request.
+        key_index: usize,
+    },
     /// A descriptor's memory kind is unknown to this build.
     #[error("buffer descriptor with unknown memory kind {value}")]
     UnknownMemoryKind {
@@ -103,15 +118,17 @@ pub enum CodecError {
     },
 }
 
-/// Encodes a `BatchResolveKeys` reply: one entry per key (`None` = miss), the batch's descriptors
-/// (already deduplicated and stamped; pass none when the request set `omit_descs`) and the node's
-/// page size.
+/// Encodes a `BatchResolveKeys` reply: one entry per key (`None` = miss), which misses are busy
+/// (`busy[i]` for key `i`; a shorter slice leaves the rest not busy, a hit is never busy), the
+/// batch's descriptors (already deduplicated and stamped; pass none when the request set
+/// `omit_descs`) and the node's page size.
 ///
 /// A miss is sent as `found = false` with tier, size, backend id and page count 0 and no pages. A key
 /// with more than `u32::MAX` pages cannot be represented; its count saturates and the reply then
 /// decodes as [`CodecError::PageCountMismatch`] rather than as wrong pages.
 pub fn encode_batch_resolve(
     keys: &[Option<ResolvedKey>],
+    busy: &[bool],
     descs: &[BufferDesc],
     page_size: u64,
 ) -> pb::BatchResolveKeysResponse {
@@ -127,7 +144,16 @@ pub fn encode_batch_resolve(
         buffer_index: Vec::with_capacity(total_pages),
         page_index: Vec::with_capacity(total_pages),
         backend_id: Vec::with_capacity(n),
+        busy: Vec::new(),
+        lease_id: Vec::new(),
     };
+    let busy_at = |i: usize| keys[i].is_none() && busy.get(i).copied().unwrap_or(false);
+    if (0..n).any(busy_at) {
+        out.busy = (0..n).map(busy_at).collect();
+    }
+    if keys.iter().flatten().any(|k| k.lease != 0) {
+        out.lease_id = keys.iter().map(|k| k.as_ref().map_or(0, |k| k.lease)).collect();
+    }
     for key in keys {
         match key {
             Some(k) => {
@@ -170,6 +196,12 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
             return Err(CodecError::MismatchedArrays { field, len, expected: n });
         }
     }
+    // Optional arrays: absent (empty) or one entry per key.
+    for (field, len) in [("busy", resp.busy.len()), ("lease_id", resp.lease_id.len())] {
+        if len != 0 && len != n {
+            return Err(CodecError::MismatchedArrays { field, len, expected: n });
+        }
+    }
     if resp.buffer_index.len() != resp.page_index.len() {
         return Err(CodecError::MismatchedPageArrays {
             buffer_index: resp.buffer_index.len(),
@@ -191,17 +223,23 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
         .collect::<Result<Vec<_>, _>>()?;
 
     let mut keys = Vec::with_capacity(n);
+    let mut busy = Vec::with_capacity(n);
     let mut at = 0usize;
     for i in 0..n {
         // Every index below is < n (checked above) and every page range lies inside the flattened
         // arrays (counts sum to their length), so no access can panic.
         let count = resp.page_count[i];
+        let busy_i = resp.busy.get(i).copied().unwrap_or(false);
         if !resp.found[i] {
             if count != 0 {
                 return Err(CodecError::PagesForMiss { key_index: i, page_count: count });
             }
             keys.push(None);
+            busy.push(busy_i);
             continue;
+        }
+        if busy_i {
+            return Err(CodecError::BusyHit { key_index: i });
         }
         let size = resp.size[i];
         let backend_id = resp.backend_id[i];
@@ -222,9 +260,11 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
             .map(|(b, p)| PageLocation::new(*b, *p))
             .collect();
         at = end;
-        keys.push(Some(ResolvedKey { tier: tier_from_wire(resp.tier[i]), backend_id, size, pages }));
+        let lease = resp.lease_id.get(i).copied().unwrap_or(0);
+        keys.push(Some(ResolvedKey { tier: tier_from_wire(resp.tier[i]), backend_id, size, pages, lease }));
+        busy.push(false);
     }
-    Ok(DecodedResolve { page_size: resp.page_size, descs, keys })
+    Ok(DecodedResolve { page_size: resp.page_size, descs, keys, busy })
 }
 
 fn check_backend_id(backend_id: u32) -> Result<(), CodecError> {

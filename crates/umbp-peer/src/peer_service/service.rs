@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, BackendRegistry, BufferDesc, CommitRequest, MediumBackend,
-    ResolvedEntry, TierType,
+    ReadRelease, ResolvedEntry, TierType,
 };
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_server::UmbpPeer;
@@ -111,8 +111,9 @@ fn stamped(desc: &BufferDesc, backend_id: u32) -> pb::BufferDesc {
 }
 
 /// Whether a medium's hit is usable: its pages can hold its value. A medium that says otherwise is
-/// answered as a miss (and logged), so a reader never runs past the pages it was given.
-fn usable_hit(medium: &Medium, entry: &ResolvedEntry, page_size: u64) -> bool {
+/// answered as a miss (and logged, and its lease released: no reader will copy), so a reader never
+/// runs past the pages it was given.
+fn usable_hit(medium: &Medium, key: &str, entry: &ResolvedEntry, page_size: u64) -> bool {
     if !entry.found {
         return false;
     }
@@ -125,6 +126,7 @@ fn usable_hit(medium: &Medium, entry: &ResolvedEntry, page_size: u64) -> bool {
             page_size,
             "resolve hit whose pages cannot hold its value; answering a miss"
         );
+        medium.backend.release_reads(&[ReadRelease::new(key, entry.lease)]);
     }
     covered
 }
@@ -262,9 +264,11 @@ impl Dispatch {
             return pb::ResolveKeyResponse::default();
         }
         let keys = [key];
+        let mut busy = false;
         for medium in &self.media {
             let Some(entry) = medium.backend.batch_resolve(&keys, true).into_iter().next() else { continue };
-            if !usable_hit(medium, &entry, self.page_size) {
+            busy |= entry.busy;
+            if !usable_hit(medium, &keys[0], &entry, self.page_size) {
                 continue;
             }
             return pb::ResolveKeyResponse {
@@ -275,15 +279,19 @@ impl Dispatch {
                 size: entry.size,
                 backend_id: medium.id,
                 tier: tier_to_wire(medium.tier),
+                busy: false,
+                lease_id: entry.lease,
             };
         }
-        pb::ResolveKeyResponse::default()
+        pb::ResolveKeyResponse { busy, ..Default::default() }
     }
 
     /// Each medium, in order, is asked only for the keys no earlier medium answered (see the module
     /// docs for why this differs from the reference).
     fn batch_resolve(&self, keys: Vec<String>, omit_descs: bool) -> pb::BatchResolveKeysResponse {
         let mut answers: Vec<Option<ResolvedKey>> = vec![None; keys.len()];
+        // A key some medium holds but cannot serve now: busy unless a later medium serves it.
+        let mut busy = vec![false; keys.len()];
         let mut descs: BTreeMap<(u32, u32), BufferDesc> = BTreeMap::new();
         let mut remaining: Vec<usize> = (0..keys.len()).filter(|i| !keys[*i].is_empty()).collect();
         for medium in &self.media {
@@ -299,7 +307,7 @@ impl Dispatch {
             let mut unanswered = Vec::new();
             for i in remaining {
                 match entries.next() {
-                    Some(entry) if usable_hit(medium, &entry, self.page_size) => {
+                    Some(entry) if usable_hit(medium, &keys[i], &entry, self.page_size) => {
                         for d in &entry.descs {
                             descs
                                 .entry((medium.id, d.buffer_index))
@@ -310,7 +318,12 @@ impl Dispatch {
                             backend_id: medium.id,
                             size: entry.size,
                             pages: entry.pages,
+                            lease: entry.lease,
                         });
+                    }
+                    Some(entry) if entry.busy => {
+                        busy[i] = true;
+                        unanswered.push(i);
                     }
                     _ => unanswered.push(i),
                 }
@@ -318,7 +331,22 @@ impl Dispatch {
             remaining = unanswered;
         }
         let descs: Vec<BufferDesc> = if omit_descs { Vec::new() } else { descs.into_values().collect() };
-        encode_batch_resolve(&answers, &descs, self.page_size)
+        encode_batch_resolve(&answers, &busy, &descs, self.page_size)
+    }
+
+    /// Hands each release to the medium that answered its hit (by backend id); unknown ids and
+    /// empty keys are ignored.
+    fn release(&self, reads: Vec<pb::ReadRelease>) {
+        for medium in &self.media {
+            let mine: Vec<ReadRelease> = reads
+                .iter()
+                .filter(|r| r.backend_id == medium.id && !r.key.is_empty() && r.lease_id != 0)
+                .map(|r| ReadRelease::new(r.key.clone(), r.lease_id))
+                .collect();
+            if !mine.is_empty() {
+                medium.backend.release_reads(&mine);
+            }
+        }
     }
 
     fn evict(&self, keys: Vec<String>) -> pb::EvictKeyResponse {
@@ -429,6 +457,17 @@ impl UmbpPeer for PeerService {
     ) -> Result<Response<pb::BatchResolveKeysResponse>, Status> {
         let pb::BatchResolveKeysRequest { keys, omit_descs } = request.into_inner();
         self.blocking(move |d| d.batch_resolve(keys, omit_descs)).await.map(Response::new)
+    }
+
+    async fn release_reads(
+        &self,
+        request: Request<pb::ReleaseReadsRequest>,
+    ) -> Result<Response<pb::ReleaseReadsResponse>, Status> {
+        let reads = request.into_inner().reads;
+        if !reads.is_empty() {
+            self.blocking(move |d| d.release(reads)).await?;
+        }
+        Ok(Response::new(pb::ReleaseReadsResponse {}))
     }
 
     async fn evict_key(&self, request: Request<pb::EvictKeyRequest>) -> Result<Response<pb::EvictKeyResponse>, Status> {
