@@ -50,9 +50,10 @@ CONFIGURATION
     ssd_dirs = [\"/mnt/nvme0/umbp\"]    # an ssd node's directories, one per drive (required for ssd)
     ssd_capacity = \"32GiB\"            # drive bytes an ssd node lends
     ssd_io_engine = \"psync\"           # or \"io_uring\"
-    ssd_staging_pages = 16              # host staging pages of an ssd node (reads and writes in flight)
+    ssd_staging_pages = 128             # host staging pages of an ssd node (reads and writes in flight)
     ssd_max_value_pages = 1             # largest value on an ssd node, in pages (at most ssd_staging_pages)
     ssd_read_lease = \"3s\"             # the SSD read lease
+    ssd_create_dirs = false             # create a missing ssd directory (default: refuse to start)
     ssd_sync_interval = \"1s\"          # how often an ssd node fdatasyncs its log, or \"off\" (shutdown only)
     hbm_device = 0                      # the GPU an hbm node lends
     hbm_capacity = \"1GiB\"               # device memory an hbm node lends
@@ -80,7 +81,7 @@ ENVIRONMENT
   UMBP_CAPACITY, UMBP_PAGE_SIZE, UMBP_NODE_ADDRESS, UMBP_PEER_SERVICE_PORT, UMBP_IO_ENGINE_PORT,
   UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_SSD_DIRS (comma-separated),
   UMBP_SSD_CAPACITY, UMBP_SSD_IO_ENGINE, UMBP_SSD_STAGING_PAGES, UMBP_SSD_MAX_VALUE_PAGES,
-  UMBP_SSD_READ_LEASE_MS,
+  UMBP_SSD_READ_LEASE_MS, UMBP_SSD_CREATE_DIRS,
   UMBP_SSD_SYNC_INTERVAL (a duration or off),
   UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME, UMBP_GPU_RUNTIME=none (no GPU copy engine on a
   node that does not lend HBM), UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
@@ -90,7 +91,9 @@ ENVIRONMENT
   UMBP_MASTER_METRICS_ADDR and UMBP_NODE_METRICS_ADDR serve Prometheus /metrics (default: none).
 
 EXIT STATUS
-  0 success; 1 a key is missing (get, exists); 2 bad usage or configuration; 3 any other failure.";
+  0 success; 1 a key is missing (get, exists, rm); 2 bad usage or configuration (a bad setting, a
+  port in use, a wrong token, a node id already running); 3 any other failure; 130 interrupted;
+  141 stdout was closed by its reader (`umbp stat | head -1`).";
 
 /// The master's environment, printed at the end of `umbp master --help`.
 pub const MASTER_ENV_HELP: &str = "\
@@ -169,13 +172,14 @@ pub enum Command {
     /// Run a node that lends one medium to the pool, until SIGINT/SIGTERM
     #[command(after_help = NODE_AFTER_HELP)]
     Node(NodeArgs),
-    /// Write a value (a file, or stdin) under KEY
+    /// Write a value (a file, or stdin) under KEY; an existing KEY keeps its value unless --replace
     Put(PutArgs),
     /// Read the value of KEY into a file, or stdout
     Get(GetArgs),
     /// Say whether each KEY is in the pool (exit status 1 if any is missing)
     Exists(KeysArgs),
-    /// Remove every replica of each KEY
+    /// Remove every replica of each KEY (a key a reader holds is retried for up to 10 s; exit status 1
+    /// if a key is missing, 3 if one stayed held)
     Rm(KeysArgs),
     /// Show the cluster as the master sees it: nodes, liveness, capacity, keys
     Stat(StatArgs),
@@ -297,10 +301,12 @@ pub struct NodeArgs {
     /// The medium this node lends [env: UMBP_MEDIUM] [default: dram]
     #[arg(long, value_name = "MEDIUM")]
     pub medium: Option<MediumKind>,
-    /// Bytes the medium lends [env: UMBP_CAPACITY] [default: 4GiB]
+    /// Bytes of host memory a dram node lends (ssd and hbm nodes: --ssd-capacity, --hbm-capacity)
+    /// [env: UMBP_CAPACITY] [default: 4GiB]
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub capacity: Option<u64>,
-    /// Page size of the medium (the pool's block size) [env: UMBP_PAGE_SIZE] [default: 2MiB]
+    /// Page size of the medium (the pool's block size), a multiple of 4KiB [env: UMBP_PAGE_SIZE]
+    /// [default: 2MiB]
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub page_size: Option<u64>,
     /// Host (IP) the peer service and the data server listen on and other nodes reach this node at
@@ -328,7 +334,7 @@ pub struct NodeArgs {
     #[arg(long, value_name = "ENGINE")]
     pub ssd_io_engine: Option<String>,
     /// Host staging pages of an ssd node: writes in flight plus reads being served
-    /// [env: UMBP_SSD_STAGING_PAGES] [default: 16]
+    /// [env: UMBP_SSD_STAGING_PAGES] [default: 128]
     #[arg(long, value_name = "N")]
     pub ssd_staging_pages: Option<u64>,
     /// The largest value an ssd node stores, in pages of --page-size (a larger one is refused); at
@@ -339,6 +345,10 @@ pub struct NodeArgs {
     /// [env: UMBP_SSD_READ_LEASE_MS, in ms] [default: 3s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub ssd_read_lease: Option<Duration>,
+    /// Create a missing --ssd-dir instead of refusing to start (a missing directory is usually an
+    /// unmounted drive) [env: UMBP_SSD_CREATE_DIRS] [default: off]
+    #[arg(long)]
+    pub ssd_create_dirs: bool,
     /// How often an ssd node fdatasyncs the log segments written since its last sync (commits do
     /// not wait for it; it bounds what a power loss can take), or off: only at shutdown
     /// [env: UMBP_SSD_SYNC_INTERVAL] [default: 1s]
@@ -375,6 +385,11 @@ pub struct PutArgs {
     /// The value: a file, or `-` for stdin [default: -]
     #[arg(value_name = "FILE|-")]
     pub source: Option<PathBuf>,
+    /// Replace the value if KEY is already stored: remove every replica (waiting out a reader's
+    /// lease), then write. Values are write-once, so without it an existing key keeps its value
+    /// [default: off]
+    #[arg(long)]
+    pub replace: bool,
 }
 
 /// `umbp get`.

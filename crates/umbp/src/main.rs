@@ -1,9 +1,13 @@
 //! `umbp`: the umbp-rs command line. See `umbp --help`; the settings and the demo live in the
 //! library half of this crate.
 
+use std::borrow::Cow;
+use std::fmt;
 use std::io::{IsTerminal, Read, Write};
+use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::process::ExitCode;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
@@ -13,8 +17,8 @@ use umbp::{
     demo, format_size, human_size, resolve_client, resolve_master, resolve_master_address, resolve_max_get_size,
     resolve_node,
 };
-use umbp_peer::master_client::{NodeLiveness, NodeStatusReport};
-use umbp_peer::pool_client::{KeyError, Medium, PoolClient};
+use umbp_peer::master_client::{MasterClientError, NodeLiveness, NodeStatusReport};
+use umbp_peer::pool_client::{KeyError, Medium, PoolClient, PoolError, PutOutcome};
 
 /// Exit status when a key is missing.
 const EXIT_MISSING: u8 = 1;
@@ -24,6 +28,16 @@ const EXIT_USAGE: u8 = 2;
 const EXIT_FAILURE: u8 = 3;
 /// Exit status of a client command stopped by SIGINT or SIGTERM (the shell's 128 + SIGINT).
 const EXIT_INTERRUPTED: u8 = 130;
+/// Exit status when the reader of stdout went away (`umbp stat | head -1`): the shell's 128 +
+/// SIGPIPE, what a process killed by the signal reports.
+const EXIT_PIPE_CLOSED: u8 = 141;
+
+/// How long `rm` keeps retrying a key a reader holds (a route-get lease is 2 s and an SSD read lease
+/// 3 s by default; readers release theirs as soon as their copy is done).
+const REMOVE_WAIT: Duration = Duration::from_secs(10);
+
+/// Keys longer than this are shown shortened in messages (a key can be kilobytes).
+const KEY_SHOWN_MAX: usize = 100;
 
 /// How long `put` and `rm` wait for the master to see the change (one heartbeat of the node that
 /// holds the key).
@@ -44,16 +58,74 @@ fn main() -> ExitCode {
     let env = |var: &str| std::env::var(var).ok();
     match runtime.block_on(run(cli, &env)) {
         Ok(code) => code,
+        Err(e) if e.chain().any(|c| c.downcast_ref::<StdoutClosed>().is_some()) => ExitCode::from(EXIT_PIPE_CLOSED),
         Err(e) => {
-            eprintln!("umbp: {}", describe(&e));
-            let usage = e.chain().any(|c| {
-                c.downcast_ref::<SettingsError>().is_some()
-                    || matches!(c.downcast_ref::<demo::DemoError>(), Some(demo::DemoError::Options(_)))
-                    || matches!(c.downcast_ref::<bench::BenchError>(), Some(bench::BenchError::Options(_)))
-            });
+            let usage = e.downcast_ref::<ConfigurationError>().is_some()
+                || e.chain().any(|c| {
+                    c.downcast_ref::<SettingsError>().is_some()
+                        || matches!(c.downcast_ref::<demo::DemoError>(), Some(demo::DemoError::Options(_)))
+                        || matches!(c.downcast_ref::<bench::BenchError>(), Some(bench::BenchError::Options(_)))
+                });
+            warn_line(&format!("umbp: {}", describe(&e)));
             ExitCode::from(if usage { EXIT_USAGE } else { EXIT_FAILURE })
         }
     }
+}
+
+/// The reader of stdout went away: the command stops quietly (exit status 141), leaving the pool
+/// cleanly on its way out.
+#[derive(Debug)]
+struct StdoutClosed;
+
+impl fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("stdout was closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// A failure that comes from how the command was set up (a port in use, a wrong token, a node id
+/// another process holds), not from the pool: exit status 2, as for a bad setting. It is the
+/// context of the error it explains, and says what was being done.
+#[derive(Debug)]
+struct ConfigurationError(String);
+
+impl fmt::Display for ConfigurationError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigurationError {}
+
+/// Writes one line to stdout; a closed stdout is [`StdoutClosed`] instead of the panic `println!`
+/// gives (Rust ignores SIGPIPE, so the write fails with `EPIPE`).
+fn out(line: impl fmt::Display) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{line}").and_then(|()| stdout.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(anyhow::Error::new(StdoutClosed)),
+        Err(e) => Err(anyhow::Error::new(e).context("writing stdout")),
+    }
+}
+
+/// Writes one line to stderr; a closed stderr is ignored (`eprintln!` would panic).
+fn warn_line(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// `key` for a message: in full up to [`KEY_SHOWN_MAX`] bytes, else its start, an ellipsis and its
+/// length.
+fn shown(key: &str) -> Cow<'_, str> {
+    if key.len() <= KEY_SHOWN_MAX {
+        return Cow::Borrowed(key);
+    }
+    let mut end = 64;
+    while !key.is_char_boundary(end) {
+        end -= 1;
+    }
+    Cow::Owned(format!("{}… ({} bytes)", &key[..end], key.len()))
 }
 
 /// The error and its causes on one line, skipping a cause whose text its parent already includes
@@ -127,24 +199,24 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<E
         }
         Command::Demo(args) => {
             let report = demo::run(demo::DemoOptions::from_args(args)).await?;
-            println!("{report}");
+            out(&report)?;
             Ok(if report.passed() { ExitCode::SUCCESS } else { ExitCode::from(EXIT_FAILURE) })
         }
         Command::Bench(args) if args.suite == Some(BenchSuite::Ssd) => {
             let report = bench_ssd::run(bench_ssd::SsdBenchOptions::from_args(args)?).await?;
             if args.json {
-                println!("{}", report.to_json());
+                out(report.to_json())?
             } else {
-                println!("{report}");
+                out(&report)?
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => {
             let report = bench::run(bench::BenchOptions::from_args(args)).await?;
             if args.json {
-                println!("{}", report.to_json());
+                out(report.to_json())?
             } else {
-                println!("{report}");
+                out(&report)?
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -182,10 +254,11 @@ async fn run_master(config: umbp_master::MasterConfig) -> anyhow::Result<ExitCod
     let signal = shutdown_signal()?;
     let listen = config.listen;
     let handle = umbp_master::start(config).await.with_context(|| format!("starting the master on {listen}"))?;
-    match handle.metrics_addr() {
-        Some(m) => println!("master ready listen={} metrics={m}", handle.local_addr()),
-        None => println!("master ready listen={}", handle.local_addr()),
-    }
+    // A supervisor may close the pipe once it has read the ready line: the master runs on.
+    let _ = match handle.metrics_addr() {
+        Some(m) => out(format_args!("master ready listen={} metrics={m}", handle.local_addr())),
+        None => out(format_args!("master ready listen={}", handle.local_addr())),
+    };
     signal.await;
     handle.shutdown().await;
     tracing::info!("master stopped");
@@ -210,38 +283,117 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
         _ => ("none", "0".to_owned()),
     };
     raise_open_files_limit();
-    let client = PoolClient::start(config)
-        .await
-        .with_context(|| format!("starting node {id} (master {master}); is `umbp master` running there?"))?;
+    let client = match PoolClient::start(config).await {
+        Ok(c) => c,
+        Err(e) => return Err(start_failure(e, &id, &master)),
+    };
+    // Ready means servable: the keys a medium recovered (an SSD node's log) are in the master's
+    // index before the ready line, so a reader that starts on it finds them.
+    let indexed = until_recovered_keys_indexed(&client).await;
     let peer = client.peer_address().map_or_else(|| "-".to_owned(), |a| a.to_string());
     // `metrics=` only when the endpoint is on: scripts read the ready line by key.
     let metrics = client.metrics_address().map(|m| format!(" metrics={m}")).unwrap_or_default();
-    println!(
-        "node {id} ready peer={peer} data={} medium={medium} capacity={capacity} master={master}{metrics}",
+    let keys = client.medium().map(|m| format!(" keys={}", m.owned_key_count())).unwrap_or_default();
+    let _ = out(format_args!(
+        "node {id} ready peer={peer} data={} medium={medium} capacity={capacity}{keys} master={master}{metrics}",
         client.data_endpoint()
-    );
+    ));
+    if !indexed {
+        tracing::warn!(node = %id, "the master has not indexed every recovered key yet; they become readable as it does");
+    }
     signal.await;
     client.close().await;
     tracing::info!(node = %id, "node stopped");
     Ok(ExitCode::SUCCESS)
 }
 
+/// Why `umbp node` could not start, with the hint and the exit status that fit: "is `umbp master`
+/// running there?" only when the master could not be reached, exit status 2 for what the operator
+/// must fix in the setup (a port in use, a wrong token, a bad directory), 3 for the rest.
+fn start_failure(e: PoolError, id: &str, master: &str) -> anyhow::Error {
+    let unreachable = |m: &MasterClientError| match m {
+        MasterClientError::Connect { .. } | MasterClientError::Timeout { .. } => true,
+        MasterClientError::Rpc { status, .. } => {
+            matches!(status.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded)
+        }
+        _ => false,
+    };
+    let (hint, configuration) = match &e {
+        PoolError::Master(m) if unreachable(m) => (Some("is `umbp master` running there?"), false),
+        PoolError::Master(MasterClientError::Rpc { status, .. })
+            if matches!(status.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied) =>
+        {
+            (Some("check the cluster token (--token, UMBP_CLUSTER_TOKEN)"), true)
+        }
+        PoolError::Master(MasterClientError::AlreadyRegistered { .. }) => {
+            (Some("another process runs under this --node-id"), true)
+        }
+        PoolError::Master(MasterClientError::Config(_) | MasterClientError::InvalidArgument(_))
+        | PoolError::Config(_) => (None, true),
+        e if e.is_bind_failure() => (None, true),
+        _ => (None, false),
+    };
+    let mut text = format!("starting node {id} (master {master})");
+    if let Some(h) = hint {
+        text = format!("{text}; {h}");
+    }
+    let e = anyhow::Error::new(e);
+    if configuration { e.context(ConfigurationError(text)) } else { e.context(text) }
+}
+
+/// Waits (at most [`VISIBLE_WAIT`]) until the master's index holds as many keys of this node as its
+/// medium owns: what it recovered at start-up reaches the master with the first full sync.
+async fn until_recovered_keys_indexed(client: &PoolClient) -> bool {
+    let Some(medium) = client.medium() else { return true };
+    let owned = medium.owned_key_count() as u64;
+    if owned == 0 {
+        return true;
+    }
+    let deadline = Instant::now() + VISIBLE_WAIT;
+    loop {
+        let indexed = client
+            .master()
+            .cluster_status()
+            .await
+            .ok()
+            .and_then(|s| s.nodes.iter().find(|n| n.node_id == client.node_id()).map(|n| n.key_count));
+        if indexed.is_some_and(|k| k >= owned) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Runs one client command's `work`, then leaves the pool; SIGINT or SIGTERM cuts the work short (exit
-/// status 130) but still leaves cleanly, so the master is not left waiting for a heartbeat.
+/// status 130) but still leaves cleanly, so the master is not left waiting for a heartbeat. A panic
+/// in `work` leaves cleanly too, then goes on unwinding.
 async fn interruptible(
     client: &PoolClient,
     work: impl Future<Output = anyhow::Result<ExitCode>>,
 ) -> anyhow::Result<ExitCode> {
     let signal = shutdown_signal()?;
+    let mut work = Box::pin(work);
+    let caught =
+        std::future::poll_fn(|cx| match std::panic::catch_unwind(AssertUnwindSafe(|| work.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(r)) => Poll::Ready(Ok(r)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        });
     let result = tokio::select! {
-        r = work => r,
+        r = caught => r,
         () = signal => {
-            eprintln!("umbp: interrupted");
-            Ok(ExitCode::from(EXIT_INTERRUPTED))
+            warn_line("umbp: interrupted");
+            Ok(Ok(ExitCode::from(EXIT_INTERRUPTED)))
         }
     };
     client.close().await;
-    result
+    match result {
+        Ok(r) => r,
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
 }
 
 /// Joins the pool as a node with no medium for the duration of one command.
@@ -285,21 +437,40 @@ fn read_stdin() -> anyhow::Result<Vec<u8>> {
 }
 
 async fn put(client: &PoolClient, args: &PutArgs, value: &[u8]) -> anyhow::Result<ExitCode> {
-    client.put(&args.key, value).await.map_err(|e| anyhow!("put {}: {e}", args.key))?;
+    let key = shown(&args.key);
+    let mut outcome = client.put_outcome(&args.key, value).await.map_err(|e| anyhow!("put {key}: {e}"))?;
+    if outcome == PutOutcome::AlreadyPresent && args.replace {
+        // Values are write-once: replacing is removing, then writing. A reader in between misses.
+        let removed = remove_keys(client, std::slice::from_ref(&args.key)).await?;
+        if let Some(k) = removed.held.first() {
+            bail!("put {}: the stored value could not be removed (a reader holds it); nothing was written", shown(k));
+        }
+        if !until_indexed(client, std::slice::from_ref(&args.key), false).await {
+            bail!("put {key}: the master still lists the old value after {VISIBLE_WAIT:?}; nothing was written");
+        }
+        outcome = client.put_outcome(&args.key, value).await.map_err(|e| anyhow!("put {key}: {e}"))?;
+    }
+    if outcome == PutOutcome::AlreadyPresent {
+        out(format_args!(
+            "kept {key}: already present, its stored value was kept{}",
+            if args.replace { " (another writer stored it again)" } else { " (pass --replace to overwrite it)" }
+        ))?;
+        return Ok(ExitCode::SUCCESS);
+    }
     // A get from another process finds the key through the master, which hears of it at the holder's
     // next heartbeat: return once it has, so `put` then `get` always works.
     let visible = until_indexed(client, std::slice::from_ref(&args.key), true).await;
-    println!("stored {} ({})", args.key, human_size(value.len() as u64));
+    out(format_args!("stored {key} ({})", human_size(value.len() as u64)))?;
     if !visible {
-        eprintln!(
-            "umbp: note: the master has not indexed {} yet; other clients find it after the next heartbeat",
-            args.key
-        );
+        warn_line(&format!(
+            "umbp: note: the master has not indexed {key} yet; other clients find it after the next heartbeat"
+        ));
     }
     Ok(ExitCode::SUCCESS)
 }
 
 async fn get(client: &PoolClient, args: &GetArgs, max: u64) -> anyhow::Result<ExitCode> {
+    let key = shown(&args.key);
     let len = usize::try_from(max).context("--max-size does not fit in memory")?;
     let mut buf = vec![0u8; len];
     match client.get(&args.key, &mut buf).await {
@@ -313,49 +484,104 @@ async fn get(client: &PoolClient, args: &GetArgs, max: u64) -> anyhow::Result<Ex
             Ok(ExitCode::SUCCESS)
         }
         Err(KeyError::Miss) => {
-            eprintln!("umbp: {}: not found", args.key);
+            warn_line(&format!("umbp: {key}: not found"));
             Ok(ExitCode::from(EXIT_MISSING))
         }
         Err(KeyError::BufferTooSmall { needed, .. }) => {
             bail!(
-                "{}: the value is {needed} bytes, more than --max-size {}; pass --max-size {needed}",
-                args.key,
+                "{key}: the value is {needed} bytes, more than --max-size {}; pass --max-size {needed}",
                 format_size(max)
             )
         }
-        Err(e) => bail!("get {}: {e}", args.key),
+        Err(e) => bail!("get {key}: {e}"),
     }
 }
 
 fn write_stdout(value: &[u8]) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
-    out.write_all(value).and_then(|()| out.flush()).context("writing stdout")
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(value).and_then(|()| stdout.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Err(anyhow::Error::new(StdoutClosed)),
+        Err(e) => Err(anyhow::Error::new(e).context("writing stdout")),
+    }
 }
 
 async fn exists(client: &PoolClient, args: &KeysArgs) -> anyhow::Result<ExitCode> {
     let keys: Vec<&str> = args.keys.iter().map(String::as_str).collect();
     let found = client.batch_exists(&keys).await.map_err(|e| anyhow!("{e}"))?;
     for (key, present) in keys.iter().zip(&found) {
-        println!("{}\t{key}", if *present { "present" } else { "missing" });
+        out(format_args!("{}\t{}", if *present { "present" } else { "missing" }, shown(key)))?;
     }
     Ok(if found.iter().all(|f| *f) { ExitCode::SUCCESS } else { ExitCode::from(EXIT_MISSING) })
 }
 
-async fn remove(client: &PoolClient, args: &KeysArgs) -> anyhow::Result<ExitCode> {
-    let keys: Vec<&str> = args.keys.iter().map(String::as_str).collect();
-    let freed = client.remove(&keys).await.map_err(|e| anyhow!("{e}"))?;
-    for (key, bytes) in keys.iter().zip(&freed) {
-        if *bytes > 0 {
-            println!("removed\t{key}\t{}", human_size(*bytes));
+/// What [`remove_keys`] found, per key.
+#[derive(Debug, Default)]
+struct Removal {
+    /// Removed keys and the bytes each freed.
+    removed: Vec<(String, u64)>,
+    /// Keys no node held.
+    missing: Vec<String>,
+    /// Keys still held when [`REMOVE_WAIT`] ran out: a reader kept leasing them.
+    held: Vec<String>,
+}
+
+/// Removes every replica of each key. A key a reader holds (its read lease) cannot be freed yet:
+/// it is retried until the lease ends, at most [`REMOVE_WAIT`].
+async fn remove_keys(client: &PoolClient, keys: &[String]) -> anyhow::Result<Removal> {
+    let mut result = Removal::default();
+    let mut pending: Vec<String> = keys.to_vec();
+    let deadline = Instant::now() + REMOVE_WAIT;
+    loop {
+        let refs: Vec<&str> = pending.iter().map(String::as_str).collect();
+        let freed = client.remove(&refs).await.map_err(|e| anyhow!("{e}"))?;
+        let not_freed: Vec<&str> = refs.iter().zip(&freed).filter(|(_, b)| **b == 0).map(|(k, _)| *k).collect();
+        let present = if not_freed.is_empty() {
+            Vec::new()
         } else {
-            println!("not removed\t{key}\t(no node held it, or a reader held it just now)");
+            client.batch_exists(&not_freed).await.map_err(|e| anyhow!("{e}"))?
+        };
+        let mut still = Vec::new();
+        for (key, bytes) in pending.iter().zip(&freed).filter(|(_, b)| **b > 0) {
+            result.removed.push((key.clone(), *bytes));
         }
+        for (key, present) in not_freed.iter().zip(present) {
+            if present { still.push((*key).to_owned()) } else { result.missing.push((*key).to_owned()) }
+        }
+        pending = still;
+        if pending.is_empty() {
+            return Ok(result);
+        }
+        if Instant::now() >= deadline {
+            result.held = pending;
+            return Ok(result);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let removed: Vec<String> = keys.iter().zip(&freed).filter(|(_, b)| **b > 0).map(|(k, _)| (*k).to_owned()).collect();
+}
+
+async fn remove(client: &PoolClient, args: &KeysArgs) -> anyhow::Result<ExitCode> {
+    let r = remove_keys(client, &args.keys).await?;
+    for (key, bytes) in &r.removed {
+        out(format_args!("removed\t{}\t{}", shown(key), human_size(*bytes)))?;
+    }
+    for key in &r.missing {
+        out(format_args!("missing\t{}", shown(key)))?;
+    }
+    for key in &r.held {
+        out(format_args!("held\t{}\t(a reader kept it leased for {REMOVE_WAIT:?}; try again)", shown(key)))?;
+    }
+    let removed: Vec<String> = r.removed.iter().map(|(k, _)| k.clone()).collect();
     if !removed.is_empty() && !until_indexed(client, &removed, false).await {
-        eprintln!("umbp: note: the master still lists some removed keys; it drops them at the next heartbeat");
+        warn_line("umbp: note: the master still lists some removed keys; it drops them at the next heartbeat");
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(if !r.held.is_empty() {
+        ExitCode::from(EXIT_FAILURE)
+    } else if !r.missing.is_empty() {
+        ExitCode::from(EXIT_MISSING)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 fn age(d: Duration) -> String {
@@ -363,60 +589,77 @@ fn age(d: Duration) -> String {
 }
 
 fn capacity_cells(node: &NodeStatusReport) -> (String, String) {
-    if node.tier_capacities.is_empty() {
-        return ("-".into(), "- (client)".into());
-    }
     let tiers: Vec<String> = node.tier_capacities.iter().map(|(t, _)| t.to_string().to_lowercase()).collect();
     let total: u64 = node.tier_capacities.iter().map(|(_, c)| c.total_bytes).sum();
     let free: u64 = node.tier_capacities.iter().map(|(_, c)| c.available_bytes).sum();
     (tiers.join(","), format!("{} / {}", human_size(total.saturating_sub(free)), human_size(total)))
 }
 
-async fn stat(client: &PoolClient, address: &str) -> anyhow::Result<ExitCode> {
-    let status = client.master().cluster_status().await.map_err(|e| anyhow!("cluster status: {e}"))?;
-    let nodes: Vec<&NodeStatusReport> = status.nodes.iter().filter(|n| n.node_id != client.node_id()).collect();
-    let alive = nodes.iter().filter(|n| n.status == NodeLiveness::Alive).count();
-    let plural = |n: u64, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
-    println!(
-        "master {address}: {} ({alive} alive), {}",
-        plural(nodes.len() as u64, "node"),
-        plural(status.total_keys, "key")
-    );
-    if nodes.is_empty() {
-        return Ok(ExitCode::SUCCESS);
+fn liveness(n: &NodeStatusReport) -> &'static str {
+    match n.status {
+        NodeLiveness::Alive => "alive",
+        NodeLiveness::Expired => "expired",
+        _ => "unknown",
     }
-    let rows: Vec<[String; 7]> = nodes
-        .iter()
-        .map(|n| {
-            let (tier, used) = capacity_cells(n);
-            let status = match n.status {
-                NodeLiveness::Alive => "alive",
-                NodeLiveness::Expired => "expired",
-                _ => "unknown",
-            };
-            let peer = if n.peer_address.is_empty() { "-".to_owned() } else { n.peer_address.clone() };
-            [n.node_id.clone(), status.into(), tier, used, n.key_count.to_string(), age(n.last_heartbeat_age), peer]
-        })
-        .collect();
-    let header = ["NODE", "STATUS", "TIER", "USED / CAPACITY", "KEYS", "HEARTBEAT", "PEER"];
+}
+
+/// Prints `rows` under `header` as aligned columns (the columns in `right` right-aligned).
+fn table<const N: usize>(header: [&str; N], rows: &[[String; N]], right: &[usize]) -> anyhow::Result<()> {
     let mut widths = header.map(str::len);
-    for row in &rows {
+    for row in rows {
         for (w, cell) in widths.iter_mut().zip(row) {
             *w = (*w).max(cell.chars().count());
         }
     }
-    let line = |cells: [&str; 7]| {
+    let line = |cells: [&str; N]| {
         let mut s = String::new();
         for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
-            // Numbers right-aligned, text left-aligned.
-            if i == 4 { s.push_str(&format!("{cell:>w$}  ")) } else { s.push_str(&format!("{cell:<w$}  ")) }
+            if right.contains(&i) { s.push_str(&format!("{cell:>w$}  ")) } else { s.push_str(&format!("{cell:<w$}  ")) }
         }
         s.trim_end().to_owned()
     };
-    println!();
-    println!("{}", line(header));
-    for row in &rows {
-        println!("{}", line(std::array::from_fn(|i| row[i].as_str())));
+    out(line(header))?;
+    for row in rows {
+        out(line(std::array::from_fn(|i| row[i].as_str())))?;
+    }
+    Ok(())
+}
+
+/// The cluster as the master sees it: nodes (they lend a medium) and clients (they only read and
+/// write) in two tables. This command's own client is left out.
+async fn stat(client: &PoolClient, address: &str) -> anyhow::Result<ExitCode> {
+    let status = client.master().cluster_status().await.map_err(|e| anyhow!("cluster status: {e}"))?;
+    let others: Vec<&NodeStatusReport> = status.nodes.iter().filter(|n| n.node_id != client.node_id()).collect();
+    let (nodes, clients): (Vec<&NodeStatusReport>, Vec<&NodeStatusReport>) =
+        others.into_iter().partition(|n| !n.tier_capacities.is_empty());
+    let alive = nodes.iter().filter(|n| n.status == NodeLiveness::Alive).count();
+    let plural = |n: u64, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
+    out(format_args!(
+        "master {address}: {} ({alive} alive), {}, {}",
+        plural(nodes.len() as u64, "node"),
+        plural(clients.len() as u64, "client"),
+        plural(status.total_keys, "key")
+    ))?;
+    let peer = |n: &NodeStatusReport| if n.peer_address.is_empty() { "-".to_owned() } else { n.peer_address.clone() };
+    if !nodes.is_empty() {
+        let rows: Vec<[String; 7]> = nodes
+            .iter()
+            .map(|n| {
+                let (tier, used) = capacity_cells(n);
+                let id = shown(&n.node_id).into_owned();
+                [id, liveness(n).into(), tier, used, n.key_count.to_string(), age(n.last_heartbeat_age), peer(n)]
+            })
+            .collect();
+        out("")?;
+        table(["NODE", "STATUS", "TIER", "USED / CAPACITY", "KEYS", "HEARTBEAT", "PEER"], &rows, &[4])?;
+    }
+    if !clients.is_empty() {
+        let rows: Vec<[String; 4]> = clients
+            .iter()
+            .map(|n| [shown(&n.node_id).into_owned(), liveness(n).into(), age(n.last_heartbeat_age), peer(n)])
+            .collect();
+        out("")?;
+        table(["CLIENT", "STATUS", "HEARTBEAT", "PEER"], &rows, &[])?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -290,6 +290,8 @@ pub struct NodeFile {
     pub ssd_max_value_pages: Option<u64>,
     /// The SSD read lease.
     pub ssd_read_lease: Option<HumanDuration>,
+    /// Create an ssd directory that does not exist (default: refuse).
+    pub ssd_create_dirs: Option<bool>,
     /// How often an ssd node syncs its log: a duration, or `off` (only at shutdown).
     pub ssd_sync_interval: Option<String>,
     /// Re-cache policy for remote fetches.
@@ -540,6 +542,21 @@ pub fn resolve_node(
         None => env_value(env, "UMBP_MEDIUM", MediumKind::from_name)?.or(f.medium),
     }
     .unwrap_or(MediumKind::Dram);
+    if flags.capacity.is_some() && medium != MediumKind::Dram {
+        // Silently ignoring it would lend a different size than the operator asked for.
+        let instead = match medium {
+            MediumKind::Ssd => {
+                "an ssd node lends --ssd-capacity of drive (its host staging arena is \
+                                --ssd-staging-pages pages of --page-size)"
+            }
+            MediumKind::Hbm => "an hbm node lends --hbm-capacity of device memory",
+            _ => "a node with medium none lends nothing",
+        };
+        return Err(SettingsError::Invalid {
+            setting: "--capacity",
+            reason: format!("it sizes a dram node's memory; {instead}"),
+        });
+    }
     if let Some(b) = pick(flags.capacity, env_value(env, "UMBP_CAPACITY", parse_size)?, f.capacity.map(|b| b.0)) {
         dram.capacity_bytes = b;
     }
@@ -666,6 +683,11 @@ pub fn resolve_node(
     if let Some(d) = pick(flags.ssd_read_lease, ssd_lease_ms, f.ssd_read_lease.map(|d| d.0)) {
         ssd.read_lease = d;
     }
+    if let Some(b) =
+        pick(flags.ssd_create_dirs.then_some(true), env_bool(env, "UMBP_SSD_CREATE_DIRS")?, f.ssd_create_dirs)
+    {
+        ssd.create_dirs = b;
+    }
     let sync = |setting: &'static str, value: Option<&str>| {
         value.map(parse_sync_interval).transpose().map_err(|reason| SettingsError::Invalid { setting, reason })
     };
@@ -721,14 +743,21 @@ pub fn resolve_max_get_size(file: &FileConfig, flags: &GetArgs) -> u64 {
     flags.max_size.or(file.client.max_get_size.map(|b| b.0)).unwrap_or(DEFAULT_MAX_GET_SIZE)
 }
 
+/// The smallest page, and what every page size must be a multiple of.
+const MIN_PAGE_SIZE: u64 = 4096;
+
 /// The first layer that sets a value: flag, then environment, then file.
 fn pick<T>(flag: Option<T>, env: Option<T>, file: Option<T>) -> Option<T> {
     flag.or(env).or(file)
 }
 
 fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
-    if c.page_size == 0 {
-        return Err(SettingsError::Invalid { setting: "page_size", reason: "must be greater than 0".into() });
+    if c.page_size == 0 || !c.page_size.is_multiple_of(MIN_PAGE_SIZE) {
+        // Pages are what the allocators, O_DIRECT and the GPU copies align to.
+        return Err(SettingsError::Invalid {
+            setting: "page_size",
+            reason: format!("{} is not a positive multiple of 4KiB (try 64KiB or 2MiB)", c.page_size),
+        });
     }
     if let Medium::Dram(d) = &c.medium
         && d.capacity_bytes < c.page_size

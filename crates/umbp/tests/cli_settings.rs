@@ -179,8 +179,6 @@ fn the_node_takes_each_setting_from_the_highest_layer_that_sets_it() {
         "10.0.0.3:3",
         "--node-id",
         "flag-node",
-        "--capacity",
-        "3GiB",
         "--page-size",
         "256KiB",
         "--listen",
@@ -474,4 +472,45 @@ fn the_defaults_in_the_help_are_the_real_defaults() {
     ] {
         assert!(demo.contains(&expected), "`umbp demo --help` lacks {expected}:\n{demo}");
     }
+}
+
+#[test]
+fn capacity_is_refused_where_it_would_be_ignored_and_pages_are_multiples_of_4kib() {
+    // `--capacity` sizes a dram node; on any other medium it would be silently ignored.
+    for (medium, instead) in [("ssd", "--ssd-capacity"), ("hbm", "--hbm-capacity"), ("none", "lends nothing")] {
+        let (flags, _) =
+            node_args(&["--node-id", "n", "--medium", medium, "--ssd-dir", "/d", "--capacity", "1GiB"]);
+        let err = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect_err(medium);
+        assert!(err.to_string().contains("--capacity") && err.to_string().contains(instead), "{medium}: {err}");
+    }
+    // A fleet-wide environment or file may set it for every node: not an error there.
+    let (flags, _) = node_args(&["--node-id", "n", "--medium", "ssd", "--ssd-dir", "/d"]);
+    resolve_node(&FileConfig::default(), &env(&[("UMBP_CAPACITY", "1GiB")]), &flags, None).expect("env capacity");
+
+    for bad in ["3", "4095", "6KiB", "0"] {
+        let (flags, _) = node_args(&["--node-id", "n", "--page-size", bad, "--capacity", "64MiB"]);
+        let err = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect_err(bad);
+        assert!(err.to_string().contains("multiple of 4KiB"), "{bad}: {err}");
+    }
+    for good in ["4KiB", "64KiB", "2MiB", "12KiB"] {
+        let (flags, _) = node_args(&["--node-id", "n", "--page-size", good, "--capacity", "64MiB"]);
+        resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect(good);
+    }
+}
+
+#[test]
+fn ssd_directories_are_created_only_when_asked() {
+    let (flags, _) = node_args(&["--node-id", "s", "--medium", "ssd", "--ssd-dir", "/d"]);
+    let c = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect("defaults");
+    let Medium::Ssd(s) = &c.medium else { panic!("ssd") };
+    assert!(!s.create_dirs, "refused by default");
+    let (flags, _) = node_args(&["--node-id", "s", "--medium", "ssd", "--ssd-dir", "/d", "--ssd-create-dirs"]);
+    let c = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect("flag");
+    assert!(matches!(&c.medium, Medium::Ssd(s) if s.create_dirs));
+    let (flags, _) = node_args(&["--node-id", "s", "--medium", "ssd", "--ssd-dir", "/d"]);
+    let c = resolve_node(&FileConfig::default(), &env(&[("UMBP_SSD_CREATE_DIRS", "true")]), &flags, None)
+        .expect("env");
+    assert!(matches!(&c.medium, Medium::Ssd(s) if s.create_dirs));
+    let c = resolve_node(&file("[node]\nssd_create_dirs = true"), &env(&[]), &flags, None).expect("file");
+    assert!(matches!(&c.medium, Medium::Ssd(s) if s.create_dirs));
 }

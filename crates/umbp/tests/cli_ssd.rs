@@ -106,7 +106,7 @@ fn an_ssd_node_gets_the_documented_defaults_and_needs_a_directory() {
     let d = SsdConfig::default();
     assert_eq!(
         (s.capacity_bytes, s.io_engine, s.staging_pages, s.read_lease),
-        (32 << 30, IoEngineKind::Psync, 16, d.read_lease)
+        (32 << 30, IoEngineKind::Psync, 128, d.read_lease)
     );
     assert_eq!(d.read_lease, Duration::from_secs(3));
 
@@ -206,12 +206,12 @@ fn the_ssd_max_value_pages_takes_the_highest_layer_and_stays_within_the_staging_
     assert_eq!(pages(&f, &[("UMBP_SSD_MAX_VALUE_PAGES", "3")], &[]), 3, "env over file");
     assert_eq!(pages(&f, &[("UMBP_SSD_MAX_VALUE_PAGES", "3")], &["--ssd-max-value-pages", "4"]), 4, "flag over env");
 
-    // More pages than the staging arena holds (16 by default) could never be staged.
-    let err = resolve_node(&none, &env(&[]), &node_args(&[&base[..], &["--ssd-max-value-pages", "17"]].concat()), None)
+    // More pages than the staging arena holds (128 by default) could never be staged.
+    let err = resolve_node(&none, &env(&[]), &node_args(&[&base[..], &["--ssd-max-value-pages", "129"]].concat()), None)
         .expect_err("above the staging pages");
     assert!(err.to_string().contains("ssd_max_value_pages"), "{err}");
-    let flags = node_args(&[&base[..], &["--ssd-max-value-pages", "17", "--ssd-staging-pages", "17"]].concat());
-    assert_eq!(ssd(&resolve_node(&none, &env(&[]), &flags, None).expect("within a larger arena")).max_value_pages, 17);
+    let flags = node_args(&[&base[..], &["--ssd-max-value-pages", "129", "--ssd-staging-pages", "129"]].concat());
+    assert_eq!(ssd(&resolve_node(&none, &env(&[]), &flags, None).expect("within a larger arena")).max_value_pages, 129);
     let err = resolve_node(&none, &env(&[("UMBP_SSD_MAX_VALUE_PAGES", "0")]), &node_args(&base), None)
         .expect_err("zero pages");
     assert!(err.to_string().contains("ssd_max_value_pages"), "{err}");

@@ -71,6 +71,39 @@ pub enum Medium {
     Ssd(SsdConfig),
 }
 
+impl Medium {
+    /// The medium's settings as `key=value` pairs for a log line (`medium=dram capacity_bytes=…`);
+    /// `None` for a client-only node.
+    pub fn summary(&self) -> Option<String> {
+        match self {
+            Self::None => None,
+            Self::Dram(d) => Some(format!(
+                "medium=dram capacity_bytes={} hugepages={} thp={} prefault={} numa_node={}",
+                d.capacity_bytes,
+                d.use_hugepages,
+                d.transparent_hugepages,
+                d.prefault,
+                d.numa_node.map_or_else(|| "none".to_owned(), |n| n.to_string())
+            )),
+            Self::Hbm(h) => Some(format!(
+                "medium=hbm capacity_bytes={} device={} runtime={}",
+                h.capacity_bytes, h.device, h.runtime
+            )),
+            Self::Ssd(s) => Some(format!(
+                "medium=ssd capacity_bytes={} dirs={} io_engine={} staging_pages={} max_value_pages={} \
+                 read_lease_ms={} sync_interval_ms={}",
+                s.capacity_bytes,
+                s.dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(","),
+                s.io_engine,
+                s.staging_pages,
+                s.max_value_pages,
+                s.read_lease.as_millis(),
+                s.sync_interval.map_or_else(|| "off".to_owned(), |d| d.as_millis().to_string())
+            )),
+        }
+    }
+}
+
 /// Settings of a DRAM medium.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DramConfig {
@@ -128,7 +161,9 @@ pub struct SsdConfig {
     pub capacity_bytes: u64,
     /// The io engine. Default: psync.
     pub io_engine: umbp_ssd::IoEngineKind,
-    /// Pages of the host staging arena (writes in flight plus reads being served). Default: 16.
+    /// Pages of the host staging arena (writes in flight plus reads being served): one page per
+    /// value of a 128-key batch, so a batch get of 128 single-page values from this node is staged
+    /// at once (a larger batch waits for pages its readers release). Default: 128.
     pub staging_pages: u64,
     /// The SSD read lease (its own setting: a reader of a staged page also waited for the drive).
     /// Default: 3 s.
@@ -143,6 +178,10 @@ pub struct SsdConfig {
     /// read of a value just written skips the drive. Default: true (off only where every read must
     /// reach the drive, as in `umbp bench ssd`).
     pub cache_committed: bool,
+    /// Create a directory of `dirs` that does not exist. Off by default: a missing directory is
+    /// usually an unmounted drive, and creating it would fill the root file system instead.
+    /// Default: false.
+    pub create_dirs: bool,
 }
 
 impl Default for SsdConfig {
@@ -151,13 +190,34 @@ impl Default for SsdConfig {
             dirs: Vec::new(),
             capacity_bytes: 32 << 30,
             io_engine: umbp_ssd::IoEngineKind::Psync,
-            staging_pages: 16,
+            staging_pages: 128,
             read_lease: Duration::from_secs(3),
             sync_interval: Some(Duration::from_secs(1)),
             max_value_pages: 1,
             cache_committed: true,
+            create_dirs: false,
         }
     }
+}
+
+/// Refuses a directory of an SSD medium that does not exist (or is not a directory), naming it and
+/// the way out.
+fn ssd_dirs_exist(dirs: &[std::path::PathBuf]) -> Result<(), PoolError> {
+    for dir in dirs {
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(PoolError::Config(format!("ssd directory {} is not a directory", dir.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(PoolError::Config(format!(
+                    "ssd directory {} does not exist: mount the drive and create it, or ask for it to be \
+                     created (--ssd-create-dirs, node.ssd_create_dirs = true)",
+                    dir.display()
+                )));
+            }
+            Err(e) => return Err(PoolError::Config(format!("ssd directory {}: {e}", dir.display()))),
+        }
+    }
+    Ok(())
 }
 
 /// Whether values fetched from a remote node are also written to the local medium.
@@ -288,6 +348,9 @@ pub enum PoolError {
     /// The transfer layer could not start.
     #[error("transfer layer: {0}")]
     Transfer(String),
+    /// The TCP data server could not start (its port in use, say); the source says why.
+    #[error("data plane")]
+    DataPlane(#[source] umbp_transfer::TcpStartError),
     /// The client was closed.
     #[error("the client is closed")]
     Closed,
@@ -300,6 +363,30 @@ pub enum PoolError {
     /// The metrics endpoint could not start.
     #[error(transparent)]
     Metrics(#[from] umbp_metrics::MetricsError),
+}
+
+impl PoolError {
+    /// Whether a listen address of this node could not be bound (its peer, data or metrics port
+    /// in use, or not an address of this host): a setup error the operator fixes, not a failure
+    /// of the pool.
+    pub fn is_bind_failure(&self) -> bool {
+        matches!(
+            self,
+            Self::PeerService(crate::peer_service::PeerServiceError::Bind { .. })
+                | Self::DataPlane(umbp_transfer::TcpStartError::Bind { .. })
+                | Self::Metrics(umbp_metrics::MetricsError::Bind { .. })
+        )
+    }
+}
+
+/// What a successful put did with its key. Values are write-once: a key the pool already holds
+/// keeps its stored value, and the caller's bytes are not written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PutOutcome {
+    /// The caller's bytes are now the key's value.
+    Written,
+    /// The pool already held the key; its stored value was kept (remove it first to replace it).
+    AlreadyPresent,
 }
 
 /// Why one key of a batch failed. [`is_retryable`](Self::is_retryable) says whether the same
@@ -516,7 +603,7 @@ impl PoolClient {
             Some(runtime) => TcpEngine::with_gpu_runtime(tcp_config, Arc::clone(runtime)),
             None => TcpEngine::new(tcp_config),
         }
-        .map_err(|e| PoolError::Transfer(e.to_string()))?;
+        .map_err(PoolError::DataPlane)?;
         let data_endpoint = tcp.endpoint().to_owned();
         let mut engines: Vec<Arc<dyn TransferEngine>> = vec![
             Arc::new(LocalCopyEngine::new(LocalCopyConfig {
@@ -575,6 +662,9 @@ impl PoolClient {
                 (Some(Arc::from(backend)), false)
             }
             Medium::Ssd(ssd) => {
+                if !ssd.create_dirs {
+                    ssd_dirs_exist(&ssd.dirs)?;
+                }
                 let ssd_config = umbp_ssd::SsdConfig::builder(ssd.dirs.iter().cloned())
                     .page_size(config.page_size)
                     .capacity_bytes(ssd.capacity_bytes)
@@ -671,7 +761,11 @@ impl PoolClient {
             }
             _ => (None, None),
         };
-        tracing::info!(node = %config.node_id, medium = ?config.medium, data = %data_endpoint, "node started");
+        match config.medium.summary() {
+            // A client-only node is usually one CLI command: not worth an info line each.
+            None => tracing::debug!(node = %config.node_id, data = %data_endpoint, "client started"),
+            Some(medium) => tracing::info!(node = %config.node_id, data = %data_endpoint, "node started {medium}"),
+        }
         Ok(Self {
             config,
             medium,

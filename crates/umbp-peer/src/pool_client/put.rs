@@ -48,7 +48,7 @@ struct Group {
 /// holds a few of a batch's keys).
 #[derive(Default)]
 struct PutState {
-    results: HashMap<usize, Result<(), KeyError>>,
+    results: HashMap<usize, Result<PutOutcome, KeyError>>,
     exclude: HashMap<usize, BTreeSet<String>>,
     last_error: HashMap<usize, KeyError>,
 }
@@ -61,7 +61,7 @@ impl PutState {
     }
 
     /// Key `i`'s outcome once the chunk is done.
-    fn outcome(&mut self, i: usize) -> Result<(), KeyError> {
+    fn outcome(&mut self, i: usize) -> Result<PutOutcome, KeyError> {
         self.results.remove(&i).unwrap_or_else(|| {
             Err(self.last_error.remove(&i).unwrap_or(KeyError::Failed("re-routes exhausted".into())))
         })
@@ -77,7 +77,20 @@ fn slot_deadline(start: Instant, ttl: Duration) -> Instant {
 impl PoolClient {
     /// Writes `key` (a batch of one).
     pub async fn put(&self, key: &str, value: &[u8]) -> Result<(), KeyError> {
-        self.batch_put(&[(key, value)]).await.pop().unwrap_or(Err(KeyError::Failed("empty result".into())))
+        self.put_outcome(key, value).await.map(|_| ())
+    }
+
+    /// Writes `key` and says whether these bytes were stored or the pool already held the key (its
+    /// stored value is kept: values are write-once).
+    pub async fn put_outcome(&self, key: &str, value: &[u8]) -> Result<PutOutcome, KeyError> {
+        self.batch_put_outcomes(&[(key, value)]).await.pop().unwrap_or(Err(KeyError::Failed("empty result".into())))
+    }
+
+    /// [`batch_put`](Self::batch_put), telling per item whether its bytes were written or the key was
+    /// already present.
+    pub async fn batch_put_outcomes(&self, items: &[(&str, &[u8])]) -> Vec<Result<PutOutcome, KeyError>> {
+        let bufs: Vec<(&str, CallerBuf)> = items.iter().map(|(k, v)| (*k, CallerBuf::of(v))).collect();
+        self.put_bufs(&bufs).await
     }
 
     /// Writes every `(key, value)`; one result per item, in order. A key the pool already holds counts
@@ -85,8 +98,7 @@ impl PoolClient {
     /// holds is written here too, with these bytes: the first writer wins per node, not pool-wide). A key repeated in the batch is written once (its first value) and every repeat gets
     /// that write's result.
     pub async fn batch_put(&self, items: &[(&str, &[u8])]) -> Vec<Result<(), KeyError>> {
-        let bufs: Vec<(&str, CallerBuf)> = items.iter().map(|(k, v)| (*k, CallerBuf::of(v))).collect();
-        self.put_bufs(&bufs).await
+        self.batch_put_outcomes(items).await.into_iter().map(|r| r.map(|_| ())).collect()
     }
 
     /// [`batch_put`](Self::batch_put) from raw ranges `(key, ptr, len)`: the way to put from memory
@@ -103,17 +115,17 @@ impl PoolClient {
     pub async unsafe fn batch_put_raw(&self, items: &[(&str, NonNull<u8>, usize)]) -> Vec<Result<(), KeyError>> {
         let bufs: Vec<(&str, CallerBuf)> =
             items.iter().map(|(k, ptr, len)| (*k, CallerBuf { ptr: *ptr, len: *len })).collect();
-        self.put_bufs(&bufs).await
+        self.put_bufs(&bufs).await.into_iter().map(|r| r.map(|_| ())).collect()
     }
 
     /// The put path over caller buffers (slices or raw ranges).
-    async fn put_bufs(&self, items: &[(&str, CallerBuf)]) -> Vec<Result<(), KeyError>> {
+    async fn put_bufs(&self, items: &[(&str, CallerBuf)]) -> Vec<Result<PutOutcome, KeyError>> {
         let gate = self.gate.read().await;
         if *gate {
             return vec![Err(KeyError::Closed); items.len()];
         }
         let n = items.len();
-        let mut results: Vec<Option<Result<(), KeyError>>> = vec![None; n];
+        let mut results: Vec<Option<Result<PutOutcome, KeyError>>> = vec![None; n];
         let mut repeat_of: Vec<Option<usize>> = vec![None; n];
         let mut first_of: HashMap<&str, usize> = HashMap::new();
         for (i, (key, value)) in items.iter().enumerate() {
@@ -137,7 +149,7 @@ impl PoolClient {
             }
         }
         self.tell_too_large(items, &mut results).await;
-        let mut out: Vec<Result<(), KeyError>> = Vec::with_capacity(n);
+        let mut out: Vec<Result<PutOutcome, KeyError>> = Vec::with_capacity(n);
         for (i, repeat) in repeat_of.iter().enumerate() {
             let r = match (results[i].take(), *repeat) {
                 (Some(r), _) => r,
@@ -195,7 +207,7 @@ impl PoolClient {
 
     /// Turns `NoSpace` into `TooLarge` for values larger than every medium's total capacity (one
     /// cluster-status call, only when some key found no space).
-    async fn tell_too_large(&self, items: &[(&str, CallerBuf)], results: &mut [Option<Result<(), KeyError>>]) {
+    async fn tell_too_large(&self, items: &[(&str, CallerBuf)], results: &mut [Option<Result<PutOutcome, KeyError>>]) {
         if !results.iter().any(|r| matches!(r, Some(Err(KeyError::NoSpace { .. })))) {
             return;
         }
@@ -243,7 +255,7 @@ impl PoolClient {
             for (i, d) in indexes.iter().zip(decisions) {
                 match d {
                     RoutePutDecision::AlreadyExists => {
-                        st.results.insert(*i, Ok(()));
+                        st.results.insert(*i, Ok(PutOutcome::AlreadyPresent));
                     }
                     RoutePutDecision::Unavailable => {
                         let size = items[*i].1.len as u64;
@@ -287,7 +299,7 @@ impl PoolClient {
                 let (_, value) = items[*i];
                 match a {
                     Alloc::Exists => {
-                        st.results.insert(*i, Ok(()));
+                        st.results.insert(*i, Ok(PutOutcome::AlreadyPresent));
                     }
                     Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.len as u64 }),
                     Alloc::Refused => st.retry_elsewhere(
@@ -354,7 +366,7 @@ impl PoolClient {
                 match ok {
                     Ok(()) => {
                         guard.settle(node, local, *slot_id);
-                        st.results.insert(*i, Ok(()));
+                        st.results.insert(*i, Ok(PutOutcome::Written));
                     }
                     Err(e) => st.retry_elsewhere(*i, node, e),
                 }
