@@ -478,8 +478,7 @@ fn the_defaults_in_the_help_are_the_real_defaults() {
 fn capacity_is_refused_where_it_would_be_ignored_and_pages_are_multiples_of_4kib() {
     // `--capacity` sizes a dram node; on any other medium it would be silently ignored.
     for (medium, instead) in [("ssd", "--ssd-capacity"), ("hbm", "--hbm-capacity"), ("none", "lends nothing")] {
-        let (flags, _) =
-            node_args(&["--node-id", "n", "--medium", medium, "--ssd-dir", "/d", "--capacity", "1GiB"]);
+        let (flags, _) = node_args(&["--node-id", "n", "--medium", medium, "--ssd-dir", "/d", "--capacity", "1GiB"]);
         let err = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect_err(medium);
         assert!(err.to_string().contains("--capacity") && err.to_string().contains(instead), "{medium}: {err}");
     }
@@ -508,8 +507,7 @@ fn ssd_directories_are_created_only_when_asked() {
     let c = resolve_node(&FileConfig::default(), &env(&[]), &flags, None).expect("flag");
     assert!(matches!(&c.medium, Medium::Ssd(s) if s.create_dirs));
     let (flags, _) = node_args(&["--node-id", "s", "--medium", "ssd", "--ssd-dir", "/d"]);
-    let c = resolve_node(&FileConfig::default(), &env(&[("UMBP_SSD_CREATE_DIRS", "true")]), &flags, None)
-        .expect("env");
+    let c = resolve_node(&FileConfig::default(), &env(&[("UMBP_SSD_CREATE_DIRS", "true")]), &flags, None).expect("env");
     assert!(matches!(&c.medium, Medium::Ssd(s) if s.create_dirs));
     let c = resolve_node(&file("[node]\nssd_create_dirs = true"), &env(&[]), &flags, None).expect("file");
     assert!(matches!(&c.medium, Medium::Ssd(s) if s.create_dirs));

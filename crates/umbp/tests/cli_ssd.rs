@@ -207,8 +207,9 @@ fn the_ssd_max_value_pages_takes_the_highest_layer_and_stays_within_the_staging_
     assert_eq!(pages(&f, &[("UMBP_SSD_MAX_VALUE_PAGES", "3")], &["--ssd-max-value-pages", "4"]), 4, "flag over env");
 
     // More pages than the staging arena holds (128 by default) could never be staged.
-    let err = resolve_node(&none, &env(&[]), &node_args(&[&base[..], &["--ssd-max-value-pages", "129"]].concat()), None)
-        .expect_err("above the staging pages");
+    let err =
+        resolve_node(&none, &env(&[]), &node_args(&[&base[..], &["--ssd-max-value-pages", "129"]].concat()), None)
+            .expect_err("above the staging pages");
     assert!(err.to_string().contains("ssd_max_value_pages"), "{err}");
     let flags = node_args(&[&base[..], &["--ssd-max-value-pages", "129", "--ssd-staging-pages", "129"]].concat());
     assert_eq!(ssd(&resolve_node(&none, &env(&[]), &flags, None).expect("within a larger arena")).max_value_pages, 129);
