@@ -490,3 +490,96 @@ fn a_failed_plan_fails_only_its_tags_and_is_counted() {
     assert_eq!(count("failed"), Some(1));
     node.deregister(&user_ref);
 }
+
+/// A fake data server whose first connection serves one READ and then, as the next request
+/// arrives, closes without answering — a server closing an idle connection just as the client
+/// reuses it. Later connections serve every READ with `payload`.
+fn closing_server(payload: Vec<u8>) -> (String, std::thread::JoinHandle<usize>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let endpoint = listener.local_addr().expect("addr").to_string();
+    let serve = move |s: &mut TcpStream, at_most: usize| -> usize {
+        let mut hello = [0u8; 8];
+        if s.read_exact(&mut hello).is_err() {
+            return 0;
+        }
+        let mut answer = b"UMBP".to_vec();
+        answer.extend_from_slice(&[1, 0, 0, 0]);
+        if s.write_all(&answer).is_err() {
+            return 0;
+        }
+        let mut served = 0;
+        while served < at_most {
+            let mut head = [0u8; 40];
+            if s.read_exact(&mut head).is_err() {
+                break;
+            }
+            let mut reply = b"UMBP".to_vec();
+            reply.extend_from_slice(&[1, 0, 0, 0]);
+            reply.extend_from_slice(&head[8..16]);
+            reply.extend_from_slice(&head[32..40]);
+            let len = u64::from_le_bytes(head[32..40].try_into().expect("8 bytes")) as usize;
+            reply.extend_from_slice(&payload[..len]);
+            if s.write_all(&reply).is_err() {
+                break;
+            }
+            served += 1;
+        }
+        served
+    };
+    let t = std::thread::spawn(move || {
+        let Ok((mut first, _)) = listener.accept() else { return 0 };
+        first.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        let mut served = serve(&mut first, 1);
+        // The next request starts to arrive: close with it unread (the peer sees a reset).
+        let mut one = [0u8; 1];
+        let _ = first.read(&mut one);
+        drop(first);
+        if let Ok((mut second, _)) = listener.accept() {
+            second.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            served += serve(&mut second, usize::MAX);
+        }
+        served
+    });
+    (endpoint, t)
+}
+
+#[test]
+fn a_pooled_connection_closed_under_a_request_is_reconnected_transparently() {
+    let payload = pattern(4096, 13);
+    let (endpoint, fake) = closing_server(payload.clone());
+    let mut local = HostBuf::zeroed(4096);
+    let a = TcpEngine::new(TcpEngineConfig { connections_per_peer: 1, ..fast_config() }).expect("client");
+    let local_ref = local.register(&a);
+    let remote = TransferRef::remote_only(RemoteRegion { endpoint, region_id: 1 }, 4096, MemoryLocation::Host);
+    transfer(&a, &[item(&remote, 0, &local_ref, 0, 4096, 1)]).expect("first read");
+    assert_eq!(local.bytes(), &payload[..]);
+    // The pooled connection is reused, and the server closes it as the request arrives.
+    a.deregister(&local_ref);
+    let mut again = HostBuf::zeroed(4096);
+    let again_ref = again.register(&a);
+    transfer(&a, &[item(&remote, 0, &again_ref, 0, 4096, 2)]).expect("the request is resent on a new connection");
+    assert_eq!(again.bytes(), &payload[..]);
+    drop(a);
+    assert_eq!(fake.join().expect("fake server"), 2, "one read per connection");
+}
+
+#[test]
+fn a_pooled_connection_the_server_closed_for_idleness_does_not_fail_the_next_transfer() {
+    let mut remote = HostBuf::with_pattern(4096, 14);
+    let mut local = HostBuf::zeroed(4096);
+    let config = DataServerConfig { idle_timeout: Duration::from_millis(200), ..fast_config().server };
+    let b = TcpEngine::new(TcpEngineConfig { server: config, ..fast_config() }).expect("server engine");
+    // The client keeps its pooled connections far longer than the server does.
+    let a = TcpEngine::new(TcpEngineConfig { idle_timeout: Duration::from_secs(600), ..fast_config() })
+        .expect("client engine");
+    let (remote_ref, local_ref) = (remote.register(&b), local.register(&a));
+    for round in 0..3 {
+        transfer(&a, &[item(&remote_ref, 0, &local_ref, 0, 4096, round)]).expect("read");
+        assert_eq!(local.bytes(), remote.bytes());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while b.server().connection_count() > 0 {
+            assert!(Instant::now() < deadline, "the server closes the idle connection");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
