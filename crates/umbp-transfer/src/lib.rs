@@ -12,6 +12,8 @@
 //!   serves its registered regions over TCP, peers read and write them by (region id, offset, length);
 //!   the local side of a push or pull is any host memory of the caller, registered or not, in place;
 //!   given a GPU runtime, the server also serves GPU regions through a bounded host staging buffer;
+//!   floods of silent, slow or idle connections cannot lock real peers out (bounded handshakes,
+//!   per-address caps, idle eviction), and repeated warnings are rate-limited;
 //! - [`CompositeTransferEngine`] — what a node actually holds: registration fans out to every engine,
 //!   each (src, dst) pair goes to the first engine that can handle it, caller memory no engine can
 //!   address is staged through one bounce pool, and every engine is measured per direction.

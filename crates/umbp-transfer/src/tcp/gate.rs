@@ -19,7 +19,7 @@
 //!   [`max_connections`](super::DataServerConfig::max_connections) (and
 //!   [`max_connections_per_peer`](super::DataServerConfig::max_connections_per_peer) per address);
 //!   at a cap the connection idle longest is closed to make room (see
-//!   [`Conns::admit`](super::server::Conns::admit)), and only when every one is in the middle of a
+//!   [`Conns::admit`](super::conns::Conns::admit)), and only when every one is in the middle of a
 //!   request is the newcomer answered `BUSY`.
 //!
 //! Every refusal is counted in the server's metrics and logged through the server's

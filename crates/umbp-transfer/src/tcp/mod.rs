@@ -21,9 +21,20 @@
 //! no difference. A GPU region is never the *local* side of this engine's own transfers.
 //!
 //! # Threads
-//! The server: an acceptor and one thread per connection. The client: per peer and connection, a
+//! The server: a gate thread that accepts every connection and runs every handshake over
+//! non-blocking sockets (a connection that has not authenticated costs a descriptor, never a
+//! thread), and one thread per authenticated connection. The client: per peer and connection, a
 //! writer thread (lives as long as the engine) and a reader thread (lives as long as the
 //! connection). No thread per request.
+//!
+//! # Under a flood
+//! The data port is reachable by anyone who can route to it, so nothing an unauthenticated socket
+//! can do takes what authenticated peers need: handshakes have a short deadline and their own caps
+//! (in total and per source address), authenticated connections are capped in total and per
+//! source address, and at every cap the oldest pending handshake or the connection idle longest
+//! makes room for the newcomer (see [`DataServerConfig`] for the limits and their defaults).
+//! Clients resend a request lost with a connection the server closed, once, on a fresh one. Every
+//! per-connection warning is rate-limited per kind, with the count suppressed.
 
 mod client;
 mod conns;

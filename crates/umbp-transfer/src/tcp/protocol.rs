@@ -16,11 +16,14 @@
 //!
 //! The server answers with 8 bytes: magic, version (`u16`), status (`u8`: [`HelloStatus`]) and one
 //! reserved zero byte. A server configured with a token accepts only that exact token; a server
-//! without one accepts any; a server already serving its maximum of connections answers `BUSY`.
+//! without one accepts any. A server at its connection cap closes its connection idle longest to
+//! make room, and answers `BUSY` only when every connection is in the middle of a request.
 //! On any status but `OK` the server closes the connection after the answer; a bad magic or an
-//! over-long token closes it without an answer. Either way the reason is logged (`tracing::warn`)
-//! and no other connection is affected. The whole handshake must arrive within the server's
-//! handshake timeout (a few seconds), however the bytes are paced.
+//! over-long token closes it without an answer. Either way the reason is counted and logged
+//! (`tracing::warn`, rate-limited per kind) and no other connection is affected. The whole
+//! handshake must arrive within the server's handshake timeout (1 s by default) of the accept,
+//! however the bytes are paced; a server with too many connections in the handshake closes the
+//! oldest of them (see `DataServerConfig`), so a client sends its hello as soon as it connects.
 //!
 //! # Requests (client → server), 40 bytes
 //!
@@ -56,9 +59,11 @@
 //! Once the first byte of a request header arrives, the server must receive the rest of the header
 //! and the whole WRITE payload within its IO timeout in total, however the bytes are paced; a batch
 //! of replies must leave within the IO timeout too. A request that misses its deadline closes the
-//! connection. A connection with no request for the server's idle timeout is closed; clients close
-//! pooled connections idle for their own (shorter) idle timeout, and check an idle connection for
-//! an end of stream before reusing it.
+//! connection. A connection with no request for the server's idle timeout is closed, and so is the
+//! connection idle longest when the server needs room for a new one; clients close pooled
+//! connections idle for their own (shorter) idle timeout, check an idle connection for an end of
+//! stream before reusing it, and send a request lost with a closed connection once more on a new
+//! one (a READ or WRITE may be repeated safely: it names the same range and the same bytes).
 //!
 //! # Ordering and pipelining
 //! A server handles a connection's requests strictly in order and answers each one, so replies come

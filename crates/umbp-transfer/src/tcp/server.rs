@@ -1,13 +1,13 @@
 //! The data server: serves the regions registered on this node to peers over TCP.
 //!
 //! One gate thread accepts connections and runs every handshake over non-blocking sockets (see
-//! [`gate`](super::gate): what it caps and evicts, and why), then hands each authenticated
+//! [`gate`]: what it caps and evicts, and why), then hands each authenticated
 //! connection to a thread of its own (capped by
 //! [`max_connections`](DataServerConfig::max_connections), the table in
 //! [`conns`](super::conns)). A connection thread reads request headers through a small buffer,
 //! streams WRITE payloads from the socket straight into region memory, and answers with gather
 //! writes (reply headers and READ payloads, the latter straight from region memory). See
-//! [`protocol`](super::protocol) for the bytes.
+//! [`protocol`] for the bytes.
 //!
 //! GPU regions (a server started with a GPU runtime accepts them) cannot be reached by the socket:
 //! their bytes pass through the connection's host staging buffer ([`DeviceStaging`]) with the
