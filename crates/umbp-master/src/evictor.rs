@@ -1,9 +1,25 @@
-//! The eviction manager and the registry reaper: the master's background work.
+//! The eviction manager and the registry reaper: the master's background work, and the on-demand
+//! eviction of the put path.
 //!
 //! Both expose a `tick` (one round) that the background loops call every period and that
 //! [`MasterHandle`](crate::MasterHandle) exposes, so tests and operators run a round without sleeping.
 //! Store calls (which scan shards or take node locks) run on the blocking pool, never on an async
 //! worker.
+//!
+//! # On-demand eviction
+//! The background round runs every `check_interval` (5 s): a writer filling the pool faster than
+//! that would find no room in between. So a put route that leaves keys unplaced calls
+//! [`Evictor::make_room`] before it answers: for the roomiest (node, tier) that could hold the
+//! largest unplaced key (the requester's own first under `local` affinity), it evicts least recently
+//! used, unleased keys — at least the bytes the unplaced keys need, and enough to bring the medium
+//! back to the low watermark, as a round would, so the next puts find room without another eviction
+//! — by `EvictKey` to the peer, awaits the answer, and credits the bytes the peer confirmed freed to
+//! the node's recorded capacity (the next heartbeat's report replaces the figure). Then the route is
+//! computed again. Bounded: at most [`MAX_ROOM_SLOTS`] media per call, each under the `EvictKey`
+//! deadline. No stampede: the evictor is one lock shared with the background round, and a put that
+//! waited for it routes again first, so concurrent writers that all found the pool full trigger one
+//! eviction, not one each. Keys a peer confirmed evicted are skipped by the next rounds until their
+//! `REMOVE` reaches the index, like keys it refused.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,7 +35,9 @@ use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 
 use crate::config::MasterConfig;
 use crate::ratelimit::{RateLimited, WARN_WINDOW};
-use crate::routing::{Candidate, EvictionCandidate, TierSlot, VictimPicker, plan_eviction};
+use crate::routing::{
+    Bucket, Candidate, EvictionCandidate, PPM, TierSlot, VictimPicker, parts_per_million, plan_eviction,
+};
 use crate::server::TOKEN_METADATA;
 use crate::service::now_ms;
 use crate::store::{MetadataStore, StoreError};
@@ -40,6 +58,9 @@ pub(crate) const MAX_PASSES: usize = 3;
 /// following rounds, so protected keys do not eat every round's budget.
 pub(crate) const PROTECTED_SKIP_ROUNDS: u64 = 3;
 
+/// Most (node, tier) media one on-demand eviction tries before the put is answered unplaced.
+pub(crate) const MAX_ROOM_SLOTS: usize = 3;
+
 /// Counters of the eviction manager.
 #[derive(Debug, Default)]
 pub(crate) struct EvictionStats {
@@ -47,6 +68,8 @@ pub(crate) struct EvictionStats {
     pub(crate) requests: AtomicU64,
     pub(crate) bytes_freed: AtomicU64,
     pub(crate) refused: AtomicU64,
+    /// On-demand evictions run for a put that found no room.
+    pub(crate) on_demand: AtomicU64,
 }
 
 /// What one eviction round did.
@@ -123,7 +146,7 @@ impl Evictor {
         let nodes = match blocking(move || store.list_alive()).await {
             Ok(nodes) => nodes,
             Err(e) => {
-                tracing::warn!(error = %e, "eviction: store call failed");
+                warn_store_failed(&e);
                 return report;
             }
         };
@@ -145,6 +168,120 @@ impl Evictor {
         }
         report.pressure = true;
         self.stats.rounds.fetch_add(1, Relaxed);
+        self.evict_buckets(&buckets, &candidates, &mut report).await;
+        report
+    }
+
+    /// Brings the given nodes' media that are at or above the high watermark back to the low one now,
+    /// as the next background round would (a put route ran them there; see the module docs).
+    /// Returns what was evicted.
+    pub(crate) async fn relieve(&mut self, nodes: &[Arc<str>]) -> EvictionReport {
+        let mut report = EvictionReport::default();
+        let store = Arc::clone(&self.store);
+        let alive = match blocking(move || store.list_alive()).await {
+            Ok(alive) => alive,
+            Err(e) => {
+                warn_store_failed(&e);
+                return report;
+            }
+        };
+        let candidates: Vec<Candidate> = alive
+            .iter()
+            .filter(|n| nodes.contains(&n.node_id))
+            .map(|n| Candidate {
+                node_id: n.node_id.clone(),
+                peer_address: n.peer_address.clone(),
+                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+            })
+            .collect();
+        let eviction = &self.config.eviction;
+        let buckets = plan_eviction(&candidates, eviction.high_watermark, eviction.low_watermark);
+        if buckets.is_empty() {
+            return report;
+        }
+        self.stats.on_demand.fetch_add(1, Relaxed);
+        report.pressure = true;
+        self.evict_buckets(&buckets, &candidates, &mut report).await;
+        report
+    }
+
+    /// Makes room for a put route that left keys unplaced: `needed` bytes in all, the largest key
+    /// `largest` bytes (see the [module docs](self)). Media of `exclude`d nodes are never touched.
+    /// Returns what was evicted; the caller routes again.
+    pub(crate) async fn make_room(
+        &mut self,
+        requester: &str,
+        prefer_requester: bool,
+        needed: u64,
+        largest: u64,
+        exclude: &[String],
+    ) -> EvictionReport {
+        let mut report = EvictionReport::default();
+        if needed == 0 || self.stopping() {
+            return report;
+        }
+        let store = Arc::clone(&self.store);
+        let nodes = match blocking(move || store.list_alive()).await {
+            Ok(nodes) => nodes,
+            Err(e) => {
+                warn_store_failed(&e);
+                return report;
+            }
+        };
+        let candidates: Vec<Candidate> = nodes
+            .iter()
+            .filter(|n| !n.peer_address.is_empty() && !exclude.iter().any(|x| **x == *n.node_id))
+            .map(|n| Candidate {
+                node_id: n.node_id.clone(),
+                peer_address: n.peer_address.clone(),
+                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+            })
+            .collect();
+        // Media that could hold the largest key at all, the requester's first (when its own puts go
+        // to its own medium), then the roomiest: the fewest bytes to evict.
+        let mut slots: Vec<(&Candidate, TierSlot)> = candidates
+            .iter()
+            .flat_map(|c| c.tiers.iter().map(move |t| (c, *t)))
+            .filter(|(_, t)| t.tier != TierType::Unknown && t.total_bytes >= largest)
+            .collect();
+        slots.sort_by_key(|(c, t)| {
+            (!(prefer_requester && *c.node_id == *requester), std::cmp::Reverse(t.available_bytes))
+        });
+        if slots.is_empty() {
+            return report;
+        }
+        self.stats.on_demand.fetch_add(1, Relaxed);
+        report.pressure = true;
+        let low = parts_per_million(self.config.eviction.low_watermark);
+        let mut needed = needed;
+        for (candidate, slot) in slots.into_iter().take(MAX_ROOM_SLOTS) {
+            let shortfall = needed.max(largest).saturating_sub(slot.available_bytes);
+            if shortfall == 0 {
+                break;
+            }
+            let used = u128::from(slot.total_bytes.saturating_sub(slot.available_bytes));
+            let to_low =
+                u64::try_from(used.saturating_sub(u128::from(slot.total_bytes) * low / PPM)).unwrap_or(u64::MAX);
+            let bucket =
+                Bucket { node_id: candidate.node_id.clone(), tier: slot.tier, budget_bytes: shortfall.max(to_low) };
+            let before = report.bytes_freed;
+            self.evict_buckets(std::slice::from_ref(&bucket), &candidates, &mut report).await;
+            if report.stopped {
+                break;
+            }
+            let freed = report.bytes_freed - before;
+            tracing::debug!(node = %bucket.node_id, tier = %bucket.tier, budget = bucket.budget_bytes, freed, "on-demand eviction");
+            if freed >= shortfall {
+                break;
+            }
+            needed = needed.saturating_sub(slot.available_bytes.saturating_add(freed));
+        }
+        report
+    }
+
+    /// Evicts for `buckets`: lists their least recently used unleased keys, asks the peers to evict
+    /// them, continues down the lists (up to [`MAX_PASSES`]) while peers refuse protected keys.
+    async fn evict_buckets(&mut self, buckets: &[Bucket], candidates: &[Candidate], report: &mut EvictionReport) {
         let wanted: Vec<(String, TierType)> = buckets.iter().map(|b| (b.node_id.to_string(), b.tier)).collect();
         let store = Arc::clone(&self.store);
         let found =
@@ -152,8 +289,8 @@ impl Evictor {
             {
                 Ok(found) => found,
                 Err(e) => {
-                    tracing::warn!(error = %e, "eviction: store call failed");
-                    return report;
+                    warn_store_failed(&e);
+                    return;
                 }
             };
         let found = found
@@ -166,26 +303,25 @@ impl Evictor {
                 last_accessed_ms: c.last_accessed_ms,
             })
             .collect();
-        let mut picker = VictimPicker::new(found, &buckets);
+        let mut picker = VictimPicker::new(found, buckets);
         for _ in 0..MAX_PASSES {
             if self.stopping() {
                 report.stopped = true;
-                return report;
+                return;
             }
             let refused = &self.refused;
             let victims = picker.take(|c| refused.get(&c.node_id).is_some_and(|keys| keys.contains_key(&c.key)));
             if victims.is_empty() {
                 break;
             }
-            if !self.send(victims, &candidates, &mut picker, &mut report).await {
+            if !self.send(victims, candidates, &mut picker, report).await {
                 report.stopped = true;
-                return report;
+                return;
             }
             if !picker.has_more() {
                 break;
             }
         }
-        report
     }
 
     /// Sends one pass's victims, every node concurrently, and feeds the replies back into `picker`.
@@ -239,10 +375,20 @@ impl Evictor {
             let Ok((node, victims, result)) = joined else { continue };
             match result {
                 Ok(freed) => {
+                    let mut credit: HashMap<TierType, u64> = HashMap::new();
                     for victim in victims {
                         let got = freed.get(&victim.key).copied().unwrap_or(0);
                         report.bytes_freed += got;
                         self.stats.bytes_freed.fetch_add(got, Relaxed);
+                        if got > 0 {
+                            *credit.entry(victim.tier).or_insert(0) += got.min(victim.size);
+                            // Gone from the peer; its REMOVE reaches the index with the node's next
+                            // heartbeat. Until then no round may pick it again.
+                            self.refused
+                                .entry(victim.node_id.clone())
+                                .or_default()
+                                .insert(victim.key.clone(), self.round + PROTECTED_SKIP_ROUNDS);
+                        }
                         if got == 0 {
                             // Protected (or already gone): its bytes go back, the round continues down
                             // the list, and the next rounds leave it out.
@@ -259,9 +405,18 @@ impl Evictor {
                             picker.refund(&victim.node_id, victim.tier, victim.size - got);
                         }
                     }
+                    // Routing sees the room now, not at the node's next heartbeat.
+                    for (tier, bytes) in credit {
+                        let (store, node) = (Arc::clone(&self.store), Arc::clone(&node));
+                        if let Err(e) = blocking(move || store.credit_capacity(&node, tier, bytes)).await {
+                            warn_store_failed(&e);
+                        }
+                    }
                 }
                 Err(e) => {
-                    tracing::warn!(node = %node, error = %e, "EvictKey failed");
+                    if let Some(held_back) = EVICT_FAILED.check() {
+                        tracing::warn!(node = %node, error = %e, held_back, "EvictKey failed");
+                    }
                     report.failed_requests += 1;
                     self.peers.remove(&node);
                 }
@@ -318,7 +473,7 @@ async fn evict_on_peer(
         }
     }
     let total: u64 = freed.values().sum();
-    tracing::info!(keys = keys.len(), freed = total, "eviction requests answered");
+    tracing::debug!(keys = keys.len(), freed = total, "eviction requests answered");
     Ok(freed)
 }
 
@@ -372,6 +527,16 @@ pub(crate) async fn reap(store: &Arc<dyn MetadataStore>, config: &MasterConfig) 
             }
             ReapReport::default()
         }
+    }
+}
+
+static EVICT_FAILED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static EVICTION_STORE_FAILED: std::sync::LazyLock<RateLimited> =
+    std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+
+fn warn_store_failed(e: &str) {
+    if let Some(held_back) = EVICTION_STORE_FAILED.check() {
+        tracing::warn!(error = %e, held_back, "eviction: store call failed");
     }
 }
 

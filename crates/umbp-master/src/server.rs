@@ -75,6 +75,8 @@ pub struct MasterStats {
     pub evict_bytes_freed: u64,
     /// Eviction victims the peers refused (0 bytes freed: leased or pinned).
     pub evict_refused: u64,
+    /// On-demand evictions: put routes that found no room and evicted before answering.
+    pub on_demand_evictions: u64,
 }
 
 /// A running master. Dropping it without [`shutdown`](Self::shutdown) aborts its tasks.
@@ -123,6 +125,7 @@ impl MasterHandle {
             evict_requests: self.eviction.requests.load(Relaxed),
             evict_bytes_freed: self.eviction.bytes_freed.load(Relaxed),
             evict_refused: self.eviction.refused.load(Relaxed),
+            on_demand_evictions: self.eviction.on_demand.load(Relaxed),
         }
     }
 
@@ -241,12 +244,21 @@ pub async fn start_with_store(
         }
         None => None,
     };
+    let (stop, stopped) = watch::channel(false);
+    let evictor = Arc::new(tokio::sync::Mutex::new(Evictor::new(
+        Arc::clone(&store),
+        Arc::clone(&config),
+        Arc::clone(&eviction),
+        stopped.clone(),
+    )));
     let service = MasterService {
         config: Arc::clone(&config),
         store: Arc::clone(&store),
         put: Arc::new(RoutePutStrategy::new(PutStrategyConfig::new(algo, affinity))),
         get: Arc::new(RouteGetStrategy::new(GetAlgo::LocalPreferring)),
         stats: Arc::clone(&stats),
+        evictor: Arc::clone(&evictor),
+        relief_pending: Arc::default(),
     };
     tracing::info!(
         %addr,
@@ -255,7 +267,6 @@ pub async fn start_with_store(
         put = %format!("{algo}/{affinity}"),
         "master listening"
     );
-    let (stop, stopped) = watch::channel(false);
     let grpc = UmbpMasterServer::new(service)
         .max_decoding_message_size(config.max_message_bytes)
         .max_encoding_message_size(config.max_message_bytes);
@@ -271,12 +282,6 @@ pub async fn start_with_store(
             let _ = server_stop.wait_for(|s| *s).await;
         },
     ));
-    let evictor = Arc::new(tokio::sync::Mutex::new(Evictor::new(
-        Arc::clone(&store),
-        Arc::clone(&config),
-        Arc::clone(&eviction),
-        stopped.clone(),
-    )));
     let tasks = vec![
         tokio::spawn(reaper_loop(Arc::clone(&store), Arc::clone(&config), stopped.clone())),
         tokio::spawn(eviction_loop(Arc::clone(&evictor), Arc::clone(&config), stopped)),

@@ -12,6 +12,7 @@ use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_server::UmbpMaster;
 
 use crate::config::MasterConfig;
+use crate::evictor::Evictor;
 use crate::ratelimit::{RateLimited, WARN_WINDOW};
 use crate::routing::{Affinity, Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
 use crate::store::{
@@ -248,6 +249,12 @@ pub(crate) struct MasterService {
     pub(crate) put: Arc<RoutePutStrategy>,
     pub(crate) get: Arc<RouteGetStrategy>,
     pub(crate) stats: Arc<ServiceStats>,
+    /// The eviction manager, shared with the background round: a put that finds no room evicts
+    /// through it on demand (see the evictor's module docs).
+    pub(crate) evictor: Arc<tokio::sync::Mutex<Evictor>>,
+    /// A relief eviction (a put route ran a medium past the high watermark) is queued or running:
+    /// later routes do not queue another.
+    pub(crate) relief_pending: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl MasterService {
@@ -310,7 +317,6 @@ impl MasterService {
                 };
             }
         }
-        self.stats.route_put_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
         Ok(decisions
             .into_iter()
             .map(|d| match d {
@@ -327,6 +333,103 @@ impl MasterService {
                 PutDecision::Unavailable => v1::RoutePutEntry::default(),
             })
             .collect())
+    }
+
+    /// [`route_put_batch`](Self::route_put_batch), making room when keys found none: evicts least
+    /// recently used, unleased keys on demand (one eviction at a time, shared with the background
+    /// round; a call that waited for another's eviction routes again first) and routes again.
+    async fn route_put_making_room(
+        &self,
+        requester: &str,
+        keys: &[String],
+        sizes: &[u64],
+        exclude: &[String],
+    ) -> Result<Vec<v1::RoutePutEntry>, Status> {
+        self.stats.route_put_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
+        let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
+        if unplaced(&entries, keys, sizes).0 == 0 {
+            self.reserve(&entries, sizes).await?;
+            return Ok(entries);
+        }
+        self.make_room_and_route(requester, keys, sizes, exclude).await
+    }
+
+    /// The slow path of [`route_put_making_room`](Self::route_put_making_room): some keys found no
+    /// room.
+    async fn make_room_and_route(
+        &self,
+        requester: &str,
+        keys: &[String],
+        sizes: &[u64],
+        exclude: &[String],
+    ) -> Result<Vec<v1::RoutePutEntry>, Status> {
+        let mut evictor = self.evictor.lock().await;
+        // Another put may have made room while this one waited for the evictor.
+        let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
+        let (needed, largest) = unplaced(&entries, keys, sizes);
+        let entries = if needed == 0 {
+            entries
+        } else {
+            let prefer_requester = self.config.route_put_affinity == Affinity::Local;
+            let report = evictor.make_room(requester, prefer_requester, needed, largest, exclude).await;
+            if report.bytes_freed == 0 { entries } else { self.route_put_batch(requester, keys, sizes, exclude)? }
+        };
+        // Reserved before the next waiter routes, so it does not place the same room.
+        self.reserve(&entries, sizes).await?;
+        Ok(entries)
+    }
+
+    /// Debits the routed bytes from the nodes' recorded capacity (projected capacity across calls):
+    /// without it, concurrent writers routed between two heartbeats of a node would all be sent to
+    /// the same free bytes, and all but the first would be refused by the peer. The node's next
+    /// heartbeat replaces the figure with its real one.
+    async fn reserve(&self, entries: &[v1::RoutePutEntry], sizes: &[u64]) -> Result<(), Status> {
+        let mut debits: HashMap<(String, i32), u64> = HashMap::new();
+        for (entry, &size) in entries.iter().zip(sizes) {
+            if entry.outcome == v1::RoutePutOutcome::RoutePutRouted as i32 {
+                *debits.entry((entry.node_id.clone(), entry.tier)).or_insert(0) += size;
+            }
+        }
+        if debits.is_empty() {
+            return Ok(());
+        }
+        let store = Arc::clone(&self.store);
+        let high = self.config.eviction.high_watermark;
+        let pressed = blocking(move || {
+            let mut pressed: Vec<Arc<str>> = Vec::new();
+            for ((node, tier), bytes) in debits {
+                let tier = tier_from_wire(tier);
+                store.debit_capacity(&node, tier, bytes)?;
+                let over = store.get_node(&node)?.is_some_and(|r| {
+                    r.caps.iter().any(|c| c.tier == tier && at_or_above(c.total_bytes, c.available_bytes, high))
+                });
+                if over && !pressed.iter().any(|p| **p == *node) {
+                    pressed.push(Arc::from(node));
+                }
+            }
+            Ok(pressed)
+        })
+        .await?;
+        if !pressed.is_empty() {
+            self.relieve_soon(pressed);
+        }
+        Ok(())
+    }
+
+    /// Runs a relief eviction for `nodes` on the evictor, after this route is answered (one queued at
+    /// a time: it plans from the store's figures when it runs, so routes in the meantime are covered).
+    /// Keeping every medium below the high watermark between background rounds leaves room for the
+    /// writes in flight, which a pool filled to the last byte would refuse.
+    fn relieve_soon(&self, nodes: Vec<Arc<str>>) {
+        if self.relief_pending.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (evictor, pending) = (Arc::clone(&self.evictor), Arc::clone(&self.relief_pending));
+        tokio::spawn(async move {
+            let mut evictor = evictor.lock().await;
+            pending.store(false, Ordering::Release);
+            evictor.relieve(&nodes).await;
+        });
     }
 
     /// The columnar route-get answer; never names a node that is not ALIVE.
@@ -482,8 +585,11 @@ impl UmbpMaster for MasterService {
 
     async fn route_put(&self, request: Request<v1::RoutePutRequest>) -> Result<Response<v1::RoutePutResponse>, Status> {
         let r = request.into_inner();
-        let entry =
-            self.route_put_batch(&r.node_id, &[r.key], &[r.block_size], &r.exclude_nodes)?.pop().unwrap_or_default();
+        let entry = self
+            .route_put_making_room(&r.node_id, &[r.key], &[r.block_size], &r.exclude_nodes)
+            .await?
+            .pop()
+            .unwrap_or_default();
         Ok(Response::new(v1::RoutePutResponse {
             outcome: entry.outcome,
             node_id: entry.node_id,
@@ -514,7 +620,7 @@ impl UmbpMaster for MasterService {
         request: Request<v1::BatchRoutePutRequest>,
     ) -> Result<Response<v1::BatchRoutePutResponse>, Status> {
         let r = request.into_inner();
-        let entries = self.route_put_batch(&r.node_id, &r.keys, &r.block_sizes, &r.exclude_nodes)?;
+        let entries = self.route_put_making_room(&r.node_id, &r.keys, &r.block_sizes, &r.exclude_nodes).await?;
         Ok(Response::new(v1::BatchRoutePutResponse { entries }))
     }
 
@@ -544,6 +650,27 @@ impl UmbpMaster for MasterService {
         // Per-node key counts are O(1), but the total sums every shard: off the async workers.
         blocking(move || cluster_status(&*store, retention_ms)).await.map(Response::new)
     }
+}
+
+/// Whether a medium's used fraction is at or above `high` (the eviction plan's test, in floats: only
+/// a trigger).
+fn at_or_above(total: u64, available: u64, high: f64) -> bool {
+    total > 0 && (total.saturating_sub(available) as f64) >= high * total as f64
+}
+
+/// Bytes the unplaced keys of a put route need in all, and the largest of them (a repeated key counts
+/// once: its repeats are answered like it).
+fn unplaced(entries: &[v1::RoutePutEntry], keys: &[String], sizes: &[u64]) -> (u64, u64) {
+    let mut needed = 0u64;
+    let mut largest = 0u64;
+    let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    for ((entry, &size), key) in entries.iter().zip(sizes).zip(keys) {
+        if entry.outcome == v1::RoutePutOutcome::RoutePutUnavailable as i32 && size > 0 && seen.insert(key) {
+            needed = needed.saturating_add(size);
+            largest = largest.max(size);
+        }
+    }
+    (needed, largest)
 }
 
 /// The operator view of the cluster.

@@ -153,10 +153,10 @@ pub fn plan_eviction<N: NodeTiers>(nodes: &[N], high: f64, low: f64) -> Vec<Buck
     buckets
 }
 
-const PPM: u128 = 1_000_000;
+pub(crate) const PPM: u128 = 1_000_000;
 
 /// A watermark as an integer count of millionths, clamped to `0..=1` (NaN reads as 0).
-fn parts_per_million(fraction: f64) -> u128 {
+pub(crate) fn parts_per_million(fraction: f64) -> u128 {
     // `as` saturates and maps NaN to 0; the clamp keeps an unvalidated value inside 0..=1.
     ((fraction * 1e6).round() as u128).min(PPM)
 }

@@ -44,7 +44,7 @@ use umbp_core::{KvEvent, KvEventKind, TierType};
 
 use super::{
     EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, Location, MetadataStore, NodeRecord,
-    NodeStatus, RegisterOutcome, Registration, StoreError,
+    NodeStatus, RegisterOutcome, Registration, StoreError, TierCap,
 };
 
 /// Block shards of [`InMemoryStore::new`] (the reference's `UMBP_MASTER_INDEX_SHARDS` default).
@@ -546,6 +546,18 @@ impl InMemoryStore {
         }
     }
 
+    /// Sets an ALIVE node's recorded available bytes on `tier` to `to(cap)`. Meta only: heartbeats
+    /// of the node rewrite the same field under the meta lock, so the two never interleave.
+    fn adjust_available(&self, node_id: &str, tier: TierType, to: impl FnOnce(&TierCap) -> u64) {
+        let mut meta = self.meta.write();
+        if let Some(state) = meta.get_mut(node_id)
+            && state.record.status == NodeStatus::Alive
+            && let Some(cap) = state.record.caps.iter_mut().find(|c| c.tier == tier)
+        {
+            cap.available_bytes = to(cap);
+        }
+    }
+
     fn records(&self, alive_only: bool) -> Vec<NodeRecord> {
         let meta = self.meta.read();
         let mut out: Vec<NodeRecord> = meta
@@ -771,14 +783,12 @@ impl MetadataStore for InMemoryStore {
     }
 
     fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
-        let _node = self.node_lock(node_id).lock();
-        let mut meta = self.meta.write();
-        if let Some(state) = meta.get_mut(node_id)
-            && state.record.status == NodeStatus::Alive
-            && let Some(cap) = state.record.caps.iter_mut().find(|c| c.tier == tier)
-        {
-            cap.available_bytes = cap.available_bytes.saturating_add(bytes).min(cap.total_bytes);
-        }
+        self.adjust_available(node_id, tier, |cap| cap.available_bytes.saturating_add(bytes).min(cap.total_bytes));
+        Ok(())
+    }
+
+    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
+        self.adjust_available(node_id, tier, |cap| cap.available_bytes.saturating_sub(bytes));
         Ok(())
     }
 

@@ -406,6 +406,15 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// Backend failures.
     fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError>;
 
+    /// Lowers the available bytes recorded for `tier` of an ALIVE node by `bytes` (never below 0): a
+    /// put route placed that many bytes there, and a concurrent route must not place the same room
+    /// twice before the node's next heartbeat reports its real figure (which then replaces it). A
+    /// no-op for an absent or expired node or an unreported tier.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError>;
+
     /// The key's locations on ALIVE nodes. No side effects.
     ///
     /// # Errors
@@ -515,6 +524,9 @@ mod tests {
             Ok(Vec::new())
         }
         fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
             Ok(())
         }
         fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {
