@@ -1,5 +1,5 @@
 //! The get path, per pipelined chunk: route → resolve on every holder concurrently, right before the one submit → wait
-//! → keep only copies that finished inside the read lease, re-reading the rest.
+//! → keep only copies that finished inside the read lease, re-reading the rest → release.
 //!
 //! A resolve takes a read lease on the holder (`read_lease`, 500 ms by default) that protects the
 //! pages from eviction while the copy runs. The wire carries no lease length, so the client uses its
@@ -7,16 +7,76 @@
 //! the resolve RPC was sent (earlier than the holder's clock starts: conservative). A copy that ends
 //! after that deadline may have read pages already reused by another key: it is discarded
 //! ([`KeyError::LeaseExpired`] once re-reads are exhausted), never returned as a hit.
+//!
+//! **Release.** Once a round's copies are over (done or failed), every hit's lease is released: on
+//! this node's medium in place, on each remote holder with one `ReleaseReads` sent in the
+//! background (the result never waits for it; `close` waits for releases still in flight, so a
+//! one-shot client does not exit before its release leaves). A staged medium (SSD) therefore gets
+//! its staging pages back as soon as the copy is done, not after its lease.
+//!
+//! **Busy.** A holder that has the key but cannot serve it now (every staging page held by other
+//! readers) answers busy. The key is not excluded and not reported missing: it is asked of the
+//! same holder again (no route call), at once after a round that read something (this chunk's own
+//! releases just freed pages), else after a backoff doubling from 1 ms to 100 ms. A chunk gives its
+//! busy keys up ([`KeyError::Busy`]) only after [`BUSY_WAIT`] without reading anything. Busy
+//! answers do not use up `max_reroutes`.
+//!
+//! **Gone holders.** A holder that refuses connections (nothing listens at its address: its process
+//! is gone, though the master may not know yet) makes its keys misses, not errors: they are
+//! re-routed without it like a stale route, and the client leaves it out of its routes for a while.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{chunk_by_bytes, join_all, medium_call, pipelined};
+use super::support::{chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections, send_release};
 use super::*;
 use crate::peer_service::decode_batch_resolve;
-use umbp_core::PageLocation;
+use umbp_core::{PageLocation, ReadRelease};
 
-/// Where a found key lives: size, pages, the holder's buffer refs by index, page size.
-type Located = (u64, Vec<PageLocation>, Vec<Option<TransferRef>>, u64);
+/// How long a read waits out a holder that answers busy (the key is there, but every staging page
+/// is held by other readers) before it gives up with [`KeyError::Busy`]: longer than the SSD read
+/// lease (3 s), so even pages held by a reader that died come back within it.
+const BUSY_WAIT: Duration = Duration::from_secs(10);
+/// The first wait before asking a busy holder again; it doubles each round up to the maximum.
+const BUSY_BACKOFF_MIN: Duration = Duration::from_millis(1);
+/// The longest wait between two asks of a busy holder.
+const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(100);
+
+/// Where a found key lives on a remote holder.
+struct Hit {
+    size: u64,
+    pages: Vec<PageLocation>,
+    /// The holder's buffer refs by index (of the medium that serves the key).
+    refs: Vec<Option<TransferRef>>,
+    page_size: u64,
+    /// The read lease to release once the copy is done (0: none).
+    lease: u64,
+    /// The holder's medium that serves the key.
+    backend_id: u32,
+}
+
+/// A remote holder's answer for one key.
+enum Answer {
+    Hit(Hit),
+    Miss,
+    /// Held there, but not servable now: ask the same holder again shortly.
+    Busy,
+}
+
+/// This node's medium's answer for one key (a hit is planned in place).
+#[derive(Clone, Copy)]
+enum Here {
+    Found,
+    Missing,
+    Busy,
+}
+
+/// Where a key that was answered busy is asked again.
+enum Retry {
+    /// This node's medium.
+    Here,
+    /// The same remote holder, without a route call.
+    Remote { node: String, peer: String },
+}
 
 /// What reading one chunk produced.
 struct ChunkRead {
@@ -28,12 +88,77 @@ struct ChunkRead {
     local_hits: Vec<String>,
 }
 
+/// Per-key state of one chunk's read.
+struct ChunkState {
+    results: Vec<Option<Result<u64, KeyError>>>,
+    exclude: Vec<BTreeSet<String>>,
+    last_error: HashMap<usize, KeyError>,
+    /// Routed attempts that failed (busy answers do not count).
+    tries: Vec<u32>,
+    /// Keys answered busy, and where to ask again.
+    retry: Vec<Option<Retry>>,
+}
+
+impl ChunkState {
+    fn new(n: usize) -> Self {
+        Self {
+            results: vec![None; n],
+            exclude: vec![BTreeSet::new(); n],
+            last_error: HashMap::new(),
+            tries: vec![0; n],
+            retry: (0..n).map(|_| None).collect(),
+        }
+    }
+
+    /// Key `i` was answered busy by `node`: not excluded, asked again at `retry`.
+    fn busy(&mut self, i: usize, retry: Retry, node: &str) {
+        self.last_error.insert(i, KeyError::Busy { node: node.to_owned() });
+        self.retry[i] = Some(retry);
+    }
+
+    /// Ends a round for the keys still open: a busy one waits (it fails once `busy_expired`), one
+    /// whose first copy was carried into this round (`carried[i]`, the local hits of round 0) is
+    /// routed next, any other used up a route and fails after `max_reroutes` of them.
+    fn settle_round(&mut self, carried: &[bool], max_reroutes: u32, busy_expired: bool) {
+        for (i, result) in self.results.iter_mut().enumerate() {
+            if result.is_some() {
+                continue;
+            }
+            if self.retry[i].is_some() {
+                if busy_expired {
+                    self.retry[i] = None;
+                    *result = Some(Err(self.last_error.remove(&i).unwrap_or(KeyError::Miss)));
+                }
+                continue;
+            }
+            if carried.get(i).copied().unwrap_or(false) {
+                continue;
+            }
+            self.tries[i] += 1;
+            if self.tries[i] > max_reroutes {
+                *result = Some(Err(self.last_error.remove(&i).unwrap_or(KeyError::Miss)));
+            }
+        }
+    }
+
+    /// Whether some key of the chunk waits to ask remote `node` again.
+    fn waits_on(&self, node: &str) -> bool {
+        self.retry.iter().flatten().any(|r| matches!(r, Retry::Remote { node: n, .. } if n == node))
+    }
+}
+
 /// One key's planned read.
 struct Planned {
     index: usize,
     size: u64,
     node: String,
+    /// The holder's peer address; `None` for this node's medium.
+    peer: Option<String>,
     lease_end: Instant,
+    /// The read lease to release once the copy is done (0: none).
+    lease: u64,
+    /// The holder's medium that serves the key (remote holders only).
+    backend_id: u32,
 }
 
 impl PoolClient {
@@ -115,12 +240,11 @@ impl PoolClient {
         results.into_iter().map(|r| r.unwrap_or(Err(KeyError::Miss))).collect()
     }
 
-    /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes.
+    /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes (`max_reroutes` per
+    /// key) and a bounded wait for holders that answer busy ([`BUSY_WAIT`]).
     async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf]) -> ChunkRead {
         let n = keys.len();
-        let mut results: Vec<Option<Result<u64, KeyError>>> = vec![None; n];
-        let mut exclude: Vec<BTreeSet<String>> = vec![BTreeSet::new(); n];
-        let mut last_error: HashMap<usize, KeyError> = HashMap::new();
+        let mut st = ChunkState::new(n);
         let mut fetched_remote: Vec<usize> = Vec::new();
         let me = self.config.node_id.clone();
         // Local first: what this node holds is read without asking the master (a route call per
@@ -131,30 +255,65 @@ impl PoolClient {
         let mut local_hits = Vec::new();
         if let Some(m) = &self.medium {
             let all: Vec<(usize, bool)> = (0..n).map(|i| (i, true)).collect();
-            let found = self.read_here(m, keys, targets, &all, &mut carried.0, &mut carried.1, &mut results).await;
-            for (i, found) in found.into_iter().enumerate() {
-                exclude[i].insert(me.clone());
-                read_locally[i] = found;
-                if found {
-                    local_hits.push(keys[i].to_owned());
+            let answers = self.read_here(m, keys, targets, &all, &mut carried.0, &mut carried.1, &mut st.results).await;
+            for (i, answer) in answers.into_iter().enumerate() {
+                match answer {
+                    Here::Found => {
+                        st.exclude[i].insert(me.clone());
+                        read_locally[i] = true;
+                        local_hits.push(keys[i].to_owned());
+                    }
+                    // Held here but busy: ask this medium again next round.
+                    Here::Busy => st.busy(i, Retry::Here, &me),
+                    Here::Missing => {
+                        st.exclude[i].insert(me.clone());
+                    }
                 }
             }
         }
-        for attempt in 0..=self.config.max_reroutes {
-            let pending: Vec<usize> =
-                (0..n).filter(|i| results[*i].is_none() && !(attempt == 0 && read_locally[*i])).collect();
+        // A busy key waits while its holders keep serving this chunk; it gives up after BUSY_WAIT
+        // without any progress.
+        let mut last_progress = Instant::now();
+        let mut backoff = BUSY_BACKOFF_MIN;
+        let mut progressed = true;
+        let mut round = 0usize;
+        loop {
+            // Round 0 carries the local hits' copies; keys the local medium answered busy wait for
+            // round 1 (asking again at once would find it just as busy).
+            let pending: Vec<usize> = (0..n)
+                .filter(|i| st.results[*i].is_none() && !(round == 0 && (read_locally[*i] || st.retry[*i].is_some())))
+                .collect();
             let (mut transfers, mut planned) = std::mem::take(&mut carried);
-            if pending.is_empty() && planned.is_empty() {
+            if pending.is_empty() && planned.is_empty() && st.results.iter().all(Option::is_some) {
                 break;
             }
-            if attempt > 0 {
-                StatCounters::add(&self.stats.reroutes, pending.len() as u64);
+            if round > 0 {
+                let rerouted = pending.iter().filter(|i| st.retry[**i].is_none()).count();
+                StatCounters::add(&self.stats.reroutes, rerouted as u64);
+                if !progressed && pending.iter().any(|i| st.retry[*i].is_some()) {
+                    // Someone else's reads hold the holder's staging pages: give them time to copy
+                    // and release (bounded backoff), then ask the same holder again. After a round
+                    // that read something, this chunk's own releases just freed pages: ask at once.
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(BUSY_BACKOFF_MAX);
+                }
             }
-            // Route, one call per distinct exclude set, concurrently.
+            // Keys a holder answered busy go straight back to it; the rest are routed, one call per
+            // distinct exclude set, concurrently.
+            let mut local: Vec<(usize, bool)> = Vec::new();
+            let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
+            let mut to_route: Vec<usize> = Vec::new();
+            for i in &pending {
+                match st.retry[*i].take() {
+                    Some(Retry::Here) => local.push((*i, true)),
+                    Some(Retry::Remote { node, peer }) => groups.entry((node, peer)).or_default().push(*i),
+                    None => to_route.push(*i),
+                }
+            }
             let unreachable = self.recently_unreachable();
             let mut by_set: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
-            for i in &pending {
-                let mut set = exclude[*i].clone();
+            for i in &to_route {
+                let mut set = st.exclude[*i].clone();
                 set.extend(unreachable.iter().cloned());
                 by_set.entry(set.into_iter().collect()).or_default().push(*i);
             }
@@ -166,15 +325,12 @@ impl PoolClient {
                     self.master.batch_route_get(&route_keys, set).await
                 })
                 .collect();
-            // (local, routed here) and remote groups.
-            let mut local: Vec<(usize, bool)> = Vec::new();
-            let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
             for ((_, indexes), hits) in sets.iter().zip(join_all(calls).await) {
                 let hits = match hits {
                     Ok(h) => h,
                     Err(e) => {
                         for i in indexes {
-                            results[*i] = Some(Err(KeyError::Routing(e.to_string())));
+                            st.results[*i] = Some(Err(KeyError::Routing(e.to_string())));
                         }
                         continue;
                     }
@@ -183,8 +339,8 @@ impl PoolClient {
                     match hit {
                         // Not indexed (yet): the key may have been written here before the master
                         // heard. Without a medium, or once tried here, it is a miss at once.
-                        None if self.medium.is_none() || exclude[*i].contains(&me) => {
-                            results[*i] = Some(Err(last_error.remove(i).unwrap_or(KeyError::Miss)))
+                        None if self.medium.is_none() || st.exclude[*i].contains(&me) => {
+                            st.results[*i] = Some(Err(st.last_error.remove(i).unwrap_or(KeyError::Miss)))
                         }
                         None => local.push((*i, false)),
                         Some(h) if h.node_id == me => local.push((*i, true)),
@@ -198,13 +354,13 @@ impl PoolClient {
                 groups.iter().map(|((node, peer), indexes)| self.resolve_remote(keys, indexes, node, peer)).collect(),
             )
             .await;
-            for (((node, _), indexes), (start, found)) in groups.iter().zip(resolves) {
+            for (((node, peer), indexes), (start, found)) in groups.iter().zip(resolves) {
                 let found = match found {
                     Ok(f) => f,
                     Err(e) => {
                         for i in indexes {
-                            exclude[*i].insert(node.clone());
-                            last_error.insert(*i, e.clone());
+                            st.exclude[*i].insert(node.clone());
+                            st.last_error.insert(*i, e.clone());
                         }
                         continue;
                     }
@@ -212,22 +368,33 @@ impl PoolClient {
                 let lease_end = start + self.config.read_lease;
                 for (i, f) in indexes.iter().zip(found) {
                     match f {
-                        None => {
+                        Answer::Miss => {
                             // A stale route: re-route without this node.
-                            exclude[*i].insert(node.clone());
-                            last_error.insert(*i, KeyError::Miss);
+                            st.exclude[*i].insert(node.clone());
+                            st.last_error.insert(*i, KeyError::Miss);
                         }
-                        Some((size, pages, refs, page_size)) => {
-                            let plan = Planned { index: *i, size, node: node.clone(), lease_end };
+                        Answer::Busy => {
+                            st.busy(*i, Retry::Remote { node: node.clone(), peer: peer.clone() }, node);
+                        }
+                        Answer::Hit(hit) => {
+                            let plan = Planned {
+                                index: *i,
+                                size: hit.size,
+                                node: node.clone(),
+                                peer: Some(peer.clone()),
+                                lease_end,
+                                lease: hit.lease,
+                                backend_id: hit.backend_id,
+                            };
                             self.plan_get(
                                 plan,
-                                &pages,
-                                &refs,
-                                page_size,
+                                &hit.pages,
+                                &hit.refs,
+                                hit.page_size,
                                 targets[*i],
                                 &mut transfers,
                                 &mut planned,
-                                &mut results,
+                                &mut st.results,
                             );
                         }
                     }
@@ -237,57 +404,115 @@ impl PoolClient {
             if let Some(m) = &self.medium
                 && !local.is_empty()
             {
-                let found = self.read_here(m, keys, targets, &local, &mut transfers, &mut planned, &mut results).await;
-                for ((i, routed_here), found) in local.iter().zip(found) {
-                    exclude[*i].insert(me.clone());
-                    if found {
-                        continue;
-                    }
-                    if *routed_here {
+                let answers =
+                    self.read_here(m, keys, targets, &local, &mut transfers, &mut planned, &mut st.results).await;
+                for ((i, routed_here), answer) in local.iter().zip(answers) {
+                    match answer {
+                        Here::Found => {
+                            st.exclude[*i].insert(me.clone());
+                        }
+                        Here::Busy => st.busy(*i, Retry::Here, &me),
                         // The master's index is stale: try another replica.
-                        last_error.insert(*i, KeyError::Miss);
-                    } else {
+                        Here::Missing if *routed_here => {
+                            st.exclude[*i].insert(me.clone());
+                            st.last_error.insert(*i, KeyError::Miss);
+                        }
                         // No route and no local copy: a miss at once.
-                        results[*i] = Some(Err(KeyError::Miss));
+                        Here::Missing => {
+                            st.exclude[*i].insert(me.clone());
+                            st.results[*i] = Some(Err(KeyError::Miss));
+                        }
                     }
                 }
             }
+            progressed = !planned.is_empty();
+            if progressed {
+                last_progress = Instant::now();
+                backoff = BUSY_BACKOFF_MIN;
+            }
             let failed = self.run_transfers(transfers).await;
             let ended = Instant::now();
+            // Every copy of this round is over: its holders may reuse the pages now.
+            self.release_reads(keys, &planned, &st).await;
             for p in planned {
                 if let Some((kind, message)) = failed.get(&(p.index as u64)) {
-                    last_error.insert(
+                    st.last_error.insert(
                         p.index,
                         KeyError::Transfer { node: p.node.clone(), kind: *kind, message: message.clone() },
                     );
-                    exclude[p.index].insert(p.node.clone());
+                    st.exclude[p.index].insert(p.node.clone());
                     if p.node != me {
                         self.forget_peer(&p.node);
                     }
                 } else if ended > p.lease_end {
                     // The pages may have been evicted and reused under the copy: read again.
                     StatCounters::add(&self.stats.lease_lapses, 1);
-                    exclude[p.index].remove(&p.node);
-                    last_error.insert(p.index, KeyError::LeaseExpired { node: p.node });
+                    st.exclude[p.index].remove(&p.node);
+                    st.last_error.insert(p.index, KeyError::LeaseExpired { node: p.node });
                 } else {
-                    results[p.index] = Some(Ok(p.size));
+                    st.results[p.index] = Some(Ok(p.size));
                     if p.node != me {
                         fetched_remote.push(p.index);
                     }
                 }
             }
+            let busy_expired = Instant::now() >= last_progress + BUSY_WAIT;
+            let carried_here: &[bool] = if round == 0 { &read_locally } else { &[] };
+            st.settle_round(carried_here, self.config.max_reroutes, busy_expired);
+            round += 1;
         }
-        let results = results
+        let results = st
+            .results
             .into_iter()
             .enumerate()
-            .map(|(i, r)| r.unwrap_or_else(|| Err(last_error.remove(&i).unwrap_or(KeyError::Miss))))
+            .map(|(i, r)| r.unwrap_or_else(|| Err(st.last_error.remove(&i).unwrap_or(KeyError::Miss))))
             .collect();
         ChunkRead { results, fetched_remote, local_hits }
     }
 
+    /// Ends the read leases of `planned` (every copy of the round is over, done or failed): this
+    /// node's medium at once, each remote holder with one `ReleaseReads`, in the background (the
+    /// caller's result never waits for it) unless the chunk still has keys that holder answered
+    /// busy, whose next resolve needs the pages back first.
+    async fn release_reads(&self, keys: &[&str], planned: &[Planned], st: &ChunkState) {
+        let mut local: Vec<ReadRelease> = Vec::new();
+        let mut remote: BTreeMap<(String, String), Vec<pb::ReadRelease>> = BTreeMap::new();
+        for p in planned.iter().filter(|p| p.lease != 0) {
+            let key = keys[p.index].to_owned();
+            match &p.peer {
+                None => local.push(ReadRelease::new(key, p.lease)),
+                Some(peer) => remote.entry((p.node.clone(), peer.clone())).or_default().push(pb::ReadRelease {
+                    key,
+                    lease_id: p.lease,
+                    backend_id: p.backend_id,
+                }),
+            }
+        }
+        if let Some(m) = &self.medium
+            && !local.is_empty()
+        {
+            // Bookkeeping under the medium's lock, no IO: cheap enough to run in place.
+            blocking(|| m.release_reads(&local));
+        }
+        let mut waited = Vec::new();
+        for ((node, _), reads) in remote {
+            // Only over a connection still open: a holder that failed does not hold this round up
+            // (its leases expire instead).
+            let Some(client) = self.peers.lock().get(&node).map(|c| c.client.clone()) else { continue };
+            let send =
+                send_release(client, node.clone(), reads, self.config.rpc_timeout, self.config.cluster_token.clone());
+            if st.waits_on(&node) {
+                waited.push(send);
+            } else {
+                self.releases.spawn(send);
+            }
+        }
+        join_all(waited).await;
+    }
+
     /// Resolves `local` (index, whether the master routed it here) on this node's medium and plans
-    /// the copies of the keys found, each under the medium's read lease. Returns, per entry, whether
-    /// the key was found.
+    /// the copies of the keys found, each under the medium's read lease. Returns, per entry, what
+    /// the medium answered.
     #[expect(clippy::too_many_arguments, reason = "the chunk's keys and the round's accumulators")]
     async fn read_here(
         &self,
@@ -298,7 +523,7 @@ impl PoolClient {
         transfers: &mut Vec<TransferItem>,
         planned: &mut Vec<Planned>,
         results: &mut [Option<Result<u64, KeyError>>],
-    ) -> Vec<bool> {
+    ) -> Vec<Here> {
         let local_keys: Vec<String> = local.iter().map(|(i, _)| keys[*i].to_owned()).collect();
         let start = Instant::now();
         // A panicked resolve reads nothing here: every key is then routed elsewhere.
@@ -308,20 +533,25 @@ impl PoolClient {
         })
         .await
         .unwrap_or_default();
-        let mut found = vec![false; local.len()];
-        for ((f, (i, _)), r) in found.iter_mut().zip(local).zip(resolved) {
-            if r.found {
-                *f = true;
+        let mut answers = vec![Here::Missing; local.len()];
+        for ((a, (i, _)), r) in answers.iter_mut().zip(local).zip(resolved) {
+            if r.busy {
+                *a = Here::Busy;
+            } else if r.found {
+                *a = Here::Found;
                 let plan = Planned {
                     index: *i,
                     size: r.size,
                     node: self.config.node_id.clone(),
+                    peer: None,
                     lease_end: start + self.config.read_lease,
+                    lease: r.lease,
+                    backend_id: 0,
                 };
                 self.plan_get(plan, &r.pages, &refs, r.page_size, targets[*i], transfers, planned, results);
             }
         }
-        found
+        answers
     }
 
     /// Tells the master, in the background, that `keys` were just read here, so its LRU eviction
@@ -370,17 +600,27 @@ impl PoolClient {
     }
 
     /// Resolves `indexes` on `node`: the instant just before the resolve was sent (the lease's
-    /// conservative start) and one entry per key.
+    /// conservative start) and one answer per key.
+    ///
+    /// A holder that refuses connections (nothing listens at its address: its process is gone)
+    /// holds nothing this reader can have: its keys are misses, not errors, and it is left out of
+    /// this client's routes for a while (`mark_unreachable`) so the next reads skip it.
     async fn resolve_remote(
         &self,
         keys: &[&str],
         indexes: &[usize],
         node: &str,
         peer: &str,
-    ) -> (Instant, Result<Vec<Option<Located>>, KeyError>) {
+    ) -> (Instant, Result<Vec<Answer>, KeyError>) {
+        let gone = || indexes.iter().map(|_| Answer::Miss).collect();
         let mut client = match self.peer(node, peer).await {
             Ok(c) => c,
-            Err(e) => return (Instant::now(), Err(e)),
+            Err(e) => {
+                if refuses_connections(peer, self.config.rpc_timeout).await {
+                    return (Instant::now(), Ok(gone()));
+                }
+                return (Instant::now(), Err(e));
+            }
         };
         let bad = |message: String| KeyError::Unreachable { node: node.to_owned(), message };
         let omit_descs = self.directory.has_remote_buffers(node);
@@ -391,6 +631,9 @@ impl PoolClient {
             Ok(r) => r.into_inner(),
             Err(e) => {
                 self.mark_unreachable(node);
+                if refuses_connections(peer, self.config.rpc_timeout).await {
+                    return (start, Ok(gone()));
+                }
                 return (start, Err(bad(format!("resolve: {}", e.message()))));
             }
         };
@@ -406,14 +649,24 @@ impl PoolClient {
         let found = decoded
             .keys
             .into_iter()
-            .map(|k| {
-                k.map(|k| {
+            .zip(decoded.busy)
+            .map(|(k, busy)| match k {
+                Some(k) => {
                     let refs = shelves
                         .entry(k.backend_id)
                         .or_insert_with(|| self.directory.remote_buffer_snapshot(node, k.backend_id))
                         .clone();
-                    (k.size, k.pages, refs, decoded.page_size)
-                })
+                    Answer::Hit(Hit {
+                        size: k.size,
+                        pages: k.pages,
+                        refs,
+                        page_size: decoded.page_size,
+                        lease: k.lease,
+                        backend_id: k.backend_id,
+                    })
+                }
+                None if busy => Answer::Busy,
+                None => Answer::Miss,
             })
             .collect();
         (start, Ok(found))

@@ -456,6 +456,13 @@ pub enum KeyError {
         /// What happened.
         message: String,
     },
+    /// The holder has the key but stayed busy (every staging page in use by other readers) for as
+    /// long as a read waits it out (about 10 s): try again later.
+    #[error("{node} is busy serving other reads; try again")]
+    Busy {
+        /// The holder.
+        node: String,
+    },
     /// A read copied for longer than the holder's read lease (`read_lease`): the pages may have been
     /// evicted and reused under it, so the bytes are not trusted. The buffer's contents are unspecified.
     #[error("the read lease on {node} lapsed before the copy finished")]
@@ -487,6 +494,7 @@ impl KeyError {
             self,
             Self::NoSpace { .. }
                 | Self::Unreachable { .. }
+                | Self::Busy { .. }
                 | Self::Transfer { .. }
                 | Self::LeaseExpired { .. }
                 | Self::SlotExpired { .. }
@@ -563,6 +571,8 @@ pub struct PoolClient {
     touches: Arc<tokio::sync::Semaphore>,
     /// The Prometheus endpoint, when configured.
     metrics: Mutex<Option<MetricsServer>>,
+    /// Read releases in flight (see `get`); `close` waits for them.
+    releases: support::Releases,
 }
 
 impl PoolClient {
@@ -784,6 +794,7 @@ impl PoolClient {
             stats,
             touches: Arc::new(tokio::sync::Semaphore::new(TOUCHES_IN_FLIGHT)),
             metrics: Mutex::new(metrics),
+            releases: support::Releases::default(),
         })
     }
 
@@ -1095,6 +1106,8 @@ impl PoolClient {
             return;
         }
         *closed = true;
+        // A short-lived client's reads must reach their holders' release before it goes.
+        self.releases.drain(self.config.rpc_timeout).await;
         // The worker copies into the medium: drain it before the medium goes.
         drop(self.recache_tx.lock().take());
         let worker = self.recache_worker.lock().take();

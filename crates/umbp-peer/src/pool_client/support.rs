@@ -220,6 +220,63 @@ pub(super) async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
     out.into_iter().flatten().collect()
 }
 
+/// Read releases sent in the background (fire and forget: a reader's result never waits for its
+/// release), kept so that `close` can wait for the ones still in flight: a short-lived client (one
+/// `umbp get`) must not exit before its release leaves, or the holder keeps the pages for the whole
+/// read lease.
+#[derive(Debug, Default)]
+pub(super) struct Releases {
+    tasks: parking_lot::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl Releases {
+    /// Runs `release` in the background (dropped without a runtime: the lease then expires).
+    pub(super) fn spawn(&self, release: impl Future<Output = ()> + Send + 'static) {
+        let Ok(handle) = Handle::try_current() else { return };
+        let task = handle.spawn(release);
+        let mut tasks = self.tasks.lock();
+        tasks.retain(|t| !t.is_finished());
+        tasks.push(task);
+    }
+
+    /// Waits (at most `bound`) for every release still in flight.
+    pub(super) async fn drain(&self, bound: Duration) {
+        let tasks = std::mem::take(&mut *self.tasks.lock());
+        let all = async {
+            for t in tasks {
+                let _ = t.await;
+            }
+        };
+        if tokio::time::timeout(bound, all).await.is_err() {
+            tracing::debug!("read releases still in flight at close; their leases expire instead");
+        }
+    }
+}
+
+/// Sends `reads` to a holder's `ReleaseReads` (best effort: a lost release only waits for the
+/// lease's expiry).
+pub(super) async fn send_release(
+    mut client: PeerClient,
+    node: String,
+    reads: Vec<pb::ReadRelease>,
+    timeout: Duration,
+    token: Option<String>,
+) {
+    let r = request(pb::ReleaseReadsRequest { reads }, timeout, token.as_deref());
+    if let Err(e) = client.release_reads(r).await {
+        tracing::debug!(node, error = %e.message(), "read release did not land; the read lease expires instead");
+    }
+}
+
+/// Whether `peer` (`host:port`) refuses TCP connections now: nothing listens there (the holder's
+/// process is gone). A timeout or any other failure is not a refusal.
+pub(super) async fn refuses_connections(peer: &str, timeout: Duration) -> bool {
+    matches!(
+        tokio::time::timeout(timeout, tokio::net::TcpStream::connect(peer)).await,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
+}
+
 /// A request with the RPC deadline and the cluster token.
 pub(super) fn request<T>(message: T, timeout: Duration, token: Option<&str>) -> tonic::Request<T> {
     let mut r = tonic::Request::new(message);
