@@ -27,7 +27,7 @@
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -70,9 +70,13 @@ enum Step {
     Malformed(protocol::FrameError),
 }
 
-/// The source address a per-peer limit counts (IPv4-mapped IPv6 counts as its IPv4 address).
+/// The source a per-peer limit counts: the IPv4 address (an IPv4-mapped IPv6 one counts as its
+/// IPv4 address), or the IPv6 /64 prefix (one host usually holds a whole /64).
 fn peer_ip(peer: &SocketAddr) -> IpAddr {
-    peer.ip().to_canonical()
+    match peer.ip().to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(v6.to_bits() & !u128::from(u64::MAX))),
+        v4 => v4,
+    }
 }
 
 struct Gate<'a> {
@@ -290,18 +294,16 @@ impl Gate<'_> {
             return;
         }
         let Pending { stream, .. } = p;
-        let setup = stream
-            .set_nonblocking(false)
-            .and_then(|()| configure(&stream, shared.config.io_timeout))
-            .and_then(|()| stream.try_clone());
-        let control = match setup {
+        let control = match stream.try_clone() {
             Ok(control) => control,
             Err(e) => {
                 warn_limited!(shared.warns, "socket_setup", %peer, error = %e,
-                    "tcp data server: cannot configure an authenticated socket; closing");
+                    "tcp data server: cannot clone an authenticated socket; closing");
                 return;
             }
         };
+        // Answers are written while the socket is still non-blocking: 8 bytes always fit a fresh
+        // connection's send buffer, and the gate never waits on a peer.
         let admitted = shared.conns.lock().admit(shared, peer_ip(&peer), control);
         let Some((id, activity)) = admitted else {
             bump(&shared.metrics.refused_limit);
@@ -311,10 +313,15 @@ impl Gate<'_> {
                 "tcp data server: every connection is in the middle of a request; answered busy");
             return;
         };
-        // The answer fits an empty socket buffer (8 bytes), so this non-blocking-sized write completes.
         let answered = (&stream).write(&protocol::encode_hello_reply(HelloStatus::Ok));
         if !matches!(answered, Ok(n) if n == protocol::HELLO_REPLY_LEN) {
             tracing::debug!(%peer, "tcp data server: could not answer a hello; closing");
+            shared.conns.lock().remove(id);
+            return;
+        }
+        if let Err(e) = stream.set_nonblocking(false).and_then(|()| configure(&stream, shared.config.io_timeout)) {
+            warn_limited!(shared.warns, "socket_setup", %peer, error = %e,
+                "tcp data server: cannot configure an authenticated socket; closing");
             shared.conns.lock().remove(id);
             return;
         }
@@ -372,4 +379,19 @@ const fn libc_emfile() -> i32 {
 /// `ENFILE`: the system is out of file descriptors.
 const fn libc_enfile() -> i32 {
     rustix::io::Errno::NFILE.raw_os_error()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_peer_limits_count_ipv4_hosts_and_ipv6_prefixes() {
+        let at = |s: &str| peer_ip(&s.parse::<SocketAddr>().expect("address"));
+        assert_eq!(at("10.0.0.1:1"), at("10.0.0.1:2"));
+        assert_ne!(at("10.0.0.1:1"), at("10.0.0.2:1"));
+        assert_eq!(at("[::ffff:10.0.0.1]:1"), at("10.0.0.1:9"), "an IPv4-mapped source is its IPv4 host");
+        assert_eq!(at("[2001:db8:1:2::1]:1"), at("[2001:db8:1:2:ffff::9]:1"), "one /64");
+        assert_ne!(at("[2001:db8:1:2::1]:1"), at("[2001:db8:1:3::1]:1"));
+    }
 }

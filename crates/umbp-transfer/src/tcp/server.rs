@@ -62,9 +62,10 @@ pub struct DataServerConfig {
     /// the connection idle longest; only when every connection is in the middle of a request is it
     /// answered `BUSY`. Default: 1024.
     pub max_connections: usize,
-    /// Authenticated connections from one source address at once; beyond it a newcomer closes
-    /// that address's connection idle longest (or is answered `BUSY`), so one host cannot displace
-    /// everyone else's. Default: 256.
+    /// Authenticated connections from one source address at once (an IPv6 source counts by its
+    /// /64 prefix, here and in [`max_handshakes_per_peer`](Self::max_handshakes_per_peer)); beyond
+    /// it a newcomer closes that address's connection idle longest (or is answered `BUSY`), so
+    /// one host cannot displace everyone else's. Default: 256.
     pub max_connections_per_peer: usize,
     /// Connections still in the handshake at once, apart from the authenticated ones. They cost a
     /// descriptor each, no thread; beyond this the oldest one is closed. Default: 256.
