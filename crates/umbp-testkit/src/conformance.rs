@@ -46,6 +46,7 @@ mod events;
 mod evict;
 mod fixture;
 mod lifecycle;
+mod release;
 
 use fixture::Fixture;
 
@@ -309,4 +310,9 @@ checks! {
     concurrency::concurrent_commits_of_one_key_keep_one_value => "racing commits of one key keep one value and one Add",
     concurrency::full_sync_snapshot_is_atomic_under_concurrent_commits => "full syncs and drains racing writers rebuild exactly the owned set",
     concurrency::clear_local_races_no_new_owned_key_before_ack => "racing a clear, no allocation succeeds and no key is owned until the ack",
+    release::release_ends_the_read_lease_at_once => "a hit names its lease; its release ends the lease with no time passing",
+    release::two_readers_hold_one_lease_until_both_release => "leases are counted: the last reader's release ends them",
+    release::a_release_of_an_ended_lease_changes_nothing => "a late, zero or foreign release never ends a live reader's lease",
+    release::release_frees_a_cleared_keys_pages_at_once => "a key cleared under a reader gives its pages back at the release",
+    release::an_idle_medium_never_answers_busy => "a miss is never busy; an idle medium serves what it owns",
 }

@@ -10,8 +10,9 @@ use parking_lot::Mutex;
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BackendRegistry, BufferDesc,
     CommitRequest, CommitResult, EvictResult, KvEvent, LocalRegion, MAX_BACKENDS_PER_PEER, ManualClock, MediumBackend,
-    MemoryLocation, MemoryRegistrar, MetricKind, MetricSample, MetricSource, RegistrationError, RegistryError,
-    ResolvedEntry, TierCapacity, TierType, TransferRef, drain_all_backends, snapshot_all_backends_for_full_sync,
+    MemoryLocation, MemoryRegistrar, MetricKind, MetricSample, MetricSource, ReadRelease, RegistrationError,
+    RegistryError, ResolvedEntry, TierCapacity, TierType, TransferRef, drain_all_backends,
+    snapshot_all_backends_for_full_sync,
 };
 use umbp_testkit::conformance::{self, Env, Subject};
 use umbp_testkit::{FailingRegistrar, LocalOnlyRegistrar, MockBackend, MockConfig};
@@ -277,6 +278,9 @@ enum Flaw {
     /// The full-sync snapshot takes the lock twice: snapshot, then clear the outbox separately, so an
     /// event queued in between is neither in the snapshot nor ever shipped.
     TwoStepFullSync,
+    /// Hits name their leases, but `release_reads` is not forwarded (a decorator that forgot it):
+    /// leases only expire.
+    ForgetsRelease,
 }
 
 /// A registrar that forwards registrations and swallows deregistrations.
@@ -385,6 +389,11 @@ impl MediumBackend for Flawed {
     fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry> {
         self.inner.batch_resolve(keys, include_descs)
     }
+    fn release_reads(&self, reads: &[ReadRelease]) {
+        if self.flaw != Flaw::ForgetsRelease {
+            self.inner.release_reads(reads);
+        }
+    }
     fn evict(&self, keys: &[String]) -> Vec<EvictResult> {
         let mut results = self.inner.evict(keys);
         if self.flaw == Flaw::ReversedEvict {
@@ -429,6 +438,19 @@ fn suite_fails_a_full_sync_snapshot_that_clears_the_outbox_separately() {
     assert_eq!(
         failed_checks(Flaw::TwoStepFullSync),
         BTreeSet::from(["full_sync_snapshot_is_atomic_under_concurrent_commits"])
+    );
+}
+
+#[test]
+fn suite_fails_a_release_that_never_reaches_the_medium() {
+    assert_eq!(
+        failed_checks(Flaw::ForgetsRelease),
+        BTreeSet::from([
+            "release_ends_the_read_lease_at_once",
+            "two_readers_hold_one_lease_until_both_release",
+            "a_release_of_an_ended_lease_changes_nothing",
+            "release_frees_a_cleared_keys_pages_at_once",
+        ])
     );
 }
 
