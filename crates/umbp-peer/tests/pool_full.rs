@@ -66,7 +66,7 @@ async fn a_full_dram_pool_takes_three_times_its_capacity_of_sequential_puts() {
     let newest: Vec<&str> = written.iter().rev().take(8).map(|(k, _)| k.as_str()).collect();
     indexed(&client, &newest).await;
     let hits = check(&client, &written, 8).await;
-    assert!(hits >= 8 && hits <= CAPACITY / MIB, "{hits} hits");
+    assert!((8..=CAPACITY / MIB).contains(&hits), "{hits} hits");
     let stats = master.stats();
     assert!(stats.evict_bytes_freed >= (2 * CAPACITY) as u64 - (8 * MIB) as u64, "{stats:?}");
     client.close().await;

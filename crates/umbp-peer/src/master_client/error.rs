@@ -40,8 +40,10 @@ pub enum MasterClientError {
         #[source]
         status: Box<tonic::Status>,
     },
-    /// The first registration found a live node with this id at the master: another process runs
-    /// under the same id, or a restarted node must wait until its old record expires.
+    /// The first registration found a live node with this id at the master that cannot be told apart
+    /// from this process (a master, or an earlier client, without incarnations): another process runs
+    /// under the same id, or the old record must expire first. (With incarnations on both sides a
+    /// restarted process replaces its predecessor at once instead.)
     #[error("node {node_id} is already registered and alive at the master")]
     AlreadyRegistered {
         /// The node id.

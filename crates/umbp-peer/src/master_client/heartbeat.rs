@@ -166,7 +166,7 @@ impl Inner {
         error
     }
 
-    fn check_superseded(&self) -> Result<(), MasterClientError> {
+    pub(super) fn check_superseded(&self) -> Result<(), MasterClientError> {
         if *self.superseded.borrow() {
             return Err(MasterClientError::Superseded {
                 node_id: self.node.node_id.clone(),

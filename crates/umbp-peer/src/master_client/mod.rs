@@ -37,8 +37,23 @@
 //!   §7.8); if its deadline passes, the heartbeat loop keeps retrying and reopens writes when the
 //!   master acknowledges. Shutdown cancels a running clear; nothing registers after shutdown began.
 //!
+//! - **Incarnations.** Each client takes an incarnation when it is created (wall-clock microseconds,
+//!   strictly increasing within the process) and sends it with the registration, every heartbeat and
+//!   the unregister. A process restarted under the same node id therefore replaces its predecessor's
+//!   live record at once instead of waiting for it to expire. A heartbeat reply with `superseded`
+//!   (or a registration refused with `FAILED_PRECONDITION`) means a newer process took the id: the
+//!   client logs one ERROR, stops its loop for good, never registers again (it would fight the newer
+//!   process) and never unregisters (the record is not its own); every call then fails with
+//!   [`MasterClientError::Superseded`], and [`MasterClient::wait_superseded`] resolves so the node
+//!   process can stop.
+//! - **The first full sync runs inside [`register`](MasterClient::register)** when the node already
+//!   owns keys (an SSD node restarted on its drives): its keys are readable when `register` returns.
+//!
 //! # What the master must do
-//! Answer `RegisterClient` with `ALREADY_EXISTS` for a fresh live node; ack delta bundles in order,
+//! Answer `RegisterClient` with `ALREADY_EXISTS` for a fresh live node of the same (or no)
+//! incarnation, replace one of a lower incarnation, refuse one of a higher incarnation with
+//! `FAILED_PRECONDITION`; answer a heartbeat of a superseded incarnation `UNKNOWN` with `superseded`
+//! and ignore an unregister of one; ack delta bundles in order,
 //! re-ack a bundle whose seq is already applied (never ask for a full sync for it); answer a keepalive
 //! with the last applied seq; flatten the bundles of a full-sync chunk; take chunk 0 only when
 //! `delta_seq_baseline > last_applied` (else answer ALIVE with `acked_seq = last_applied` and apply
@@ -429,6 +444,7 @@ impl MasterClient {
         if self.inner.shut_down.load(Ordering::Acquire) {
             return Err(MasterClientError::ShutDown);
         }
+        self.inner.check_superseded()?;
         if !self.inner.state.lock().registered {
             return Err(MasterClientError::NotRegistered);
         }
@@ -474,6 +490,7 @@ impl MasterClient {
         if self.inner.shut_down.load(Ordering::Acquire) {
             return Err(MasterClientError::ShutDown);
         }
+        self.inner.check_superseded()?;
         if !self.inner.state.lock().registered {
             return Err(MasterClientError::NotRegistered);
         }
