@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 use parking_lot::RwLock;
 use umbp_core::{BufferDesc, MAX_BACKENDS_PER_PEER, TransferRef};
 
+use crate::warn::{WarnLimiter, warn_limited};
+
 /// The most buffers one backend of a peer may publish: a descriptor with a larger buffer index is
 /// skipped with a warning. Indexes come from peers, so they never size an allocation unchecked.
 pub const MAX_BUFFERS_PER_BACKEND: u32 = 1 << 16;
@@ -22,9 +24,13 @@ struct PeerBuffers {
 /// A cached descriptor is kept until the peer is forgotten: a later, different descriptor for the
 /// same slot is ignored with a warning (a restarted peer must be forgotten first, which callers do
 /// when a transfer to it fails).
+///
+/// Descriptors come from peers, so the warnings about skipped ones are rate-limited per kind (one
+/// line every few seconds, with the count suppressed).
 #[derive(Debug, Default)]
 pub struct PeerDirectory {
     peers: RwLock<HashMap<String, PeerBuffers>>,
+    warns: WarnLimiter,
 }
 
 impl PeerDirectory {
@@ -41,7 +47,9 @@ impl PeerDirectory {
         let mut cached = 0;
         for desc in descs {
             let Some(shelf) = entry.shelves.get_mut(desc.backend_id as usize) else {
-                tracing::warn!(
+                warn_limited!(
+                    self.warns,
+                    "bad_backend_id",
                     node,
                     backend_id = desc.backend_id,
                     "ignoring a descriptor with an out-of-range backend id"
@@ -49,11 +57,19 @@ impl PeerDirectory {
                 continue;
             };
             let Some(remote) = desc.remote.clone() else {
-                tracing::warn!(node, buffer = desc.buffer_index, "ignoring a descriptor with no data-plane handle");
+                warn_limited!(
+                    self.warns,
+                    "no_remote_handle",
+                    node,
+                    buffer = desc.buffer_index,
+                    "ignoring a descriptor with no data-plane handle"
+                );
                 continue;
             };
             if desc.buffer_index >= MAX_BUFFERS_PER_BACKEND {
-                tracing::warn!(
+                warn_limited!(
+                    self.warns,
+                    "bad_buffer_index",
                     node,
                     buffer = desc.buffer_index,
                     limit = MAX_BUFFERS_PER_BACKEND,
@@ -63,7 +79,9 @@ impl PeerDirectory {
             }
             let incoming = TransferRef::remote_only(remote, desc.size, desc.location);
             match shelf.get(&desc.buffer_index) {
-                Some(existing) if *existing != incoming => tracing::warn!(
+                Some(existing) if *existing != incoming => warn_limited!(
+                    self.warns,
+                    "changed_descriptor",
                     node,
                     backend_id = desc.backend_id,
                     buffer = desc.buffer_index,
@@ -86,7 +104,7 @@ impl PeerDirectory {
     pub fn replace_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
         let mut peers = self.peers.write();
         let entry = peers.entry(node.to_owned()).or_default();
-        Self::put_all(node, entry, descs)
+        Self::put_all(&self.warns, node, entry, descs)
     }
 
     /// Makes `descs` the whole of what is known about `node` (first contact or reconnection:
@@ -94,16 +112,18 @@ impl PeerDirectory {
     /// an empty one in between. Returns how many descriptors were cached.
     pub fn reset_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
         let mut fresh = PeerBuffers::default();
-        let n = Self::put_all(node, &mut fresh, descs);
+        let n = Self::put_all(&self.warns, node, &mut fresh, descs);
         self.peers.write().insert(node.to_owned(), fresh);
         n
     }
 
-    fn put_all(node: &str, entry: &mut PeerBuffers, descs: &[BufferDesc]) -> usize {
+    fn put_all(warns: &WarnLimiter, node: &str, entry: &mut PeerBuffers, descs: &[BufferDesc]) -> usize {
         let mut changed = 0;
         for desc in descs {
             let Some(shelf) = entry.shelves.get_mut(desc.backend_id as usize) else {
-                tracing::warn!(
+                warn_limited!(
+                    warns,
+                    "bad_backend_id",
                     node,
                     backend_id = desc.backend_id,
                     "ignoring a descriptor with an out-of-range backend id"
@@ -111,11 +131,19 @@ impl PeerDirectory {
                 continue;
             };
             let Some(remote) = desc.remote.clone() else {
-                tracing::warn!(node, buffer = desc.buffer_index, "ignoring a descriptor with no data-plane handle");
+                warn_limited!(
+                    warns,
+                    "no_remote_handle",
+                    node,
+                    buffer = desc.buffer_index,
+                    "ignoring a descriptor with no data-plane handle"
+                );
                 continue;
             };
             if desc.buffer_index >= MAX_BUFFERS_PER_BACKEND {
-                tracing::warn!(
+                warn_limited!(
+                    warns,
+                    "bad_buffer_index",
                     node,
                     buffer = desc.buffer_index,
                     "ignoring a descriptor with an out-of-range buffer index"

@@ -33,6 +33,7 @@ mod gpu;
 mod local;
 mod planning;
 mod tcp;
+mod warn;
 
 pub use composite::{CompositeConfig, CompositeTransferEngine};
 pub use directory::{MAX_BUFFERS_PER_BACKEND, PeerDirectory};

@@ -1,5 +1,6 @@
 //! The data server's warnings under a flood of bad connections are rate-limited, and nothing is
-//! lost: each line carries how many of its kind were suppressed. (Its own test binary: it
+//! lost: each line carries how many of its kind were suppressed. So are the peer directory's about
+//! bad descriptors. (Its own test binary: it
 //! installs a process-wide tracing subscriber that captures every warning.)
 
 pub mod tcp_support;
@@ -167,4 +168,21 @@ fn per_connection_warnings_are_rate_limited_with_a_count() {
     assert!(ours.iter().any(|l| l.suppressed.unwrap_or(0) > 0), "the suppressed count is reported");
     assert!(ours.len() < 3 * EACH / 10, "{} lines for {} refusals", ours.len(), 3 * EACH);
     drop(held);
+
+    // Descriptors a peer publishes are input too: a thousand bad ones are one line (the directory
+    // limits per kind with the default interval of 5 s, far longer than this takes).
+    let directory = umbp_transfer::PeerDirectory::new();
+    let bad: Vec<umbp_core::BufferDesc> = (0..1000)
+        .map(|i| umbp_core::BufferDesc {
+            backend_id: 0,
+            buffer_index: i,
+            size: 4096,
+            location: umbp_core::MemoryLocation::Host,
+            remote: None,
+        })
+        .collect();
+    assert_eq!(directory.cache_remote_buffers("peer", &bad), 0);
+    assert_eq!(directory.reset_remote_buffers("peer", &bad), 0);
+    let skipped = lines().iter().filter(|l| l.kind.as_deref() == Some("no_remote_handle")).count();
+    assert_eq!(skipped, 1, "one line for 2,000 skipped descriptors");
 }

@@ -33,8 +33,8 @@ use parking_lot::{Condvar, Mutex};
 use super::io::{FrameReader, SocketClock, configure, failure_kind, read_exact_until, write_all_vectored};
 use super::protocol::{self, HELLO_REPLY_LEN, HelloStatus, Op, REPLY_LEN, Reply, Request, Status};
 use super::regions::RegionGuard;
-use super::warn::{WarnLimiter, warn_limited};
 use crate::engine::{FailureKind, TransferFailure, TransferHandle};
+use crate::warn::{WarnLimiter, warn_limited};
 
 /// Requests per gather write (two `iovec`s each, well under `IOV_MAX`).
 const GROUP_REQUESTS: usize = 256;

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::server::{Shared, bump};
-use super::warn::warn_limited;
+use crate::warn::warn_limited;
 
 /// The activity word of a busy connection.
 const BUSY: u64 = 0;

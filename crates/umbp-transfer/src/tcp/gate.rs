@@ -23,7 +23,7 @@
 //!   request is the newcomer answered `BUSY`.
 //!
 //! Every refusal is counted in the server's metrics and logged through the server's
-//! [`WarnLimiter`](super::warn::WarnLimiter).
+//! [`WarnLimiter`](crate::warn::WarnLimiter).
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -37,7 +37,7 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use super::io::{configure, tokens_equal};
 use super::protocol::{self, HELLO_LEN, Hello, HelloStatus};
 use super::server::{Shared, bump, serve};
-use super::warn::warn_limited;
+use crate::warn::warn_limited;
 
 /// Connections accepted per wake-up before pending handshakes are read again.
 const ACCEPT_BURST: usize = 64;

@@ -45,7 +45,6 @@ pub(crate) mod protocol;
 mod regions;
 mod server;
 mod staging;
-mod warn;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -198,7 +197,7 @@ impl TcpEngine {
             idle_timeout: config.idle_timeout,
             hello,
             metrics: client::ClientMetrics::default(),
-            warns: warn::WarnLimiter::new(config.server.warn_interval),
+            warns: crate::warn::WarnLimiter::new(config.server.warn_interval),
         });
         Ok(Self { config, server, client, peers: Peers::default() })
     }

@@ -36,7 +36,7 @@ use super::io::{FrameReader, SocketClock, is_timeout, write_all_vectored_until};
 use super::protocol::{self, FrameError, Op, REQUEST_LEN, Reply, Request, Status};
 use super::regions::{RegionGuard, RegionTable};
 use super::staging::DeviceStaging;
-use super::warn::{WarnLimiter, warn_limited};
+use crate::warn::{WarnLimiter, warn_limited};
 
 /// Settings of a [`DataServer`].
 ///

@@ -1,5 +1,6 @@
 //! Rate-limited warnings: a peer can make the data plane refuse it thousands of times a second
-//! (silent sockets, wrong tokens, garbage), and each refusal must not cost a log line.
+//! (silent sockets, wrong tokens, garbage, bad descriptors), and each refusal must not cost a log
+//! line.
 //!
 //! Each kind of warning gets at most one line per interval; the line carries `suppressed`, how many
 //! of that kind were dropped since the previous line. A kind whose interval has passed with
@@ -26,6 +27,15 @@ struct Window {
 pub(crate) struct WarnLimiter {
     interval: Duration,
     windows: Mutex<HashMap<&'static str, Window>>,
+}
+
+/// The interval of a limiter nobody configured (the data server's default `warn_interval`).
+const DEFAULT_WARN_INTERVAL: Duration = Duration::from_secs(5);
+
+impl Default for WarnLimiter {
+    fn default() -> Self {
+        Self::new(DEFAULT_WARN_INTERVAL)
+    }
 }
 
 impl WarnLimiter {
