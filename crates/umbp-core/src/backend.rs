@@ -141,10 +141,21 @@ pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
     }
 
     /// Whether the medium owns each key: an existence check, which reads no value. One answer per
-    /// key, in request order. The default resolves without descriptors (a hit's read lease lapses
-    /// unused); a decorator overrides it to tell lookups from reads.
+    /// key, in request order. The default resolves without descriptors and releases each hit's
+    /// lease at once (a busy key is owned too); a medium overrides it when it can answer from its
+    /// index alone, a decorator to tell lookups from reads.
     fn batch_contains(&self, keys: &[String]) -> Vec<bool> {
-        self.batch_resolve(keys, false).into_iter().map(|e| e.found).collect()
+        let entries = self.batch_resolve(keys, false);
+        let held: Vec<ReadRelease> = entries
+            .iter()
+            .zip(keys)
+            .filter(|(e, _)| e.found && e.lease != 0)
+            .map(|(e, k)| ReadRelease::new(k.clone(), e.lease))
+            .collect();
+        if !held.is_empty() {
+            self.release_reads(&held);
+        }
+        entries.into_iter().map(|e| e.found || e.busy).collect()
     }
 
     /// Frees each key that is owned and neither leased nor pinned; one result per key, in request

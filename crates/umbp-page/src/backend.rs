@@ -873,6 +873,12 @@ impl MediumBackend for PageBackend {
         results
     }
 
+    fn batch_contains(&self, keys: &[String]) -> Vec<bool> {
+        // From the index: an existence check takes no lease.
+        let state = self.inner.state.lock();
+        keys.iter().map(|k| state.owned.contains_key(k)).collect()
+    }
+
     fn release_reads(&self, reads: &[ReadRelease]) {
         if reads.is_empty() {
             return;

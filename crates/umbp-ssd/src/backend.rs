@@ -2665,6 +2665,12 @@ impl MediumBackend for SsdBackend {
         self.inner.revalidate(keys, entries)
     }
 
+    fn batch_contains(&self, keys: &[String]) -> Vec<bool> {
+        // From the index: an existence check must not read the drive nor hold a staging page.
+        let state = self.inner.state.lock();
+        keys.iter().map(|k| state.owned.contains_key(k)).collect()
+    }
+
     fn release_reads(&self, reads: &[umbp_core::ReadRelease]) {
         if !reads.is_empty() {
             self.inner.release(reads);

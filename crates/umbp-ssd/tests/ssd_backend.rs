@@ -428,6 +428,26 @@ fn a_key_cleared_under_a_reader_frees_its_staging_page_at_the_release() {
     assert_eq!(put(&b, "c", &value(3, 100)), AllocateOutcome::Allocated, "the deferred page came back at the release");
 }
 
+#[test]
+fn an_existence_check_reads_no_drive_and_takes_no_staging_page() {
+    let dir = tempdir();
+    let clock = ManualClock::new();
+    let b = live(
+        builder(&[dir.path()])
+            .staging_pages(1)
+            .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+            .build()
+            .expect("config"),
+    );
+    put(&b, "a", &value(1, 100));
+    put(&b, "b", &value(2, 100));
+    b.drop_cached_copies();
+    let reads = b.stats().device_reads;
+    assert_eq!(b.batch_contains(&["a".to_owned(), "b".to_owned(), "c".to_owned()]), [true, true, false]);
+    assert_eq!(b.stats().device_reads, reads, "contains read the drive");
+    assert_eq!(get_and_release(&b, "b"), Some(value(2, 100)), "the only staging page is still free");
+}
+
 fn put_expect_no_space(b: &SsdBackend, key: &str) {
     assert_eq!(put(b, key, &value(7, 100)), AllocateOutcome::FailedNoSpace, "the reader still holds the only page");
 }

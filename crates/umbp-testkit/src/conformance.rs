@@ -315,4 +315,5 @@ checks! {
     release::a_release_of_an_ended_lease_changes_nothing => "a late, zero or foreign release never ends a live reader's lease",
     release::release_frees_a_cleared_keys_pages_at_once => "a key cleared under a reader gives its pages back at the release",
     release::an_idle_medium_never_answers_busy => "a miss is never busy; an idle medium serves what it owns",
+    release::an_existence_check_holds_no_lease => "batch_contains answers ownership and leaves no lease behind",
 }

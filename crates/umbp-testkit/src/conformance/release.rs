@@ -90,3 +90,11 @@ pub(super) fn an_idle_medium_never_answers_busy(fx: &Fixture<'_>) {
         assert!(!(e.busy && e.found), "{key}: busy and found at once");
     }
 }
+
+pub(super) fn an_existence_check_holds_no_lease(fx: &Fixture<'_>) {
+    let s = fx.live();
+    let ps = s.ps();
+    s.put("k", ps);
+    assert_eq!(s.backend.batch_contains(&super::fixture::keys(&["k", "absent"])), [true, false], "contains");
+    assert_eq!(s.evict("k"), ps, "an existence check left a read lease on the key");
+}
