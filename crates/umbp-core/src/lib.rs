@@ -12,7 +12,9 @@
 //!   pointer enters the system.
 //! - The medium contract: [`MediumBackend`] (what every storage medium implements) and
 //!   [`MemoryRegistrar`] (the only transfer-layer capability a medium may see: register and
-//!   deregister, never move).
+//!   deregister, never move). A resolve answers hit, miss or **busy** ([`ResolvedEntry::busy`]: the
+//!   key is here but cannot be served now; retry this medium), and read leases are counted and
+//!   released by their readers ([`ReadRelease`], [`ReadLeases`], the table every medium shares).
 //! - [`BackendRegistry`] and the event aggregation helpers [`drain_all_backends`] and
 //!   [`snapshot_all_backends_for_full_sync`].
 //! - The metric seam ([`MetricSource`], [`MetricSample`], [`MetricKind`]) and injected time

@@ -4,7 +4,7 @@
 //! A paged medium is one small type implementing [`PageMemorySource`] (five methods: where memory
 //! comes from and where it lives). [`PageBackend`] is everything after allocation, written once for
 //! every paged medium: the bitmap page allocator ([`PageBitmapAllocator`]), pending slots with a TTL
-//! and a reaper thread, read leases, copy pins, dedup, the clear generation, the allocation gate and
+//! and a reaper thread, counted read leases (a reader's release ends its lease at once), copy pins, dedup, the clear generation, the allocation gate and
 //! the event outbox. It never consults the tier.
 //!
 //! # Owns

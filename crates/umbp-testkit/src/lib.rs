@@ -1,8 +1,9 @@
 //! Test support for umbp-rs storage media: a working fake medium, registrars that need no transfer
 //! layer, and the conformance suite every [`MediumBackend`](umbp_core::MediumBackend) must pass.
 //!
-//! - [`MockBackend`]: an honest medium over one heap buffer (real pages, slots, leases, dedup, clear
-//!   gate, outbox, auto-flush), for tests of anything built on a medium.
+//! - [`MockBackend`]: an honest medium over one heap buffer (real pages, slots, counted and
+//!   releasable leases, dedup, clear gate, outbox, auto-flush), for tests of anything built on a
+//!   medium; [`MockBackend::answer_busy`] makes it answer busy, as a staged medium out of pages does.
 //! - [`LocalOnlyRegistrar`]: registers by handing back [`TransferRef::local`](umbp_core::TransferRef)
 //!   and records every call; [`FailingRegistrar`] refuses, for `init` failure paths.
 //! - [`conformance`]: `conformance::run(factory)` checks every contract of architecture §5 against

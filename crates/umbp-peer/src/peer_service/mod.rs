@@ -28,6 +28,12 @@
 //!   does work whose answer is discarded. Asking only for the remaining keys gives the same answers
 //!   (the first hit wins either way) and leases only the medium that serves the key. The media are
 //!   still asked one after another, as in the reference.
+//! - **Busy is not a miss.** A medium that holds a key but cannot serve it now (no free staging page)
+//!   answers busy; the key is busy on the wire (`busy`, a per-key array sent only when needed)
+//!   unless a later medium serves it. Readers retry a busy node; they never exclude it for that.
+//! - **Hits name their read lease** (`lease_id`), and `ReleaseReads` hands each `(key, lease,
+//!   backend id)` back to the medium that served it, which ends the lease when its last reader
+//!   released it. Releases of unknown media, empty keys or lease 0 are ignored.
 //! - **Evict fans out**: every medium evicts every key; the freed bytes are summed per key.
 //! - **Backend calls run off the reactor**: every handler does its backend work in one
 //!   `tokio::task::spawn_blocking` call (media take locks and may do IO). A panicking medium fails
