@@ -29,6 +29,7 @@
 mod composite;
 mod directory;
 mod engine;
+mod fd_limit;
 mod gpu;
 mod local;
 mod planning;
@@ -41,6 +42,7 @@ pub use engine::{
     BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, TransferDirection, TransferEngine,
     TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
 };
+pub use fd_limit::raise_open_file_limit;
 pub use gpu::{GpuCopyConfig, GpuCopyEngine};
 pub use local::{LocalCopyConfig, LocalCopyEngine};
 pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig, TcpStartError};

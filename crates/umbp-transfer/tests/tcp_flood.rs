@@ -20,21 +20,14 @@ const IDLE: usize = 1000;
 /// server's limits, three descriptors per authenticated connection) and the workload's.
 const FLOOD_DESCRIPTORS: u64 = 4096;
 
-/// Raises the soft open-file limit to at least `need` (up to the hard limit); `Err` says why the
-/// test cannot run here.
+/// Raises the soft open-file limit to the hard one; `Err` says why the test cannot run here (the
+/// hard limit is below `need`).
 fn raise_open_files(need: u64) -> Result<(), String> {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
-    let limit = getrlimit(Resource::Nofile);
-    if limit.current.is_none_or(|soft| soft >= need) {
-        return Ok(());
+    let now = umbp_transfer::raise_open_file_limit().map_err(|e| format!("cannot raise RLIMIT_NOFILE: {e}"))?;
+    if now < need {
+        return Err(format!("RLIMIT_NOFILE hard limit {now} is below the {need} descriptors the test needs"));
     }
-    if let Some(hard) = limit.maximum
-        && hard < need
-    {
-        return Err(format!("RLIMIT_NOFILE hard limit {hard} is below the {need} descriptors the flood needs"));
-    }
-    setrlimit(Resource::Nofile, Rlimit { current: limit.maximum.or(Some(need)), maximum: limit.maximum })
-        .map_err(|e| format!("cannot raise RLIMIT_NOFILE to {need}: {e}"))
+    Ok(())
 }
 
 /// The client hello with `token`.

@@ -109,11 +109,11 @@ impl Conns {
     pub(crate) fn admit(&mut self, shared: &Shared, ip: IpAddr, stream: TcpStream) -> Option<(u64, Arc<Activity>)> {
         let config = &shared.config;
         if self.per_ip.get(&ip).copied().unwrap_or(0) >= config.max_connections_per_peer.max(1)
-            && !self.evict_idlest(shared, Some(ip))
+            && !self.evict_idlest(shared, Some(ip), "connection cap per peer")
         {
             return None;
         }
-        if self.serving >= config.max_connections.max(1) && !self.evict_idlest(shared, None) {
+        if self.serving >= config.max_connections.max(1) && !self.evict_idlest(shared, None, "connection cap") {
             return None;
         }
         self.serving += 1;
@@ -153,7 +153,8 @@ impl Conns {
     }
 
     /// Evicts the counted connection idle longest (from `ip`, if given); false when none is idle.
-    fn evict_idlest(&mut self, shared: &Shared, ip: Option<IpAddr>) -> bool {
+    /// `why` goes into the warning.
+    pub(crate) fn evict_idlest(&mut self, shared: &Shared, ip: Option<IpAddr>, why: &'static str) -> bool {
         // A candidate may turn busy between the scan and the swap: then scan again (bounded).
         for _ in 0..self.map.len().max(1) {
             let idlest = self
@@ -175,9 +176,8 @@ impl Conns {
             let (victim_ip, idle_for) = (rec.ip, shared.epoch.elapsed().saturating_sub(nanos(word - IDLE_BASE)));
             self.release(victim_ip);
             bump(&shared.metrics.idle_evicted);
-            let scope = if ip.is_some() { "per peer" } else { "in total" };
-            warn_limited!(shared.warns, "idle_evicted", peer = %victim_ip, idle_ms = idle_for.as_millis(), scope,
-                "tcp data server: connection cap reached; closed the connection idle longest");
+            warn_limited!(shared.warns, "idle_evicted", peer = %victim_ip, idle_ms = idle_for.as_millis(), why,
+                "tcp data server: closed the connection idle longest to make room");
             return true;
         }
         false

@@ -183,10 +183,13 @@ impl Gate<'_> {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if matches!(e.raw_os_error(), Some(code) if code == libc_emfile() || code == libc_enfile()) => {
                     // Out of descriptors: a pending handshake gives its one back, so a real peer
-                    // still gets in; with none pending, wait for connections to end.
+                    // still gets in; with none pending, the connection idle longest does.
                     warn_limited!(self.shared.warns, "accept_no_descriptors", error = %e,
-                        "tcp data server: out of file descriptors; closing the oldest pending handshake (raise RLIMIT_NOFILE)");
+                        "tcp data server: out of file descriptors; closing the oldest pending handshake or the connection idle longest (raise RLIMIT_NOFILE)");
                     if !self.evict_pending(None) {
+                        // An evicted connection's thread gives its descriptors back as it ends:
+                        // give it a moment before accepting again.
+                        self.shared.conns.lock().evict_idlest(self.shared, None, "out of file descriptors");
                         std::thread::sleep(ACCEPT_BACKOFF);
                         return;
                     }
