@@ -432,7 +432,9 @@ impl Evictor {
             return Some(client.clone());
         }
         let Ok(endpoint) = Endpoint::from_shared(format!("http://{peer}")) else {
-            tracing::warn!(node = %node, peer = %peer, "eviction: bad peer address");
+            if let Some(held_back) = EVICT_FAILED.check() {
+                tracing::warn!(node = %node, peer = %peer, held_back, "eviction: bad peer address");
+            }
             return None;
         };
         let deadline = self.config.eviction.evict_deadline;

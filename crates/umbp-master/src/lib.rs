@@ -10,6 +10,42 @@
 //! registry reaper, the `UMBPMaster` gRPC service, and the cluster series it serves on Prometheus
 //! `/metrics` when [`MasterConfig::metrics_listen`] is set (names in `umbp_metrics::names`).
 //!
+//! # Node incarnations
+//! Every registration carries the registering process's *incarnation* (the master client takes
+//! wall-clock microseconds when it is created, so a restart is higher). A registration of a higher
+//! incarnation than a live record's replaces it at once — a node restarted after `kill -9` rejoins
+//! immediately instead of being refused until its old record expires (three heartbeat TTLs, 30 s by
+//! default) — and wipes the old registration's locations; the restarted node then full-syncs what it
+//! holds. The old incarnation's heartbeats change nothing and are answered `UNKNOWN` with
+//! `superseded`, its unregister erases nothing, and a registration of a lower incarnation is refused
+//! with `FAILED_PRECONDITION`: two live processes with one id end with the newer one registered and
+//! the older one told (its master client stops for good, see `umbp_peer::master_client`). Incarnation
+//! 0 (an older client) keeps the plain compare-and-set. See the [`store`] contract.
+//!
+//! # Retention of expired records
+//! A node silent for [`MasterConfig::expiry_after`] expires: its locations go, its row stays listed
+//! (status `EXPIRED`) for [`MasterConfig::expired_retention`] (default
+//! [`DEFAULT_EXPIRED_RETENTION`], 5 minutes; env `UMBP_EXPIRED_RETENTION_SEC`), then the reaper
+//! removes it, so the cluster status does not grow with every crashed process. The status reply says
+//! each record's role (`NODE_ROLE_STORAGE` for a node that lends a medium, `NODE_ROLE_CLIENT` for one
+//! that does not), its incarnation and the retention.
+//!
+//! # On-demand eviction
+//! The background eviction round runs every `check_interval` (5 s). A put route that finds no node
+//! with room does not wait for it: it evicts least recently used, unleased keys synchronously on the
+//! roomiest medium that could hold the value (at least the bytes needed, down to the low watermark),
+//! credits what the peer confirmed freed to the node's recorded capacity and routes again. Routed
+//! bytes are debited from the recorded capacity until the node's next heartbeat reports its own
+//! figure, and a route that takes a medium past the high watermark queues one relief eviction, so
+//! concurrent writers are not all sent to the same last bytes. One eviction runs at a time; a put
+//! that waited for another's routes again first (no stampede). Details in the evictor's module docs.
+//!
+//! # Logs
+//! A storage node joining or leaving is one INFO line with its settings as `key=value`; a client (an
+//! engine process, every CLI command) joining or leaving is DEBUG. A warning that can repeat on every
+//! request or round (a failing store, a failing peer, events of an unknown kind) is printed at most
+//! once per 10 s with the number held back (`held_back=`).
+//!
 //! # Never
 //! Knows a storage medium beyond its tier number and capacity, moves bytes, or holds state a peer's
 //! full sync cannot rebuild.

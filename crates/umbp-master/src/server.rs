@@ -260,11 +260,16 @@ pub async fn start_with_store(
         evictor: Arc::clone(&evictor),
         relief_pending: Arc::default(),
     };
+    let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     tracing::info!(
         %addr,
-        heartbeat_interval = ?config.heartbeat_interval(),
-        expiry = ?config.expiry_after(),
-        put = %format!("{algo}/{affinity}"),
+        heartbeat_interval_ms = ms(config.heartbeat_interval()),
+        expiry_ms = ms(config.expiry_after()),
+        expired_retention_ms = ms(config.expired_retention),
+        put_algo = %algo,
+        put_affinity = %affinity,
+        high_watermark = config.eviction.high_watermark,
+        low_watermark = config.eviction.low_watermark,
         "master listening"
     );
     let grpc = UmbpMasterServer::new(service)

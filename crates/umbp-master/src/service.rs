@@ -88,7 +88,7 @@ pub(crate) fn caps_for_log(caps: &[TierCap]) -> String {
         if !out.is_empty() {
             out.push(' ');
         }
-        out.push_str(&format!("{}={}/{}", c.tier, c.available_bytes, c.total_bytes));
+        out.push_str(&format!("{}={}/{}", c.tier.as_str().to_ascii_lowercase(), c.available_bytes, c.total_bytes));
     }
     if out.is_empty() { "none".to_owned() } else { out }
 }

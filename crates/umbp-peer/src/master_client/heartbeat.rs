@@ -18,6 +18,7 @@ static RE_REGISTER_FAILED: std::sync::LazyLock<RateLimited> =
     std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
 static SYNC_CHUNK_FAILED: std::sync::LazyLock<RateLimited> =
     std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static OUTBOX_FULL: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
 
 /// First pause between two attempts of a clear.
 const CLEAR_BACKOFF_START: Duration = Duration::from_millis(50);
@@ -378,13 +379,16 @@ impl Inner {
     fn enqueue(&self, events: Vec<umbp_core::KvEvent>) -> bool {
         let mut st = self.state.lock();
         if st.outbox_events.saturating_add(events.len()) > self.config.max_outbox_events {
-            tracing::warn!(
-                node = %self.node.node_id,
-                queued = st.outbox_events,
-                new = events.len(),
-                limit = self.config.max_outbox_events,
-                "heartbeat outbox full: dropping queued deltas and sending a full sync"
-            );
+            if let Some(held_back) = OUTBOX_FULL.check() {
+                tracing::warn!(
+                    node = %self.node.node_id,
+                    queued = st.outbox_events,
+                    new = events.len(),
+                    limit = self.config.max_outbox_events,
+                    held_back,
+                    "heartbeat outbox full: dropping queued deltas and sending a full sync"
+                );
+            }
             st.drop_outbox();
             st.full_sync_pending = true;
             return false;
