@@ -9,8 +9,9 @@ use umbp_core::{AllocateRequest, BackendRegistry, CommitRequest, MediumBackend, 
 use umbp_master::MasterHandle;
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
+use umbp_peer::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
 use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig};
-use umbp_testkit::LocalOnlyRegistrar;
+use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
 
 mod pool_support;
 
@@ -184,5 +185,49 @@ async fn a_put_cancelled_after_allocation_leaves_no_pending_slot() {
     assert!(cancelled > 0, "some put was cancelled");
     writer.close().await;
     holder.close().await;
+    m.shutdown().await;
+}
+
+/// A node the master believes alive and holding `key`, whose medium answers every read busy.
+async fn busy_holder(master: &MasterHandle, key: &str) -> (MasterClient, Arc<MockBackend>, PeerServerHandle) {
+    let mock = Arc::new(MockBackend::new(MockConfig { page_size: PAGE, pages: 8, ..MockConfig::default() }));
+    mock.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    let a = mock.batch_allocate(&[AllocateRequest::new(key, 100)]).remove(0);
+    assert!(mock.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].success);
+    mock.answer_busy(u64::MAX);
+    let mut registry = BackendRegistry::new();
+    registry.register(Arc::clone(&mock) as Arc<dyn MediumBackend>).expect("registry");
+    let registry = Arc::new(registry);
+    let service = PeerService::new(Arc::clone(&registry), "127.0.0.1:1");
+    let server = PeerServer::start(PeerServerConfig::default(), service).await.expect("peer server");
+    let registration = NodeRegistration::new("busy", "127.0.0.1")
+        .with_peer_address(server.local_addr().to_string())
+        .with_data_endpoint("127.0.0.1:1");
+    let client =
+        MasterClient::connect(&master.local_addr().to_string(), MasterClientConfig::default(), registration, registry)
+            .await
+            .expect("connect");
+    client.register().await.expect("register");
+    client.start_heartbeat().expect("heartbeat");
+    client.flush();
+    (client, mock, server)
+}
+
+/// A holder that has the key but stays busy is asked again and again (bounded backoff), never
+/// excluded and never reported as missing; once the wait is over the read fails `Busy`, retryable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_that_stays_busy_is_waited_out_then_reported_busy_not_missing() {
+    let m = master().await;
+    let (_client, mock, _server) = busy_holder(&m, "hot").await;
+    let reader = PoolClient::start(PoolClientConfig::new("reader", m.local_addr().to_string())).await.expect("reader");
+    indexed(&reader, &["hot"]).await;
+    let asked_before = mock.calls().batch_resolve;
+    let mut buf = vec![0u8; 4096];
+    let r = reader.get("hot", &mut buf).await;
+    assert_eq!(r, Err(KeyError::Busy { node: "busy".into() }), "a busy holder is not a miss");
+    assert!(r.as_ref().err().is_some_and(KeyError::is_retryable));
+    let asked = mock.calls().batch_resolve - asked_before;
+    assert!(asked > 10, "the holder was asked again while busy ({asked} resolves), not excluded");
+    reader.close().await;
     m.shutdown().await;
 }
