@@ -648,3 +648,38 @@ async fn shutdown_cancels_a_running_clear_and_nothing_registers_afterwards() {
     assert_eq!(master.fake.rec.lock().unregisters, ["node-a"]);
     assert!(!master.fake.model.lock().registered(), "the node stays unregistered");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_unregisters_a_registration_whose_answer_was_lost() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    // The master registers the node but answers after the client's deadline.
+    master.fake.on_register(|_| Action::ApplyThenDelay(Duration::from_millis(1500)));
+    let dram = page_backend(TierType::Dram, PAGE, 64);
+    let client =
+        MasterClient::connect(&master.addr(), quiet_config(), node(), registry(&[dram])).await.expect("connect");
+    let err = client.register().await.expect_err("the answer comes too late");
+    assert!(matches!(err, MasterClientError::Timeout { rpc: "RegisterClient", .. }), "{err}");
+    assert!(master.fake.model.lock().registered(), "yet the master registered it");
+    // The process exits: no ghost record may stay behind.
+    client.shutdown().await.expect("shutdown");
+    assert_eq!(master.fake.rec.lock().unregisters, ["node-a"]);
+    assert!(!master.fake.model.lock().registered());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_after_a_refused_registration_unregisters_nothing() {
+    let master = FakeMaster::start(LONG_INTERVAL_MS).await;
+    // Another process holds the id (the master answered ALREADY_EXISTS): its record is not ours.
+    master.fake.on_register(|_| Action::Fail(tonic::Code::AlreadyExists));
+    let client = MasterClient::connect(
+        &master.addr(),
+        quiet_config(),
+        node(),
+        registry(&[page_backend(TierType::Dram, PAGE, 8)]),
+    )
+    .await
+    .expect("connect");
+    assert!(client.register().await.is_err());
+    client.shutdown().await.expect("shutdown");
+    assert!(master.fake.rec.lock().unregisters.is_empty());
+}

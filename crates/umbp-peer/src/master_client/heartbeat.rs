@@ -34,6 +34,10 @@ const MAX_INTERVAL: Duration = Duration::from_secs(3600);
 pub(super) struct HbState {
     /// A registration succeeded (and no unregister followed).
     pub(super) registered: bool,
+    /// A registration was sent whose outcome this client may not know (it timed out or failed in
+    /// transit, yet the master may have applied it): shutdown unregisters anyway (idempotent, and
+    /// scoped to this process's incarnation), so a client never leaves a ghost record behind.
+    pub(super) register_sent: bool,
     /// The master forgot the node: re-register before anything else.
     pub(super) needs_register: bool,
     /// The heartbeat interval (from the registration reply).
@@ -77,6 +81,7 @@ impl HbState {
     pub(super) fn new(interval: Duration) -> Self {
         Self {
             registered: false,
+            register_sent: false,
             needs_register: false,
             interval,
             outbox: VecDeque::new(),
@@ -157,6 +162,7 @@ impl Inner {
         {
             let mut st = self.state.lock();
             st.registered = false;
+            st.register_sent = false;
             st.needs_register = false;
             st.full_sync_pending = false;
         }
@@ -212,6 +218,25 @@ impl Inner {
             tags: self.node.tags.clone(),
             incarnation: self.incarnation,
         };
+        // Whether an earlier attempt's outcome is unknown (then a refusal now may be of our own record).
+        let uncertain_before = std::mem::replace(&mut self.state.lock().register_sent, true);
+        let refused = |e: &MasterClientError| {
+            // The master answered: it did not register this attempt, so nothing to unregister for it.
+            let definite = match e {
+                MasterClientError::Rpc { status, .. } => !matches!(
+                    status.code(),
+                    tonic::Code::Unavailable
+                        | tonic::Code::Unknown
+                        | tonic::Code::Cancelled
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Internal
+                ),
+                _ => false,
+            };
+            if definite && !uncertain_before {
+                self.state.lock().register_sent = false;
+            }
+        };
         let reply =
             self.call("RegisterClient", self.config.rpc_timeout, request, |mut c, r| async move {
                 c.register_client(r).await
@@ -224,6 +249,9 @@ impl Inner {
             }
             Err(MasterClientError::Rpc { status, .. }) if status.code() == tonic::Code::AlreadyExists => {
                 if !again {
+                    if !uncertain_before {
+                        self.state.lock().register_sent = false;
+                    }
                     return Err(MasterClientError::AlreadyRegistered { node_id: self.node.node_id.clone() });
                 }
                 None
@@ -232,7 +260,10 @@ impl Inner {
             Err(MasterClientError::Rpc { status, .. }) if status.code() == tonic::Code::FailedPrecondition => {
                 return Err(self.superseded_now());
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                refused(&e);
+                return Err(e);
+            }
         };
         // Keys owned before this registration may have left their media's outboxes already (an
         // earlier client drained them): a full sync, not the deltas, must tell the master.

@@ -222,6 +222,7 @@ impl Inner {
         self.call("UnregisterClient", timeout, request, |mut c, r| async move { c.unregister_client(r).await }).await?;
         let mut st = self.state.lock();
         st.registered = false;
+        st.register_sent = false;
         st.needs_register = false;
         Ok(())
     }
@@ -548,8 +549,12 @@ impl MasterClient {
         // The cancelled clear or round releases the send lock at once; holding it keeps anything
         // still in flight from following the unregister.
         let _send = tokio::time::timeout(budget, self.inner.send_lock.lock()).await.ok();
-        if !self.inner.state.lock().registered {
-            return Ok(());
+        {
+            let st = self.inner.state.lock();
+            // A registration whose answer was lost may still stand at the master: unregister too.
+            if !st.registered && !st.register_sent {
+                return Ok(());
+            }
         }
         let remaining = budget.saturating_sub(started.elapsed()).max(Duration::from_millis(1));
         self.inner.unregister(remaining).await

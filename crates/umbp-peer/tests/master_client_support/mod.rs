@@ -364,6 +364,10 @@ impl UmbpMaster for FakeService {
             _ => {}
         }
         self.model.lock().register(&r)?;
+        if let Action::ApplyThenDelay(d) = action {
+            // Registered here, but the answer comes too late for the client's deadline.
+            tokio::time::sleep(d).await;
+        }
         Ok(Response::new(pb::RegisterClientResponse {
             heartbeat_interval_ms: self.interval_ms.load(Ordering::Relaxed),
             local_puts: self.local_puts.load(Ordering::Relaxed),
