@@ -22,6 +22,8 @@ use umbp_transfer::{
 
 const CHILD_ENV: &str = "UMBP_TCP_CHILD";
 const TOKEN_ENV: &str = "UMBP_TCP_CHILD_TOKEN";
+/// The child's soft open-file limit, when set.
+const NOFILE_ENV: &str = "UMBP_TCP_CHILD_NOFILE";
 const MAIN_SIZE: usize = 64 << 20;
 const MAIN_SEED: u64 = 42;
 const DOOMED_SIZE: usize = 1 << 20;
@@ -39,6 +41,11 @@ fn child_server() {
         std::thread::sleep(CHILD_DEADLINE);
         std::process::exit(3);
     });
+    if let Some(limit) = std::env::var(NOFILE_ENV).ok().and_then(|v| v.parse::<u64>().ok()) {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let hard = getrlimit(Resource::Nofile).maximum;
+        setrlimit(Resource::Nofile, Rlimit { current: Some(limit), maximum: hard }).expect("lower RLIMIT_NOFILE");
+    }
     // Buffers first: locals drop in reverse order, so the engine stops before they are freed.
     let mut main = HostBuf::with_pattern(MAIN_SIZE, MAIN_SEED);
     let mut doomed = HostBuf::with_pattern(DOOMED_SIZE, DOOMED_SEED);
@@ -76,6 +83,11 @@ struct Child {
 
 impl Child {
     fn spawn(token: Option<&str>) -> Self {
+        Self::spawn_with(token, None)
+    }
+
+    /// A child whose soft open-file limit is `nofile` (when given).
+    fn spawn_with(token: Option<&str>, nofile: Option<u64>) -> Self {
         let mut command = Command::new(std::env::current_exe().expect("test binary"));
         command
             .args(["--exact", "child_server", "--nocapture", "--test-threads=1"])
@@ -86,6 +98,10 @@ impl Child {
         match token {
             Some(t) => command.env(TOKEN_ENV, t),
             None => command.env_remove(TOKEN_ENV),
+        };
+        match nofile {
+            Some(n) => command.env(NOFILE_ENV, n.to_string()),
+            None => command.env_remove(NOFILE_ENV),
         };
         let mut process = command.spawn().expect("spawn the child");
         let stdout = process.stdout.take().expect("piped stdout");
@@ -404,4 +420,48 @@ fn killing_the_server_mid_read_batch_fails_pending_items_promptly_and_reports_th
         assert!(!f.tags.is_empty(), "a failure without the items it failed: {f:?}");
         assert!(f.tags.iter().all(|t| *t < 256), "a tag outside the batch: {f:?}");
     }
+}
+
+#[test]
+fn a_server_out_of_descriptors_still_takes_a_real_peer() {
+    match umbp_transfer::raise_open_file_limit() {
+        Ok(n) if n >= 4096 => {}
+        other => {
+            println!("skipped: this process cannot hold the flood's descriptors ({other:?})");
+            return;
+        }
+    }
+    // The child runs out of descriptors long before its caps (256 pending, 1024 served).
+    let child = Child::spawn_with(None, Some(64));
+    let addr: std::net::SocketAddr = child.endpoint.parse().expect("child address");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // A steady flood of sockets that never say hello.
+        let flood = s.spawn(|| {
+            let mut held = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) && held.len() < 3000 {
+                if let Ok(c) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                    held.push(c);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            held.len()
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        for round in 0..3u64 {
+            // A new peer each round, so each needs a new connection.
+            let engine = parent_engine(None);
+            let mut buf = HostBuf::zeroed(1 << 20);
+            let local = buf.register(&engine);
+            let result = transfer(&engine, &[item(&child.main, round << 20, &local, 0, 1 << 20, round)]);
+            if let Err(f) = result {
+                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                panic!("round {round}: a real peer was locked out: {f:?}");
+            }
+            let at = (round as usize) << 20;
+            assert!(buf.bytes() == &pattern(MAIN_SIZE, MAIN_SEED)[at..at + (1 << 20)], "round {round}");
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        assert!(flood.join().expect("flood") > 100, "the flood ran");
+    });
 }

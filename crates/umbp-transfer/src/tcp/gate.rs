@@ -181,7 +181,7 @@ impl Gate<'_> {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.raw_os_error(), Some(code) if code == libc_emfile() || code == libc_enfile()) => {
+                Err(e) if out_of_descriptors(&e) => {
                     // Out of descriptors: a pending handshake gives its one back, so a real peer
                     // still gets in; with none pending, the connection idle longest does.
                     warn_limited!(self.shared.warns, "accept_no_descriptors", error = %e,
@@ -297,8 +297,11 @@ impl Gate<'_> {
             return;
         }
         let Pending { stream, .. } = p;
-        let control = match stream.try_clone() {
-            Ok(control) => control,
+        // Both handles the connection needs are made here, where running out of descriptors can
+        // be answered by closing a pending handshake.
+        let handles = self.clone_socket(&stream).and_then(|c| Ok((c, self.clone_socket(&stream)?)));
+        let (control, write_half) = match handles {
+            Ok(handles) => handles,
             Err(e) => {
                 warn_limited!(shared.warns, "socket_setup", %peer, error = %e,
                     "tcp data server: cannot clone an authenticated socket; closing");
@@ -331,7 +334,7 @@ impl Gate<'_> {
         let spawned = {
             let shared = Arc::clone(shared);
             std::thread::Builder::new().name("umbp-tcp-serve".into()).spawn(move || {
-                serve(&shared, stream, peer, &activity);
+                serve(&shared, stream, write_half, peer, &activity);
                 shared.conns.lock().remove(id);
             })
         };
@@ -344,6 +347,24 @@ impl Gate<'_> {
             }
         }
     }
+}
+
+impl Gate<'_> {
+    /// `stream.try_clone()`; out of descriptors, the oldest pending handshakes give theirs back.
+    fn clone_socket(&mut self, stream: &TcpStream) -> io::Result<TcpStream> {
+        let mut tries = 0;
+        loop {
+            match stream.try_clone() {
+                Err(e) if out_of_descriptors(&e) && tries < 4 && self.evict_pending(None) => tries += 1,
+                cloned => return cloned,
+            }
+        }
+    }
+}
+
+/// Whether `e` says this process or the system is out of file descriptors.
+fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(code) if code == libc_emfile() || code == libc_enfile())
 }
 
 /// Reads what has arrived of `p`'s hello without blocking.

@@ -490,12 +490,9 @@ impl From<io::Error> for End {
 }
 
 /// Serves an authenticated connection until it ends (the gate ran the handshake).
-pub(crate) fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr, activity: &Activity) {
+/// `write_half` is a clone of `stream`.
+pub(crate) fn serve(shared: &Shared, stream: TcpStream, write_half: TcpStream, peer: SocketAddr, activity: &Activity) {
     tracing::debug!(%peer, "tcp data server: connection authenticated");
-    let Ok(write_half) = stream.try_clone() else {
-        warn_limited!(shared.warns, "socket_setup", %peer, "tcp data server: cannot clone the socket; closing");
-        return;
-    };
     let io_timeout = shared.config.io_timeout;
     let mut conn = ServerConn {
         shared,
