@@ -16,7 +16,7 @@
 //! — by `EvictKey` to the peer, awaits the answer, and credits the bytes the peer confirmed freed to
 //! the node's recorded capacity (the next heartbeat's report replaces the figure). Then the route is
 //! computed again. Bounded: at most [`MAX_ROOM_SLOTS`] media per call, each under the `EvictKey`
-//! deadline. No stampede: the evictor is one lock shared with the background round, and a put that
+//! deadline, and the whole of it (the wait for the evictor included) within [`ON_DEMAND_BUDGET`]. No stampede: the evictor is one lock shared with the background round, and a put that
 //! waited for it routes again first, so concurrent writers that all found the pool full trigger one
 //! eviction, not one each. Keys a peer confirmed evicted are skipped by the next rounds until their
 //! `REMOVE` reaches the index, like keys it refused.
@@ -60,6 +60,11 @@ pub(crate) const PROTECTED_SKIP_ROUNDS: u64 = 3;
 
 /// Most (node, tier) media one on-demand eviction tries before the put is answered unplaced.
 pub(crate) const MAX_ROOM_SLOTS: usize = 3;
+
+/// How long a put route may spend on an on-demand eviction, waiting for the evictor included: well
+/// inside a client's route deadline (3 s by default), so a slow peer costs the put its room, never
+/// its answer.
+pub(crate) const ON_DEMAND_BUDGET: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Counters of the eviction manager.
 #[derive(Debug, Default)]

@@ -12,7 +12,7 @@ use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_server::UmbpMaster;
 
 use crate::config::MasterConfig;
-use crate::evictor::Evictor;
+use crate::evictor::{Evictor, ON_DEMAND_BUDGET};
 use crate::ratelimit::{RateLimited, WARN_WINDOW};
 use crate::routing::{Affinity, Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
 use crate::store::{
@@ -363,7 +363,14 @@ impl MasterService {
         sizes: &[u64],
         exclude: &[String],
     ) -> Result<Vec<v1::RoutePutEntry>, Status> {
-        let mut evictor = self.evictor.lock().await;
+        // Bounded, well inside a client's route deadline: waiting for the evictor (a background round
+        // against a slow peer may hold it) and the eviction itself share ON_DEMAND_BUDGET.
+        let deadline = tokio::time::Instant::now() + ON_DEMAND_BUDGET;
+        let Ok(mut evictor) = tokio::time::timeout_at(deadline, self.evictor.lock()).await else {
+            let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
+            self.reserve(&entries, sizes).await?;
+            return Ok(entries);
+        };
         // Another put may have made room while this one waited for the evictor.
         let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
         let (needed, largest) = unplaced(&entries, keys, sizes);
@@ -371,8 +378,12 @@ impl MasterService {
             entries
         } else {
             let prefer_requester = self.config.route_put_affinity == Affinity::Local;
-            let report = evictor.make_room(requester, prefer_requester, needed, largest, exclude).await;
-            if report.bytes_freed == 0 { entries } else { self.route_put_batch(requester, keys, sizes, exclude)? }
+            let evicting = evictor.make_room(requester, prefer_requester, needed, largest, exclude);
+            match tokio::time::timeout_at(deadline, evicting).await {
+                Ok(report) if report.bytes_freed == 0 => entries,
+                // Freed something (or ran out of time, having perhaps freed some): route again.
+                _ => self.route_put_batch(requester, keys, sizes, exclude)?,
+            }
         };
         // Reserved before the next waiter routes, so it does not place the same room.
         self.reserve(&entries, sizes).await?;

@@ -388,3 +388,19 @@ async fn a_put_that_takes_a_medium_past_the_high_watermark_evicts_soon() {
     m.shutdown().await;
     server.abort();
 }
+
+#[tokio::test]
+async fn a_put_is_answered_even_when_the_peer_hangs_in_an_on_demand_eviction() {
+    let peer = FakePeer { hang: true, ..FakePeer::default() };
+    let (addr, server) = serve(peer.clone()).await;
+    // The EvictKey deadline alone would hold the put for a minute.
+    let (m, mut c) = master(config(Duration::from_secs(60))).await;
+    node_with_keys(&mut c, "n1", &addr, &keys("k", 10), 100, 1000, 0).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let answered = tokio::time::timeout(Duration::from_secs(20), route_put(&mut c, "new", 100)).await;
+    let entry = answered.expect("the route is answered within the on-demand budget, not the EvictKey deadline");
+    assert_eq!(entry.outcome, v1::RoutePutOutcome::RoutePutUnavailable as i32, "no room was made");
+    assert_eq!(peer.requests.lock().len(), 1, "the eviction was tried");
+    server.abort();
+    drop(m);
+}
