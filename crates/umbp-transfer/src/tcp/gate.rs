@@ -20,7 +20,12 @@
 //!   [`max_connections_per_peer`](super::DataServerConfig::max_connections_per_peer) per address);
 //!   at a cap the connection idle longest is closed to make room (see
 //!   [`Conns::admit`](super::conns::Conns::admit)), and only when every one is in the middle of a
-//!   request is the newcomer answered `BUSY`.
+//!   request is the newcomer answered `BUSY`;
+//! - out of file descriptors (`EMFILE`), the oldest pending handshake gives its descriptor back
+//!   (else the connection idle longest), so a flood cannot keep a real peer out by exhausting
+//!   them either. Every descriptor an authenticated connection needs is made here, for that
+//!   reason. (A node should still run with a generous limit:
+//!   [`raise_open_file_limit`](crate::raise_open_file_limit).)
 //!
 //! Every refusal is counted in the server's metrics and logged through the server's
 //! [`WarnLimiter`](crate::warn::WarnLimiter).
