@@ -159,6 +159,9 @@ struct Planned {
     lease: u64,
     /// The holder's medium that serves the key (remote holders only).
     backend_id: u32,
+    /// Whether its copy was submitted (false: the key already failed, e.g. a buffer too small; the
+    /// plan is kept only to release its lease).
+    copied: bool,
 }
 
 impl PoolClient {
@@ -385,6 +388,7 @@ impl PoolClient {
                                 lease_end,
                                 lease: hit.lease,
                                 backend_id: hit.backend_id,
+                                copied: true,
                             };
                             self.plan_get(
                                 plan,
@@ -425,7 +429,7 @@ impl PoolClient {
                     }
                 }
             }
-            progressed = !planned.is_empty();
+            progressed = planned.iter().any(|p| p.copied);
             if progressed {
                 last_progress = Instant::now();
                 backoff = BUSY_BACKOFF_MIN;
@@ -434,7 +438,7 @@ impl PoolClient {
             let ended = Instant::now();
             // Every copy of this round is over: its holders may reuse the pages now.
             self.release_reads(keys, &planned, &st).await;
-            for p in planned {
+            for p in planned.into_iter().filter(|p| p.copied) {
                 if let Some((kind, message)) = failed.get(&(p.index as u64)) {
                     st.last_error.insert(
                         p.index,
@@ -547,6 +551,7 @@ impl PoolClient {
                     lease_end: start + self.config.read_lease,
                     lease: r.lease,
                     backend_id: 0,
+                    copied: true,
                 };
                 self.plan_get(plan, &r.pages, &refs, r.page_size, targets[*i], transfers, planned, results);
             }
@@ -587,6 +592,8 @@ impl PoolClient {
         let (i, size) = (plan.index, plan.size);
         if (target.len as u64) < size {
             results[i] = Some(Err(KeyError::BufferTooSmall { needed: size, got: target.len as u64 }));
+            // Kept (uncopied) only so that its lease is released with the round's.
+            planned.push(Planned { copied: false, ..plan });
             return;
         }
         let (dst, dst_base) = self.caller_ref(CallerBuf { ptr: target.ptr, len: size as usize });
@@ -595,7 +602,10 @@ impl PoolClient {
                 transfers.extend(items);
                 planned.push(plan);
             }
-            Err(e) => results[i] = Some(Err(KeyError::Failed(format!("malformed pages from {}: {e}", plan.node)))),
+            Err(e) => {
+                results[i] = Some(Err(KeyError::Failed(format!("malformed pages from {}: {e}", plan.node))));
+                planned.push(Planned { copied: false, ..plan });
+            }
         }
     }
 
