@@ -91,7 +91,7 @@ fn hello_bytes(token: &str) -> Vec<u8> {
 fn per_connection_warnings_are_rate_limited_with_a_count() {
     tracing::subscriber::set_global_default(Capture).expect("the only subscriber of this binary");
     const EACH: usize = 300;
-    let interval = Duration::from_millis(500);
+    let interval = Duration::from_secs(1);
     let server = TcpEngine::new(TcpEngineConfig {
         server: DataServerConfig {
             handshake_timeout: Duration::from_millis(200),
