@@ -157,8 +157,11 @@
 //!   evicted key — unless the process died before the tombstone was written, in which case the key
 //!   comes back with bytes that pass their CRC. `clear_local` deletes the whole log.
 //! - Dead space is reclaimed; the reference never compacts.
-//! - `clear_local` keeps leased staging pages until their lease ends (the reference frees them at
-//!   once, under a reader's feet).
+//! - `clear_local` keeps leased staging pages until their lease ends or their last reader releases
+//!   them (the reference frees them at once, under a reader's feet).
+//! - A resolve with no free staging page answers busy, not a miss, and readers release their
+//!   staging pages when their copy is done (the reference holds them for the whole lease and
+//!   answers exhaustion as a miss).
 //!
 //! # Platforms
 //! Linux only (`O_DIRECT`, `preadv`/`pwritev`, io_uring and the host staging source).
