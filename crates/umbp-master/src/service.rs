@@ -409,11 +409,8 @@ impl MasterService {
         let pressed = blocking(move || {
             let mut pressed: Vec<Arc<str>> = Vec::new();
             for ((node, tier), bytes) in debits {
-                let tier = tier_from_wire(tier);
-                store.debit_capacity(&node, tier, bytes)?;
-                let over = store.get_node(&node)?.is_some_and(|r| {
-                    r.caps.iter().any(|c| c.tier == tier && at_or_above(c.total_bytes, c.available_bytes, high))
-                });
+                let left = store.debit_capacity(&node, tier_from_wire(tier), bytes)?;
+                let over = left.is_some_and(|c| at_or_above(c.total_bytes, c.available_bytes, high));
                 if over && !pressed.iter().any(|p| **p == *node) {
                     pressed.push(Arc::from(node));
                 }

@@ -394,7 +394,12 @@ impl MetadataStore for GhostLocations {
     fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
         self.0.credit_capacity(node_id, tier, bytes)
     }
-    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
+    fn debit_capacity(
+        &self,
+        node_id: &str,
+        tier: TierType,
+        bytes: u64,
+    ) -> Result<Option<umbp_master::store::TierCap>, StoreError> {
         self.0.debit_capacity(node_id, tier, bytes)
     }
     fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError> {

@@ -198,3 +198,22 @@ fn credited_capacity_is_seen_until_the_next_report() {
     assert_eq!(keepalive(&store, "a", 1_200, caps()), HeartbeatOutcome::Applied { acked_seq: 0 });
     assert_eq!(store.get_node("a").unwrap().unwrap().caps, caps(), "the node's report wins");
 }
+
+#[test]
+fn debited_capacity_is_reserved_until_the_next_report() {
+    let store = InMemoryStore::new();
+    register(&store, "a", 1_000);
+    let report = vec![TierCap::new(TierType::Dram, 1_000, 600)];
+    assert_eq!(keepalive(&store, "a", 1_100, report.clone()), HeartbeatOutcome::Applied { acked_seq: 0 });
+    assert_eq!(store.debit_capacity("a", TierType::Dram, 250).unwrap(), Some(TierCap::new(TierType::Dram, 1_000, 350)));
+    assert_eq!(
+        store.debit_capacity("a", TierType::Dram, 10_000).unwrap(),
+        Some(TierCap::new(TierType::Dram, 1_000, 0))
+    );
+    assert_eq!(store.debit_capacity("a", TierType::Ssd, 1).unwrap(), None, "an unreported tier");
+    assert_eq!(store.debit_capacity("nobody", TierType::Dram, 1).unwrap(), None);
+    assert_eq!(keepalive(&store, "a", 1_200, report.clone()), HeartbeatOutcome::Applied { acked_seq: 0 });
+    assert_eq!(store.get_node("a").unwrap().unwrap().caps, report, "the node's report wins");
+    assert_eq!(store.expire_stale(u64::MAX).unwrap(), vec!["a".to_owned()]);
+    assert_eq!(store.debit_capacity("a", TierType::Dram, 1).unwrap(), None, "an expired node");
+}

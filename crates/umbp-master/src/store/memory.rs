@@ -546,16 +546,15 @@ impl InMemoryStore {
         }
     }
 
-    /// Sets an ALIVE node's recorded available bytes on `tier` to `to(cap)`. Meta only: heartbeats
-    /// of the node rewrite the same field under the meta lock, so the two never interleave.
-    fn adjust_available(&self, node_id: &str, tier: TierType, to: impl FnOnce(&TierCap) -> u64) {
+    /// Sets an ALIVE node's recorded available bytes on `tier` to `to(cap)` and returns the result.
+    /// Meta only: heartbeats of the node rewrite the same field under the meta lock, so the two never
+    /// interleave.
+    fn adjust_available(&self, node_id: &str, tier: TierType, to: impl FnOnce(&TierCap) -> u64) -> Option<TierCap> {
         let mut meta = self.meta.write();
-        if let Some(state) = meta.get_mut(node_id)
-            && state.record.status == NodeStatus::Alive
-            && let Some(cap) = state.record.caps.iter_mut().find(|c| c.tier == tier)
-        {
-            cap.available_bytes = to(cap);
-        }
+        let state = meta.get_mut(node_id).filter(|state| state.record.status == NodeStatus::Alive)?;
+        let cap = state.record.caps.iter_mut().find(|c| c.tier == tier)?;
+        cap.available_bytes = to(cap);
+        Some(*cap)
     }
 
     fn records(&self, alive_only: bool) -> Vec<NodeRecord> {
@@ -787,9 +786,8 @@ impl MetadataStore for InMemoryStore {
         Ok(())
     }
 
-    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
-        self.adjust_available(node_id, tier, |cap| cap.available_bytes.saturating_sub(bytes));
-        Ok(())
+    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<Option<TierCap>, StoreError> {
+        Ok(self.adjust_available(node_id, tier, |cap| cap.available_bytes.saturating_sub(bytes)))
     }
 
     fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {

@@ -409,11 +409,12 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// Lowers the available bytes recorded for `tier` of an ALIVE node by `bytes` (never below 0): a
     /// put route placed that many bytes there, and a concurrent route must not place the same room
     /// twice before the node's next heartbeat reports its real figure (which then replaces it). A
-    /// no-op for an absent or expired node or an unreported tier.
+    /// no-op for an absent or expired node or an unreported tier. Returns the tier's capacity after
+    /// the debit (`None` for those no-ops), so the caller can tell a medium it ran past a watermark.
     ///
     /// # Errors
     /// Backend failures.
-    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError>;
+    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<Option<TierCap>, StoreError>;
 
     /// The key's locations on ALIVE nodes. No side effects.
     ///
@@ -526,8 +527,8 @@ mod tests {
         fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
             Ok(())
         }
-        fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
-            Ok(())
+        fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<Option<TierCap>, StoreError> {
+            Ok(None)
         }
         fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {
             Ok(Vec::new())
