@@ -1106,8 +1106,9 @@ impl PoolClient {
             return;
         }
         *closed = true;
-        // A short-lived client's reads must reach their holders' release before it goes.
-        self.releases.drain(self.config.rpc_timeout).await;
+        // A short-lived client's reads must reach their holders' release before it goes (bounded: a
+        // release that cannot land only leaves the lease to expire).
+        self.releases.drain(self.config.rpc_timeout.min(Duration::from_secs(2))).await;
         // The worker copies into the medium: drain it before the medium goes.
         drop(self.recache_tx.lock().take());
         let worker = self.recache_worker.lock().take();
