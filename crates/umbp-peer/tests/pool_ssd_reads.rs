@@ -73,10 +73,29 @@ async fn two_hundred_sequential_cli_style_gets_from_a_sixteen_page_ssd_node_all_
     indexed(&writer, &keys).await;
     writer.close().await;
     for (i, key) in keys.iter().enumerate() {
-        // Each get is a fresh client that closes right after, as `umbp get` does.
-        let reader = cli(&m, &format!("get-{i}")).await;
-        get_one(&reader, key, &val(i)).await;
-        reader.close().await;
+        // Each get is a fresh client on a runtime of its own that closes and is dropped right
+        // after, as an `umbp get` process exits: nothing it left running in the background
+        // survives, so its release must have left by the time `close` returns.
+        let reader = config(&m, &format!("get-{i}"), 0).with_medium(Medium::None);
+        let (key, expected) = (key.clone(), val(i));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build();
+            let outcome = rt.map_err(|e| e.to_string()).and_then(|rt| {
+                rt.block_on(async {
+                    let reader = PoolClient::start(reader).await.map_err(|e| e.to_string())?;
+                    let mut buf = vec![0xEE; PAGE as usize];
+                    let r = reader.get(&key, &mut buf).await;
+                    reader.close().await;
+                    match r {
+                        Ok(n) if buf[..n as usize] == expected[..] => Ok(()),
+                        other => Err(format!("get {key}: {other:?}")),
+                    }
+                })
+            });
+            let _ = tx.send(outcome);
+        });
+        rx.await.expect("the reader thread answers").unwrap_or_else(|e| panic!("one-shot reader {i}: {e}"));
         if i % 20 == 19 {
             let putter = cli(&m, &format!("put-{i}")).await;
             let v = value(10_000 + i, 700);
