@@ -17,3 +17,7 @@
 pub mod master_client;
 pub mod peer_service;
 pub mod pool_client;
+
+/// Raises the process's soft open-file limit to its hard limit, as a server does (a node's data
+/// server and an SSD medium's log segments each want more descriptors than the common default).
+pub use umbp_transfer::raise_open_file_limit;

@@ -282,7 +282,14 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
         Medium::Hbm(h) => ("hbm", format!("{} device={}", format_size(h.capacity_bytes), h.device)),
         _ => ("none", "0".to_owned()),
     };
-    raise_open_files_limit();
+    // An SSD node keeps one descriptor per log segment (about 16k for 4 TiB of 256 MiB segments) and
+    // refuses to start when the soft limit cannot cover its worst case; the data server holds up to a
+    // few thousand connections. The common soft default (1024) is far below the usual hard limit.
+    // Best effort: on failure the medium's own check says what to raise.
+    match umbp_peer::raise_open_file_limit() {
+        Ok(limit) => tracing::debug!(limit, "open-files soft limit"),
+        Err(e) => tracing::debug!(error = %e, "could not raise the open-files soft limit"),
+    }
     let client = match PoolClient::start(config).await {
         Ok(c) => c,
         Err(e) => return Err(start_failure(e, &id, &master)),
@@ -662,23 +669,4 @@ async fn stat(client: &PoolClient, address: &str) -> anyhow::Result<ExitCode> {
         table(["CLIENT", "STATUS", "HEARTBEAT", "PEER"], &rows, &[])?;
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Raises this process's soft limit on open files to its hard limit, as servers do: an SSD node keeps
-/// one descriptor per log segment (about 16k for 4 TiB of 256 MiB segments) and refuses to start when
-/// the soft limit cannot cover its worst case, and the common soft default (1024) is far below the
-/// usual hard limit. Best effort: a failure leaves the limit as it was, and the medium's own check
-/// then says what to raise.
-fn raise_open_files_limit() {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `limit` is a valid, writable rlimit for the duration of the call.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 || limit.rlim_cur >= limit.rlim_max {
-        return;
-    }
-    let before = limit.rlim_cur;
-    limit.rlim_cur = limit.rlim_max;
-    // SAFETY: `limit` is a valid rlimit; raising the soft limit up to the hard one needs no privilege.
-    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } == 0 {
-        tracing::debug!(from = before, to = limit.rlim_cur, "raised the open-files soft limit to the hard limit");
-    }
 }

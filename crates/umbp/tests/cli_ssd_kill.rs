@@ -64,6 +64,7 @@ fn start_node(dir: &Path, master: &str, ssd_dir: &Path) -> Result<(Proc, String)
 async fn an_ssd_node_killed_with_sigkill_serves_every_acknowledged_value_after_a_restart() {
     let dir = TempDir::new("ssd-kill9");
     let ssd_dir = dir.0.join("drive");
+    std::fs::create_dir_all(&ssd_dir).expect("the drive directory");
     let (_master, line) = Proc::try_start(&dir.0, "master", &["master", "--listen", "127.0.0.1:0"], ENV, "master")
         .unwrap_or_else(|e| panic!("{e}"));
     let master = field(&line, "listen").to_owned();
@@ -135,6 +136,7 @@ fn an_ssd_node_raises_a_low_open_files_soft_limit_and_starts() {
     }
     let dir = TempDir::new("ssd-nofile");
     let ssd_dir = dir.0.join("drive");
+    std::fs::create_dir_all(&ssd_dir).expect("the drive directory");
     let (_master, line) = Proc::try_start(&dir.0, "master", &["master", "--listen", "127.0.0.1:0"], ENV, "master")
         .unwrap_or_else(|e| panic!("{e}"));
     let master = field(&line, "listen").to_owned();
