@@ -28,6 +28,7 @@ OPTIONS:                                   [env]                              [d
     --heartbeat-interval-divisor N         UMBP_HEARTBEAT_INTERVAL_DIVISOR    {div}
     --max-missed-heartbeats N              UMBP_MAX_MISSED_HEARTBEATS         {missed}
     --reaper-interval DUR                  UMBP_REAPER_INTERVAL_SEC           {reaper:?}
+    --expired-retention DUR                UMBP_EXPIRED_RETENTION_SEC         {retention:?}
     --eviction-check-interval DUR          UMBP_EVICTION_CHECK_INTERVAL_SEC   {check:?}
     --eviction-high-watermark F            UMBP_EVICTION_HIGH_WATERMARK       {high}
     --eviction-low-watermark F             UMBP_EVICTION_LOW_WATERMARK        {low}
@@ -48,6 +49,7 @@ OPTIONS:                                   [env]                              [d
         div = d.heartbeat_interval_divisor,
         missed = d.max_missed_heartbeats,
         reaper = d.reaper_interval,
+        retention = d.expired_retention,
         check = e.check_interval,
         high = e.high_watermark,
         low = e.low_watermark,
@@ -110,6 +112,7 @@ fn parse_args(
             "--heartbeat-interval-divisor" => config.heartbeat_interval_divisor = parse_value(f, &value()?)?,
             "--max-missed-heartbeats" => config.max_missed_heartbeats = parse_value(f, &value()?)?,
             "--reaper-interval" => config.reaper_interval = parse_duration(f, &value()?)?,
+            "--expired-retention" => config.expired_retention = parse_duration(f, &value()?)?,
             "--eviction-check-interval" => config.eviction.check_interval = parse_duration(f, &value()?)?,
             "--eviction-high-watermark" => config.eviction.high_watermark = parse_value(f, &value()?)?,
             "--eviction-low-watermark" => config.eviction.low_watermark = parse_value(f, &value()?)?,
@@ -185,6 +188,8 @@ mod tests {
                 "--max-missed-heartbeats=5",
                 "--reaper-interval",
                 "500ms",
+                "--expired-retention",
+                "2m",
                 "--eviction-check-interval",
                 "2s",
                 "--eviction-high-watermark",
@@ -219,6 +224,7 @@ mod tests {
             (Duration::from_secs(4), 4, 5)
         );
         assert_eq!(c.reaper_interval, Duration::from_millis(500));
+        assert_eq!(c.expired_retention, Duration::from_secs(120));
         assert_eq!((c.eviction.high_watermark, c.eviction.low_watermark), (0.8, 0.5));
         assert_eq!(c.eviction.check_interval, Duration::from_secs(2));
         assert_eq!(c.eviction.lease_duration, Duration::from_secs(3));
@@ -255,6 +261,8 @@ mod tests {
             "--evict-deadline",
             "--max-message-bytes",
             "--metrics-addr",
+            "--expired-retention",
+            "300s",
             "10s",
             "0.9",
             "most_available",
