@@ -348,7 +348,7 @@ impl MasterService {
         self.stats.route_put_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
         let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
         if unplaced(&entries, keys, sizes).0 == 0 {
-            self.reserve(&entries, sizes).await?;
+            self.reserve(&entries, sizes)?;
             return Ok(entries);
         }
         self.make_room_and_route(requester, keys, sizes, exclude).await
@@ -368,7 +368,7 @@ impl MasterService {
         let deadline = tokio::time::Instant::now() + ON_DEMAND_BUDGET;
         let Ok(mut evictor) = tokio::time::timeout_at(deadline, self.evictor.lock()).await else {
             let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
-            self.reserve(&entries, sizes).await?;
+            self.reserve(&entries, sizes)?;
             return Ok(entries);
         };
         // Another put may have made room while this one waited for the evictor.
@@ -386,7 +386,7 @@ impl MasterService {
             }
         };
         // Reserved before the next waiter routes, so it does not place the same room.
-        self.reserve(&entries, sizes).await?;
+        self.reserve(&entries, sizes)?;
         Ok(entries)
     }
 
@@ -394,7 +394,7 @@ impl MasterService {
     /// without it, concurrent writers routed between two heartbeats of a node would all be sent to
     /// the same free bytes, and all but the first would be refused by the peer. The node's next
     /// heartbeat replaces the figure with its real one.
-    async fn reserve(&self, entries: &[v1::RoutePutEntry], sizes: &[u64]) -> Result<(), Status> {
+    fn reserve(&self, entries: &[v1::RoutePutEntry], sizes: &[u64]) -> Result<(), Status> {
         let mut debits: HashMap<(String, i32), u64> = HashMap::new();
         for (entry, &size) in entries.iter().zip(sizes) {
             if entry.outcome == v1::RoutePutOutcome::RoutePutRouted as i32 {
@@ -404,20 +404,17 @@ impl MasterService {
         if debits.is_empty() {
             return Ok(());
         }
-        let store = Arc::clone(&self.store);
         let high = self.config.eviction.high_watermark;
-        let pressed = blocking(move || {
-            let mut pressed: Vec<Arc<str>> = Vec::new();
-            for ((node, tier), bytes) in debits {
-                let left = store.debit_capacity(&node, tier_from_wire(tier), bytes)?;
-                let over = left.is_some_and(|c| at_or_above(c.total_bytes, c.available_bytes, high));
-                if over && !pressed.iter().any(|p| **p == *node) {
-                    pressed.push(Arc::from(node));
-                }
+        // In place, like the route's own store reads: a short meta write per routed node, cheaper
+        // than a hand-off to the blocking pool on the hot path.
+        let mut pressed: Vec<Arc<str>> = Vec::new();
+        for ((node, tier), bytes) in debits {
+            let left = self.store.debit_capacity(&node, tier_from_wire(tier), bytes).map_err(store_status)?;
+            let over = left.is_some_and(|c| at_or_above(c.total_bytes, c.available_bytes, high));
+            if over && !pressed.iter().any(|p| **p == *node) {
+                pressed.push(Arc::from(node));
             }
-            Ok(pressed)
-        })
-        .await?;
+        }
         if !pressed.is_empty() {
             self.relieve_soon(pressed);
         }
