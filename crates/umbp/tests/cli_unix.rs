@@ -264,3 +264,49 @@ async fn an_ssd_node_is_ready_only_once_its_recovered_keys_are_readable() {
         assert!(out.code == 0 && out.stdout == value(k, 10_000), "{k} right after the ready line: {}", out.stderr);
     }
 }
+
+/// Issue 13, item 1, as a user runs it: 200 `umbp get` processes in a row from an SSD node with 16
+/// staging pages and a read lease (30 s) longer than the whole run, with a `umbp put` every 20 gets.
+/// Each process releases what it read before it exits; before releases, the 17th get was `not found`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_umbp_gets_in_a_row_from_a_sixteen_page_ssd_node_all_succeed() {
+    let dir = TempDir::new("ssd-200");
+    let (_master, address) = start_master(&dir.0, FAST);
+    let ssd = dir.0.join("ssd");
+    std::fs::create_dir_all(&ssd).expect("ssd dir");
+    let ssd = ssd.display().to_string();
+    let extra = [
+        "--medium",
+        "ssd",
+        "--ssd-dir",
+        &ssd,
+        "--ssd-capacity",
+        "64MiB",
+        "--ssd-staging-pages",
+        "16",
+        "--ssd-read-lease",
+        "30s",
+    ];
+    let (_node, _) = Proc::try_start(&dir.0, "s1", &node_args(&address, "s1", &extra), FAST, "node s1")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let client = PoolClient::start(PoolClientConfig::new("writer", address.clone())).await.expect("joins");
+    let keys: Vec<String> = (0..200).map(|i| format!("ssd-200-{i}")).collect();
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value(k, 20_000)).collect();
+    let items: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+    // In batches of 8: a batch is staged whole on the node's 16 pages.
+    for batch in items.chunks(8) {
+        for r in client.batch_put(batch).await {
+            r.expect("put");
+        }
+    }
+    client.close().await;
+    for (i, (k, v)) in keys.iter().zip(&values).enumerate() {
+        let out = umbp(&address, "get", &[k], None);
+        assert!(out.code == 0 && out.stdout == *v, "get {i} ({k}): exit {} {}", out.code, out.stderr);
+        if i % 20 == 19 {
+            let key = format!("interleaved-{i}");
+            let out = umbp(&address, "put", &[&key, "-"], Some(&value(&key, 30_000)));
+            assert_eq!(out.code, 0, "put after get {i}: {}", out.stderr);
+        }
+    }
+}
