@@ -39,8 +39,8 @@ pub const SSD_VALUE_SIZES: [u64; 2] = [1 << 20, 2 << 20];
 pub const SSD_TABLE_HEADER: &str =
     "| engine | op | value | PoolClient GB/s | raw O_DIRECT GB/s | ratio | round ratios min–max |";
 
-/// The SSD read lease of the bench node. A get's leases pin its staging pages until they end, and
-/// the next round's put needs those pages: short, so rounds wait little, yet far longer than a copy.
+/// The SSD read lease of the bench node: only the safety net, since the node's own gets release
+/// their staging pages as soon as each copy is done, so the next round's put finds them free.
 const READ_LEASE: Duration = Duration::from_millis(500);
 
 /// What `umbp bench ssd` runs.
@@ -455,7 +455,6 @@ impl Cell {
         }
         let raw_file = dir.join("raw-baseline.bin");
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut leases_end = Instant::now();
         let mut progress = Progress::new(
             format!("umbp bench ssd: {} {} values, rounds", self.engine, human_size(self.value)),
             self.rounds,
@@ -470,8 +469,6 @@ impl Cell {
                 let slice = raw.as_slice();
                 raw_w.push(raw_blocking("write", || raw_write(&raw_file, slice, value))?);
             }
-            // The previous get's leases pin the staging pages this put needs.
-            tokio::time::sleep_until(leases_end.into()).await;
             let t = Instant::now();
             let results = node.batch_put(&items).await;
             put.push(gbps(bytes, t.elapsed()));
@@ -490,7 +487,6 @@ impl Cell {
             let t = Instant::now();
             let results = node.batch_get(&key_refs, &mut slices).await;
             get.push(gbps(bytes, t.elapsed()));
-            leases_end = Instant::now() + READ_LEASE + Duration::from_millis(50);
             first_error("get", &results)?;
             let (reads, hits) = read_counters(node);
             let stats = node.stats();
