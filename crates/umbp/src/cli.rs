@@ -31,6 +31,7 @@ CONFIGURATION
     heartbeat_interval_divisor = 2
     max_missed_heartbeats = 3           # silent for ttl * this: the node expires
     reaper_interval = \"5s\"
+    expired_retention = \"5m\"          # an expired node stays listed this long, then is removed
     eviction_check_interval = \"5s\"
     eviction_high_watermark = 0.9
     eviction_low_watermark = 0.7
@@ -100,7 +101,7 @@ pub const MASTER_ENV_HELP: &str = "\
 ENVIRONMENT (defaults in brackets; the flags above override them)
   UMBP_MASTER_LISTEN [127.0.0.1:50051]  UMBP_CLUSTER_TOKEN [none]
   UMBP_HEARTBEAT_TTL_SEC [10]  UMBP_HEARTBEAT_INTERVAL_DIVISOR [2]  UMBP_MAX_MISSED_HEARTBEATS [3]
-  UMBP_REAPER_INTERVAL_SEC [5]  UMBP_EVICTION_CHECK_INTERVAL_SEC [5]
+  UMBP_REAPER_INTERVAL_SEC [5]  UMBP_EXPIRED_RETENTION_SEC [300]  UMBP_EVICTION_CHECK_INTERVAL_SEC [5]
   UMBP_EVICTION_HIGH_WATERMARK [0.9]  UMBP_EVICTION_LOW_WATERMARK [0.7]
   UMBP_LEASE_DURATION_SEC [2]  UMBP_EVICTKEY_DEADLINE_MS [1000]
   UMBP_ROUTE_PUT_SELECT_ALGO [most_available|random]  UMBP_ROUTE_PUT_NODE_AFFINITY [none|same|local]
@@ -212,6 +213,11 @@ pub struct MasterArgs {
     /// How often silent nodes are expired [env: UMBP_REAPER_INTERVAL_SEC] [default: 5s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub reaper_interval: Option<Duration>,
+    /// How long an expired node (or a client that never unregistered) stays listed in `umbp stat`
+    /// before its record is removed; 0s removes it at expiry [env: UMBP_EXPIRED_RETENTION_SEC]
+    /// [default: 5m]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub expired_retention: Option<Duration>,
     /// Put placement: most_available or random [env: UMBP_ROUTE_PUT_SELECT_ALGO] [default: most_available]
     #[arg(long, value_name = "ALGO")]
     pub route_put_algo: Option<SelectAlgo>,

@@ -308,8 +308,19 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
     if !indexed {
         tracing::warn!(node = %id, "the master has not indexed every recovered key yet; they become readable as it does");
     }
-    signal.await;
+    let superseded = tokio::select! {
+        () = signal => false,
+        // Another process started under this id (a supervisor's restart, or a mistake): the newer one
+        // owns the id at the master now, and this one would only serve keys nobody is routed to.
+        () = client.master().wait_superseded() => true,
+    };
     client.close().await;
+    if superseded {
+        return Err(anyhow::Error::new(ConfigurationError(format!(
+            "node {id} stopped: a newer process registered with the same --node-id and took over; \
+             give each process its own id"
+        ))));
+    }
     tracing::info!(node = %id, "node stopped");
     Ok(ExitCode::SUCCESS)
 }
@@ -638,8 +649,9 @@ async fn stat(client: &PoolClient, address: &str) -> anyhow::Result<ExitCode> {
     let status = client.master().cluster_status().await.map_err(|e| anyhow!("cluster status: {e}"))?;
     let others: Vec<&NodeStatusReport> = status.nodes.iter().filter(|n| n.node_id != client.node_id()).collect();
     let (nodes, clients): (Vec<&NodeStatusReport>, Vec<&NodeStatusReport>) =
-        others.into_iter().partition(|n| !n.tier_capacities.is_empty());
+        others.into_iter().partition(|n| n.is_storage());
     let alive = nodes.iter().filter(|n| n.status == NodeLiveness::Alive).count();
+    let expired = nodes.iter().chain(&clients).filter(|n| n.status == NodeLiveness::Expired).count();
     let plural = |n: u64, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
     out(format_args!(
         "master {address}: {} ({alive} alive), {}, {}",
@@ -647,6 +659,12 @@ async fn stat(client: &PoolClient, address: &str) -> anyhow::Result<ExitCode> {
         plural(clients.len() as u64, "client"),
         plural(status.total_keys, "key")
     ))?;
+    if expired > 0 {
+        out(format_args!(
+            "(an expired record is listed for {} after it expired, then removed)",
+            umbp::format_duration(status.expired_retention)
+        ))?;
+    }
     let peer = |n: &NodeStatusReport| if n.peer_address.is_empty() { "-".to_owned() } else { n.peer_address.clone() };
     if !nodes.is_empty() {
         let rows: Vec<[String; 7]> = nodes

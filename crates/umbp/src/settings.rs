@@ -224,6 +224,8 @@ pub struct MasterFile {
     pub max_missed_heartbeats: Option<u32>,
     /// How often silent nodes are expired.
     pub reaper_interval: Option<HumanDuration>,
+    /// How long an expired node stays listed before its record is removed.
+    pub expired_retention: Option<HumanDuration>,
     /// How often eviction checks the watermarks.
     pub eviction_check_interval: Option<HumanDuration>,
     /// Eviction starts at this fill ratio.
@@ -410,6 +412,7 @@ pub fn resolve_master(
         c.max_missed_heartbeats = m;
     }
     dur(f.reaper_interval, &mut c.reaper_interval);
+    dur(f.expired_retention, &mut c.expired_retention);
     dur(f.eviction_check_interval, &mut c.eviction.check_interval);
     if let Some(h) = f.eviction_high_watermark {
         c.eviction.high_watermark = h;
@@ -462,6 +465,9 @@ pub fn resolve_master(
     }
     if let Some(r) = flags.reaper_interval {
         c.reaper_interval = r;
+    }
+    if let Some(r) = flags.expired_retention {
+        c.expired_retention = r;
     }
     if let Some(a) = flags.route_put_algo {
         c.route_put_algo = a;

@@ -117,7 +117,7 @@ async fn an_ssd_node_killed_with_sigkill_rejoins_at_once_with_its_keys_readable(
 async fn a_second_live_process_with_the_same_id_takes_over_and_the_first_is_told() {
     let dir = TempDir::new("rejoin-twice");
     let (_master, master) = start_master(&dir.0);
-    let (first, _) = start_dram_node(&dir.0, &master, "d1-first").unwrap_or_else(|e| panic!("{e}"));
+    let (mut first, _) = start_dram_node(&dir.0, &master, "d1-first").unwrap_or_else(|e| panic!("{e}"));
     let (_second, line) = start_dram_node(&dir.0, &master, "d1-second")
         .unwrap_or_else(|e| panic!("a second process under a live id was refused: {e}"));
     let second_peer = field(&line, "peer").to_owned();
@@ -125,10 +125,14 @@ async fn a_second_live_process_with_the_same_id_takes_over_and_the_first_is_told
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let log = std::fs::read_to_string(&first.log).unwrap_or_default();
-        if log.contains("taken over by a newer process") {
+        if let Ok(Some(status)) = first.child.try_wait() {
+            // It stops with a setup error (exit status 2) that says what happened.
+            assert_eq!(status.code(), Some(2), "{}", first.log_tail());
+            assert!(log.contains("taken over by a newer process"), "{log}");
+            assert!(log.contains("same --node-id"), "{log}");
             break;
         }
-        assert!(Instant::now() < deadline, "the first process was never told:\n{}", first.log_tail());
+        assert!(Instant::now() < deadline, "the first process never stopped:\n{}", first.log_tail());
         std::thread::sleep(Duration::from_millis(100));
     }
     let client = PoolClient::start(PoolClientConfig::new("twice-client", master.clone())).await.expect("client");

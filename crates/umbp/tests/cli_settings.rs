@@ -297,8 +297,11 @@ fn umbp_master_has_a_flag_for_every_master_setting_and_flags_beat_the_environmen
         "9s",
         "--max-message-bytes",
         "8MiB",
+        "--expired-retention",
+        "90s",
     ]);
     let c = resolve_master(&FileConfig::default(), &e, &flags, None).expect("flags");
+    assert_eq!(c.expired_retention, Duration::from_secs(90));
     assert_eq!(c.route_put_affinity, umbp_master::routing::Affinity::Local);
     assert_eq!(c.heartbeat_interval_divisor, 4);
     assert_eq!(c.eviction.check_interval, Duration::from_millis(250));
@@ -311,6 +314,12 @@ fn umbp_master_has_a_flag_for_every_master_setting_and_flags_beat_the_environmen
     // Without the flags the environment holds.
     let c = resolve_master(&FileConfig::default(), &e, &master_args(&[]).0, None).expect("env");
     assert_eq!((c.eviction.high_watermark, c.index_shards), (0.8, 8));
+    // The retention of expired records: file, then environment, then flag.
+    let f = file("[master]\nexpired_retention = \"2m\"");
+    let none = master_args(&[]).0;
+    assert_eq!(resolve_master(&f, &env(&[]), &none, None).expect("file").expired_retention, Duration::from_secs(120));
+    let e = env(&[("UMBP_EXPIRED_RETENTION_SEC", "30")]);
+    assert_eq!(resolve_master(&f, &e, &none, None).expect("env").expired_retention, Duration::from_secs(30));
     // A flag the master refuses is an error, not a silent default.
     let (flags, _) = master_args(&["--eviction-low-watermark", "0.99"]);
     assert!(resolve_master(&FileConfig::default(), &env(&[]), &flags, None).is_err(), "low above high");
@@ -453,6 +462,7 @@ fn the_defaults_in_the_help_are_the_real_defaults() {
         format!("[default: {}]", format_duration(m.heartbeat_ttl)),
         format!("[default: {}]", m.max_missed_heartbeats),
         format!("[default: {}]", format_duration(m.reaper_interval)),
+        format!("[default: {}]", format_duration(m.expired_retention)),
         format!("[default: {}]", m.route_put_algo),
     ] {
         assert!(master.contains(&expected), "`umbp master --help` lacks {expected}:\n{master}");
