@@ -19,6 +19,7 @@
 //!   [`snapshot_all_backends_for_full_sync`].
 //! - The metric seam ([`MetricSource`], [`MetricSample`], [`MetricKind`]) and injected time
 //!   ([`Clock`], [`SystemClock`], [`ManualClock`]).
+//! - [`RateLimited`], the decision of whether a repeated warning is logged now (the caller logs).
 //!
 //! # Never
 //! Moves bytes, opens sockets, spawns threads or knows a concrete medium. It depends on no other umbp
@@ -34,6 +35,7 @@ mod clock;
 mod error;
 mod metrics;
 mod outbox;
+mod ratelimit;
 mod registry;
 mod transfer_ref;
 mod types;
@@ -43,6 +45,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BackendError, RegistrationError, RegistryError};
 pub use metrics::{MetricKind, MetricSample, MetricSource, names as metric_names};
 pub use outbox::EventOutbox;
+pub use ratelimit::RateLimited;
 pub use registry::{BackendRegistry, drain_all_backends, snapshot_all_backends_for_full_sync};
 pub use transfer_ref::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegion, TransferRef};
 pub use types::{

@@ -34,13 +34,13 @@ use umbp_proto::v1;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 
 use crate::config::MasterConfig;
-use crate::ratelimit::{RateLimited, WARN_WINDOW};
 use crate::routing::{
     Bucket, Candidate, EvictionCandidate, PPM, TierSlot, VictimPicker, parts_per_million, plan_eviction,
 };
 use crate::server::TOKEN_METADATA;
 use crate::service::now_ms;
 use crate::store::{MetadataStore, StoreError};
+use umbp_core::RateLimited;
 
 /// Most keys in one `EvictKey` request; a larger victim list is split (4096 keys of up to a few
 /// hundred bytes each stay far below any sane message limit).
@@ -537,9 +537,8 @@ pub(crate) async fn reap(store: &Arc<dyn MetadataStore>, config: &MasterConfig) 
     }
 }
 
-static EVICT_FAILED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
-static EVICTION_STORE_FAILED: std::sync::LazyLock<RateLimited> =
-    std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static EVICT_FAILED: RateLimited = RateLimited::every(RateLimited::WINDOW);
+static EVICTION_STORE_FAILED: RateLimited = RateLimited::every(RateLimited::WINDOW);
 
 fn warn_store_failed(e: &str) {
     if let Some(held_back) = EVICTION_STORE_FAILED.check() {
@@ -547,4 +546,4 @@ fn warn_store_failed(e: &str) {
     }
 }
 
-static REAPER_FAILED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static REAPER_FAILED: RateLimited = RateLimited::every(RateLimited::WINDOW);

@@ -53,7 +53,6 @@
 mod config;
 mod evictor;
 mod metrics;
-mod ratelimit;
 pub mod routing;
 mod server;
 mod service;

@@ -13,12 +13,12 @@ use umbp_proto::v1::umbp_master_server::UmbpMaster;
 
 use crate::config::MasterConfig;
 use crate::evictor::{Evictor, ON_DEMAND_BUDGET};
-use crate::ratelimit::{RateLimited, WARN_WINDOW};
 use crate::routing::{Affinity, Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
 use crate::store::{
     HeartbeatApply, HeartbeatKind, HeartbeatOutcome, MetadataStore, NodeStatus, RegisterOutcome, Registration,
     StoreError, TierCap,
 };
+use umbp_core::RateLimited;
 
 /// Wall-clock milliseconds: store timestamps must mean the same across restarts and replicas.
 pub(crate) fn now_ms() -> u64 {
@@ -93,8 +93,8 @@ pub(crate) fn caps_for_log(caps: &[TierCap]) -> String {
     if out.is_empty() { "none".to_owned() } else { out }
 }
 
-static STORE_FAILED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
-static EVENTS_SKIPPED: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static STORE_FAILED: RateLimited = RateLimited::every(RateLimited::WINDOW);
+static EVENTS_SKIPPED: RateLimited = RateLimited::every(RateLimited::WINDOW);
 
 fn store_status(e: StoreError) -> Status {
     // The master never crashes on a store failure: the caller retries, or another replica answers.

@@ -10,15 +10,13 @@ use umbp_core::{drain_all_backends, snapshot_all_backends_for_full_sync};
 use umbp_proto::v1 as pb;
 
 use super::error::MasterClientError;
-use super::ratelimit::{RateLimited, WARN_WINDOW};
 use super::{Inner, bump, wire};
+use umbp_core::RateLimited;
 
 /// Repeated warnings of the heartbeat loop (every tick of a master outage would print one).
-static RE_REGISTER_FAILED: std::sync::LazyLock<RateLimited> =
-    std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
-static SYNC_CHUNK_FAILED: std::sync::LazyLock<RateLimited> =
-    std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
-static OUTBOX_FULL: std::sync::LazyLock<RateLimited> = std::sync::LazyLock::new(|| RateLimited::every(WARN_WINDOW));
+static RE_REGISTER_FAILED: RateLimited = RateLimited::every(RateLimited::WINDOW);
+static SYNC_CHUNK_FAILED: RateLimited = RateLimited::every(RateLimited::WINDOW);
+static OUTBOX_FULL: RateLimited = RateLimited::every(RateLimited::WINDOW);
 
 /// First pause between two attempts of a clear.
 const CLEAR_BACKOFF_START: Duration = Duration::from_millis(50);

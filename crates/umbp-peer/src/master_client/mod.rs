@@ -64,7 +64,6 @@
 mod config;
 mod error;
 mod heartbeat;
-mod ratelimit;
 mod types;
 mod wire;
 
