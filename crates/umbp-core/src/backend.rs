@@ -33,6 +33,14 @@ pub type AutoFlushHook = Arc<dyn Fn() + Send + Sync>;
 ///   does not mutate.
 /// - `FailedNoSpace` only when another peer could succeed; a key larger than the medium can ever hold
 ///   (or of size 0) is `Failed`.
+/// - An allocate answers [`Busy`](crate::AllocateOutcome::Busy) only when the medium has room for
+///   the value but a transient resource the slot needs (a staged medium's staging pages) is held
+///   by pending slots and readers right now: it reserves nothing, and the resource comes back
+///   without anyone evicting (commits, aborts, releases, the pending TTL and the read lease). The
+///   writer retries this medium after a short wait; it never takes busy for full, and never
+///   excludes the node for it. A full medium is `FailedNoSpace`, never busy; an idle medium (no
+///   pending slot, no live read lease) never answers busy; a medium that can always reserve what
+///   it has room for never answers busy at all.
 /// - [`evict`](Self::evict) returns one result per key in request order; unknown, freed, leased or
 ///   pinned keys report 0 bytes.
 /// - [`batch_abort`](Self::batch_abort) is idempotent (an unknown slot reports `true`). Commit of an
@@ -114,7 +122,9 @@ pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
     // --- slot lifecycle -------------------------------------------------------------------------
 
     /// Reserves room for each request; one result per request, in request order. An empty batch
-    /// returns an empty vector.
+    /// returns an empty vector. A batch larger than what the medium can reserve at once (a staged
+    /// medium's staging arena) is answered `Allocated` for what fits and `Busy` for the rest: the
+    /// writer commits the first part and asks again for the rest.
     fn batch_allocate(&self, requests: &[AllocateRequest]) -> Vec<AllocateResult>;
 
     /// Commits each slot under its key; one result per request, in request order.

@@ -131,8 +131,16 @@ pub enum AllocateOutcome {
     /// medium clearing). The writer must not retry on another peer.
     #[default]
     Failed,
-    /// The medium is full right now; another peer may well succeed.
+    /// The medium is full right now; another peer may well succeed (or this one, once room is
+    /// made by eviction).
     FailedNoSpace,
+    /// The medium has room for the value, but a transient resource the slot needs is exhausted
+    /// right now (a staged medium with every staging page held by pending slots of in-flight
+    /// writes and by readers): nothing was reserved. The writer retries **this** medium shortly,
+    /// after its own in-flight commits have given pages back; it neither tries another peer for it
+    /// nor treats the medium as full, and nobody needs to evict to make room. A medium that can
+    /// always reserve what it has room for never answers it.
+    Busy,
 }
 
 impl AllocateOutcome {
@@ -144,6 +152,11 @@ impl AllocateOutcome {
     /// Whether routing should try another peer.
     pub const fn is_retryable_elsewhere(self) -> bool {
         matches!(self, Self::FailedNoSpace)
+    }
+
+    /// Whether the writer should ask the same medium again shortly (busy, not full).
+    pub const fn is_retryable_here(self) -> bool {
+        matches!(self, Self::Busy)
     }
 }
 
@@ -485,5 +498,16 @@ mod tests {
         assert!(!AllocateOutcome::Failed.is_retryable_elsewhere());
         assert!(AllocateOutcome::AlreadyExists.is_success());
         assert!(!AllocateOutcome::FailedNoSpace.is_success());
+    }
+
+    #[test]
+    fn busy_is_retried_here_never_elsewhere_and_is_no_success() {
+        let b = AllocateOutcome::Busy;
+        assert!(b.is_retryable_here() && !b.is_retryable_elsewhere() && !b.is_success());
+        for o in [AllocateOutcome::Allocated, AllocateOutcome::AlreadyExists, AllocateOutcome::Failed] {
+            assert!(!o.is_retryable_here(), "{o:?}");
+        }
+        assert!(!AllocateOutcome::FailedNoSpace.is_retryable_here(), "full is not busy");
+        assert_eq!(AllocateResult::outcome(b).slot_id, 0, "busy reserves nothing");
     }
 }

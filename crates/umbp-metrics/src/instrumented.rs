@@ -51,8 +51,9 @@ pub enum Status {
     Ok = 0,
     /// Allocate: the key was already there.
     Exists = 1,
-    /// Allocate: the medium is full now. Resolve: busy (the key is here, but the medium cannot
-    /// serve it now; the reader retries it here).
+    /// Allocate: the medium is full now, or busy (it has room but no free staging page now; the
+    /// writer retries it here). Resolve: busy (the key is here, but the medium cannot serve it now;
+    /// the reader retries it here).
     NoSpace = 2,
     /// Resolve, lookup: not found. Evict: nothing freed (unknown, leased or pinned).
     Miss = 3,
@@ -220,8 +221,8 @@ impl OpCounts {
 /// returns the derived series followed by the inner medium's own samples, unchanged.
 ///
 /// Classification, per entry: allocate `Allocated`→ok, `AlreadyExists`→exists,
-/// `FailedNoSpace`→no_space, `Failed`→failed; commit success→ok (+bytes) else failed; abort
-/// `true`→ok else failed; resolve found→ok (+size) else miss; lookup (`batch_contains`, an
+/// `FailedNoSpace` and `Busy`→no_space, `Failed`→failed; commit success→ok (+bytes) else failed; abort
+/// `true`→ok else failed; resolve found→ok (+size), busy→no_space, else miss; lookup (`batch_contains`, an
 /// existence check) found→ok else miss, no bytes; evict bytes freed > 0→ok (+bytes) else
 /// miss. The counters are monotonic for the life of the decorator, and exact — except the time: a
 /// call of 8 entries or more is always timed; one in 32 smaller calls is timed and each of the
@@ -416,7 +417,8 @@ impl MediumBackend for InstrumentedBackend {
                     let status = match r.outcome {
                         AllocateOutcome::Allocated => Status::Ok,
                         AllocateOutcome::AlreadyExists => Status::Exists,
-                        AllocateOutcome::FailedNoSpace => Status::NoSpace,
+                        // Busy, like a busy resolve: the medium could not serve the entry now.
+                        AllocateOutcome::FailedNoSpace | AllocateOutcome::Busy => Status::NoSpace,
                         AllocateOutcome::Failed => Status::Failed,
                     };
                     t.add(status, 0);

@@ -416,3 +416,25 @@ fn releases_reach_the_wrapped_medium_and_busy_is_not_a_miss() {
     assert_eq!(after.entries(Status::NoSpace) - before.entries(Status::NoSpace), 1, "busy counts as no_space");
     assert_eq!(after.entries(Status::Miss), before.entries(Status::Miss), "busy is not a miss");
 }
+
+/// A busy allocation (room, but no staging page free now) counts as `no_space` like a busy
+/// resolve: not a failure, not a slot, and no bytes.
+#[test]
+fn a_busy_allocation_counts_as_no_space_not_as_failed() {
+    let inner = Arc::new(MockBackend::new(MockConfig { page_size: PAGE, pages: 4, ..MockConfig::default() }));
+    let wrapped = Arc::new(InstrumentedBackend::new(Arc::clone(&inner) as Arc<dyn MediumBackend>));
+    wrapped.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    inner.answer_allocate_busy(2);
+    let before = wrapped.counts(Op::Allocate);
+    let r = wrapped.batch_allocate(&[
+        AllocateRequest::new("a", 10),
+        AllocateRequest::new("b", 10),
+        AllocateRequest::new("c", 10),
+    ]);
+    let outcomes: Vec<AllocateOutcome> = r.iter().map(|r| r.outcome).collect();
+    assert_eq!(outcomes, [AllocateOutcome::Busy, AllocateOutcome::Busy, AllocateOutcome::Allocated]);
+    let after = wrapped.counts(Op::Allocate);
+    assert_eq!(after.entries(Status::NoSpace) - before.entries(Status::NoSpace), 2, "busy counts as no_space");
+    assert_eq!(after.entries(Status::Failed), before.entries(Status::Failed), "busy is not a failure");
+    assert_eq!(after.entries(Status::Ok) - before.entries(Status::Ok), 1);
+}

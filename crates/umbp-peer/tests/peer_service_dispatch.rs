@@ -270,8 +270,12 @@ async fn batch_allocate_groups_by_tier_but_answers_in_request_order() {
         alloc_req(TierType::Dram, "d", 200),
         alloc_req(TierType::Hbm, "h2", 300),
     ];
-    let reply =
-        node.client.batch_allocate_slots(pb::BatchAllocateSlotsRequest { entries }).await.expect("batch").into_inner();
+    let reply = node
+        .client
+        .batch_allocate_slots(pb::BatchAllocateSlotsRequest { entries, ..Default::default() })
+        .await
+        .expect("batch")
+        .into_inner();
     let outcomes: Vec<i32> = reply.entries.iter().map(|e| e.outcome).collect();
     assert_eq!(outcomes, [allocated(), failed(), allocated(), allocated()]);
     let tiers: Vec<TierType> = reply.entries.iter().map(|e| slot_tier(e.slot_id)).collect();
@@ -492,7 +496,11 @@ async fn empty_keys_and_zero_sizes_fail_per_entry() {
         alloc_req(TierType::Dram, "zero", 0),
         alloc_req(TierType::Dram, "ok", 100),
     ];
-    let reply = node.client.batch_allocate_slots(pb::BatchAllocateSlotsRequest { entries }).await.expect("batch");
+    let reply = node
+        .client
+        .batch_allocate_slots(pb::BatchAllocateSlotsRequest { entries, ..Default::default() })
+        .await
+        .expect("batch");
     let reply = reply.into_inner().entries;
     let outcomes: Vec<i32> = reply.iter().map(|e| e.outcome).collect();
     assert_eq!(outcomes, [failed(), failed(), allocated()]);
@@ -565,7 +573,11 @@ async fn real_page_backends_round_trip_through_the_service() {
     registry.register(page(TierType::Dram)).expect("register");
     let (server, mut client) = serve(registry, PeerServerConfig::default()).await;
     let entries = vec![alloc_req(TierType::Dram, "d", 3 * PAGE - 1), alloc_req(TierType::Hbm, "h", PAGE)];
-    let a = client.batch_allocate_slots(pb::BatchAllocateSlotsRequest { entries }).await.expect("alloc").into_inner();
+    let a = client
+        .batch_allocate_slots(pb::BatchAllocateSlotsRequest { entries, ..Default::default() })
+        .await
+        .expect("alloc")
+        .into_inner();
     assert!(a.entries.iter().all(|e| e.outcome == allocated()));
     let commits = a
         .entries

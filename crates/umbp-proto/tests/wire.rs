@@ -111,3 +111,17 @@ fn the_incarnation_role_and_retention_field_numbers_are_pinned() {
     let status = v1::GetClusterStatusResponse { expired_retention_ms: 3, ..Default::default() };
     assert_eq!(status.encode_to_vec(), vec![0x18, 3]);
 }
+
+#[test]
+fn the_allocate_busy_value_and_accepts_busy_field_are_pinned() {
+    assert_eq!(v1::AllocateOutcome::AllocateBusy as i32, 5);
+    // field 1 (varint) 5: a busy answer carries nothing else.
+    let busy = v1::AllocateSlotResponse { outcome: v1::AllocateOutcome::AllocateBusy as i32, ..Default::default() };
+    assert_eq!(busy.encode_to_vec(), vec![0x08, 5]);
+    // field 2 (varint) 1.
+    let req = v1::BatchAllocateSlotsRequest { entries: Vec::new(), accepts_busy: true };
+    assert_eq!(req.encode_to_vec(), vec![0x10, 1]);
+    // An older caller's request (no field 2) reads as not accepting busy.
+    let old = v1::BatchAllocateSlotsRequest::decode([0x0a, 0x00].as_slice()).expect("decodes");
+    assert!(!old.accepts_busy && old.entries.len() == 1);
+}

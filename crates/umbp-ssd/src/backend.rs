@@ -404,6 +404,7 @@ struct Counters {
     single_flight_lead: AtomicU64,
     single_flight_merged: AtomicU64,
     staging_full_reject: AtomicU64,
+    staging_busy_allocate: AtomicU64,
     lease_released: AtomicU64,
     staging_expired_reclaim: AtomicU64,
     eviction_round: AtomicU64,
@@ -500,6 +501,9 @@ pub struct SsdStats {
     pub single_flight_merged: u64,
     /// Resolves that found the key but no free staging page (answered busy: retry here).
     pub staging_full_rejects: u64,
+    /// Allocations the drive had room for but no staging page was free for (answered
+    /// [`AllocateOutcome::Busy`]: the writer retries here once pages come back).
+    pub staging_busy_allocations: u64,
     /// Read leases on staged copies that ended because their last reader released them (before
     /// their expiry).
     pub leases_released: u64,
@@ -587,6 +591,7 @@ impl SsdBackend {
             staged_hits: l(&c.staged_hit),
             single_flight_merged: l(&c.single_flight_merged),
             staging_full_rejects: l(&c.staging_full_reject),
+            staging_busy_allocations: l(&c.staging_busy_allocate),
             leases_released: l(&c.lease_released),
             corrupt_reads: l(&c.device_read_corrupt),
             evicted: l(&c.eviction_victim),
@@ -2104,7 +2109,7 @@ impl MetricSource for SsdBackend {
     fn sample_metrics(&self) -> Vec<MetricSample> {
         let c = &self.inner.counters;
         let mut out = Vec::new();
-        let events: [(&str, &AtomicU64); 20] = [
+        let events: [(&str, &AtomicU64); 21] = [
             ("device_read_ok", &c.device_read_ok),
             ("device_read_error", &c.device_read_error),
             ("device_read_corrupt", &c.device_read_corrupt),
@@ -2114,6 +2119,7 @@ impl MetricSource for SsdBackend {
             ("single_flight_lead", &c.single_flight_lead),
             ("single_flight_merged", &c.single_flight_merged),
             ("staging_slot_full_reject", &c.staging_full_reject),
+            ("staging_allocate_busy", &c.staging_busy_allocate),
             ("read_lease_released", &c.lease_released),
             ("staging_expired_reclaim", &c.staging_expired_reclaim),
             ("eviction_round", &c.eviction_round),
@@ -2427,7 +2433,12 @@ impl MediumBackend for SsdBackend {
                 continue;
             }
             let Some(pages) = state.take_staging(n, now) else {
-                results.push(AllocateResult::outcome(AllocateOutcome::FailedNoSpace));
+                // The drive has room, but every staging page is held by pending slots (this batch's
+                // among them) and readers: busy, not full. The pages come back without eviction
+                // (commits, aborts, releases, the TTLs), and `n <= max_value_pages <= staging_pages`,
+                // so the value fits once they do: the writer asks again.
+                bump(&inner.counters.staging_busy_allocate);
+                results.push(AllocateResult::outcome(AllocateOutcome::Busy));
                 continue;
             };
             state.used += bytes;
@@ -2919,7 +2930,7 @@ mod tests {
         }
         assert_eq!(
             b.batch_allocate(&[AllocateRequest::new("c", 10)])[0].outcome,
-            AllocateOutcome::FailedNoSpace,
+            AllocateOutcome::Busy,
             "the leased page went to a writer while its reader copies"
         );
         assert_eq!(read(&b, &e), vec![0xAA; 3000]);
@@ -3266,9 +3277,9 @@ mod tests {
         assert_eq!(b.batch_allocate(&[AllocateRequest::new("y", 10)])[0].outcome, AllocateOutcome::Allocated);
         let state = b.inner.state.lock();
         assert!(state.staged.contains_key("a") && !state.staged.contains_key("c"), "the leased copy stays");
-        // With only a leased copy left, no more room is made.
+        // With only a leased copy left, no more room is made: busy (the drive has room).
         drop(state);
-        assert_eq!(b.batch_allocate(&[AllocateRequest::new("z", 10)])[0].outcome, AllocateOutcome::FailedNoSpace);
+        assert_eq!(b.batch_allocate(&[AllocateRequest::new("z", 10)])[0].outcome, AllocateOutcome::Busy);
     }
 
     /// Compaction finds a segment's records through the per-segment index: after every pass the

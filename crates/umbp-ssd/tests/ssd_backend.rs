@@ -307,8 +307,8 @@ fn resolve_with_every_staging_page_leased_is_busy_not_a_miss() {
         .expect("the reject is a medium event");
     assert_eq!((rejects.name, rejects.value), (metric_names::MEDIUM_EVENTS_TOTAL, 1));
     assert!(!resolve(&b, "never-stored").busy, "an unknown key is a miss, not busy");
-    // Allocation is refused while every page is leased.
-    assert_eq!(put(&b, "d", &value(9, 10)), AllocateOutcome::FailedNoSpace);
+    // Allocation is busy (the drive has room) while every page is leased.
+    assert_eq!(put(&b, "d", &value(9, 10)), AllocateOutcome::Busy);
     // The reader of "a" is done: its page serves "c" at once, with no lease expiry.
     b.release_reads(&[ReadRelease::new("a", a.lease)]);
     assert_eq!(b.stats().leases_released, 1);
@@ -423,7 +423,7 @@ fn a_key_cleared_under_a_reader_frees_its_staging_page_at_the_release() {
     let a = resolve(&b, "a");
     b.clear_local();
     b.clear_full_sync_acked();
-    put_expect_no_space(&b, "c");
+    put_expect_busy(&b, "c");
     b.release_reads(&[ReadRelease::new("a", a.lease)]);
     assert_eq!(put(&b, "c", &value(3, 100)), AllocateOutcome::Allocated, "the deferred page came back at the release");
 }
@@ -448,8 +448,81 @@ fn an_existence_check_reads_no_drive_and_takes_no_staging_page() {
     assert_eq!(get_and_release(&b, "b"), Some(value(2, 100)), "the only staging page is still free");
 }
 
-fn put_expect_no_space(b: &SsdBackend, key: &str) {
-    assert_eq!(put(b, key, &value(7, 100)), AllocateOutcome::FailedNoSpace, "the reader still holds the only page");
+fn put_expect_busy(b: &SsdBackend, key: &str) {
+    assert_eq!(put(b, key, &value(7, 100)), AllocateOutcome::Busy, "the reader still holds the only page");
+}
+
+/// Writes `bytes` into the pages of an allocated slot `a` and commits it under `key`.
+fn fill_and_commit(b: &SsdBackend, a: &umbp_core::AllocateResult, key: &str, bytes: &[u8]) {
+    assert_eq!(a.outcome, AllocateOutcome::Allocated, "{key}");
+    let (base, len) = arena(b);
+    for (chunk, page) in bytes.chunks(PAGE as usize).zip(&a.pages) {
+        let off = u64::from(page.page_index) * PAGE;
+        assert!(off + chunk.len() as u64 <= len);
+        // SAFETY: the page is inside the registered arena and reserved for this slot.
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), base.add(off as usize), chunk.len()) };
+    }
+    assert!(b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].success, "commit of {key}");
+}
+
+#[test]
+fn allocate_with_every_staging_page_held_is_busy_while_a_full_drive_is_no_space() {
+    let dir = tempdir();
+    let clock = ManualClock::new();
+    let b = live(
+        builder(&[dir.path()])
+            .staging_pages(4)
+            .clock(Arc::clone(&clock) as Arc<dyn umbp_core::Clock>)
+            .build()
+            .expect("config"),
+    );
+    // A batch of six on four staging pages: four slots, and busy for the rest (the drive has room
+    // for all six). Before, the rest was FailedNoSpace, and a writer went looking elsewhere.
+    let keys: Vec<String> = (0..6).map(|i| format!("k{i}")).collect();
+    let reqs: Vec<AllocateRequest> = keys.iter().map(|k| AllocateRequest::new(k.clone(), 100)).collect();
+    let first = b.batch_allocate(&reqs);
+    let outcomes: Vec<AllocateOutcome> = first.iter().map(|a| a.outcome).collect();
+    assert_eq!(outcomes[..4], [AllocateOutcome::Allocated; 4]);
+    assert_eq!(outcomes[4..], [AllocateOutcome::Busy; 2], "staging exhausted with room on the drive is busy");
+    assert!(first[4].pages.is_empty() && first[4].slot_id == 0, "busy reserves nothing");
+    assert_eq!(b.capacity().available_bytes, 60 * PAGE, "only the four slots are reserved");
+    assert_eq!(b.stats().staging_busy_allocations, 2);
+    let busy = b
+        .sample_metrics()
+        .into_iter()
+        .find(|m| m.labels.iter().any(|(k, v)| k == "event" && v == "staging_allocate_busy"))
+        .expect("a busy allocation is a medium event");
+    assert_eq!((busy.name, busy.value), (metric_names::MEDIUM_EVENTS_TOTAL, 2));
+    // The writer commits what it got; its pages come back (as clean cached copies, which a
+    // writer may take), and the busy keys fit when asked again.
+    for (i, a) in first[..4].iter().enumerate() {
+        fill_and_commit(&b, a, &keys[i], &value(i as u64, 100));
+    }
+    let again = b.batch_allocate(&reqs[4..]);
+    for (j, a) in again.iter().enumerate() {
+        fill_and_commit(&b, a, &keys[4 + j], &value(4 + j as u64, 100));
+    }
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(get_and_release(&b, k), Some(value(i as u64, 100)), "{k} reads back byte-exact");
+    }
+    // Readers holding every staging page make a writer busy too, until one releases.
+    b.drop_cached_copies();
+    let held: Vec<ResolvedEntry> = keys[..4].iter().map(|k| resolve(&b, k)).collect();
+    assert!(held.iter().all(|e| e.found));
+    assert_eq!(put(&b, "w", &value(9, 100)), AllocateOutcome::Busy, "four readers hold the four pages");
+    b.release_reads(&[ReadRelease::new(keys[0].clone(), held[0].lease)]);
+    assert_eq!(put(&b, "w", &value(9, 100)), AllocateOutcome::Allocated, "a released page takes the write");
+    assert_eq!(b.owned_key_count(), 7, "no key was dropped for the busy answers");
+
+    // A full drive is FailedNoSpace, never busy, whatever the staging arena has free.
+    let dir = tempdir();
+    let b = live(builder(&[dir.path()]).capacity_bytes(2 * PAGE).watermarks(None).build().expect("config"));
+    assert_eq!(put(&b, "a", &value(1, 10)), AllocateOutcome::Allocated);
+    assert_eq!(put(&b, "b", &value(2, 10)), AllocateOutcome::Allocated);
+    assert_eq!(put(&b, "c", &value(3, 10)), AllocateOutcome::FailedNoSpace, "full is no space, not busy");
+    let batch = b.batch_allocate(&[AllocateRequest::new("d", 10), AllocateRequest::new("e", 10)]);
+    assert!(batch.iter().all(|a| a.outcome == AllocateOutcome::FailedNoSpace), "a batch too: {batch:?}");
+    assert_eq!(b.stats().staging_busy_allocations, 0);
 }
 
 #[test]

@@ -88,7 +88,7 @@ fn run(engine: IoEngineKind) {
                             AllocateOutcome::AlreadyExists => {
                                 b.evict(std::slice::from_ref(&key));
                             }
-                            AllocateOutcome::FailedNoSpace => {}
+                            AllocateOutcome::FailedNoSpace | AllocateOutcome::Busy => {}
                             AllocateOutcome::Failed => panic!("{key} of {len} bytes refused for good"),
                         }
                     } else {

@@ -274,6 +274,7 @@ checks! {
     allocate::batch_allocate_answers_positionally => "one allocate result per request, in request order",
     allocate::allocate_dedups_owned_key => "allocating an owned key is AlreadyExists and reserves nothing",
     allocate::pending_duplicates_are_allowed => "two pending slots for one key are allowed, with distinct ids",
+    allocate::an_idle_medium_never_answers_allocate_busy => "with nothing in flight an allocation is a slot, a dedup or no space, never busy",
     commit::commit_makes_key_resolvable => "a commit makes the key resolvable and queues one Add",
     commit::commit_binds_the_commit_time_key => "the commit-time key is the one stored",
     commit::commit_race_first_wins => "two commits of one key: the first wins, the second frees its pages and succeeds",

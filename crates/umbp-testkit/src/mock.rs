@@ -137,6 +137,8 @@ struct State {
     deferred: Vec<(Vec<u32>, Instant, (String, u64))>,
     /// Hits still to be answered busy instead (see [`MockBackend::answer_busy`]).
     busy_hits: u64,
+    /// Allocations still to be answered busy instead (see [`MockBackend::answer_allocate_busy`]).
+    busy_allocations: u64,
     outbox: Vec<KvEvent>,
     /// Bumped by every clear; a slot from an older generation can no longer commit.
     generation: u64,
@@ -210,6 +212,7 @@ impl State {
             leases: ReadLeases::default(),
             deferred: Vec::new(),
             busy_hits: 0,
+            busy_allocations: 0,
             outbox: Vec::new(),
             generation: 0,
             next_slot: 1,
@@ -286,6 +289,14 @@ impl MockBackend {
         self.state.lock().busy_hits = hits;
     }
 
+    /// Answers the next `allocations` allocations that would reserve a slot busy instead (nothing is
+    /// reserved), as a staged medium whose staging pages are all held by in-flight writes and
+    /// reads does: for tests of writers that must wait a busy medium out. Requests that fail,
+    /// dedup or find the medium full answer as usual and use none of them.
+    pub fn answer_allocate_busy(&self, allocations: u64) {
+        self.state.lock().busy_allocations = allocations;
+    }
+
     /// How many pending (allocated, not yet committed or aborted) slots exist.
     pub fn pending_slot_count(&self) -> usize {
         self.state.lock().pending.len()
@@ -329,6 +340,13 @@ impl MockBackend {
         // Only owned keys dedup: two writers may hold pending slots for one key (the first commit wins).
         if state.owned.contains_key(&request.key) {
             return AllocateResult::outcome(AllocateOutcome::AlreadyExists);
+        }
+        if u64::try_from(state.free.len()).unwrap_or(u64::MAX) < pages_needed {
+            return AllocateResult::outcome(AllocateOutcome::FailedNoSpace);
+        }
+        if state.busy_allocations > 0 {
+            state.busy_allocations -= 1;
+            return AllocateResult::outcome(AllocateOutcome::Busy);
         }
         // `pages_needed` ≤ `pages` (a u32), so the conversion cannot fail.
         let Some(pages) = usize::try_from(pages_needed).ok().and_then(|n| state.take_pages(n)) else {

@@ -281,6 +281,9 @@ enum Flaw {
     /// Hits name their leases, but `release_reads` is not forwarded (a decorator that forgot it):
     /// leases only expire, and the default `batch_contains` leaves its leases behind.
     ForgetsRelease,
+    /// A full medium answers busy instead of `FailedNoSpace` (takes full for busy: its writers
+    /// would wait for room that only an eviction can make).
+    BusyForFull,
 }
 
 /// A registrar that forwards registrations and swallows deregistrations.
@@ -364,6 +367,11 @@ impl MediumBackend for Flawed {
         let total = self.inner.capacity().total_bytes;
         let mut results = self.inner.batch_allocate(requests);
         self.issued.lock().extend(results.iter().map(|r| r.slot_id).filter(|id| *id != 0));
+        if self.flaw == Flaw::BusyForFull {
+            for r in results.iter_mut().filter(|r| r.outcome == AllocateOutcome::FailedNoSpace) {
+                r.outcome = AllocateOutcome::Busy;
+            }
+        }
         if self.flaw == Flaw::OversizeIsNoSpace {
             for (r, q) in results.iter_mut().zip(requests) {
                 if q.size > total {
@@ -490,6 +498,42 @@ fn suite_fails_no_space_for_an_impossible_value() {
         failed_checks(Flaw::OversizeIsNoSpace),
         BTreeSet::from(["key_larger_than_medium_is_failed_not_no_space", "batch_allocate_answers_positionally"])
     );
+}
+
+#[test]
+fn suite_fails_busy_for_a_full_medium() {
+    let failed = failed_checks(Flaw::BusyForFull);
+    assert!(failed.contains("an_idle_medium_never_answers_allocate_busy"), "{failed:?}");
+    assert!(failed.contains("full_medium_reports_no_space_then_recovers_after_abort"), "{failed:?}");
+}
+
+/// The mock answers allocations busy on request (for writers that must wait it out): nothing is
+/// reserved, and the requests that would fail or dedup anyway answer as usual.
+#[test]
+fn answer_allocate_busy_answers_the_next_allocations_busy() {
+    let mock = mock(TierType::Dram);
+    mock.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
+    put(mock.as_ref(), "owned", 10);
+    mock.answer_allocate_busy(2);
+    let r = mock.batch_allocate(&[
+        AllocateRequest::new("owned", 10),
+        AllocateRequest::new("zero", 0),
+        AllocateRequest::new("a", 10),
+        AllocateRequest::new("b", 10),
+        AllocateRequest::new("c", 10),
+    ]);
+    let outcomes: Vec<AllocateOutcome> = r.iter().map(|r| r.outcome).collect();
+    assert_eq!(
+        outcomes,
+        [
+            AllocateOutcome::AlreadyExists,
+            AllocateOutcome::Failed,
+            AllocateOutcome::Busy,
+            AllocateOutcome::Busy,
+            AllocateOutcome::Allocated
+        ]
+    );
+    assert_eq!(mock.pending_slot_count(), 1, "busy reserved nothing");
 }
 
 #[test]

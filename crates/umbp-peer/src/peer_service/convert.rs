@@ -26,17 +26,31 @@ pub fn outcome_to_wire(outcome: AllocateOutcome) -> i32 {
         AllocateOutcome::AlreadyExists => pb::AllocateOutcome::AllocateSuccessAlreadyExists,
         AllocateOutcome::Failed => pb::AllocateOutcome::AllocateFailed,
         AllocateOutcome::FailedNoSpace => pb::AllocateOutcome::AllocateFailedNoSpace,
+        AllocateOutcome::Busy => pb::AllocateOutcome::AllocateBusy,
     };
     wire as i32
 }
 
-/// An allocation outcome from the wire; `UNSPECIFIED` and unknown values read as
-/// [`AllocateOutcome::Failed`] (never as a success, never as retryable).
+/// The wire value of an allocation outcome for a caller that may not know `ALLOCATE_BUSY`: busy
+/// becomes `ALLOCATE_FAILED_NO_SPACE` unless the caller said it accepts busy. An older client thus
+/// sees what it saw before the value existed (it tries another node), instead of an unknown value,
+/// which it would read as a hard failure.
+pub fn outcome_to_wire_for(outcome: AllocateOutcome, accepts_busy: bool) -> i32 {
+    match outcome {
+        AllocateOutcome::Busy if !accepts_busy => outcome_to_wire(AllocateOutcome::FailedNoSpace),
+        other => outcome_to_wire(other),
+    }
+}
+
+/// An allocation outcome from the wire; `UNSPECIFIED` and unknown values (a newer peer's outcome)
+/// read as [`AllocateOutcome::Failed`]: never as a success (no slot to write into) and never as
+/// busy (no unbounded retry of a peer whose answer is not understood).
 pub fn outcome_from_wire(value: i32) -> AllocateOutcome {
     match pb::AllocateOutcome::try_from(value) {
         Ok(pb::AllocateOutcome::AllocateSuccessAllocated) => AllocateOutcome::Allocated,
         Ok(pb::AllocateOutcome::AllocateSuccessAlreadyExists) => AllocateOutcome::AlreadyExists,
         Ok(pb::AllocateOutcome::AllocateFailedNoSpace) => AllocateOutcome::FailedNoSpace,
+        Ok(pb::AllocateOutcome::AllocateBusy) => AllocateOutcome::Busy,
         Ok(pb::AllocateOutcome::AllocateFailed | pb::AllocateOutcome::AllocateUnspecified) | Err(_) => {
             AllocateOutcome::Failed
         }
@@ -111,11 +125,27 @@ mod tests {
             AllocateOutcome::AlreadyExists,
             AllocateOutcome::Failed,
             AllocateOutcome::FailedNoSpace,
+            AllocateOutcome::Busy,
         ] {
             assert_eq!(outcome_from_wire(outcome_to_wire(o)), o);
+            assert_eq!(outcome_from_wire(outcome_to_wire_for(o, true)), o);
         }
         assert_eq!(outcome_from_wire(0), AllocateOutcome::Failed);
         assert_eq!(outcome_from_wire(99), AllocateOutcome::Failed);
+        assert_eq!(outcome_from_wire(-1), AllocateOutcome::Failed);
+    }
+
+    #[test]
+    fn busy_reaches_only_a_caller_that_accepts_it() {
+        // An older caller (accepts_busy unset) gets what it got before busy existed: no space.
+        assert_eq!(
+            outcome_from_wire(outcome_to_wire_for(AllocateOutcome::Busy, false)),
+            AllocateOutcome::FailedNoSpace
+        );
+        assert_eq!(outcome_to_wire(AllocateOutcome::Busy), pb::AllocateOutcome::AllocateBusy as i32);
+        for o in [AllocateOutcome::Allocated, AllocateOutcome::AlreadyExists, AllocateOutcome::Failed] {
+            assert_eq!(outcome_to_wire_for(o, false), outcome_to_wire(o), "{o:?} is unchanged");
+        }
     }
 
     #[test]

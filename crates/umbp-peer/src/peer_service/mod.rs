@@ -49,8 +49,8 @@ use umbp_core::TierType;
 
 pub use codec::{CodecError, DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};
 pub use convert::{
-    desc_from_wire, desc_to_wire, outcome_from_wire, outcome_to_wire, page_from_wire, page_to_wire, tier_from_wire,
-    tier_to_wire,
+    desc_from_wire, desc_to_wire, outcome_from_wire, outcome_to_wire, outcome_to_wire_for, page_from_wire,
+    page_to_wire, tier_from_wire, tier_to_wire,
 };
 pub use server::{PeerServer, PeerServerConfig, PeerServerHandle, PeerServiceError};
 pub use service::{ChangeHook, PeerService};

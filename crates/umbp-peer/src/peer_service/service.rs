@@ -13,7 +13,7 @@ use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_server::UmbpPeer;
 
 use super::codec::{ResolvedKey, encode_batch_resolve};
-use super::convert::{desc_to_wire, outcome_to_wire, page_to_wire, tier_from_wire, tier_to_wire};
+use super::convert::{desc_to_wire, outcome_to_wire, outcome_to_wire_for, page_to_wire, tier_from_wire, tier_to_wire};
 use super::{slot_local, slot_tier, tag_slot};
 
 /// The `UMBPPeer` service of one node: dispatches every call into the node's media.
@@ -141,7 +141,9 @@ impl Dispatch {
         pb::GetPeerInfoResponse { data_endpoint: self.data_endpoint.clone(), buffer_descs, page_size: self.page_size }
     }
 
-    fn allocate(&self, mut entries: Vec<pb::AllocateSlotRequest>) -> Vec<pb::AllocateSlotResponse> {
+    /// Allocates every entry on the medium of its tier. `accepts_busy`: the caller understands
+    /// `ALLOCATE_BUSY`; for one that does not, busy is answered as no space (what it got before).
+    fn allocate(&self, mut entries: Vec<pb::AllocateSlotRequest>, accepts_busy: bool) -> Vec<pb::AllocateSlotResponse> {
         let mut out = vec![failed_allocation(); entries.len()];
         for medium in &self.media {
             let mut at = Vec::new();
@@ -171,7 +173,7 @@ impl Dispatch {
             }
             let mut refused = Vec::new();
             for (i, result) in at.into_iter().zip(results) {
-                out[i] = self.allocation_answer(medium, result, &mut refused);
+                out[i] = self.allocation_answer(medium, result, accepts_busy, &mut refused);
             }
             if !refused.is_empty() {
                 // Nobody can ever commit these slots; give their pages back now rather than at TTL.
@@ -185,10 +187,12 @@ impl Dispatch {
         &self,
         medium: &Medium,
         result: AllocateResult,
+        accepts_busy: bool,
         refused: &mut Vec<u64>,
     ) -> pb::AllocateSlotResponse {
         if result.outcome != AllocateOutcome::Allocated {
-            return pb::AllocateSlotResponse { outcome: outcome_to_wire(result.outcome), ..Default::default() };
+            let outcome = outcome_to_wire_for(result.outcome, accepts_busy);
+            return pb::AllocateSlotResponse { outcome, ..Default::default() };
         }
         let Some(slot_id) = tag_slot(medium.tier, result.slot_id) else {
             tracing::error!(
@@ -388,7 +392,8 @@ impl UmbpPeer for PeerService {
         request: Request<pb::AllocateSlotRequest>,
     ) -> Result<Response<pb::AllocateSlotResponse>, Status> {
         let entry = request.into_inner();
-        let answer = self.blocking(move |d| d.allocate(vec![entry])).await?;
+        // The single-entry call carries no accepts_busy: busy is answered as no space.
+        let answer = self.blocking(move |d| d.allocate(vec![entry], false)).await?;
         Ok(Response::new(answer.into_iter().next().unwrap_or_else(failed_allocation)))
     }
 
@@ -396,8 +401,8 @@ impl UmbpPeer for PeerService {
         &self,
         request: Request<pb::BatchAllocateSlotsRequest>,
     ) -> Result<Response<pb::BatchAllocateSlotsResponse>, Status> {
-        let entries = request.into_inner().entries;
-        let entries = self.blocking(move |d| d.allocate(entries)).await?;
+        let pb::BatchAllocateSlotsRequest { entries, accepts_busy } = request.into_inner();
+        let entries = self.blocking(move |d| d.allocate(entries, accepts_busy)).await?;
         Ok(Response::new(pb::BatchAllocateSlotsResponse { entries }))
     }
 

@@ -208,3 +208,52 @@ pub(super) fn multi_page_values_round_trip_bookkeeping(fx: &Fixture<'_>) {
     assert_eq!(s.evict("three"), size, "evict reports the value's size");
     assert_eq!(s.available(), before + 3 * ps, "evict frees all three pages");
 }
+
+/// An idle medium (no pending slot of anyone else, no live read lease) answers every allocation
+/// with a slot, a dedup or — full — `FailedNoSpace`, never busy: busy is only for a transient
+/// resource held by work in flight, and a medium with nothing in flight holds none. Written one
+/// value at a time (each committed and read back, with the read released, before the next), then
+/// past full, then after an eviction.
+pub(super) fn an_idle_medium_never_answers_allocate_busy(fx: &Fixture<'_>) {
+    let s = fx.live();
+    let (ps, n) = (s.ps(), s.pages_total());
+    let busy = |r: &umbp_core::AllocateResult, what: &str| {
+        assert_ne!(r.outcome, AllocateOutcome::Busy, "{what}: busy from a medium with nothing in flight");
+    };
+    let mut stored = Vec::new();
+    for i in 0..n {
+        let key = format!("idle-{i}");
+        let r = s.alloc(&key, ps);
+        busy(&r, &key);
+        if r.outcome != AllocateOutcome::Allocated {
+            // A medium that evicts on its own may answer otherwise; it just must not be busy.
+            continue;
+        }
+        assert!(s.commit(r.slot_id, &key).success, "commit of {key}");
+        let hit = s.resolve(&key, false);
+        assert!(hit.found, "{key} reads back");
+        if hit.lease != 0 {
+            s.backend.release_reads(&[umbp_core::ReadRelease::new(key.clone(), hit.lease)]);
+        }
+        stored.push(key);
+    }
+    // Leases that only lapse (lease 0) end here.
+    s.expire(s.read_lease);
+    let more = s.alloc("one-more", ps);
+    busy(&more, "a value past full");
+    if more.outcome == AllocateOutcome::Allocated {
+        assert!(s.abort(more.slot_id));
+    }
+    let batch = s.backend.batch_allocate(&[AllocateRequest::new("more-a", ps), AllocateRequest::new("more-b", 1)]);
+    for r in &batch {
+        busy(r, "a batch past full");
+    }
+    let ids: Vec<u64> = batch.iter().filter(|r| r.outcome == AllocateOutcome::Allocated).map(|r| r.slot_id).collect();
+    s.backend.batch_abort(&ids);
+    let Some(first) = stored.first() else { return };
+    if s.evict(first) > 0 {
+        let r = s.alloc("after-evict", ps);
+        assert_eq!(r.outcome, AllocateOutcome::Allocated, "an idle medium with a page free takes a one-page value");
+        assert!(s.abort(r.slot_id));
+    }
+}

@@ -34,8 +34,9 @@ fn client(s: &Live, t: usize) -> ClientLog {
         let a = s.alloc(&key, size);
         match a.outcome {
             AllocateOutcome::Allocated => {}
-            // Other clients hold the pages right now; a real writer would try another peer.
-            AllocateOutcome::FailedNoSpace => continue,
+            // Other clients hold the pages right now; a real writer would try another peer (or,
+            // busy, this one again).
+            AllocateOutcome::FailedNoSpace | AllocateOutcome::Busy => continue,
             other => panic!("client {t}: allocate({key}, {size}) returned {other:?}"),
         }
         match i % 4 {
@@ -239,7 +240,7 @@ fn sync_writer(s: &Live, t: usize, keep_budget: usize, stop: &AtomicBool) -> Vec
         let a = s.alloc(&key, 1);
         match a.outcome {
             AllocateOutcome::Allocated => {}
-            AllocateOutcome::FailedNoSpace => {
+            AllocateOutcome::FailedNoSpace | AllocateOutcome::Busy => {
                 thread::yield_now();
                 continue;
             }
@@ -346,7 +347,7 @@ fn clear_committer(
             AllocateOutcome::Allocated => {
                 assert!(!clear_returned, "committer {t}: allocate({key}) succeeded between clear_local and the ack")
             }
-            AllocateOutcome::Failed | AllocateOutcome::FailedNoSpace => {
+            AllocateOutcome::Failed | AllocateOutcome::FailedNoSpace | AllocateOutcome::Busy => {
                 thread::yield_now();
                 continue;
             }
