@@ -18,7 +18,7 @@
 //! readers) answers busy. The key is not excluded and not reported missing: it is asked of the
 //! same holder again (no route call), at once after a round that read something (this chunk's own
 //! releases just freed pages), else after a backoff doubling from 1 ms to 100 ms. A chunk gives its
-//! busy keys up ([`KeyError::Busy`]) only after [`BUSY_WAIT`] without reading anything. Busy
+//! busy keys up ([`KeyError::Busy`]) only after [`BUSY_WAIT`](super::support::BUSY_WAIT) without reading anything. Busy
 //! answers do not use up `max_reroutes`.
 //!
 //! **Gone holders.** A holder that refuses connections (nothing listens at its address: its process
@@ -27,19 +27,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections, send_release};
+use super::support::{BusyWait, chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections, send_release};
 use super::*;
 use crate::peer_service::decode_batch_resolve;
 use umbp_core::{PageLocation, ReadRelease};
-
-/// How long a read waits out a holder that answers busy (the key is there, but every staging page
-/// is held by other readers) before it gives up with [`KeyError::Busy`]: longer than the SSD read
-/// lease (3 s), so even pages held by a reader that died come back within it.
-const BUSY_WAIT: Duration = Duration::from_secs(10);
-/// The first wait before asking a busy holder again; it doubles each round up to the maximum.
-const BUSY_BACKOFF_MIN: Duration = Duration::from_millis(1);
-/// The longest wait between two asks of a busy holder.
-const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(100);
 
 /// Where a found key lives on a remote holder.
 struct Hit {
@@ -244,7 +235,7 @@ impl PoolClient {
     }
 
     /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes (`max_reroutes` per
-    /// key) and a bounded wait for holders that answer busy ([`BUSY_WAIT`]).
+    /// key) and a bounded wait for holders that answer busy ([`BUSY_WAIT`](super::support::BUSY_WAIT)).
     async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf]) -> ChunkRead {
         let n = keys.len();
         let mut st = ChunkState::new(n);
@@ -276,9 +267,7 @@ impl PoolClient {
         }
         // A busy key waits while its holders keep serving this chunk; it gives up after BUSY_WAIT
         // without any progress.
-        let mut last_progress = Instant::now();
-        let mut backoff = BUSY_BACKOFF_MIN;
-        let mut progressed = true;
+        let mut busy = BusyWait::new();
         let mut round = 0usize;
         loop {
             // Round 0 carries the local hits' copies; keys the local medium answered busy wait for
@@ -293,12 +282,11 @@ impl PoolClient {
             if round > 0 {
                 let rerouted = pending.iter().filter(|i| st.retry[**i].is_none()).count();
                 StatCounters::add(&self.stats.reroutes, rerouted as u64);
-                if !progressed && pending.iter().any(|i| st.retry[*i].is_some()) {
+                if pending.iter().any(|i| st.retry[*i].is_some()) {
                     // Someone else's reads hold the holder's staging pages: give them time to copy
                     // and release (bounded backoff), then ask the same holder again. After a round
                     // that read something, this chunk's own releases just freed pages: ask at once.
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(BUSY_BACKOFF_MAX);
+                    busy.pause().await;
                 }
             }
             // Keys a holder answered busy go straight back to it; the rest are routed, one call per
@@ -429,11 +417,7 @@ impl PoolClient {
                     }
                 }
             }
-            progressed = planned.iter().any(|p| p.copied);
-            if progressed {
-                last_progress = Instant::now();
-                backoff = BUSY_BACKOFF_MIN;
-            }
+            busy.round(planned.iter().any(|p| p.copied));
             let failed = self.run_transfers(transfers).await;
             let ended = Instant::now();
             // Every copy of this round is over: its holders may reuse the pages now.
@@ -460,7 +444,7 @@ impl PoolClient {
                     }
                 }
             }
-            let busy_expired = Instant::now() >= last_progress + BUSY_WAIT;
+            let busy_expired = busy.expired();
             let carried_here: &[bool] = if round == 0 { &read_locally } else { &[] };
             st.settle_round(carried_here, self.config.max_reroutes, busy_expired);
             round += 1;

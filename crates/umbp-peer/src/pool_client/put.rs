@@ -4,6 +4,16 @@
 //! about 8 MiB, up to six in flight, so one chunk's route, allocate and commit calls overlap
 //! another chunk's bytes moving (the copies run on the blocking pool, not in this task).
 //!
+//! **Busy.** A node that has room for a value but no free staging page right now (an SSD node
+//! whose staging arena is held by in-flight writes and reads) answers busy. The key is neither
+//! excluded nor re-routed, and the answer does not use up `max_reroutes`: it is asked of the same
+//! node (and tier) again, without a route call, once the round's commits are over — at once after
+//! a round that allocated or settled something (its commits just gave pages back), else after the
+//! get path's backoff (1 ms doubling to 100 ms). A chunk gives its busy keys up
+//! ([`KeyError::Busy`]) only after [`BUSY_WAIT`](super::support::BUSY_WAIT) without progress. So a
+//! batch larger than a node's staging arena goes through it in rounds. Allocations on this node's
+//! own medium are treated alike.
+//!
 //! Slots are guarded from the moment they are allocated ([`SlotGuard`]): any key that does not end in
 //! a successful commit — a transfer failure, a refused or failed commit, a malformed reply, an
 //! expired slot, or the whole future being dropped — has its slot aborted.
@@ -15,7 +25,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{SlotGuard, chunk_by_bytes, join_all, medium_call, pipelined};
+use super::support::{BusyWait, SlotGuard, chunk_by_bytes, join_all, medium_call, pipelined};
 use super::*;
 use crate::master_client::RoutePutDecision;
 use crate::peer_service::{outcome_from_wire, page_from_wire, tier_to_wire};
@@ -33,10 +43,13 @@ enum Alloc {
     },
     Exists,
     NoSpace,
+    /// The node has room but no free staging page now: ask it again shortly.
+    Busy,
     Refused,
 }
 
 /// Keys routed to one node in one round.
+#[derive(Clone)]
 struct Group {
     node: String,
     peer: String,
@@ -51,9 +64,24 @@ struct PutState {
     results: HashMap<usize, Result<PutOutcome, KeyError>>,
     exclude: HashMap<usize, BTreeSet<String>>,
     last_error: HashMap<usize, KeyError>,
+    /// Keys a node answered busy: asked of the same node and tier again, without a route call.
+    /// `indexes` of the group is unused.
+    busy: HashMap<usize, Group>,
 }
 
 impl PutState {
+    /// Key `i` was answered busy by `group`'s node: not excluded, asked of it again.
+    fn busy(&mut self, i: usize, group: &Group) {
+        self.last_error.insert(i, KeyError::Busy { node: group.node.clone() });
+        self.busy.insert(i, Group { indexes: Vec::new(), ..group.clone() });
+    }
+
+    /// Key `i` is out of tries: it ends with its last error.
+    fn give_up(&mut self, i: usize) {
+        let e = self.last_error.remove(&i).unwrap_or(KeyError::Failed("re-routes exhausted".into()));
+        self.results.insert(i, Err(e));
+    }
+
     /// Key `i` failed on `node` in a way another node may not: try elsewhere.
     fn retry_elsewhere(&mut self, i: usize, node: &str, e: KeyError) {
         self.exclude.entry(i).or_default().insert(node.to_owned());
@@ -66,6 +94,18 @@ impl PutState {
             Err(self.last_error.remove(&i).unwrap_or(KeyError::Failed("re-routes exhausted".into())))
         })
     }
+}
+
+/// The groups of keys that were answered busy, each on the node (and tier) that answered it;
+/// takes them out of `st.busy` (a key answered busy again is put back by its round).
+fn busy_groups(st: &mut PutState, retry: Vec<usize>) -> Vec<Group> {
+    let mut by_target: BTreeMap<(String, String, TierType), Vec<usize>> = BTreeMap::new();
+    for i in retry {
+        if let Some(g) = st.busy.remove(&i) {
+            by_target.entry((g.node, g.peer, g.tier)).or_default().push(i);
+        }
+    }
+    by_target.into_iter().map(|((node, peer, tier), indexes)| Group { node, peer, tier, indexes }).collect()
 }
 
 /// When a slot allocated at `start` with a TTL of `ttl` stops being safe to write.
@@ -162,7 +202,8 @@ impl PoolClient {
     }
 
     /// Writes one chunk of distinct, valid keys (`chunk` holds their indexes in `items`): route,
-    /// allocate, transfer, commit, with bounded re-routes.
+    /// allocate, transfer, commit, with bounded re-routes, and a bounded wait for nodes that answer
+    /// busy (see the module docs).
     async fn put_chunk(&self, items: &[(&str, CallerBuf)], chunk: &[usize]) -> PutState {
         let mut st = PutState::default();
         let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
@@ -170,20 +211,54 @@ impl PoolClient {
         // gets the master's placement (and its re-routes), even with `max_reroutes` 0.
         let granted_tier = self.medium.as_ref().filter(|_| self.master.local_puts_granted()).map(|m| m.tier());
         let granted = u32::from(granted_tier.is_some());
-        for attempt in 0..=self.config.max_reroutes + granted {
+        let last_attempt = self.config.max_reroutes + granted;
+        // Routed (or granted local) rounds used; asking a busy node again does not count.
+        let mut attempt = 0u32;
+        let mut wait = BusyWait::new();
+        loop {
             let pending: Vec<usize> = chunk.iter().copied().filter(|i| !st.results.contains_key(i)).collect();
             if pending.is_empty() {
                 break;
             }
-            if attempt > granted {
-                StatCounters::add(&self.stats.reroutes, pending.len() as u64);
+            let (retry, fresh): (Vec<usize>, Vec<usize>) = pending.into_iter().partition(|i| st.busy.contains_key(i));
+            let mut groups = Vec::new();
+            if !fresh.is_empty() {
+                if attempt > last_attempt {
+                    for i in fresh {
+                        st.give_up(i);
+                    }
+                } else {
+                    if attempt > granted {
+                        StatCounters::add(&self.stats.reroutes, fresh.len() as u64);
+                    }
+                    groups = match granted_tier {
+                        Some(tier) if attempt == 0 => vec![self.local_group(tier, fresh)],
+                        _ => self.route_puts(items, &fresh, &mut st).await,
+                    };
+                    attempt += 1;
+                }
             }
-            let groups = match granted_tier {
-                Some(tier) if attempt == 0 => vec![self.local_group(tier, pending)],
-                _ => self.route_puts(items, &pending, &mut st).await,
-            };
-            self.put_round(items, &groups, &mut guard, &mut st).await;
+            if !retry.is_empty() {
+                if wait.expired() {
+                    for i in retry {
+                        st.busy.remove(&i);
+                        st.give_up(i);
+                    }
+                } else {
+                    // In-flight writes and reads hold the node's staging pages: give them time to
+                    // commit and release (bounded backoff) unless this chunk's own last round just
+                    // gave pages back, then ask the same node again.
+                    wait.pause().await;
+                    groups.extend(busy_groups(&mut st, retry));
+                }
+            }
+            if groups.is_empty() {
+                continue;
+            }
+            let settled = st.results.len();
+            let allocated = self.put_round(items, &groups, &mut guard, &mut st).await;
             guard.abort_all().await;
+            wait.round(allocated || st.results.len() > settled);
         }
         st
     }
@@ -271,7 +346,16 @@ impl PoolClient {
         groups.into_iter().map(|((node, peer, tier), indexes)| Group { node, peer, tier, indexes }).collect()
     }
 
-    async fn put_round(&self, items: &[(&str, CallerBuf)], groups: &[Group], guard: &mut SlotGuard, st: &mut PutState) {
+    /// One round: allocate every group, copy, commit. Returns whether any slot was allocated (its
+    /// pages come back to the node by the round's end, committed or aborted).
+    async fn put_round(
+        &self,
+        items: &[(&str, CallerBuf)],
+        groups: &[Group],
+        guard: &mut SlotGuard,
+        st: &mut PutState,
+    ) -> bool {
+        let mut allocated_any = false;
         // 1. Allocate on every node at once.
         let allocs = join_all(groups.iter().map(|g| self.allocate_group(items, g)).collect()).await;
         let mut transfers = Vec::new();
@@ -292,6 +376,7 @@ impl PoolClient {
             for a in &allocated {
                 if let Alloc::Slot { slot_id, .. } = a {
                     guard.track(node, client.as_ref(), *slot_id);
+                    allocated_any = true;
                 }
             }
             clients[g] = client;
@@ -302,6 +387,7 @@ impl PoolClient {
                         st.results.insert(*i, Ok(PutOutcome::AlreadyPresent));
                     }
                     Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.len as u64 }),
+                    Alloc::Busy => st.busy(*i, group),
                     Alloc::Refused => st.retry_elsewhere(
                         *i,
                         node,
@@ -372,6 +458,7 @@ impl PoolClient {
                 }
             }
         }
+        allocated_any
     }
 
     /// Allocates a group's keys on its node: `(the peer client or None for this node, outcomes)`.
@@ -413,7 +500,10 @@ impl PoolClient {
             })
             .collect();
         let start = Instant::now();
-        let reply = match client.batch_allocate_slots(self.request(pb::BatchAllocateSlotsRequest { entries })).await {
+        let reply = match client
+            .batch_allocate_slots(self.request(pb::BatchAllocateSlotsRequest { entries, accepts_busy: true }))
+            .await
+        {
             Ok(r) => r.into_inner(),
             Err(e) => {
                 self.mark_unreachable(node);
@@ -476,6 +566,7 @@ impl PoolClient {
             }
             AllocateOutcome::AlreadyExists => Alloc::Exists,
             AllocateOutcome::FailedNoSpace => Alloc::NoSpace,
+            AllocateOutcome::Busy => Alloc::Busy,
             AllocateOutcome::Failed => Alloc::Refused,
         }
     }

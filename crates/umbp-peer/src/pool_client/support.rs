@@ -220,6 +220,59 @@ pub(super) async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
     out.into_iter().flatten().collect()
 }
 
+/// How long a chunk waits out nodes that answer busy (a read: the key is there but every staging
+/// page is held by other readers; a write: the node has room but every staging page is held by
+/// in-flight writes and reads) before it gives their keys up with
+/// [`KeyError::Busy`](super::KeyError::Busy): longer than the SSD read lease (3 s), so even pages
+/// held by a reader that died come back within it.
+pub(super) const BUSY_WAIT: Duration = Duration::from_secs(10);
+/// The first wait before asking a busy node again; it doubles each round up to the maximum.
+pub(super) const BUSY_BACKOFF_MIN: Duration = Duration::from_millis(1);
+/// The longest wait between two asks of a busy node.
+pub(super) const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(100);
+
+/// One chunk's wait for nodes that answered busy, shared by the get and put paths: after a round
+/// that made progress (it copied or committed something, so its own releases and commits just gave
+/// pages back) a busy node is asked again at once; otherwise after a backoff doubling from
+/// [`BUSY_BACKOFF_MIN`] to [`BUSY_BACKOFF_MAX`]. The chunk gives its busy keys up once
+/// [`BUSY_WAIT`] passed without progress.
+#[derive(Debug)]
+pub(super) struct BusyWait {
+    last_progress: std::time::Instant,
+    backoff: Duration,
+    progressed: bool,
+}
+
+impl BusyWait {
+    /// A wait that counts from now, as if the chunk had just made progress.
+    pub(super) fn new() -> Self {
+        Self { last_progress: std::time::Instant::now(), backoff: BUSY_BACKOFF_MIN, progressed: true }
+    }
+
+    /// Records whether the round that just ran made progress.
+    pub(super) fn round(&mut self, progressed: bool) {
+        self.progressed = progressed;
+        if progressed {
+            self.last_progress = std::time::Instant::now();
+            self.backoff = BUSY_BACKOFF_MIN;
+        }
+    }
+
+    /// Before asking a busy node again: waits the backoff (and doubles it) unless the last round
+    /// made progress.
+    pub(super) async fn pause(&mut self) {
+        if !self.progressed {
+            tokio::time::sleep(self.backoff).await;
+            self.backoff = (self.backoff * 2).min(BUSY_BACKOFF_MAX);
+        }
+    }
+
+    /// Whether [`BUSY_WAIT`] passed since the last progress: give the busy keys up.
+    pub(super) fn expired(&self) -> bool {
+        self.last_progress.elapsed() >= BUSY_WAIT
+    }
+}
+
 /// Read releases sent in the background (fire and forget: a reader's result never waits for its
 /// release), kept so that `close` can wait for the ones still in flight: a short-lived client (one
 /// `umbp get`) must not exit before its release leaves, or the holder keeps the pages for the whole
@@ -511,6 +564,28 @@ mod tests {
         .await;
         assert_eq!(out, (0..12).map(|i| i * 10).collect::<Vec<_>>());
         assert_eq!(peak.load(Ordering::SeqCst), PIPELINE_DEPTH, "chunks overlap, up to the depth");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_busy_wait_backs_off_without_progress_and_resets_on_it() {
+        let mut w = BusyWait::new();
+        w.pause().await;
+        assert_eq!(w.backoff, BUSY_BACKOFF_MIN, "right after progress: ask again at once, no backoff used");
+        w.round(false);
+        let mut next = Vec::new();
+        for _ in 0..9 {
+            w.pause().await;
+            next.push(w.backoff);
+        }
+        assert_eq!(next[..3], [2, 4, 8].map(Duration::from_millis), "doubling from 1 ms");
+        assert_eq!(next[8], BUSY_BACKOFF_MAX, "capped at 100 ms: {next:?}");
+        assert!(!w.expired(), "a few rounds are far inside the wait");
+        w.round(true);
+        assert_eq!(w.backoff, BUSY_BACKOFF_MIN, "progress resets the backoff");
+        if let Some(long_ago) = w.last_progress.checked_sub(BUSY_WAIT) {
+            w.last_progress = long_ago;
+            assert!(w.expired(), "no progress for the whole wait: give up");
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
