@@ -14,8 +14,7 @@ use umbp_peer::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, Pe
 use umbp_peer::pool_client::{KeyError, PoolClient};
 use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
 
-// This file waits for the master's view of the node, not for an index entry: `indexed` is unused.
-#[allow(dead_code)]
+#[expect(dead_code, reason = "this file waits for the master's view of the node, not for an index entry")]
 mod pool_support;
 
 use pool_support::{PAGE, config, master, value};
