@@ -456,9 +456,10 @@ pub enum KeyError {
         /// What happened.
         message: String,
     },
-    /// The holder has the key but stayed busy (every staging page in use by other readers) for as
-    /// long as a read waits it out (about 10 s): try again later.
-    #[error("{node} is busy serving other reads; try again")]
+    /// The node stayed busy for as long as a read or write waits it out (about 10 s): a read's
+    /// holder has the key, or a write's node has room, but every staging page is in use by other
+    /// reads and writes. Try again later.
+    #[error("{node} is busy serving other reads and writes (no staging page free); try again")]
     Busy {
         /// The holder.
         node: String,
