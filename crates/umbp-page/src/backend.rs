@@ -364,6 +364,10 @@ struct Reaper {
 /// reference said `FailedNoSpace`, sending writers hunting for a peer that cannot exist); a commit or
 /// lease check treats an expired deadline as expired even before the reaper swept it, so the outcome
 /// never depends on reaper timing; `shutdown` stops the reaper.
+///
+/// It never answers busy (neither [`AllocateOutcome::Busy`] nor a busy resolve): its pages are the
+/// capacity, so an allocation it has room for always gets them, and an owned key is always served
+/// from where it lies.
 pub struct PageBackend {
     inner: Arc<Inner>,
     source: Box<dyn PageMemorySource>,

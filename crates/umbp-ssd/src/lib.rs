@@ -148,6 +148,16 @@
 //! (`staging_pages` 128) stages a 128-key batch of single-page values at once; a larger batch is
 //! served in rounds as its readers release.
 //!
+//! Writes likewise: an allocation the drive log has room for but no staging page is free for
+//! (every page held by pending slots of writes in flight and by readers) answers
+//! [`AllocateOutcome::Busy`](umbp_core::AllocateOutcome::Busy), never `FailedNoSpace`, and reserves
+//! nothing; the writer commits the slots it got and asks this node again, so a batch put larger
+//! than the arena goes through it in rounds. `FailedNoSpace` means the drive is full (after the
+//! medium's own eviction, when it has watermarks). Counted as
+//! `umbp_backend_medium_events_total{event="staging_allocate_busy"}` and
+//! [`SsdStats::staging_busy_allocations`]; pinned by
+//! `allocate_with_every_staging_page_held_is_busy_while_a_full_drive_is_no_space`.
+//!
 //! # Deliberate differences from the reference
 //! - Values may span up to [`SsdConfigBuilder::max_value_pages`] pages (default 1, the reference's
 //!   one key = one page); larger values are `Failed`, never `FailedNoSpace`.
@@ -161,7 +171,8 @@
 //!   them (the reference frees them at once, under a reader's feet).
 //! - A resolve with no free staging page answers busy, not a miss, and readers release their
 //!   staging pages when their copy is done (the reference holds them for the whole lease and
-//!   answers exhaustion as a miss).
+//!   answers exhaustion as a miss). An allocation with no free staging page answers busy, not no
+//!   space (the reference's writer then tried another node, or failed).
 //!
 //! # Platforms
 //! Linux only (`O_DIRECT`, `preadv`/`pwritev`, io_uring and the host staging source).
