@@ -162,8 +162,10 @@ pub struct SsdConfig {
     /// The io engine. Default: psync.
     pub io_engine: umbp_ssd::IoEngineKind,
     /// Pages of the host staging arena (writes in flight plus reads being served): one page per
-    /// value of a 128-key batch, so a batch get of 128 single-page values from this node is staged
-    /// at once (a larger batch waits for pages its readers release). Default: 128.
+    /// value of a 128-key batch, so a batch get or put of 128 single-page values on this node is
+    /// staged at once (a larger batch goes through in rounds: reads wait for pages their readers
+    /// release, writes for pages their commits give back; the node answers the rest busy). It
+    /// bounds concurrency, never how many keys a batch may hold. Default: 128.
     pub staging_pages: u64,
     /// The SSD read lease (its own setting: a reader of a staged page also waited for the drive).
     /// Default: 3 s.
