@@ -34,7 +34,8 @@ fn with_page(mut c: PoolClientConfig) -> PoolClientConfig {
 async fn ssd_node(master: &MasterHandle, dirs: Vec<PathBuf>) -> PoolClient {
     let ssd = SsdConfig {
         dirs,
-        capacity_bytes: 64 << 20,
+        // Room for every value of every test (each takes a 64 KiB page of it): nothing is evicted.
+        capacity_bytes: 256 << 20,
         staging_pages: STAGING_PAGES,
         // Far longer than any test: a read's page comes back only when its reader releases it.
         read_lease: Duration::from_secs(30),
@@ -167,6 +168,25 @@ async fn puts_beside_a_long_read_workload_on_a_sixteen_page_ssd_node_all_succeed
     for (b, batch) in fresh.chunks(40).enumerate() {
         batch_get_exact(&writer, batch, 5000 + b * 40).await;
     }
+    writer.close().await;
+    ssd.close().await;
+    m.shutdown().await;
+}
+
+/// A batch of several pipelined chunks (about 8 MiB each, in flight together) to one 16-page
+/// node: the chunks share the arena and every one gets through, none starved into `Busy`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_key_batch_put_of_several_chunks_shares_sixteen_pages_and_is_byte_exact() {
+    let m = master().await;
+    let dir = tempdir();
+    let ssd = ssd_node(&m, vec![dir.path().to_path_buf()]).await;
+    let writer = cli(&m, "writer").await;
+    let keys: Vec<String> = (0..1000).map(|i| format!("chunked-{i}")).collect();
+    batch_put_all(&writer, &keys, 20_000).await;
+    indexed(&writer, &keys).await;
+    let reader = cli(&m, "reader").await;
+    batch_get_exact(&reader, &keys, 20_000).await;
+    reader.close().await;
     writer.close().await;
     ssd.close().await;
     m.shutdown().await;

@@ -18,8 +18,10 @@
 //! readers) answers busy. The key is not excluded and not reported missing: it is asked of the
 //! same holder again (no route call), at once after a round that read something (this chunk's own
 //! releases just freed pages), else after a backoff doubling from 1 ms to 100 ms. A chunk gives its
-//! busy keys up ([`KeyError::Busy`]) only after [`BUSY_WAIT`](super::support::BUSY_WAIT) without reading anything. Busy
-//! answers do not use up `max_reroutes`.
+//! busy keys up ([`KeyError::Busy`]) only after [`BUSY_WAIT`](super::support::BUSY_WAIT) in which
+//! no chunk of its batch read anything (siblings sharing one arena do not starve each other into
+//! failing). Busy answers do not use up `max_reroutes`. The wait is [`BusyWait`], shared with the
+//! put path.
 //!
 //! **Gone holders.** A holder that refuses connections (nothing listens at its address: its process
 //! is gone, though the master may not know yet) makes its keys misses, not errors: they are
@@ -27,7 +29,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{BusyWait, chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections, send_release};
+use super::support::{
+    BatchProgress, BusyWait, chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections, send_release,
+};
 use super::*;
 use crate::peer_service::decode_batch_resolve;
 use umbp_core::{PageLocation, ReadRelease};
@@ -213,10 +217,12 @@ impl PoolClient {
         // Chunks run as a pipeline: one chunk's route and resolve overlap another's transfer. A
         // buffer's length stands for its value's size.
         let chunks = chunk_by_bytes(valid, |i| targets[i].len as u64);
+        let progress = BatchProgress::new();
+        let progress = &progress;
         let outcomes = pipelined(&chunks, |chunk| {
             let chunk_keys: Vec<&str> = chunk.iter().map(|i| keys[*i]).collect();
             let chunk_targets: Vec<CallerBuf> = chunk.iter().map(|i| targets[*i]).collect();
-            async move { self.get_chunk(&chunk_keys, &chunk_targets).await }
+            async move { self.get_chunk(&chunk_keys, &chunk_targets, progress).await }
         })
         .await;
         let mut fetched_remote: Vec<usize> = Vec::new();
@@ -236,7 +242,7 @@ impl PoolClient {
 
     /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes (`max_reroutes` per
     /// key) and a bounded wait for holders that answer busy ([`BUSY_WAIT`](super::support::BUSY_WAIT)).
-    async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf]) -> ChunkRead {
+    async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf], progress: &BatchProgress) -> ChunkRead {
         let n = keys.len();
         let mut st = ChunkState::new(n);
         let mut fetched_remote: Vec<usize> = Vec::new();
@@ -267,7 +273,7 @@ impl PoolClient {
         }
         // A busy key waits while its holders keep serving this chunk; it gives up after BUSY_WAIT
         // without any progress.
-        let mut busy = BusyWait::new();
+        let mut busy = BusyWait::new(progress);
         let mut round = 0usize;
         loop {
             // Round 0 carries the local hits' copies; keys the local medium answered busy wait for

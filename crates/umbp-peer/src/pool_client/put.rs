@@ -10,9 +10,9 @@
 //! node (and tier) again, without a route call, once the round's commits are over — at once after
 //! a round that allocated or settled something (its commits just gave pages back), else after the
 //! get path's backoff (1 ms doubling to 100 ms). A chunk gives its busy keys up
-//! ([`KeyError::Busy`]) only after [`BUSY_WAIT`](super::support::BUSY_WAIT) without progress. So a
-//! batch larger than a node's staging arena goes through it in rounds. Allocations on this node's
-//! own medium are treated alike.
+//! ([`KeyError::Busy`]) only after [`BUSY_WAIT`](super::support::BUSY_WAIT) in which no chunk of
+//! its batch made progress. So a batch larger than a node's staging arena goes through it in
+//! rounds. Allocations on this node's own medium are treated alike.
 //!
 //! Slots are guarded from the moment they are allocated ([`SlotGuard`]): any key that does not end in
 //! a successful commit — a transfer failure, a refused or failed commit, a malformed reply, an
@@ -25,7 +25,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{BusyWait, SlotGuard, chunk_by_bytes, join_all, medium_call, pipelined};
+use super::support::{BatchProgress, BusyWait, SlotGuard, chunk_by_bytes, join_all, medium_call, pipelined};
 use super::*;
 use crate::master_client::RoutePutDecision;
 use crate::peer_service::{outcome_from_wire, page_from_wire, tier_to_wire};
@@ -182,7 +182,8 @@ impl PoolClient {
         let unique: Vec<usize> = (0..n).filter(|i| results[*i].is_none() && repeat_of[*i].is_none()).collect();
         // Chunks run as a pipeline: one chunk's route and allocate overlap another's transfer.
         let chunks = chunk_by_bytes(unique, |i| items[i].1.len as u64);
-        let states = pipelined(&chunks, |chunk| self.put_chunk(items, chunk)).await;
+        let progress = BatchProgress::new();
+        let states = pipelined(&chunks, |chunk| self.put_chunk(items, chunk, &progress)).await;
         for (chunk, mut st) in chunks.iter().zip(states) {
             for i in chunk {
                 results[*i] = Some(st.outcome(*i));
@@ -204,7 +205,7 @@ impl PoolClient {
     /// Writes one chunk of distinct, valid keys (`chunk` holds their indexes in `items`): route,
     /// allocate, transfer, commit, with bounded re-routes, and a bounded wait for nodes that answer
     /// busy (see the module docs).
-    async fn put_chunk(&self, items: &[(&str, CallerBuf)], chunk: &[usize]) -> PutState {
+    async fn put_chunk(&self, items: &[(&str, CallerBuf)], chunk: &[usize], progress: &BatchProgress) -> PutState {
         let mut st = PutState::default();
         let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
         // A granted local round comes on top of the routed ones: a key the medium refuses still
@@ -214,7 +215,7 @@ impl PoolClient {
         let last_attempt = self.config.max_reroutes + granted;
         // Routed (or granted local) rounds used; asking a busy node again does not count.
         let mut attempt = 0u32;
-        let mut wait = BusyWait::new();
+        let mut wait = BusyWait::new(progress);
         loop {
             let pending: Vec<usize> = chunk.iter().copied().filter(|i| !st.results.contains_key(i)).collect();
             if pending.is_empty() {

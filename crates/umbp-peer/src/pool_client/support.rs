@@ -231,22 +231,45 @@ pub(super) const BUSY_BACKOFF_MIN: Duration = Duration::from_millis(1);
 /// The longest wait between two asks of a busy node.
 pub(super) const BUSY_BACKOFF_MAX: Duration = Duration::from_millis(100);
 
+/// When any chunk of one batch last made progress. The chunks of a batch run together and may
+/// share one small staging arena: a chunk that keeps losing the race for its pages to its siblings
+/// is not starved into [`KeyError::Busy`](super::KeyError::Busy) while they move; it gives up only
+/// once the whole batch stopped moving.
+#[derive(Debug)]
+pub(super) struct BatchProgress(parking_lot::Mutex<std::time::Instant>);
+
+impl BatchProgress {
+    /// Progress counts from now.
+    pub(super) fn new() -> Self {
+        Self(parking_lot::Mutex::new(std::time::Instant::now()))
+    }
+
+    fn mark(&self) {
+        *self.0.lock() = std::time::Instant::now();
+    }
+
+    fn last(&self) -> std::time::Instant {
+        *self.0.lock()
+    }
+}
+
 /// One chunk's wait for nodes that answered busy, shared by the get and put paths: after a round
 /// that made progress (it copied or committed something, so its own releases and commits just gave
 /// pages back) a busy node is asked again at once; otherwise after a backoff doubling from
 /// [`BUSY_BACKOFF_MIN`] to [`BUSY_BACKOFF_MAX`]. The chunk gives its busy keys up once
-/// [`BUSY_WAIT`] passed without progress.
+/// [`BUSY_WAIT`] passed without progress of any chunk of its batch.
 #[derive(Debug)]
-pub(super) struct BusyWait {
+pub(super) struct BusyWait<'a> {
+    batch: &'a BatchProgress,
     last_progress: std::time::Instant,
     backoff: Duration,
     progressed: bool,
 }
 
-impl BusyWait {
+impl<'a> BusyWait<'a> {
     /// A wait that counts from now, as if the chunk had just made progress.
-    pub(super) fn new() -> Self {
-        Self { last_progress: std::time::Instant::now(), backoff: BUSY_BACKOFF_MIN, progressed: true }
+    pub(super) fn new(batch: &'a BatchProgress) -> Self {
+        Self { batch, last_progress: std::time::Instant::now(), backoff: BUSY_BACKOFF_MIN, progressed: true }
     }
 
     /// Records whether the round that just ran made progress.
@@ -255,6 +278,7 @@ impl BusyWait {
         if progressed {
             self.last_progress = std::time::Instant::now();
             self.backoff = BUSY_BACKOFF_MIN;
+            self.batch.mark();
         }
     }
 
@@ -267,9 +291,10 @@ impl BusyWait {
         }
     }
 
-    /// Whether [`BUSY_WAIT`] passed since the last progress: give the busy keys up.
+    /// Whether [`BUSY_WAIT`] passed since the last progress of this chunk or of any other chunk
+    /// of its batch: give the busy keys up.
     pub(super) fn expired(&self) -> bool {
-        self.last_progress.elapsed() >= BUSY_WAIT
+        self.last_progress.max(self.batch.last()).elapsed() >= BUSY_WAIT
     }
 }
 
@@ -568,7 +593,8 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_busy_wait_backs_off_without_progress_and_resets_on_it() {
-        let mut w = BusyWait::new();
+        let batch = BatchProgress::new();
+        let mut w = BusyWait::new(&batch);
         w.pause().await;
         assert_eq!(w.backoff, BUSY_BACKOFF_MIN, "right after progress: ask again at once, no backoff used");
         w.round(false);
@@ -584,7 +610,9 @@ mod tests {
         assert_eq!(w.backoff, BUSY_BACKOFF_MIN, "progress resets the backoff");
         if let Some(long_ago) = w.last_progress.checked_sub(BUSY_WAIT) {
             w.last_progress = long_ago;
-            assert!(w.expired(), "no progress for the whole wait: give up");
+            assert!(!w.expired(), "another chunk of the batch moved just now: keep waiting");
+            *batch.0.lock() = long_ago;
+            assert!(w.expired(), "no progress of the batch for the whole wait: give up");
         }
     }
 
