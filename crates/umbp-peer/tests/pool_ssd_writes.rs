@@ -26,8 +26,15 @@ fn tempdir() -> tempfile::TempDir {
     tempfile::Builder::new().prefix("umbp-pool-ssd-writes").tempdir_in(std::env::temp_dir()).expect("tempdir")
 }
 
+/// The node's read lease: far longer than any test, so a page comes back only when its reader
+/// releases it.
+const READ_LEASE: Duration = Duration::from_secs(30);
+
+/// 64 KiB pages, and the node's read lease (a client measures its copies against its own setting:
+/// with the 500 ms default a copy slowed down by a loaded machine would be discarded).
 fn with_page(mut c: PoolClientConfig) -> PoolClientConfig {
     c.page_size = PAGE64;
+    c.read_lease = READ_LEASE;
     c
 }
 
@@ -37,8 +44,7 @@ async fn ssd_node(master: &MasterHandle, dirs: Vec<PathBuf>) -> PoolClient {
         // Room for every value of every test (each takes a 64 KiB page of it): nothing is evicted.
         capacity_bytes: 256 << 20,
         staging_pages: STAGING_PAGES,
-        // Far longer than any test: a read's page comes back only when its reader releases it.
-        read_lease: Duration::from_secs(30),
+        read_lease: READ_LEASE,
         ..SsdConfig::default()
     };
     PoolClient::start(with_page(config(master, "ssd", 0)).with_medium(Medium::Ssd(ssd))).await.expect("ssd node starts")
@@ -117,7 +123,10 @@ async fn puts_beside_a_long_read_workload_on_a_sixteen_page_ssd_node_all_succeed
     let ssd = ssd_node(&m, vec![dir.path().to_path_buf()]).await;
     let seeder = cli(&m, "seeder").await;
     let hot: Vec<String> = (0..64).map(|i| format!("hot-{i}")).collect();
-    batch_put_all(&seeder, &hot, 0).await;
+    // Before the readers start: batches of half the arena, which fit it.
+    for (b, batch) in hot.chunks(8).enumerate() {
+        batch_put_all(&seeder, batch, b * 8).await;
+    }
     indexed(&seeder, &hot).await;
     seeder.close().await;
     // Three readers read the 64 hot keys (48 at a time, overlapping) over and over, holding the
@@ -129,8 +138,7 @@ async fn puts_beside_a_long_read_workload_on_a_sixteen_page_ssd_node_all_succeed
         let (m_addr, stop, reads, hot) =
             (m.local_addr().to_string(), Arc::clone(&stop), Arc::clone(&reads), hot.clone());
         readers.push(tokio::spawn(async move {
-            let mut c = PoolClientConfig::new(format!("reader-{r}"), m_addr).with_medium(Medium::None);
-            c.page_size = PAGE64;
+            let c = with_page(PoolClientConfig::new(format!("reader-{r}"), m_addr).with_medium(Medium::None));
             let reader = PoolClient::start(c).await.expect("reader starts");
             let mut round = 0usize;
             // At least a few rounds each, and on until the writer is done (bounded).
@@ -153,11 +161,16 @@ async fn puts_beside_a_long_read_workload_on_a_sixteen_page_ssd_node_all_succeed
             reader.close().await;
         }));
     }
-    // Meanwhile: 160 new keys in batches of 40 (each more than the arena), one batch at a time.
+    // Meanwhile: 160 new keys, one batch at a time, of 8 keys (half the arena: only the readers
+    // can leave no page free) and then of 40 (more than the arena).
     let writer = cli(&m, "writer").await;
     let fresh: Vec<String> = (0..160).map(|i| format!("fresh-{i}")).collect();
-    for (b, batch) in fresh.chunks(40).enumerate() {
-        batch_put_all(&writer, batch, 5000 + b * 40).await;
+    let (small, large) = fresh.split_at(80);
+    for (b, batch) in small.chunks(8).enumerate() {
+        batch_put_all(&writer, batch, 5000 + b * 8).await;
+    }
+    for (b, batch) in large.chunks(40).enumerate() {
+        batch_put_all(&writer, batch, 5080 + b * 40).await;
     }
     stop.store(true, Ordering::Release);
     for r in readers {
@@ -165,9 +178,7 @@ async fn puts_beside_a_long_read_workload_on_a_sixteen_page_ssd_node_all_succeed
     }
     assert!(reads.load(Ordering::Relaxed) >= 3 * 3 * 48, "the readers ran");
     indexed(&writer, &fresh).await;
-    for (b, batch) in fresh.chunks(40).enumerate() {
-        batch_get_exact(&writer, batch, 5000 + b * 40).await;
-    }
+    batch_get_exact(&writer, &fresh, 5000).await;
     writer.close().await;
     ssd.close().await;
     m.shutdown().await;
