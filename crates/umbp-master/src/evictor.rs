@@ -37,10 +37,10 @@ use crate::config::MasterConfig;
 use crate::routing::{
     Bucket, Candidate, EvictionCandidate, PPM, TierSlot, VictimPicker, parts_per_million, plan_eviction,
 };
-use crate::server::TOKEN_METADATA;
 use crate::service::now_ms;
 use crate::store::{MetadataStore, StoreError};
 use umbp_core::RateLimited;
+use umbp_proto::token::TokenInjector;
 
 /// Most keys in one `EvictKey` request; a larger victim list is split (4096 keys of up to a few
 /// hundred bytes each stay far below any sane message limit).
@@ -464,10 +464,8 @@ async fn evict_on_peer(
     for chunk in keys.chunks(EVICT_KEYS_PER_REQUEST) {
         let mut request = Request::new(v1::EvictKeyRequest { keys: chunk.to_vec() });
         request.set_timeout(deadline);
-        if let Some(token) = &config.cluster_token
-            && let Ok(value) = token.parse()
-        {
-            request.metadata_mut().insert(TOKEN_METADATA, value);
+        if let Ok(token) = TokenInjector::new(config.cluster_token.as_deref()) {
+            token.apply(&mut request);
         }
         match tokio::time::timeout(deadline, client.evict_key(request)).await {
             Ok(Ok(reply)) => {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::{Request, Status};
+use umbp_proto::token::TokenCheck;
 use umbp_proto::v1::umbp_master_server::UmbpMasterServer;
 
 use crate::config::MasterConfig;
@@ -19,8 +19,7 @@ use crate::store::{InMemoryStore, MetadataStore};
 /// A gauge not refreshed for this long leaves the metrics output (an expired or removed node's).
 const METRICS_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The metadata key that carries the cluster token on every call.
-pub const TOKEN_METADATA: &str = "x-umbp-token";
+pub use umbp_proto::TOKEN_METADATA;
 
 /// Why the master could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -184,28 +183,6 @@ impl Drop for MasterHandle {
     }
 }
 
-/// Checks the cluster token on every call when one is configured.
-#[derive(Clone)]
-struct TokenCheck {
-    token: Option<Arc<str>>,
-}
-
-impl tonic::service::Interceptor for TokenCheck {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let Some(expected) = &self.token else { return Ok(request) };
-        let given = request.metadata().get(TOKEN_METADATA).and_then(|v| v.to_str().ok());
-        match given {
-            Some(given) if constant_time_eq(given.as_bytes(), expected.as_bytes()) => Ok(request),
-            Some(_) => Err(Status::unauthenticated("wrong cluster token")),
-            None => Err(Status::unauthenticated("this cluster requires a token (x-umbp-token)")),
-        }
-    }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Starts a master with `config` on the current tokio runtime: binds the listen address (port 0
 /// picks a free one; see [`MasterHandle::local_addr`]), then serves until
 /// [`MasterHandle::shutdown`].
@@ -275,10 +252,8 @@ pub async fn start_with_store(
     let grpc = UmbpMasterServer::new(service)
         .max_decoding_message_size(config.max_message_bytes)
         .max_encoding_message_size(config.max_message_bytes);
-    let grpc = tonic::service::interceptor::InterceptedService::new(
-        grpc,
-        TokenCheck { token: config.cluster_token.as_deref().map(Arc::from) },
-    );
+    let grpc =
+        tonic::service::interceptor::InterceptedService::new(grpc, TokenCheck::new(config.cluster_token.as_deref()));
     let mut server_stop = stopped.clone();
     let server = tokio::spawn(tonic::transport::Server::builder().add_service(grpc).serve_with_incoming_shutdown(
         // Without TCP_NODELAY, Nagle holds a reply's second write for the client's delayed ACK (~40 ms).

@@ -25,13 +25,7 @@ pub(crate) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-pub(crate) fn tier_from_wire(value: i32) -> TierType {
-    u32::try_from(value).map_or(TierType::Unknown, TierType::from_wire)
-}
-
-pub(crate) fn tier_to_wire(tier: TierType) -> i32 {
-    i32::try_from(tier.wire()).unwrap_or(0)
-}
+pub(crate) use umbp_proto::convert::{tier_from_wire, tier_to_wire};
 
 fn caps_from_wire(caps: &[v1::TierCapacity]) -> Vec<TierCap> {
     caps.iter()

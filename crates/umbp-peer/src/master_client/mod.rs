@@ -76,11 +76,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
-use tonic::metadata::{Ascii, MetadataValue};
-use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 use umbp_core::BackendRegistry;
+use umbp_proto::token::TokenInjector;
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
 
@@ -93,27 +92,13 @@ pub use types::{
 
 use heartbeat::{HbState, Next};
 
-/// The metadata key that carries the cluster token on every call.
-pub const TOKEN_METADATA: &str = "x-umbp-token";
+pub use umbp_proto::TOKEN_METADATA;
 
 /// Most heartbeat rounds one wake-up runs back to back before it yields to the loop's wait (which
 /// then returns at once); keeps a producer that outpaces the master from starving shutdown.
 const MAX_BACK_TO_BACK_ROUNDS: u32 = 64;
 
-type Grpc = UmbpMasterClient<InterceptedService<Channel, TokenInterceptor>>;
-
-/// Adds the cluster token to every request.
-#[derive(Clone)]
-struct TokenInterceptor(Option<MetadataValue<Ascii>>);
-
-impl Interceptor for TokenInterceptor {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        if let Some(token) = &self.0 {
-            request.metadata_mut().insert(TOKEN_METADATA, token.clone());
-        }
-        Ok(request)
-    }
-}
+type Grpc = UmbpMasterClient<InterceptedService<Channel, TokenInjector>>;
 
 /// Monotonic counters behind [`MasterClientStats`].
 #[derive(Debug, Default)]
@@ -340,13 +325,8 @@ impl MasterClient {
         if node.node_id.is_empty() {
             return Err(MasterClientError::InvalidArgument("node_id must not be empty".into()));
         }
-        let token =
-            match &config.cluster_token {
-                Some(t) => Some(MetadataValue::<Ascii>::try_from(t.as_str()).map_err(|_| {
-                    MasterClientError::InvalidArgument("the cluster token must be visible ASCII".into())
-                })?),
-                None => None,
-            };
+        let token = TokenInjector::new(config.cluster_token.as_deref())
+            .map_err(|e| MasterClientError::InvalidArgument(e.to_string()))?;
         let uri = if master_addr.contains("://") { master_addr.to_owned() } else { format!("http://{master_addr}") };
         let endpoint = Endpoint::from_shared(uri)
             .map_err(|e| MasterClientError::InvalidArgument(format!("master address {master_addr:?}: {e}")))?
@@ -357,7 +337,7 @@ impl MasterClient {
             Ok(Err(source)) => return Err(MasterClientError::Connect { addr: master_addr.to_owned(), source }),
             Ok(Ok(channel)) => channel,
         };
-        let grpc = UmbpMasterClient::with_interceptor(channel, TokenInterceptor(token))
+        let grpc = UmbpMasterClient::with_interceptor(channel, token)
             .max_decoding_message_size(config.max_message_bytes)
             .max_encoding_message_size(config.max_message_bytes);
         let state = HbState::new(config.default_heartbeat_interval);

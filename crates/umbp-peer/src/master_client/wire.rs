@@ -9,16 +9,7 @@ use umbp_proto::v1 as pb;
 
 use super::types::{ClusterStatus, NodeLiveness, NodeRole, NodeStatusReport, RouteGetHit, RoutePutDecision};
 
-/// The wire value of a tier.
-pub(crate) fn tier_to_wire(tier: TierType) -> i32 {
-    // The values are 0..=3: always representable.
-    i32::try_from(tier.wire()).unwrap_or(0)
-}
-
-/// A tier from the wire; negative or unknown numbers become [`TierType::Unknown`].
-pub(crate) fn tier_from_wire(value: i32) -> TierType {
-    u32::try_from(value).map_or(TierType::Unknown, TierType::from_wire)
-}
+pub(crate) use umbp_proto::convert::{tier_from_wire, tier_to_wire};
 
 /// An event as the master receives it.
 pub(crate) fn event_to_wire(event: KvEvent) -> pb::KvEvent {

@@ -2,22 +2,12 @@
 //! functions: the service encodes with them and a client decodes with them, so both sides agree by
 //! construction.
 
-use umbp_core::{AllocateOutcome, BufferDesc, MemoryLocation, PageLocation, RemoteRegion, TierType};
+use umbp_core::{AllocateOutcome, BufferDesc, MemoryLocation, PageLocation, RemoteRegion};
 use umbp_proto::v1 as pb;
 
 use super::codec::CodecError;
 
-/// The wire value of a tier (`TierType` values travel unchanged).
-pub fn tier_to_wire(tier: TierType) -> i32 {
-    // The values are 0..=3: always representable.
-    i32::try_from(tier.wire()).unwrap_or(0)
-}
-
-/// A tier from the wire; negative or unknown numbers become [`TierType::Unknown`] (a newer peer's
-/// tier is ignored, never misread).
-pub fn tier_from_wire(value: i32) -> TierType {
-    u32::try_from(value).map_or(TierType::Unknown, TierType::from_wire)
-}
+pub use umbp_proto::convert::{tier_from_wire, tier_to_wire};
 
 /// The wire value of an allocation outcome.
 pub fn outcome_to_wire(outcome: AllocateOutcome) -> i32 {
@@ -107,16 +97,6 @@ pub fn desc_from_wire(desc: &pb::BufferDesc) -> Result<BufferDesc, CodecError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tiers_round_trip_and_unknown_values_are_unknown() {
-        for tier in TierType::ALL {
-            assert_eq!(tier_from_wire(tier_to_wire(tier)), tier);
-        }
-        assert_eq!(tier_from_wire(-1), TierType::Unknown);
-        assert_eq!(tier_from_wire(42), TierType::Unknown);
-        assert_eq!(tier_to_wire(TierType::Dram), pb::TierType::TierDram as i32);
-    }
 
     #[test]
     fn outcomes_round_trip_and_unspecified_is_failed() {

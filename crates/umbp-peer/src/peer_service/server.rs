@@ -1,18 +1,16 @@
 //! Serving [`PeerService`] over gRPC: the listener, the token check and a bounded graceful shutdown.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
-use tonic::{Request, Status};
+use umbp_proto::token::TokenCheck;
 use umbp_proto::v1::umbp_peer_server::UmbpPeerServer;
 
 use super::service::PeerService;
-use crate::master_client::TOKEN_METADATA;
 
 /// Settings of the peer service's gRPC server.
 #[derive(Clone, PartialEq, Eq)]
@@ -100,7 +98,7 @@ impl PeerServer {
         let grpc = UmbpPeerServer::new(service)
             .max_decoding_message_size(config.max_message_bytes)
             .max_encoding_message_size(config.max_message_bytes);
-        let grpc = InterceptedService::new(grpc, TokenCheck { token: config.cluster_token.as_deref().map(Arc::from) });
+        let grpc = InterceptedService::new(grpc, TokenCheck::new(config.cluster_token.as_deref()));
         let (stop, mut stopped) = watch::channel(false);
         let server = tokio::spawn(tonic::transport::Server::builder().add_service(grpc).serve_with_incoming_shutdown(
             TcpIncoming::from(listener).with_nodelay(Some(true)),
@@ -151,27 +149,4 @@ impl Drop for PeerServerHandle {
             server.abort();
         }
     }
-}
-
-/// Checks the cluster token on every call when one is configured.
-#[derive(Clone)]
-struct TokenCheck {
-    token: Option<Arc<str>>,
-}
-
-impl tonic::service::Interceptor for TokenCheck {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let Some(expected) = &self.token else { return Ok(request) };
-        let given = request.metadata().get(TOKEN_METADATA).and_then(|v| v.to_str().ok());
-        match given {
-            Some(given) if constant_time_eq(given.as_bytes(), expected.as_bytes()) => Ok(request),
-            Some(_) => Err(Status::unauthenticated("wrong cluster token")),
-            None => Err(Status::unauthenticated("this cluster requires a token (x-umbp-token)")),
-        }
-    }
-}
-
-/// Compares without an early exit on the first differing byte (the length still shows).
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
