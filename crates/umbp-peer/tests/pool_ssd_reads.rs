@@ -34,7 +34,16 @@ async fn ssd_node(master: &MasterHandle, dirs: Vec<PathBuf>) -> PoolClient {
 
 /// A client-only node, as one `umbp get` or `umbp put` process starts one.
 async fn cli(master: &MasterHandle, id: &str) -> PoolClient {
-    PoolClient::start(config(master, id, 0).with_medium(Medium::None)).await.expect("client starts")
+    PoolClient::start(reader_config(master, id)).await.expect("client starts")
+}
+
+/// A client-only node's settings. It knows the node's read lease (the client drops a copy that
+/// took longer than the lease it assumes): with the 500 ms default a copy slowed down by a loaded
+/// machine came back `LeaseExpired`, though the node's lease had 30 s to run.
+fn reader_config(master: &MasterHandle, id: &str) -> umbp_peer::pool_client::PoolClientConfig {
+    let mut c = config(master, id, 0).with_medium(Medium::None);
+    c.read_lease = Duration::from_secs(30);
+    c
 }
 
 /// Value `i`: sub-page to a whole page (one staging page each).
@@ -76,7 +85,7 @@ async fn two_hundred_sequential_cli_style_gets_from_a_sixteen_page_ssd_node_all_
         // Each get is a fresh client on a runtime of its own that closes and is dropped right
         // after, as an `umbp get` process exits: nothing it left running in the background
         // survives, so its release must have left by the time `close` returns.
-        let reader = config(&m, &format!("get-{i}"), 0).with_medium(Medium::None);
+        let reader = reader_config(&m, &format!("get-{i}"));
         let (key, expected) = (key.clone(), val(i));
         let (tx, rx) = tokio::sync::oneshot::channel();
         std::thread::spawn(move || {

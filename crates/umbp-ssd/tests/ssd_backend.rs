@@ -199,7 +199,9 @@ fn concurrent_resolves_of_one_key_read_the_drive_once() {
             builder(&[dir.path()])
                 .io_engine(engine)
                 .max_value_pages(4)
-                .read_lease_ttl(Duration::from_millis(30))
+                // Long enough that no follower gives up waiting on a loaded machine (the follower
+                // wait is capped at half the lease); each round releases its readers' leases.
+                .read_lease_ttl(Duration::from_secs(10))
                 .build()
                 .expect("config"),
         );
@@ -223,9 +225,10 @@ fn concurrent_resolves_of_one_key_read_the_drive_once() {
             assert!(entries.iter().all(|e| e.found && e.size == v.len() as u64), "{engine}: every reader hits");
             assert!(entries.windows(2).all(|w| w[0].pages == w[1].pages), "{engine}: one staged copy for all");
             assert_eq!(b.stats().device_reads - before, 1, "{engine} round {round}: one drive read for {n} readers");
-            assert_eq!(get(&b, "hot"), Some(v.clone()));
-            // Let the leases lapse so the next round can drop the staged copy.
-            drop_leases(&b);
+            assert_eq!(get_and_release(&b, "hot"), Some(v.clone()));
+            // Every reader is done: release, so the next round can drop the staged copy.
+            let releases: Vec<ReadRelease> = entries.iter().map(|e| ReadRelease::new("hot", e.lease)).collect();
+            b.release_reads(&releases);
         }
     }
 }
