@@ -71,6 +71,12 @@ impl MetricSource for ClusterMetrics {
             ),
             counter(names::MASTER_EVICTION_ROUNDS_TOTAL, names::MASTER_EVICTION_ROUNDS_TOTAL_HELP, vec![], &e.rounds),
             counter(
+                names::MASTER_ON_DEMAND_EVICTIONS_TOTAL,
+                names::MASTER_ON_DEMAND_EVICTIONS_TOTAL_HELP,
+                vec![],
+                &e.on_demand,
+            ),
+            counter(
                 names::MASTER_EVICTION_KEYS_TOTAL,
                 names::MASTER_EVICTION_KEYS_TOTAL_HELP,
                 vec![label("result", "requested")],
@@ -206,5 +212,21 @@ mod tests {
         assert!(find(&samples, names::MASTER_CAPACITY_TOTAL_BYTES, "gone").is_empty());
         assert!(find(&samples, names::MASTER_CAPACITY_AVAILABLE_BYTES, "gone").is_empty());
         assert_eq!(find(&samples, names::MASTER_CAPACITY_TOTAL_BYTES, "live").len(), 1);
+    }
+
+    /// On-demand evictions are a series of their own, beside the background rounds.
+    #[test]
+    fn on_demand_evictions_are_counted_apart_from_rounds() {
+        let eviction = Arc::new(EvictionStats::default());
+        eviction.on_demand.fetch_add(3, std::sync::atomic::Ordering::Relaxed);
+        let metrics = ClusterMetrics {
+            store: Arc::new(InMemoryStore::new()) as Arc<dyn MetadataStore>,
+            stats: Arc::new(ServiceStats::default()),
+            eviction,
+        };
+        let samples = metrics.sample_metrics();
+        let value = |name| samples.iter().find(|s| s.name == name).map(|s| s.value);
+        assert_eq!(value(names::MASTER_ON_DEMAND_EVICTIONS_TOTAL), Some(3));
+        assert_eq!(value(names::MASTER_EVICTION_ROUNDS_TOTAL), Some(0));
     }
 }

@@ -79,6 +79,10 @@ pub const MASTER_ROUTED_KEYS_TOTAL_HELP: &str = "Keys routed by the master, by o
 pub const MASTER_EVICTION_ROUNDS_TOTAL: &str = "umbp_master_eviction_rounds_total";
 /// Help text of [`MASTER_EVICTION_ROUNDS_TOTAL`].
 pub const MASTER_EVICTION_ROUNDS_TOTAL_HELP: &str = "Eviction rounds that found a node over its high watermark.";
+/// Counter of on-demand evictions: a put found no room, so the master evicted before answering it.
+pub const MASTER_ON_DEMAND_EVICTIONS_TOTAL: &str = "umbp_master_on_demand_evictions_total";
+/// Help text of [`MASTER_ON_DEMAND_EVICTIONS_TOTAL`].
+pub const MASTER_ON_DEMAND_EVICTIONS_TOTAL_HELP: &str = "Evictions the master ran on demand, for a put that found no room (or a medium a put pushed past its high watermark).";
 /// Counter of eviction victims by `result=` (`requested`, `refused`).
 pub const MASTER_EVICTION_KEYS_TOTAL: &str = "umbp_master_eviction_keys_total";
 /// Help text of [`MASTER_EVICTION_KEYS_TOTAL`].
