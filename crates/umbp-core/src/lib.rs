@@ -42,7 +42,7 @@ mod types;
 
 pub use backend::{AutoFlushHook, MediumBackend};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use error::{BackendError, RegistrationError, RegistryError};
+pub use error::{BackendError, ErrorKind, RegistrationError, RegistryError};
 pub use metrics::{MetricKind, MetricSample, MetricSource, names as metric_names};
 pub use outbox::EventOutbox;
 pub use ratelimit::RateLimited;

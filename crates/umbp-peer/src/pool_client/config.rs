@@ -1,0 +1,289 @@
+//! The settings of a [`PoolClient`](super::PoolClient) and of the medium it lends.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// How a node names its GPU runtime ([`HbmConfig::runtime`]).
+pub use umbp_gpu::RuntimeSelection;
+pub use umbp_ssd::IoEngineKind;
+
+use super::PoolError;
+use crate::master_client::MasterClientConfig;
+
+/// The medium a node lends. A node lends exactly one medium, or none (a client-only node).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Medium {
+    /// No medium: the node only reads and writes the pool.
+    None,
+    /// Host DRAM through `PageBackend` over anonymous memory.
+    Dram(DramConfig),
+    /// GPU HBM through `PageBackend` over device memory of one GPU (`umbp-hbm`).
+    Hbm(HbmConfig),
+    /// Local drives through `SsdBackend`: a registered host staging arena over a drive log
+    /// (`umbp-ssd`).
+    Ssd(SsdConfig),
+}
+
+impl Medium {
+    /// The medium's settings as `key=value` pairs for a log line (`medium=dram capacity_bytes=…`);
+    /// `None` for a client-only node.
+    pub fn summary(&self) -> Option<String> {
+        match self {
+            Self::None => None,
+            Self::Dram(d) => Some(format!(
+                "medium=dram capacity_bytes={} hugepages={} thp={} prefault={} numa_node={}",
+                d.capacity_bytes,
+                d.use_hugepages,
+                d.transparent_hugepages,
+                d.prefault,
+                d.numa_node.map_or_else(|| "none".to_owned(), |n| n.to_string())
+            )),
+            Self::Hbm(h) => Some(format!(
+                "medium=hbm capacity_bytes={} device={} runtime={}",
+                h.capacity_bytes, h.device, h.runtime
+            )),
+            Self::Ssd(s) => Some(format!(
+                "medium=ssd capacity_bytes={} dirs={} io_engine={} staging_pages={} max_value_pages={} \
+                 read_lease_ms={} sync_interval_ms={}",
+                s.capacity_bytes,
+                s.dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(","),
+                s.io_engine,
+                s.staging_pages,
+                s.max_value_pages,
+                s.read_lease.as_millis(),
+                s.sync_interval.map_or_else(|| "off".to_owned(), |d| d.as_millis().to_string())
+            )),
+        }
+    }
+}
+
+/// Settings of a DRAM medium.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DramConfig {
+    /// Bytes of host memory to lend. Default: 4 GiB.
+    pub capacity_bytes: u64,
+    /// Use hugetlb pages (reserved in `/proc/sys/vm/nr_hugepages`). Without them, or when none are
+    /// reserved, the memory is still advised for transparent huge pages. Default: false.
+    pub use_hugepages: bool,
+    /// Bind the memory to this NUMA node. Default: none.
+    pub numa_node: Option<u32>,
+    /// Touch every page at start-up. Default: true.
+    pub prefault: bool,
+    /// Advise the memory for transparent huge pages (fewer TLB misses and page pins; with THP
+    /// `defrag=madvise` a first touch may compact memory, at start-up when prefaulting). Default:
+    /// true.
+    pub transparent_hugepages: bool,
+}
+
+impl Default for DramConfig {
+    fn default() -> Self {
+        Self {
+            capacity_bytes: 4 << 30,
+            use_hugepages: false,
+            numa_node: None,
+            prefault: true,
+            transparent_hugepages: true,
+        }
+    }
+}
+
+/// Settings of an HBM medium.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HbmConfig {
+    /// The GPU whose memory is lent. Default: 0.
+    pub device: u32,
+    /// Bytes of device memory to lend. Default: 1 GiB.
+    pub capacity_bytes: u64,
+    /// The GPU runtime (`auto` finds HIP or CUDA; `fake` serves host memory, for tests and demos).
+    /// Default: auto.
+    pub runtime: RuntimeSelection,
+}
+
+impl Default for HbmConfig {
+    fn default() -> Self {
+        Self { device: 0, capacity_bytes: 1 << 30, runtime: RuntimeSelection::Auto }
+    }
+}
+
+/// Settings of an SSD medium (the rest of `umbp_ssd::SsdConfig` keeps its defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SsdConfig {
+    /// One directory per drive; values are placed by free space. Required (at least one).
+    pub dirs: Vec<std::path::PathBuf>,
+    /// Drive bytes to lend, split evenly across the directories. Default: 32 GiB.
+    pub capacity_bytes: u64,
+    /// The io engine. Default: psync.
+    pub io_engine: umbp_ssd::IoEngineKind,
+    /// Pages of the host staging arena (writes in flight plus reads being served): one page per
+    /// value of a 128-key batch, so a batch get or put of 128 single-page values on this node is
+    /// staged at once (a larger batch goes through in rounds: reads wait for pages their readers
+    /// release, writes for pages their commits give back; the node answers the rest busy). It
+    /// bounds concurrency, never how many keys a batch may hold. Default: 128.
+    pub staging_pages: u64,
+    /// The SSD read lease (its own setting: a reader of a staged page also waited for the drive).
+    /// Default: 3 s.
+    pub read_lease: Duration,
+    /// How often the medium `fdatasync`s the segments written since its last sync (`None`: only at
+    /// shutdown). Commits do not wait for it: it bounds what a power loss can take. Default: 1 s.
+    pub sync_interval: Option<Duration>,
+    /// The largest value, in pages (`page_size` each); a larger value is refused. At most
+    /// `staging_pages`. Default: 1 (one key, one page, as the reference stores them).
+    pub max_value_pages: u64,
+    /// Keep a committed value's staging pages as a clean copy until they are needed again, so a
+    /// read of a value just written skips the drive. Default: true (off only where every read must
+    /// reach the drive, as in `umbp bench ssd`).
+    pub cache_committed: bool,
+    /// Create a directory of `dirs` that does not exist. Off by default: a missing directory is
+    /// usually an unmounted drive, and creating it would fill the root file system instead.
+    /// Default: false.
+    pub create_dirs: bool,
+}
+
+impl Default for SsdConfig {
+    fn default() -> Self {
+        Self {
+            dirs: Vec::new(),
+            capacity_bytes: 32 << 30,
+            io_engine: umbp_ssd::IoEngineKind::Psync,
+            staging_pages: 128,
+            read_lease: Duration::from_secs(3),
+            sync_interval: Some(Duration::from_secs(1)),
+            max_value_pages: 1,
+            cache_committed: true,
+            create_dirs: false,
+        }
+    }
+}
+
+/// Refuses a directory of an SSD medium that does not exist (or is not a directory), naming it and
+/// the way out.
+pub(super) fn ssd_dirs_exist(dirs: &[std::path::PathBuf]) -> Result<(), PoolError> {
+    for dir in dirs {
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(PoolError::Config(format!("ssd directory {} is not a directory", dir.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(PoolError::Config(format!(
+                    "ssd directory {} does not exist: mount the drive and create it, or ask for it to be \
+                     created (--ssd-create-dirs, node.ssd_create_dirs = true)",
+                    dir.display()
+                )));
+            }
+            Err(e) => return Err(PoolError::Config(format!("ssd directory {}: {e}", dir.display()))),
+        }
+    }
+    Ok(())
+}
+
+/// Whether values fetched from a remote node are also written to the local medium.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecachePolicy {
+    /// Never.
+    Off,
+    /// Values up to this many bytes.
+    UpTo(u64),
+    /// Every value.
+    Always,
+}
+
+/// Settings of a [`PoolClient`].
+#[derive(Clone)]
+pub struct PoolClientConfig {
+    /// This node's unique id. Required.
+    pub node_id: String,
+    /// `host:port` of the master. Required.
+    pub master_address: String,
+    /// The host other nodes reach this node at. Default: `127.0.0.1`.
+    pub node_address: String,
+    /// Where the peer service listens (only when the node lends a medium). Default: `127.0.0.1:0`.
+    pub peer_listen: SocketAddr,
+    /// Where the TCP data server listens. Default: `127.0.0.1:0`.
+    pub data_listen: SocketAddr,
+    /// The medium this node lends. Default: none.
+    pub medium: Medium,
+    /// Page size of the medium (the pool's KV block size). Default: 2 MiB.
+    pub page_size: u64,
+    /// How long an allocated, uncommitted slot lives. Default: 30 s.
+    pub pending_ttl: Duration,
+    /// How long a resolve protects a key from eviction. Env `UMBP_DRAM_READ_LEASE_MS`. Default: 500 ms.
+    pub read_lease: Duration,
+    /// Bounce pool for caller memory that is not registered. Default: 64 MiB.
+    pub bounce_bytes: u64,
+    /// Shared cluster token for gRPC and the data port. Default: none.
+    pub cluster_token: Option<String>,
+    /// How many times a key is re-routed (excluding the nodes that failed it). Default: 2.
+    pub max_reroutes: u32,
+    /// Re-cache remote fetches locally. Default: values up to 16 MiB.
+    pub recache: RecachePolicy,
+    /// Deadline of every peer RPC. Default: 5 s.
+    pub rpc_timeout: Duration,
+    /// The master client's settings.
+    pub master: MasterClientConfig,
+    /// Where to serve Prometheus `/metrics` (port 0 picks a free one; see
+    /// [`PoolClient::metrics_address`]). Default: none (no endpoint, and the medium is not wrapped
+    /// in `InstrumentedBackend`: nothing would read its counters).
+    pub metrics_listen: Option<SocketAddr>,
+    /// The GPU runtime of a node that lends no HBM (an HBM node uses its medium's). With one, the GPU
+    /// copy engine joins, so the caller can put from and get into its own device buffers
+    /// ([`register_memory_at`](PoolClient::register_memory_at)); `auto` probes the machine (and
+    /// finds nothing under `UMBP_GPU_RUNTIME=none`). Default: none, so a DRAM, SSD or client-only
+    /// node never probes a GPU nor pins its medium and bounce pool with one.
+    pub gpu_runtime: Option<RuntimeSelection>,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for PoolClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolClientConfig")
+            .field("node_id", &self.node_id)
+            .field("master_address", &self.master_address)
+            .field("node_address", &self.node_address)
+            .field("peer_listen", &self.peer_listen)
+            .field("data_listen", &self.data_listen)
+            .field("medium", &self.medium)
+            .field("page_size", &self.page_size)
+            .field("pending_ttl", &self.pending_ttl)
+            .field("read_lease", &self.read_lease)
+            .field("bounce_bytes", &self.bounce_bytes)
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("max_reroutes", &self.max_reroutes)
+            .field("recache", &self.recache)
+            .field("rpc_timeout", &self.rpc_timeout)
+            .field("master", &self.master)
+            .field("metrics_listen", &self.metrics_listen)
+            .field("gpu_runtime", &self.gpu_runtime)
+            .finish()
+    }
+}
+
+impl PoolClientConfig {
+    /// A client-only node `node_id` of the master at `master_address`, every other setting default.
+    pub fn new(node_id: impl Into<String>, master_address: impl Into<String>) -> Self {
+        Self {
+            node_id: node_id.into(),
+            master_address: master_address.into(),
+            node_address: "127.0.0.1".into(),
+            peer_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            data_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            medium: Medium::None,
+            page_size: 2 << 20,
+            pending_ttl: Duration::from_secs(30),
+            read_lease: Duration::from_millis(500),
+            bounce_bytes: 64 << 20,
+            cluster_token: None,
+            max_reroutes: 2,
+            recache: RecachePolicy::UpTo(16 << 20),
+            rpc_timeout: Duration::from_secs(5),
+            master: MasterClientConfig::default(),
+            metrics_listen: None,
+            gpu_runtime: None,
+        }
+    }
+
+    /// The same config lending `medium`.
+    pub fn with_medium(mut self, medium: Medium) -> Self {
+        self.medium = medium;
+        self
+    }
+}
