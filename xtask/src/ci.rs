@@ -25,7 +25,8 @@ pub enum Step {
     Test,
     /// `cargo build --workspace --benches`: benches compile; they are never timed here.
     Benches,
-    /// `cargo package --workspace --no-verify --allow-dirty`.
+    /// `cargo package --workspace --allow-dirty`: every publishable crate packaged and built from its
+    /// package.
     Package,
 }
 
@@ -56,7 +57,7 @@ impl Step {
             Step::Deny => "dependency bans, licenses and sources (cargo deny check bans licenses sources)",
             Step::Test => "tests (cargo nextest run --workspace + doc tests, or cargo test --workspace)",
             Step::Benches => "benches compile (cargo build --workspace --benches)",
-            Step::Package => "every publishable crate packages (cargo package --workspace --no-verify)",
+            Step::Package => "every publishable crate packages and builds from its package (cargo package --workspace)",
         }
     }
 
@@ -180,12 +181,24 @@ fn run_step(step: Step, root: &Path) -> anyhow::Result<StepResult> {
     Ok(StepResult::Passed)
 }
 
-/// `cargo package --workspace --no-verify --allow-dirty`, leaving out `publish = false` members.
+/// Where the package step builds: its own target directory, so the verification builds (each crate
+/// from its `.crate`, with its own feature set) never touch the developer's `target/debug` and keep
+/// their third-party dependencies warm between runs.
+pub const PACKAGE_TARGET_SUBDIR: &str = "package-verify";
+
+/// `cargo package --workspace --allow-dirty`, verifying every package, leaving out `publish = false`
+/// members.
 ///
 /// `--workspace` packages the members together (cargo ≥ 1.90), so an internal dependency resolves to its
 /// sibling's fresh package through a temporary local registry rather than to crates.io, where it does
-/// not exist yet. `cargo package` does not skip `publish = false` members by itself, so they are
-/// excluded by name, read from the metadata. Offline first: the earlier steps have fetched everything.
+/// not exist yet. Verification then builds each crate from its own `.crate` (the library and binaries,
+/// default features), which proves the package carries every file it needs. `cargo package` does not
+/// skip `publish = false` members by itself, so they are excluded by name, read from the metadata.
+/// Offline first: the earlier steps have fetched everything.
+///
+/// Before packaging, [`clean_stale_packages`] removes what an earlier run left of our crates: cargo
+/// treats the temporary registry as immutable, so it would otherwise verify a crate against its
+/// siblings' *previous* sources.
 fn package(root: &Path) -> anyhow::Result<()> {
     let metadata = MetadataCommand::new()
         .manifest_path(root.join("Cargo.toml"))
@@ -193,12 +206,19 @@ fn package(root: &Path) -> anyhow::Result<()> {
         .other_options(vec!["--offline".to_owned()])
         .exec()
         .context("`cargo metadata --no-deps` failed")?;
-    let mut args: Vec<String> = ["package", "--workspace", "--no-verify", "--allow-dirty"].map(String::from).into();
+    let target_dir = metadata.target_directory.as_std_path().join(PACKAGE_TARGET_SUBDIR);
+    let mut args: Vec<String> = ["package", "--workspace", "--allow-dirty"].map(String::from).into();
+    args.extend(["--target-dir".to_owned(), target_dir.display().to_string()]);
+    let mut ours = Vec::new();
     for package in metadata.workspace_packages() {
         if package.publish.as_ref().is_some_and(Vec::is_empty) {
             args.extend(["--exclude".to_owned(), package.name.to_string()]);
+        } else {
+            ours.push((package.name.to_string(), package.version.to_string()));
         }
     }
+    let removed = clean_stale_packages(&cargo_home(), &target_dir, &ours)?;
+    println!("removed {removed} stale unpacked or built copies of our packages");
     let mut offline = args.clone();
     offline.push("--offline".to_owned());
     if run_cargo_owned(root, &offline).is_err() {
@@ -206,6 +226,82 @@ fn package(root: &Path) -> anyhow::Result<()> {
         run_cargo_owned(root, &args)?;
     }
     Ok(())
+}
+
+/// Cargo's home: `$CARGO_HOME`, else `~/.cargo`.
+pub fn cargo_home() -> PathBuf {
+    if let Some(home) = std::env::var_os("CARGO_HOME") {
+        return PathBuf::from(home);
+    }
+    std::env::var_os("HOME").map_or_else(|| PathBuf::from(".cargo"), |home| PathBuf::from(home).join(".cargo"))
+}
+
+/// Removes every copy an earlier `cargo package --workspace` left of `packages` (name, version), and
+/// returns how many it removed.
+///
+/// Cargo takes a registry's crates to be immutable, which the temporary registry of a workspace
+/// package is not, so a second run would verify against the first run's sources twice over:
+///
+/// - the unpacked sources: `CARGO_HOME/registry/src/<local registry>/NAME-VERSION`, reused as long as
+///   its `.cargo-ok` marker is there. A local registry's directory is named `-HASH` (no host);
+///   crates.io's extractions are left alone.
+/// - the builds: their fingerprints compare the sources' modification times, and a `.crate` carries a
+///   fixed one from 2006, so a freshly unpacked changed source still looks older than the old build.
+///   Every fingerprint and build-script directory of our packages under `target_dir`'s `debug`
+///   profile goes (`target_dir` is the package step's own, so the developer's builds stay warm).
+pub fn clean_stale_packages(
+    cargo_home: &Path,
+    target_dir: &Path,
+    packages: &[(String, String)],
+) -> anyhow::Result<usize> {
+    let mut removed = 0;
+    let src = cargo_home.join("registry").join("src");
+    for registry in read_dir_names(&src)? {
+        if !registry.starts_with('-') {
+            continue;
+        }
+        for (name, version) in packages {
+            removed += remove_dir_if_present(&src.join(&registry).join(format!("{name}-{version}")))?;
+        }
+    }
+    let profile = target_dir.join("debug");
+    for kind in [".fingerprint", "build"] {
+        let dir = profile.join(kind);
+        for entry in read_dir_names(&dir)? {
+            // `NAME-HASH`: compare the whole name, so `umbp` does not take `umbp-core`'s entries.
+            let Some((name, hash)) = entry.rsplit_once('-') else { continue };
+            let is_hash = hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit());
+            if is_hash && packages.iter().any(|(ours, _)| ours == name) {
+                removed += remove_dir_if_present(&dir.join(&entry))?;
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// The names in `dir`, or none when it does not exist.
+fn read_dir_names(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(err) => return Err(err).with_context(|| format!("could not list {}", dir.display())),
+    };
+    let mut names = Vec::new();
+    for entry in entries {
+        let entry = entry.with_context(|| format!("could not list {}", dir.display()))?;
+        if let Some(name) = entry.file_name().to_str() {
+            names.push(name.to_owned());
+        }
+    }
+    Ok(names)
+}
+
+fn remove_dir_if_present(dir: &Path) -> anyhow::Result<usize> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(1),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(err) => Err(err).with_context(|| format!("could not remove {}", dir.display())),
+    }
 }
 
 /// The cargo that runs us (`cargo xtask` sets `CARGO`), else the one on `PATH`.
@@ -260,5 +356,53 @@ mod tests {
     fn fast_skips_deny_and_package_only() {
         let fast: Vec<&str> = Step::ALL.iter().filter(|s| s.skipped_by_fast()).map(|s| s.name()).collect();
         assert_eq!(fast, ["deny", "package"]);
+    }
+
+    /// Builds a fake cargo home and package target dir holding one stale copy of everything
+    /// [`clean_stale_packages`] must remove, and one of everything it must keep.
+    #[test]
+    fn clean_stale_packages_removes_our_old_copies_and_nothing_else() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let home = tmp.path().join("cargo-home");
+        let target = tmp.path().join("target");
+        let local = home.join("registry/src/-14cd1cce6819ff87");
+        let crates_io = home.join("registry/src/index.crates.io-1949cf8c6b5b557f");
+        let fingerprint = target.join("debug/.fingerprint");
+        let build = target.join("debug/build");
+        let removed_paths = [
+            local.join("umbp-core-0.1.0"),
+            local.join("umbp-0.1.0"),
+            fingerprint.join("umbp-core-83b6a9f9648b8a2a"),
+            fingerprint.join("umbp-b8ad9c96c5a42c85"),
+            build.join("umbp-proto-0123456789abcdef"),
+        ];
+        let kept_paths = [
+            local.join("umbp-core-0.0.9"),
+            local.join("serde-1.0.0"),
+            crates_io.join("umbp-core-0.1.0"),
+            fingerprint.join("serde-83b6a9f9648b8a2a"),
+            fingerprint.join("umbp-core-extra-83b6a9f9648b8a2a"),
+            fingerprint.join("umbp-core-not-a-hash"),
+        ];
+        for dir in removed_paths.iter().chain(&kept_paths) {
+            std::fs::create_dir_all(dir.join("src")).expect("mkdir");
+            std::fs::write(dir.join(".cargo-ok"), "{\"v\":1}").expect("write");
+        }
+        let ours: Vec<(String, String)> =
+            ["umbp-core", "umbp", "umbp-proto"].into_iter().map(|name| (name.to_owned(), "0.1.0".to_owned())).collect();
+
+        let removed = clean_stale_packages(&home, &target, &ours).expect("clean");
+
+        assert_eq!(removed, removed_paths.len());
+        for dir in &removed_paths {
+            assert!(!dir.exists(), "{} should be removed", dir.display());
+        }
+        for dir in &kept_paths {
+            assert!(dir.exists(), "{} should be kept", dir.display());
+        }
+        // Nothing left: a second run removes nothing, and missing directories are not an error.
+        assert_eq!(clean_stale_packages(&home, &target, &ours).expect("clean"), 0);
+        let empty = tmp.path().join("nothing-here");
+        assert_eq!(clean_stale_packages(&empty, &empty, &ours).expect("clean"), 0);
     }
 }
