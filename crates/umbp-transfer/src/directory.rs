@@ -1,8 +1,8 @@
 //! Which remote buffers this node knows, per peer and per backend id.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use parking_lot::RwLock;
+use dashmap::DashMap;
 use umbp_core::{BufferDesc, MAX_BACKENDS_PER_PEER, TransferRef};
 
 use crate::warn::{WarnLimiter, warn_limited};
@@ -27,9 +27,12 @@ struct PeerBuffers {
 ///
 /// Descriptors come from peers, so the warnings about skipped ones are rate-limited per kind (one
 /// line every few seconds, with the count suppressed).
+///
+/// A [`DashMap`]: every operation touches one peer, so work on one peer (a first contact caching its
+/// descriptors, a batch taking a snapshot) locks only that peer's shard of the map, never all peers.
 #[derive(Debug, Default)]
 pub struct PeerDirectory {
-    peers: RwLock<HashMap<String, PeerBuffers>>,
+    peers: DashMap<String, PeerBuffers>,
     warns: WarnLimiter,
 }
 
@@ -42,42 +45,10 @@ impl PeerDirectory {
     /// Caches the descriptors `node` published. Descriptors with a backend id of 8 or more, a buffer
     /// index of [`MAX_BUFFERS_PER_BACKEND`] or more, or no remote handle, are skipped. Returns how many new descriptors were cached.
     pub fn cache_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
-        let mut peers = self.peers.write();
-        let entry = peers.entry(node.to_owned()).or_default();
+        let mut entry = self.peers.entry(node.to_owned()).or_default();
         let mut cached = 0;
         for desc in descs {
-            let Some(shelf) = entry.shelves.get_mut(desc.backend_id as usize) else {
-                warn_limited!(
-                    self.warns,
-                    "bad_backend_id",
-                    node,
-                    backend_id = desc.backend_id,
-                    "ignoring a descriptor with an out-of-range backend id"
-                );
-                continue;
-            };
-            let Some(remote) = desc.remote.clone() else {
-                warn_limited!(
-                    self.warns,
-                    "no_remote_handle",
-                    node,
-                    buffer = desc.buffer_index,
-                    "ignoring a descriptor with no data-plane handle"
-                );
-                continue;
-            };
-            if desc.buffer_index >= MAX_BUFFERS_PER_BACKEND {
-                warn_limited!(
-                    self.warns,
-                    "bad_buffer_index",
-                    node,
-                    buffer = desc.buffer_index,
-                    limit = MAX_BUFFERS_PER_BACKEND,
-                    "ignoring a descriptor with an out-of-range buffer index"
-                );
-                continue;
-            }
-            let incoming = TransferRef::remote_only(remote, desc.size, desc.location);
+            let Some((shelf, incoming)) = Self::checked(&self.warns, node, &mut entry, desc) else { continue };
             match shelf.get(&desc.buffer_index) {
                 Some(existing) if *existing != incoming => warn_limited!(
                     self.warns,
@@ -102,9 +73,8 @@ impl PeerDirectory {
     /// [`cache_remote_buffers`](Self::cache_remote_buffers) skips. One write lock for the whole batch:
     /// no reader sees half of it. Returns how many descriptors were added or replaced.
     pub fn replace_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
-        let mut peers = self.peers.write();
-        let entry = peers.entry(node.to_owned()).or_default();
-        Self::put_all(&self.warns, node, entry, descs)
+        let mut entry = self.peers.entry(node.to_owned()).or_default();
+        Self::put_all(&self.warns, node, &mut entry, descs)
     }
 
     /// Makes `descs` the whole of what is known about `node` (first contact or reconnection:
@@ -113,44 +83,14 @@ impl PeerDirectory {
     pub fn reset_remote_buffers(&self, node: &str, descs: &[BufferDesc]) -> usize {
         let mut fresh = PeerBuffers::default();
         let n = Self::put_all(&self.warns, node, &mut fresh, descs);
-        self.peers.write().insert(node.to_owned(), fresh);
+        self.peers.insert(node.to_owned(), fresh);
         n
     }
 
     fn put_all(warns: &WarnLimiter, node: &str, entry: &mut PeerBuffers, descs: &[BufferDesc]) -> usize {
         let mut changed = 0;
         for desc in descs {
-            let Some(shelf) = entry.shelves.get_mut(desc.backend_id as usize) else {
-                warn_limited!(
-                    warns,
-                    "bad_backend_id",
-                    node,
-                    backend_id = desc.backend_id,
-                    "ignoring a descriptor with an out-of-range backend id"
-                );
-                continue;
-            };
-            let Some(remote) = desc.remote.clone() else {
-                warn_limited!(
-                    warns,
-                    "no_remote_handle",
-                    node,
-                    buffer = desc.buffer_index,
-                    "ignoring a descriptor with no data-plane handle"
-                );
-                continue;
-            };
-            if desc.buffer_index >= MAX_BUFFERS_PER_BACKEND {
-                warn_limited!(
-                    warns,
-                    "bad_buffer_index",
-                    node,
-                    buffer = desc.buffer_index,
-                    "ignoring a descriptor with an out-of-range buffer index"
-                );
-                continue;
-            }
-            let incoming = TransferRef::remote_only(remote, desc.size, desc.location);
+            let Some((shelf, incoming)) = Self::checked(warns, node, entry, desc) else { continue };
             if shelf.get(&desc.buffer_index) != Some(&incoming) {
                 shelf.insert(desc.buffer_index, incoming);
                 changed += 1;
@@ -159,19 +99,60 @@ impl PeerDirectory {
         changed
     }
 
+    /// The shelf `desc` belongs on and the descriptor to cache, or `None` (with a rate-limited
+    /// warning) for a descriptor a peer should not have sent: a backend id of 8 or more, no
+    /// data-plane handle, or a buffer index of [`MAX_BUFFERS_PER_BACKEND`] or more.
+    fn checked<'a>(
+        warns: &WarnLimiter,
+        node: &str,
+        entry: &'a mut PeerBuffers,
+        desc: &BufferDesc,
+    ) -> Option<(&'a mut BTreeMap<u32, TransferRef>, TransferRef)> {
+        let Some(shelf) = entry.shelves.get_mut(desc.backend_id as usize) else {
+            warn_limited!(
+                warns,
+                "bad_backend_id",
+                node,
+                backend_id = desc.backend_id,
+                "ignoring a descriptor with an out-of-range backend id"
+            );
+            return None;
+        };
+        let Some(remote) = desc.remote.clone() else {
+            warn_limited!(
+                warns,
+                "no_remote_handle",
+                node,
+                buffer = desc.buffer_index,
+                "ignoring a descriptor with no data-plane handle"
+            );
+            return None;
+        };
+        if desc.buffer_index >= MAX_BUFFERS_PER_BACKEND {
+            warn_limited!(
+                warns,
+                "bad_buffer_index",
+                node,
+                buffer = desc.buffer_index,
+                limit = MAX_BUFFERS_PER_BACKEND,
+                "ignoring a descriptor with an out-of-range buffer index"
+            );
+            return None;
+        }
+        Some((shelf, TransferRef::remote_only(remote, desc.size, desc.location)))
+    }
+
     /// Whether any buffer of `node` is cached.
     pub fn has_remote_buffers(&self, node: &str) -> bool {
-        self.peers.read().get(node).is_some_and(|p| p.shelves.iter().any(|s| !s.is_empty()))
+        self.peers.get(node).is_some_and(|p| p.shelves.iter().any(|s| !s.is_empty()))
     }
 
     /// The buffers of one backend of `node`, by buffer index (`None` where nothing is cached), up to
     /// the largest cached index (so at most [`MAX_BUFFERS_PER_BACKEND`] entries). Empty for an
     /// unknown node or a backend id of 8 or more.
     pub fn remote_buffer_snapshot(&self, node: &str, backend_id: u32) -> Vec<Option<TransferRef>> {
-        let peers = self.peers.read();
-        let Some(shelf) = peers.get(node).and_then(|p| p.shelves.get(backend_id as usize)) else {
-            return Vec::new();
-        };
+        let Some(peer) = self.peers.get(node) else { return Vec::new() };
+        let Some(shelf) = peer.shelves.get(backend_id as usize) else { return Vec::new() };
         let len = shelf.last_key_value().map_or(0, |(index, _)| *index as usize + 1);
         let mut out = vec![None; len];
         for (index, r) in shelf {
@@ -182,7 +163,7 @@ impl PeerDirectory {
 
     /// Drops everything known about `node`.
     pub fn forget(&self, node: &str) {
-        self.peers.write().remove(node);
+        self.peers.remove(node);
     }
 }
 
