@@ -3,7 +3,164 @@
 
 use super::*;
 
+/// With an engine that overlaps IO and work (io_uring), a batch of at least this many value bytes
+/// is checksummed while it moves: a write hands the values to the drive first and its headers
+/// (which carry the CRC) right after; a read arrives in chunks of [`READ_CHUNK`] and each chunk is
+/// checked as it lands. Smaller batches are not worth the extra requests.
+pub(super) const OVERLAP_MIN: u64 = 256 * 1024;
+/// The chunk of an overlapped read.
+pub(super) const READ_CHUNK: usize = 256 * 1024;
+
+/// A read or write between its lock phases.
+pub(super) struct Job {
+    pub(super) index: usize,
+    pub(super) key: String,
+    pub(super) pages: Vec<PageLocation>,
+    pub(super) size: u64,
+    pub(super) file: Arc<SegmentFile>,
+    pub(super) loc: Loc,
+    pub(super) header: AlignedBuf,
+    pub(super) generation: u64,
+    pub(super) flight: Option<Arc<Flight>>,
+    pub(super) outcome: JobOutcome,
+    /// Another caller's write to the same segment was in flight when this one was reserved.
+    pub(super) shared: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum JobOutcome {
+    Ok,
+    IoError,
+    Corrupt,
+}
+
+/// The most iovecs one write op carries (the kernel's `UIO_MAXIOV` is 1024; io_uring refuses more
+/// in one request).
+pub(super) const MAX_WRITE_IOVECS: usize = 1024;
+
+/// Splits records `(segment, offset, length, iovecs)`, in reservation order, into runs that can go
+/// out as one write: each record starts where the one before it ends, in the same segment, and a
+/// run carries at most `max_iovecs` iovecs (a record alone may carry more: it is one op anyway).
+pub(super) fn adjacent_runs(records: &[(SegId, u64, u64, usize)], max_iovecs: usize) -> Vec<std::ops::Range<usize>> {
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut iovecs = 0;
+    for (i, &(seg, offset, _, n)) in records.iter().enumerate() {
+        let extends = runs.last().is_some_and(|run| {
+            let (pseg, poff, plen, _) = records[run.end - 1];
+            pseg == seg && poff + plen == offset && iovecs + n <= max_iovecs
+        });
+        match runs.last_mut() {
+            Some(run) if extends => {
+                run.end = i + 1;
+                iovecs += n;
+            }
+            _ => {
+                runs.push(i..i + 1);
+                iovecs = n;
+            }
+        }
+    }
+    runs
+}
+
+/// Splits `(address, length)` segments into groups of at most `chunk` bytes each (a segment
+/// larger than `chunk` is cut; `chunk` and every length are multiples of the record alignment).
+pub(super) fn split_segments(segs: &[(*mut u8, usize)], chunk: usize) -> Vec<Vec<(*mut u8, usize)>> {
+    let mut out: Vec<Vec<(*mut u8, usize)>> = Vec::new();
+    let mut current = Vec::new();
+    let mut room = chunk;
+    for &(ptr, len) in segs {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(room);
+            // SAFETY: `at + n <= len`, so the address stays inside the segment.
+            current.push((unsafe { ptr.add(at) }, n));
+            at += n;
+            room -= n;
+            if room == 0 {
+                out.push(std::mem::take(&mut current));
+                room = chunk;
+            }
+        }
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
+}
+
+
 impl Inner {
+    /// The `(address, length)` IO segments of a value of `size` bytes in `pages`, each page's
+    /// length rounded up to the record alignment.
+    pub(super) fn page_segments(&self, published: &Published, pages: &[PageLocation], size: u64) -> Vec<(*mut u8, usize)> {
+        let ps = self.config.page_size;
+        let mut remaining = record::align_up(size);
+        let mut out = Vec::with_capacity(pages.len());
+        for p in pages {
+            if remaining == 0 {
+                break;
+            }
+            let len = remaining.min(ps);
+            remaining -= len;
+            // SAFETY: `page_index < staging pages` (the allocator only hands out pages of the arena),
+            // so the offset stays inside the mapped arena.
+            let ptr = unsafe { published.base.base().as_ptr().add((u64::from(p.page_index) * ps) as usize) };
+            out.push((ptr, len as usize));
+        }
+        out
+    }
+
+    /// Zeroes the bytes between the end of a value of `size` bytes in `pages` and the next record
+    /// boundary: they go to the drive with the value, and would otherwise carry whatever an earlier
+    /// value left in the staging page.
+    pub(super) fn zero_padding(&self, published: &Published, pages: &[PageLocation], size: u64) {
+        let ps = self.config.page_size;
+        let pad = record::align_up(size) - size;
+        if pad == 0 || size == 0 {
+            return;
+        }
+        // The padding lies in the page holding the value's last byte: pages are multiples of the
+        // record alignment, so rounding up never crosses into the next page.
+        let last = (size - 1) / ps;
+        let Some(page) = pages.get(last as usize) else { return };
+        let at = size - last * ps;
+        // SAFETY: the page lies inside the arena (see `page_segments`) and `at + pad <= ps`; it
+        // belongs to the committing slot, whose writer is done with it, and nothing else writes it.
+        unsafe {
+            std::ptr::write_bytes(
+                published.base.base().as_ptr().add((u64::from(page.page_index) * ps + at) as usize),
+                0,
+                pad as usize,
+            );
+        }
+    }
+
+    /// CRC-32C of `key` and the value bytes in staging `pages`.
+    pub(super) fn crc_of(&self, published: &Published, key: &str, pages: &[PageLocation], size: u64) -> u32 {
+        let ps = self.config.page_size;
+        let mut crc = crc32c::crc32c(key.as_bytes());
+        let mut remaining = size;
+        for p in pages {
+            if remaining == 0 {
+                break;
+            }
+            let len = remaining.min(ps);
+            remaining -= len;
+            // SAFETY: the page lies inside the arena (see `page_segments`); it is held by this call's
+            // slot or fill, which no one else writes while the call runs (a writer finished before
+            // its commit; a fill target is not published yet).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    published.base.base().as_ptr().add((u64::from(p.page_index) * ps) as usize),
+                    len as usize,
+                )
+            };
+            crc = crc32c::crc32c_append(crc, bytes);
+        }
+        crc
+    }
+
     /// Reads the records of `jobs` into their staging pages and verifies them (no lock held).
     pub(super) fn read_jobs(&self, engine: &dyn IoEngine, published: &Published, jobs: &mut [Job]) {
         if engine.overlaps() && jobs.iter().map(|j| j.size).sum::<u64>() >= OVERLAP_MIN {

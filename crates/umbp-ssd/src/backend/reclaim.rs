@@ -1,91 +1,68 @@
-//! The background log work of the SSD medium: tombstones, segment deletion, periodic sync and
-//! compaction (methods of the backend's shared state).
+//! Reclaiming drive space: the log thread's pass (dead segments deleted, tombstones written,
+//! compaction paced by the writers, sync when due) and compaction itself, which moves a sealed
+//! segment's live records to the log head so the segment can go.
 
 use super::*;
 
+/// The most segments one log pass compacts, whatever the writers' pace: a bound on how long the
+/// pass's sync waits behind compaction.
+const MAX_COMPACTIONS_PER_PASS: u64 = 16;
+
+/// How fast the writers grow the log, measured once per log pass: compaction runs only when the
+/// space left would not take what they are expected to write before the next pass.
+#[derive(Debug, Default)]
+pub(super) struct Pace {
+    /// Bytes reserved by writers (commits, tombstones) up to the last pass.
+    seen: u64,
+    /// Bytes compaction reserved for its own copies: not demand (counting them would let
+    /// compaction feed on itself).
+    pub(super) compaction: u64,
+    /// The growth expected before the next pass: the last pass's, or half the previous estimate
+    /// if that is more, so a burst is remembered for a few passes.
+    expected: u64,
+}
+
+impl Pace {
+    /// Takes the log's reserved total at a pass; returns the growth expected before the next one.
+    pub(super) fn observe(&mut self, reserved_total: u64) -> u64 {
+        let demand = reserved_total.saturating_sub(self.compaction);
+        let grown = demand.saturating_sub(self.seen);
+        self.seen = demand;
+        self.expected = grown.max(self.expected / 2);
+        self.expected
+    }
+}
+
 impl Inner {
-    /// Writes the queued tombstones (one small record each, in one engine batch) and puts them in
-    /// force. A tombstone lost to a failed write or a crash only lets its key come back after a
-    /// restart, with bytes that still pass their CRC.
-    pub(super) fn flush_tombstones(&self) {
-        let Some(engine) = self.engine() else { return };
-        let (mut batch, generation) = {
+    /// The log's background work: deletes dead segments, writes queued tombstones, compacts one
+    /// segment and syncs when due. All of it drive IO, off the reaper's thread.
+    pub(super) fn log_pass(&self) {
+        let now = self.config.clock.now();
+        let (dead, expected) = {
             let mut state = self.state.lock();
-            if state.tomb_pending.is_empty() {
+            if !state.is_live() {
                 return;
             }
-            let pending = std::mem::take(&mut state.tomb_pending);
-            let generation = state.generation;
-            let mut own_writes = Vec::new();
-            let batch: Vec<(String, u64, u64, crate::store::Reservation, bool)> = pending
-                .into_iter()
-                .map(|(key, seq, horizon)| {
-                    let res = state.log.reserve(record_len(key.len(), 8));
-                    let shared = shared_with_others(&res, &mut own_writes);
-                    (key, seq, horizon, res, shared)
-                })
-                .collect();
-            (batch, generation)
+            state.retire_tombstones();
+            let expected = state.observe_pace();
+            (state.log_mut().take_dead_segments(), expected)
         };
-        let mut bufs = Vec::with_capacity(batch.len());
-        let mut ops = Vec::with_capacity(batch.len());
-        let mut op_of = Vec::with_capacity(batch.len());
-        for (key, seq, horizon, res, shared) in &batch {
-            if *shared {
-                res.file.size_for_shared_writes();
-            }
-            let hl = header_len(key.len()) as usize;
-            let Ok(mut buf) = AlignedBuf::zeroed(res.loc.len as usize) else {
-                op_of.push(None);
-                continue;
-            };
-            let value = horizon.to_le_bytes();
-            buf.as_mut_slice()[hl..hl + 8].copy_from_slice(&value);
-            let crc = record::data_crc(key.as_bytes(), &value);
-            record::encode_header_flags(&mut buf.as_mut_slice()[..hl], key, 8, *seq, crc, record::FLAG_TOMBSTONE);
-            match res.file.file() {
-                Ok(f) => {
-                    let (ptr, len) = (buf.as_mut_ptr(), buf.len());
-                    // SAFETY: `buf` is kept in `bufs` until after the submit; `f` stays open
-                    // through `res.file`.
-                    ops.push(unsafe { IoOp::new(f, res.loc.offset, &[(ptr, len)], true) });
-                    op_of.push(Some(ops.len() - 1));
-                }
-                Err(_) => op_of.push(None),
-            }
-            bufs.push(buf);
-        }
-        engine.submit(&mut ops);
-        let mut state = self.state.lock();
-        for ((key, seq, horizon, res, _), o) in batch.drain(..).zip(op_of) {
-            state.log.finish_write(res.loc.seg);
-            let ok = o.is_some_and(|i| ops[i].result.is_ok());
-            if !ok {
-                state.log.seal(res.loc.seg);
-                tracing::warn!(key = %key, "could not log an eviction; the key may come back after a restart");
-                continue;
-            }
-            // Not needed when a clear wiped the log or the key was put again since.
-            let superseded = state.generation != generation || state.owned.get(&key).is_some_and(|o| o.loc.seq > seq);
-            if superseded {
-                continue;
-            }
-            // A record of the key older than this tombstone was published while the tombstone was
-            // being written (a commit reserved before the eviction and landed after it): recovery
-            // would hide it, so memory drops it too.
-            if state.forget_owned(&key, self.config.page_size, self.config.clock.now()).is_some() {
-                state.push_event(KvEvent::remove(key.clone(), TierType::Ssd));
-            }
-            let loc = Loc { seq, ..res.loc };
-            state.log.add_live(&loc);
-            if let Some(old) = state.tombs.insert(key, Tomb { loc, horizon }) {
-                // The newer tombstone covers every segment the older one did.
-                state.log.kill(&old.loc);
+        self.delete_segments(dead);
+        self.flush_tombstones();
+        // The log grows a whole (preallocated) segment at a time.
+        let seg = self.config.segment_bytes;
+        let expected = expected.div_ceil(seg).saturating_mul(seg);
+        // Compacting a segment at least half dead (the default `reclaim_dead_ratio`) frees at least
+        // half a segment, so twice the expected growth in segments keeps up with the writers.
+        for _ in 0..(2 + 2 * (expected / seg)).min(MAX_COMPACTIONS_PER_PASS) {
+            if !self.compact_once(expected) {
+                break;
             }
         }
-        drop(bufs);
+        self.maybe_sync(now);
     }
 
+    /// Deletes dead segments' files and makes the removals durable.
     pub(super) fn delete_segments(&self, dead: Vec<Arc<SegmentFile>>) {
         let mut dirs: Vec<&std::path::Path> = Vec::new();
         for seg in &dead {
@@ -112,110 +89,63 @@ impl Inner {
         }
     }
 
-    /// `fdatasync`s every segment written since the last sync (no lock held during the syncs).
-    pub(super) fn sync_segments(&self) {
-        // One pass at a time: a pass that finds a segment clean because another pass took it waits
-        // for that pass's syncs to complete first.
-        let _pass = self.sync_pass.lock();
-        let files = self.state.lock().log.take_unsynced();
-        for f in files {
-            let Some(file) = f.if_open() else { continue };
-            match file.sync_data() {
-                Ok(()) => bump(&self.counters.segment_sync),
-                Err(e) => {
-                    bump(&self.counters.segment_sync_error);
-                    tracing::warn!(segment = %f.path.display(), error = %e, "fdatasync of a segment failed");
-                }
-            }
-        }
-    }
-
-    /// The reaper's periodic sync: runs [`sync_segments`](Self::sync_segments) once
-    /// `sync_interval` has passed since the last one.
-    pub(super) fn maybe_sync(&self, now: Instant) {
-        let Some(interval) = self.config.sync_interval else { return };
-        {
-            let mut last = self.last_sync.lock();
-            if last.is_some_and(|t| now < t + interval) {
-                return;
-            }
-            *last = Some(now);
-        }
-        self.sync_segments();
-    }
-
     /// Moves the live records of one sealed segment to the log head, so the segment can be
     /// deleted, if the log needs the room: `expected` is what the writers are expected to append
     /// before the next pass. Returns whether it compacted a segment (`false`: no need, nothing
     /// to compact, or another call is compacting).
     pub(super) fn compact_once(&self, expected: u64) -> bool {
         let Some(engine) = self.engine() else { return false };
-        let (victims, generation) = {
+        let (victims, file, generation) = {
             let mut state = self.state.lock();
-            if state.compacting {
+            if state.compacting() {
                 return false;
             }
             // Moving live data costs drive bandwidth that puts and gets would otherwise have, so
             // dead records stay until the room is needed: compaction runs once the segment files
             // plus the writers' expected growth before the next pass would pass the capacity plus
             // one segment per directory. That keeps the files within the capacity plus the
-            // headroom documented in the crate (one more segment: the one a compaction copies
+            // headroom documented in `docs/ssd.md` (one more segment: the one a compaction copies
             // into), as long as the estimate holds and the passes keep up. Fully dead segments
             // are deleted by the sweep regardless.
-            let files = state.log.file_bytes();
+            let files = state.log().file_bytes();
             let margin = self.config.segment_bytes * self.config.dirs.len() as u64;
-            if files.saturating_add(expected) <= state.total.saturating_add(margin) {
+            if files.saturating_add(expected) <= state.total().saturating_add(margin) {
                 return false;
             }
             // The most wasteful segment (most room per byte moved) if one is dead enough, else the
             // oldest (a circular log: its going also retires the tombstones whose horizon it
             // holds).
-            let seg =
-                state.log.compaction_candidate(self.config.reclaim_dead_ratio).or_else(|| state.log.oldest_sealed());
+            let log = state.log();
+            let seg = log.compaction_candidate(self.config.reclaim_dead_ratio).or_else(|| log.oldest_sealed());
             let Some(seg) = seg else { return false };
-            let Some(file) = state.log.segs.get(&seg).map(|s| Arc::clone(&s.file)) else { return false };
+            let Some(file) = log.segs.get(&seg).map(|s| Arc::clone(&s.file)) else { return false };
             // Live records and tombstones in force both move (a tombstone is a record too).
             // From the per-segment index: the work is the segment's records, not every key.
-            let victims: Vec<(String, Loc, bool, Arc<SegmentFile>)> = state
-                .owned
-                .keys_in(seg)
-                .map(|(k, o)| (k.clone(), o.loc, false, Arc::clone(&file)))
-                .chain(state.tombs.keys_in(seg).map(|(k, t)| (k.clone(), t.loc, true, Arc::clone(&file))))
-                .collect();
-            if victims.is_empty() {
-                return false;
-            }
-            state.compacting = true;
-            (victims, state.generation)
+            let Some(victims) = state.start_compaction(seg) else { return false };
+            (victims, file, state.generation())
         };
-        // Where the index has `key`'s record (or its tombstone) now.
-        let current = |state: &State, key: &str, tomb: bool| {
-            if tomb { state.tombs.get(key).map(|t| t.loc) } else { state.owned.get(key).map(|o| o.loc) }
-        };
-        for (key, old_loc, tomb, file) in victims {
-            let old = Owned { loc: old_loc, size: 0 };
+        for (key, old_loc, tomb) in victims {
             let moved = (|| -> io::Result<bool> {
-                let mut buf = AlignedBuf::zeroed(old.loc.len as usize)?;
+                let mut buf = AlignedBuf::zeroed(old_loc.len as usize)?;
                 let ptr = buf.as_mut_ptr();
                 let f = file.file()?;
                 // SAFETY: `buf` is ours and outlives the submit; `f` is kept open by `file`.
-                let mut ops = [unsafe { IoOp::new(f, old.loc.offset, &[(ptr, old.loc.len as usize)], false) }];
+                let mut ops = [unsafe { IoOp::new(f, old_loc.offset, &[(ptr, old_loc.len as usize)], false) }];
                 engine.submit(&mut ops);
                 let [op] = ops;
                 op.result?;
                 // Verified before anything is sliced by the header's size (a panic here would
                 // end the reaper). A bad record is not moved; a read of it will find out and drop it.
                 let Some((h, _)) = record::verify_record(buf.as_slice()) else { return Ok(false) };
-                if h.key != key || h.seq != old.loc.seq || h.record_len() != Some(old.loc.len) {
+                if h.key != key || h.seq != old_loc.seq || h.record_len() != Some(old_loc.len) {
                     return Ok(false);
                 }
                 let res = {
                     let mut state = self.state.lock();
-                    if state.generation != generation || current(&state, &key, tomb) != Some(old.loc) {
+                    if state.generation() != generation || state.record_loc(&key, tomb) != Some(old_loc) {
                         return Ok(false);
                     }
-                    state.pace.compaction += old.loc.len;
-                    state.log.reserve(old.loc.len)
+                    state.reserve_copy(old_loc.len)
                 };
                 if res.in_flight > 0 {
                     res.file.size_for_shared_writes();
@@ -223,29 +153,23 @@ impl Inner {
                 let nf = res.file.file();
                 let result = nf.and_then(|nf| {
                     // SAFETY: as above.
-                    let mut ops = [unsafe { IoOp::new(nf, res.loc.offset, &[(ptr, old.loc.len as usize)], true) }];
+                    let mut ops = [unsafe { IoOp::new(nf, res.loc.offset, &[(ptr, old_loc.len as usize)], true) }];
                     engine.submit(&mut ops);
                     let [op] = ops;
                     op.result
                 });
                 let mut state = self.state.lock();
-                state.log.finish_write(res.loc.seg);
+                state.log_mut().finish_write(res.loc.seg);
                 if result.is_err() {
                     return result.map(|()| false);
                 }
-                let still = state.generation == generation && current(&state, &key, tomb) == Some(old.loc);
+                let still = state.generation() == generation && state.record_loc(&key, tomb) == Some(old_loc);
                 if !still {
                     return Ok(false);
                 }
                 // The copy keeps the record's seq: identical bytes, so recovery may find either.
-                let new = Loc { seq: old.loc.seq, ..res.loc };
-                state.log.kill(&old.loc);
-                state.log.add_live(&new);
-                if tomb {
-                    state.tombs.set_loc(&key, new);
-                } else {
-                    state.owned.set_loc(&key, new);
-                }
+                let new = Loc { seq: old_loc.seq, ..res.loc };
+                state.move_record(&key, tomb, old_loc, new);
                 Ok(true)
             })();
             match moved {
@@ -255,9 +179,7 @@ impl Inner {
             }
         }
         let dead = {
-            let mut state = self.state.lock();
-            state.compacting = false;
-            state.log.take_dead_segments()
+            self.state.lock().end_compaction()
         };
         self.delete_segments(dead);
         true

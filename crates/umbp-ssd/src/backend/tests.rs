@@ -1,5 +1,9 @@
 //! Unit tests of the SSD backend's internals.
 
+use super::io_jobs::{adjacent_runs, split_segments};
+use super::lifecycle::LOG_THREAD;
+use super::recover::segment_bytes_in;
+use super::write::shared_with_others;
 use super::*;
 use umbp_core::{Clock, ManualClock};
 use umbp_testkit::LocalOnlyRegistrar;
@@ -60,7 +64,7 @@ fn a_hit_whose_lease_lapsed_while_the_batch_waited_is_revalidated() {
     b.reaper_tick();
     // A read of "b" is in flight elsewhere: the batch follows it.
     let flight = Arc::new(Flight::default());
-    b.inner.state.lock().flights.insert("b".into(), Arc::clone(&flight));
+    b.inner.state.lock().flights_mut().insert("b".into(), Arc::clone(&flight));
     let reader = {
         let b = Arc::clone(&b);
         std::thread::spawn(move || b.batch_resolve(&["a".to_owned(), "b".to_owned()], false))
@@ -68,7 +72,7 @@ fn a_hit_whose_lease_lapsed_while_the_batch_waited_is_revalidated() {
     // Wait until the reader took its lease on "a" and is following "b".
     let leased = |b: &SsdBackend| {
         let now = b.inner.config.clock.now();
-        b.inner.state.lock().staged.get("a").is_some_and(|s| s.leased(now))
+        b.inner.state.lock().staged().get("a").is_some_and(|s| s.leased(now))
     };
     let start = Instant::now();
     while !leased(&b) {
@@ -82,7 +86,7 @@ fn a_hit_whose_lease_lapsed_while_the_batch_waited_is_revalidated() {
     assert_eq!(slot.outcome, AllocateOutcome::Allocated, "the unleased copy of a makes room");
     // SAFETY: the page is the slot's.
     unsafe { std::ptr::write_bytes(page_ptr(&b, &slot.pages[0]), 0xCC, 3000) };
-    b.inner.state.lock().flights.remove("b");
+    b.inner.state.lock().flights_mut().remove("b");
     flight.finish();
     let entries = reader.join().expect("reader");
     if entries[0].found {
@@ -186,7 +190,7 @@ fn dropping_a_leased_key_defers_its_pages_to_the_lease_end() {
     {
         let now = clock.now();
         let mut state = b.inner.state.lock();
-        assert!(state.drop_owned("a", PAGE, now).is_some());
+        assert!(state.drop_owned("a", now).is_some());
     }
     assert_eq!(
         b.batch_allocate(&[AllocateRequest::new("c", 10)])[0].outcome,
@@ -472,7 +476,7 @@ fn compaction_waits_until_the_log_needs_the_room() {
     assert_eq!(s.compaction_moved, 0, "nothing was compacted while the room was not needed: {s:?}");
     let dead = {
         let state = b.inner.state.lock();
-        state.log.file_bytes() - state.log.live_bytes()
+        state.log().file_bytes() - state.log().live_bytes()
     };
     assert!(dead > 512 * PAGE / 8, "the dead bytes ({dead}) are past an eighth of the capacity: {s:?}");
     // Keep writing: the log nears its capacity and compaction starts.
@@ -503,15 +507,15 @@ fn eviction_takes_the_coldest_keys_in_order_and_steps_over_keys_in_use() {
     assert!(b.batch_resolve(&["b".to_owned()], false)[0].found);
     let now = clock.now();
     let mut state = b.inner.state.lock();
-    let target = state.used - 2 * PAGE;
+    let target = state.used() - 2 * PAGE;
     b.inner.evict_down_to(&mut state, target, now, &["a".to_owned()]);
-    let mut left: Vec<&String> = state.owned.keys().collect();
+    let mut left: Vec<&String> = state.owned_index().keys().collect();
     left.sort();
     assert_eq!(left, ["a", "b", "e"], "c and d go: a is spared, b is leased and warm");
-    assert_eq!(state.lru.oldest_first().cloned().collect::<Vec<_>>(), ["a", "e", "b"]);
+    assert_eq!(state.lru().oldest_first().cloned().collect::<Vec<_>>(), ["a", "e", "b"]);
     // Nothing evictable but spared or leased keys: the walk ends at the warm end.
     b.inner.evict_down_to(&mut state, 0, now, &["a".to_owned(), "e".to_owned()]);
-    assert_eq!(state.owned.len(), 3);
+    assert_eq!(state.owned_count(), 3);
 }
 
 /// Making room in staging drops the least recently used unleased cached copy, and only as many
@@ -530,13 +534,13 @@ fn staging_pressure_drops_the_coldest_unleased_cached_copy() {
     assert_eq!(b.batch_allocate(&[AllocateRequest::new("x", 10)])[0].outcome, AllocateOutcome::Allocated);
     {
         let state = b.inner.state.lock();
-        assert!(!state.staged.contains_key("b"), "b was the coldest unleased copy");
-        assert!(state.staged.contains_key("a") && state.staged.contains_key("c"));
-        assert_eq!(state.staged.len(), 2);
+        assert!(!state.staged().contains_key("b"), "b was the coldest unleased copy");
+        assert!(state.staged().contains_key("a") && state.staged().contains_key("c"));
+        assert_eq!(state.staged().len(), 2);
     }
     assert_eq!(b.batch_allocate(&[AllocateRequest::new("y", 10)])[0].outcome, AllocateOutcome::Allocated);
     let state = b.inner.state.lock();
-    assert!(state.staged.contains_key("a") && !state.staged.contains_key("c"), "the leased copy stays");
+    assert!(state.staged().contains_key("a") && !state.staged().contains_key("c"), "the leased copy stays");
     // With only a leased copy left, no more room is made: busy (the drive has room).
     drop(state);
     assert_eq!(b.batch_allocate(&[AllocateRequest::new("z", 10)])[0].outcome, AllocateOutcome::Busy);
@@ -567,13 +571,13 @@ fn compaction_through_the_segment_index_keeps_every_key_on_a_live_segment() {
         if i % 3 == 0 {
             b.reaper_tick();
             let state = b.inner.state.lock();
-            state.owned.check();
-            state.tombs.check();
-            for (k, o) in state.owned.iter() {
-                assert!(state.log.segs.contains_key(&o.loc.seg), "step {i}: {k} in a deleted segment");
+            state.owned_index().check();
+            state.tombs().check();
+            for (k, o) in state.owned_index().iter() {
+                assert!(state.log().segs.contains_key(&o.loc.seg), "step {i}: {k} in a deleted segment");
             }
-            for (k, t) in state.tombs.iter() {
-                assert!(state.log.segs.contains_key(&t.loc.seg), "step {i}: tombstone of {k} in a deleted segment");
+            for (k, t) in state.tombs().iter() {
+                assert!(state.log().segs.contains_key(&t.loc.seg), "step {i}: tombstone of {k} in a deleted segment");
             }
         }
     }
@@ -633,7 +637,7 @@ fn expiry_runs_while_the_log_thread_is_stuck_in_drive_io() {
     clock.advance(Duration::from_secs(6));
     let expired = eventually(Duration::from_secs(2), || {
         b.inner.counters.staging_expired_reclaim.load(Ordering::Relaxed) == 1
-            && b.inner.state.lock().staged.get("b").is_some_and(|s| s.lease_until.is_none())
+            && b.inner.state.lock().staged().get("b").is_some_and(|s| s.lease_until.is_none())
     });
     gate.release(LOG_THREAD);
     assert!(expired, "the slot and the lease expired while the log thread was held");
@@ -723,18 +727,18 @@ fn tombstones_retired_through_the_horizon_index_are_exactly_those_out_of_force()
         b.inner.flush_tombstones();
         if i % 5 == 0 {
             let mut state = b.inner.state.lock();
-            let log = &state.log;
+            let log = state.log();
             let out: std::collections::BTreeSet<String> = state
-                .tombs
+                .tombs()
                 .iter()
                 .filter(|(_, t)| !log.segs.range(..=t.horizon).any(|(id, _)| *id != t.loc.seg))
                 .map(|(k, _)| k.clone())
                 .collect();
-            let before: std::collections::BTreeSet<String> = state.tombs.keys().cloned().collect();
+            let before: std::collections::BTreeSet<String> = state.tombs().keys().cloned().collect();
             seen = seen.max(before.len());
-            retire_tombstones(&mut state);
-            state.tombs.check();
-            let after: std::collections::BTreeSet<String> = state.tombs.keys().cloned().collect();
+            state.retire_tombstones();
+            state.tombs().check();
+            let after: std::collections::BTreeSet<String> = state.tombs().keys().cloned().collect();
             assert_eq!(before.difference(&after).cloned().collect::<std::collections::BTreeSet<_>>(), out);
             retired += out.len();
         }
@@ -879,7 +883,7 @@ fn a_lone_writer_appends_and_a_segment_shared_by_two_writers_is_sized() {
     put(&b, "solo", 1, 3000);
     let seg = {
         let state = b.inner.state.lock();
-        let (_, meta) = state.log.segs.iter().next().expect("a segment");
+        let (_, meta) = state.log().segs.iter().next().expect("a segment");
         Arc::clone(&meta.file)
     };
     let meta = fs::metadata(&seg.path).expect("stat");

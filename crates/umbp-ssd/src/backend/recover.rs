@@ -1,138 +1,96 @@
-//! Construction, statistics, the reaper threads and restart recovery of the SSD medium.
+//! Restart recovery of the SSD medium: the directories are opened and locked, every segment is
+//! scanned (both CRCs of every record verified, torn tails dropped) and the newest record of each
+//! key decides whether it is owned or held down by a tombstone.
 
 use super::*;
 
+/// What `open_log` found.
+pub(super) struct Recovered {
+    pub(super) log: Log,
+    /// Owned keys, oldest first.
+    pub(super) owned: Vec<(String, Owned)>,
+    /// Tombstones still in force.
+    pub(super) tombs: Vec<(String, Tomb)>,
+    /// The capacity in bytes.
+    pub(super) total: u64,
+    /// The directories' lock files, locked (held until `shutdown`).
+    pub(super) locks: Vec<fs::File>,
+}
+
+/// The lock file in each directory: a backend holds an exclusive `flock` on it from `init` to
+/// `shutdown` (or the end of the process), so two backends never share a directory.
+pub(super) const LOCK_FILE: &str = ".umbp-ssd.lock";
+
+/// Takes the directory's lock, or fails with an error that says who holds it.
+pub(super) fn lock_dir(dir: &std::path::Path) -> Result<fs::File, BackendError> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join(LOCK_FILE);
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| SsdBackend::io_error(format!("opening the lock file {}", path.display()), e))?;
+    loop {
+        // SAFETY: `file` is an open descriptor for the duration of the call; flock touches no memory.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(file);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        let context = if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            format!(
+                "{} is in use by another SSD medium (in this or another process): its lock file {} is locked",
+                dir.display(),
+                path.display()
+            )
+        } else {
+            format!("locking {}", path.display())
+        };
+        return Err(SsdBackend::io_error(context, e));
+    }
+}
+
+/// One valid record found by a scan (`horizon`: a tombstone's).
+pub(super) struct Found {
+    key: String,
+    size: u64,
+    loc: Loc,
+    horizon: Option<u64>,
+}
+
+/// Bytes available to unprivileged users on the filesystem holding `dir` (`statvfs`).
+pub(super) fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is a valid NUL-terminated string and `st` is writable for one `statvfs`.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: `statvfs` returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// Bytes the segment files already in `dir` take on the drive (allocated blocks: a segment's
+/// preallocation lies past its end until written).
+pub(super) fn segment_bytes_in(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = fs::read_dir(dir) else { return 0 };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_str().and_then(SegmentFile::parse_name).is_some())
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len().max(m.blocks().saturating_mul(512)))
+        .sum()
+}
+
 impl SsdBackend {
-    /// A backend with `config`; nothing is allocated, opened or read until [`MediumBackend::init`].
-    pub fn new(config: SsdConfig) -> Self {
-        // Prefaulted: the first spill or fill into a page must not pay its page faults.
-        let options = HostMemoryOptions::default();
-        Self {
-            inner: Arc::new(Inner {
-                config,
-                state: Mutex::new(State::default()),
-                published: RwLock::new(None),
-                engine: RwLock::new(None),
-                next_slot_id: AtomicU64::new(1),
-                clear_pending: AtomicBool::new(false),
-                counters: Counters::default(),
-                locks: Mutex::new(Vec::new()),
-                last_sync: Mutex::new(None),
-                sync_pass: Mutex::new(()),
-            }),
-            source: HostPageMemorySource::new(options),
-            lifecycle: Mutex::new(Lifecycle::New),
-            reaper: Mutex::new(None),
-        }
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &SsdConfig {
-        &self.inner.config
-    }
-
-    /// Runs one reaper pass now: expired slots and leases, due deferred frees, deletion of dead
-    /// segments, tombstone writes and compaction if the log needs the room.
-    pub fn reaper_tick(&self) {
-        self.inner.sweep();
-    }
-
-    /// `fdatasync`s every segment written since the last sync, now (the reaper does it every
-    /// `sync_interval`). When it returns, every record whose commit returned before the call is on
-    /// stable storage, short of a hole left by a write still in flight (see the crate docs).
-    pub fn sync(&self) {
-        self.inner.sync_segments();
-    }
-
-    /// Counters and gauges of the medium.
-    pub fn stats(&self) -> SsdStats {
-        let c = &self.inner.counters;
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (segments, log_bytes, live_bytes, tombstones) = {
-            let s = self.inner.state.lock();
-            (s.log.segs.len() as u64, s.log.physical_bytes(), s.log.live_bytes(), s.tombs.len() as u64)
-        };
-        SsdStats {
-            device_reads: l(&c.device_read_ok) + l(&c.device_read_error) + l(&c.device_read_corrupt),
-            device_writes: l(&c.device_write_ok) + l(&c.device_write_error),
-            staged_hits: l(&c.staged_hit),
-            single_flight_merged: l(&c.single_flight_merged),
-            staging_full_rejects: l(&c.staging_full_reject),
-            staging_busy_allocations: l(&c.staging_busy_allocate),
-            leases_released: l(&c.lease_released),
-            corrupt_reads: l(&c.device_read_corrupt),
-            evicted: l(&c.eviction_victim),
-            recovered: l(&c.recovery_record),
-            recovery_corrupt: l(&c.recovery_corrupt),
-            torn_tails: l(&c.recovery_torn_tail),
-            segments_reclaimed: l(&c.segment_reclaimed),
-            compaction_moved: l(&c.compaction_moved),
-            segments,
-            log_bytes,
-            live_bytes,
-            staging_pages_in_use: l(&c.staging_in_use),
-            tombstones,
-            segment_syncs: l(&c.segment_sync),
-        }
-    }
-
-    /// Drops every unleased cached staged copy, so the next resolve of each key reads the drive.
-    pub fn drop_cached_copies(&self) {
-        let now = self.inner.config.clock.now();
-        let mut state = self.inner.state.lock();
-        let keys: Vec<String> = state.staged.iter().filter(|(_, s)| !s.leased(now)).map(|(k, _)| k.clone()).collect();
-        for k in keys {
-            if let Some(s) = state.staged.remove(&k) {
-                state.free(&s.pages);
-            }
-        }
-        self.inner.update_staging_gauge(&state);
-    }
-
-    pub(super) fn start_reaper(&self) -> io::Result<Reaper> {
-        let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
-        let inner = Arc::clone(&self.inner);
-        let interval = inner.config.reaper_interval;
-        let spawn = |name: &str, pass: fn(&Inner)| {
-            let inner = Arc::clone(&inner);
-            let stopped = stopped.clone();
-            std::thread::Builder::new().name(name.into()).spawn(move || {
-                loop {
-                    match stopped.recv_timeout(interval) {
-                        Err(RecvTimeoutError::Timeout) => pass(&inner),
-                        Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                }
-            })
-        };
-        let reaper = spawn(REAPER_THREAD, Inner::expire)?;
-        let log = match spawn(LOG_THREAD, Inner::log_pass) {
-            Ok(t) => t,
-            Err(e) => {
-                drop(stop);
-                let _ = reaper.join();
-                return Err(e);
-            }
-        };
-        Ok(Reaper { stop, threads: vec![reaper, log] })
-    }
-
-    pub(super) fn stop_reaper(&self) {
-        if let Some(reaper) = self.reaper.lock().take() {
-            // Dropping the only sender wakes both threads (their receive sees it disconnected).
-            drop(reaper.stop);
-            for t in reaper.threads {
-                if t.join().is_err() {
-                    tracing::error!("SSD reaper or log thread panicked");
-                }
-            }
-        }
-    }
-
-    pub(super) fn io_error(context: String, source: io::Error) -> BackendError {
-        BackendError::Io { medium: NAME.into(), context, source }
-    }
-
     /// Opens the directories, recovers (or wipes) the log and returns it with the owned keys.
     pub(super) fn open_log(&self, engine: &dyn IoEngine) -> Result<Recovered, BackendError> {
         let config = &self.inner.config;
@@ -330,18 +288,4 @@ impl SsdBackend {
         Ok(offset)
     }
 
-    pub(super) fn register(
-        &self,
-        registrar: &dyn MemoryRegistrar,
-        base: RawBuffer,
-    ) -> Result<TransferRef, BackendError> {
-        // SAFETY: `base` came from `self.source`, which keeps it mapped until `release`; the
-        // registration is undone in `shutdown` (or on a failed init) before `release` is called.
-        let region = unsafe { LocalRegion::new(base.base(), base.len(), MemoryLocation::Host) };
-        registrar.register_memory(region).map_err(|source| BackendError::Registration {
-            medium: NAME.into(),
-            buffer_index: 0,
-            source,
-        })
-    }
 }
