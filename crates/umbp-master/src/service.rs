@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tonic::{Request, Response, Status};
-use umbp_core::{KvEvent, KvEventKind, TierType};
+use umbp_core::{KvEvent, TierCapacity, TierType};
 use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_server::UmbpMaster;
 
@@ -25,11 +25,15 @@ pub(crate) fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+use umbp_proto::convert::{capacity_from_wire, capacity_to_wire};
 pub(crate) use umbp_proto::convert::{tier_from_wire, tier_to_wire};
 
 fn caps_from_wire(caps: &[v1::TierCapacity]) -> Vec<TierCap> {
     caps.iter()
-        .map(|c| TierCap::new(tier_from_wire(c.tier), c.total_bytes, c.available_bytes))
+        .map(|c| {
+            let (tier, cap) = capacity_from_wire(c);
+            TierCap::new(tier, cap.total_bytes, cap.available_bytes)
+        })
         .filter(|c| c.tier != TierType::Unknown)
         .collect()
 }
@@ -44,10 +48,8 @@ fn grants_local_puts(config: &MasterConfig, caps: &[v1::TierCapacity]) -> bool {
 
 fn caps_to_wire(caps: &[TierCap]) -> Vec<v1::TierCapacity> {
     caps.iter()
-        .map(|c| v1::TierCapacity {
-            tier: tier_to_wire(c.tier),
-            total_bytes: c.total_bytes,
-            available_bytes: c.available_bytes,
+        .map(|c| {
+            capacity_to_wire(c.tier, TierCapacity { total_bytes: c.total_bytes, available_bytes: c.available_bytes })
         })
         .collect()
 }
@@ -58,19 +60,10 @@ fn caps_to_wire(caps: &[TierCap]) -> Vec<v1::TierCapacity> {
 fn events_from_wire(events: Vec<v1::KvEvent>, skipped: &mut u64) -> Vec<KvEvent> {
     let mut out = Vec::with_capacity(events.len());
     for e in events {
-        let kind = match v1::KvEventKind::try_from(e.kind) {
-            Ok(v1::KvEventKind::KvEventAdd) => KvEventKind::Add,
-            Ok(v1::KvEventKind::KvEventRemove) => KvEventKind::Remove,
-            Err(_) => {
-                *skipped += 1;
-                continue;
-            }
-        };
-        if e.key.is_empty() {
-            *skipped += 1;
-            continue;
+        match KvEvent::try_from(e) {
+            Ok(event) => out.push(event),
+            Err(_) => *skipped += 1,
         }
-        out.push(KvEvent { kind, key: e.key, tier: tier_from_wire(e.tier), size: e.size });
     }
     out
 }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use tonic::transport::Channel;
 use umbp_core::{AllocateOutcome, BackendRegistry, MediumBackend, TierType};
-use umbp_peer::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService, outcome_from_wire};
+use umbp_peer::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
+use umbp_proto::convert::outcome_from_wire;
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};

@@ -15,9 +15,9 @@ use umbp_core::{
 };
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_peer::peer_service::{
-    PeerServer, PeerServerConfig, PeerServerHandle, PeerService, PeerServiceError, decode_batch_resolve,
-    outcome_from_wire, slot_tier, tier_from_wire, tier_to_wire,
+    PeerServer, PeerServerConfig, PeerServerHandle, PeerService, PeerServiceError, decode_batch_resolve, slot_tier,
 };
+use umbp_proto::convert::{outcome_from_wire, tier_from_wire, tier_to_wire};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};

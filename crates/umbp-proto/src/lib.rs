@@ -4,8 +4,10 @@
 //! - The wire messages and the tonic client and server stubs of `UMBPMaster` and `UMBPPeer`. Field
 //!   numbers are stable and documented in the `.proto` files; removed fields are `reserved`.
 //! - What every speaker of the protocols shares, written once: the cluster token on gRPC
-//!   ([`token`]: the metadata key, the server's check, the client's injector) and the conversions
-//!   between the messages and `umbp-core` values that more than one side needs ([`convert`]).
+//!   ([`token`]: the metadata key, the server's check, the client's injector), every conversion
+//!   between the messages and `umbp-core` values (`From` / `TryFrom` and the enum functions in
+//!   [`convert`], one [`WireError`] for what cannot be read) and the struct-of-arrays codec of
+//!   `BatchResolveKeys` ([`resolve`]).
 //!
 //! # Never
 //! Opens a connection, serves, or decides anything: the master and the peer do, on top of it.
@@ -20,8 +22,10 @@
 //! ```
 
 pub mod convert;
+pub mod resolve;
 pub mod token;
 
+pub use convert::WireError;
 pub use token::TOKEN_METADATA;
 
 /// Package `umbp.v1`: every message, enum and service stub.

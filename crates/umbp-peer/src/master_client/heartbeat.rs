@@ -189,9 +189,12 @@ impl Inner {
             let tier = backend.tier();
             let cap = backend.capacity();
             if cap.total_bytes > 0 {
-                caps.push(wire::capacity_to_wire(tier, cap));
+                caps.push(umbp_proto::convert::capacity_to_wire(tier, cap));
             }
-            counts.push(pb::TierKvCount { tier: wire::tier_to_wire(tier), count: backend.owned_key_count() as u64 });
+            counts.push(pb::TierKvCount {
+                tier: umbp_proto::convert::tier_to_wire(tier),
+                count: backend.owned_key_count() as u64,
+            });
         }
         (caps, counts)
     }
@@ -422,7 +425,7 @@ impl Inner {
             st.full_sync_pending = true;
             return false;
         }
-        let mut events = events.into_iter().map(wire::event_to_wire).peekable();
+        let mut events = events.into_iter().map(pb::KvEvent::from).peekable();
         while events.peek().is_some() {
             let bundle: Vec<pb::KvEvent> = events.by_ref().take(self.config.events_per_bundle).collect();
             let seq = st.next_seq;
@@ -513,7 +516,7 @@ impl Inner {
         let budget = self.config.max_request_bytes.saturating_sub(template.encoded_len());
         let total = snapshot.len();
         // Converted and cut lazily: the snapshot and one chunk, never a second copy of every key.
-        let mut events = snapshot.into_iter().map(wire::event_to_wire).peekable();
+        let mut events = snapshot.into_iter().map(pb::KvEvent::from).peekable();
         let mut chunk_index = 0u32;
         loop {
             let chunk = wire::take_chunk(&mut events, self.config.full_sync_chunk_events, budget, baseline);

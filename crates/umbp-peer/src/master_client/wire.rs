@@ -4,26 +4,11 @@
 use std::time::Duration;
 
 use prost::Message;
-use umbp_core::{KvEvent, KvEventKind, TierCapacity, TierType};
 use umbp_proto::v1 as pb;
 
 use super::types::{ClusterStatus, NodeLiveness, NodeRole, NodeStatusReport, RouteGetHit, RoutePutDecision};
 
-pub(crate) use umbp_proto::convert::{tier_from_wire, tier_to_wire};
-
-/// An event as the master receives it.
-pub(crate) fn event_to_wire(event: KvEvent) -> pb::KvEvent {
-    let kind = match event.kind {
-        KvEventKind::Add => pb::KvEventKind::KvEventAdd,
-        KvEventKind::Remove => pb::KvEventKind::KvEventRemove,
-    };
-    pb::KvEvent { kind: kind as i32, key: event.key, tier: tier_to_wire(event.tier), size: event.size }
-}
-
-/// One tier's capacity as the master receives it.
-pub(crate) fn capacity_to_wire(tier: TierType, cap: TierCapacity) -> pb::TierCapacity {
-    pb::TierCapacity { tier: tier_to_wire(tier), total_bytes: cap.total_bytes, available_bytes: cap.available_bytes }
-}
+use umbp_proto::convert::{capacity_from_wire, tier_from_wire};
 
 /// Bytes a message adds to its parent when it is one element of a repeated message field (tag, length
 /// prefix and body).
@@ -170,16 +155,7 @@ pub(crate) fn decode_cluster_status(reply: pb::GetClusterStatusResponse) -> Clus
                 Ok(pb::NodeStatus::Expired) => NodeLiveness::Expired,
                 Ok(pb::NodeStatus::Unknown) | Err(_) => NodeLiveness::Unknown,
             },
-            tier_capacities: n
-                .tier_capacities
-                .iter()
-                .map(|c| {
-                    (
-                        tier_from_wire(c.tier),
-                        TierCapacity { total_bytes: c.total_bytes, available_bytes: c.available_bytes },
-                    )
-                })
-                .collect(),
+            tier_capacities: n.tier_capacities.iter().map(capacity_from_wire).collect(),
             node_id: n.node_id,
             node_address: n.node_address,
             peer_address: n.peer_address,
@@ -205,6 +181,9 @@ pub(crate) fn decode_cluster_status(reply: pb::GetClusterStatusResponse) -> Clus
 
 #[cfg(test)]
 mod tests {
+    use umbp_core::TierType;
+    use umbp_proto::convert::tier_to_wire;
+
     use super::*;
 
     fn node(id: &str) -> pb::NodeInfo {
@@ -313,7 +292,7 @@ mod tests {
             .map(|i| {
                 let mut key = format!("k{i}-");
                 key.extend(std::iter::repeat_n('x', key_len.saturating_sub(key.len())));
-                event_to_wire(KvEvent::add(key, TierType::Dram, 4096))
+                pb::KvEvent::from(umbp_core::KvEvent::add(key, TierType::Dram, 4096))
             })
             .collect()
     }

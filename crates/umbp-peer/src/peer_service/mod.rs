@@ -5,9 +5,9 @@
 //! - [`PeerService`] implements the generated `UmbpPeer` trait over a snapshot of the registry's
 //!   media; [`PeerServer::start`] serves it on a TCP listener with the cluster token check, message
 //!   limits, `TCP_NODELAY` and a bounded graceful shutdown ([`PeerServerHandle::shutdown`]).
-//! - [`encode_batch_resolve`] / [`decode_batch_resolve`]: the struct-of-arrays codec of
-//!   `BatchResolveKeys`, pure functions shared by the service and its clients.
-//! - [`tier_to_wire`], [`desc_from_wire`], …: the core ↔ proto conversions both sides use.
+//! - The wire conversions (`From` / `TryFrom`, [`umbp_proto::convert`]) and the struct-of-arrays
+//!   codec of `BatchResolveKeys` ([`encode_batch_resolve`] / [`decode_batch_resolve`], from
+//!   [`umbp_proto::resolve`]) live in `umbp-proto`, shared by the service and its clients.
 //!
 //! # Semantics (reference §10, with the choices below)
 //! - **Slot ids are tagged** with the tier of the medium that issued them:
@@ -40,18 +40,12 @@
 //!   only the call that hit it (`INTERNAL`).
 //! - The media list is snapshotted when the service is built: register every medium first.
 
-mod codec;
-mod convert;
 mod server;
 mod service;
 
 use umbp_core::TierType;
 
-pub use codec::{CodecError, DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};
-pub use convert::{
-    desc_from_wire, desc_to_wire, outcome_from_wire, outcome_to_wire, outcome_to_wire_for, page_from_wire,
-    page_to_wire, tier_from_wire, tier_to_wire,
-};
+pub use umbp_proto::resolve::{DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};
 pub use server::{PeerServer, PeerServerConfig, PeerServerHandle, PeerServiceError};
 pub use service::{ChangeHook, PeerService};
 

@@ -9,11 +9,11 @@ use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, BackendRegistry, BufferDesc, CommitRequest, MediumBackend,
     ReadRelease, ResolvedEntry, TierType,
 };
+use umbp_proto::convert::{outcome_to_wire, outcome_to_wire_for, tier_from_wire, tier_to_wire};
+use umbp_proto::resolve::{ResolvedKey, encode_batch_resolve};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_server::UmbpPeer;
 
-use super::codec::{ResolvedKey, encode_batch_resolve};
-use super::convert::{desc_to_wire, outcome_to_wire, outcome_to_wire_for, page_to_wire, tier_from_wire, tier_to_wire};
 use super::{slot_local, slot_tier, tag_slot};
 
 /// The `UMBPPeer` service of one node: dispatches every call into the node's media.
@@ -105,7 +105,7 @@ fn failed_allocation() -> pb::AllocateSlotResponse {
 
 /// A descriptor as published: stamped with the registry's backend id.
 fn stamped(desc: &BufferDesc, backend_id: u32) -> pb::BufferDesc {
-    let mut wire = desc_to_wire(desc);
+    let mut wire = pb::BufferDesc::from(desc);
     wire.backend_id = backend_id;
     wire
 }
@@ -206,7 +206,7 @@ impl Dispatch {
         pb::AllocateSlotResponse {
             outcome: outcome_to_wire(AllocateOutcome::Allocated),
             slot_id,
-            pages: result.pages.into_iter().map(page_to_wire).collect(),
+            pages: result.pages.into_iter().map(pb::PageLocation::from).collect(),
             page_size: result.page_size,
             descs: result.descs.iter().map(|d| stamped(d, medium.id)).collect(),
             pending_ttl_ms: result.pending_ttl_ms,
@@ -277,7 +277,7 @@ impl Dispatch {
             }
             return pb::ResolveKeyResponse {
                 found: true,
-                pages: entry.pages.into_iter().map(page_to_wire).collect(),
+                pages: entry.pages.into_iter().map(pb::PageLocation::from).collect(),
                 page_size: entry.page_size,
                 descs: entry.descs.iter().map(|d| stamped(d, medium.id)).collect(),
                 size: entry.size,

@@ -51,7 +51,7 @@ use umbp_transfer::{
 };
 
 use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
-use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService, desc_from_wire};
+use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
 use config::ssd_dirs_exist;
 pub use config::{
     DramConfig, HbmConfig, IoEngineKind, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection, SsdConfig,
@@ -703,7 +703,7 @@ impl PoolClient {
                 return Err(unreachable(format!("GetPeerInfo: {}", e.message())));
             }
         };
-        let descs: Vec<_> = info.buffer_descs.iter().filter_map(|d| desc_from_wire(d).ok()).collect();
+        let descs: Vec<_> = info.buffer_descs.iter().filter_map(|d| umbp_core::BufferDesc::try_from(d).ok()).collect();
         let previous = self.peers.lock().get(node).map(|c| c.data_endpoint.clone());
         if previous.as_ref().is_some_and(|p| *p != info.data_endpoint) {
             tracing::info!(node, old = ?previous, new = %info.data_endpoint, "peer's data endpoint changed");

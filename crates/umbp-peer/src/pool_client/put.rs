@@ -28,8 +28,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use super::support::{BatchProgress, BusyWait, SlotGuard, chunk_by_bytes, join_all, medium_call, pipelined};
 use super::*;
 use crate::master_client::RoutePutDecision;
-use crate::peer_service::{outcome_from_wire, page_from_wire, tier_to_wire};
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
+use umbp_proto::convert::{outcome_from_wire, tier_to_wire};
 
 /// What allocating one key on a node produced.
 enum Alloc {
@@ -528,8 +528,12 @@ impl PoolClient {
                 message: format!("answered {} of {} allocations", reply.entries.len(), group.indexes.len()),
             });
         }
-        let descs: Vec<_> =
-            reply.entries.iter().flat_map(|e| e.descs.iter()).filter_map(|d| desc_from_wire(d).ok()).collect();
+        let descs: Vec<_> = reply
+            .entries
+            .iter()
+            .flat_map(|e| e.descs.iter())
+            .filter_map(|d| umbp_core::BufferDesc::try_from(d).ok())
+            .collect();
         // A restarted peer publishes new handles for the same buffers: the reply's descriptors win.
         self.directory.replace_remote_buffers(node, &descs);
         let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
@@ -542,7 +546,7 @@ impl PoolClient {
                         .entry(e.backend_id)
                         .or_insert_with(|| self.directory.remote_buffer_snapshot(node, e.backend_id).into()),
                 );
-                let pages = e.pages.iter().map(page_from_wire).collect();
+                let pages = e.pages.iter().map(PageLocation::from).collect();
                 self.alloc(outcome_from_wire(e.outcome), e.slot_id, pages, refs, e.page_size, start, e.pending_ttl_ms)
             })
             .collect();

@@ -13,15 +13,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use tonic::{Request, Response, Status};
-use umbp_core::{
-    AllocateOutcome, AllocateRequest, BackendRegistry, CommitRequest, KvEvent, KvEventKind, MediumBackend, TierType,
-};
+use umbp_core::{AllocateOutcome, AllocateRequest, BackendRegistry, CommitRequest, KvEvent, MediumBackend, TierType};
 use umbp_master::store::{
     HeartbeatApply, HeartbeatKind, HeartbeatOutcome, InMemoryStore, MetadataStore, RegisterOutcome, Registration,
     TierCap,
 };
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
+use umbp_proto::convert::{tier_from_wire, tier_to_wire};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_master_server::{UmbpMaster, UmbpMasterServer};
 
@@ -71,24 +70,12 @@ fn now_ms() -> u64 {
     u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis())).unwrap_or(u64::MAX)
 }
 
-fn tier_from_wire(tier: i32) -> TierType {
-    u32::try_from(tier).map_or(TierType::Unknown, TierType::from_wire)
-}
-
 fn caps_from_wire(caps: &[pb::TierCapacity]) -> Vec<TierCap> {
     caps.iter().map(|c| TierCap::new(tier_from_wire(c.tier), c.total_bytes, c.available_bytes)).collect()
 }
 
 fn events_from_wire(events: impl IntoIterator<Item = pb::KvEvent>) -> Vec<KvEvent> {
-    events
-        .into_iter()
-        .map(|e| KvEvent {
-            kind: if e.kind == pb::KvEventKind::KvEventRemove as i32 { KvEventKind::Remove } else { KvEventKind::Add },
-            key: e.key,
-            tier: tier_from_wire(e.tier),
-            size: e.size,
-        })
-        .collect()
+    events.into_iter().filter_map(|e| KvEvent::try_from(e).ok()).collect()
 }
 
 /// How long a registration stays fresh (a second registration of a fresh node is ALREADY_EXISTS).
@@ -256,10 +243,6 @@ impl Model {
 
 /// The node id every fake test registers.
 pub(crate) const NODE: &str = "node-a";
-
-fn tier_to_wire(tier: TierType) -> i32 {
-    i32::try_from(tier.wire()).unwrap_or(0)
-}
 
 /// Everything the fake recorded.
 #[derive(Debug, Default)]

@@ -13,9 +13,9 @@
 //! rejected as a whole (an error, never a panic and never a page sliced from the wrong key).
 
 use umbp_core::{BufferDesc, MAX_BACKENDS_PER_PEER, PageLocation, TierType};
-use umbp_proto::v1 as pb;
 
-use super::convert::{desc_from_wire, desc_to_wire, tier_from_wire, tier_to_wire};
+use crate::convert::{WireError, tier_from_wire, tier_to_wire};
+use crate::v1 as pb;
 
 /// Where one key's bytes are, as a `BatchResolveKeys` reply states it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -47,77 +47,6 @@ pub struct DecodedResolve {
     pub busy: Vec<bool>,
 }
 
-/// Why a `BatchResolveKeys` reply could not be decoded. Any of these fails the whole batch: the
-/// reader treats the peer as having answered nothing.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum CodecError {
-    /// A per-key array is not as long as `found`.
-    #[error("malformed resolve reply: `{field}` has {len} entries for {expected} keys")]
-    MismatchedArrays {
-        /// The offending array.
-        field: &'static str,
-        /// Its length.
-        len: usize,
-        /// The length of `found`.
-        expected: usize,
-    },
-    /// The flattened page arrays differ in length.
-    #[error("malformed resolve reply: {buffer_index} buffer indexes but {page_index} page indexes")]
-    MismatchedPageArrays {
-        /// Length of `buffer_index`.
-        buffer_index: usize,
-        /// Length of `page_index`.
-        page_index: usize,
-    },
-    /// The page counts do not add up to the flattened pages.
-    #[error("malformed resolve reply: page counts sum to {declared} but {flattened} pages were sent")]
-    PageCountMismatch {
-        /// Σ `page_count`.
-        declared: u64,
-        /// Length of the flattened arrays.
-        flattened: usize,
-    },
-    /// A missed key claims pages.
-    #[error("malformed resolve reply: key {key_index} is a miss with {page_count} pages")]
-    PagesForMiss {
-        /// Position of the key in the request.
-        key_index: usize,
-        /// Its page count.
-        page_count: u32,
-    },
-    /// A hit's pages cannot hold its value (a reader would run past them).
-    #[error("malformed resolve reply: key {key_index} has {size} bytes in {page_count} pages of {page_size} bytes")]
-    PagesDoNotCoverSize {
-        /// Position of the key in the request.
-        key_index: usize,
-        /// Value size.
-        size: u64,
-        /// Pages sent for it.
-        page_count: u32,
-        /// The reply's page size.
-        page_size: u64,
-    },
-    /// A hit or descriptor names a backend id outside `0..MAX_BACKENDS_PER_PEER`.
-    #[error("malformed resolve reply: backend id {backend_id} is out of range")]
-    BackendIdOutOfRange {
-        /// The id.
-        backend_id: u32,
-    },
-    /// A key is answered both as a hit and as busy.
-    #[error("malformed resolve reply: key {key_index} is both a hit and busy")]
-    BusyHit {
-        /// Position of the key in the request.
-        key_index: usize,
-    },
-    /// A descriptor's memory kind is unknown to this build.
-    #[error("buffer descriptor with unknown memory kind {value}")]
-    UnknownMemoryKind {
-        /// The wire value.
-        value: i32,
-    },
-}
-
 /// Encodes a `BatchResolveKeys` reply: one entry per key (`None` = miss), which misses are busy
 /// (`busy[i]` for key `i`; a shorter slice leaves the rest not busy, a hit is never busy), the
 /// batch's descriptors (already deduplicated and stamped; pass none when the request set
@@ -125,7 +54,7 @@ pub enum CodecError {
 ///
 /// A miss is sent as `found = false` with tier, size, backend id and page count 0 and no pages. A key
 /// with more than `u32::MAX` pages cannot be represented; its count saturates and the reply then
-/// decodes as [`CodecError::PageCountMismatch`] rather than as wrong pages.
+/// decodes as [`WireError::PageCountMismatch`] rather than as wrong pages.
 pub fn encode_batch_resolve(
     keys: &[Option<ResolvedKey>],
     busy: &[bool],
@@ -135,7 +64,7 @@ pub fn encode_batch_resolve(
     let n = keys.len();
     let total_pages: usize = keys.iter().flatten().map(|k| k.pages.len()).sum();
     let mut out = pb::BatchResolveKeysResponse {
-        descs: descs.iter().map(desc_to_wire).collect(),
+        descs: descs.iter().map(pb::BufferDesc::from).collect(),
         page_size,
         found: Vec::with_capacity(n),
         tier: Vec::with_capacity(n),
@@ -184,7 +113,7 @@ pub fn encode_batch_resolve(
 /// flattened arrays of different lengths, page counts that do not sum to the flattened length, a miss
 /// with pages, a hit whose pages cannot hold its size, a backend id ≥ `MAX_BACKENDS_PER_PEER`, or a
 /// descriptor of an unknown memory kind.
-pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<DecodedResolve, CodecError> {
+pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<DecodedResolve, WireError> {
     let n = resp.found.len();
     for (field, len) in [
         ("tier", resp.tier.len()),
@@ -193,17 +122,17 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
         ("backend_id", resp.backend_id.len()),
     ] {
         if len != n {
-            return Err(CodecError::MismatchedArrays { field, len, expected: n });
+            return Err(WireError::MismatchedArrays { field, len, expected: n });
         }
     }
     // Optional arrays: absent (empty) or one entry per key.
     for (field, len) in [("busy", resp.busy.len()), ("lease_id", resp.lease_id.len())] {
         if len != 0 && len != n {
-            return Err(CodecError::MismatchedArrays { field, len, expected: n });
+            return Err(WireError::MismatchedArrays { field, len, expected: n });
         }
     }
     if resp.buffer_index.len() != resp.page_index.len() {
-        return Err(CodecError::MismatchedPageArrays {
+        return Err(WireError::MismatchedPageArrays {
             buffer_index: resp.buffer_index.len(),
             page_index: resp.page_index.len(),
         });
@@ -211,14 +140,14 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
     let flattened = resp.buffer_index.len();
     let declared: u64 = resp.page_count.iter().map(|c| u64::from(*c)).sum();
     if usize::try_from(declared).ok() != Some(flattened) {
-        return Err(CodecError::PageCountMismatch { declared, flattened });
+        return Err(WireError::PageCountMismatch { declared, flattened });
     }
     let descs = resp
         .descs
         .iter()
         .map(|d| {
             check_backend_id(d.backend_id)?;
-            desc_from_wire(d)
+            BufferDesc::try_from(d)
         })
         .collect::<Result<Vec<_>, _>>()?;
 
@@ -232,20 +161,20 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
         let busy_i = resp.busy.get(i).copied().unwrap_or(false);
         if !resp.found[i] {
             if count != 0 {
-                return Err(CodecError::PagesForMiss { key_index: i, page_count: count });
+                return Err(WireError::PagesForMiss { key_index: i, page_count: count });
             }
             keys.push(None);
             busy.push(busy_i);
             continue;
         }
         if busy_i {
-            return Err(CodecError::BusyHit { key_index: i });
+            return Err(WireError::BusyHit { key_index: i });
         }
         let size = resp.size[i];
         let backend_id = resp.backend_id[i];
         check_backend_id(backend_id)?;
         if u64::from(count).saturating_mul(resp.page_size) < size {
-            return Err(CodecError::PagesDoNotCoverSize {
+            return Err(WireError::PagesDoNotCoverSize {
                 key_index: i,
                 size,
                 page_count: count,
@@ -267,10 +196,10 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
     Ok(DecodedResolve { page_size: resp.page_size, descs, keys, busy })
 }
 
-fn check_backend_id(backend_id: u32) -> Result<(), CodecError> {
+fn check_backend_id(backend_id: u32) -> Result<(), WireError> {
     if usize::try_from(backend_id).is_ok_and(|id| id < MAX_BACKENDS_PER_PEER) {
         Ok(())
     } else {
-        Err(CodecError::BackendIdOutOfRange { backend_id })
+        Err(WireError::BackendIdOutOfRange { backend_id })
     }
 }

@@ -4,10 +4,9 @@
 use proptest::prelude::*;
 use prost::Message;
 use umbp_core::{BufferDesc, MemoryLocation, PageLocation, RemoteRegion, TierType};
-use umbp_peer::peer_service::{
-    CodecError, DecodedResolve, ResolvedKey, decode_batch_resolve, desc_to_wire, encode_batch_resolve, page_to_wire,
-    tier_to_wire,
-};
+use umbp_proto::WireError as CodecError;
+use umbp_proto::convert::tier_to_wire;
+use umbp_proto::resolve::{DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};
 use umbp_proto::v1 as pb;
 
 const PAGE: u64 = 4096;
@@ -207,11 +206,11 @@ fn optimized_wire_is_smaller_than_per_key_descs() {
             let own: Vec<pb::BufferDesc> = descs
                 .iter()
                 .filter(|d| k.pages.iter().any(|p| p.buffer_index == d.buffer_index))
-                .map(desc_to_wire)
+                .map(pb::BufferDesc::from)
                 .collect();
             let msg = pb::ResolveKeyResponse {
                 found: true,
-                pages: k.pages.iter().copied().map(page_to_wire).collect(),
+                pages: k.pages.iter().copied().map(pb::PageLocation::from).collect(),
                 page_size: PAGE,
                 descs: own,
                 size: k.size,
