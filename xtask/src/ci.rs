@@ -1,6 +1,7 @@
 //! `cargo xtask ci`: every check CI runs, in order, stopping at the first failure.
 
 use std::fmt::Write as _;
+use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -217,15 +218,55 @@ fn package(root: &Path) -> anyhow::Result<()> {
             ours.push((package.name.to_string(), package.version.to_string()));
         }
     }
-    let removed = clean_stale_packages(&cargo_home(), &target_dir, &ours)?;
-    println!("removed {removed} stale unpacked or built copies of our packages");
+    let clean = || -> anyhow::Result<()> {
+        let removed = clean_stale_packages(&cargo_home(), &target_dir, &ours)?;
+        println!("removed {removed} stale unpacked or built copies of our packages");
+        Ok(())
+    };
+    clean()?;
     let mut offline = args.clone();
     offline.push("--offline".to_owned());
-    if run_cargo_owned(root, &offline).is_err() {
-        println!("offline packaging failed; retrying online");
-        run_cargo_owned(root, &args)?;
+    let (ok, stderr) = run_cargo_teeing_stderr(root, &offline)?;
+    if ok {
+        return Ok(());
     }
-    Ok(())
+    // Only a resolution that needed the network is worth a second try; a crate that fails to build
+    // from its package fails the same way online, after rebuilding everything.
+    if !needs_network(&stderr) {
+        bail!("`cargo {}` failed (see above)", offline.join(" "));
+    }
+    println!("offline packaging could not resolve every dependency; retrying online");
+    clean()?;
+    run_cargo_owned(root, &args)
+}
+
+/// Whether cargo's error output says an `--offline` run lacked something it would fetch online.
+fn needs_network(stderr: &str) -> bool {
+    stderr.contains("offline mode") || stderr.contains("--offline")
+}
+
+/// Runs `cargo ARGS` in `root` with its stderr passed through line by line and kept; returns whether
+/// it succeeded and the stderr.
+fn run_cargo_teeing_stderr(root: &Path, args: &[String]) -> anyhow::Result<(bool, String)> {
+    let line = format!("cargo {}", args.join(" "));
+    println!("$ {line}");
+    let mut child = Command::new(cargo_path())
+        .args(args)
+        .current_dir(root)
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("could not start `{line}`"))?;
+    let mut kept = String::new();
+    if let Some(stderr) = child.stderr.take() {
+        for text in BufReader::new(stderr).lines() {
+            let text = text.with_context(|| format!("could not read the output of `{line}`"))?;
+            eprintln!("{text}");
+            kept.push_str(&text);
+            kept.push('\n');
+        }
+    }
+    let status = child.wait().with_context(|| format!("could not wait for `{line}`"))?;
+    Ok((status.success(), kept))
 }
 
 /// Cargo's home: `$CARGO_HOME`, else `~/.cargo`.
@@ -356,6 +397,16 @@ mod tests {
     fn fast_skips_deny_and_package_only() {
         let fast: Vec<&str> = Step::ALL.iter().filter(|s| s.skipped_by_fast()).map(|s| s.name()).collect();
         assert_eq!(fast, ["deny", "package"]);
+    }
+
+    #[test]
+    fn only_an_offline_resolution_failure_is_retried_online() {
+        let offline = "error: failed to prepare local package for uploading\n\nCaused by:\n  no matching \
+                       package named `foo` found\n  As a reminder, you're using offline mode (--offline) which \
+                       can sometimes cause surprising resolution failures";
+        assert!(needs_network(offline));
+        let build = "error[E0599]: no method named `two` found\nerror: failed to verify package tarball";
+        assert!(!needs_network(build));
     }
 
     /// Builds a fake cargo home and package target dir holding one stale copy of everything
