@@ -39,6 +39,7 @@ mod ratelimit;
 mod registry;
 mod transfer_ref;
 mod types;
+pub mod units;
 
 pub use backend::{AutoFlushHook, MediumBackend};
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use umbp_core::{BackendError, MediumBackend, MemoryLocation, TierType};
-use umbp_gpu::{DeviceGuard, GpuError, GpuRuntime};
+use umbp_gpu::{DeviceGuard, GpuError, GpuRuntime, RuntimeSelection};
 use umbp_page::{PageBackend, PageBackendConfig, PageMemorySource, RawBuffer, SourceError};
 
 const NAME: &str = "HbmPageMemorySource";
@@ -30,25 +30,33 @@ pub enum HbmError {
     Backend(#[from] BackendError),
 }
 
-/// Settings of an HBM medium.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of an HBM medium: the one place their names (the settings file's `[node.hbm]` keys),
+/// defaults and meaning are written.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct HbmConfig {
     /// The GPU whose memory is lent (an ordinal of the runtime). Default: 0.
     pub device: u32,
-    /// Bytes of device memory to lend, as one allocation. Default: 1 GiB.
+    /// Bytes of device memory to lend, as one allocation (`"1GiB"` or bytes). Default: 1 GiB.
+    #[serde(with = "umbp_core::units::serde::size")]
     pub capacity_bytes: u64,
+    /// The GPU runtime a node opens for this medium (`auto` finds HIP or CUDA; `fake` serves host
+    /// memory, for tests and demos). [`make_hbm_backend`] is handed the runtime itself. Default:
+    /// auto.
+    #[serde(with = "umbp_core::units::serde::from_str")]
+    pub runtime: RuntimeSelection,
 }
 
 impl Default for HbmConfig {
     fn default() -> Self {
-        Self { device: 0, capacity_bytes: 1 << 30 }
+        Self { device: 0, capacity_bytes: 1 << 30, runtime: RuntimeSelection::Auto }
     }
 }
 
 impl HbmConfig {
-    /// Lends `capacity_bytes` of device `device`.
+    /// Lends `capacity_bytes` of device `device` (runtime: auto).
     pub fn new(device: u32, capacity_bytes: u64) -> Self {
-        Self { device, capacity_bytes }
+        Self { device, capacity_bytes, ..Self::default() }
     }
 
     /// Sets the device.

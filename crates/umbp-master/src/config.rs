@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use umbp_core::ErrorKind;
+
 use crate::routing::{Affinity, EvictionConfig, SelectAlgo};
 
 /// A setting that could not be read.
@@ -25,19 +27,35 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+impl ConfigError {
+    /// What the caller does next: fix the setting (always [`ErrorKind::InvalidInput`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::BadEnv { .. } | Self::Invalid(_) => ErrorKind::InvalidInput,
+        }
+    }
+}
+
 /// Settings of the master. Every default is the reference's.
-#[derive(Clone, PartialEq)]
+///
+/// The one place their names (the settings file's `[master]` and `[master.eviction]` keys),
+/// defaults and meaning are written; durations read `"10s"`, sizes `"64MiB"` or bytes, and the
+/// cluster token is not a `[master]` key (it is the file's top-level `cluster_token`).
+#[derive(Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MasterConfig {
     /// gRPC listen address. Default: `127.0.0.1:50051` (loopback unless told otherwise).
     pub listen: SocketAddr,
     /// Heartbeat TTL; a node's heartbeat interval is `heartbeat_ttl / heartbeat_interval_divisor`.
     /// Env `UMBP_HEARTBEAT_TTL_SEC`. Default: 10 s.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub heartbeat_ttl: Duration,
     /// Env `UMBP_HEARTBEAT_INTERVAL_DIVISOR`. Default: 2 (a 5 s interval).
     pub heartbeat_interval_divisor: u32,
     /// A node that missed this many TTLs expires. Env `UMBP_MAX_MISSED_HEARTBEATS`. Default: 3 (30 s).
     pub max_missed_heartbeats: u32,
     /// How often the registry reaper expires silent nodes. Env `UMBP_REAPER_INTERVAL_SEC`. Default: 5 s.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub reaper_interval: Duration,
     /// How long an EXPIRED node record stays listed (cluster status, `umbp stat`) before the reaper
     /// removes it, counted from its expiry (its last heartbeat plus
@@ -45,6 +63,7 @@ pub struct MasterConfig {
     /// row; after it, like a new node. Without it every crashed node and every client process that
     /// died without unregistering would stay listed forever. Env `UMBP_EXPIRED_RETENTION_SEC`
     /// (0 = remove at expiry). Default: 300 s.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub expired_retention: Duration,
     /// Eviction and route-get lease settings (the routing crate's [`EvictionConfig`], embedded so
     /// the two cannot drift apart):
@@ -54,28 +73,59 @@ pub struct MasterConfig {
     /// - `lease_duration` (the lease a route-get grants the keys it found; eviction skips them): env
     ///   `UMBP_LEASE_DURATION_SEC`, default 2 s;
     /// - `evict_deadline` (of one `EvictKey` call): env `UMBP_EVICTKEY_DEADLINE_MS`, default 1000 ms.
+    #[serde(with = "EvictionSettings")]
     pub eviction: EvictionConfig,
     /// Put selection algorithm. Env `UMBP_ROUTE_PUT_SELECT_ALGO` (`most_available` | `random`; any
     /// other value is an error). Default: `most_available`.
+    #[serde(with = "umbp_core::units::serde::from_str")]
     pub route_put_algo: SelectAlgo,
     /// Put affinity. Env `UMBP_ROUTE_PUT_NODE_AFFINITY` (`none` | `same` | `local`; any other value is
     /// an error). Default: `none`. `local` also grants nodes local placement (no route call for a
     /// put their own medium takes; see [`Affinity::Local`]).
+    #[serde(with = "umbp_core::units::serde::from_str")]
     pub route_put_affinity: Affinity,
     /// Shards of the key index. Env `UMBP_MASTER_INDEX_SHARDS` (1..=4096). Default: 32.
     pub index_shards: usize,
     /// How long a graceful shutdown waits for in-flight calls. Env
     /// `UMBP_GRPC_SHUTDOWN_DEADLINE_SEC`. Default: 3 s.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub shutdown_deadline: Duration,
     /// When set, every call must carry it as `x-umbp-token` metadata. Env `UMBP_CLUSTER_TOKEN`.
     /// Default: none.
+    #[serde(skip)]
     pub cluster_token: Option<String>,
     /// Largest gRPC message accepted or sent, by the master's server and by its `EvictKey` client.
     /// Env `UMBP_MASTER_MAX_MESSAGE_BYTES` (>= 64 KiB). Default: 64 MiB.
+    #[serde(with = "umbp_core::units::serde::size_usize")]
     pub max_message_bytes: usize,
     /// Where to serve Prometheus `/metrics` with the cluster gauges (port 0 picks a free one; see
     /// `MasterHandle::metrics_addr`). Env `UMBP_MASTER_METRICS_ADDR`. Default: none (no endpoint).
+    #[serde(rename = "metrics_addr")]
     pub metrics_listen: Option<SocketAddr>,
+}
+
+/// The `[master.eviction]` keys: [`EvictionConfig`]'s own fields, read through serde's remote
+/// derive (the routing module stays free of serde; the compiler checks these fields against it).
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(remote = "EvictionConfig", default, deny_unknown_fields)]
+struct EvictionSettings {
+    high_watermark: f64,
+    low_watermark: f64,
+    #[serde(with = "umbp_core::units::serde::duration")]
+    check_interval: Duration,
+    #[serde(with = "umbp_core::units::serde::duration")]
+    lease_duration: Duration,
+    #[serde(with = "umbp_core::units::serde::duration")]
+    evict_deadline: Duration,
+}
+
+impl Default for EvictionSettings {
+    // Each missing key keeps `EvictionConfig`'s default, written only there.
+    fn default() -> Self {
+        let EvictionConfig { high_watermark, low_watermark, check_interval, lease_duration, evict_deadline } =
+            EvictionConfig::default();
+        Self { high_watermark, low_watermark, check_interval, lease_duration, evict_deadline }
+    }
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -374,6 +424,46 @@ mod tests {
         c.validate().expect("expiry 10 s > interval 5 s");
         let c = MasterConfig { max_message_bytes: 10, ..MasterConfig::default() };
         assert!(c.validate().is_err(), "tiny message limit");
+    }
+
+    #[test]
+    fn the_file_keys_are_the_fields_with_human_units_and_missing_keys_keep_the_defaults() {
+        let c: MasterConfig = serde_json::from_str(
+            r#"{"heartbeat_ttl":"20s","route_put_algo":"random","max_message_bytes":"8MiB",
+                "metrics_addr":"127.0.0.1:9","eviction":{"lease_duration":"3s","high_watermark":0.95}}"#,
+        )
+        .expect("valid");
+        let d = MasterConfig::default();
+        assert_eq!(
+            (c.heartbeat_ttl, c.route_put_algo, c.max_message_bytes),
+            (Duration::from_secs(20), SelectAlgo::Random, 8 << 20)
+        );
+        assert_eq!(c.metrics_listen, Some(SocketAddr::from(([127, 0, 0, 1], 9))));
+        assert_eq!((c.eviction.lease_duration, c.eviction.high_watermark), (Duration::from_secs(3), 0.95));
+        assert_eq!(
+            (c.eviction.low_watermark, c.eviction.check_interval),
+            (d.eviction.low_watermark, d.eviction.check_interval)
+        );
+        assert_eq!((c.listen, c.index_shards), (d.listen, d.index_shards));
+        let none: MasterConfig = serde_json::from_str("{}").expect("empty");
+        assert_eq!(none, d);
+        for bad in [
+            r#"{"heartbeat":"1s"}"#,
+            r#"{"cluster_token":"t"}"#,
+            r#"{"eviction":{"lease":"1s"}}"#,
+            r#"{"heartbeat_ttl":10}"#,
+        ] {
+            assert!(serde_json::from_str::<MasterConfig>(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_config_error_is_invalid_input() {
+        let bad_env = ConfigError::BadEnv { var: "UMBP_X", value: "y".into(), reason: "z".into() };
+        assert_eq!(bad_env.kind(), ErrorKind::InvalidInput);
+        assert_eq!(ConfigError::Invalid("x".into()).kind(), ErrorKind::InvalidInput);
+        let invalid = MasterConfig { max_message_bytes: 10, ..MasterConfig::default() }.validate().expect_err("tiny");
+        assert_eq!(invalid.kind(), ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_core::{Clock, SystemClock};
+use umbp_core::{Clock, ErrorKind, SystemClock};
 
 use crate::record::{ALIGN, MAX_KEY_LEN, header_len};
 
@@ -55,6 +55,94 @@ impl FromStr for IoEngineKind {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid SSD configuration: {0}")]
 pub struct SsdConfigError(pub String);
+
+impl SsdConfigError {
+    /// What the caller does next: fix the configuration ([`ErrorKind::InvalidInput`]).
+    pub fn kind(&self) -> ErrorKind {
+        ErrorKind::InvalidInput
+    }
+}
+
+/// The operator's settings of an SSD medium: the one place their names (the settings file's
+/// `[node.ssd]` keys), defaults and meaning are written. The node's `Medium::Ssd` holds one, and
+/// [`builder`](Self::builder) turns it into a full [`SsdConfig`] (the settings not here keep the
+/// builder's defaults), whose [`build`](SsdConfigBuilder::build) validates it.
+///
+/// Sizes read `"32GiB"` or bytes, durations `"3s"`, `sync_interval` also `"off"`.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SsdSettings {
+    /// One directory per drive; values are placed by free space. Required (at least one).
+    pub dirs: Vec<PathBuf>,
+    /// Drive bytes to lend, split evenly across the directories. Default: 32 GiB.
+    #[serde(with = "umbp_core::units::serde::size")]
+    pub capacity_bytes: u64,
+    /// The io engine (`psync`, `io_uring`). Default: psync.
+    #[serde(with = "umbp_core::units::serde::from_str")]
+    pub io_engine: IoEngineKind,
+    /// Pages of the host staging arena (writes in flight plus reads being served): one page per
+    /// value of a 128-key batch, so a batch get or put of 128 single-page values on this node is
+    /// staged at once (a larger batch goes through in rounds: reads wait for pages their readers
+    /// release, writes for pages their commits give back; the node answers the rest busy). It
+    /// bounds concurrency, never how many keys a batch may hold. Default: 128.
+    pub staging_pages: u64,
+    /// The SSD read lease (its own setting: a reader of a staged page also waited for the drive).
+    /// Default: 3 s.
+    #[serde(with = "umbp_core::units::serde::duration")]
+    pub read_lease: Duration,
+    /// How often the medium `fdatasync`s the segments written since its last sync (`None`, `"off"`
+    /// in the file: only at shutdown). Commits do not wait for it: it bounds what a power loss can
+    /// take. Default: 1 s.
+    #[serde(with = "umbp_core::units::serde::period_or_off")]
+    pub sync_interval: Option<Duration>,
+    /// The largest value, in pages (`page_size` each); a larger value is refused. At most
+    /// `staging_pages`. Default: 1 (one key, one page, as the reference stores them).
+    pub max_value_pages: u64,
+    /// Keep a committed value's staging pages as a clean copy until they are needed again, so a
+    /// read of a value just written skips the drive. Default: true (off only where every read must
+    /// reach the drive, as in `umbp bench ssd`).
+    pub cache_committed: bool,
+    /// Create a directory of `dirs` that does not exist. Off by default: a missing directory is
+    /// usually an unmounted drive, and creating it would fill the root file system instead.
+    /// Default: false.
+    pub create_dirs: bool,
+}
+
+impl Default for SsdSettings {
+    fn default() -> Self {
+        Self {
+            dirs: Vec::new(),
+            capacity_bytes: 32 << 30,
+            io_engine: IoEngineKind::Psync,
+            staging_pages: 128,
+            read_lease: Duration::from_secs(3),
+            sync_interval: Some(Duration::from_secs(1)),
+            max_value_pages: 1,
+            cache_committed: true,
+            create_dirs: false,
+        }
+    }
+}
+
+impl SsdSettings {
+    /// A builder of pages of `page_size` with these settings (every other one at its default).
+    pub fn builder(&self, page_size: u64) -> SsdConfigBuilder {
+        SsdConfig::builder(self.dirs.iter().cloned())
+            .page_size(page_size)
+            .capacity_bytes(self.capacity_bytes)
+            .io_engine(self.io_engine)
+            .staging_pages(self.staging_pages)
+            .read_lease_ttl(self.read_lease)
+            .sync_interval(self.sync_interval)
+            .max_value_pages(self.max_value_pages)
+            .cache_committed(self.cache_committed)
+    }
+
+    /// Checks these settings with pages of `page_size` (the rules of [`SsdConfigBuilder::build`]).
+    pub fn validate(&self, page_size: u64) -> Result<(), SsdConfigError> {
+        self.builder(page_size).build().map(drop)
+    }
+}
 
 /// LRU eviction between two fill levels of the drive capacity.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -161,14 +249,16 @@ impl SsdConfig {
     }
 
     fn defaults(dirs: Vec<PathBuf>) -> Self {
+        // The operator's settings take their defaults from the one place they are written.
+        let s = SsdSettings::default();
         Self {
             dirs,
-            capacity_bytes: 32 << 30,
+            capacity_bytes: s.capacity_bytes,
             page_size: 2 << 20,
-            staging_pages: 128,
-            max_value_pages: 1,
+            staging_pages: s.staging_pages,
+            max_value_pages: s.max_value_pages,
             segment_bytes: 256 << 20,
-            io_engine: IoEngineKind::Psync,
+            io_engine: s.io_engine,
             queue_depth: 256,
             io_uring_rings: 8,
             direct_io: true,
@@ -176,12 +266,12 @@ impl SsdConfig {
             watermarks: Some(Watermarks::default()),
             single_flight: true,
             recover: true,
-            cache_committed: true,
+            cache_committed: s.cache_committed,
             reclaim_dead_ratio: 0.5,
             pending_ttl: Duration::from_secs(30),
-            read_lease_ttl: Duration::from_secs(3),
+            read_lease_ttl: s.read_lease,
             reaper_interval: Duration::from_millis(200),
-            sync_interval: Some(Duration::from_secs(1)),
+            sync_interval: s.sync_interval,
             clock: SystemClock::shared(),
         }
     }
@@ -484,6 +574,30 @@ mod tests {
         assert!(b().io_uring_rings(1025).build().is_err());
         assert!(b().sync_interval(Some(Duration::ZERO)).build().is_err());
         assert!(b().sync_interval(None).build().is_ok());
+    }
+
+    #[test]
+    fn settings_defaults_are_the_builders_and_read_the_file_syntax() {
+        let s = SsdSettings::default();
+        let c = SsdConfig::builder(["/tmp/a"]).build().expect("valid");
+        assert_eq!(
+            (c.capacity_bytes, c.staging_pages, c.max_value_pages, c.io_engine, c.read_lease_ttl, c.sync_interval),
+            (s.capacity_bytes, s.staging_pages, s.max_value_pages, s.io_engine, s.read_lease, s.sync_interval)
+        );
+        assert_eq!(c.cache_committed, s.cache_committed);
+        let s: SsdSettings = serde_json::from_str(
+            r#"{"dirs":["/d"],"capacity_bytes":"1GiB","io_engine":"io_uring","read_lease":"500ms","sync_interval":"off","max_value_pages":4}"#,
+        )
+        .expect("valid");
+        assert_eq!((s.capacity_bytes, s.io_engine, s.sync_interval), (1 << 30, IoEngineKind::IoUring, None));
+        assert_eq!((s.read_lease, s.max_value_pages, s.staging_pages), (Duration::from_millis(500), 4, 128));
+        assert!(serde_json::from_str::<SsdSettings>(r#"{"max_value_page":4}"#).is_err(), "unknown key");
+        assert!(s.validate(4096).is_ok());
+        let too_large = SsdSettings { max_value_pages: 129, dirs: vec!["/d".into()], ..SsdSettings::default() };
+        let err = too_large.validate(4096).expect_err("more pages than the arena");
+        assert!(err.to_string().contains("max_value_pages"), "{err}");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        assert_eq!("aio".parse::<IoEngineKind>().expect_err("unknown").kind(), ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -185,7 +185,7 @@ mod staged;
 mod store;
 
 pub use backend::{SsdBackend, SsdStats};
-pub use config::{IoEngineKind, SsdConfig, SsdConfigBuilder, SsdConfigError, Watermarks};
+pub use config::{IoEngineKind, SsdConfig, SsdConfigBuilder, SsdConfigError, SsdSettings, Watermarks};
 
 /// Builds an SSD medium and returns it as the interface (only the composition root names concrete
 /// backends).

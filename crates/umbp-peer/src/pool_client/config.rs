@@ -22,7 +22,7 @@ pub enum Medium {
     Hbm(HbmConfig),
     /// Local drives through `SsdBackend`: a registered host staging arena over a drive log
     /// (`umbp-ssd`).
-    Ssd(SsdConfig),
+    Ssd(umbp_ssd::SsdSettings),
 }
 
 impl Medium {
@@ -58,10 +58,13 @@ impl Medium {
     }
 }
 
-/// Settings of a DRAM medium.
-#[derive(Debug, Clone, PartialEq)]
+/// Settings of a DRAM medium: the one place their names (the settings file's `[node.dram]` keys),
+/// defaults and meaning are written.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct DramConfig {
-    /// Bytes of host memory to lend. Default: 4 GiB.
+    /// Bytes of host memory to lend (`"4GiB"` or bytes). Default: 4 GiB.
+    #[serde(with = "umbp_core::units::serde::size")]
     pub capacity_bytes: u64,
     /// Use hugetlb pages (reserved in `/proc/sys/vm/nr_hugepages`). Without them, or when none are
     /// reserved, the memory is still advised for transparent huge pages. Default: false.
@@ -88,73 +91,12 @@ impl Default for DramConfig {
     }
 }
 
-/// Settings of an HBM medium.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HbmConfig {
-    /// The GPU whose memory is lent. Default: 0.
-    pub device: u32,
-    /// Bytes of device memory to lend. Default: 1 GiB.
-    pub capacity_bytes: u64,
-    /// The GPU runtime (`auto` finds HIP or CUDA; `fake` serves host memory, for tests and demos).
-    /// Default: auto.
-    pub runtime: RuntimeSelection,
-}
+/// Settings of an HBM medium: the HBM crate's own (device, capacity, runtime).
+pub use umbp_hbm::HbmConfig;
 
-impl Default for HbmConfig {
-    fn default() -> Self {
-        Self { device: 0, capacity_bytes: 1 << 30, runtime: RuntimeSelection::Auto }
-    }
-}
-
-/// Settings of an SSD medium (the rest of `umbp_ssd::SsdConfig` keeps its defaults).
-#[derive(Debug, Clone, PartialEq)]
-pub struct SsdConfig {
-    /// One directory per drive; values are placed by free space. Required (at least one).
-    pub dirs: Vec<std::path::PathBuf>,
-    /// Drive bytes to lend, split evenly across the directories. Default: 32 GiB.
-    pub capacity_bytes: u64,
-    /// The io engine. Default: psync.
-    pub io_engine: umbp_ssd::IoEngineKind,
-    /// Pages of the host staging arena (writes in flight plus reads being served): one page per
-    /// value of a 128-key batch, so a batch get or put of 128 single-page values on this node is
-    /// staged at once (a larger batch goes through in rounds: reads wait for pages their readers
-    /// release, writes for pages their commits give back; the node answers the rest busy). It
-    /// bounds concurrency, never how many keys a batch may hold. Default: 128.
-    pub staging_pages: u64,
-    /// The SSD read lease (its own setting: a reader of a staged page also waited for the drive).
-    /// Default: 3 s.
-    pub read_lease: Duration,
-    /// How often the medium `fdatasync`s the segments written since its last sync (`None`: only at
-    /// shutdown). Commits do not wait for it: it bounds what a power loss can take. Default: 1 s.
-    pub sync_interval: Option<Duration>,
-    /// The largest value, in pages (`page_size` each); a larger value is refused. At most
-    /// `staging_pages`. Default: 1 (one key, one page, as the reference stores them).
-    pub max_value_pages: u64,
-    /// Keep a committed value's staging pages as a clean copy until they are needed again, so a
-    /// read of a value just written skips the drive. Default: true (off only where every read must
-    /// reach the drive, as in `umbp bench ssd`).
-    pub cache_committed: bool,
-    /// Create a directory of `dirs` that does not exist. Off by default: a missing directory is
-    /// usually an unmounted drive, and creating it would fill the root file system instead.
-    /// Default: false.
-    pub create_dirs: bool,
-}
-
-impl Default for SsdConfig {
-    fn default() -> Self {
-        Self {
-            dirs: Vec::new(),
-            capacity_bytes: 32 << 30,
-            io_engine: umbp_ssd::IoEngineKind::Psync,
-            staging_pages: 128,
-            read_lease: Duration::from_secs(3),
-            sync_interval: Some(Duration::from_secs(1)),
-            max_value_pages: 1,
-            cache_committed: true,
-            create_dirs: false,
-        }
-    }
-}
+/// Settings of an SSD medium: the SSD crate's own [`umbp_ssd::SsdSettings`] (the rest of
+/// `umbp_ssd::SsdConfig` keeps its defaults). The old name, kept for call sites.
+pub type SsdConfig = umbp_ssd::SsdSettings;
 
 /// Refuses a directory of an SSD medium that does not exist (or is not a directory), naming it and
 /// the way out.
@@ -166,7 +108,7 @@ pub(super) fn ssd_dirs_exist(dirs: &[std::path::PathBuf]) -> Result<(), PoolErro
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(PoolError::Config(format!(
                     "ssd directory {} does not exist: mount the drive and create it, or ask for it to be \
-                     created (--ssd-create-dirs, node.ssd_create_dirs = true)",
+                     created (--ssd-create-dirs, UMBP_SSD_CREATE_DIRS=true, node.ssd.create_dirs = true)",
                     dir.display()
                 )));
             }
