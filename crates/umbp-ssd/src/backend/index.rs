@@ -162,4 +162,3 @@ impl<V: Located> KeyIndex<V> {
         self.by_seg.get(&seg).into_iter().flatten().filter_map(|k| self.map.get_key_value(k))
     }
 }
-

@@ -89,11 +89,15 @@ pub(super) fn split_segments(segs: &[(*mut u8, usize)], chunk: usize) -> Vec<Vec
     out
 }
 
-
 impl Inner {
     /// The `(address, length)` IO segments of a value of `size` bytes in `pages`, each page's
     /// length rounded up to the record alignment.
-    pub(super) fn page_segments(&self, published: &Published, pages: &[PageLocation], size: u64) -> Vec<(*mut u8, usize)> {
+    pub(super) fn page_segments(
+        &self,
+        published: &Published,
+        pages: &[PageLocation],
+        size: u64,
+    ) -> Vec<(*mut u8, usize)> {
         let ps = self.config.page_size;
         let mut remaining = record::align_up(size);
         let mut out = Vec::with_capacity(pages.len());

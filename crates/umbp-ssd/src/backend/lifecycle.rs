@@ -232,4 +232,3 @@ pub(super) fn check_open_file_limit(config: &SsdConfig) -> Result<(), BackendErr
     }
     Ok(())
 }
-

@@ -114,7 +114,6 @@ impl SsdBackend {
             segment_syncs: l(&c.segment_sync),
         }
     }
-
 }
 
 impl MetricSource for SsdBackend {
@@ -187,4 +186,3 @@ impl MetricSource for SsdBackend {
         out
     }
 }
-

@@ -55,8 +55,8 @@ use crate::store::{DirState, Loc, Log, SegId, SegMeta, SegmentFile, sync_dir};
 use index::{Owned, Tomb};
 use io_jobs::{Job, JobOutcome};
 use lifecycle::Reaper;
-use metrics::{Counters, bump};
 pub use metrics::SsdStats;
+use metrics::{Counters, bump};
 use read::Flight;
 use recover::Recovered;
 use state::State;
@@ -181,7 +181,6 @@ impl SsdBackend {
         state.drop_unleased_copies(now);
         self.inner.update_staging_gauge(&state);
     }
-
 }
 
 impl Inner {
@@ -193,7 +192,13 @@ impl Inner {
         self.counters.staging_in_use.store(state.staging_in_use(), Ordering::Relaxed);
     }
 
-    pub(super) fn entry(&self, published: Option<&Published>, pages: Vec<PageLocation>, size: u64, lease: u64) -> ResolvedEntry {
+    pub(super) fn entry(
+        &self,
+        published: Option<&Published>,
+        pages: Vec<PageLocation>,
+        size: u64,
+        lease: u64,
+    ) -> ResolvedEntry {
         ResolvedEntry {
             found: true,
             pages,
@@ -204,7 +209,6 @@ impl Inner {
             ..ResolvedEntry::default()
         }
     }
-
 }
 
 impl MediumBackend for SsdBackend {

@@ -2,7 +2,7 @@
 //! with single flight (one drive read for any number of concurrent resolves of a key), the final
 //! re-validation of every hit, and the readers' releases.
 
-use super::state::{Filled, Released};
+use super::state::{Filled, JobSlot, Released};
 use super::*;
 
 /// The longest a follower waits for the leader of a single-flight read (the reference's 30 s); the
@@ -181,9 +181,8 @@ impl SsdBackend {
         {
             let mut state = inner.state.lock();
             for job in jobs {
-                let read = (job.loc, job.generation, job.outcome);
-                let filled =
-                    state.finish_read(&job.key, job.flight.as_ref(), job.pages, job.size, read, now, lease_until);
+                let slot = JobSlot { pages: job.pages, size: job.size, loc: job.loc, generation: job.generation };
+                let filled = state.finish_read(&job.key, job.flight.as_ref(), slot, job.outcome, now, lease_until);
                 let entry = match filled {
                     Filled::Hit(pages, size, lease) => inner.entry(descs, pages, size, lease),
                     Filled::Miss => ResolvedEntry::miss(),

@@ -178,9 +178,7 @@ impl Inner {
                 Err(e) => tracing::warn!(key = %key, error = %e, "compaction could not move a record"),
             }
         }
-        let dead = {
-            self.state.lock().end_compaction()
-        };
+        let dead = { self.state.lock().end_compaction() };
         self.delete_segments(dead);
         true
     }

@@ -287,5 +287,4 @@ impl SsdBackend {
         }
         Ok(offset)
     }
-
 }

@@ -70,6 +70,18 @@ pub(super) struct State {
     outbox: EventOutbox,
 }
 
+/// The staging pages and the record of an IO job between its lock phases.
+pub(super) struct JobSlot {
+    /// The staging pages the value is in (a commit's) or lands in (a read's).
+    pub(super) pages: Vec<PageLocation>,
+    /// The value's size in bytes.
+    pub(super) size: u64,
+    /// Where the record lies (is written) on the drive.
+    pub(super) loc: Loc,
+    /// The clear generation when the job was taken.
+    pub(super) generation: u64,
+}
+
 /// How a commit's record ended, once its write is back (see [`State::finish_commit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Landed {
@@ -379,17 +391,8 @@ impl State {
 
     /// The record of a commit came back from the drive (`ok`: it landed at `loc`): publishes the
     /// key, or releases the slot. `cache`: keep the staging pages as a clean cached copy.
-    #[allow(clippy::too_many_arguments)] // One commit's facts; a struct would only rename them.
-    pub(super) fn finish_commit(
-        &mut self,
-        key: &str,
-        loc: Loc,
-        pages: Vec<PageLocation>,
-        size: u64,
-        generation: u64,
-        ok: bool,
-        cache: bool,
-    ) -> Landed {
+    pub(super) fn finish_commit(&mut self, key: &str, job: JobSlot, ok: bool, cache: bool) -> Landed {
+        let JobSlot { pages, size, loc, generation } = job;
         self.log.finish_write(loc.seg);
         if !ok {
             self.abandon_commit(&pages, size);
@@ -541,7 +544,12 @@ impl State {
     // ---- reads -----------------------------------------------------------------------------
 
     /// Leases `key`'s cached copy (if any) until `until` and marks it used: pages, size, lease.
-    pub(super) fn hold_staged(&mut self, key: &str, now: Instant, until: Instant) -> Option<(Vec<PageLocation>, u64, u64)> {
+    pub(super) fn hold_staged(
+        &mut self,
+        key: &str,
+        now: Instant,
+        until: Instant,
+    ) -> Option<(Vec<PageLocation>, u64, u64)> {
         let s = self.staged.get_mut(key)?;
         let lease = s.hold(now, until, &mut self.lease_ids);
         let hit = (s.pages.clone(), s.size, lease);
@@ -580,18 +588,16 @@ impl State {
     /// A drive read of `key` into `pages` (a [`take_staging`](Self::take_staging)) came back
     /// with `outcome`: the pages become the key's leased cached copy, or go back. A corrupt record
     /// drops the key (never serve wrong bytes), with a `Remove` for the master.
-    #[allow(clippy::too_many_arguments)] // One read's facts; a struct would only rename them.
     pub(super) fn finish_read(
         &mut self,
         key: &str,
         flight: Option<&Arc<Flight>>,
-        pages: Vec<PageLocation>,
-        size: u64,
-        read: (Loc, u64, JobOutcome),
+        job: JobSlot,
+        outcome: JobOutcome,
         now: Instant,
         until: Instant,
     ) -> Filled {
-        let (loc, generation, outcome) = read;
+        let JobSlot { pages, size, loc, generation } = job;
         if let Some(n) = self.reading.get_mut(key) {
             *n -= 1;
             if *n == 0 {
@@ -677,7 +683,14 @@ impl State {
     /// A tombstone of `key` (seq `loc.seq`, written at `loc` under clear generation `generation`)
     /// is on the drive: puts it in force. Returns whether it dropped an owned record of the key
     /// (one older than the tombstone that was published while it was written).
-    pub(super) fn land_tombstone(&mut self, key: String, loc: Loc, horizon: u64, generation: u64, now: Instant) -> bool {
+    pub(super) fn land_tombstone(
+        &mut self,
+        key: String,
+        loc: Loc,
+        horizon: u64,
+        generation: u64,
+        now: Instant,
+    ) -> bool {
         // Not needed when a clear wiped the log or the key was put again since.
         let superseded = self.generation != generation || self.owned.get(&key).is_some_and(|o| o.loc.seq > loc.seq);
         if superseded {
@@ -806,7 +819,8 @@ impl State {
                 + out;
             assert_eq!(a.total_pages() - a.free_pages(), held, "every page in use has one holder");
         }
-        let live: u64 = self.owned.values().map(|o| o.loc.len).sum::<u64>() + self.tombs.values().map(|t| t.loc.len).sum::<u64>();
+        let live: u64 =
+            self.owned.values().map(|o| o.loc.len).sum::<u64>() + self.tombs.values().map(|t| t.loc.len).sum::<u64>();
         assert_eq!(self.log.live_bytes(), live, "the log's live bytes are the owned records and tombstones");
         assert_eq!(self.lru.len(), self.owned.len(), "one LRU entry per owned key");
         self.owned.check();

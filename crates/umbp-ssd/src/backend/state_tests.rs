@@ -11,7 +11,7 @@ use umbp_page::PageBitmapAllocator;
 
 use super::io_jobs::JobOutcome;
 use super::read::Flight;
-use super::state::{Filled, State};
+use super::state::{Filled, JobSlot, State};
 use crate::record::record_len;
 use crate::store::{DirState, Loc, Log};
 use std::sync::Arc;
@@ -106,7 +106,8 @@ fn run(ops: &[Op]) {
     let mut state = live_state();
     let start = Instant::now();
     let mut now = start;
-    let (mut slots, mut commits, mut reads, mut leases) = (Vec::new(), Vec::<Commit>::new(), Vec::<Read>::new(), Vec::new());
+    let (mut slots, mut commits, mut reads, mut leases) =
+        (Vec::new(), Vec::<Commit>::new(), Vec::<Read>::new(), Vec::new());
     let mut next_slot = 1;
     for (step, op) in ops.iter().enumerate() {
         match op.clone() {
@@ -143,13 +144,12 @@ fn run(ops: &[Op]) {
             }
             Op::FinishCommit { commit, ok, cache } if !commits.is_empty() => {
                 let c = commits.swap_remove(commit % commits.len());
-                state.finish_commit(&c.key, c.loc, c.pages, c.size, c.generation, ok, cache);
+                let slot = JobSlot { pages: c.pages, size: c.size, loc: c.loc, generation: c.generation };
+                state.finish_commit(&c.key, slot, ok, cache);
                 state.end_writing(&c.key, &c.flight);
             }
-            Op::Evict { key: k } => {
-                if state.evictable(&key(k), now) {
-                    state.drop_owned(&key(k), now);
-                }
+            Op::Evict { key: k } if state.evictable(&key(k), now) => {
+                state.drop_owned(&key(k), now);
             }
             Op::EvictDownTo { target } => {
                 state.evict_lru(|s| s.used() > target, now, &foldhash::HashSet::default());
@@ -172,8 +172,8 @@ fn run(ops: &[Op]) {
                 let r = reads.swap_remove(read % reads.len());
                 let outcome = [JobOutcome::Ok, JobOutcome::IoError, JobOutcome::Corrupt][outcome as usize];
                 let until = now + Duration::from_millis(150);
-                let filled =
-                    state.finish_read(&r.key, r.flight.as_ref(), r.pages, r.size, (r.loc, r.generation, outcome), now, until);
+                let slot = JobSlot { pages: r.pages, size: r.size, loc: r.loc, generation: r.generation };
+                let filled = state.finish_read(&r.key, r.flight.as_ref(), slot, outcome, now, until);
                 if let Filled::Hit(_, _, lease) = filled {
                     leases.push(ReadRelease { key: r.key, lease });
                 }
@@ -185,8 +185,8 @@ fn run(ops: &[Op]) {
             Op::Advance { ms } => {
                 now += Duration::from_millis(ms);
                 state.expire(now);
-                // The slots the expiry took are gone; aborting them again is a no-op, so the model
-                // keeps only the ids the state still has (a later commit of one finds nothing).
+                // The model keeps the ids of the slots this expired: a later abort or commit of
+                // one finds nothing, as the backend's would.
             }
             Op::Clear => {
                 state.clear(now);

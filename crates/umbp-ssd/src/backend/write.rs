@@ -2,7 +2,7 @@
 //! make room), commit (take the slots, reserve their records, spill them, publish what landed)
 //! and abort.
 
-use super::state::Landed;
+use super::state::{JobSlot, Landed};
 use super::*;
 
 /// A commit batch between its lock phases: the jobs to write, the requests that answer with
@@ -209,9 +209,12 @@ impl Inner {
         let mut written = Vec::new();
         for job in batch.jobs {
             let ok = job.outcome == JobOutcome::Ok;
-            match state.finish_commit(&job.key, job.loc, job.pages, job.size, job.generation, ok, cache) {
+            let slot = JobSlot { pages: job.pages, size: job.size, loc: job.loc, generation: job.generation };
+            match state.finish_commit(&job.key, slot, ok, cache) {
                 Landed::Failed | Landed::Cleared => {}
-                Landed::Superseded(bytes) => results[job.index] = CommitResult { success: true, bytes_committed: bytes },
+                Landed::Superseded(bytes) => {
+                    results[job.index] = CommitResult { success: true, bytes_committed: bytes }
+                }
                 Landed::Published => {
                     results[job.index] = CommitResult { success: true, bytes_committed: job.size };
                     written.push(job.key);
