@@ -1,6 +1,6 @@
 //! "Kill the node" restarts: the backend never gets its `shutdown` (no final tombstone flush, no
 //! final `fdatasync`), and a new backend on the same files must still serve every acknowledged
-//! value byte-exact (the crate docs, "Durability": a process crash keeps every record whose commit
+//! value byte-exact (`docs/ssd.md`, "Durability": a process crash keeps every record whose commit
 //! returned, unless a write reserved before it in its segment was still in flight).
 //!
 //! - `a_forgotten_backend_leaves_every_committed_value_recoverable`: the backend is

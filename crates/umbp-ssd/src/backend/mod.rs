@@ -106,7 +106,7 @@ struct Inner {
     next_slot_id: AtomicU64,
     clear_pending: AtomicBool,
     counters: Counters,
-    /// The directories' locked lock files (see [`lock_dir`]), from `init` to `shutdown`.
+    /// The directories' locked lock files (see [`recover::lock_dir`]), from `init` to `shutdown`.
     locks: Mutex<Vec<fs::File>>,
     /// When the reaper last synced the segments (`None`: never).
     last_sync: Mutex<Option<Instant>>,
@@ -115,7 +115,31 @@ struct Inner {
 }
 
 /// The SSD medium: a registered host staging arena over an append-only drive log (see the crate
-/// docs for what it owns and the choices it makes).
+/// docs for what it owns, and `docs/ssd.md` for the choices it makes).
+///
+/// Built from an [`SsdConfig`]; nothing is allocated, opened or read until
+/// [`init`](MediumBackend::init), which recovers what an earlier medium left in the directories:
+///
+/// ```
+/// use std::sync::Arc;
+/// use umbp_core::{MediumBackend, TierType};
+/// use umbp_ssd::{SsdBackend, SsdConfig};
+///
+/// let dir = tempfile::tempdir()?;
+/// let config = SsdConfig::builder([dir.path()])
+///     .page_size(4096)
+///     .capacity_bytes(1 << 20)
+///     .staging_pages(16)
+///     .segment_bytes(1 << 20)
+///     .build()?;
+/// let ssd = SsdBackend::new(config);
+/// ssd.init(Arc::new(umbp_testkit::LocalOnlyRegistrar::new()))?;
+/// assert_eq!(ssd.tier(), TierType::Ssd);
+/// assert_eq!(ssd.capacity().total_bytes, 1 << 20);
+/// assert_eq!(ssd.owned_key_count(), 0, "an empty directory recovers nothing");
+/// ssd.shutdown();
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct SsdBackend {
     inner: Arc<Inner>,
     source: HostPageMemorySource,

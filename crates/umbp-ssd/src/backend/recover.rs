@@ -110,7 +110,7 @@ impl SsdBackend {
             let share = total / n + if i == 0 { total % n } else { 0 };
             // The advertised capacity is a promise about the drive: say so when the filesystem
             // cannot keep it (the log's own segments already there count as room). The log may
-            // take its share of the headroom beyond the capacity (crate docs, "Disk use").
+            // take its share of the headroom beyond the capacity (`docs/ssd.md`, "Disk use").
             if let Some(free) = free_bytes(dir) {
                 let ours = segment_bytes_in(dir);
                 let need = share.saturating_add(config.disk_headroom_bytes().div_ceil(n));

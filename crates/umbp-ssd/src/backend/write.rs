@@ -64,6 +64,8 @@ impl SsdBackend {
                 results.push(AllocateResult::outcome(AllocateOutcome::FailedNoSpace));
                 continue;
             }
+            // Every allocation holds the lock here, so the id read now is the one taken below, once
+            // the slot is admitted (a busy answer takes none, as before the split).
             let slot_id = inner.next_slot_id.load(Ordering::Relaxed);
             let Some(pages) = state.admit(slot_id, req.size, deadline, now) else {
                 // The drive has room, but every staging page is held by pending slots (this batch's
