@@ -45,3 +45,79 @@ const _: () = {
     const fn pin<T: Send + Sync>() {}
     pin::<HbmPageMemorySource>();
 };
+
+/// What a caller should do about a [`GpuError`](umbp_gpu::GpuError). Here, not on the error, because
+/// the runtime shim sits below every umbp crate (the layering rule of `runtime-shim`) and so cannot
+/// name [`ErrorKind`](umbp_core::ErrorKind).
+///
+/// No runtime, a runtime too old or one that failed to load is
+/// [`Unavailable`](umbp_core::ErrorKind::Unavailable); device memory exhausted is
+/// [`Retry`](umbp_core::ErrorKind::Retry); a device the machine lacks or a request the shim refuses is
+/// [`InvalidInput`](umbp_core::ErrorKind::InvalidInput); any other failed call, or a misuse of the
+/// shim, is [`Internal`](umbp_core::ErrorKind::Internal).
+pub fn gpu_error_kind(err: &umbp_gpu::GpuError) -> umbp_core::ErrorKind {
+    use umbp_core::ErrorKind;
+    use umbp_gpu::GpuError;
+    match err {
+        GpuError::NotFound { .. } | GpuError::MissingSymbol { .. } | GpuError::Unavailable(_) => ErrorKind::Unavailable,
+        err if err.is_out_of_memory() => ErrorKind::Retry,
+        GpuError::InvalidDevice { .. } | GpuError::Invalid(_) => ErrorKind::InvalidInput,
+        _ => ErrorKind::Internal,
+    }
+}
+
+impl HbmError {
+    /// What the caller should do next: [`gpu_error_kind`] of the runtime's error, or the backend
+    /// error's own kind.
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        match self {
+            Self::Device { source, .. } => gpu_error_kind(source),
+            Self::Backend(err) => err.kind(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use umbp_core::{BackendError, ErrorKind};
+    use umbp_gpu::GpuError;
+
+    use super::*;
+
+    fn call(code: i32) -> GpuError {
+        GpuError::Call { runtime: "fake", call: "malloc", code, message: "x".into() }
+    }
+
+    #[test]
+    fn each_gpu_error_tells_the_caller_what_to_do_next() {
+        let expected = [
+            (
+                GpuError::NotFound { runtime: "hip", tried: vec!["libamdhip64.so"], reason: "x".into() },
+                ErrorKind::Unavailable,
+            ),
+            (
+                GpuError::MissingSymbol { library: "cuda", symbol: "cuMemAlloc", reason: "x".into() },
+                ErrorKind::Unavailable,
+            ),
+            (GpuError::Unavailable("x".into()), ErrorKind::Unavailable),
+            (call(2), ErrorKind::Retry),
+            (call(1), ErrorKind::Internal),
+            (GpuError::InvalidDevice { device: 3, count: 1 }, ErrorKind::InvalidInput),
+            (GpuError::Invalid("zero bytes".into()), ErrorKind::InvalidInput),
+            (GpuError::ForeignStream { stream_owner: 1, runtime: 2 }, ErrorKind::Internal),
+            (GpuError::NoCurrentDevice { call: "malloc" }, ErrorKind::Internal),
+        ];
+        for (err, kind) in expected {
+            assert_eq!(gpu_error_kind(&err), kind, "{err}");
+        }
+    }
+
+    #[test]
+    fn an_hbm_error_answers_for_its_cause() {
+        let device = HbmError::Device { device: 3, source: GpuError::InvalidDevice { device: 3, count: 1 } };
+        assert_eq!(device.kind(), ErrorKind::InvalidInput);
+        assert!(std::error::Error::source(&device).is_some(), "the runtime's error stays the source");
+        assert_eq!(HbmError::Device { device: 0, source: call(2) }.kind(), ErrorKind::Retry);
+        assert_eq!(HbmError::Backend(BackendError::ShutDown("hbm".into())).kind(), ErrorKind::Closed);
+    }
+}

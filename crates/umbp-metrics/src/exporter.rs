@@ -32,6 +32,16 @@ pub enum MetricsError {
     },
 }
 
+impl MetricsError {
+    /// What the caller should do next: an address that cannot be bound is
+    /// [`Unavailable`](umbp_core::ErrorKind::Unavailable) (free it, or pick another).
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        match self {
+            Self::Bind { .. } => umbp_core::ErrorKind::Unavailable,
+        }
+    }
+}
+
 /// Settings of a metrics endpoint. Labels stamped on every series belong to the exporter
 /// ([`MetricsExporter::new`]), not to the endpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -360,4 +370,19 @@ async fn answer(mut stream: TcpStream, exporter: Arc<MetricsExporter>) {
         }
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bind_failure_is_unavailable_and_keeps_its_cause() {
+        let err = MetricsError::Bind {
+            addr: SocketAddr::from(([127, 0, 0, 1], 9091)),
+            source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+        };
+        assert_eq!(err.kind(), umbp_core::ErrorKind::Unavailable);
+        assert!(std::error::Error::source(&err).is_some());
+    }
 }

@@ -42,6 +42,15 @@ pub enum AllocatorError {
     },
 }
 
+impl AllocatorError {
+    /// What the caller should do next: fix the geometry; no retry builds this allocator.
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        match self {
+            Self::ZeroPageSize | Self::TooManyPages { .. } => umbp_core::ErrorKind::InvalidInput,
+        }
+    }
+}
+
 /// How many words past the hint a contiguous search scans before consulting the run tree.
 const NEAR_HINT_WORDS: usize = 8;
 
@@ -622,6 +631,13 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn allocator_errors_are_invalid_input() {
+        assert_eq!(AllocatorError::ZeroPageSize.kind(), umbp_core::ErrorKind::InvalidInput);
+        let too_many = AllocatorError::TooManyPages { buffer_index: 0, pages: u64::MAX };
+        assert_eq!(too_many.kind(), umbp_core::ErrorKind::InvalidInput);
+    }
 
     const KIB: u64 = 1024;
 

@@ -76,6 +76,18 @@ pub enum SourceError {
     },
 }
 
+impl SourceError {
+    /// What the caller should do next: an allocation the system refused may succeed once memory is
+    /// freed ([`ErrorKind::Retry`](umbp_core::ErrorKind::Retry), as [`BackendError::OutOfMemory`](umbp_core::BackendError::OutOfMemory));
+    /// an invalid request never does.
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        match self {
+            Self::Allocation { .. } => umbp_core::ErrorKind::Retry,
+            Self::Invalid { .. } => umbp_core::ErrorKind::InvalidInput,
+        }
+    }
+}
+
 /// Where a paged medium gets memory. Slots, leases and events are [`PageBackend`](crate::PageBackend)'s
 /// job; a source only allocates, releases and says where its memory lives.
 ///
@@ -103,4 +115,24 @@ pub trait PageMemorySource: Send + Sync + fmt::Debug + 'static {
 
     /// A short name for logs.
     fn name(&self) -> &str;
+}
+
+#[cfg(test)]
+mod tests {
+    use umbp_core::ErrorKind;
+
+    use super::*;
+
+    #[test]
+    fn a_refused_allocation_is_retry_and_an_invalid_request_is_invalid_input() {
+        let refused = SourceError::Allocation {
+            source_name: "host".into(),
+            requested: 1 << 30,
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        };
+        assert_eq!(refused.kind(), ErrorKind::Retry);
+        assert!(std::error::Error::source(&refused).is_some(), "the OS error stays the source");
+        let invalid = SourceError::Invalid { source_name: "host".into(), reason: "overflow".into() };
+        assert_eq!(invalid.kind(), ErrorKind::InvalidInput);
+    }
 }

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use umbp_core::{LocalRegion, MemoryRegistrar, MetricSource, RegistrationError, TransferRef};
+use umbp_core::{ErrorKind, LocalRegion, MemoryRegistrar, MetricSource, RegistrationError, TransferRef};
 
 /// One copy the caller wants: `size` bytes from `src` at `src_offset` to `dst` at `dst_offset`.
 /// `tag` names the caller's unit of failure (usually a key's index in a batch); several items may
@@ -165,6 +165,30 @@ pub enum FailureKind {
     RemoteDevice,
 }
 
+impl FailureKind {
+    /// What the caller should do next (named `error_kind`, not `kind`, because a
+    /// [`TransferFailure`]'s `kind` field is this enum):
+    ///
+    /// - [`InvalidInput`](ErrorKind::InvalidInput): the item or the token can never work as given
+    ///   ([`Rejected`](Self::Rejected), [`OutOfRange`](Self::OutOfRange),
+    ///   [`Unauthorized`](Self::Unauthorized));
+    /// - [`Retry`](ErrorKind::Retry): the peer is busy or slow ([`Busy`](Self::Busy),
+    ///   [`Timeout`](Self::Timeout));
+    /// - [`Unavailable`](ErrorKind::Unavailable): the peer, its region or its device is gone; forget
+    ///   its descriptors and resolve again, or go elsewhere ([`ConnectionLost`](Self::ConnectionLost),
+    ///   [`UnknownRegion`](Self::UnknownRegion), [`RemoteDevice`](Self::RemoteDevice));
+    /// - [`Internal`](ErrorKind::Internal): a bug on one side ([`NotSubmitted`](Self::NotSubmitted),
+    ///   [`Protocol`](Self::Protocol), [`Local`](Self::Local)).
+    pub fn error_kind(self) -> ErrorKind {
+        match self {
+            Self::Rejected | Self::OutOfRange | Self::Unauthorized => ErrorKind::InvalidInput,
+            Self::Busy | Self::Timeout => ErrorKind::Retry,
+            Self::ConnectionLost | Self::UnknownRegion | Self::RemoteDevice => ErrorKind::Unavailable,
+            Self::NotSubmitted | Self::Protocol | Self::Local => ErrorKind::Internal,
+        }
+    }
+}
+
 /// One failed plan: every tag in it failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{kind:?} via {endpoint}: {message}")]
@@ -183,6 +207,11 @@ impl TransferFailure {
     /// A failure of `tags`.
     pub fn new(tags: Vec<u64>, kind: FailureKind, message: impl Into<String>, endpoint: impl Into<String>) -> Self {
         Self { tags, kind, message: message.into(), endpoint: endpoint.into() }
+    }
+
+    /// What the caller should do next: [`FailureKind::error_kind`] of its `kind`.
+    pub fn error_kind(&self) -> ErrorKind {
+        self.kind.error_kind()
     }
 }
 
@@ -292,4 +321,31 @@ pub fn transfer(engine: &dyn TransferEngine, items: &[TransferItem]) -> Result<(
         }
     }
     if failures.is_empty() { Ok(()) } else { Err(failures) }
+}
+
+#[cfg(test)]
+mod error_kind_tests {
+    use super::*;
+
+    #[test]
+    fn every_failure_kind_tells_the_caller_what_to_do_next() {
+        use FailureKind::*;
+        let expected = [
+            (Rejected, ErrorKind::InvalidInput),
+            (OutOfRange, ErrorKind::InvalidInput),
+            (Unauthorized, ErrorKind::InvalidInput),
+            (Busy, ErrorKind::Retry),
+            (Timeout, ErrorKind::Retry),
+            (ConnectionLost, ErrorKind::Unavailable),
+            (UnknownRegion, ErrorKind::Unavailable),
+            (RemoteDevice, ErrorKind::Unavailable),
+            (NotSubmitted, ErrorKind::Internal),
+            (Protocol, ErrorKind::Internal),
+            (Local, ErrorKind::Internal),
+        ];
+        for (kind, what) in expected {
+            assert_eq!(kind.error_kind(), what, "{kind:?}");
+            assert_eq!(TransferFailure::new(vec![1], kind, "x", "peer").error_kind(), what);
+        }
+    }
 }

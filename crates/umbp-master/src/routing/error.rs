@@ -40,3 +40,29 @@ pub enum RoutingConfigError {
         name: &'static str,
     },
 }
+
+impl RoutingConfigError {
+    /// What the caller should do next: every variant is a setting to fix, never to retry.
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        umbp_core::ErrorKind::InvalidInput
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_routing_config_error_is_invalid_input() {
+        let errors = [
+            RoutingConfigError::UnknownSelectAlgo { value: "x".into() },
+            RoutingConfigError::UnknownAffinity { value: "x".into() },
+            RoutingConfigError::UnknownGetAlgo { value: "x".into() },
+            RoutingConfigError::InvalidWatermarks { high: 0.5, low: 0.9 },
+            RoutingConfigError::ZeroDuration { name: "eviction_period" },
+        ];
+        for err in errors {
+            assert_eq!(err.kind(), umbp_core::ErrorKind::InvalidInput, "{err}");
+        }
+    }
+}

@@ -335,6 +335,17 @@ impl StoreError {
             Self::InvalidShardCount { .. } | Self::InvalidArgument { .. } => false,
         }
     }
+
+    /// What the caller should do next: fix an invalid argument; retry a backend that says it may
+    /// work later ([`Unavailable`](umbp_core::ErrorKind::Unavailable)); report one that says it never
+    /// will ([`Internal`](umbp_core::ErrorKind::Internal)).
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        match self {
+            Self::InvalidShardCount { .. } | Self::InvalidArgument { .. } => umbp_core::ErrorKind::InvalidInput,
+            Self::Backend { retryable: true, .. } => umbp_core::ErrorKind::Unavailable,
+            Self::Backend { retryable: false, .. } => umbp_core::ErrorKind::Internal,
+        }
+    }
 }
 
 /// The master's membership and key index. All methods are synchronous and thread-safe; each write is
@@ -503,6 +514,24 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_store_error_tells_the_caller_what_to_do_next() {
+        use umbp_core::ErrorKind;
+        assert_eq!(StoreError::InvalidShardCount { shards: 0, max: 4096 }.kind(), ErrorKind::InvalidInput);
+        assert_eq!(StoreError::InvalidArgument { reason: "empty node id" }.kind(), ErrorKind::InvalidInput);
+        let backend = |retryable| StoreError::Backend {
+            message: "redis".into(),
+            retryable,
+            source: Some(Box::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused))),
+        };
+        assert_eq!(backend(true).kind(), ErrorKind::Unavailable);
+        assert_eq!(backend(false).kind(), ErrorKind::Internal);
+        for err in [backend(true), backend(false), StoreError::InvalidArgument { reason: "x" }] {
+            assert_eq!(err.kind().is_retryable(), err.is_retryable(), "{err}");
+        }
+        assert!(std::error::Error::source(&backend(true)).is_some(), "the backend's error stays the source");
+    }
 
     #[derive(Debug)]
     struct Mock;
