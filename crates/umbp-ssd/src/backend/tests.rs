@@ -903,3 +903,37 @@ fn a_lone_writer_appends_and_a_segment_shared_by_two_writers_is_sized() {
     assert_eq!(resolve_bytes(&b, "ka"), Some(vec![2; 3000]));
     assert_eq!(resolve_bytes(&b, "kb"), Some(vec![3; 3000]));
 }
+
+/// The medium's `init` errors tell the caller what to do next through `BackendError::kind`: a
+/// directory another medium holds is unavailable (its IO error kept as the source), a medium
+/// shut down is closed, and a configuration past the open-file limit is invalid input.
+#[test]
+fn init_errors_carry_the_kind_that_says_what_to_do_next() {
+    use std::error::Error as _;
+    use umbp_core::ErrorKind;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = ManualClock::new();
+    let a = backend(dir.path(), &clock, 4);
+    let config = SsdConfig::builder([dir.path()]).page_size(PAGE).capacity_bytes(64 * PAGE).build().expect("config");
+    let b = SsdBackend::new(config);
+    let in_use = b.init(Arc::new(LocalOnlyRegistrar::new())).expect_err("the directory is a's");
+    assert_eq!(in_use.kind(), ErrorKind::Unavailable, "{in_use}");
+    assert!(in_use.source().is_some_and(|s| s.is::<io::Error>()), "the flock error is the source: {in_use:?}");
+    a.shutdown();
+    let closed = a.init(Arc::new(LocalOnlyRegistrar::new())).expect_err("a medium does not come back");
+    assert_eq!(closed.kind(), ErrorKind::Closed, "{closed}");
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `limit` is a valid `rlimit` for the call to fill.
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+    if got && limit.rlim_cur != libc::RLIM_INFINITY {
+        // More segments in the capacity than the process may open files (refused before any IO).
+        let huge = SsdConfig::builder([dir.path()])
+            .page_size(PAGE)
+            .capacity_bytes(32 * PAGE * (limit.rlim_cur + 16))
+            .segment_bytes(32 * PAGE)
+            .build()
+            .expect("config");
+        let err = SsdBackend::new(huge).init(Arc::new(LocalOnlyRegistrar::new())).expect_err("too many files");
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    }
+}
