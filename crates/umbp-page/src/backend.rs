@@ -368,6 +368,33 @@ struct Reaper {
 /// It never answers busy (neither [`AllocateOutcome::Busy`] nor a busy resolve): its pages are the
 /// capacity, so an allocation it has room for always gets them, and an owned key is always served
 /// from where it lies.
+///
+/// ```
+/// use std::sync::Arc;
+/// use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, KvEventKind, MediumBackend, TierType};
+/// use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+/// use umbp_testkit::LocalOnlyRegistrar;
+///
+/// // Two 1 MiB buffers of 4 KiB pages.
+/// let config = PageBackendConfig::new(TierType::Dram, 4096, vec![1 << 20; 2]);
+/// let source = HostPageMemorySource::new(HostMemoryOptions { prefault: false, ..HostMemoryOptions::default() });
+/// let backend = PageBackend::new(config, Box::new(source)).expect("a valid geometry");
+/// backend.init(Arc::new(LocalOnlyRegistrar::new())).expect("memory");
+/// assert_eq!(backend.capacity().total_bytes, 2 << 20);
+///
+/// let slot = backend.batch_allocate(&[AllocateRequest::new("k", 10_000)]).remove(0);
+/// assert_eq!(slot.outcome, AllocateOutcome::Allocated);
+/// assert!(backend.batch_commit(&[CommitRequest::new(slot.slot_id, "k")])[0].success);
+/// // The same key again is deduplicated, not stored twice.
+/// let again = backend.batch_allocate(&[AllocateRequest::new("k", 10_000)]).remove(0);
+/// assert_eq!(again.outcome, AllocateOutcome::AlreadyExists);
+///
+/// // What the node's heartbeat ships to the master.
+/// let events = backend.drain_pending_events();
+/// assert_eq!((events[0].kind, events[0].key.as_str()), (KvEventKind::Add, "k"));
+/// assert_eq!(backend.evict(&["k".to_owned()])[0].bytes_freed, 10_000);
+/// backend.shutdown();
+/// ```
 pub struct PageBackend {
     inner: Arc<Inner>,
     source: Box<dyn PageMemorySource>,

@@ -94,6 +94,70 @@ impl SourceError {
 /// [`location`](Self::location) and [`device`](Self::device) are the facts a descriptor cannot
 /// recover: `PageBackend` mirrors them into every [`TransferRef`](umbp_core::TransferRef) it publishes,
 /// and a wrong answer makes a local transfer pick the wrong engine with no error at build or init time.
+///
+/// A new paged medium is one of these (a sketch over the global allocator;
+/// [`HostPageMemorySource`](crate::HostPageMemorySource) is the real host one, with `mmap`, NUMA
+/// binding and huge pages):
+///
+/// ```
+/// use std::alloc::{Layout, alloc_zeroed, dealloc};
+/// use std::ptr::NonNull;
+/// use std::sync::{Arc, Mutex};
+/// use umbp_core::{MediumBackend, MemoryLocation, TierType};
+/// use umbp_page::{PageBackend, PageBackendConfig, PageMemorySource, RawBuffer, SourceError};
+///
+/// #[derive(Debug, Default)]
+/// struct HeapSource {
+///     held: Mutex<Vec<(NonNull<u8>, Layout)>>,
+/// }
+///
+/// // SAFETY: the pointers are plain heap memory, owned by the source, with no thread affinity.
+/// unsafe impl Send for HeapSource {}
+/// // SAFETY: as above; the list is behind a mutex.
+/// unsafe impl Sync for HeapSource {}
+///
+/// impl PageMemorySource for HeapSource {
+///     fn allocate(&self, sizes: &[u64]) -> Result<Vec<RawBuffer>, SourceError> {
+///         let invalid = |reason: &str| SourceError::Invalid { source_name: "heap".into(), reason: reason.into() };
+///         let mut held = self.held.lock().expect("not poisoned");
+///         let mut out = Vec::new();
+///         for &size in sizes.iter().filter(|&&s| s > 0) {
+///             let layout = usize::try_from(size)
+///                 .ok()
+///                 .and_then(|len| Layout::from_size_align(len, 4096).ok())
+///                 .ok_or_else(|| invalid("size past the address space"))?;
+///             // SAFETY: `layout` has a non-zero size.
+///             let base = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| invalid("out of memory"))?;
+///             held.push((base, layout));
+///             // SAFETY: `base` holds `size` bytes until `release` frees it.
+///             out.push(unsafe { RawBuffer::new(base, size) });
+///         }
+///         Ok(out) // (a real source gives back what this call got when a later size fails)
+///     }
+///
+///     fn release(&self) {
+///         for (base, layout) in self.held.lock().expect("not poisoned").drain(..) {
+///             // SAFETY: allocated above with this layout, freed once (drained).
+///             unsafe { dealloc(base.as_ptr(), layout) };
+///         }
+///     }
+///
+///     fn location(&self) -> MemoryLocation {
+///         MemoryLocation::Host
+///     }
+///
+///     fn name(&self) -> &str {
+///         "heap"
+///     }
+/// }
+///
+/// // Everything after allocation is PageBackend's.
+/// let config = PageBackendConfig::new(TierType::Dram, 4096, vec![64 << 10]);
+/// let backend = PageBackend::new(config, Box::new(HeapSource::default())).expect("a valid geometry");
+/// backend.init(Arc::new(umbp_testkit::LocalOnlyRegistrar::new())).expect("memory");
+/// assert_eq!(backend.capacity().total_bytes, 64 << 10);
+/// backend.shutdown();
+/// ```
 pub trait PageMemorySource: Send + Sync + fmt::Debug + 'static {
     /// One buffer per non-zero size (zero sizes are skipped, so the result may be shorter than
     /// `sizes`), all or nothing: on failure everything this call obtained is given back and nothing
