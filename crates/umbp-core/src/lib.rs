@@ -4,6 +4,32 @@
 //! HBM, SSD, …), a master decides placement, and a transfer layer moves bytes. This crate is the
 //! vocabulary the three share.
 //!
+//! ```
+//! use std::ptr::NonNull;
+//! use umbp_core::{
+//!     AllocateRequest, ErrorKind, KvEvent, LocalRegion, MemoryLocation, RegistryError, TierType, TransferRef,
+//! };
+//!
+//! // A medium describes memory it owns with a self-describing descriptor; the transfer layer needs
+//! // nothing else to copy to or from it.
+//! let mut page = vec![0u8; 4096];
+//! let base = NonNull::new(page.as_mut_ptr()).expect("a Vec's buffer is never null");
+//! // SAFETY: `page` outlives every use of the region below.
+//! let region = unsafe { LocalRegion::new(base, 4096, MemoryLocation::Host) };
+//! let desc = TransferRef::local(region);
+//! assert!(desc.location().is_host() && desc.size() == 4096);
+//!
+//! // Writers ask a medium for a slot by key and size; what a medium then holds reaches the master
+//! // as events.
+//! let request = AllocateRequest::new("llama-70b/blk/0", 4096);
+//! let event = KvEvent::add(request.key.clone(), TierType::Dram, request.size);
+//! assert_eq!(event.tier, TierType::Dram);
+//!
+//! // Every error says what the caller does next.
+//! let err = RegistryError::TooManyBackends { max: 8 };
+//! assert_eq!(err.kind(), ErrorKind::InvalidInput);
+//! ```
+//!
 //! # Owns
 //! - The wire-stable value types: [`TierType`], [`TierCapacity`], [`PageLocation`], [`KvEvent`], the
 //!   slot-lifecycle requests and results ([`AllocateRequest`], [`AllocateResult`], …) and
