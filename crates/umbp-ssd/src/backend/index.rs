@@ -103,6 +103,7 @@ impl<V: Located> KeyIndex<V> {
         }
     }
 
+    /// Inserts `key`'s value (returning any old one), indexed by segment and horizon.
     pub(super) fn insert(&mut self, key: String, value: V) -> Option<V> {
         let old = self.remove(&key);
         self.by_seg.entry(value.loc().seg).or_default().insert(key.clone());
@@ -113,6 +114,7 @@ impl<V: Located> KeyIndex<V> {
         old
     }
 
+    /// Removes `key` and its index entries.
     pub(super) fn remove(&mut self, key: &str) -> Option<V> {
         let v = self.map.remove(key)?;
         self.unindex(key, v.loc().seg);
@@ -133,6 +135,7 @@ impl<V: Located> KeyIndex<V> {
         }
     }
 
+    /// Empties the map and its indexes.
     pub(super) fn clear(&mut self) {
         self.map.clear();
         self.by_seg.clear();

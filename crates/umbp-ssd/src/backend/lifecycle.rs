@@ -19,6 +19,7 @@ pub(super) struct Reaper {
 }
 
 impl SsdBackend {
+    /// `init`: recovers the log, maps and registers the arena, starts the threads, goes live.
     pub(super) fn start(&self, registrar: Arc<dyn MemoryRegistrar>) -> Result<(), BackendError> {
         let mut lifecycle = self.lifecycle.lock();
         match *lifecycle {
@@ -87,6 +88,7 @@ impl SsdBackend {
         Ok(())
     }
 
+    /// `shutdown`: stops the threads, logs the last tombstones, syncs, deregisters, releases.
     pub(super) fn stop(&self) {
         let mut lifecycle = self.lifecycle.lock();
         if *lifecycle == Lifecycle::ShutDown {
@@ -116,6 +118,7 @@ impl SsdBackend {
         self.source.release();
     }
 
+    /// `clear_local`: forgets every key and deletes the log's segments.
     pub(super) fn clear(&self) {
         let now = self.inner.config.clock.now();
         let dead = {
@@ -130,6 +133,7 @@ impl SsdBackend {
         self.inner.delete_segments(dead);
     }
 
+    /// Starts the reaper (expiry) and log threads.
     pub(super) fn start_reaper(&self) -> io::Result<Reaper> {
         let (stop, stopped) = crossbeam_channel::bounded::<()>(1);
         let inner = Arc::clone(&self.inner);
@@ -158,6 +162,7 @@ impl SsdBackend {
         Ok(Reaper { stop, threads: vec![reaper, log] })
     }
 
+    /// Stops and joins the reaper and log threads.
     pub(super) fn stop_reaper(&self) {
         if let Some(reaper) = self.reaper.lock().take() {
             // Dropping the only sender wakes both threads (their receive sees it disconnected).
@@ -170,10 +175,12 @@ impl SsdBackend {
         }
     }
 
+    /// An IO error of this medium, with what it was doing.
     pub(super) fn io_error(context: String, source: io::Error) -> BackendError {
         BackendError::Io { medium: NAME.into(), context, source }
     }
 
+    /// Registers the staging arena with the registrar.
     pub(super) fn register(
         &self,
         registrar: &dyn MemoryRegistrar,

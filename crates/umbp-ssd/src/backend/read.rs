@@ -20,11 +20,13 @@ pub(super) struct Flight {
 }
 
 impl Flight {
+    /// Ends the flight, waking every waiter.
     pub(super) fn finish(&self) {
         *self.done.lock() = true;
         self.cv.notify_all();
     }
 
+    /// Waits up to `timeout` for the flight to end; whether it did.
     pub(super) fn wait(&self, timeout: Duration) -> bool {
         let mut done = self.done.lock();
         let deadline = Instant::now() + timeout;

@@ -230,32 +230,39 @@ impl State {
 
     // ---- events ----------------------------------------------------------------------------
 
+    /// Queues an event for the master.
     pub(super) fn push_event(&mut self, event: KvEvent) {
         self.outbox.push(event);
     }
 
+    /// The queued events, taken.
     pub(super) fn take_events(&mut self) -> Vec<KvEvent> {
         self.outbox.take()
     }
 
+    /// Drops the queued events (a full sync replaces them).
     pub(super) fn clear_events(&mut self) {
         self.outbox.clear();
     }
 
+    /// Sets the outbox's auto-flush threshold and hook.
     pub(super) fn set_auto_flush(&mut self, threshold: usize, hook: Option<AutoFlushHook>) {
         self.outbox.set_auto_flush(threshold, hook);
     }
 
     // ---- owned keys ------------------------------------------------------------------------
 
+    /// Whether `key` is owned (committed and not dropped).
     pub(super) fn owns(&self, key: &str) -> bool {
         self.owned.contains_key(key)
     }
 
+    /// `key`'s record and size, if owned.
     pub(super) fn owned(&self, key: &str) -> Option<Owned> {
         self.owned.get(key).copied()
     }
 
+    /// How many keys are owned.
     pub(super) fn owned_count(&self) -> usize {
         self.owned.len()
     }
