@@ -254,6 +254,40 @@ impl TransferHandle for CompletedHandle {
 /// A way to move bytes between [`TransferRef`]s: it registers memory (so it is a
 /// [`MemoryRegistrar`]), says which pairs of endpoints it can serve, turns items into plans and runs
 /// them.
+///
+/// Plan, submit, overlap other work, wait (what [`transfer`] does in one call):
+///
+/// ```
+/// use std::ptr::NonNull;
+/// use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar, TransferRef};
+/// use umbp_transfer::{LocalCopyEngine, TransferEngine, TransferItem};
+///
+/// let engine = LocalCopyEngine::default();
+/// let mut medium = vec![0u8; 1 << 20];
+/// let base = NonNull::new(medium.as_mut_ptr()).expect("non-null");
+/// // SAFETY: `medium` outlives its registration (deregistered below) and every copy.
+/// let region = unsafe { LocalRegion::new(base, 1 << 20, MemoryLocation::Host) };
+/// // A medium registers what it owns and publishes the descriptor it gets back.
+/// let dst = engine.register_memory(region).expect("host memory");
+///
+/// let mut value = b"hello, pool".to_vec();
+/// let src_base = NonNull::new(value.as_mut_ptr()).expect("non-null");
+/// // SAFETY: `value` outlives the batch (waited for below). Unregistered caller memory is fine.
+/// let src = TransferRef::local(unsafe { LocalRegion::new(src_base, 11, MemoryLocation::Host) });
+/// let items =
+///     [TransferItem { src: src.clone(), src_offset: 0, dst: dst.clone(), dst_offset: 4096, size: 11, tag: 42 }];
+/// // Reaches past the end of `src`: rejected by tag, never copied.
+/// let bad = TransferItem { src, src_offset: 8, dst: dst.clone(), dst_offset: 0, size: 11, tag: 43 };
+///
+/// assert!(engine.can_handle(&items[0].src, &items[0].dst));
+/// let plans = engine.plan(&[items[0].clone(), bad]);
+/// assert_eq!(plans.rejected_tags, [43]);
+/// let mut handle = engine.submit(plans.plans).expect("posted");
+/// // … other work overlaps the copy here …
+/// assert!(handle.wait().is_empty(), "no plan failed");
+/// assert_eq!(&medium[4096..4096 + 11], b"hello, pool");
+/// engine.deregister(&dst);
+/// ```
 pub trait TransferEngine: MemoryRegistrar + MetricSource {
     /// A short, stable name (the `engine=` metric label).
     fn name(&self) -> &str;

@@ -18,6 +18,30 @@
 //!   each (src, dst) pair goes to the first engine that can handle it, caller memory no engine can
 //!   address is staged through one bounce pool, and every engine is measured per direction.
 //!
+//! ```
+//! use std::ptr::NonNull;
+//! use umbp_core::{LocalRegion, MemoryLocation, TransferRef};
+//! use umbp_transfer::{LocalCopyEngine, TransferItem, transfer};
+//!
+//! fn host_ref(bytes: &mut [u8]) -> TransferRef {
+//!     let base = NonNull::new(bytes.as_mut_ptr()).expect("a slice's pointer is never null");
+//!     // SAFETY: each buffer below outlives the transfer that uses its ref.
+//!     TransferRef::local(unsafe { LocalRegion::new(base, bytes.len() as u64, MemoryLocation::Host) })
+//! }
+//!
+//! let mut value = vec![7u8; 8192];
+//! let mut pages = vec![0u8; 16384];
+//! let (src, dst) = (host_ref(&mut value), host_ref(&mut pages));
+//! // The value's two 4 KiB halves into pages 3 and 1 of a medium, in one batch.
+//! let items = [
+//!     TransferItem { src: src.clone(), src_offset: 0, dst: dst.clone(), dst_offset: 3 * 4096, size: 4096, tag: 0 },
+//!     TransferItem { src, src_offset: 4096, dst, dst_offset: 4096, size: 4096, tag: 1 },
+//! ];
+//! transfer(&LocalCopyEngine::default(), &items).expect("every item copied");
+//! assert!(pages[3 * 4096..].iter().all(|&b| b == 7) && pages[4096..2 * 4096].iter().all(|&b| b == 7));
+//! assert!(pages[..4096].iter().all(|&b| b == 0));
+//! ```
+//!
 //! # Owns
 //! Engines, their connections and threads, the data server's region table, the bounce pool and the
 //! peer directory (which remote buffers this node knows).
