@@ -211,6 +211,26 @@ where
 
 /// Runs every check against media built by `factory` and reports, without panicking. See [`run`]
 /// for what the subject must satisfy.
+///
+/// For a suite of one's own around it, or to show that a broken medium fails exactly the checks it
+/// should:
+///
+/// ```
+/// use std::sync::Arc;
+/// use umbp_testkit::conformance::{self, Subject};
+/// use umbp_testkit::{MockBackend, MockConfig};
+///
+/// let report = conformance::run_report(|env| {
+///     let config = MockConfig { clock: env.clock.clone(), pages: 8, ..MockConfig::default() };
+///     let (read_lease, pending_ttl) = (config.read_lease_ttl, config.pending_ttl);
+///     let mock = Arc::new(MockBackend::new(config));
+///     let reaper = Arc::clone(&mock);
+///     let tick = Box::new(move || reaper.reaper_tick());
+///     Subject { backend: mock, tick, read_lease, pending_ttl, background_reaper: false }
+/// });
+/// assert!(report.is_ok(), "{report}");
+/// assert_eq!(report.passed.len() + report.skipped.len(), conformance::checks().len());
+/// ```
 pub fn run_report<F>(factory: F) -> Report
 where
     F: Fn(&Env) -> Subject,

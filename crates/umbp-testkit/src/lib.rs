@@ -9,6 +9,30 @@
 //! - [`conformance`]: `conformance::run(factory)` checks every contract of architecture §5 against
 //!   any medium; a new medium proves itself by calling it from a test.
 //!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, ManualClock, MediumBackend};
+//! use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
+//!
+//! // A medium for a test of something built on one, with time under the test's control.
+//! let clock = ManualClock::new();
+//! let mock = MockBackend::new(MockConfig { clock: clock.clone(), pages: 4, ..MockConfig::default() });
+//! let registrar = Arc::new(LocalOnlyRegistrar::new());
+//! mock.init(registrar.clone()).expect("init");
+//! assert_eq!(registrar.live_registrations(), 1, "its one buffer");
+//!
+//! // A slot nobody commits is freed once its TTL passes and the reaper runs.
+//! let slot = mock.batch_allocate(&[AllocateRequest::new("k", 4096)]).remove(0);
+//! assert_eq!(slot.outcome, AllocateOutcome::Allocated);
+//! clock.advance(Duration::from_secs(31));
+//! mock.reaper_tick();
+//! assert!(!mock.batch_commit(&[CommitRequest::new(slot.slot_id, "k")])[0].success);
+//! assert_eq!(mock.calls().batch_commit, 1);
+//! mock.shutdown();
+//! assert_eq!(registrar.live_registrations(), 0, "shutdown deregisters");
+//! ```
+//!
 //! # Owns
 //! The fake medium, the test registrars and the suite's checks and their names.
 //!
