@@ -15,6 +15,7 @@
 //! Moves bytes itself (the transfer layer does) or decides placement (the master does).
 
 pub mod master_client;
+pub mod peer_client;
 pub mod peer_service;
 pub mod pool_client;
 

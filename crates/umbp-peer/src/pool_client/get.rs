@@ -29,12 +29,12 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{
-    BatchProgress, BusyWait, chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections, send_release,
-};
-use super::*;
-use crate::peer_service::decode_batch_resolve;
 use umbp_core::{PageLocation, ReadRelease};
+
+use super::holder::unreachable;
+use super::support::{BatchProgress, BusyWait, chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections};
+use super::*;
+use crate::peer_client::{LeaseRelease, PeerClientError};
 
 /// Where a found key lives on a remote holder.
 struct Hit {
@@ -470,14 +470,14 @@ impl PoolClient {
     /// busy, whose next resolve needs the pages back first.
     async fn release_reads(&self, keys: &[&str], planned: &[Planned], st: &ChunkState) {
         let mut local: Vec<ReadRelease> = Vec::new();
-        let mut remote: BTreeMap<(String, String), Vec<pb::ReadRelease>> = BTreeMap::new();
+        let mut remote: BTreeMap<(String, String), Vec<LeaseRelease>> = BTreeMap::new();
         for p in planned.iter().filter(|p| p.lease != 0) {
             let key = keys[p.index].to_owned();
             match &p.peer {
                 None => local.push(ReadRelease::new(key, p.lease)),
-                Some(peer) => remote.entry((p.node.clone(), peer.clone())).or_default().push(pb::ReadRelease {
+                Some(peer) => remote.entry((p.node.clone(), peer.clone())).or_default().push(LeaseRelease {
                     key,
-                    lease_id: p.lease,
+                    lease: p.lease,
                     backend_id: p.backend_id,
                 }),
             }
@@ -492,10 +492,14 @@ impl PoolClient {
         for ((node, _), reads) in remote {
             // Only over a connection still open: a holder that failed does not hold this round up
             // (its leases expire instead).
-            let Some(client) = self.peers.lock().get(&node).map(|c| c.client.clone()) else { continue };
-            let send =
-                send_release(client, node.clone(), reads, self.config.rpc_timeout, self.config.cluster_token.clone());
-            if st.waits_on(&node) {
+            let Some(client) = self.peers.open(&node) else { continue };
+            let waits = st.waits_on(&node);
+            let send = async move {
+                if let Err(e) = client.release(reads).await {
+                    tracing::debug!(node, error = %e, "read release did not land; the read lease expires instead");
+                }
+            };
+            if waits {
                 waited.push(send);
             } else {
                 self.releases.spawn(send);
@@ -613,7 +617,7 @@ impl PoolClient {
         peer: &str,
     ) -> (Instant, Result<Vec<Answer>, KeyError>) {
         let gone = || indexes.iter().map(|_| Answer::Miss).collect();
-        let mut client = match self.peer(node, peer).await {
+        let client = match self.peer(node, peer).await {
             Ok(c) => c,
             Err(e) => {
                 if refuses_connections(peer, self.config.rpc_timeout).await {
@@ -622,28 +626,20 @@ impl PoolClient {
                 return (Instant::now(), Err(e));
             }
         };
-        let bad = |message: String| KeyError::Unreachable { node: node.to_owned(), message };
         let omit_descs = self.directory.has_remote_buffers(node);
-        let request =
-            pb::BatchResolveKeysRequest { keys: indexes.iter().map(|i| keys[*i].to_owned()).collect(), omit_descs };
         let start = Instant::now();
-        let reply = match client.batch_resolve_keys(self.request(request)).await {
-            Ok(r) => r.into_inner(),
+        let decoded = match client.resolve(indexes.iter().map(|i| keys[*i].to_owned()).collect(), omit_descs).await {
+            Ok(d) => d,
             Err(e) => {
-                self.mark_unreachable(node);
-                if refuses_connections(peer, self.config.rpc_timeout).await {
+                // A holder that did not answer is marked by the client; one whose process is gone
+                // holds nothing.
+                if matches!(e, PeerClientError::Rpc { .. }) && refuses_connections(peer, self.config.rpc_timeout).await
+                {
                     return (start, Ok(gone()));
                 }
-                return (start, Err(bad(format!("resolve: {}", e.message()))));
+                return (start, Err(unreachable(node, &e)));
             }
         };
-        let decoded = match decode_batch_resolve(&reply) {
-            Ok(d) => d,
-            Err(e) => return (start, Err(bad(format!("malformed resolve reply: {e}")))),
-        };
-        if decoded.keys.len() != indexes.len() {
-            return (start, Err(bad(format!("answered {} of {} keys", decoded.keys.len(), indexes.len()))));
-        }
         self.directory.replace_remote_buffers(node, &decoded.descs);
         let mut shelves: HashMap<u32, Vec<Option<TransferRef>>> = HashMap::new();
         let found = decoded

@@ -22,8 +22,10 @@
 //! same address publishes new handles); a failed transfer forgets the peer's descriptors and
 //! connection, and a peer that cannot be reached is left out of routes for 2 s.
 
+mod compose;
 mod config;
 mod get;
+mod holder;
 mod metrics;
 mod put;
 mod support;
@@ -36,23 +38,16 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::sync::{RwLock, mpsc};
-use tonic::transport::{Channel, Endpoint};
 use umbp_core::{
     BackendRegistry, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSource, TierType, TransferRef,
 };
-use umbp_gpu::GpuRuntime;
-use umbp_metrics::{InstrumentedBackend, MetricsConfig, MetricsExporter, MetricsServer};
-use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
-use umbp_proto::v1 as pb;
-use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
-use umbp_transfer::{
-    CompositeConfig, CompositeTransferEngine, FailureKind, GpuCopyConfig, GpuCopyEngine, LocalCopyConfig,
-    LocalCopyEngine, PeerDirectory, TcpEngine, TcpEngineConfig, TransferEngine, TransferItem,
-};
+use umbp_metrics::{MetricsConfig, MetricsExporter, MetricsServer};
+use umbp_transfer::{CompositeTransferEngine, FailureKind, PeerDirectory, TransferEngine, TransferItem};
 
 use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
+use crate::peer_client::{PeerClient, PeerClientConfig, Peers};
 use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
-use config::ssd_dirs_exist;
+use compose::{Composed, compose};
 pub use config::{
     DramConfig, HbmConfig, IoEngineKind, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection, SsdConfig,
 };
@@ -248,8 +243,6 @@ pub struct PoolClientStats {
     pub recache_stored: u64,
 }
 
-type PeerClient = UmbpPeerClient<Channel>;
-
 /// How long a node that could not be reached is left out of every route.
 const UNREACHABLE_FOR: Duration = Duration::from_secs(2);
 /// A gauge not refreshed for this long leaves the metrics output (its source went away).
@@ -258,14 +251,6 @@ const METRICS_IDLE: Duration = Duration::from_secs(30);
 const TOUCHES_IN_FLIGHT: usize = 4;
 /// Capacity of the re-cache queue; new jobs are dropped when it is full.
 const RECACHE_QUEUE: usize = 1024;
-
-/// A cached connection to a peer.
-#[derive(Debug, Clone)]
-struct PeerConn {
-    address: String,
-    data_endpoint: String,
-    client: PeerClient,
-}
 
 /// A node of the pool (with or without a medium) and the client API over the whole pool.
 ///
@@ -283,10 +268,10 @@ pub struct PoolClient {
     data_endpoint: String,
     master: Arc<MasterClient>,
     peer_server: Mutex<Option<PeerServerHandle>>,
-    peers: Mutex<HashMap<String, PeerConn>>,
+    /// Connections to other nodes' peer services, and the nodes that did not answer lately (left
+    /// out of routes for [`UNREACHABLE_FOR`]).
+    peers: Arc<Peers>,
     directory: PeerDirectory,
-    /// Nodes that could not be reached, and when: left out of routes for [`UNREACHABLE_FOR`].
-    unreachable: Mutex<HashMap<String, Instant>>,
     /// Caller memory registered for zero copy: base address → (length, ref).
     user_regions: Mutex<BTreeMap<usize, (u64, TransferRef)>>,
     /// The operation gate: batches hold it shared, `close` exclusively; `true` once closed.
@@ -311,115 +296,7 @@ impl PoolClient {
         if config.page_size == 0 {
             return Err(PoolError::Config("page_size must be greater than 0".into()));
         }
-        // The GPU runtime: the HBM medium's, else the one `gpu_runtime` asks for (none by default:
-        // other nodes never touch a GPU unless asked). The GPU copy engine joins over it (so callers
-        // can put from and get into device memory), and the TCP data server stages peers' reads and
-        // writes of GPU regions (an HBM medium's pages) with it.
-        let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match (&config.medium, config.gpu_runtime) {
-            (Medium::Hbm(hbm), _) => Some(
-                hbm.runtime
-                    .load()
-                    .map_err(|e| PoolError::Config(format!("hbm medium: GPU runtime {}: {e}", hbm.runtime)))?,
-            ),
-            (_, None) => None,
-            (_, Some(RuntimeSelection::Auto)) => umbp_gpu::probe(),
-            (_, Some(selection)) => {
-                Some(selection.load().map_err(|e| PoolError::Config(format!("gpu_runtime {selection}: {e}")))?)
-            }
-        };
-        let tcp_config = TcpEngineConfig {
-            server: umbp_transfer::DataServerConfig {
-                listen: config.data_listen,
-                advertise: advertised(&config, config.data_listen)?,
-                ..Default::default()
-            },
-            cluster_token: config.cluster_token.clone(),
-            ..TcpEngineConfig::default()
-        };
-        let tcp = match &gpu_runtime {
-            Some(runtime) => TcpEngine::with_gpu_runtime(tcp_config, Arc::clone(runtime)),
-            None => TcpEngine::new(tcp_config),
-        }
-        .map_err(PoolError::DataPlane)?;
-        let data_endpoint = tcp.endpoint().to_owned();
-        let mut engines: Vec<Arc<dyn TransferEngine>> = vec![
-            Arc::new(LocalCopyEngine::new(LocalCopyConfig {
-                // A pipelined chunk copies on one thread (the pipeline overlaps chunks); a submit larger
-                // than two chunks (one huge value) still spreads over threads.
-                parallel_threshold: 2 * support::PIPELINE_CHUNK_BYTES,
-                ..LocalCopyConfig::default()
-            })),
-            Arc::new(tcp),
-        ];
-        if let Some(runtime) = &gpu_runtime {
-            // Pinning needs a current device: an HBM node uses its medium's, so it never touches
-            // (on the CUDA driver API: creates a context on) another GPU.
-            let pin_device = match &config.medium {
-                Medium::Hbm(hbm) => hbm.device,
-                _ => 0,
-            };
-            let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig { pin_device, ..GpuCopyConfig::default() })
-                .map_err(|e| PoolError::Transfer(format!("GPU copy engine: {e}")))?;
-            engines.push(Arc::new(gpu));
-        }
-        let engine = Arc::new(
-            CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
-                .map_err(|e| PoolError::Transfer(e.to_string()))?,
-        );
-        // The medium switch: one arm per medium. Adding a medium adds an arm here and nowhere else.
-        // Each arm also says whether the medium's calls do drive IO (see `medium_call`).
-        let (medium, medium_drive_io): (Option<Arc<dyn MediumBackend>>, bool) = match &config.medium {
-            Medium::None => (None, false),
-            Medium::Dram(dram) => {
-                let backend_config =
-                    PageBackendConfig::new(TierType::Dram, config.page_size, vec![dram.capacity_bytes])
-                        .with_pending_ttl(config.pending_ttl)
-                        .with_read_lease_ttl(config.read_lease);
-                let source = HostPageMemorySource::new(HostMemoryOptions {
-                    use_hugepages: dram.use_hugepages,
-                    numa_node: dram.numa_node,
-                    prefault: dram.prefault,
-                    transparent_hugepages: dram.transparent_hugepages,
-                    ..HostMemoryOptions::default()
-                });
-                (Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?)), false)
-            }
-            Medium::Hbm(hbm) => {
-                let runtime =
-                    gpu_runtime.clone().ok_or_else(|| PoolError::Config("hbm medium: no GPU runtime".into()))?;
-                let backend_config = PageBackendConfig::new(TierType::Hbm, config.page_size, Vec::new())
-                    .with_pending_ttl(config.pending_ttl)
-                    .with_read_lease_ttl(config.read_lease);
-                let backend = umbp_hbm::make_hbm_backend(
-                    runtime,
-                    &umbp_hbm::HbmConfig::new(hbm.device, hbm.capacity_bytes),
-                    backend_config,
-                )
-                .map_err(|e| PoolError::Config(format!("hbm medium: {e}")))?;
-                (Some(Arc::from(backend)), false)
-            }
-            Medium::Ssd(ssd) => {
-                if !ssd.create_dirs {
-                    ssd_dirs_exist(&ssd.dirs)?;
-                }
-                let ssd_config = umbp_ssd::SsdConfig::builder(ssd.dirs.iter().cloned())
-                    .page_size(config.page_size)
-                    .capacity_bytes(ssd.capacity_bytes)
-                    .io_engine(ssd.io_engine)
-                    .staging_pages(ssd.staging_pages)
-                    .pending_ttl(config.pending_ttl)
-                    .read_lease_ttl(ssd.read_lease)
-                    .sync_interval(ssd.sync_interval)
-                    .max_value_pages(ssd.max_value_pages)
-                    .cache_committed(ssd.cache_committed)
-                    .build()
-                    .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
-                (Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config))), true)
-            }
-        };
-        // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
-        // endpoint is configured; otherwise nothing would read the counters).
-        let medium = if config.metrics_listen.is_some() { medium.map(InstrumentedBackend::wrap) } else { medium };
+        let Composed { engine, data_endpoint, medium, medium_drive_io } = compose(&config)?;
         let mut registry = BackendRegistry::new();
         if let Some(m) = &medium {
             m.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>)?;
@@ -471,6 +348,12 @@ impl PoolClient {
             .with_data_endpoint(data_endpoint.clone());
         let master_config = MasterClientConfig { cluster_token: config.cluster_token.clone(), ..config.master.clone() };
         let master = Arc::new(MasterClient::connect(&config.master_address, master_config, node, registry).await?);
+        let peers = Peers::new(PeerClientConfig {
+            timeout: config.rpc_timeout,
+            token: config.cluster_token.clone(),
+            unreachable_for: UNREACHABLE_FOR,
+        })
+        .map_err(|e| PoolError::Config(format!("cluster_token: {e}")))?;
         master.register().await?;
         master.start_heartbeat()?;
         // Remote writers' commits land here: wake the heartbeat so the master indexes them at once.
@@ -511,9 +394,8 @@ impl PoolClient {
             data_endpoint,
             master,
             peer_server: Mutex::new(peer_server),
-            peers: Mutex::new(HashMap::new()),
+            peers,
             directory: PeerDirectory::new(),
-            unreachable: Mutex::new(HashMap::new()),
             user_regions: Mutex::new(BTreeMap::new()),
             gate: RwLock::new(false),
             recache_tx: Mutex::new(recache_tx),
@@ -656,69 +538,31 @@ impl PoolClient {
 
     /// Nodes that failed to answer within the last [`UNREACHABLE_FOR`].
     fn recently_unreachable(&self) -> Vec<String> {
-        let mut map = self.unreachable.lock();
-        map.retain(|_, at| at.elapsed() < UNREACHABLE_FOR);
-        map.keys().cloned().collect()
-    }
-
-    /// `node` did not answer: drop its connection and leave it out of routes for a while. Its
-    /// descriptors are kept (the address may be unchanged); a failed transfer forgets them.
-    fn mark_unreachable(&self, node: &str) {
-        self.unreachable.lock().insert(node.to_owned(), Instant::now());
-        self.peers.lock().remove(node);
+        self.peers.recently_unreachable()
     }
 
     /// A transfer with `node` failed: its descriptors may be stale (a restart), so forget them and
     /// the connection; the next contact asks `GetPeerInfo` again.
     fn forget_peer(&self, node: &str) {
-        self.peers.lock().remove(node);
+        self.peers.forget(node);
         self.directory.forget(node);
     }
 
-    async fn peer(&self, node: &str, peer: &str) -> Result<PeerClient, KeyError> {
-        if let Some(conn) = self.peers.lock().get(node)
-            && conn.address == peer
-        {
-            return Ok(conn.client.clone());
+    /// The connection to `node` at `address`: the open one, else a new one, whose `GetPeerInfo` is
+    /// authoritative for the peer's buffers. A node that cannot be reached is marked unreachable.
+    async fn peer(&self, node: &str, address: &str) -> Result<PeerClient, KeyError> {
+        if let Some(client) = self.peers.cached(node, address) {
+            return Ok(client);
         }
-        let unreachable = |message: String| KeyError::Unreachable { node: node.to_owned(), message };
-        let endpoint = Endpoint::from_shared(format!("http://{peer}"))
-            .map_err(|e| unreachable(format!("bad peer address {peer}: {e}")))?
-            .connect_timeout(self.config.rpc_timeout)
-            .timeout(self.config.rpc_timeout)
-            .tcp_nodelay(true);
-        let channel = match endpoint.connect().await {
-            Ok(c) => c,
-            Err(e) => {
-                self.mark_unreachable(node);
-                return Err(unreachable(format!("connecting to {peer}: {e}")));
-            }
-        };
-        let mut client = UmbpPeerClient::new(channel).max_decoding_message_size(64 << 20);
-        // First contact (or a new connection): GetPeerInfo is authoritative for the peer's buffers.
-        let info = match client.get_peer_info(self.request(pb::GetPeerInfoRequest {})).await {
-            Ok(r) => r.into_inner(),
-            Err(e) => {
-                self.mark_unreachable(node);
-                return Err(unreachable(format!("GetPeerInfo: {}", e.message())));
-            }
-        };
-        let descs: Vec<_> = info.buffer_descs.iter().filter_map(|d| umbp_core::BufferDesc::try_from(d).ok()).collect();
-        let previous = self.peers.lock().get(node).map(|c| c.data_endpoint.clone());
+        let previous = self.peers.open(node).map(|c| c.data_endpoint().to_owned());
+        let (client, info) = self.peers.connect(node, address).await.map_err(|e| holder::unreachable(node, &e))?;
         if previous.as_ref().is_some_and(|p| *p != info.data_endpoint) {
             tracing::info!(node, old = ?previous, new = %info.data_endpoint, "peer's data endpoint changed");
         }
         // Atomic: readers see the old table or the new one.
-        self.directory.reset_remote_buffers(node, &descs);
-        self.peers.lock().insert(
-            node.to_owned(),
-            PeerConn { address: peer.to_owned(), data_endpoint: info.data_endpoint, client: client.clone() },
-        );
+        self.directory.reset_remote_buffers(node, &info.descs);
+        self.peers.keep(&client);
         Ok(client)
-    }
-
-    fn request<T>(&self, message: T) -> tonic::Request<T> {
-        support::request(message, self.config.rpc_timeout, self.config.cluster_token.as_deref())
     }
 
     /// Plans, submits and waits for `items`; returns the failed tags with the failure's kind and
@@ -799,10 +643,10 @@ impl PoolClient {
             if node.node_id == self.config.node_id || node.peer_address.is_empty() {
                 continue;
             }
-            let Ok(mut client) = self.peer(&node.node_id, &node.peer_address).await else { continue };
-            if let Ok(reply) = client.evict_key(self.request(pb::EvictKeyRequest { keys: owned.clone() })).await {
-                for (f, e) in freed.iter_mut().zip(reply.into_inner().evicted) {
-                    *f += e.bytes_freed;
+            let Ok(client) = self.peer(&node.node_id, &node.peer_address).await else { continue };
+            if let Ok(bytes) = client.evict(owned.clone()).await {
+                for (f, b) in freed.iter_mut().zip(bytes) {
+                    *f += b;
                 }
             }
         }
@@ -849,7 +693,7 @@ impl PoolClient {
         if let Some(server) = server {
             server.shutdown().await;
         }
-        self.peers.lock().clear();
+        self.peers.clear();
         if let Some(metrics) = self.metrics.lock().take() {
             metrics.shutdown();
         }
@@ -862,20 +706,4 @@ impl PoolClient {
             self.engine.deregister(&r);
         }
     }
-}
-
-/// The data endpoint to advertise for a data server listening on `listen`: none (the bound address) for
-/// a specific IP; `node_address:port` for a wildcard IP, which then needs a fixed port.
-fn advertised(config: &PoolClientConfig, listen: SocketAddr) -> Result<Option<String>, PoolError> {
-    if !listen.ip().is_unspecified() {
-        return Ok(None);
-    }
-    if listen.port() == 0 {
-        return Err(PoolError::Config(format!(
-            "data_listen {listen} is a wildcard address with port 0: peers could not be told where to connect; \
-             give it a fixed port (it is advertised as {}:PORT)",
-            config.node_address
-        )));
-    }
-    Ok(Some(format!("{}:{}", config.node_address, listen.port())))
 }

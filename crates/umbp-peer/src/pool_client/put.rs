@@ -25,11 +25,12 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::support::{BatchProgress, BusyWait, SlotGuard, chunk_by_bytes, join_all, medium_call, pipelined};
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
+
+use super::holder::{Allocation, Holder};
+use super::support::{BatchProgress, BusyWait, SlotGuard, chunk_by_bytes, join_all, pipelined};
 use super::*;
 use crate::master_client::RoutePutDecision;
-use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
-use umbp_proto::convert::{outcome_from_wire, tier_to_wire};
 
 /// What allocating one key on a node produced.
 enum Alloc {
@@ -207,7 +208,7 @@ impl PoolClient {
     /// busy (see the module docs).
     async fn put_chunk(&self, items: &[(&str, CallerBuf)], chunk: &[usize], progress: &BatchProgress) -> PutState {
         let mut st = PutState::default();
-        let mut guard = SlotGuard::new(self.medium.clone(), self.config.rpc_timeout, self.config.cluster_token.clone());
+        let mut guard = SlotGuard::default();
         // A granted local round comes on top of the routed ones: a key the medium refuses still
         // gets the master's placement (and its re-routes), even with `max_reroutes` 0.
         let granted_tier = self.medium.as_ref().filter(|_| self.master.local_puts_granted()).map(|m| m.tier());
@@ -274,7 +275,7 @@ impl PoolClient {
     fn local_group(&self, tier: TierType, pending: Vec<usize>) -> Group {
         Group {
             node: self.config.node_id.clone(),
-            // Never dialled: allocate and commit on this node go straight to the medium.
+            // This node's own address is never dialled: its holder is the medium itself.
             peer: String::new(),
             tier,
             indexes: pending,
@@ -361,10 +362,10 @@ impl PoolClient {
         let allocs = join_all(groups.iter().map(|g| self.allocate_group(items, g)).collect()).await;
         let mut transfers = Vec::new();
         let mut planned: Vec<(usize, usize, u64, Instant)> = Vec::new();
-        let mut clients: Vec<Option<PeerClient>> = vec![None; groups.len()];
+        let mut holders: Vec<Option<Holder>> = vec![None; groups.len()];
         for (g, (group, alloc)) in groups.iter().zip(allocs).enumerate() {
             let node = group.node.as_str();
-            let (client, allocated) = match alloc {
+            let (holder, allocated) = match alloc {
                 Ok(a) => a,
                 Err(e) => {
                     for i in &group.indexes {
@@ -376,11 +377,11 @@ impl PoolClient {
             // Guard every slot before anything else can fail.
             for a in &allocated {
                 if let Alloc::Slot { slot_id, .. } = a {
-                    guard.track(node, client.as_ref(), *slot_id);
+                    guard.track(&holder, *slot_id);
                     allocated_any = true;
                 }
             }
-            clients[g] = client;
+            holders[g] = Some(holder);
             for (i, a) in group.indexes.iter().zip(allocated) {
                 let (_, value) = items[*i];
                 match a {
@@ -429,7 +430,7 @@ impl PoolClient {
             if let Some((kind, message)) = failed.get(&(i as u64)) {
                 let e = KeyError::Transfer { node: node.to_owned(), kind: *kind, message: message.clone() };
                 st.retry_elsewhere(i, node, e);
-                if node != self.config.node_id {
+                if matches!(holders[g], Some(Holder::Peer(_))) {
                     // The transfer may have failed on stale descriptors (a restarted peer).
                     self.forget_peer(node);
                 }
@@ -442,17 +443,16 @@ impl PoolClient {
         }
         // 3. Commit the survivors on every node at once.
         let commits: Vec<(usize, Vec<(usize, u64)>)> = commits.into_iter().collect();
-        let replies = join_all(
-            commits.iter().map(|(g, list)| self.commit_group(items, &groups[*g], clients[*g].clone(), list)).collect(),
-        )
-        .await;
+        // Only groups that allocated planned a copy: each has its holder.
+        let replies =
+            join_all(commits.iter().map(|(g, list)| self.commit_group(items, holders[*g].as_ref(), list)).collect())
+                .await;
         for ((g, list), reply) in commits.iter().zip(replies) {
             let node = groups[*g].node.as_str();
-            let local = clients[*g].is_none();
             for ((i, slot_id), ok) in list.iter().zip(reply) {
                 match ok {
                     Ok(()) => {
-                        guard.settle(node, local, *slot_id);
+                        guard.settle(node, *slot_id);
                         st.results.insert(*i, Ok(PutOutcome::Written));
                     }
                     Err(e) => st.retry_elsewhere(*i, node, e),
@@ -462,112 +462,38 @@ impl PoolClient {
         allocated_any
     }
 
-    /// Allocates a group's keys on its node: `(the peer client or None for this node, outcomes)`.
+    /// Allocates a group's keys on its node: the holder and one outcome per key.
     async fn allocate_group(
         &self,
         items: &[(&str, CallerBuf)],
         group: &Group,
-    ) -> Result<(Option<PeerClient>, Vec<Alloc>), KeyError> {
-        let node = group.node.as_str();
-        if node == self.config.node_id {
-            let Some(m) = &self.medium else {
-                return Err(KeyError::Refused { node: node.to_owned(), message: "this node lends no medium".into() });
-            };
-            let reqs: Vec<AllocateRequest> =
-                group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
-            let start = Instant::now();
-            // In place for every medium: allocation is bookkeeping (no drive IO), and slots handed
-            // out by a call this future could be dropped in the middle of would not be guarded.
-            let results = blocking(|| m.batch_allocate(&reqs));
-            let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
-            let allocs = results
-                .into_iter()
-                .map(|a| {
-                    let refs = Arc::clone(&refs);
-                    self.alloc(a.outcome, a.slot_id, a.pages, refs, a.page_size, start, a.pending_ttl_ms)
-                })
-                .collect();
-            return Ok((None, allocs));
-        }
-        let mut client = self.peer(node, &group.peer).await?;
-        // The tier the master routed to: the peer service dispatches on it.
-        let entries: Vec<pb::AllocateSlotRequest> = group
-            .indexes
-            .iter()
-            .map(|i| pb::AllocateSlotRequest {
-                size: items[*i].1.len as u64,
-                tier: tier_to_wire(group.tier),
-                key: items[*i].0.to_owned(),
-            })
-            .collect();
+    ) -> Result<(Holder, Vec<Alloc>), KeyError> {
+        let holder = self.holder(&group.node, &group.peer).await?;
+        let requests: Vec<AllocateRequest> =
+            group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
         let start = Instant::now();
-        let reply = match client
-            .batch_allocate_slots(self.request(pb::BatchAllocateSlotsRequest { entries, accepts_busy: true }))
-            .await
-        {
-            Ok(r) => r.into_inner(),
-            Err(e) => {
-                self.mark_unreachable(node);
-                return Err(KeyError::Unreachable {
-                    node: node.to_owned(),
-                    message: format!("allocate: {}", e.message()),
-                });
-            }
-        };
-        if reply.entries.len() != group.indexes.len() {
-            // Slots we cannot match to keys: release them at once.
-            let ids: Vec<u64> = reply
-                .entries
-                .iter()
-                .filter(|e| outcome_from_wire(e.outcome) == AllocateOutcome::Allocated)
-                .map(|e| e.slot_id)
-                .collect();
-            let _ = client.batch_abort_slots(self.request(pb::BatchAbortSlotsRequest { slot_ids: ids })).await;
-            return Err(KeyError::Unreachable {
-                node: node.to_owned(),
-                message: format!("answered {} of {} allocations", reply.entries.len(), group.indexes.len()),
-            });
-        }
-        let descs: Vec<_> = reply
-            .entries
-            .iter()
-            .flat_map(|e| e.descs.iter())
-            .filter_map(|d| umbp_core::BufferDesc::try_from(d).ok())
-            .collect();
-        // A restarted peer publishes new handles for the same buffers: the reply's descriptors win.
-        self.directory.replace_remote_buffers(node, &descs);
-        let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
-        let allocs = reply
-            .entries
-            .into_iter()
-            .map(|e| {
-                let refs = Arc::clone(
-                    shelves
-                        .entry(e.backend_id)
-                        .or_insert_with(|| self.directory.remote_buffer_snapshot(node, e.backend_id).into()),
-                );
-                let pages = e.pages.iter().map(PageLocation::from).collect();
-                self.alloc(outcome_from_wire(e.outcome), e.slot_id, pages, refs, e.page_size, start, e.pending_ttl_ms)
-            })
-            .collect();
-        Ok((Some(client), allocs))
+        // The tier the master routed to: the peer service dispatches on it.
+        let allocations = holder.allocate(&self.directory, group.tier, requests).await?;
+        let allocs = allocations.into_iter().map(|a| self.alloc(a, start)).collect();
+        Ok((holder, allocs))
     }
 
-    #[expect(clippy::too_many_arguments, reason = "the fields of one allocation reply")]
-    fn alloc(
-        &self,
-        outcome: AllocateOutcome,
-        slot_id: u64,
-        pages: Vec<PageLocation>,
-        refs: Arc<[Option<TransferRef>]>,
-        page_size: u64,
-        start: Instant,
-        ttl_ms: u64,
-    ) -> Alloc {
-        match outcome {
+    /// One allocation answer, with the slot's deadline counted from `start` (just before the call).
+    fn alloc(&self, a: Allocation, start: Instant) -> Alloc {
+        match a.outcome {
             AllocateOutcome::Allocated => {
-                let ttl = if ttl_ms == 0 { self.config.pending_ttl } else { Duration::from_millis(ttl_ms) };
-                Alloc::Slot { slot_id, pages, refs, page_size, deadline: slot_deadline(start, ttl) }
+                let ttl = if a.pending_ttl_ms == 0 {
+                    self.config.pending_ttl
+                } else {
+                    Duration::from_millis(a.pending_ttl_ms)
+                };
+                Alloc::Slot {
+                    slot_id: a.slot_id,
+                    pages: a.pages,
+                    refs: a.refs,
+                    page_size: a.page_size,
+                    deadline: slot_deadline(start, ttl),
+                }
             }
             AllocateOutcome::AlreadyExists => Alloc::Exists,
             AllocateOutcome::FailedNoSpace => Alloc::NoSpace,
@@ -576,45 +502,20 @@ impl PoolClient {
         }
     }
 
-    /// Commits `(key index, slot)` pairs on a group's node; one result per pair.
+    /// Commits `(key index, slot)` pairs on `holder`; one result per pair.
     async fn commit_group(
         &self,
         items: &[(&str, CallerBuf)],
-        group: &Group,
-        client: Option<PeerClient>,
+        holder: Option<&Holder>,
         list: &[(usize, u64)],
     ) -> Vec<Result<(), KeyError>> {
-        let node = group.node.as_str();
+        let Some(holder) = holder else { return vec![Err(KeyError::Failed("no holder".into())); list.len()] };
+        let node = holder.node();
         let refused = || KeyError::Refused { node: node.to_owned(), message: "commit refused".into() };
-        let Some(mut client) = client else {
-            let Some(m) = &self.medium else { return vec![Err(refused()); list.len()] };
-            let reqs: Vec<CommitRequest> = list.iter().map(|(i, id)| CommitRequest::new(*id, items[*i].0)).collect();
-            let Some(results) = medium_call(m, self.medium_drive_io, move |m| m.batch_commit(&reqs)).await else {
-                return vec![Err(refused()); list.len()];
-            };
-            if results.iter().any(|r| r.success) {
-                // Local writes become visible to other nodes as soon as the master hears.
-                self.master.flush();
-            }
-            let mut out: Vec<Result<(), KeyError>> =
-                results.iter().map(|r| if r.success { Ok(()) } else { Err(refused()) }).collect();
-            out.resize(list.len(), Err(refused()));
-            return out;
-        };
-        let entries =
-            list.iter().map(|(i, id)| pb::CommitSlotRequest { slot_id: *id, key: items[*i].0.to_owned() }).collect();
-        match client.batch_commit_slots(self.request(pb::BatchCommitSlotsRequest { entries })).await {
-            Ok(reply) => {
-                let reply = reply.into_inner().entries;
-                (0..list.len())
-                    .map(|n| if reply.get(n).is_some_and(|r| r.success) { Ok(()) } else { Err(refused()) })
-                    .collect()
-            }
-            Err(e) => {
-                self.mark_unreachable(node);
-                let e = KeyError::Unreachable { node: node.to_owned(), message: format!("commit: {}", e.message()) };
-                vec![Err(e); list.len()]
-            }
+        let commits: Vec<CommitRequest> = list.iter().map(|(i, id)| CommitRequest::new(*id, items[*i].0)).collect();
+        match holder.commit(commits).await {
+            Ok(done) => done.into_iter().map(|ok| if ok { Ok(()) } else { Err(refused()) }).collect(),
+            Err(e) => vec![Err(e); list.len()],
         }
     }
 }

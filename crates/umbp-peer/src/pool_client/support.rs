@@ -16,10 +16,10 @@ use umbp_core::{
     AllocateOutcome, AllocateRequest, CommitRequest, LocalRegion, MediumBackend, MemoryLocation, PageLocation,
     TransferRef,
 };
-use umbp_proto::v1 as pb;
 use umbp_transfer::{CompositeTransferEngine, TransferItem};
 
-use super::{PeerClient, PoolClientStats};
+use super::PoolClientStats;
+use super::holder::Holder;
 use crate::master_client::MasterClient;
 
 /// A caller's buffer for the duration of one batch call.
@@ -331,21 +331,6 @@ impl Releases {
     }
 }
 
-/// Sends `reads` to a holder's `ReleaseReads` (best effort: a lost release only waits for the
-/// lease's expiry).
-pub(super) async fn send_release(
-    mut client: PeerClient,
-    node: String,
-    reads: Vec<pb::ReadRelease>,
-    timeout: Duration,
-    token: Option<String>,
-) {
-    let r = request(pb::ReleaseReadsRequest { reads }, timeout, token.as_deref());
-    if let Err(e) = client.release_reads(r).await {
-        tracing::debug!(node, error = %e.message(), "read release did not land; the read lease expires instead");
-    }
-}
-
 /// Whether `peer` (`host:port`) refuses TCP connections now: nothing listens there (the holder's
 /// process is gone). A timeout or any other failure is not a refusal.
 pub(super) async fn refuses_connections(peer: &str, timeout: Duration) -> bool {
@@ -353,18 +338,6 @@ pub(super) async fn refuses_connections(peer: &str, timeout: Duration) -> bool {
         tokio::time::timeout(timeout, tokio::net::TcpStream::connect(peer)).await,
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
     )
-}
-
-/// A request with the RPC deadline and the cluster token.
-pub(super) fn request<T>(message: T, timeout: Duration, token: Option<&str>) -> tonic::Request<T> {
-    let mut r = tonic::Request::new(message);
-    r.set_timeout(timeout);
-    if let Some(token) = token
-        && let Ok(v) = token.parse()
-    {
-        r.metadata_mut().insert(crate::master_client::TOKEN_METADATA, v);
-    }
-    r
 }
 
 /// The live counters behind [`PoolClientStats`].
@@ -396,79 +369,40 @@ impl StatCounters {
     }
 }
 
-/// Allocated-but-unsettled slots of one batch. Whatever is still here when the guard is flushed or
-/// dropped is aborted: every failure branch (and a cancelled future) releases its slots at once
-/// instead of waiting for the pending TTL.
+/// Allocated-but-unsettled slots of one batch, by holder. Whatever is still here when the guard is
+/// flushed or dropped is aborted: every failure branch (and a cancelled future) releases its slots at
+/// once instead of waiting for the pending TTL.
+#[derive(Default)]
 pub(super) struct SlotGuard {
-    medium: Option<Arc<dyn MediumBackend>>,
-    timeout: Duration,
-    token: Option<String>,
-    local: Vec<u64>,
-    remote: HashMap<String, (PeerClient, Vec<u64>)>,
+    slots: HashMap<String, (Holder, Vec<u64>)>,
 }
 
 impl SlotGuard {
-    pub(super) fn new(medium: Option<Arc<dyn MediumBackend>>, timeout: Duration, token: Option<String>) -> Self {
-        Self { medium, timeout, token, local: Vec::new(), remote: HashMap::new() }
-    }
-
-    /// Tracks a slot; `client` is `None` for this node's medium.
-    pub(super) fn track(&mut self, node: &str, client: Option<&PeerClient>, slot_id: u64) {
-        match client {
-            None => self.local.push(slot_id),
-            Some(c) => self.remote.entry(node.to_owned()).or_insert_with(|| (c.clone(), Vec::new())).1.push(slot_id),
-        }
+    /// Tracks a slot on `holder`.
+    pub(super) fn track(&mut self, holder: &Holder, slot_id: u64) {
+        self.slots.entry(holder.node().to_owned()).or_insert_with(|| (holder.clone(), Vec::new())).1.push(slot_id);
     }
 
     /// The slot was committed: nothing to abort.
-    pub(super) fn settle(&mut self, node: &str, local: bool, slot_id: u64) {
-        let list = if local { Some(&mut self.local) } else { self.remote.get_mut(node).map(|(_, l)| l) };
-        if let Some(list) = list {
+    pub(super) fn settle(&mut self, node: &str, slot_id: u64) {
+        if let Some((_, list)) = self.slots.get_mut(node) {
             list.retain(|id| *id != slot_id);
         }
     }
 
     /// Aborts everything still tracked (best effort: a missed abort is reaped by the slot TTL).
     pub(super) async fn abort_all(&mut self) {
-        if let Some(m) = &self.medium
-            && !self.local.is_empty()
-        {
-            let ids = std::mem::take(&mut self.local);
-            blocking(|| m.batch_abort(&ids));
-        }
-        for (node, (mut client, ids)) in std::mem::take(&mut self.remote) {
-            if ids.is_empty() {
-                continue;
-            }
-            let r = request(pb::BatchAbortSlotsRequest { slot_ids: ids }, self.timeout, self.token.as_deref());
-            if let Err(e) = client.batch_abort_slots(r).await {
-                tracing::debug!(node, error = %e.message(), "abort did not land; the slot TTL reaps it");
-            }
+        for (holder, ids) in std::mem::take(&mut self.slots).into_values() {
+            holder.abort(ids).await;
         }
     }
 }
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        if let Some(m) = &self.medium
-            && !self.local.is_empty()
-        {
-            m.batch_abort(&self.local);
+        for (holder, ids) in std::mem::take(&mut self.slots).into_values() {
+            holder.abort_detached(ids);
         }
-        let remote: Vec<_> =
-            std::mem::take(&mut self.remote).into_values().filter(|(_, ids)| !ids.is_empty()).collect();
-        if remote.is_empty() {
-            return;
-        }
-        let Ok(handle) = Handle::try_current() else { return };
-        let (timeout, token) = (self.timeout, self.token.clone());
-        handle.spawn(async move {
-            for (mut client, ids) in remote {
-                let _ = client
-                    .batch_abort_slots(request(pb::BatchAbortSlotsRequest { slot_ids: ids }, timeout, token.as_deref()))
-                    .await;
-            }
-        });
     }
 }
 

@@ -1,0 +1,159 @@
+//! The composition root: the only place that names concrete media and transfer engines. It builds
+//! the composite engine (local copy + TCP, plus GPU copy when the node lends HBM or `gpu_runtime`
+//! asks for it) and the node's one medium from its [`Medium`] setting, with a `match`: adding a
+//! medium adds an arm here and nowhere else.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use umbp_core::{MediumBackend, TierType};
+use umbp_gpu::GpuRuntime;
+use umbp_metrics::InstrumentedBackend;
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+use umbp_transfer::{
+    CompositeConfig, CompositeTransferEngine, GpuCopyConfig, GpuCopyEngine, LocalCopyConfig, LocalCopyEngine,
+    TcpEngine, TcpEngineConfig, TransferEngine,
+};
+
+use super::config::ssd_dirs_exist;
+use super::{Medium, PoolClientConfig, PoolError, RuntimeSelection, support};
+
+/// What the composition root built for one node.
+pub(super) struct Composed {
+    /// Every engine of the node behind one.
+    pub(super) engine: Arc<CompositeTransferEngine>,
+    /// The TCP data server's advertised endpoint.
+    pub(super) data_endpoint: String,
+    /// The node's medium, not yet `init`ed (none for a client-only node).
+    pub(super) medium: Option<Arc<dyn MediumBackend>>,
+    /// Whether the medium's calls do drive IO (see `medium_call`).
+    pub(super) medium_drive_io: bool,
+}
+
+/// Builds the engines and the medium `config` names.
+pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> {
+    // The GPU runtime: the HBM medium's, else the one `gpu_runtime` asks for (none by default:
+    // other nodes never touch a GPU unless asked). The GPU copy engine joins over it (so callers
+    // can put from and get into device memory), and the TCP data server stages peers' reads and
+    // writes of GPU regions (an HBM medium's pages) with it.
+    let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match (&config.medium, config.gpu_runtime) {
+        (Medium::Hbm(hbm), _) => Some(
+            hbm.runtime
+                .load()
+                .map_err(|e| PoolError::Config(format!("hbm medium: GPU runtime {}: {e}", hbm.runtime)))?,
+        ),
+        (_, None) => None,
+        (_, Some(RuntimeSelection::Auto)) => umbp_gpu::probe(),
+        (_, Some(selection)) => {
+            Some(selection.load().map_err(|e| PoolError::Config(format!("gpu_runtime {selection}: {e}")))?)
+        }
+    };
+    let tcp_config = TcpEngineConfig {
+        server: umbp_transfer::DataServerConfig {
+            listen: config.data_listen,
+            advertise: advertised(config, config.data_listen)?,
+            ..Default::default()
+        },
+        cluster_token: config.cluster_token.clone(),
+        ..TcpEngineConfig::default()
+    };
+    let tcp = match &gpu_runtime {
+        Some(runtime) => TcpEngine::with_gpu_runtime(tcp_config, Arc::clone(runtime)),
+        None => TcpEngine::new(tcp_config),
+    }
+    .map_err(PoolError::DataPlane)?;
+    let data_endpoint = tcp.endpoint().to_owned();
+    let mut engines: Vec<Arc<dyn TransferEngine>> = vec![
+        Arc::new(LocalCopyEngine::new(LocalCopyConfig {
+            // A pipelined chunk copies on one thread (the pipeline overlaps chunks); a submit larger
+            // than two chunks (one huge value) still spreads over threads.
+            parallel_threshold: 2 * support::PIPELINE_CHUNK_BYTES,
+            ..LocalCopyConfig::default()
+        })),
+        Arc::new(tcp),
+    ];
+    if let Some(runtime) = &gpu_runtime {
+        // Pinning needs a current device: an HBM node uses its medium's, so it never touches
+        // (on the CUDA driver API: creates a context on) another GPU.
+        let pin_device = match &config.medium {
+            Medium::Hbm(hbm) => hbm.device,
+            _ => 0,
+        };
+        let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig { pin_device, ..GpuCopyConfig::default() })
+            .map_err(|e| PoolError::Transfer(format!("GPU copy engine: {e}")))?;
+        engines.push(Arc::new(gpu));
+    }
+    let engine = Arc::new(
+        CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
+            .map_err(|e| PoolError::Transfer(e.to_string()))?,
+    );
+    // The medium switch: one arm per medium. Adding a medium adds an arm here and nowhere else.
+    // Each arm also says whether the medium's calls do drive IO (see `medium_call`).
+    let (medium, medium_drive_io): (Option<Arc<dyn MediumBackend>>, bool) = match &config.medium {
+        Medium::None => (None, false),
+        Medium::Dram(dram) => {
+            let backend_config = PageBackendConfig::new(TierType::Dram, config.page_size, vec![dram.capacity_bytes])
+                .with_pending_ttl(config.pending_ttl)
+                .with_read_lease_ttl(config.read_lease);
+            let source = HostPageMemorySource::new(HostMemoryOptions {
+                use_hugepages: dram.use_hugepages,
+                numa_node: dram.numa_node,
+                prefault: dram.prefault,
+                transparent_hugepages: dram.transparent_hugepages,
+                ..HostMemoryOptions::default()
+            });
+            (Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?)), false)
+        }
+        Medium::Hbm(hbm) => {
+            let runtime = gpu_runtime.clone().ok_or_else(|| PoolError::Config("hbm medium: no GPU runtime".into()))?;
+            let backend_config = PageBackendConfig::new(TierType::Hbm, config.page_size, Vec::new())
+                .with_pending_ttl(config.pending_ttl)
+                .with_read_lease_ttl(config.read_lease);
+            let backend = umbp_hbm::make_hbm_backend(
+                runtime,
+                &umbp_hbm::HbmConfig::new(hbm.device, hbm.capacity_bytes),
+                backend_config,
+            )
+            .map_err(|e| PoolError::Config(format!("hbm medium: {e}")))?;
+            (Some(Arc::from(backend)), false)
+        }
+        Medium::Ssd(ssd) => {
+            if !ssd.create_dirs {
+                ssd_dirs_exist(&ssd.dirs)?;
+            }
+            let ssd_config = umbp_ssd::SsdConfig::builder(ssd.dirs.iter().cloned())
+                .page_size(config.page_size)
+                .capacity_bytes(ssd.capacity_bytes)
+                .io_engine(ssd.io_engine)
+                .staging_pages(ssd.staging_pages)
+                .pending_ttl(config.pending_ttl)
+                .read_lease_ttl(ssd.read_lease)
+                .sync_interval(ssd.sync_interval)
+                .max_value_pages(ssd.max_value_pages)
+                .cache_committed(ssd.cache_committed)
+                .build()
+                .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
+            (Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config))), true)
+        }
+    };
+    // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
+    // endpoint is configured; otherwise nothing would read the counters).
+    let medium = if config.metrics_listen.is_some() { medium.map(InstrumentedBackend::wrap) } else { medium };
+    Ok(Composed { engine, data_endpoint, medium, medium_drive_io })
+}
+
+/// The data endpoint to advertise for a data server listening on `listen`: none (the bound address) for
+/// a specific IP; `node_address:port` for a wildcard IP, which then needs a fixed port.
+fn advertised(config: &PoolClientConfig, listen: SocketAddr) -> Result<Option<String>, PoolError> {
+    if !listen.ip().is_unspecified() {
+        return Ok(None);
+    }
+    if listen.port() == 0 {
+        return Err(PoolError::Config(format!(
+            "data_listen {listen} is a wildcard address with port 0: peers could not be told where to connect; \
+             give it a fixed port (it is advertised as {}:PORT)",
+            config.node_address
+        )));
+    }
+    Ok(Some(format!("{}:{}", config.node_address, listen.port())))
+}

@@ -1,0 +1,200 @@
+//! [`Holder`]: the node a put allocates on or a get reads from — this node's medium or another
+//! node's peer service — behind one set of async calls that speak core types, so the put and get
+//! paths are written once. Only [`PoolClient::holder`] tells the two apart.
+
+use std::collections::HashMap;
+
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
+
+use super::support::{blocking, medium_call};
+use super::*;
+use crate::peer_client::{PeerClient, PeerClientError};
+
+/// This node's medium, as a holder.
+#[derive(Clone)]
+pub(super) struct Here {
+    pub(super) node: Arc<str>,
+    pub(super) medium: Arc<dyn MediumBackend>,
+    /// Whether its calls do drive IO (see `medium_call`).
+    pub(super) drive_io: bool,
+    /// Told at once of local commits (other nodes see the keys when the master hears).
+    pub(super) master: Arc<MasterClient>,
+}
+
+/// Where a key's slot or value is: this node's medium or another node.
+#[derive(Clone)]
+pub(super) enum Holder {
+    /// This node's medium.
+    Here(Here),
+    /// Another node, over its peer service.
+    Peer(Box<PeerClient>),
+}
+
+/// One allocation on a holder, with the buffer table its pages index (shared by every key of the
+/// answer that the same medium served).
+pub(super) struct Allocation {
+    pub(super) outcome: AllocateOutcome,
+    pub(super) slot_id: u64,
+    pub(super) pages: Vec<PageLocation>,
+    pub(super) refs: Arc<[Option<TransferRef>]>,
+    pub(super) page_size: u64,
+    /// The slot's pending TTL as the holder stated it (0: not stated).
+    pub(super) pending_ttl_ms: u64,
+}
+
+/// A peer's failure as a key's error.
+pub(super) fn unreachable(node: &str, e: &PeerClientError) -> KeyError {
+    KeyError::Unreachable { node: node.to_owned(), message: with_sources(e) }
+}
+
+/// An error and its sources, `a: b: c`.
+pub(super) fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
+}
+
+impl Holder {
+    /// The holder's node id.
+    pub(super) fn node(&self) -> &str {
+        match self {
+            Self::Here(h) => &h.node,
+            Self::Peer(p) => p.node(),
+        }
+    }
+
+    /// Reserves a slot for each request on the holder's medium of `tier`; one answer per request.
+    /// A remote holder's descriptors replace the cached ones in `directory` (a restarted peer
+    /// publishes new handles for the same buffers).
+    pub(super) async fn allocate(
+        &self,
+        directory: &PeerDirectory,
+        tier: TierType,
+        requests: Vec<AllocateRequest>,
+    ) -> Result<Vec<Allocation>, KeyError> {
+        match self {
+            Self::Here(h) => {
+                let m = &h.medium;
+                // In place for every medium: allocation is bookkeeping (no drive IO), and slots handed
+                // out by a call this future could be dropped in the middle of would not be guarded.
+                let results = blocking(|| m.batch_allocate(&requests));
+                let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
+                Ok(results
+                    .into_iter()
+                    .map(|a| Allocation {
+                        outcome: a.outcome,
+                        slot_id: a.slot_id,
+                        pages: a.pages,
+                        refs: Arc::clone(&refs),
+                        page_size: a.page_size,
+                        pending_ttl_ms: a.pending_ttl_ms,
+                    })
+                    .collect())
+            }
+            Self::Peer(p) => {
+                let node = p.node();
+                let answers = p.allocate(tier, &requests).await.map_err(|e| unreachable(node, &e))?;
+                let descs: Vec<_> = answers.iter().flat_map(|a| a.result.descs.iter().cloned()).collect();
+                directory.replace_remote_buffers(node, &descs);
+                let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
+                Ok(answers
+                    .into_iter()
+                    .map(|a| {
+                        let refs = Arc::clone(
+                            shelves
+                                .entry(a.backend_id)
+                                .or_insert_with(|| directory.remote_buffer_snapshot(node, a.backend_id).into()),
+                        );
+                        let r = a.result;
+                        Allocation {
+                            outcome: r.outcome,
+                            slot_id: r.slot_id,
+                            pages: r.pages,
+                            refs,
+                            page_size: r.page_size,
+                            pending_ttl_ms: r.pending_ttl_ms,
+                        }
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// Commits slots; whether each was committed, one per request. A holder that cannot be
+    /// reached is an error for every slot.
+    pub(super) async fn commit(&self, commits: Vec<CommitRequest>) -> Result<Vec<bool>, KeyError> {
+        let n = commits.len();
+        match self {
+            Self::Here(h) => {
+                let Some(results) = medium_call(&h.medium, h.drive_io, move |m| m.batch_commit(&commits)).await else {
+                    return Ok(vec![false; n]);
+                };
+                if results.iter().any(|r| r.success) {
+                    // Local writes become visible to other nodes as soon as the master hears.
+                    h.master.flush();
+                }
+                let mut out: Vec<bool> = results.iter().map(|r| r.success).collect();
+                out.resize(n, false);
+                Ok(out)
+            }
+            Self::Peer(p) => p.commit(&commits).await.map_err(|e| unreachable(p.node(), &e)),
+        }
+    }
+
+    /// Aborts slots (best effort: a missed abort is reaped by the slot TTL).
+    pub(super) async fn abort(&self, slot_ids: Vec<u64>) {
+        if slot_ids.is_empty() {
+            return;
+        }
+        match self {
+            Self::Here(h) => drop(blocking(|| h.medium.batch_abort(&slot_ids))),
+            Self::Peer(p) => {
+                if let Err(e) = p.abort(&slot_ids).await {
+                    tracing::debug!(node = p.node(), error = %e, "abort did not land; the slot TTL reaps it");
+                }
+            }
+        }
+    }
+
+    /// [`abort`](Self::abort) from a destructor: this node's medium at once, a remote holder in the
+    /// background (dropped without a runtime: the slot TTL reaps the slots).
+    pub(super) fn abort_detached(&self, slot_ids: Vec<u64>) {
+        if slot_ids.is_empty() {
+            return;
+        }
+        match self {
+            Self::Here(h) => drop(h.medium.batch_abort(&slot_ids)),
+            Self::Peer(p) => {
+                let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+                let p = PeerClient::clone(p);
+                handle.spawn(async move {
+                    let _ = p.abort(&slot_ids).await;
+                });
+            }
+        }
+    }
+}
+
+impl PoolClient {
+    /// The holder for `node` at `peer` (its peer address): this node's medium when `node` is this
+    /// node, else a connection to the peer (opened, and its buffers learnt, on first contact).
+    pub(super) async fn holder(&self, node: &str, peer: &str) -> Result<Holder, KeyError> {
+        if node == self.config.node_id {
+            let Some(medium) = &self.medium else {
+                return Err(KeyError::Refused { node: node.to_owned(), message: "this node lends no medium".into() });
+            };
+            return Ok(Holder::Here(Here {
+                node: node.into(),
+                medium: Arc::clone(medium),
+                drive_io: self.medium_drive_io,
+                master: Arc::clone(&self.master),
+            }));
+        }
+        self.peer(node, peer).await.map(|p| Holder::Peer(Box::new(p)))
+    }
+}
