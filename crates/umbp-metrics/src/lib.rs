@@ -1,6 +1,43 @@
 //! Observability for umbp-rs: every medium charted by its `tier=` label, with no metrics code in the
 //! medium.
 //!
+//! ```
+//! use std::io::{Read as _, Write as _};
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use umbp_core::MediumBackend;
+//! use umbp_metrics::{InstrumentedBackend, MetricsConfig, MetricsExporter, MetricsServer};
+//! use umbp_testkit::{LocalOnlyRegistrar, MockBackend, MockConfig};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let runtime = tokio::runtime::Runtime::new()?;
+//! runtime.block_on(async {
+//!     // The composition root wraps whatever medium the node lends; the medium has no metrics code.
+//!     let medium = InstrumentedBackend::wrap(Arc::new(MockBackend::new(MockConfig::default())));
+//!     medium.init(Arc::new(LocalOnlyRegistrar::new()))?;
+//!     let labels = [("node".to_owned(), "node-1".to_owned())];
+//!     let exporter = Arc::new(MetricsExporter::new(&labels, Duration::from_secs(30)));
+//!     exporter.add_backend(&medium);
+//!     // Port 0 picks a free port; the server says which.
+//!     let server = MetricsServer::start(exporter, &MetricsConfig::new("127.0.0.1:0".parse()?)).await?;
+//!     let addr = server.local_addr();
+//!     let scrape = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
+//!         let mut conn = std::net::TcpStream::connect(addr)?;
+//!         conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+//!         let mut reply = String::new();
+//!         conn.read_to_string(&mut reply)?;
+//!         Ok(reply)
+//!     });
+//!     let reply = scrape.await??;
+//!     assert!(reply.starts_with("HTTP/1.1 200"));
+//!     assert!(reply.lines().any(|l| l.starts_with("umbp_backend_") && l.contains(r#"tier="DRAM""#)));
+//!     server.shutdown();
+//!     Ok(())
+//! })
+//! # }
+//! ```
+//!
 //! # Owns
 //! - [`InstrumentedBackend`], the decorator the composition root wraps around the node's medium. It
 //!   derives the generic series — entries by op and status, batches, bytes committed / resolved /
