@@ -5,6 +5,32 @@
 //! never touches bytes. Peers own the blocks and win every disagreement: a stale route costs a retry,
 //! never data.
 //!
+//! ```
+//! use std::time::{SystemTime, UNIX_EPOCH};
+//!
+//! use umbp_master::MasterConfig;
+//! use umbp_master::store::{RegisterOutcome, Registration};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let runtime = tokio::runtime::Runtime::new()?;
+//! runtime.block_on(async {
+//!     // Port 0 picks a free port; nodes and clients dial `local_addr` (`umbp node --master …`).
+//!     let config = MasterConfig { listen: "127.0.0.1:0".parse()?, ..MasterConfig::default() };
+//!     let master = umbp_master::start(config).await?;
+//!     assert_ne!(master.local_addr().port(), 0);
+//!
+//!     // What a node's registration does, through the store the service answers from.
+//!     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
+//!     let peer_address = "127.0.0.1:7000".into();
+//!     let node = Registration { node_id: "node-1".into(), peer_address, ..Default::default() };
+//!     assert_eq!(master.store().register(node, now_ms, 30_000)?, RegisterOutcome::Registered);
+//!     assert_eq!(master.store().list_alive()?.len(), 1);
+//!     master.shutdown().await;
+//!     Ok(())
+//! })
+//! # }
+//! ```
+//!
 //! # Owns
 //! The metadata store ([`store`]), the routing strategies ([`routing`]), the eviction manager, the
 //! registry reaper, the `UMBPMaster` gRPC service, and the cluster series it serves on Prometheus
