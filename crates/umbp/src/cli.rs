@@ -20,7 +20,8 @@ CONFIGURATION
   Each setting is taken from, in increasing precedence: the built-in default, the TOML file
   (--config FILE or UMBP_CONFIG), the UMBP_* environment variables, the command-line flags.
   Sizes are written 4096, 512KiB, 64MiB, 4GiB; durations 250us, 500ms, 5s, 2m.
-  Every key of the file is optional; an unknown key is an error. The whole shape, with defaults:
+  Every key of the file is optional; an unknown key is an error. Each table is one component's
+  settings. The whole shape, with defaults:
 
     master_address = \"127.0.0.1:50051\"  # where nodes and client commands find the master
     cluster_token  = \"…\"                # guards gRPC and the data port (default: none)
@@ -32,11 +33,6 @@ CONFIGURATION
     max_missed_heartbeats = 3           # silent for ttl * this: the node expires
     reaper_interval = \"5s\"
     expired_retention = \"5m\"          # an expired node stays listed this long, then is removed
-    eviction_check_interval = \"5s\"
-    eviction_high_watermark = 0.9
-    eviction_low_watermark = 0.7
-    route_get_lease = \"2s\"
-    evict_deadline = \"1s\"
     route_put_algo = \"most_available\"   # or \"random\"
     route_put_affinity = \"none\"         # or \"same\", \"local\"
     index_shards = 32
@@ -44,28 +40,20 @@ CONFIGURATION
     max_message_bytes = \"64MiB\"
     metrics_addr = \"127.0.0.1:9091\"   # serve Prometheus /metrics here (default: none)
 
+    [master.eviction]
+    check_interval = \"5s\"
+    high_watermark = 0.9
+    low_watermark = 0.7
+    lease_duration = \"2s\"              # the lease of a route-get
+    evict_deadline = \"1s\"
+
     [node]
     node_id = \"n1\"                      # required for `umbp node`
     medium = \"dram\"                     # or \"ssd\", \"hbm\", \"none\"
-    capacity = \"4GiB\"
-    ssd_dirs = [\"/mnt/nvme0/umbp\"]    # an ssd node's directories, one per drive (required for ssd)
-    ssd_capacity = \"32GiB\"            # drive bytes an ssd node lends
-    ssd_io_engine = \"psync\"           # or \"io_uring\"
-    ssd_staging_pages = 128             # host staging pages of an ssd node (reads and writes in flight)
-    ssd_max_value_pages = 1             # largest value on an ssd node, in pages (at most ssd_staging_pages)
-    ssd_read_lease = \"3s\"             # the SSD read lease
-    ssd_create_dirs = false             # create a missing ssd directory (default: refuse to start)
-    ssd_sync_interval = \"1s\"          # how often an ssd node fdatasyncs its log, or \"off\" (shutdown only)
-    hbm_device = 0                      # the GPU an hbm node lends
-    hbm_capacity = \"1GiB\"               # device memory an hbm node lends
-    hbm_runtime = \"auto\"                # or \"cuda\", \"hip\", \"cudart\", \"fake\" (host memory, for tests)
     page_size = \"2MiB\"
     listen = \"127.0.0.1\"                # host of the peer service and the data server
     peer_port = 0                       # 0: any free port
     data_port = 0
-    prefault = true                     # touch every page of the medium at start-up
-    hugepages = false                   # hugetlb pages (transparent huge pages are advised either way)
-    numa_node = 0                       # default: no binding
     recache = \"16MiB\"                   # re-cache remote fetches: \"off\", \"always\" or a size cap
     read_lease = \"500ms\"
     pending_ttl = \"30s\"
@@ -74,15 +62,43 @@ CONFIGURATION
     bounce = \"64MiB\"                    # staging for caller memory that is not registered
     metrics_addr = \"127.0.0.1:9092\"   # serve Prometheus /metrics here (default: none)
 
+    [node.dram]
+    capacity_bytes = \"4GiB\"
+    prefault = true                     # touch every page of the medium at start-up
+    use_hugepages = false               # hugetlb pages
+    transparent_hugepages = true        # advise transparent huge pages
+    numa_node = 0                       # default: no binding
+
+    [node.ssd]
+    dirs = [\"/mnt/nvme0/umbp\"]        # an ssd node's directories, one per drive (required for ssd)
+    capacity_bytes = \"32GiB\"          # drive bytes an ssd node lends
+    io_engine = \"psync\"               # or \"io_uring\"
+    staging_pages = 128                 # host staging pages (reads and writes in flight)
+    max_value_pages = 1                 # largest value, in pages (at most staging_pages)
+    read_lease = \"3s\"                 # the SSD read lease
+    sync_interval = \"1s\"              # how often the log is fdatasynced, or \"off\" (shutdown only)
+    create_dirs = false                 # create a missing directory (default: refuse to start)
+    cache_committed = true              # keep a committed value's staging pages as a clean copy
+
+    [node.hbm]
+    device = 0                          # the GPU an hbm node lends
+    capacity_bytes = \"1GiB\"           # device memory an hbm node lends
+    runtime = \"auto\"                  # or \"cuda\", \"hip\", \"cudart\", \"fake\" (host memory, for tests)
+
     [client]
     max_get_size = \"64MiB\"              # largest value `umbp get` accepts
+
+  The flat keys of earlier files still read: node.capacity, node.prefault, node.hugepages,
+  node.numa_node, node.ssd_max_value_pages (every node.ssd_*, node.hbm_*), master.route_get_lease,
+  master.evict_deadline, master.eviction_check_interval, master.eviction_{high,low}_watermark.
+  Every setting is also a flag of its command and a UMBP_* variable of the same stem.
 
 ENVIRONMENT
   UMBP_CONFIG, UMBP_CLUSTER_TOKEN, UMBP_MASTER_ADDRESS; the node's UMBP_NODE_ID, UMBP_MEDIUM,
   UMBP_CAPACITY, UMBP_PAGE_SIZE, UMBP_NODE_ADDRESS, UMBP_PEER_SERVICE_PORT, UMBP_IO_ENGINE_PORT,
   UMBP_DRAM_PREFAULT, UMBP_DRAM_HUGEPAGES, UMBP_SSD_DIRS (comma-separated),
   UMBP_SSD_CAPACITY, UMBP_SSD_IO_ENGINE, UMBP_SSD_STAGING_PAGES, UMBP_SSD_MAX_VALUE_PAGES,
-  UMBP_SSD_READ_LEASE_MS, UMBP_SSD_CREATE_DIRS,
+  UMBP_SSD_READ_LEASE_MS, UMBP_SSD_CREATE_DIRS, UMBP_SSD_CACHE_COMMITTED,
   UMBP_SSD_SYNC_INTERVAL (a duration or off),
   UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME, UMBP_GPU_RUNTIME=none (no GPU copy engine on a
   node that does not lend HBM), UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
@@ -218,12 +234,13 @@ pub struct MasterArgs {
     /// [default: 5m]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub expired_retention: Option<Duration>,
-    /// Put placement: most_available or random [env: UMBP_ROUTE_PUT_SELECT_ALGO] [default: most_available]
+    /// Put placement: most_available or random [env: UMBP_ROUTE_PUT_ALGO, UMBP_ROUTE_PUT_SELECT_ALGO]
+    /// [default: most_available]
     #[arg(long, value_name = "ALGO")]
     pub route_put_algo: Option<SelectAlgo>,
     /// Put affinity: none, same or local. local places a node's puts on its own medium first, and lets
     /// that node write them there without asking the master (no route call; cross-node dedup is given
-    /// up for those keys) [env: UMBP_ROUTE_PUT_NODE_AFFINITY] [default: none]
+    /// up for those keys) [env: UMBP_ROUTE_PUT_AFFINITY, UMBP_ROUTE_PUT_NODE_AFFINITY] [default: none]
     #[arg(long, value_name = "AFFINITY")]
     pub route_put_affinity: Option<Affinity>,
     /// Nodes heartbeat every TTL / N [env: UMBP_HEARTBEAT_INTERVAL_DIVISOR] [default: 2]
@@ -242,7 +259,8 @@ pub struct MasterArgs {
     /// [default: 2s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub lease_duration: Option<Duration>,
-    /// Deadline of one EvictKey call to a node [env: UMBP_EVICTKEY_DEADLINE_MS] [default: 1s]
+    /// Deadline of one EvictKey call to a node [env: UMBP_EVICT_DEADLINE, UMBP_EVICTKEY_DEADLINE_MS in ms]
+    /// [default: 1s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub evict_deadline: Option<Duration>,
     /// Shards of the key index (1..=4096) [env: UMBP_MASTER_INDEX_SHARDS] [default: 32]
@@ -261,7 +279,7 @@ pub struct MasterArgs {
 }
 
 /// The medium a node lends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MediumKind {
     /// Host DRAM.
@@ -316,18 +334,31 @@ pub struct NodeArgs {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub page_size: Option<u64>,
     /// Host (IP) the peer service and the data server listen on and other nodes reach this node at
-    /// [env: UMBP_NODE_ADDRESS] [default: 127.0.0.1]
+    /// [env: UMBP_NODE_LISTEN, UMBP_NODE_ADDRESS] [default: 127.0.0.1]
     #[arg(long, value_name = "HOST")]
     pub listen: Option<IpAddr>,
-    /// Port of the peer service; 0 picks a free one [env: UMBP_PEER_SERVICE_PORT] [default: 0]
+    /// Port of the peer service; 0 picks a free one [env: UMBP_NODE_PEER_PORT, UMBP_PEER_SERVICE_PORT]
+    /// [default: 0]
     #[arg(long, value_name = "PORT")]
     pub peer_port: Option<u16>,
-    /// Port of the TCP data server; 0 picks a free one [env: UMBP_IO_ENGINE_PORT] [default: 0]
+    /// Port of the TCP data server; 0 picks a free one [env: UMBP_NODE_DATA_PORT, UMBP_IO_ENGINE_PORT]
+    /// [default: 0]
     #[arg(long, value_name = "PORT")]
     pub data_port: Option<u16>,
     /// Touch every page of the medium at start-up [env: UMBP_DRAM_PREFAULT] [default: true]
     #[arg(long, value_name = "BOOL")]
     pub prefault: Option<bool>,
+    /// Back a dram node with hugetlb pages (reserved in /proc/sys/vm/nr_hugepages)
+    /// [env: UMBP_DRAM_HUGEPAGES] [default: false]
+    #[arg(long, value_name = "BOOL")]
+    pub hugepages: Option<bool>,
+    /// Bind a dram node's memory to this NUMA node [env: UMBP_NUMA_NODE] [default: none, no binding]
+    #[arg(long, value_name = "N")]
+    pub numa_node: Option<u32>,
+    /// Advise a dram node's memory for transparent huge pages
+    /// [env: UMBP_DRAM_TRANSPARENT_HUGEPAGES] [default: true]
+    #[arg(long, value_name = "BOOL")]
+    pub transparent_hugepages: Option<bool>,
     /// A directory of an ssd node, one per drive; repeat for several drives (required for ssd)
     /// [env: UMBP_SSD_DIRS, comma-separated] [default: none]
     #[arg(long = "ssd-dir", value_name = "DIR")]
@@ -352,7 +383,7 @@ pub struct NodeArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub ssd_read_lease: Option<Duration>,
     /// Create a missing --ssd-dir instead of refusing to start (a missing directory is usually an
-    /// unmounted drive) [env: UMBP_SSD_CREATE_DIRS] [default: off]
+    /// unmounted drive) [env: UMBP_SSD_CREATE_DIRS] [default: false]
     #[arg(long)]
     pub ssd_create_dirs: bool,
     /// How often an ssd node fdatasyncs the log segments written since its last sync (commits do
@@ -360,6 +391,10 @@ pub struct NodeArgs {
     /// [env: UMBP_SSD_SYNC_INTERVAL] [default: 1s]
     #[arg(long, value_name = "DURATION|off")]
     pub ssd_sync_interval: Option<String>,
+    /// Keep a committed value's staging pages as a clean copy until they are needed, so a read of a
+    /// value just written skips the drive [env: UMBP_SSD_CACHE_COMMITTED] [default: true]
+    #[arg(long, value_name = "BOOL")]
+    pub ssd_cache_committed: Option<bool>,
     /// The GPU an hbm node lends [env: UMBP_HBM_DEVICE] [default: 0]
     #[arg(long, value_name = "N")]
     pub hbm_device: Option<u32>,
@@ -371,9 +406,26 @@ pub struct NodeArgs {
     #[arg(long, value_name = "RUNTIME")]
     pub hbm_runtime: Option<String>,
     /// Re-cache values fetched from other nodes: off, always, or a size cap
-    /// [env: UMBP_CACHE_REMOTE_FETCHES] [default: 16MiB]
+    /// [env: UMBP_RECACHE, UMBP_CACHE_REMOTE_FETCHES] [default: 16MiB]
     #[arg(long, value_name = "POLICY")]
     pub recache: Option<String>,
+    /// How long a resolve protects a key from eviction for its reader
+    /// [env: UMBP_DRAM_READ_LEASE_MS, in ms] [default: 500ms]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub read_lease: Option<Duration>,
+    /// How long an allocated, uncommitted slot lives [env: UMBP_PENDING_TTL] [default: 30s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub pending_ttl: Option<Duration>,
+    /// Deadline of each peer RPC [env: UMBP_RPC_TIMEOUT] [default: 5s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub rpc_timeout: Option<Duration>,
+    /// How many times a key is re-routed past the nodes that failed it [env: UMBP_MAX_REROUTES]
+    /// [default: 2]
+    #[arg(long, value_name = "N")]
+    pub max_reroutes: Option<u32>,
+    /// Bounce pool for caller memory that is not registered [env: UMBP_BOUNCE] [default: 64MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub bounce: Option<u64>,
     /// Serve Prometheus /metrics (the medium by tier=, the transfer engines) on ADDR; port 0 picks a
     /// free one [env: UMBP_NODE_METRICS_ADDR] [default: none, no endpoint]
     #[arg(long, value_name = "ADDR")]
@@ -409,8 +461,8 @@ pub struct GetArgs {
     /// Where the value goes: a file, or `-` for stdout [default: -]
     #[arg(value_name = "FILE|-")]
     pub dest: Option<PathBuf>,
-    /// Largest value accepted [default: 64MiB]
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    /// Largest value accepted [env: UMBP_MAX_GET_SIZE] [default: 64MiB]
+    #[arg(long = "max-get-size", visible_alias = "max-size", value_name = "SIZE", value_parser = parse_size)]
     pub max_size: Option<u64>,
 }
 

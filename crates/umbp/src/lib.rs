@@ -33,8 +33,8 @@ pub use cli::{
     SsdEngineChoice, StatArgs,
 };
 pub use settings::{
-    ByteSize, ClientFile, DEFAULT_MASTER_ADDRESS, DEFAULT_MAX_GET_SIZE, EnvGetter, FileConfig, HumanDuration,
-    MasterFile, NodeFile, Recache, SettingsError, format_recache, parse_recache, resolve_client, resolve_master,
-    resolve_master_address, resolve_max_get_size, resolve_node,
+    ClientSettings, DEFAULT_MASTER_ADDRESS, DEFAULT_MAX_GET_SIZE, EnvGetter, FileConfig, NodeSettings, Settings,
+    SettingsError, format_recache, parse_recache, resolve_client, resolve_master, resolve_master_address,
+    resolve_max_get_size, resolve_node,
 };
 pub use units::{UnitError, format_duration, format_size, human_size, parse_duration, parse_size};

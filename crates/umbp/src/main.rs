@@ -177,7 +177,7 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<E
         }
         Command::Get(args) => {
             let file = file()?;
-            let max = resolve_max_get_size(&file, args);
+            let max = resolve_max_get_size(&file, env, args)?;
             let client = join(&file, env, &args.master, token).await?;
             interruptible(&client, get(&client, args, max)).await
         }

@@ -340,7 +340,7 @@ fn client_commands_join_without_a_medium_and_share_the_address_and_token_layers(
     let c = resolve_client(&f, &env(&[("UMBP_MASTER_ADDRESS", "10.0.0.2:2")]), &args.master, None, "c".into())
         .expect("client");
     assert_eq!(c.master_address, "10.0.0.9:9");
-    assert_eq!(umbp::resolve_max_get_size(&f, &args), umbp::DEFAULT_MAX_GET_SIZE);
+    assert_eq!(umbp::resolve_max_get_size(&f, &env(&[]), &args).expect("size"), umbp::DEFAULT_MAX_GET_SIZE);
 }
 
 #[test]
@@ -361,7 +361,8 @@ fn unknown_keys_and_bad_values_in_the_file_are_errors_that_name_them() {
         assert!(matches!(err, SettingsError::BadFile { .. }), "{message}");
         assert!(message.contains("bad.toml") && message.contains(needle), "{text:?}: {message}");
     }
-    let err = resolve_master(&file("[master]\nroute_put_algo = \"fastest\""), &env(&[]), &master_args(&[]).0, None)
+    // A value the component refuses is refused with the file, naming the key.
+    let err = FileConfig::parse("[master]\nroute_put_algo = \"fastest\"", Path::new("bad.toml"))
         .expect_err("unknown algorithm");
     assert!(err.to_string().contains("route_put_algo"), "{err}");
     let err = FileConfig::load(Path::new("/nonexistent/umbp.toml")).expect_err("missing file");

@@ -4,6 +4,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use umbp_core::ErrorKind;
+
 /// A setting that can never work.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -28,15 +30,30 @@ pub enum ConfigError {
     },
 }
 
+impl ConfigError {
+    /// What the caller does next: fix the setting (always [`ErrorKind::InvalidInput`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::BadEnv { .. } | Self::Invalid { .. } => ErrorKind::InvalidInput,
+        }
+    }
+}
+
 /// Settings of a [`MasterClient`](super::MasterClient).
+///
+/// The one place their names (the settings file's `[node.master_client]` keys), defaults and
+/// meaning are written; durations read `"3s"`, sizes `"4MiB"` or bytes. The cluster token is not a
+/// key of its own (the node's `cluster_token` is handed down).
 ///
 /// Every field has a default (in its doc) and, where noted, an environment override read by
 /// [`from_env`](Self::from_env). The heartbeat interval is not here: the master hands it out in its
 /// registration reply.
-#[derive(Clone)]
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MasterClientConfig {
     /// Deadline of one `Heartbeat` RPC (a delta, a keepalive or one full-sync chunk). Env
     /// `UMBP_HEARTBEAT_RPC_TIMEOUT_MS`. Default: 3000 ms.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub heartbeat_rpc_timeout: Duration,
     /// Most events in one delta bundle (one sequence number). Env `UMBP_HEARTBEAT_EVENTS_PER_BUNDLE`.
     /// Default: 1024.
@@ -49,6 +66,7 @@ pub struct MasterClientConfig {
     pub auto_flush_event_threshold: usize,
     /// Deadline of the `UnregisterClient` call made by [`shutdown`](super::MasterClient::shutdown).
     /// Env `UMBP_RPC_SHUTDOWN_TIMEOUT_MS`. Default: 3000 ms.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub shutdown_timeout: Duration,
     /// Most events the client keeps queued (unacknowledged) for the master. When a drain would exceed
     /// it, the queued deltas are dropped and a full sync is sent instead, so a master outage never
@@ -60,24 +78,31 @@ pub struct MasterClientConfig {
     /// bundles of one delta RPC (one bundle, or one event of a chunk, always goes even if larger). Far
     /// below the 64 MiB gRPC limit even with long keys. Env `UMBP_HEARTBEAT_MAX_REQUEST_BYTES`.
     /// Default: 4 MiB.
+    #[serde(with = "umbp_core::units::serde::size_usize")]
     pub max_request_bytes: usize,
     /// Deadline of every other RPC (registration, routing, lookup, cluster status, unregister outside
     /// shutdown). Env `UMBP_MASTER_RPC_TIMEOUT_MS`. Default: 3000 ms.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub rpc_timeout: Duration,
     /// Deadline for opening the connection to the master. Env `UMBP_MASTER_CONNECT_TIMEOUT_MS`.
     /// Default: 3000 ms.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub connect_timeout: Duration,
     /// How long [`clear`](super::MasterClient::clear) retries the empty full sync before it returns an
     /// error (the heartbeat loop keeps retrying afterwards). Env `UMBP_CLEAR_TIMEOUT_MS`.
     /// Default: 30 000 ms.
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub clear_timeout: Duration,
     /// The heartbeat interval used when the master's registration reply carries 0. Default: 5000 ms
     /// (the reference's).
+    #[serde(with = "umbp_core::units::serde::duration")]
     pub default_heartbeat_interval: Duration,
     /// Largest gRPC message sent or accepted. Default: 64 MiB (the master's limit).
+    #[serde(with = "umbp_core::units::serde::size_usize")]
     pub max_message_bytes: usize,
     /// Sent as `x-umbp-token` metadata on every call when set. Env `UMBP_CLUSTER_TOKEN` (an empty value
     /// means none). Default: none.
+    #[serde(skip)]
     pub cluster_token: Option<String>,
 }
 
@@ -312,6 +337,14 @@ mod tests {
             let err = MasterClientConfig::default().with_env(&env(&[(var, value)])).expect_err(value);
             assert!(err.to_string().contains(var), "{err} names {var}");
         }
+    }
+
+    #[test]
+    fn every_config_error_is_invalid_input() {
+        let bad_env = ConfigError::BadEnv { var: "UMBP_X", value: "y".into(), expected: "z".into() };
+        assert_eq!(bad_env.kind(), ErrorKind::InvalidInput);
+        let invalid = ConfigError::Invalid { setting: "rpc_timeout", reason: "zero".into() };
+        assert_eq!(invalid.kind(), ErrorKind::InvalidInput);
     }
 
     #[test]

@@ -1,0 +1,230 @@
+//! The one table of settings: each row maps a path of the settings tree (a file key) to its flag
+//! and its `UMBP_*` variables, with the flat keys of earlier files that still name it.
+//!
+//! Names, defaults and validation are the components' own (their `Deserialize` and `Default`);
+//! this table only says where each setting can be written. `tests.rs` checks that every field of
+//! the tree has a row, that the flag, the variable and the key share a stem, and that each flag's
+//! help states the variables and the component's default.
+
+/// Which command reads a setting (flags are per command; the environment is read by the commands
+/// that use it, so a variable meant for another command never fails this one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Scope {
+    /// Every command that talks to the master: `--master` and `--token`.
+    Global,
+    /// `umbp master`.
+    Master,
+    /// `umbp node`.
+    Node,
+    /// `umbp get` (the client commands).
+    Client,
+}
+
+/// How a variable's text becomes a value of the tree (the file's syntax).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EnvKind {
+    /// As written: names, addresses, sizes (`64MiB` or bytes), durations (`5s`).
+    Text,
+    /// A whole number.
+    Int,
+    /// A number (`0.9`).
+    Float,
+    /// `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`.
+    Bool,
+    /// A comma-separated list.
+    List,
+    /// Whole seconds, at least this many (the reference's `*_SEC` variables).
+    Secs(u64),
+    /// Whole milliseconds, at least this many (the reference's `*_MS` variables).
+    Millis(u64),
+}
+
+/// One setting.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Row {
+    /// Its path in the tree: the file key (`node.ssd.max_value_pages`).
+    pub path: &'static str,
+    /// The command whose flag it is.
+    pub scope: Scope,
+    /// The flag (`--ssd-max-value-pages`).
+    pub flag: &'static str,
+    /// Its variables, the first winning when several are set: the reference's names where one
+    /// exists, plus one of the flag's stem where the reference's name has another.
+    pub env: &'static [(&'static str, EnvKind)],
+    /// Flat keys of earlier files that still name it (`node.ssd_max_value_pages`).
+    pub legacy: &'static [&'static str],
+}
+
+const fn row(
+    path: &'static str,
+    scope: Scope,
+    flag: &'static str,
+    env: &'static [(&'static str, EnvKind)],
+    legacy: &'static [&'static str],
+) -> Row {
+    Row { path, scope, flag, env, legacy }
+}
+
+use EnvKind::{Bool, Float, Int, List, Millis, Secs, Text};
+use Scope::{Client, Global, Master, Node};
+
+/// Every setting of the tree.
+pub(crate) const TABLE: &[Row] = &[
+    row("master_address", Global, "--master", &[("UMBP_MASTER_ADDRESS", Text)], &[]),
+    row("cluster_token", Global, "--token", &[("UMBP_CLUSTER_TOKEN", Text)], &[]),
+    // [master]: umbp_master::MasterConfig.
+    row("master.listen", Master, "--listen", &[("UMBP_MASTER_LISTEN", Text)], &[]),
+    row("master.heartbeat_ttl", Master, "--heartbeat-ttl", &[("UMBP_HEARTBEAT_TTL_SEC", Secs(1))], &[]),
+    row(
+        "master.heartbeat_interval_divisor",
+        Master,
+        "--heartbeat-interval-divisor",
+        &[("UMBP_HEARTBEAT_INTERVAL_DIVISOR", Int)],
+        &[],
+    ),
+    row("master.max_missed_heartbeats", Master, "--max-missed-heartbeats", &[("UMBP_MAX_MISSED_HEARTBEATS", Int)], &[]),
+    row("master.reaper_interval", Master, "--reaper-interval", &[("UMBP_REAPER_INTERVAL_SEC", Secs(1))], &[]),
+    row("master.expired_retention", Master, "--expired-retention", &[("UMBP_EXPIRED_RETENTION_SEC", Secs(0))], &[]),
+    row(
+        "master.route_put_algo",
+        Master,
+        "--route-put-algo",
+        &[("UMBP_ROUTE_PUT_ALGO", Text), ("UMBP_ROUTE_PUT_SELECT_ALGO", Text)],
+        &[],
+    ),
+    row(
+        "master.route_put_affinity",
+        Master,
+        "--route-put-affinity",
+        &[("UMBP_ROUTE_PUT_AFFINITY", Text), ("UMBP_ROUTE_PUT_NODE_AFFINITY", Text)],
+        &[],
+    ),
+    row("master.index_shards", Master, "--index-shards", &[("UMBP_MASTER_INDEX_SHARDS", Int)], &[]),
+    row(
+        "master.shutdown_deadline",
+        Master,
+        "--shutdown-deadline",
+        &[("UMBP_GRPC_SHUTDOWN_DEADLINE_SEC", Secs(0))],
+        &[],
+    ),
+    row("master.max_message_bytes", Master, "--max-message-bytes", &[("UMBP_MASTER_MAX_MESSAGE_BYTES", Text)], &[]),
+    row("master.metrics_addr", Master, "--metrics-addr", &[("UMBP_MASTER_METRICS_ADDR", Text)], &[]),
+    // [master.eviction]: umbp_master::routing::EvictionConfig.
+    row(
+        "master.eviction.check_interval",
+        Master,
+        "--eviction-check-interval",
+        &[("UMBP_EVICTION_CHECK_INTERVAL_SEC", Secs(1))],
+        &["master.eviction_check_interval"],
+    ),
+    row(
+        "master.eviction.high_watermark",
+        Master,
+        "--eviction-high-watermark",
+        &[("UMBP_EVICTION_HIGH_WATERMARK", Float)],
+        &["master.eviction_high_watermark"],
+    ),
+    row(
+        "master.eviction.low_watermark",
+        Master,
+        "--eviction-low-watermark",
+        &[("UMBP_EVICTION_LOW_WATERMARK", Float)],
+        &["master.eviction_low_watermark"],
+    ),
+    row(
+        "master.eviction.lease_duration",
+        Master,
+        "--lease-duration",
+        &[("UMBP_LEASE_DURATION_SEC", Secs(1))],
+        &["master.route_get_lease"],
+    ),
+    row(
+        "master.eviction.evict_deadline",
+        Master,
+        "--evict-deadline",
+        &[("UMBP_EVICT_DEADLINE", Text), ("UMBP_EVICTKEY_DEADLINE_MS", Millis(1))],
+        &["master.evict_deadline"],
+    ),
+    // [node]: the node's own settings (PoolClientConfig's).
+    row("node.node_id", Node, "--node-id", &[("UMBP_NODE_ID", Text)], &[]),
+    row("node.medium", Node, "--medium", &[("UMBP_MEDIUM", Text)], &[]),
+    row("node.page_size", Node, "--page-size", &[("UMBP_PAGE_SIZE", Text)], &[]),
+    row("node.listen", Node, "--listen", &[("UMBP_NODE_LISTEN", Text), ("UMBP_NODE_ADDRESS", Text)], &[]),
+    row("node.peer_port", Node, "--peer-port", &[("UMBP_NODE_PEER_PORT", Int), ("UMBP_PEER_SERVICE_PORT", Int)], &[]),
+    row("node.data_port", Node, "--data-port", &[("UMBP_NODE_DATA_PORT", Int), ("UMBP_IO_ENGINE_PORT", Int)], &[]),
+    row("node.recache", Node, "--recache", &[("UMBP_RECACHE", Text), ("UMBP_CACHE_REMOTE_FETCHES", Text)], &[]),
+    row("node.read_lease", Node, "--read-lease", &[("UMBP_DRAM_READ_LEASE_MS", Millis(1))], &[]),
+    row("node.pending_ttl", Node, "--pending-ttl", &[("UMBP_PENDING_TTL", Text)], &[]),
+    row("node.rpc_timeout", Node, "--rpc-timeout", &[("UMBP_RPC_TIMEOUT", Text)], &[]),
+    row("node.max_reroutes", Node, "--max-reroutes", &[("UMBP_MAX_REROUTES", Int)], &[]),
+    row("node.bounce", Node, "--bounce", &[("UMBP_BOUNCE", Text)], &[]),
+    row("node.metrics_addr", Node, "--metrics-addr", &[("UMBP_NODE_METRICS_ADDR", Text)], &[]),
+    // [node.dram]: umbp_peer::pool_client::DramConfig.
+    row("node.dram.capacity_bytes", Node, "--capacity", &[("UMBP_CAPACITY", Text)], &["node.capacity"]),
+    row("node.dram.prefault", Node, "--prefault", &[("UMBP_DRAM_PREFAULT", Bool)], &["node.prefault"]),
+    row("node.dram.use_hugepages", Node, "--hugepages", &[("UMBP_DRAM_HUGEPAGES", Bool)], &["node.hugepages"]),
+    row("node.dram.numa_node", Node, "--numa-node", &[("UMBP_NUMA_NODE", Int)], &["node.numa_node"]),
+    row(
+        "node.dram.transparent_hugepages",
+        Node,
+        "--transparent-hugepages",
+        &[("UMBP_DRAM_TRANSPARENT_HUGEPAGES", Bool)],
+        &[],
+    ),
+    // [node.hbm]: umbp_hbm::HbmConfig.
+    row("node.hbm.device", Node, "--hbm-device", &[("UMBP_HBM_DEVICE", Int)], &["node.hbm_device"]),
+    row("node.hbm.capacity_bytes", Node, "--hbm-capacity", &[("UMBP_HBM_CAPACITY", Text)], &["node.hbm_capacity"]),
+    row("node.hbm.runtime", Node, "--hbm-runtime", &[("UMBP_HBM_RUNTIME", Text)], &["node.hbm_runtime"]),
+    // [node.ssd]: umbp_ssd::SsdSettings.
+    row("node.ssd.dirs", Node, "--ssd-dir", &[("UMBP_SSD_DIRS", List)], &["node.ssd_dirs"]),
+    row("node.ssd.capacity_bytes", Node, "--ssd-capacity", &[("UMBP_SSD_CAPACITY", Text)], &["node.ssd_capacity"]),
+    row("node.ssd.io_engine", Node, "--ssd-io-engine", &[("UMBP_SSD_IO_ENGINE", Text)], &["node.ssd_io_engine"]),
+    row(
+        "node.ssd.staging_pages",
+        Node,
+        "--ssd-staging-pages",
+        &[("UMBP_SSD_STAGING_PAGES", Int)],
+        &["node.ssd_staging_pages"],
+    ),
+    row(
+        "node.ssd.max_value_pages",
+        Node,
+        "--ssd-max-value-pages",
+        &[("UMBP_SSD_MAX_VALUE_PAGES", Int)],
+        &["node.ssd_max_value_pages"],
+    ),
+    row(
+        "node.ssd.read_lease",
+        Node,
+        "--ssd-read-lease",
+        &[("UMBP_SSD_READ_LEASE_MS", Millis(1))],
+        &["node.ssd_read_lease"],
+    ),
+    row(
+        "node.ssd.sync_interval",
+        Node,
+        "--ssd-sync-interval",
+        &[("UMBP_SSD_SYNC_INTERVAL", Text)],
+        &["node.ssd_sync_interval"],
+    ),
+    row(
+        "node.ssd.create_dirs",
+        Node,
+        "--ssd-create-dirs",
+        &[("UMBP_SSD_CREATE_DIRS", Bool)],
+        &["node.ssd_create_dirs"],
+    ),
+    row("node.ssd.cache_committed", Node, "--ssd-cache-committed", &[("UMBP_SSD_CACHE_COMMITTED", Bool)], &[]),
+    // [client].
+    row("client.max_get_size", Client, "--max-get-size", &[("UMBP_MAX_GET_SIZE", Text)], &[]),
+];
+
+/// The row of `path` or of a flat key of earlier files.
+pub(crate) fn by_key(key: &str) -> Option<&'static Row> {
+    TABLE.iter().find(|r| r.path == key || r.legacy.contains(&key))
+}
+
+/// The row of `flag` in `scope` (a `Global` flag in any scope).
+pub(crate) fn by_flag(scope: Scope, flag: &str) -> Option<&'static Row> {
+    TABLE.iter().find(|r| r.flag == flag && (r.scope == scope || r.scope == Scope::Global))
+}

@@ -1,0 +1,271 @@
+//! The table against the tree, the help and the components: every key has one row, with a flag and
+//! a variable of its stem; the help states the components' defaults; the component tables and the
+//! flat keys of earlier files give the same settings.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use clap::{CommandFactory, Parser};
+use toml::{Table, Value};
+
+use super::table::{Scope, TABLE};
+use super::*;
+use crate::cli::{Cli, Command};
+
+/// Every leaf of `t` (arrays are leaves) as a dotted path, with its value.
+fn leaves(t: &Table, prefix: &str, out: &mut Vec<(String, Value)>) {
+    for (k, v) in t {
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        match v {
+            Value::Table(inner) => leaves(inner, &key, out),
+            other => out.push((key, other.clone())),
+        }
+    }
+}
+
+/// The default tree with every optional setting present (None would leave its key out).
+fn default_tree_with_every_key() -> Vec<(String, Value)> {
+    let mut s = Settings { cluster_token: Some("t".into()), ..Settings::default() };
+    s.node.node_id = Some("n".into());
+    s.node.metrics_addr = Some(SocketAddr::from(([127, 0, 0, 1], 1)));
+    s.node.dram.numa_node = Some(0);
+    s.master.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 1)));
+    let tree = Table::try_from(&s).expect("the settings serialize");
+    let mut out = Vec::new();
+    leaves(&tree, "", &mut out);
+    out
+}
+
+/// The default of each path, as the help writes it (`none` for an unset optional).
+fn default_text(path: &str) -> String {
+    let tree = Table::try_from(Settings::default()).expect("serialize");
+    match layer::get(&tree, path) {
+        None => "none".into(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(a)) if a.is_empty() => "none".into(),
+        Some(other) => other.to_string(),
+    }
+}
+
+#[test]
+fn every_key_of_the_tree_has_exactly_one_row_and_every_row_a_key() {
+    let keys = default_tree_with_every_key();
+    for (key, _) in &keys {
+        let rows = TABLE.iter().filter(|r| r.path == key).count();
+        assert_eq!(rows, 1, "{key} has {rows} rows in the table");
+    }
+    let paths: HashSet<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
+    for row in TABLE {
+        assert!(paths.contains(row.path), "row {} names no key of the tree", row.path);
+    }
+    // Names are unambiguous: each variable, flat key and (per command) flag belongs to one row.
+    let mut vars = HashSet::new();
+    let mut keys_seen = HashSet::new();
+    let mut flags = HashSet::new();
+    for row in TABLE {
+        for (var, _) in row.env {
+            assert!(vars.insert(*var), "{var} is in two rows");
+        }
+        for key in row.legacy.iter().chain([&row.path]) {
+            assert!(keys_seen.insert(*key), "{key} is in two rows");
+        }
+        assert!(flags.insert((row.scope, row.flag)), "{} is in two rows", row.flag);
+    }
+}
+
+#[test]
+fn every_setting_is_a_flag_a_variable_and_a_key_of_one_stem() {
+    for row in TABLE {
+        let stem = row.flag.strip_prefix("--").expect("a long flag").replace('-', "_");
+        // The key's stem: its path below the command's table, without a `_bytes` unit.
+        let scoped = row.path.split_once('.').map_or(row.path, |(_, rest)| rest);
+        let key = scoped.replace('.', "_");
+        assert!(
+            key.contains(&stem) || key.replace("_bytes", "").contains(&stem),
+            "{}: key {key} and flag {} differ",
+            row.path,
+            row.flag
+        );
+        let (var, _) = row.env.first().expect("every setting has a variable");
+        let var = var.strip_prefix("UMBP_").expect("UMBP_").to_ascii_lowercase();
+        let var = var.strip_suffix("_sec").or_else(|| var.strip_suffix("_ms")).unwrap_or(&var);
+        assert!(var.contains(&stem), "{}: variable {var} and flag {} differ", row.path, row.flag);
+    }
+}
+
+/// The help entry of `flag` in `umbp CMD --help`.
+fn help_entry(cmd: &str, flag: &str) -> String {
+    let mut root = Cli::command();
+    // Building propagates the global flags (`--token`) into each subcommand.
+    root.build();
+    let help = root.find_subcommand_mut(cmd).expect("subcommand").render_long_help().to_string();
+    let at = [format!(" {flag} <"), format!(" {flag}\n")]
+        .iter()
+        .find_map(|needle| help.find(needle.as_str()))
+        .unwrap_or_else(|| panic!("`umbp {cmd} --help` lists {flag}"));
+    let rest = &help[at + 1..];
+    let end = [rest.find("\n  -"), rest.find("\n      --")].into_iter().flatten().min().unwrap_or(rest.len());
+    rest[..end].to_owned()
+}
+
+#[test]
+fn each_flags_help_states_its_variables_and_the_components_default() {
+    for row in TABLE {
+        let cmd = match row.scope {
+            Scope::Master => "master",
+            Scope::Node | Scope::Global => "node",
+            Scope::Client => "get",
+        };
+        let entry = help_entry(cmd, row.flag);
+        for (var, _) in row.env {
+            assert!(entry.contains(var), "{}: the help does not name {var}:\n{entry}", row.flag);
+        }
+        let default = format!("[default: {}", default_text(row.path));
+        let at = entry.find(&default).unwrap_or_else(|| panic!("{}: the help lacks {default}]:\n{entry}", row.flag));
+        let next = entry[at + default.len()..].chars().next();
+        assert!(matches!(next, Some(']' | ',')), "{}: the help's default is not {default}]:\n{entry}", row.flag);
+    }
+}
+
+fn env(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+    move |var| pairs.iter().find(|(k, _)| *k == var).map(|(_, v)| (*v).to_owned())
+}
+
+fn node_args(args: &[&str]) -> NodeArgs {
+    match Cli::parse_from(["umbp", "node"].iter().chain(args)).command {
+        Command::Node(a) => a,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn component_tables_and_the_flat_keys_of_earlier_files_give_the_same_settings() {
+    let flat = FileConfig::parse(
+        r#"
+        [master]
+        route_get_lease = "3s"
+        evict_deadline = "700ms"
+        eviction_check_interval = "2s"
+        eviction_high_watermark = 0.8
+        eviction_low_watermark = 0.6
+        [node]
+        node_id = "n"
+        medium = "ssd"
+        capacity = "1GiB"
+        prefault = false
+        hugepages = true
+        numa_node = 1
+        ssd_dirs = ["/a", "/b"]
+        ssd_capacity = "8GiB"
+        ssd_io_engine = "io_uring"
+        ssd_staging_pages = 16
+        ssd_max_value_pages = 4
+        ssd_read_lease = "2s"
+        ssd_create_dirs = true
+        ssd_sync_interval = "off"
+        hbm_device = 2
+        hbm_capacity = "2GiB"
+        hbm_runtime = "fake"
+        "#,
+        Path::new("flat.toml"),
+    )
+    .expect("flat keys");
+    let tables = FileConfig::parse(
+        r#"
+        [master.eviction]
+        lease_duration = "3s"
+        evict_deadline = "700ms"
+        check_interval = "2s"
+        high_watermark = 0.8
+        low_watermark = 0.6
+        [node]
+        node_id = "n"
+        medium = "ssd"
+        [node.dram]
+        capacity_bytes = "1GiB"
+        prefault = false
+        use_hugepages = true
+        numa_node = 1
+        [node.ssd]
+        dirs = ["/a", "/b"]
+        capacity_bytes = "8GiB"
+        io_engine = "io_uring"
+        staging_pages = 16
+        max_value_pages = 4
+        read_lease = "2s"
+        create_dirs = true
+        sync_interval = "off"
+        [node.hbm]
+        device = 2
+        capacity_bytes = "2GiB"
+        runtime = "fake"
+        "#,
+        Path::new("tables.toml"),
+    )
+    .expect("component tables");
+    let (a, b) = (flat.settings().expect("flat"), tables.settings().expect("tables"));
+    assert_eq!(format!("{a:?}"), format!("{b:?}"));
+    assert_eq!(a.node.ssd.max_value_pages, 4);
+    assert_eq!(a.master.eviction.lease_duration, std::time::Duration::from_secs(3));
+    assert_eq!((a.node.dram.numa_node, a.node.hbm.device), (Some(1), 2));
+    let none = node_args(&[]);
+    let (a, b) = (
+        resolve_node(&flat, &env(&[]), &none, None).expect("flat"),
+        resolve_node(&tables, &env(&[]), &none, None).expect("tables"),
+    );
+    assert_eq!(format!("{a:?}"), format!("{b:?}"));
+    // The same setting written both ways is an error, not a silent pick.
+    let err = FileConfig::parse("[node]\nssd_max_value_pages = 2\n[node.ssd]\nmax_value_pages = 3", Path::new("t"))
+        .expect_err("twice");
+    assert!(err.to_string().contains("ssd_max_value_pages"), "{err}");
+}
+
+#[test]
+fn a_variable_of_the_flags_stem_beats_the_references_name_and_flags_beat_both() {
+    let e = env(&[("UMBP_NODE_PEER_PORT", "7001"), ("UMBP_PEER_SERVICE_PORT", "7002"), ("UMBP_PENDING_TTL", "9s")]);
+    let c = resolve_node(&FileConfig::default(), &e, &node_args(&["--node-id", "n"]), None).expect("env");
+    assert_eq!((c.peer_listen.port(), c.pending_ttl), (7001, std::time::Duration::from_secs(9)));
+    let flags = node_args(&["--node-id", "n", "--peer-port", "7003", "--pending-ttl", "1s", "--bounce", "8MiB"]);
+    let c = resolve_node(&FileConfig::default(), &e, &flags, None).expect("flags");
+    assert_eq!(
+        (c.peer_listen.port(), c.pending_ttl, c.bounce_bytes),
+        (7003, std::time::Duration::from_secs(1), 8 << 20)
+    );
+    let err =
+        resolve_node(&FileConfig::default(), &env(&[("UMBP_BOUNCE", "4GB")]), &node_args(&["--node-id", "n"]), None)
+            .expect_err("ambiguous size");
+    assert!(err.to_string().contains("UMBP_BOUNCE"), "{err}");
+}
+
+#[test]
+fn settings_errors_say_what_to_do_next() {
+    let missing =
+        SettingsError::ReadFile { path: "/x".into(), source: std::io::Error::from(std::io::ErrorKind::NotFound) };
+    assert_eq!(missing.kind(), ErrorKind::InvalidInput);
+    let unreadable = SettingsError::ReadFile {
+        path: "/x".into(),
+        source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+    };
+    assert_eq!(unreadable.kind(), ErrorKind::Unavailable);
+    let bad_file = FileConfig::parse("colour = 1", Path::new("t")).expect_err("unknown key");
+    assert_eq!(bad_file.kind(), ErrorKind::InvalidInput);
+    let bad_env = resolve_node(&FileConfig::default(), &env(&[("UMBP_CAPACITY", "lots")]), &node_args(&[]), None)
+        .expect_err("bad env");
+    assert!(matches!(bad_env, SettingsError::BadEnv { .. }) && bad_env.kind() == ErrorKind::InvalidInput);
+    let missing_id = resolve_node(&FileConfig::default(), &env(&[]), &node_args(&[]), None).expect_err("no id");
+    assert!(matches!(missing_id, SettingsError::Missing { .. }) && missing_id.kind() == ErrorKind::InvalidInput);
+    let invalid =
+        resolve_node(&FileConfig::default(), &env(&[]), &node_args(&["--node-id", "n", "--page-size", "3"]), None)
+            .expect_err("bad page");
+    assert!(matches!(invalid, SettingsError::Invalid { .. }) && invalid.kind() == ErrorKind::InvalidInput);
+    let master = SettingsError::from(umbp_master::ConfigError::Invalid("x".into()));
+    assert_eq!(master.kind(), ErrorKind::InvalidInput);
+    let client = resolve_node(
+        &FileConfig::default(),
+        &env(&[("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "soon")]),
+        &node_args(&["--node-id", "n"]),
+        None,
+    )
+    .expect_err("bad master client env");
+    assert!(matches!(client, SettingsError::MasterClient(_)) && client.kind() == ErrorKind::InvalidInput);
+}
