@@ -1,40 +1,97 @@
-//! The umbp-rs command line: the `umbp` binary and the pieces of it worth testing on their own.
+//! umbp-rs, a distributed KV-cache buffer pool: the crate a Rust program adds to join the pool, and
+//! the `umbp` command line.
 //!
-//! `umbp master` runs the master, `umbp node` a node lending one medium, `umbp put` / `get` /
-//! `exists` / `rm` / `stat` are client commands (each joins the pool as a node with no medium for
-//! its duration), `umbp demo` runs a master and three nodes in one process with a verified
-//! workload, and `umbp bench` measures batch put/get beside memcpy and raw-TCP baselines (`umbp bench
-//! ssd`: an SSD node beside raw `O_DIRECT` IO on the same directory).
+//! A process joins the pool as a **node** ([`PoolClient`]): it lends one storage medium to the pool
+//! ([`Medium`]: host DRAM, GPU HBM, local SSDs) or none (a client-only node), and puts and gets
+//! values by key across every node. A **master** (`umbp master`) keeps membership and the key index
+//! and decides placement; the bytes move between nodes directly.
+//!
+//! ```no_run
+//! use umbp::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! // A node lending 1 GiB of DRAM to the pool whose master runs at 127.0.0.1:50051
+//! // (`umbp master`).
+//! let mut config = PoolClientConfig::new("node-1", "127.0.0.1:50051");
+//! config.medium = Medium::Dram(DramConfig { capacity_bytes: 1 << 30, ..DramConfig::default() });
+//! let pool = PoolClient::start(config).await?;
+//!
+//! pool.put("llama-70b/blk/0", b"sixty-four kilobytes of KV cache, say").await?;
+//! let mut buf = vec![0u8; 64 << 10];
+//! let len = pool.get("llama-70b/blk/0", &mut buf).await?;
+//! assert_eq!(&buf[..len as usize], b"sixty-four kilobytes of KV cache, say");
+//!
+//! // Every error says what to do next.
+//! match pool.get("never-put", &mut buf).await {
+//!     Err(KeyError::Miss) => {}
+//!     Err(err) if err.is_retryable() => { /* a node busy or unreachable: try again shortly */ }
+//!     other => panic!("{other:?}"),
+//! }
+//! pool.close().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Features
+//! - `dram` (default), `ssd`, `hbm`: the media this build can lend (see the note on each below).
+//! - `cli` (default): the `umbp` binary and its settings (clap, TOML, logging). A library user who
+//!   only needs the client turns default features off and picks media: `umbp = { version = "0.1",
+//!   default-features = false, features = ["dram"] }`.
 //!
 //! # Owns
-//! - The command line ([`Cli`]) and its help, which states every default.
-//! - Settings: the TOML file ([`FileConfig`]), the `UMBP_*` environment and the flags, merged in that
-//!   order of precedence ([`resolve_master`], [`resolve_node`], [`resolve_client`]).
-//! - Size and duration syntax ([`parse_size`], [`parse_duration`]).
-//! - The demo ([`demo::run`]) and the benches ([`bench::run`], [`bench_ssd::run`]).
+//! - The public face of the pool: the client API re-exported from `umbp-peer` ([`PoolClient`] and
+//!   its settings, results and errors) and [`ErrorKind`].
+//! - The command line (`umbp master`, `node`, `put`, `get`, `exists`, `rm`, `stat`, `demo`,
+//!   `bench`), its settings (file → environment → flags) and the demo; public only for the binary
+//!   and the tests (hidden from these docs).
 //!
 //! # Never
 //! Implements pool behaviour: placement, transfers and the heartbeat belong to `umbp-master` and
-//! `umbp-peer`; this crate only configures and starts them. Never names a concrete medium or
-//! transfer engine (that is `PoolClient`'s job), and never binds anything but 127.0.0.1 unless told.
+//! `umbp-peer`; this crate only re-exports, configures and starts them. Never names a concrete
+//! medium or transfer engine beyond choosing one from settings, and never binds anything but
+//! 127.0.0.1 unless told.
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_ssd;
+#[cfg(feature = "cli")]
 mod cli;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod demo;
+#[cfg(feature = "cli")]
 mod progress;
+#[cfg(feature = "cli")]
 mod settings;
+#[cfg(feature = "cli")]
 mod units;
 
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub use cli::{
     BENCH_AFTER_HELP, BenchArgs, BenchChildArgs, BenchSuite, CONFIG_FILE_HELP, Cli, Command, DemoArgs, GetArgs,
     KeysArgs, MASTER_ENV_HELP, MasterAddress, MasterArgs, MediumKind, NODE_AFTER_HELP, NodeArgs, PutArgs,
     SsdEngineChoice, StatArgs,
 };
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub use settings::{
     ClientSettings, DEFAULT_MASTER_ADDRESS, DEFAULT_MAX_GET_SIZE, EnvGetter, FileConfig, NodeSettings, Settings,
     SettingsError, format_recache, parse_recache, resolve_client, resolve_master, resolve_master_address,
     resolve_max_get_size, resolve_node,
 };
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub use units::{UnitError, format_duration, format_size, human_size, parse_duration, parse_size};
+
+// The client API: what a program that joins the pool names.
+pub use umbp_core::ErrorKind;
+pub use umbp_peer::pool_client::{
+    DramConfig, HbmConfig, IoEngineKind, KeyError, Medium, PoolClient, PoolClientConfig, PoolClientStats, PoolError,
+    PutOutcome, RecachePolicy, RuntimeSelection, SsdConfig,
+};
+pub use umbp_peer::raise_open_file_limit;
