@@ -19,7 +19,6 @@
 //! the remote range until it completes). Likewise a handshake the server dropped before answering
 //! (its pending-handshake caps) is tried again, up to [`OPEN_ATTEMPTS`] times.
 
-use std::collections::HashMap;
 use std::io::{self, IoSlice, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -28,6 +27,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
+use dashmap::DashMap;
 use parking_lot::{Condvar, Mutex};
 
 use super::io::{FrameReader, SocketClock, configure, failure_kind, read_exact_until, write_all_vectored};
@@ -909,33 +909,37 @@ fn status_message(status: Status, req: &Req, endpoint: &str) -> String {
     }
 }
 
-/// The peers this engine talks to.
+/// The peers this engine talks to: a [`DashMap`], because every batch looks up each of its peers
+/// here, and one peer's lookup (or the first contact that starts its pool) should not wait for
+/// another's.
 #[derive(Debug, Default)]
 pub(crate) struct Peers {
-    pools: Mutex<HashMap<String, Arc<PeerPool>>>,
+    pools: DashMap<String, Arc<PeerPool>>,
 }
 
 impl Peers {
     pub(crate) fn get(&self, shared: &Arc<ClientShared>, endpoint: &str, connections: usize) -> Arc<PeerPool> {
-        let mut pools = self.pools.lock();
-        if let Some(p) = pools.get(endpoint) {
-            return Arc::clone(p);
+        if let Some(p) = self.pools.get(endpoint) {
+            return Arc::clone(&p);
         }
-        let pool = Arc::new(PeerPool::new(shared, endpoint, connections));
-        pools.insert(endpoint.to_owned(), Arc::clone(&pool));
-        pool
+        // Under the entry's shard lock: two first contacts with one peer start one pool.
+        let entry = self.pools.entry(endpoint.to_owned());
+        Arc::clone(&entry.or_insert_with(|| Arc::new(PeerPool::new(shared, endpoint, connections))))
     }
 
     /// Closes the pool of `endpoint` (after its queued work), waiting until `deadline` at most.
     pub(crate) fn forget(&self, endpoint: &str, deadline: Instant) {
-        let pool = self.pools.lock().remove(endpoint);
-        if let Some(p) = pool {
+        if let Some((_, p)) = self.pools.remove(endpoint) {
             p.shutdown(deadline);
         }
     }
 
     pub(crate) fn shutdown(&self, deadline: Instant) {
-        let pools: Vec<Arc<PeerPool>> = self.pools.lock().drain().map(|(_, p)| p).collect();
+        let mut pools = Vec::new();
+        self.pools.retain(|_, p| {
+            pools.push(Arc::clone(p));
+            false
+        });
         for p in pools {
             p.shutdown(deadline);
         }
