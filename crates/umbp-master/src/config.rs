@@ -1,5 +1,6 @@
-//! Master settings: defaults, then `UMBP_*` environment variables (the reference's names where one
-//! exists), then whatever the caller (the `umbp master` command line) sets on top.
+//! Master settings: their names (the settings file's `[master]` keys), defaults and validation.
+//! The command line (`umbp master`) layers the file, the `UMBP_*` environment and its flags over
+//! them through its one settings table; a value out of range is refused as it is read.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -12,16 +13,6 @@ use crate::routing::{Affinity, EvictionConfig, SelectAlgo};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// An environment variable holds something that is not a valid value.
-    #[error("{var}={value:?}: {reason}")]
-    BadEnv {
-        /// The variable.
-        var: &'static str,
-        /// Its value.
-        value: String,
-        /// What a valid value looks like.
-        reason: String,
-    },
     /// Two settings contradict each other, or one is out of range.
     #[error("invalid master configuration: {0}")]
     Invalid(String),
@@ -31,7 +22,7 @@ impl ConfigError {
     /// What the caller does next: fix the setting (always [`ErrorKind::InvalidInput`]).
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::BadEnv { .. } | Self::Invalid(_) => ErrorKind::InvalidInput,
+            Self::Invalid(_) => ErrorKind::InvalidInput,
         }
     }
 }
@@ -51,8 +42,10 @@ pub struct MasterConfig {
     #[serde(with = "umbp_core::units::serde::duration")]
     pub heartbeat_ttl: Duration,
     /// Env `UMBP_HEARTBEAT_INTERVAL_DIVISOR`. Default: 2 (a 5 s interval).
+    #[serde(deserialize_with = "at_least_one")]
     pub heartbeat_interval_divisor: u32,
     /// A node that missed this many TTLs expires. Env `UMBP_MAX_MISSED_HEARTBEATS`. Default: 3 (30 s).
+    #[serde(deserialize_with = "at_least_one")]
     pub max_missed_heartbeats: u32,
     /// How often the registry reaper expires silent nodes. Env `UMBP_REAPER_INTERVAL_SEC`. Default: 5 s.
     #[serde(with = "umbp_core::units::serde::duration")]
@@ -85,6 +78,7 @@ pub struct MasterConfig {
     #[serde(with = "umbp_core::units::serde::from_str")]
     pub route_put_affinity: Affinity,
     /// Shards of the key index. Env `UMBP_MASTER_INDEX_SHARDS` (1..=4096). Default: 32.
+    #[serde(deserialize_with = "index_shards")]
     pub index_shards: usize,
     /// How long a graceful shutdown waits for in-flight calls. Env
     /// `UMBP_GRPC_SHUTDOWN_DEADLINE_SEC`. Default: 3 s.
@@ -96,7 +90,8 @@ pub struct MasterConfig {
     pub cluster_token: Option<String>,
     /// Largest gRPC message accepted or sent, by the master's server and by its `EvictKey` client.
     /// Env `UMBP_MASTER_MAX_MESSAGE_BYTES` (>= 64 KiB). Default: 64 MiB.
-    #[serde(with = "umbp_core::units::serde::size_usize")]
+    #[serde(serialize_with = "umbp_core::units::serde::size_usize::serialize")]
+    #[serde(deserialize_with = "message_bytes")]
     pub max_message_bytes: usize,
     /// Where to serve Prometheus `/metrics` with the cluster gauges (port 0 picks a free one; see
     /// `MasterHandle::metrics_addr`). Env `UMBP_MASTER_METRICS_ADDR`. Default: none (no endpoint).
@@ -104,12 +99,42 @@ pub struct MasterConfig {
     pub metrics_listen: Option<SocketAddr>,
 }
 
+/// The shards of the key index a master may have.
+const INDEX_SHARDS: std::ops::RangeInclusive<usize> = 1..=4096;
+
+/// A value the range checks below refuse, as a deserialization error naming the range.
+fn out_of_range<E: serde::de::Error>(value: impl std::fmt::Display, expected: &str) -> E {
+    E::custom(format!("{value} is out of range: expected {expected}"))
+}
+
+fn at_least_one<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    let n = <u32 as serde::Deserialize>::deserialize(d)?;
+    if n >= 1 { Ok(n) } else { Err(out_of_range(n, "an integer >= 1")) }
+}
+
+fn index_shards<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    let n = <usize as serde::Deserialize>::deserialize(d)?;
+    if INDEX_SHARDS.contains(&n) { Ok(n) } else { Err(out_of_range(n, "an integer in 1..=4096")) }
+}
+
+fn message_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    let n = umbp_core::units::serde::size_usize::deserialize(d)?;
+    if n >= MIN_MESSAGE_BYTES { Ok(n) } else { Err(out_of_range(n, "at least 64KiB")) }
+}
+
+fn ratio<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    let r = <f64 as serde::Deserialize>::deserialize(d)?;
+    if r > 0.0 && r <= 1.0 { Ok(r) } else { Err(out_of_range(r, "a number in (0, 1]")) }
+}
+
 /// The `[master.eviction]` keys: [`EvictionConfig`]'s own fields, read through serde's remote
 /// derive (the routing module stays free of serde; the compiler checks these fields against it).
 #[derive(serde::Deserialize, serde::Serialize)]
 #[serde(remote = "EvictionConfig", default, deny_unknown_fields)]
 struct EvictionSettings {
+    #[serde(deserialize_with = "ratio")]
     high_watermark: f64,
+    #[serde(deserialize_with = "ratio")]
     low_watermark: f64,
     #[serde(with = "umbp_core::units::serde::duration")]
     check_interval: Duration,
@@ -178,107 +203,7 @@ pub const DEFAULT_EXPIRED_RETENTION: Duration = Duration::from_secs(300);
 /// The smallest `max_message_bytes` accepted: smaller would refuse ordinary heartbeats.
 pub const MIN_MESSAGE_BYTES: usize = 64 << 10;
 
-/// Reads `var` through `get` and parses it; absent means `None`.
-fn parse<T: std::str::FromStr>(
-    get: &dyn Fn(&str) -> Option<String>,
-    var: &'static str,
-    what: &str,
-    valid: impl Fn(&T) -> bool,
-) -> Result<Option<T>, ConfigError> {
-    let Some(value) = get(var) else { return Ok(None) };
-    match value.trim().parse::<T>() {
-        Ok(v) if valid(&v) => Ok(Some(v)),
-        _ => Err(ConfigError::BadEnv { var, value, reason: format!("expected {what}") }),
-    }
-}
-
 impl MasterConfig {
-    /// Defaults overridden by the process environment.
-    pub fn from_env() -> Result<Self, ConfigError> {
-        Self::default().with_env(&|var| std::env::var(var).ok())
-    }
-
-    /// `self` overridden by the variables `get` returns (tests pass a map instead of the process
-    /// environment). A malformed value is an error naming the variable, never a silent default.
-    pub fn with_env(mut self, get: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        let secs =
-            |v: &'static str, min: u64| parse::<u64>(get, v, &format!("whole seconds >= {min}"), move |s| *s >= min);
-        if let Some(s) = secs("UMBP_HEARTBEAT_TTL_SEC", 1)? {
-            self.heartbeat_ttl = Duration::from_secs(s);
-        }
-        if let Some(d) = parse::<u32>(get, "UMBP_HEARTBEAT_INTERVAL_DIVISOR", "an integer >= 1", |d| *d >= 1)? {
-            self.heartbeat_interval_divisor = d;
-        }
-        if let Some(m) = parse::<u32>(get, "UMBP_MAX_MISSED_HEARTBEATS", "an integer >= 1", |m| *m >= 1)? {
-            self.max_missed_heartbeats = m;
-        }
-        if let Some(s) = secs("UMBP_REAPER_INTERVAL_SEC", 1)? {
-            self.reaper_interval = Duration::from_secs(s);
-        }
-        if let Some(s) = secs("UMBP_EXPIRED_RETENTION_SEC", 0)? {
-            self.expired_retention = Duration::from_secs(s);
-        }
-        if let Some(s) = secs("UMBP_EVICTION_CHECK_INTERVAL_SEC", 1)? {
-            self.eviction.check_interval = Duration::from_secs(s);
-        }
-        let ratio = "a number in (0, 1]";
-        if let Some(h) = parse::<f64>(get, "UMBP_EVICTION_HIGH_WATERMARK", ratio, |h| *h > 0.0 && *h <= 1.0)? {
-            self.eviction.high_watermark = h;
-        }
-        if let Some(l) = parse::<f64>(get, "UMBP_EVICTION_LOW_WATERMARK", ratio, |l| *l > 0.0 && *l <= 1.0)? {
-            self.eviction.low_watermark = l;
-        }
-        if let Some(s) = secs("UMBP_LEASE_DURATION_SEC", 1)? {
-            self.eviction.lease_duration = Duration::from_secs(s);
-        }
-        if let Some(ms) = parse::<u64>(get, "UMBP_EVICTKEY_DEADLINE_MS", "milliseconds >= 1", |m| *m >= 1)? {
-            self.eviction.evict_deadline = Duration::from_millis(ms);
-        }
-        if let Some(a) = get("UMBP_ROUTE_PUT_SELECT_ALGO") {
-            self.route_put_algo = a.parse().map_err(|e: crate::routing::RoutingConfigError| ConfigError::BadEnv {
-                var: "UMBP_ROUTE_PUT_SELECT_ALGO",
-                value: a.clone(),
-                reason: e.to_string(),
-            })?;
-        }
-        if let Some(a) = get("UMBP_ROUTE_PUT_NODE_AFFINITY") {
-            self.route_put_affinity = a.parse().map_err(|e: crate::routing::RoutingConfigError| {
-                ConfigError::BadEnv { var: "UMBP_ROUTE_PUT_NODE_AFFINITY", value: a.clone(), reason: e.to_string() }
-            })?;
-        }
-        if let Some(b) = get("UMBP_METADATA_BACKEND")
-            && !b.trim().eq_ignore_ascii_case("inmemory")
-        {
-            return Err(ConfigError::BadEnv {
-                var: "UMBP_METADATA_BACKEND",
-                value: b,
-                reason: "only `inmemory` is supported by this master (the Redis-backed store is not built yet)".into(),
-            });
-        }
-        if let Some(n) =
-            parse::<usize>(get, "UMBP_MASTER_MAX_MESSAGE_BYTES", &format!("an integer >= {MIN_MESSAGE_BYTES}"), |n| {
-                *n >= MIN_MESSAGE_BYTES
-            })?
-        {
-            self.max_message_bytes = n;
-        }
-        if let Some(n) =
-            parse::<usize>(get, "UMBP_MASTER_INDEX_SHARDS", "an integer in 1..=4096", |n| (1..=4096).contains(n))?
-        {
-            self.index_shards = n;
-        }
-        if let Some(a) = parse::<SocketAddr>(get, "UMBP_MASTER_METRICS_ADDR", "HOST:PORT (an IP address)", |_| true)? {
-            self.metrics_listen = Some(a);
-        }
-        if let Some(s) = secs("UMBP_GRPC_SHUTDOWN_DEADLINE_SEC", 0)? {
-            self.shutdown_deadline = Duration::from_secs(s);
-        }
-        if let Some(t) = get("UMBP_CLUSTER_TOKEN").filter(|t| !t.is_empty()) {
-            self.cluster_token = Some(t);
-        }
-        Ok(self)
-    }
-
     /// The interval nodes are told to heartbeat at.
     pub fn heartbeat_interval(&self) -> Duration {
         self.heartbeat_ttl / self.heartbeat_interval_divisor.max(1)
@@ -299,7 +224,7 @@ impl MasterConfig {
     /// only after more than one heartbeat interval, a usable message size.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.eviction.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        if !(1..=4096).contains(&self.index_shards) {
+        if !INDEX_SHARDS.contains(&self.index_shards) {
             return Err(ConfigError::Invalid(format!("index_shards {} is outside 1..=4096", self.index_shards)));
         }
         if self.heartbeat_ttl.is_zero() || self.reaper_interval.is_zero() || self.heartbeat_interval().is_zero() {
@@ -327,14 +252,7 @@ impl MasterConfig {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
-
     use super::*;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        move |k| map.get(k).cloned()
-    }
 
     #[test]
     fn defaults_are_the_reference_timings() {
@@ -346,60 +264,6 @@ mod tests {
         assert_eq!(c.expired_retention, Duration::from_secs(300));
         assert_eq!(c.removal_after(), Duration::from_secs(330));
         c.validate().expect("defaults are valid");
-    }
-
-    #[test]
-    fn env_overrides_defaults() {
-        let c = MasterConfig::default()
-            .with_env(&env(&[
-                ("UMBP_HEARTBEAT_TTL_SEC", "4"),
-                ("UMBP_HEARTBEAT_INTERVAL_DIVISOR", "4"),
-                ("UMBP_MASTER_INDEX_SHARDS", "8"),
-                ("UMBP_ROUTE_PUT_SELECT_ALGO", "random"),
-                ("UMBP_EVICTKEY_DEADLINE_MS", "250"),
-                ("UMBP_CLUSTER_TOKEN", "s3cret"),
-                ("UMBP_EXPIRED_RETENTION_SEC", "0"),
-            ]))
-            .expect("valid env");
-        assert_eq!(c.heartbeat_interval(), Duration::from_secs(1));
-        assert_eq!(c.index_shards, 8);
-        assert_eq!(c.route_put_algo, SelectAlgo::Random);
-        assert_eq!(c.eviction.evict_deadline, Duration::from_millis(250));
-        assert_eq!(c.cluster_token.as_deref(), Some("s3cret"));
-        assert_eq!(c.expired_retention, Duration::ZERO);
-    }
-
-    #[test]
-    fn garbage_in_the_environment_is_an_error_naming_the_variable() {
-        for (var, value) in [
-            ("UMBP_HEARTBEAT_TTL_SEC", "ten"),
-            ("UMBP_HEARTBEAT_TTL_SEC", "-1"),
-            ("UMBP_HEARTBEAT_TTL_SEC", "0"),
-            ("UMBP_MASTER_INDEX_SHARDS", "5000"),
-            ("UMBP_EVICTION_HIGH_WATERMARK", "1.5"),
-            ("UMBP_ROUTE_PUT_SELECT_ALGO", "fastest"),
-            ("UMBP_ROUTE_PUT_NODE_AFFINITY", "sticky"),
-            ("UMBP_METADATA_BACKEND", "redis"),
-            ("UMBP_MASTER_MAX_MESSAGE_BYTES", "1000"),
-            ("UMBP_EXPIRED_RETENTION_SEC", "5m"),
-        ] {
-            let err = MasterConfig::default().with_env(&env(&[(var, value)])).expect_err(value);
-            assert!(err.to_string().contains(var), "{err}");
-        }
-    }
-
-    #[test]
-    fn env_parses_the_routing_enums_backend_and_message_size() {
-        let c = MasterConfig::default()
-            .with_env(&env(&[
-                ("UMBP_ROUTE_PUT_SELECT_ALGO", " Random "),
-                ("UMBP_ROUTE_PUT_NODE_AFFINITY", "local"),
-                ("UMBP_METADATA_BACKEND", "inmemory"),
-                ("UMBP_MASTER_MAX_MESSAGE_BYTES", "1048576"),
-            ]))
-            .expect("valid env");
-        assert_eq!((c.route_put_algo, c.route_put_affinity), (SelectAlgo::Random, Affinity::Local));
-        assert_eq!(c.max_message_bytes, 1 << 20);
     }
 
     #[test]
@@ -459,8 +323,6 @@ mod tests {
 
     #[test]
     fn every_config_error_is_invalid_input() {
-        let bad_env = ConfigError::BadEnv { var: "UMBP_X", value: "y".into(), reason: "z".into() };
-        assert_eq!(bad_env.kind(), ErrorKind::InvalidInput);
         assert_eq!(ConfigError::Invalid("x".into()).kind(), ErrorKind::InvalidInput);
         let invalid = MasterConfig { max_message_bytes: 10, ..MasterConfig::default() }.validate().expect_err("tiny");
         assert_eq!(invalid.kind(), ErrorKind::InvalidInput);

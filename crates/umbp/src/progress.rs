@@ -1,5 +1,11 @@
 //! Progress of the long-running commands (`umbp demo`, `umbp bench`) on stderr. Their report goes
 //! to stdout, so a pipe or a file still receives the report alone.
+//!
+//! Why not `indicatif`: its draw targets hide the bar entirely when stderr is not a terminal
+//! (`ProgressDrawTarget::term`: "if the terminal is not user attended the entire progress bar will
+//! be hidden"), so a bench run into a log file would show nothing for minutes; what we need there is
+//! a plain line every 10 s, which is most of this file. On a terminal a one-line counter needs none
+//! of its templates, and it would bring `console` and its own terminal probing into the CLI.
 
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};

@@ -269,3 +269,65 @@ fn settings_errors_say_what_to_do_next() {
     .expect_err("bad master client env");
     assert!(matches!(client, SettingsError::MasterClient(_)) && client.kind() == ErrorKind::InvalidInput);
 }
+
+fn master_args(args: &[&str]) -> MasterArgs {
+    match Cli::parse_from(["umbp", "master"].iter().chain(args)).command {
+        Command::Master(a) => a,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The master's variables (the reference's names, moved here from `umbp-master` with the table).
+#[test]
+fn the_masters_variables_override_its_defaults() {
+    let e = env(&[
+        ("UMBP_HEARTBEAT_TTL_SEC", "4"),
+        ("UMBP_HEARTBEAT_INTERVAL_DIVISOR", "4"),
+        ("UMBP_MASTER_INDEX_SHARDS", "8"),
+        ("UMBP_ROUTE_PUT_SELECT_ALGO", "random"),
+        ("UMBP_EVICTKEY_DEADLINE_MS", "250"),
+        ("UMBP_CLUSTER_TOKEN", "s3cret"),
+        ("UMBP_EXPIRED_RETENTION_SEC", "0"),
+    ]);
+    let c = resolve_master(&FileConfig::default(), &e, &master_args(&[]), None).expect("valid env");
+    assert_eq!(c.heartbeat_interval(), std::time::Duration::from_secs(1));
+    assert_eq!(c.index_shards, 8);
+    assert_eq!(c.route_put_algo, umbp_master::routing::SelectAlgo::Random);
+    assert_eq!(c.eviction.evict_deadline, std::time::Duration::from_millis(250));
+    assert_eq!(c.cluster_token.as_deref(), Some("s3cret"));
+    assert_eq!(c.expired_retention, std::time::Duration::ZERO);
+
+    let e = env(&[
+        ("UMBP_ROUTE_PUT_SELECT_ALGO", " Random "),
+        ("UMBP_ROUTE_PUT_NODE_AFFINITY", "local"),
+        ("UMBP_METADATA_BACKEND", "inmemory"),
+        ("UMBP_MASTER_MAX_MESSAGE_BYTES", "1048576"),
+    ]);
+    let c = resolve_master(&FileConfig::default(), &e, &master_args(&[]), None).expect("valid env");
+    assert_eq!(
+        (c.route_put_algo, c.route_put_affinity),
+        (umbp_master::routing::SelectAlgo::Random, umbp_master::routing::Affinity::Local)
+    );
+    assert_eq!(c.max_message_bytes, 1 << 20);
+}
+
+#[test]
+fn garbage_in_the_masters_variables_is_an_error_naming_the_variable() {
+    const BAD: &[(&str, &str)] = &[
+        ("UMBP_HEARTBEAT_TTL_SEC", "ten"),
+        ("UMBP_HEARTBEAT_TTL_SEC", "-1"),
+        ("UMBP_HEARTBEAT_TTL_SEC", "0"),
+        ("UMBP_MASTER_INDEX_SHARDS", "5000"),
+        ("UMBP_EVICTION_HIGH_WATERMARK", "1.5"),
+        ("UMBP_ROUTE_PUT_SELECT_ALGO", "fastest"),
+        ("UMBP_ROUTE_PUT_NODE_AFFINITY", "sticky"),
+        ("UMBP_METADATA_BACKEND", "redis"),
+        ("UMBP_MASTER_MAX_MESSAGE_BYTES", "1000"),
+        ("UMBP_EXPIRED_RETENTION_SEC", "5m"),
+    ];
+    for i in 0..BAD.len() {
+        let (var, value) = BAD[i];
+        let err = resolve_master(&FileConfig::default(), &env(&BAD[i..=i]), &master_args(&[]), None).expect_err(value);
+        assert!(err.to_string().contains(var), "{var}={value}: {err}");
+    }
+}
