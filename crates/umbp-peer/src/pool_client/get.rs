@@ -29,48 +29,32 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use umbp_core::{PageLocation, ReadRelease};
-
-use super::holder::unreachable;
-use super::support::{BatchProgress, BusyWait, chunk_by_bytes, join_all, medium_call, pipelined, refuses_connections};
+use super::holder::{Answer, Hit, Holder, unreachable};
+use super::support::{
+    BatchProgress, BusyWait, PageLayout, by_exclude_set, chunk_by_bytes, join_all, pipelined, refuses_connections,
+};
 use super::*;
 use crate::peer_client::{LeaseRelease, PeerClientError};
 
-/// Where a found key lives on a remote holder.
-struct Hit {
-    size: u64,
-    pages: Vec<PageLocation>,
-    /// The holder's buffer refs by index (of the medium that serves the key).
-    refs: Vec<Option<TransferRef>>,
-    page_size: u64,
-    /// The read lease to release once the copy is done (0: none).
-    lease: u64,
-    /// The holder's medium that serves the key.
-    backend_id: u32,
+/// A holder to ask: a node and its peer address (this node's own is never dialled: its holder is
+/// the medium).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Target {
+    node: String,
+    peer: String,
 }
 
-/// A remote holder's answer for one key.
-enum Answer {
-    Hit(Hit),
-    Miss,
-    /// Held there, but not servable now: ask the same holder again shortly.
-    Busy,
-}
-
-/// This node's medium's answer for one key (a hit is planned in place).
-#[derive(Clone, Copy)]
-enum Here {
-    Found,
-    Missing,
-    Busy,
-}
-
-/// Where a key that was answered busy is asked again.
-enum Retry {
-    /// This node's medium.
-    Here,
-    /// The same remote holder, without a route call.
-    Remote { node: String, peer: String },
+/// Why a key is asked of a holder, which says what a miss there means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Asked {
+    /// This node's medium, before any route: a miss is routed next.
+    First,
+    /// The master routed the key there, or the holder answered it busy: a miss is a stale route,
+    /// re-routed without it.
+    Routed,
+    /// The master has no route, and this node's medium is the last place to look (a key written
+    /// here before the master heard): a miss is final.
+    LastResort,
 }
 
 /// What reading one chunk produced.
@@ -90,8 +74,8 @@ struct ChunkState {
     last_error: HashMap<usize, KeyError>,
     /// Routed attempts that failed (busy answers do not count).
     tries: Vec<u32>,
-    /// Keys answered busy, and where to ask again.
-    retry: Vec<Option<Retry>>,
+    /// Keys answered busy, and the holder to ask again (without a route call).
+    retry: Vec<Option<Target>>,
 }
 
 impl ChunkState {
@@ -101,14 +85,14 @@ impl ChunkState {
             exclude: vec![BTreeSet::new(); n],
             last_error: HashMap::new(),
             tries: vec![0; n],
-            retry: (0..n).map(|_| None).collect(),
+            retry: vec![None; n],
         }
     }
 
-    /// Key `i` was answered busy by `node`: not excluded, asked again at `retry`.
-    fn busy(&mut self, i: usize, retry: Retry, node: &str) {
-        self.last_error.insert(i, KeyError::Busy { node: node.to_owned() });
-        self.retry[i] = Some(retry);
+    /// Key `i` was answered busy by `target`: not excluded, asked of it again.
+    fn busy(&mut self, i: usize, target: &Target) {
+        self.last_error.insert(i, KeyError::Busy { node: target.node.clone() });
+        self.retry[i] = Some(target.clone());
     }
 
     /// Ends a round for the keys still open: a busy one waits (it fails once `busy_expired`), one
@@ -136,27 +120,42 @@ impl ChunkState {
         }
     }
 
-    /// Whether some key of the chunk waits to ask remote `node` again.
+    /// Whether some key of the chunk waits to ask `node` again.
     fn waits_on(&self, node: &str) -> bool {
-        self.retry.iter().flatten().any(|r| matches!(r, Retry::Remote { node: n, .. } if n == node))
+        self.retry.iter().flatten().any(|t| t.node == node)
     }
+}
+
+/// What one holder answered for the keys asked of it.
+struct Resolved {
+    /// The instant just before the resolve was sent: the lease's conservative start.
+    start: Instant,
+    /// The holder, when it could be reached.
+    holder: Option<Holder>,
+    /// One answer per key, or why the holder could not answer.
+    answers: Result<Vec<Answer>, KeyError>,
 }
 
 /// One key's planned read.
 struct Planned {
     index: usize,
     size: u64,
-    node: String,
-    /// The holder's peer address; `None` for this node's medium.
-    peer: Option<String>,
+    holder: Holder,
     lease_end: Instant,
     /// The read lease to release once the copy is done (0: none).
     lease: u64,
-    /// The holder's medium that serves the key (remote holders only).
+    /// The holder's medium that serves the key.
     backend_id: u32,
     /// Whether its copy was submitted (false: the key already failed, e.g. a buffer too small; the
     /// plan is kept only to release its lease).
     copied: bool,
+}
+
+/// What one round of a chunk plans: the copies to submit and the reads they belong to.
+#[derive(Default)]
+struct Round {
+    transfers: Vec<TransferItem>,
+    planned: Vec<Planned>,
 }
 
 impl PoolClient {
@@ -240,52 +239,47 @@ impl PoolClient {
         results.into_iter().map(|r| r.unwrap_or(Err(KeyError::Miss))).collect()
     }
 
-    /// Reads one chunk: `keys[j]` into `targets[j]`, with bounded re-routes (`max_reroutes` per
-    /// key) and a bounded wait for holders that answer busy ([`BUSY_WAIT`](super::support::BUSY_WAIT)).
-    async fn get_chunk(&self, keys: &[&str], targets: &[CallerBuf], progress: &BatchProgress) -> ChunkRead {
+    /// Reads one chunk: `keys[j]` into `bufs[j]`, with bounded re-routes (`max_reroutes` per key)
+    /// and a bounded wait for holders that answer busy ([`BUSY_WAIT`](super::support::BUSY_WAIT)).
+    /// Each round: route → resolve on every holder concurrently → one submit → keep the copies that
+    /// ended inside their lease → release.
+    async fn get_chunk(&self, keys: &[&str], bufs: &[CallerBuf], progress: &BatchProgress) -> ChunkRead {
         let n = keys.len();
         let mut st = ChunkState::new(n);
         let mut fetched_remote: Vec<usize> = Vec::new();
-        let me = self.config.node_id.clone();
+        let here = Target { node: self.config.node_id.clone(), peer: String::new() };
         // Local first: what this node holds is read without asking the master (a route call per
         // chunk saved). Misses, and every key on a node without a medium, are routed below, with
         // this node excluded. Their copies join the first round's submit.
-        let mut carried: (Vec<TransferItem>, Vec<Planned>) = (Vec::new(), Vec::new());
+        let mut carried = Round::default();
         let mut read_locally = vec![false; n];
         let mut local_hits = Vec::new();
-        if let Some(m) = &self.medium {
-            let all: Vec<(usize, bool)> = (0..n).map(|i| (i, true)).collect();
-            let answers = self.read_here(m, keys, targets, &all, &mut carried.0, &mut carried.1, &mut st.results).await;
-            for (i, answer) in answers.into_iter().enumerate() {
-                match answer {
-                    Here::Found => {
-                        st.exclude[i].insert(me.clone());
-                        read_locally[i] = true;
-                        local_hits.push(keys[i].to_owned());
-                    }
-                    // Held here but busy: ask this medium again next round.
-                    Here::Busy => st.busy(i, Retry::Here, &me),
-                    Here::Missing => {
-                        st.exclude[i].insert(me.clone());
-                    }
-                }
+        if self.medium.is_some() {
+            let asked: Vec<(usize, Asked)> = (0..n).map(|i| (i, Asked::First)).collect();
+            let resolved = self.resolve_at(&here, keys, &asked).await;
+            self.take_answers(&here, &asked, resolved, bufs, &mut st, &mut carried);
+            for p in &carried.planned {
+                read_locally[p.index] = true;
+                local_hits.push(keys[p.index].to_owned());
             }
         }
         // A busy key waits while its holders keep serving this chunk; it gives up after BUSY_WAIT
         // without any progress.
         let mut busy = BusyWait::new(progress);
-        let mut round = 0usize;
+        let mut round_no = 0usize;
         loop {
             // Round 0 carries the local hits' copies; keys the local medium answered busy wait for
             // round 1 (asking again at once would find it just as busy).
             let pending: Vec<usize> = (0..n)
-                .filter(|i| st.results[*i].is_none() && !(round == 0 && (read_locally[*i] || st.retry[*i].is_some())))
+                .filter(|i| {
+                    st.results[*i].is_none() && !(round_no == 0 && (read_locally[*i] || st.retry[*i].is_some()))
+                })
                 .collect();
-            let (mut transfers, mut planned) = std::mem::take(&mut carried);
-            if pending.is_empty() && planned.is_empty() && st.results.iter().all(Option::is_some) {
+            let mut round = std::mem::take(&mut carried);
+            if pending.is_empty() && round.planned.is_empty() && st.results.iter().all(Option::is_some) {
                 break;
             }
-            if round > 0 {
+            if round_no > 0 {
                 let rerouted = pending.iter().filter(|i| st.retry[**i].is_none()).count();
                 StatCounters::add(&self.stats.reroutes, rerouted as u64);
                 if pending.iter().any(|i| st.retry[*i].is_some()) {
@@ -295,165 +289,53 @@ impl PoolClient {
                     busy.pause().await;
                 }
             }
-            // Keys a holder answered busy go straight back to it; the rest are routed, one call per
-            // distinct exclude set, concurrently.
-            let mut local: Vec<(usize, bool)> = Vec::new();
-            let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
+            // Keys a holder answered busy go straight back to it; the rest are routed.
+            let mut groups: BTreeMap<Target, Vec<(usize, Asked)>> = BTreeMap::new();
             let mut to_route: Vec<usize> = Vec::new();
-            for i in &pending {
-                match st.retry[*i].take() {
-                    Some(Retry::Here) => local.push((*i, true)),
-                    Some(Retry::Remote { node, peer }) => groups.entry((node, peer)).or_default().push(*i),
-                    None => to_route.push(*i),
+            for i in pending {
+                match st.retry[i].take() {
+                    Some(target) => groups.entry(target).or_default().push((i, Asked::Routed)),
+                    None => to_route.push(i),
                 }
             }
-            let unreachable = self.recently_unreachable();
-            let mut by_set: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
-            for i in &to_route {
-                let mut set = st.exclude[*i].clone();
-                set.extend(unreachable.iter().cloned());
-                by_set.entry(set.into_iter().collect()).or_default().push(*i);
-            }
-            let sets: Vec<(Vec<String>, Vec<usize>)> = by_set.into_iter().collect();
-            let calls = sets
-                .iter()
-                .map(|(set, indexes)| async move {
-                    let route_keys: Vec<String> = indexes.iter().map(|i| keys[*i].to_owned()).collect();
-                    self.master.batch_route_get(&route_keys, set).await
-                })
-                .collect();
-            for ((_, indexes), hits) in sets.iter().zip(join_all(calls).await) {
-                let hits = match hits {
-                    Ok(h) => h,
-                    Err(e) => {
-                        for i in indexes {
-                            st.results[*i] = Some(Err(KeyError::Routing(e.to_string())));
-                        }
-                        continue;
-                    }
-                };
-                for (i, hit) in indexes.iter().zip(hits) {
-                    match hit {
-                        // Not indexed (yet): the key may have been written here before the master
-                        // heard. Without a medium, or once tried here, it is a miss at once.
-                        None if self.medium.is_none() || st.exclude[*i].contains(&me) => {
-                            st.results[*i] = Some(Err(st.last_error.remove(i).unwrap_or(KeyError::Miss)))
-                        }
-                        None => local.push((*i, false)),
-                        Some(h) if h.node_id == me => local.push((*i, true)),
-                        Some(h) => groups.entry((h.node_id, h.peer_address)).or_default().push(*i),
-                    }
-                }
-            }
+            self.route_gets(keys, &to_route, &here, &mut st, &mut groups).await;
             // Resolve on every holder concurrently, right before the submit.
-            let groups: Vec<((String, String), Vec<usize>)> = groups.into_iter().collect();
-            let resolves = join_all(
-                groups.iter().map(|((node, peer), indexes)| self.resolve_remote(keys, indexes, node, peer)).collect(),
-            )
-            .await;
-            for (((node, peer), indexes), (start, found)) in groups.iter().zip(resolves) {
-                let found = match found {
-                    Ok(f) => f,
-                    Err(e) => {
-                        for i in indexes {
-                            st.exclude[*i].insert(node.clone());
-                            st.last_error.insert(*i, e.clone());
-                        }
-                        continue;
-                    }
-                };
-                let lease_end = start + self.config.read_lease;
-                for (i, f) in indexes.iter().zip(found) {
-                    match f {
-                        Answer::Miss => {
-                            // A stale route: re-route without this node.
-                            st.exclude[*i].insert(node.clone());
-                            st.last_error.insert(*i, KeyError::Miss);
-                        }
-                        Answer::Busy => {
-                            st.busy(*i, Retry::Remote { node: node.clone(), peer: peer.clone() }, node);
-                        }
-                        Answer::Hit(hit) => {
-                            let plan = Planned {
-                                index: *i,
-                                size: hit.size,
-                                node: node.clone(),
-                                peer: Some(peer.clone()),
-                                lease_end,
-                                lease: hit.lease,
-                                backend_id: hit.backend_id,
-                                copied: true,
-                            };
-                            self.plan_get(
-                                plan,
-                                &hit.pages,
-                                &hit.refs,
-                                hit.page_size,
-                                targets[*i],
-                                &mut transfers,
-                                &mut planned,
-                                &mut st.results,
-                            );
-                        }
-                    }
-                }
+            let groups: Vec<(Target, Vec<(usize, Asked)>)> = groups.into_iter().collect();
+            let resolved =
+                join_all(groups.iter().map(|(target, asked)| self.resolve_at(target, keys, asked)).collect()).await;
+            for ((target, asked), resolved) in groups.iter().zip(resolved) {
+                self.take_answers(target, asked, resolved, bufs, &mut st, &mut round);
             }
-            // This node's part, in the gap before the submit.
-            if let Some(m) = &self.medium
-                && !local.is_empty()
-            {
-                let answers =
-                    self.read_here(m, keys, targets, &local, &mut transfers, &mut planned, &mut st.results).await;
-                for ((i, routed_here), answer) in local.iter().zip(answers) {
-                    match answer {
-                        Here::Found => {
-                            st.exclude[*i].insert(me.clone());
-                        }
-                        Here::Busy => st.busy(*i, Retry::Here, &me),
-                        // The master's index is stale: try another replica.
-                        Here::Missing if *routed_here => {
-                            st.exclude[*i].insert(me.clone());
-                            st.last_error.insert(*i, KeyError::Miss);
-                        }
-                        // No route and no local copy: a miss at once.
-                        Here::Missing => {
-                            st.exclude[*i].insert(me.clone());
-                            st.results[*i] = Some(Err(KeyError::Miss));
-                        }
-                    }
-                }
-            }
-            busy.round(planned.iter().any(|p| p.copied));
-            let failed = self.run_transfers(transfers).await;
-            let ended = Instant::now();
+            busy.round(round.planned.iter().any(|p| p.copied));
+            let failed = self.run_transfers(std::mem::take(&mut round.transfers)).await;
+            let ended = self.clock.now();
             // Every copy of this round is over: its holders may reuse the pages now.
-            self.release_reads(keys, &planned, &st).await;
-            for p in planned.into_iter().filter(|p| p.copied) {
+            self.release_reads(keys, &round.planned, &st).await;
+            for p in round.planned.into_iter().filter(|p| p.copied) {
+                let node = p.holder.node().to_owned();
                 if let Some((kind, message)) = failed.get(&(p.index as u64)) {
-                    st.last_error.insert(
-                        p.index,
-                        KeyError::Transfer { node: p.node.clone(), kind: *kind, message: message.clone() },
-                    );
-                    st.exclude[p.index].insert(p.node.clone());
-                    if p.node != me {
-                        self.forget_peer(&p.node);
+                    let e = KeyError::Transfer { node: node.clone(), kind: *kind, message: message.clone() };
+                    st.last_error.insert(p.index, e);
+                    if !p.holder.is_here() {
+                        self.forget_peer(&node);
                     }
+                    st.exclude[p.index].insert(node);
                 } else if ended > p.lease_end {
                     // The pages may have been evicted and reused under the copy: read again.
                     StatCounters::add(&self.stats.lease_lapses, 1);
-                    st.exclude[p.index].remove(&p.node);
-                    st.last_error.insert(p.index, KeyError::LeaseExpired { node: p.node });
+                    st.exclude[p.index].remove(&node);
+                    st.last_error.insert(p.index, KeyError::LeaseExpired { node });
                 } else {
                     st.results[p.index] = Some(Ok(p.size));
-                    if p.node != me {
+                    if !p.holder.is_here() {
                         fetched_remote.push(p.index);
                     }
                 }
             }
             let busy_expired = busy.expired();
-            let carried_here: &[bool] = if round == 0 { &read_locally } else { &[] };
+            let carried_here: &[bool] = if round_no == 0 { &read_locally } else { &[] };
             st.settle_round(carried_here, self.config.max_reroutes, busy_expired);
-            round += 1;
+            round_no += 1;
         }
         let results = st
             .results
@@ -464,93 +346,192 @@ impl PoolClient {
         ChunkRead { results, fetched_remote, local_hits }
     }
 
+    /// Routes `to_route` at the master (one call per distinct exclude set, concurrently) and adds
+    /// each key to the group of the holder it was routed to. A key the master has no route for is
+    /// looked for on this node's medium (`here`) as a last resort, unless the node has none or it
+    /// was looked for there already: then it is a miss at once.
+    async fn route_gets(
+        &self,
+        keys: &[&str],
+        to_route: &[usize],
+        here: &Target,
+        st: &mut ChunkState,
+        groups: &mut BTreeMap<Target, Vec<(usize, Asked)>>,
+    ) {
+        let sets = by_exclude_set(to_route, |i| st.exclude.get(i), &self.recently_unreachable());
+        let calls = sets
+            .iter()
+            .map(|(set, indexes)| async move {
+                let route_keys: Vec<String> = indexes.iter().map(|i| keys[*i].to_owned()).collect();
+                self.master.batch_route_get(&route_keys, set).await
+            })
+            .collect();
+        for ((_, indexes), hits) in sets.iter().zip(join_all(calls).await) {
+            let hits = match hits {
+                Ok(h) => h,
+                Err(e) => {
+                    for i in indexes {
+                        st.results[*i] = Some(Err(KeyError::Routing(e.to_string())));
+                    }
+                    continue;
+                }
+            };
+            for (i, hit) in indexes.iter().zip(hits) {
+                let (target, asked) = match hit {
+                    None if self.medium.is_none() || st.exclude[*i].contains(&here.node) => {
+                        st.results[*i] = Some(Err(st.last_error.remove(i).unwrap_or(KeyError::Miss)));
+                        continue;
+                    }
+                    None => (here.clone(), Asked::LastResort),
+                    Some(h) if h.node_id == here.node => (here.clone(), Asked::Routed),
+                    Some(h) => (Target { node: h.node_id, peer: h.peer_address }, Asked::Routed),
+                };
+                groups.entry(target).or_default().push((*i, asked));
+            }
+        }
+    }
+
+    /// Resolves the `asked` keys on `target`.
+    ///
+    /// A holder that refuses connections (nothing listens at its address: its process is gone)
+    /// holds nothing this reader can have: its keys are misses, not errors (it is left out of this
+    /// client's routes for a while, so the next reads skip it).
+    async fn resolve_at(&self, target: &Target, keys: &[&str], asked: &[(usize, Asked)]) -> Resolved {
+        let gone = || asked.iter().map(|_| Answer::Miss).collect();
+        let holder = match self.holder(&target.node, &target.peer).await {
+            Ok(h) => h,
+            Err(e) => {
+                let answers =
+                    if refuses_connections(&target.peer, self.config.rpc_timeout).await { Ok(gone()) } else { Err(e) };
+                return Resolved { start: self.clock.now(), holder: None, answers };
+            }
+        };
+        let start = self.clock.now();
+        let answers =
+            match holder.resolve(&self.directory, asked.iter().map(|(i, _)| keys[*i].to_owned()).collect()).await {
+                Ok(a) => Ok(a),
+                // A holder that did not answer is marked by its client; one whose process is gone
+                // holds nothing.
+                Err(e @ PeerClientError::Rpc { .. }) => {
+                    if refuses_connections(&target.peer, self.config.rpc_timeout).await {
+                        Ok(gone())
+                    } else {
+                        Err(unreachable(&target.node, &e))
+                    }
+                }
+                Err(e) => Err(unreachable(&target.node, &e)),
+            };
+        Resolved { start, holder: Some(holder), answers }
+    }
+
+    /// Takes `target`'s answers for the `asked` keys: plans the copies of its hits into `round`
+    /// (each under the lease the resolve took), sends busy keys back to it next round, and excludes
+    /// it for missed keys (final for a last-resort look).
+    fn take_answers(
+        &self,
+        target: &Target,
+        asked: &[(usize, Asked)],
+        resolved: Resolved,
+        bufs: &[CallerBuf],
+        st: &mut ChunkState,
+        round: &mut Round,
+    ) {
+        let node = &target.node;
+        let (answers, holder) = match (resolved.answers, resolved.holder) {
+            (Ok(answers), holder) => (answers, holder),
+            (Err(e), _) => {
+                for (i, _) in asked {
+                    st.exclude[*i].insert(node.clone());
+                    st.last_error.insert(*i, e.clone());
+                }
+                return;
+            }
+        };
+        let lease_end = resolved.start + self.config.read_lease;
+        for ((i, why), answer) in asked.iter().zip(answers) {
+            match answer {
+                Answer::Busy => st.busy(*i, target),
+                Answer::Miss => {
+                    st.exclude[*i].insert(node.clone());
+                    match why {
+                        Asked::First => {}
+                        Asked::Routed => drop(st.last_error.insert(*i, KeyError::Miss)),
+                        Asked::LastResort => st.results[*i] = Some(Err(KeyError::Miss)),
+                    }
+                }
+                Answer::Hit(hit) => {
+                    st.exclude[*i].insert(node.clone());
+                    // A hit always comes with its holder (a gone holder answers only misses).
+                    let Some(holder) = &holder else { continue };
+                    let plan = Planned {
+                        index: *i,
+                        size: hit.size,
+                        holder: holder.clone(),
+                        lease_end,
+                        lease: hit.lease,
+                        backend_id: hit.backend_id,
+                        copied: true,
+                    };
+                    self.plan_get(plan, &hit, bufs[*i], st, round);
+                }
+            }
+        }
+    }
+
+    /// Plans one hit's copy into the caller's buffer.
+    fn plan_get(&self, plan: Planned, hit: &Hit, buf: CallerBuf, st: &mut ChunkState, round: &mut Round) {
+        let (i, size) = (plan.index, plan.size);
+        if (buf.len as u64) < size {
+            st.results[i] = Some(Err(KeyError::BufferTooSmall { needed: size, got: buf.len as u64 }));
+            // Kept (uncopied) only so that its lease is released with the round's.
+            round.planned.push(Planned { copied: false, ..plan });
+            return;
+        }
+        let (dst, dst_base) = self.caller_ref(CallerBuf { ptr: buf.ptr, len: size as usize });
+        let layout = PageLayout { pages: &hit.pages, refs: &hit.refs, page_size: hit.page_size };
+        match page_items(&dst, dst_base, size, layout, i as u64, false) {
+            Ok(items) => {
+                round.transfers.extend(items);
+                round.planned.push(plan);
+            }
+            Err(e) => {
+                let node = plan.holder.node();
+                st.results[i] = Some(Err(KeyError::Failed(format!("malformed pages from {node}: {e}"))));
+                round.planned.push(Planned { copied: false, ..plan });
+            }
+        }
+    }
+
     /// Ends the read leases of `planned` (every copy of the round is over, done or failed): this
     /// node's medium at once, each remote holder with one `ReleaseReads`, in the background (the
     /// caller's result never waits for it) unless the chunk still has keys that holder answered
     /// busy, whose next resolve needs the pages back first.
     async fn release_reads(&self, keys: &[&str], planned: &[Planned], st: &ChunkState) {
-        let mut local: Vec<ReadRelease> = Vec::new();
-        let mut remote: BTreeMap<(String, String), Vec<LeaseRelease>> = BTreeMap::new();
+        let mut by_holder: BTreeMap<String, (Holder, Vec<LeaseRelease>)> = BTreeMap::new();
         for p in planned.iter().filter(|p| p.lease != 0) {
-            let key = keys[p.index].to_owned();
-            match &p.peer {
-                None => local.push(ReadRelease::new(key, p.lease)),
-                Some(peer) => remote.entry((p.node.clone(), peer.clone())).or_default().push(LeaseRelease {
-                    key,
-                    lease: p.lease,
-                    backend_id: p.backend_id,
-                }),
-            }
-        }
-        if let Some(m) = &self.medium
-            && !local.is_empty()
-        {
-            // Bookkeeping under the medium's lock, no IO: cheap enough to run in place.
-            blocking(|| m.release_reads(&local));
+            let reads =
+                &mut by_holder.entry(p.holder.node().to_owned()).or_insert_with(|| (p.holder.clone(), Vec::new())).1;
+            reads.push(LeaseRelease { key: keys[p.index].to_owned(), lease: p.lease, backend_id: p.backend_id });
         }
         let mut waited = Vec::new();
-        for ((node, _), reads) in remote {
+        for (node, (holder, reads)) in by_holder {
+            if holder.is_here() {
+                holder.release(reads).await;
+                continue;
+            }
             // Only over a connection still open: a holder that failed does not hold this round up
             // (its leases expire instead).
-            let Some(client) = self.peers.open(&node) else { continue };
-            let waits = st.waits_on(&node);
-            let send = async move {
-                if let Err(e) = client.release(reads).await {
-                    tracing::debug!(node, error = %e, "read release did not land; the read lease expires instead");
-                }
-            };
-            if waits {
+            if self.peers.open(&node).is_none() {
+                continue;
+            }
+            let send = async move { holder.release(reads).await };
+            if st.waits_on(&node) {
                 waited.push(send);
             } else {
                 self.releases.spawn(send);
             }
         }
         join_all(waited).await;
-    }
-
-    /// Resolves `local` (index, whether the master routed it here) on this node's medium and plans
-    /// the copies of the keys found, each under the medium's read lease. Returns, per entry, what
-    /// the medium answered.
-    #[expect(clippy::too_many_arguments, reason = "the chunk's keys and the round's accumulators")]
-    async fn read_here(
-        &self,
-        m: &Arc<dyn MediumBackend>,
-        keys: &[&str],
-        targets: &[CallerBuf],
-        local: &[(usize, bool)],
-        transfers: &mut Vec<TransferItem>,
-        planned: &mut Vec<Planned>,
-        results: &mut [Option<Result<u64, KeyError>>],
-    ) -> Vec<Here> {
-        let local_keys: Vec<String> = local.iter().map(|(i, _)| keys[*i].to_owned()).collect();
-        let start = Instant::now();
-        // A panicked resolve reads nothing here: every key is then routed elsewhere.
-        let (resolved, refs) = medium_call(m, self.medium_drive_io, move |m| {
-            let refs: Vec<Option<TransferRef>> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
-            (m.batch_resolve(&local_keys, false), refs)
-        })
-        .await
-        .unwrap_or_default();
-        let mut answers = vec![Here::Missing; local.len()];
-        for ((a, (i, _)), r) in answers.iter_mut().zip(local).zip(resolved) {
-            if r.busy {
-                *a = Here::Busy;
-            } else if r.found {
-                *a = Here::Found;
-                let plan = Planned {
-                    index: *i,
-                    size: r.size,
-                    node: self.config.node_id.clone(),
-                    peer: None,
-                    lease_end: start + self.config.read_lease,
-                    lease: r.lease,
-                    backend_id: 0,
-                    copied: true,
-                };
-                self.plan_get(plan, &r.pages, &refs, r.page_size, targets[*i], transfers, planned, results);
-            }
-        }
-        answers
     }
 
     /// Tells the master, in the background, that `keys` were just read here, so its LRU eviction
@@ -569,103 +550,6 @@ impl PoolClient {
                 tracing::debug!(error = %e, "access hint for local hits did not reach the master");
             }
         });
-    }
-
-    #[expect(clippy::too_many_arguments, reason = "one key's read plan and the round's accumulators")]
-    fn plan_get(
-        &self,
-        plan: Planned,
-        pages: &[PageLocation],
-        refs: &[Option<TransferRef>],
-        page_size: u64,
-        target: CallerBuf,
-        transfers: &mut Vec<TransferItem>,
-        planned: &mut Vec<Planned>,
-        results: &mut [Option<Result<u64, KeyError>>],
-    ) {
-        let (i, size) = (plan.index, plan.size);
-        if (target.len as u64) < size {
-            results[i] = Some(Err(KeyError::BufferTooSmall { needed: size, got: target.len as u64 }));
-            // Kept (uncopied) only so that its lease is released with the round's.
-            planned.push(Planned { copied: false, ..plan });
-            return;
-        }
-        let (dst, dst_base) = self.caller_ref(CallerBuf { ptr: target.ptr, len: size as usize });
-        match page_items(&dst, dst_base, size, pages, refs, page_size, i as u64, false) {
-            Ok(items) => {
-                transfers.extend(items);
-                planned.push(plan);
-            }
-            Err(e) => {
-                results[i] = Some(Err(KeyError::Failed(format!("malformed pages from {}: {e}", plan.node))));
-                planned.push(Planned { copied: false, ..plan });
-            }
-        }
-    }
-
-    /// Resolves `indexes` on `node`: the instant just before the resolve was sent (the lease's
-    /// conservative start) and one answer per key.
-    ///
-    /// A holder that refuses connections (nothing listens at its address: its process is gone)
-    /// holds nothing this reader can have: its keys are misses, not errors, and it is left out of
-    /// this client's routes for a while (`mark_unreachable`) so the next reads skip it.
-    async fn resolve_remote(
-        &self,
-        keys: &[&str],
-        indexes: &[usize],
-        node: &str,
-        peer: &str,
-    ) -> (Instant, Result<Vec<Answer>, KeyError>) {
-        let gone = || indexes.iter().map(|_| Answer::Miss).collect();
-        let client = match self.peer(node, peer).await {
-            Ok(c) => c,
-            Err(e) => {
-                if refuses_connections(peer, self.config.rpc_timeout).await {
-                    return (Instant::now(), Ok(gone()));
-                }
-                return (Instant::now(), Err(e));
-            }
-        };
-        let omit_descs = self.directory.has_remote_buffers(node);
-        let start = Instant::now();
-        let decoded = match client.resolve(indexes.iter().map(|i| keys[*i].to_owned()).collect(), omit_descs).await {
-            Ok(d) => d,
-            Err(e) => {
-                // A holder that did not answer is marked by the client; one whose process is gone
-                // holds nothing.
-                if matches!(e, PeerClientError::Rpc { .. }) && refuses_connections(peer, self.config.rpc_timeout).await
-                {
-                    return (start, Ok(gone()));
-                }
-                return (start, Err(unreachable(node, &e)));
-            }
-        };
-        self.directory.replace_remote_buffers(node, &decoded.descs);
-        let mut shelves: HashMap<u32, Vec<Option<TransferRef>>> = HashMap::new();
-        let found = decoded
-            .keys
-            .into_iter()
-            .zip(decoded.busy)
-            .map(|(k, busy)| match k {
-                Some(k) => {
-                    let refs = shelves
-                        .entry(k.backend_id)
-                        .or_insert_with(|| self.directory.remote_buffer_snapshot(node, k.backend_id))
-                        .clone();
-                    Answer::Hit(Hit {
-                        size: k.size,
-                        pages: k.pages,
-                        refs,
-                        page_size: decoded.page_size,
-                        lease: k.lease,
-                        backend_id: k.backend_id,
-                    })
-                }
-                None if busy => Answer::Busy,
-                None => Answer::Miss,
-            })
-            .collect();
-        (start, Ok(found))
     }
 
     /// Queues remotely fetched values for the local medium when the admission policy allows; a full

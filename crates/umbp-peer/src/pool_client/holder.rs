@@ -4,11 +4,11 @@
 
 use std::collections::HashMap;
 
-use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
+use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation, ReadRelease};
 
 use super::support::{blocking, medium_call};
 use super::*;
-use crate::peer_client::{PeerClient, PeerClientError};
+use crate::peer_client::{LeaseRelease, PeerClient, PeerClientError};
 
 /// This node's medium, as a holder.
 #[derive(Clone)]
@@ -40,6 +40,27 @@ pub(super) struct Allocation {
     pub(super) page_size: u64,
     /// The slot's pending TTL as the holder stated it (0: not stated).
     pub(super) pending_ttl_ms: u64,
+}
+
+/// Where a found key's pages are on its holder.
+pub(super) struct Hit {
+    pub(super) size: u64,
+    pub(super) pages: Vec<PageLocation>,
+    /// The buffer table of the medium that serves the key.
+    pub(super) refs: Arc<[Option<TransferRef>]>,
+    pub(super) page_size: u64,
+    /// The read lease to release once the copy is done (0: none).
+    pub(super) lease: u64,
+    /// The medium that serves the key (0 on this node: its one medium).
+    pub(super) backend_id: u32,
+}
+
+/// A holder's answer for one key.
+pub(super) enum Answer {
+    Hit(Hit),
+    Miss,
+    /// Held there, but not servable now: ask the same holder again shortly.
+    Busy,
 }
 
 /// A peer's failure as a key's error.
@@ -177,6 +198,98 @@ impl Holder {
                 });
             }
         }
+    }
+}
+
+impl Holder {
+    /// Resolves `keys`, each hit under the holder's read lease; one answer per key. A remote
+    /// holder's descriptors replace the cached ones in `directory`, and are not asked for when
+    /// they are cached already.
+    pub(super) async fn resolve(
+        &self,
+        directory: &PeerDirectory,
+        keys: Vec<String>,
+    ) -> Result<Vec<Answer>, PeerClientError> {
+        let n = keys.len();
+        match self {
+            Self::Here(h) => {
+                // A panicked resolve reads nothing here: every key is then routed elsewhere.
+                let (resolved, refs) = medium_call(&h.medium, h.drive_io, move |m| {
+                    let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
+                    (m.batch_resolve(&keys, false), Some(refs))
+                })
+                .await
+                .unwrap_or_default();
+                let mut answers: Vec<Answer> = resolved
+                    .into_iter()
+                    .map(|r| match &refs {
+                        _ if r.busy => Answer::Busy,
+                        Some(refs) if r.found => Answer::Hit(Hit {
+                            size: r.size,
+                            pages: r.pages,
+                            refs: Arc::clone(refs),
+                            page_size: r.page_size,
+                            lease: r.lease,
+                            backend_id: 0,
+                        }),
+                        _ => Answer::Miss,
+                    })
+                    .collect();
+                answers.resize_with(n, || Answer::Miss);
+                Ok(answers)
+            }
+            Self::Peer(p) => {
+                let node = p.node();
+                let decoded = p.resolve(keys, directory.has_remote_buffers(node)).await?;
+                directory.replace_remote_buffers(node, &decoded.descs);
+                let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
+                Ok(decoded
+                    .keys
+                    .into_iter()
+                    .zip(decoded.busy)
+                    .map(|(k, busy)| match k {
+                        Some(k) => {
+                            let refs = Arc::clone(
+                                shelves
+                                    .entry(k.backend_id)
+                                    .or_insert_with(|| directory.remote_buffer_snapshot(node, k.backend_id).into()),
+                            );
+                            Answer::Hit(Hit {
+                                size: k.size,
+                                pages: k.pages,
+                                refs,
+                                page_size: decoded.page_size,
+                                lease: k.lease,
+                                backend_id: k.backend_id,
+                            })
+                        }
+                        None if busy => Answer::Busy,
+                        None => Answer::Miss,
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// Ends read leases (best effort: a lost release only waits for the lease's expiry).
+    pub(super) async fn release(&self, reads: Vec<LeaseRelease>) {
+        match self {
+            Self::Here(h) => {
+                let reads: Vec<ReadRelease> = reads.into_iter().map(|r| ReadRelease::new(r.key, r.lease)).collect();
+                // Bookkeeping under the medium's lock, no IO: cheap enough to run in place.
+                blocking(|| h.medium.release_reads(&reads));
+            }
+            Self::Peer(p) => {
+                if let Err(e) = p.release(reads).await {
+                    tracing::debug!(node = p.node(), error = %e, "read release did not land; the read lease expires instead");
+                }
+            }
+        }
+    }
+
+    /// Whether this is this node's medium.
+    pub(super) fn is_here(&self) -> bool {
+        matches!(self, Self::Here(_))
     }
 }
 

@@ -22,6 +22,7 @@
 //! same address publishes new handles); a failed transfer forgets the peer's descriptors and
 //! connection, and a peer that cannot be reached is left out of routes for 2 s.
 
+mod builder;
 mod compose;
 mod config;
 mod get;
@@ -39,7 +40,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use tokio::sync::{RwLock, mpsc};
 use umbp_core::{
-    BackendRegistry, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSource, TierType, TransferRef,
+    BackendRegistry, Clock, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSource, TierType,
+    TransferRef,
 };
 use umbp_metrics::{MetricsConfig, MetricsExporter, MetricsServer};
 use umbp_transfer::{CompositeTransferEngine, FailureKind, PeerDirectory, TransferEngine, TransferItem};
@@ -47,6 +49,7 @@ use umbp_transfer::{CompositeTransferEngine, FailureKind, PeerDirectory, Transfe
 use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
 use crate::peer_client::{PeerClient, PeerClientConfig, Peers};
 use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
+pub use builder::PoolClientBuilder;
 use compose::{Composed, compose};
 pub use config::{
     DramConfig, HbmConfig, IoEngineKind, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection, SsdConfig,
@@ -285,11 +288,18 @@ pub struct PoolClient {
     metrics: Mutex<Option<MetricsServer>>,
     /// Read releases in flight (see `get`); `close` waits for them.
     releases: support::Releases,
+    /// What the read-lease and slot-TTL checks measure time with (the media's own clock is theirs).
+    clock: Arc<dyn Clock>,
 }
 
 impl PoolClient {
     /// Starts a node: transfer engines, the medium, the peer service, registration and the heartbeat.
     pub async fn start(config: PoolClientConfig) -> Result<Self, PoolError> {
+        Self::start_with_clock(config, umbp_core::SystemClock::shared()).await
+    }
+
+    /// [`start`](Self::start) with the clock the client's read-lease and slot-TTL checks read.
+    pub(crate) async fn start_with_clock(config: PoolClientConfig, clock: Arc<dyn Clock>) -> Result<Self, PoolError> {
         if config.node_id.is_empty() || config.master_address.is_empty() {
             return Err(PoolError::Config("node_id and master_address are required".into()));
         }
@@ -404,6 +414,7 @@ impl PoolClient {
             touches: Arc::new(tokio::sync::Semaphore::new(TOUCHES_IN_FLIGHT)),
             metrics: Mutex::new(metrics),
             releases: support::Releases::default(),
+            clock,
         })
     }
 

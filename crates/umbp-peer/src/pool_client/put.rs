@@ -28,7 +28,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
 
 use super::holder::{Allocation, Holder};
-use super::support::{BatchProgress, BusyWait, SlotGuard, chunk_by_bytes, join_all, pipelined};
+use super::support::{
+    BatchProgress, BusyWait, PageLayout, SlotGuard, by_exclude_set, chunk_by_bytes, join_all, pipelined,
+};
 use super::*;
 use crate::master_client::RoutePutDecision;
 
@@ -302,14 +304,7 @@ impl PoolClient {
     /// Routes `pending` at the master, one call per distinct exclude set (concurrently), and groups
     /// the routed keys by node and tier.
     async fn route_puts(&self, items: &[(&str, CallerBuf)], pending: &[usize], st: &mut PutState) -> Vec<Group> {
-        let unreachable = self.recently_unreachable();
-        let mut by_set: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
-        for i in pending {
-            let mut set: BTreeSet<String> = st.exclude.get(i).cloned().unwrap_or_default();
-            set.extend(unreachable.iter().cloned());
-            by_set.entry(set.into_iter().collect()).or_default().push(*i);
-        }
-        let sets: Vec<(Vec<String>, Vec<usize>)> = by_set.into_iter().collect();
+        let sets = by_exclude_set(pending, |i| st.exclude.get(&i), &self.recently_unreachable());
         let calls = sets
             .iter()
             .map(|(set, indexes)| async move {
@@ -396,14 +391,15 @@ impl PoolClient {
                         KeyError::Refused { node: node.to_owned(), message: "allocation refused".into() },
                     ),
                     Alloc::Slot { slot_id, pages, refs, page_size, deadline } => {
-                        if Instant::now() >= deadline {
+                        if self.clock.now() >= deadline {
                             // Never start a copy into a slot that may be reaped under it.
                             StatCounters::add(&self.stats.slot_expiries, 1);
                             st.last_error.insert(*i, KeyError::SlotExpired { node: node.to_owned() });
                             continue;
                         }
                         let (src, base) = self.caller_ref(value);
-                        match page_items(&src, base, value.len as u64, &pages, &refs, page_size, *i as u64, true) {
+                        let layout = PageLayout { pages: &pages, refs: &refs, page_size };
+                        match page_items(&src, base, value.len as u64, layout, *i as u64, true) {
                             Ok(p) => {
                                 transfers.extend(p);
                                 planned.push((g, *i, slot_id, deadline));
@@ -423,7 +419,7 @@ impl PoolClient {
         }
         // 2. One submit for every group (the local copies complete in submit), then wait.
         let failed = self.run_transfers(transfers).await;
-        let ended = Instant::now();
+        let ended = self.clock.now();
         let mut commits: BTreeMap<usize, Vec<(usize, u64)>> = BTreeMap::new();
         for (g, i, slot_id, deadline) in planned {
             let node = groups[g].node.as_str();
@@ -471,7 +467,7 @@ impl PoolClient {
         let holder = self.holder(&group.node, &group.peer).await?;
         let requests: Vec<AllocateRequest> =
             group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
-        let start = Instant::now();
+        let start = self.clock.now();
         // The tier the master routed to: the peer service dispatches on it.
         let allocations = holder.allocate(&self.directory, group.tier, requests).await?;
         let allocs = allocations.into_iter().map(|a| self.alloc(a, start)).collect();

@@ -1,7 +1,7 @@
 //! Pieces the put and get paths share: caller buffers, the blocking helper, a small `join_all`,
 //! the slot guard, the re-cache worker and page-item planning.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::{Future, poll_fn};
 use std::pin::Pin;
 use std::ptr::NonNull;
@@ -406,19 +406,26 @@ impl Drop for SlotGuard {
     }
 }
 
+/// Where a value's pages are on a medium: the pages in value order, the medium's buffer table
+/// they index, and its page size.
+#[derive(Clone, Copy)]
+pub(super) struct PageLayout<'a> {
+    pub(super) pages: &'a [PageLocation],
+    pub(super) refs: &'a [Option<TransferRef>],
+    pub(super) page_size: u64,
+}
+
 /// One transfer item per page between the caller's memory (`user`, from `user_base`) and the
 /// medium's pages. `to_medium` is a put.
-#[expect(clippy::too_many_arguments, reason = "the pieces of one key's page layout")]
 pub(super) fn page_items(
     user: &TransferRef,
     user_base: u64,
     size: u64,
-    pages: &[PageLocation],
-    refs: &[Option<TransferRef>],
-    page_size: u64,
+    layout: PageLayout<'_>,
     tag: u64,
     to_medium: bool,
 ) -> Result<Vec<TransferItem>, String> {
+    let PageLayout { pages, refs, page_size } = layout;
     if page_size == 0 || pages.len() as u64 != size.div_ceil(page_size) {
         return Err(format!("{} pages of {page_size} bytes cannot hold {size} bytes", pages.len()));
     }
@@ -438,6 +445,22 @@ pub(super) fn page_items(
         items.push(TransferItem { src, src_offset, dst, dst_offset, size: len, tag });
     }
     Ok(items)
+}
+
+/// Groups keys by the nodes each must not be routed to — its own exclusions and every node
+/// unreachable now — so that one route call serves each distinct set (sets in a stable order).
+pub(super) fn by_exclude_set<'a>(
+    keys: &[usize],
+    excluded: impl Fn(usize) -> Option<&'a BTreeSet<String>>,
+    unreachable: &[String],
+) -> Vec<(Vec<String>, Vec<usize>)> {
+    let mut by_set: BTreeMap<Vec<String>, Vec<usize>> = BTreeMap::new();
+    for &i in keys {
+        let mut set: BTreeSet<String> = excluded(i).cloned().unwrap_or_default();
+        set.extend(unreachable.iter().cloned());
+        by_set.entry(set.into_iter().collect()).or_default().push(i);
+    }
+    by_set.into_iter().collect()
 }
 
 /// A value fetched from a peer, to store on this node's medium.
@@ -480,7 +503,8 @@ fn store_locally(medium: &dyn MediumBackend, engine: &CompositeTransferEngine, j
     let buf = CallerBuf::of(&job.bytes);
     // SAFETY: `job.bytes` outlives the transfer below, which completes before this function returns.
     let src = TransferRef::local(unsafe { LocalRegion::new(buf.ptr, size, MemoryLocation::Host) });
-    let ok = match page_items(&src, 0, size, &a.pages, &refs, a.page_size, 0, true) {
+    let layout = PageLayout { pages: &a.pages, refs: &refs, page_size: a.page_size };
+    let ok = match page_items(&src, 0, size, layout, 0, true) {
         Ok(items) => umbp_transfer::transfer(engine, &items).is_ok(),
         Err(_) => false,
     };
