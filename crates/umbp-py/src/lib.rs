@@ -1,0 +1,50 @@
+//! The native module of the `umbp` Python package (`umbp._umbp`).
+//!
+//! One class, [`Pool`](pool::Pool): a node of a umbp pool living in this Python process, either with
+//! an embedded master (the *local* deployment, [`Pool::local`](pool::Pool::local)) or joined to a
+//! running master (the *distributed* deployment, [`Pool::node`](pool::Pool::node)). Its methods take
+//! keys, raw addresses (Python ints) or objects exporting the buffer protocol, and release the GIL
+//! for every call that waits on I/O: the work runs on a tokio runtime this module owns.
+//!
+//! The Pythonic `umbp.Client` and the `mori.umbp` compatibility surface are pure Python over this
+//! class (`python/umbp/`); per-key failures come back as `(kind, message)` pairs that the Python
+//! side turns into the exceptions defined here.
+//!
+//! Built by maturin from `python/pyproject.toml`; `cargo check` builds it like any crate.
+
+mod buffer;
+mod errors;
+mod memcheck;
+mod pool;
+
+use std::sync::OnceLock;
+
+use pyo3::prelude::*;
+
+/// The runtime every call of this module runs on. Built on first use, never dropped (it lives as
+/// long as the interpreter has the module loaded).
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    if let Some(rt) = RUNTIME.get() {
+        return Ok(rt);
+    }
+    // Transfers block in place, so the runtime must be multi-threaded; a few threads are enough
+    // for one process's node (the copies run on tokio's blocking pool).
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("umbp-py")
+        .enable_all()
+        .build()
+        .map_err(|e| errors::InternalError::new_err(format!("starting the async runtime: {e}")))?;
+    Ok(RUNTIME.get_or_init(|| rt))
+}
+
+/// The module: the `Pool` class, the exception hierarchy and the error-kind codes.
+#[pymodule]
+fn _umbp(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<pool::Pool>()?;
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,546 @@
+//! `Pool`: one node of a umbp pool in this process, the class every Python API is built on.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+use umbp_master::{MasterConfig, MasterHandle};
+use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+
+use crate::buffer::View;
+use crate::errors::{self, INVALID_INPUT};
+use crate::memcheck::range_mapped;
+use crate::runtime;
+
+/// What a per-key call answers: a value (put: 1; get: the value's size)
+/// or a failure `(kind, message)`.
+type KeyResult = Result<u64, (u8, String)>;
+
+/// The node and what the binding keeps beside it.
+struct Inner {
+    client: Arc<PoolClient>,
+    /// The embedded master of a local pool.
+    master: Mutex<Option<MasterHandle>>,
+    closed: AtomicBool,
+    /// Caller memory registered through this binding: base → length. Addresses inside are trusted
+    /// (the caller vouched for them); others are checked with `mincore` before any copy.
+    regions: Mutex<BTreeMap<usize, usize>>,
+    distributed: bool,
+    master_address: String,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Dropped with the GIL held (a Python object's dealloc): leave the pool in the background
+        // rather than block the interpreter on the master's unregister.
+        let client = Arc::clone(&self.client);
+        let master = self.master.lock().take();
+        if let Ok(rt) = runtime() {
+            rt.spawn(async move {
+                client.close().await;
+                if let Some(m) = master {
+                    m.shutdown().await;
+                }
+            });
+        }
+    }
+}
+
+/// One node of a umbp pool in this process.
+///
+/// `Pool.local(...)` starts an embedded master and one DRAM node (no other process needed);
+/// `Pool.node(...)` joins a running master, lending DRAM or nothing. Every I/O call releases the GIL.
+/// Batch calls answer per key: with `detail=False` a `list[bool]`, else a list whose items are an
+/// `int` (put: 1, also when the key was already there; get: the value's size) or a
+/// `(kind, message)` tuple (`KIND_*` codes).
+#[pyclass(frozen, module = "umbp._umbp")]
+pub(crate) struct Pool {
+    inner: Arc<Inner>,
+}
+
+/// The address `host` (an IP or a name) resolves to.
+fn resolve_ip(host: &str) -> PyResult<IpAddr> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(ip);
+    }
+    (host, 0)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .map(|a| a.ip())
+        .ok_or_else(|| errors::InvalidInputError::new_err(format!("cannot resolve host {host:?}")))
+}
+
+fn check_batch(keys: &[String], ptrs: &[usize], sizes: &[usize]) -> PyResult<()> {
+    if keys.len() != ptrs.len() || keys.len() != sizes.len() {
+        return Err(errors::InvalidInputError::new_err(format!(
+            "ragged batch: {} keys, {} pointers, {} sizes",
+            keys.len(),
+            ptrs.len(),
+            sizes.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The Python list of per-key results.
+fn results_list<'py>(py: Python<'py>, results: &[KeyResult], detail: bool) -> PyResult<Bound<'py, PyList>> {
+    if !detail {
+        return PyList::new(py, results.iter().map(Result::is_ok));
+    }
+    let items: Vec<Bound<'py, PyAny>> = results
+        .iter()
+        .map(|r| match r {
+            Ok(v) => Ok(v.into_pyobject(py)?.into_any()),
+            Err((kind, msg)) => {
+                Ok(PyTuple::new(py, [kind.into_pyobject(py)?.into_any(), msg.into_pyobject(py)?.into_any()])?
+                    .into_any())
+            }
+        })
+        .collect::<PyResult<_>>()?;
+    PyList::new(py, items)
+}
+
+fn key_result<T>(r: Result<T, KeyError>, ok: impl FnOnce(T) -> u64) -> KeyResult {
+    r.map(ok).map_err(|e| (errors::key_kind(&e), e.to_string()))
+}
+
+impl Pool {
+    fn open(&self) -> PyResult<&Inner> {
+        if self.inner.closed.load(Ordering::Acquire) {
+            return Err(errors::ClosedError::new_err("the pool client is closed"));
+        }
+        Ok(&self.inner)
+    }
+
+    /// Checks every `(ptr, len)` outside a registered region is mapped memory: the failing ones get
+    /// an error result, the others `None`.
+    fn check_ranges(&self, ptrs: &[usize], sizes: &[usize]) -> Vec<Option<(u8, String)>> {
+        let regions = self.inner.regions.lock();
+        ptrs.iter()
+            .zip(sizes)
+            .map(|(&p, &n)| {
+                if n == 0 {
+                    // The pool answers EmptyValue / buffer errors itself.
+                    return if p == 0 { Some((INVALID_INPUT, "null pointer".to_owned())) } else { None };
+                }
+                let inside = regions
+                    .range(..=p)
+                    .next_back()
+                    .is_some_and(|(b, l)| p.checked_add(n).is_some_and(|end| end <= b + l));
+                if inside || range_mapped(p, n) {
+                    None
+                } else {
+                    Some((INVALID_INPUT, format!("{n} bytes at {p:#x} are not mapped memory of this process")))
+                }
+            })
+            .collect()
+    }
+
+    /// Puts `(key, ptr, len)` items, the GIL released; the caller keeps the memory alive.
+    fn put_raw(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<KeyResult>> {
+        let inner = self.open()?;
+        let checks = self.check_ranges(&ptrs, &sizes);
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        Ok(py.detach(move || {
+            let mut results: Vec<Option<KeyResult>> = checks.into_iter().map(|c| c.map(Err)).collect();
+            let idx: Vec<usize> = (0..keys.len()).filter(|i| results[*i].is_none()).collect();
+            let items: Vec<(&str, NonNull<u8>, usize)> = idx
+                .iter()
+                .map(|&i| {
+                    // A zero pointer only reaches here with length 0; the pool refuses empty values.
+                    let p = NonNull::new(ptrs[i] as *mut u8).unwrap_or(NonNull::dangling());
+                    (keys[i].as_str(), p, sizes[i])
+                })
+                .collect();
+            // SAFETY: every range is mapped (checked above) or inside memory the caller registered
+            // and vouched for; the caller keeps it alive for this call, which waits for every
+            // transfer before returning.
+            let out = rt.block_on(unsafe { client.batch_put_raw(&items) });
+            for (i, r) in idx.into_iter().zip(out) {
+                results[i] = Some(key_result(r, |()| 1));
+            }
+            results.into_iter().map(|r| r.unwrap_or(Err((errors::INTERNAL, "no result".into())))).collect()
+        }))
+    }
+
+    /// Gets keys into `(ptr, len)` ranges, the GIL released.
+    fn get_raw(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<KeyResult>> {
+        let inner = self.open()?;
+        let checks = self.check_ranges(&ptrs, &sizes);
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        Ok(py.detach(move || {
+            let mut results: Vec<Option<KeyResult>> = checks.into_iter().map(|c| c.map(Err)).collect();
+            let idx: Vec<usize> = (0..keys.len()).filter(|i| results[*i].is_none()).collect();
+            let ks: Vec<&str> = idx.iter().map(|&i| keys[i].as_str()).collect();
+            let bufs: Vec<(NonNull<u8>, usize)> = idx
+                .iter()
+                .map(|&i| (NonNull::new(ptrs[i] as *mut u8).unwrap_or(NonNull::dangling()), sizes[i]))
+                .collect();
+            // SAFETY: as in `put_raw`; the caller's ranges do not overlap (its contract) and nobody
+            // else touches them during the call.
+            let out = rt.block_on(unsafe { client.batch_get_raw(&ks, &bufs) });
+            for (i, r) in idx.into_iter().zip(out) {
+                results[i] = Some(key_result(r, |n| n));
+            }
+            results.into_iter().map(|r| r.unwrap_or(Err((errors::INTERNAL, "no result".into())))).collect()
+        }))
+    }
+}
+
+#[pymethods]
+impl Pool {
+    /// Starts a local pool: an embedded master on 127.0.0.1 and one node lending `capacity_bytes` of
+    /// DRAM in pages of `page_size` bytes, all in this process.
+    #[staticmethod]
+    #[pyo3(signature = (capacity_bytes, page_size = 64 << 10, prefault = false))]
+    fn local(py: Python<'_>, capacity_bytes: u64, page_size: u64, prefault: bool) -> PyResult<Self> {
+        let rt = runtime()?;
+        let (client, master) = py
+            .detach(move || {
+                rt.block_on(async move {
+                    let master = umbp_master::start(MasterConfig {
+                        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+                        ..MasterConfig::default()
+                    })
+                    .await
+                    .map_err(|e| (errors::INTERNAL, format!("starting the embedded master: {e}")))?;
+                    let mut config = PoolClientConfig::new("local", master.local_addr().to_string())
+                        .with_medium(Medium::Dram(DramConfig { capacity_bytes, prefault, ..DramConfig::default() }));
+                    config.page_size = page_size;
+                    config.recache = RecachePolicy::Off;
+                    match PoolClient::start(config).await {
+                        Ok(c) => Ok((c, master)),
+                        Err(e) => {
+                            master.shutdown().await;
+                            Err((errors::kind_code(umbp_core::ErrorKind::InvalidInput), e.to_string()))
+                        }
+                    }
+                })
+            })
+            .map_err(|(k, m)| errors::exception(k, format!("starting the local pool: {m}")))?;
+        let master_address = master.local_addr().to_string();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client: Arc::new(client),
+                master: Mutex::new(Some(master)),
+                closed: AtomicBool::new(false),
+                regions: Mutex::new(BTreeMap::new()),
+                distributed: false,
+                master_address,
+            }),
+        })
+    }
+
+    /// Joins the pool whose master is at `master_address` as node `node_id`, reachable at
+    /// `node_address`, lending `lend_bytes` of DRAM (0: none). `data_port` / `peer_port` 0 pick free
+    /// ports; `recache_bytes` re-caches remote values up to that size locally (None: never).
+    #[staticmethod]
+    #[pyo3(signature = (master_address, node_id, node_address = "127.0.0.1".to_owned(), lend_bytes = 0,
+        page_size = 2 << 20, data_host = None, data_port = 0, peer_port = 0, bounce_bytes = 64 << 20,
+        recache_bytes = None, prefault = false))]
+    #[expect(clippy::too_many_arguments, reason = "a Python keyword-argument constructor")]
+    fn node(
+        py: Python<'_>,
+        master_address: String,
+        node_id: String,
+        node_address: String,
+        lend_bytes: u64,
+        page_size: u64,
+        data_host: Option<String>,
+        data_port: u16,
+        peer_port: u16,
+        bounce_bytes: u64,
+        recache_bytes: Option<u64>,
+        prefault: bool,
+    ) -> PyResult<Self> {
+        let node_ip = resolve_ip(&node_address)?;
+        let data_ip = match &data_host {
+            Some(h) if !h.is_empty() => resolve_ip(h)?,
+            _ => node_ip,
+        };
+        let mut config = PoolClientConfig::new(node_id, master_address.clone());
+        config.node_address = node_address;
+        config.peer_listen = SocketAddr::new(node_ip, peer_port);
+        config.data_listen = SocketAddr::new(data_ip, data_port);
+        if lend_bytes > 0 {
+            config.medium = Medium::Dram(DramConfig { capacity_bytes: lend_bytes, prefault, ..DramConfig::default() });
+        }
+        if page_size > 0 {
+            config.page_size = page_size;
+        }
+        config.bounce_bytes = bounce_bytes;
+        config.recache = recache_bytes.map_or(RecachePolicy::Off, RecachePolicy::UpTo);
+        let rt = runtime()?;
+        let client = py
+            .detach(move || rt.block_on(PoolClient::start(config)))
+            .map_err(|e| errors::pool_error("joining the pool", &e))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client: Arc::new(client),
+                master: Mutex::new(None),
+                closed: AtomicBool::new(false),
+                regions: Mutex::new(BTreeMap::new()),
+                distributed: true,
+                master_address,
+            }),
+        })
+    }
+
+    /// Whether this node joined a running master (`Pool.node`) rather than embedding one.
+    #[getter]
+    fn distributed(&self) -> bool {
+        self.inner.distributed
+    }
+
+    /// This node's id.
+    #[getter]
+    fn node_id(&self) -> String {
+        self.inner.client.node_id().to_owned()
+    }
+
+    /// The master's `host:port` (the embedded one's for a local pool).
+    #[getter]
+    fn master_address(&self) -> String {
+        self.inner.master_address.clone()
+    }
+
+    /// Whether `close` ran.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.closed.load(Ordering::Acquire)
+    }
+
+    /// Puts `sizes[i]` bytes at address `ptrs[i]` under `keys[i]`. Values are write-once: a key the
+    /// pool holds keeps its bytes (and counts as success). Ragged lists raise `InvalidInputError`.
+    #[pyo3(signature = (keys, ptrs, sizes, detail = false))]
+    fn put_ptrs<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        detail: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        check_batch(&keys, &ptrs, &sizes)?;
+        let results = self.put_raw(py, keys, ptrs, sizes)?;
+        results_list(py, &results, detail)
+    }
+
+    /// Gets `keys[i]` into the `sizes[i]` bytes at `ptrs[i]` (a buffer longer than the value is
+    /// filled up to the value's size, which `detail=True` reports).
+    #[pyo3(signature = (keys, ptrs, sizes, detail = false))]
+    fn get_ptrs<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        detail: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        check_batch(&keys, &ptrs, &sizes)?;
+        let results = self.get_raw(py, keys, ptrs, sizes)?;
+        results_list(py, &results, detail)
+    }
+
+    /// Puts each object exporting the buffer protocol (bytes, memoryview, numpy arrays) under its
+    /// key, without copying it first.
+    #[pyo3(signature = (keys, values, detail = true))]
+    fn put_buffers<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        values: Vec<Bound<'py, PyAny>>,
+        detail: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        if keys.len() != values.len() {
+            return Err(errors::InvalidInputError::new_err(format!("{} keys but {} values", keys.len(), values.len())));
+        }
+        let views = values.iter().map(|v| View::new(v, false)).collect::<PyResult<Vec<_>>>()?;
+        let ptrs = views.iter().map(View::ptr).collect();
+        let sizes = views.iter().map(View::len).collect();
+        // `views` stays alive (the exporters pinned) until after the call, and is released here,
+        // attached.
+        let results = self.put_raw(py, keys, ptrs, sizes)?;
+        drop(views);
+        results_list(py, &results, detail)
+    }
+
+    /// Gets each key into a writable buffer (bytearray, memoryview, numpy array).
+    #[pyo3(signature = (keys, buffers, detail = true))]
+    fn get_into_buffers<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        buffers: Vec<Bound<'py, PyAny>>,
+        detail: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        if keys.len() != buffers.len() {
+            return Err(errors::InvalidInputError::new_err(format!(
+                "{} keys but {} buffers",
+                keys.len(),
+                buffers.len()
+            )));
+        }
+        let views = buffers.iter().map(|v| View::new(v, true)).collect::<PyResult<Vec<_>>>()?;
+        let ptrs = views.iter().map(View::ptr).collect();
+        let sizes = views.iter().map(View::len).collect();
+        let results = self.get_raw(py, keys, ptrs, sizes)?;
+        drop(views);
+        results_list(py, &results, detail)
+    }
+
+    /// The value of `key` as `bytes`, or `None` when the pool does not hold it. `size_hint` is the
+    /// first buffer's size; a larger value costs a second read.
+    #[pyo3(signature = (key, size_hint = 64 << 10))]
+    fn get_bytes<'py>(&self, py: Python<'py>, key: String, size_hint: usize) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let inner = self.open()?;
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        let got = py.detach(move || {
+            rt.block_on(async move {
+                let mut buf = vec![0u8; size_hint.max(1)];
+                match client.get(&key, &mut buf).await {
+                    Err(KeyError::BufferTooSmall { needed, .. }) => {
+                        let len = usize::try_from(needed).map_err(|_| KeyError::Failed("value too large".into()))?;
+                        buf = vec![0u8; len];
+                        let n = client.get(&key, &mut buf).await?;
+                        buf.truncate(n as usize);
+                        Ok(buf)
+                    }
+                    Ok(n) => {
+                        buf.truncate(n as usize);
+                        Ok(buf)
+                    }
+                    Err(e) => Err(e),
+                }
+            })
+        });
+        match got {
+            Ok(v) => Ok(Some(PyBytes::new(py, &v))),
+            Err(KeyError::Miss) => Ok(None),
+            Err(e) => Err(errors::key_error(&e)),
+        }
+    }
+
+    /// Whether the pool holds each key.
+    fn exists(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<bool>> {
+        let inner = self.open()?;
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        py.detach(move || {
+            let ks: Vec<&str> = keys.iter().map(String::as_str).collect();
+            rt.block_on(client.batch_exists(&ks))
+        })
+        .map_err(|e| errors::key_error(&e))
+    }
+
+    /// How many of `keys`, from the first, the pool holds (stops at the first miss).
+    fn exists_prefix(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<usize> {
+        Ok(self.exists(py, keys)?.iter().take_while(|b| **b).count())
+    }
+
+    /// Registers `size` bytes at `ptr` for zero-copy puts and gets; the caller keeps the memory
+    /// mapped until `deregister_memory(ptr)` or `close`. Unmapped memory or an overlap with a range
+    /// already registered raises `InvalidInputError`.
+    fn register_memory(&self, ptr: usize, size: usize) -> PyResult<()> {
+        let inner = self.open()?;
+        if !range_mapped(ptr, size) {
+            return Err(errors::InvalidInputError::new_err(format!(
+                "{size} bytes at {ptr:#x} are not mapped memory of this process"
+            )));
+        }
+        let p = NonNull::new(ptr as *mut u8).ok_or_else(|| errors::InvalidInputError::new_err("null pointer"))?;
+        // SAFETY: the range is mapped (checked), and the caller promises to keep it so until it
+        // deregisters or closes (this method's documented contract).
+        unsafe { inner.client.register_memory(p, size as u64) }
+            .map_err(|e| errors::pool_error("registering memory", &e))?;
+        inner.regions.lock().insert(ptr, size);
+        Ok(())
+    }
+
+    /// Undoes `register_memory(ptr, …)`; returns whether `ptr` was registered.
+    fn deregister_memory(&self, ptr: usize) -> PyResult<bool> {
+        let inner = self.open()?;
+        let known = inner.regions.lock().remove(&ptr).is_some();
+        if let Some(p) = NonNull::new(ptr as *mut u8) {
+            inner.client.deregister_memory(p);
+        }
+        Ok(known)
+    }
+
+    /// Drops every value this node's medium holds (and tells the master).
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.open()?;
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        py.detach(move || rt.block_on(client.clear())).map_err(|e| errors::pool_error("clear", &e))
+    }
+
+    /// Sends this node's queued ownership changes to the master and waits for the answer: when it
+    /// returns, every key this node stored is visible to every node.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.open()?;
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        py.detach(move || rt.block_on(async move { client.master().heartbeat_once().await })).map_err(|e| {
+            let kind = if e.is_retryable() { errors::UNAVAILABLE } else { errors::INTERNAL };
+            errors::exception(kind, format!("flush: {e}"))
+        })
+    }
+
+    /// Leaves the pool (a local pool also stops its master). Idempotent; later calls raise
+    /// `ClosedError`.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let client = Arc::clone(&self.inner.client);
+        let master = self.inner.master.lock().take();
+        let rt = runtime()?;
+        py.detach(move || {
+            rt.block_on(async move {
+                client.close().await;
+                if let Some(m) = master {
+                    // Bounded: a master that does not stop must not hang the interpreter.
+                    let _ = tokio::time::timeout(Duration::from_secs(5), m.shutdown()).await;
+                }
+            })
+        });
+        self.inner.regions.lock().clear();
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<umbp._umbp.Pool node_id={:?} {} master={} {}>",
+            self.inner.client.node_id(),
+            if self.inner.distributed { "distributed" } else { "local" },
+            self.inner.master_address,
+            if self.closed() { "closed" } else { "open" }
+        )
+    }
+}

@@ -1,0 +1,253 @@
+"""umbp: the Python client of the umbp-rs KV-cache buffer pool.
+
+Two deployments:
+
+* ``Client.local(capacity_bytes=...)`` -- an embedded pool: a master and one DRAM node inside this
+  process, nothing else to start. Values live as long as the client.
+* ``Client.connect(master, node_id=...)`` -- this process becomes a node of a running pool
+  (``umbp master`` somewhere, other nodes beside it). It may lend DRAM (``lend_bytes``) or nothing,
+  and reads every node's keys over the data plane.
+
+Values are write-once: a second put of a key succeeds and keeps the stored bytes. Every call that
+waits on I/O releases the GIL. Errors raise subclasses of :class:`umbp.Error`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Optional, Sequence
+
+from . import _umbp
+from ._umbp import (
+    ClosedError,
+    Error,
+    InternalError,
+    InvalidInputError,
+    NotFoundError,
+    Pool,
+    RetryError,
+    UnavailableError,
+    __version__,
+)
+
+__all__ = [
+    "BatchError",
+    "Client",
+    "ClosedError",
+    "Error",
+    "InternalError",
+    "InvalidInputError",
+    "NotFoundError",
+    "Pool",
+    "RetryError",
+    "UnavailableError",
+    "__version__",
+]
+
+_EXCEPTIONS = {
+    _umbp.KIND_INVALID_INPUT: InvalidInputError,
+    _umbp.KIND_RETRY: RetryError,
+    _umbp.KIND_UNAVAILABLE: UnavailableError,
+    _umbp.KIND_CLOSED: ClosedError,
+    _umbp.KIND_INTERNAL: InternalError,
+    _umbp.KIND_NOT_FOUND: NotFoundError,
+}
+
+
+def _exception(kind: int, message: str) -> Error:
+    return _EXCEPTIONS.get(kind, InternalError)(message)
+
+
+class BatchError(Error):
+    """Some keys of a batch failed.
+
+    ``errors`` maps the index of each failed key to its exception; ``results`` holds every key's
+    outcome (``None`` for a failed one), so the caller can keep what succeeded.
+    """
+
+    def __init__(self, message: str, errors: dict, results: list):
+        super().__init__(message)
+        self.errors = errors
+        self.results = results
+
+
+def _raise_batch(op: str, keys: Sequence[str], detailed: list, miss_ok: bool) -> list:
+    """Turns the native per-key answers into values, raising BatchError on any failure."""
+    errors = {}
+    results: list = []
+    for i, r in enumerate(detailed):
+        if isinstance(r, tuple):
+            kind, message = r
+            if miss_ok and kind == _umbp.KIND_NOT_FOUND:
+                results.append(None)
+                continue
+            errors[i] = _exception(kind, f"{keys[i]!r}: {message}")
+            results.append(None)
+        else:
+            results.append(r)
+    if errors:
+        first = next(iter(errors.values()))
+        raise BatchError(f"{op}: {len(errors)} of {len(keys)} keys failed (first: {first})", errors, results)
+    return results
+
+
+class Client:
+    """A handle on a umbp pool; a context manager that closes it on exit.
+
+    Build one with :meth:`local` or :meth:`connect`. Data goes in and out as any object exporting
+    the buffer protocol (``bytes``, ``bytearray``, ``memoryview``, numpy arrays) or, for memory
+    Python cannot see as a buffer (a torch tensor: ``t.data_ptr()``, ``t.nbytes``), as raw
+    addresses through the ``*_ptr`` methods. Memory registered with :meth:`register_memory` moves
+    without a staging copy.
+    """
+
+    def __init__(self, pool: Pool):
+        self._pool = pool
+
+    @classmethod
+    def local(cls, capacity_bytes: int = 1 << 30, *, page_size: int = 64 << 10, prefault: bool = False) -> "Client":
+        """An embedded pool: a master and one node lending ``capacity_bytes`` of DRAM, in this process."""
+        return cls(Pool.local(int(capacity_bytes), int(page_size), bool(prefault)))
+
+    @classmethod
+    def connect(
+        cls,
+        master: str,
+        *,
+        node_id: str,
+        node_address: str = "127.0.0.1",
+        lend_bytes: int = 0,
+        page_size: int = 2 << 20,
+        data_host: Optional[str] = None,
+        data_port: int = 0,
+        peer_port: int = 0,
+        staging_bytes: int = 64 << 20,
+        recache_bytes: Optional[int] = 16 << 20,
+    ) -> "Client":
+        """Joins the pool whose master listens at ``master`` (``host:port``) as node ``node_id``.
+
+        ``lend_bytes`` of DRAM are lent to the pool (0: a client-only node); ``node_address`` is the
+        host other nodes reach this one at; ports 0 pick free ones; values fetched from other nodes
+        up to ``recache_bytes`` are kept locally too (``None``: never).
+        """
+        return cls(
+            Pool.node(
+                master,
+                node_id,
+                node_address,
+                int(lend_bytes),
+                int(page_size),
+                data_host,
+                int(data_port),
+                int(peer_port),
+                int(staging_bytes),
+                None if recache_bytes is None else int(recache_bytes),
+            )
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leaves the pool (a local pool stops). Idempotent; later calls raise ClosedError."""
+        self._pool.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._pool.closed
+
+    @property
+    def node_id(self) -> str:
+        """This node's id (``"local"`` for a local pool)."""
+        return self._pool.node_id
+
+    @property
+    def master_address(self) -> str:
+        """The master's ``host:port`` (the embedded one's for a local pool)."""
+        return self._pool.master_address
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this client joined a running master."""
+        return self._pool.distributed
+
+    @property
+    def pool(self) -> Pool:
+        """The native pool object (what ``mori.umbp`` is built on)."""
+        return self._pool
+
+    def __repr__(self) -> str:
+        return f"<umbp.Client {self._pool!r}>"
+
+    # -- single keys -----------------------------------------------------------------------------
+
+    def put(self, key: str, data: Any) -> None:
+        """Stores ``data`` (any buffer) under ``key``. A key already stored keeps its bytes."""
+        self.put_batch([key], [data])
+
+    def get(self, key: str, *, size_hint: int = 64 << 10) -> Optional[bytes]:
+        """The value of ``key``, or ``None`` when the pool does not hold it."""
+        return self._pool.get_bytes(key, size_hint)
+
+    def get_into(self, key: str, buffer: Any) -> Optional[int]:
+        """Reads ``key`` into the writable ``buffer``; the value's size, or ``None`` on a miss."""
+        return self.get_batch([key], [buffer])[0]
+
+    def exists(self, key: str) -> bool:
+        """Whether the pool holds ``key``."""
+        return self._pool.exists([key])[0]
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def put_batch(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+        """Stores every ``values[i]`` under ``keys[i]``; raises BatchError naming the keys that failed."""
+        _raise_batch("put", keys, self._pool.put_buffers(list(keys), list(values), True), miss_ok=False)
+
+    def get_batch(self, keys: Sequence[str], buffers: Sequence[Any]) -> List[Optional[int]]:
+        """Reads every ``keys[i]`` into ``buffers[i]``: each value's size, ``None`` for a miss."""
+        return _raise_batch("get", keys, self._pool.get_into_buffers(list(keys), list(buffers), True), miss_ok=True)
+
+    def exists_batch(self, keys: Iterable[str]) -> List[bool]:
+        """Whether the pool holds each key."""
+        return self._pool.exists(list(keys))
+
+    # -- raw addresses ---------------------------------------------------------------------------
+
+    def put_from_ptr(self, key: str, ptr: int, size: int) -> None:
+        """Stores the ``size`` bytes at address ``ptr`` under ``key``."""
+        self.batch_put_from_ptr([key], [ptr], [size])
+
+    def get_into_ptr(self, key: str, ptr: int, size: int) -> Optional[int]:
+        """Reads ``key`` into the ``size`` bytes at ``ptr``: the value's size, ``None`` on a miss."""
+        return self.batch_get_into_ptr([key], [ptr], [size])[0]
+
+    def batch_put_from_ptr(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+        """Stores ``sizes[i]`` bytes at ``ptrs[i]`` under ``keys[i]``; raises BatchError on failures."""
+        _raise_batch("put", keys, self._pool.put_ptrs(list(keys), list(ptrs), list(sizes), True), miss_ok=False)
+
+    def batch_get_into_ptr(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[Optional[int]]:
+        """Reads ``keys[i]`` into ``sizes[i]`` bytes at ``ptrs[i]``: sizes, ``None`` for misses."""
+        return _raise_batch("get", keys, self._pool.get_ptrs(list(keys), list(ptrs), list(sizes), True), miss_ok=True)
+
+    # -- memory, maintenance ---------------------------------------------------------------------
+
+    def register_memory(self, ptr: int, size: int) -> None:
+        """Registers ``size`` bytes at ``ptr`` for zero-copy I/O until :meth:`deregister_memory`."""
+        self._pool.register_memory(int(ptr), int(size))
+
+    def deregister_memory(self, ptr: int) -> bool:
+        """Undoes :meth:`register_memory`; whether ``ptr`` was registered."""
+        return self._pool.deregister_memory(int(ptr))
+
+    def clear(self) -> None:
+        """Drops every value this node holds."""
+        self._pool.clear()
+
+    def flush(self) -> None:
+        """Publishes this node's stores to the master: when it returns every node sees them."""
+        self._pool.flush()
