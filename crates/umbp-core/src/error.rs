@@ -54,14 +54,16 @@ impl std::fmt::Display for ErrorKind {
 #[non_exhaustive]
 pub enum BackendError {
     /// The medium's memory could not be obtained.
-    #[error("{medium}: could not allocate {requested} bytes of backing memory: {reason}")]
+    #[error("{medium}: could not allocate {requested} bytes of backing memory")]
     OutOfMemory {
         /// The medium.
         medium: String,
         /// Bytes asked for.
         requested: u64,
-        /// What the allocator said.
-        reason: String,
+        /// What the allocator said: its error, kept as the source (or, where it has none, a
+        /// message: `"…".into()`).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
     /// A buffer could not be registered with the transfer layer.
     #[error("{medium}: registering buffer {buffer_index} failed")]
@@ -181,8 +183,11 @@ mod tests {
         assert_eq!(io.kind(), ErrorKind::Unavailable);
         assert_eq!(BackendError::InvalidConfig("x".into()).kind(), ErrorKind::InvalidInput);
         assert_eq!(BackendError::ShutDown("dram".into()).kind(), ErrorKind::Closed);
-        let oom = BackendError::OutOfMemory { medium: "dram".into(), requested: 1, reason: "x".into() };
+        let refused = std::io::Error::from(std::io::ErrorKind::OutOfMemory);
+        let oom = BackendError::OutOfMemory { medium: "dram".into(), requested: 1, source: Box::new(refused) };
         assert_eq!(oom.kind(), ErrorKind::Retry);
+        let cause = std::error::Error::source(&oom).expect("the allocator's error is the source");
+        assert_eq!(cause.to_string(), std::io::Error::from(std::io::ErrorKind::OutOfMemory).to_string());
         assert_eq!(oom.kind().is_retryable(), oom.is_retryable());
         assert_eq!(RegistryError::TooManyBackends { max: 1 }.kind(), ErrorKind::InvalidInput);
         assert!(!ErrorKind::Closed.is_retryable() && ErrorKind::Unavailable.is_retryable());

@@ -620,11 +620,7 @@ impl MediumBackend for PageBackend {
         let buffers = self.source.allocate(&config.buffer_sizes).map_err(|e| match e {
             // A request the source can never serve is a configuration error, not a retryable one.
             SourceError::Invalid { .. } => BackendError::InvalidConfig(format!("{}: {e}", self.source.name())),
-            _ => BackendError::OutOfMemory {
-                medium: self.source.name().to_owned(),
-                requested,
-                reason: std::error::Error::source(&e).map_or_else(|| e.to_string(), |cause| format!("{e}: {cause}")),
-            },
+            _ => BackendError::OutOfMemory { medium: self.source.name().to_owned(), requested, source: Box::new(e) },
         })?;
         let usable: Vec<u64> = buffers.iter().map(RawBuffer::len).collect();
         let allocator = match PageBitmapAllocator::new(config.page_size, &usable) {

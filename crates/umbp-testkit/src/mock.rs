@@ -495,7 +495,7 @@ impl MediumBackend for MockBackend {
         let arena = Arena::allocate(len).map_err(|e| BackendError::OutOfMemory {
             medium: NAME.into(),
             requested: total,
-            reason: e.to_string(),
+            source: Box::new(e),
         })?;
         // On refusal the arena drops here, unregistered; the mock stays `New`, so init may be retried.
         let registered = registrar.register_memory(arena.region).map_err(|source| BackendError::Registration {

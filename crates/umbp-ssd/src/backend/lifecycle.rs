@@ -38,14 +38,14 @@ impl SsdBackend {
         let buffers = self.source.allocate(&[arena]).map_err(|e| BackendError::OutOfMemory {
             medium: NAME.into(),
             requested: arena,
-            reason: std::error::Error::source(&e).map_or_else(|| e.to_string(), |c| format!("{e}: {c}")),
+            source: Box::new(e),
         })?;
         let Some(base) = buffers.first().copied() else {
             self.source.release();
             return Err(BackendError::OutOfMemory {
                 medium: NAME.into(),
                 requested: arena,
-                reason: "no buffer".into(),
+                source: "the staging source returned no buffer".into(),
             });
         };
         // The arena is exactly `staging_pages` pages, whatever rounding the source applied.
