@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use umbp_core::ErrorKind;
+
 use super::config::ConfigError;
 
 /// Why a call to the master failed.
@@ -125,11 +127,74 @@ impl MasterClientError {
         }
     }
 
+    /// What the caller does next; agrees with [`is_retryable`](Self::is_retryable). A master that
+    /// cannot be reached (or answered with a transport-level status) is
+    /// [`Unavailable`](ErrorKind::Unavailable); a deadline, a refusal, a clear not yet
+    /// acknowledged or a live predecessor under the same id is [`Retry`](ErrorKind::Retry); a
+    /// process superseded or shut down is [`Closed`](ErrorKind::Closed); a reply that breaks the
+    /// protocol is [`Internal`](ErrorKind::Internal); the rest is fixed by the caller.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Config(_) | Self::InvalidArgument(_) | Self::NotRegistered | Self::NoRuntime => {
+                ErrorKind::InvalidInput
+            }
+            Self::Connect { .. } => ErrorKind::Unavailable,
+            Self::Timeout { .. } | Self::Refused { .. } | Self::ClearNotAcknowledged { .. } => ErrorKind::Retry,
+            Self::AlreadyRegistered { .. } => ErrorKind::Retry,
+            Self::Rpc { status, .. } => match status.code() {
+                tonic::Code::DeadlineExceeded | tonic::Code::ResourceExhausted | tonic::Code::Aborted => {
+                    ErrorKind::Retry
+                }
+                tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Internal | tonic::Code::Cancelled => {
+                    ErrorKind::Unavailable
+                }
+                _ => ErrorKind::InvalidInput,
+            },
+            Self::Superseded { .. } | Self::ShutDown => ErrorKind::Closed,
+            Self::MalformedReply { .. } => ErrorKind::Internal,
+        }
+    }
+
     /// The gRPC status of an [`Rpc`](Self::Rpc) error.
     pub fn status(&self) -> Option<&tonic::Status> {
         match self {
             Self::Rpc { status, .. } => Some(status),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kind_agrees_with_is_retryable_and_names_what_to_do() {
+        let rpc = |code| MasterClientError::Rpc { rpc: "Heartbeat", status: Box::new(tonic::Status::new(code, "x")) };
+        let all = [
+            MasterClientError::InvalidArgument("x".into()),
+            MasterClientError::Timeout { rpc: "RouteGet", after: Duration::from_secs(1) },
+            rpc(tonic::Code::Unavailable),
+            rpc(tonic::Code::DeadlineExceeded),
+            rpc(tonic::Code::Internal),
+            rpc(tonic::Code::Unauthenticated),
+            rpc(tonic::Code::FailedPrecondition),
+            MasterClientError::AlreadyRegistered { node_id: "n".into() },
+            MasterClientError::Superseded { node_id: "n".into(), incarnation: 1 },
+            MasterClientError::MalformedReply { rpc: "RouteGet", reason: "x".into() },
+            MasterClientError::Refused { rpc: "Heartbeat", reason: "x".into() },
+            MasterClientError::NotRegistered,
+            MasterClientError::ShutDown,
+            MasterClientError::NoRuntime,
+            MasterClientError::ClearNotAcknowledged { attempts: 1, after: Duration::from_secs(1), last: None },
+        ];
+        for e in &all {
+            assert_eq!(e.kind().is_retryable(), e.is_retryable(), "{e:?}");
+        }
+        assert_eq!(rpc(tonic::Code::Unavailable).kind(), ErrorKind::Unavailable);
+        assert_eq!(rpc(tonic::Code::Unauthenticated).kind(), ErrorKind::InvalidInput);
+        assert_eq!(MasterClientError::ShutDown.kind(), ErrorKind::Closed);
+        assert_eq!(MasterClientError::Superseded { node_id: "n".into(), incarnation: 1 }.kind(), ErrorKind::Closed);
+        assert_eq!(MasterClientError::MalformedReply { rpc: "x", reason: "y".into() }.kind(), ErrorKind::Internal);
     }
 }

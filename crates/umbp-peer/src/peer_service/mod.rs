@@ -45,9 +45,9 @@ mod service;
 
 use umbp_core::TierType;
 
-pub use umbp_proto::resolve::{DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};
 pub use server::{PeerServer, PeerServerConfig, PeerServerHandle, PeerServiceError};
 pub use service::{ChangeHook, PeerService};
+pub use umbp_proto::resolve::{DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};
 
 /// How far the tier is shifted into a wire slot id.
 pub const SLOT_TIER_SHIFT: u32 = 56;
@@ -99,6 +99,18 @@ mod tests {
         assert_eq!(slot_tier(42), TierType::Unknown);
         assert_eq!(slot_tier(9 << SLOT_TIER_SHIFT), TierType::Unknown);
         assert_eq!(slot_tier(u64::MAX), TierType::Unknown);
+    }
+
+    #[test]
+    fn every_peer_service_error_is_fixed_in_the_settings() {
+        let bind = PeerServiceError::Bind {
+            addr: ([127, 0, 0, 1], 1).into(),
+            source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+        };
+        let config = PeerServiceError::InvalidConfig { reason: "x".into() };
+        for e in [bind, config] {
+            assert_eq!(e.kind(), umbp_core::ErrorKind::InvalidInput, "{e}");
+        }
     }
 
     #[test]

@@ -71,6 +71,16 @@ pub enum PeerServiceError {
     },
 }
 
+impl PeerServiceError {
+    /// What the caller does next: both are fixed in the settings (another address, a usable
+    /// setting), never by retrying as is.
+    pub fn kind(&self) -> umbp_core::ErrorKind {
+        match self {
+            Self::Bind { .. } | Self::InvalidConfig { .. } => umbp_core::ErrorKind::InvalidInput,
+        }
+    }
+}
+
 /// Starts the peer service's gRPC server (see [`PeerServer::start`]).
 #[derive(Debug)]
 #[non_exhaustive]

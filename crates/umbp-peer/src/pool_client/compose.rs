@@ -80,12 +80,12 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
             _ => 0,
         };
         let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig { pin_device, ..GpuCopyConfig::default() })
-            .map_err(|e| PoolError::Transfer(format!("GPU copy engine: {e}")))?;
+            .map_err(|e| PoolError::Transfer { context: "GPU copy engine", source: Box::new(e) })?;
         engines.push(Arc::new(gpu));
     }
     let engine = Arc::new(
         CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
-            .map_err(|e| PoolError::Transfer(e.to_string()))?,
+            .map_err(|e| PoolError::Transfer { context: "composite engine", source: Box::new(e) })?,
     );
     // The medium switch: one arm per medium. Adding a medium adds an arm here and nowhere else.
     // Each arm also says whether the medium's calls do drive IO (see `medium_call`).

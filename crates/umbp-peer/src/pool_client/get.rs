@@ -370,8 +370,9 @@ impl PoolClient {
             let hits = match hits {
                 Ok(h) => h,
                 Err(e) => {
+                    let e = SharedError::new(e);
                     for i in indexes {
-                        st.results[*i] = Some(Err(KeyError::Routing(e.to_string())));
+                        st.results[*i] = Some(Err(KeyError::Routing(e.clone())));
                     }
                     continue;
                 }
@@ -416,10 +417,10 @@ impl PoolClient {
                     if refuses_connections(&target.peer, self.config.rpc_timeout).await {
                         Ok(gone())
                     } else {
-                        Err(unreachable(&target.node, &e))
+                        Err(unreachable(&target.node, e))
                     }
                 }
-                Err(e) => Err(unreachable(&target.node, &e)),
+                Err(e) => Err(unreachable(&target.node, e)),
             };
         Resolved { start, holder: Some(holder), answers }
     }

@@ -63,21 +63,10 @@ pub(super) enum Answer {
     Busy,
 }
 
-/// A peer's failure as a key's error.
-pub(super) fn unreachable(node: &str, e: &PeerClientError) -> KeyError {
-    KeyError::Unreachable { node: node.to_owned(), message: with_sources(e) }
-}
-
-/// An error and its sources, `a: b: c`.
-pub(super) fn with_sources(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut next = e.source();
-    while let Some(s) = next {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        next = s.source();
-    }
-    out
+/// A peer's failure as a key's error: the message says what failed, the source is the peer
+/// client's error (with its own sources).
+pub(super) fn unreachable(node: &str, e: PeerClientError) -> KeyError {
+    KeyError::Unreachable { node: node.to_owned(), message: e.to_string(), source: Some(SharedError::new(e)) }
 }
 
 impl Holder {
@@ -119,7 +108,7 @@ impl Holder {
             }
             Self::Peer(p) => {
                 let node = p.node();
-                let answers = p.allocate(tier, &requests).await.map_err(|e| unreachable(node, &e))?;
+                let answers = p.allocate(tier, &requests).await.map_err(|e| unreachable(node, e))?;
                 let descs: Vec<_> = answers.iter().flat_map(|a| a.result.descs.iter().cloned()).collect();
                 directory.replace_remote_buffers(node, &descs);
                 let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
@@ -163,7 +152,7 @@ impl Holder {
                 out.resize(n, false);
                 Ok(out)
             }
-            Self::Peer(p) => p.commit(&commits).await.map_err(|e| unreachable(p.node(), &e)),
+            Self::Peer(p) => p.commit(&commits).await.map_err(|e| unreachable(p.node(), e)),
         }
     }
 

@@ -25,6 +25,7 @@
 mod builder;
 mod compose;
 mod config;
+mod error;
 mod get;
 mod holder;
 mod metrics;
@@ -46,7 +47,7 @@ use umbp_core::{
 use umbp_metrics::{MetricsConfig, MetricsExporter, MetricsServer};
 use umbp_transfer::{CompositeTransferEngine, FailureKind, PeerDirectory, TransferEngine, TransferItem};
 
-use crate::master_client::{MasterClient, MasterClientConfig, MasterClientError, NodeRegistration};
+use crate::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
 use crate::peer_client::{PeerClient, PeerClientConfig, Peers};
 use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
 pub use builder::PoolClientBuilder;
@@ -54,54 +55,8 @@ use compose::{Composed, compose};
 pub use config::{
     DramConfig, HbmConfig, IoEngineKind, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection, SsdConfig,
 };
+pub use error::{KeyError, PoolError, SharedError};
 use support::{CallerBuf, RecacheJob, StatCounters, blocking, offload, page_items, recache_worker};
-
-/// Why a node could not start or stop.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PoolError {
-    /// A setting is invalid.
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    /// The medium could not come up.
-    #[error("medium: {0}")]
-    Medium(#[from] umbp_core::BackendError),
-    /// The registry refused the medium.
-    #[error("registry: {0}")]
-    Registry(#[from] umbp_core::RegistryError),
-    /// The transfer layer could not start.
-    #[error("transfer layer: {0}")]
-    Transfer(String),
-    /// The TCP data server could not start (its port in use, say); the source says why.
-    #[error("data plane")]
-    DataPlane(#[source] umbp_transfer::TcpStartError),
-    /// The client was closed.
-    #[error("the client is closed")]
-    Closed,
-    /// The peer service could not start.
-    #[error("peer service: {0}")]
-    PeerService(#[from] crate::peer_service::PeerServiceError),
-    /// The master refused or could not be reached.
-    #[error("master: {0}")]
-    Master(#[from] MasterClientError),
-    /// The metrics endpoint could not start.
-    #[error(transparent)]
-    Metrics(#[from] umbp_metrics::MetricsError),
-}
-
-impl PoolError {
-    /// Whether a listen address of this node could not be bound (its peer, data or metrics port
-    /// in use, or not an address of this host): a setup error the operator fixes, not a failure
-    /// of the pool.
-    pub fn is_bind_failure(&self) -> bool {
-        matches!(
-            self,
-            Self::PeerService(crate::peer_service::PeerServiceError::Bind { .. })
-                | Self::DataPlane(umbp_transfer::TcpStartError::Bind { .. })
-                | Self::Metrics(umbp_metrics::MetricsError::Bind { .. })
-        )
-    }
-}
 
 /// What a successful put did with its key. Values are write-once: a key the pool already holds
 /// keeps its stored value, and the caller's bytes are not written.
@@ -111,121 +66,6 @@ pub enum PutOutcome {
     Written,
     /// The pool already held the key; its stored value was kept (remove it first to replace it).
     AlreadyPresent,
-}
-
-/// Why one key of a batch failed. [`is_retryable`](Self::is_retryable) says whether the same
-/// request may succeed later (the client already re-routed it `max_reroutes` times).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum KeyError {
-    /// Keys must not be empty.
-    #[error("empty key")]
-    EmptyKey,
-    /// Values must not be empty.
-    #[error("empty value")]
-    EmptyValue,
-    /// No node can take the value now (every candidate full, excluded or gone).
-    #[error("no node can take a value of {size} bytes")]
-    NoSpace {
-        /// The value size.
-        size: u64,
-    },
-    /// The value is larger than the total capacity of every medium in the pool: it can never be
-    /// stored.
-    #[error("a value of {size} bytes is larger than the largest medium in the pool ({largest} bytes)")]
-    TooLarge {
-        /// The value size.
-        size: u64,
-        /// Total bytes of the largest medium the master knows of.
-        largest: u64,
-    },
-    /// A node refused the value for good (larger than its medium, no medium for the tier, clearing)
-    /// or refused the commit.
-    #[error("{node} refused the value: {message}")]
-    Refused {
-        /// The node that refused.
-        node: String,
-        /// What it refused.
-        message: String,
-    },
-    /// The key is not in the pool.
-    #[error("not found")]
-    Miss,
-    /// The caller's buffer is shorter than the stored value.
-    #[error("buffer of {got} bytes is shorter than the stored value of {needed} bytes")]
-    BufferTooSmall {
-        /// The stored size.
-        needed: u64,
-        /// The buffer's size.
-        got: u64,
-    },
-    /// `batch_get` was given fewer buffers than keys: this key has none.
-    #[error("no buffer for this key")]
-    NoBuffer,
-    /// A node could not be reached, or its RPC failed or answered malformed data.
-    #[error("{node} unreachable: {message}")]
-    Unreachable {
-        /// The node.
-        node: String,
-        /// What failed.
-        message: String,
-    },
-    /// Moving the bytes to or from a node failed.
-    #[error("transfer with {node} failed ({kind:?}): {message}")]
-    Transfer {
-        /// The node on the other side.
-        node: String,
-        /// The transfer layer's failure kind.
-        kind: FailureKind,
-        /// What happened.
-        message: String,
-    },
-    /// The node stayed busy for as long as a read or write waits it out (about 10 s): a read's
-    /// holder has the key, or a write's node has room, but every staging page is in use by other
-    /// reads and writes. Try again later.
-    #[error("{node} is busy serving other reads and writes (no staging page free); try again")]
-    Busy {
-        /// The holder.
-        node: String,
-    },
-    /// A read copied for longer than the holder's read lease (`read_lease`): the pages may have been
-    /// evicted and reused under it, so the bytes are not trusted. The buffer's contents are unspecified.
-    #[error("the read lease on {node} lapsed before the copy finished")]
-    LeaseExpired {
-        /// The holder.
-        node: String,
-    },
-    /// A write would have finished after the slot's pending TTL: aborted instead of committed.
-    #[error("the slot on {node} expired before the write finished")]
-    SlotExpired {
-        /// The node.
-        node: String,
-    },
-    /// The master could not route the key.
-    #[error("routing: {0}")]
-    Routing(String),
-    /// The client was closed (before or during the call).
-    #[error("the client is closed")]
-    Closed,
-    /// Anything else (an unaddressable buffer, a malformed slot).
-    #[error("{0}")]
-    Failed(String),
-}
-
-impl KeyError {
-    /// Whether the same request may succeed later or on another node.
-    pub fn is_retryable(&self) -> bool {
-        matches!(
-            self,
-            Self::NoSpace { .. }
-                | Self::Unreachable { .. }
-                | Self::Busy { .. }
-                | Self::Transfer { .. }
-                | Self::LeaseExpired { .. }
-                | Self::SlotExpired { .. }
-                | Self::Routing(_)
-        )
-    }
 }
 
 /// Counters of what the client did (cumulative since start).
@@ -256,6 +96,26 @@ const TOUCHES_IN_FLIGHT: usize = 4;
 const RECACHE_QUEUE: usize = 1024;
 
 /// A node of the pool (with or without a medium) and the client API over the whole pool.
+///
+/// ```no_run
+/// use umbp_peer::pool_client::{KeyError, PoolClient};
+///
+/// # async fn run() -> Result<(), umbp_peer::pool_client::PoolError> {
+/// // A client-only node (it lends nothing) of the master at 127.0.0.1:50051.
+/// let client = PoolClient::builder("reader-1", "127.0.0.1:50051").start().await?;
+/// let results = client.batch_put(&[("a", b"first".as_slice()), ("b", b"second".as_slice())]).await;
+/// assert!(results.iter().all(Result::is_ok));
+/// let mut buf = vec![0u8; 16];
+/// match client.get("a", &mut buf).await {
+///     Ok(len) => assert_eq!(&buf[..len as usize], b"first"),
+///     Err(e) if e.is_retryable() => { /* busy, full or unreachable for now: try again */ }
+///     Err(KeyError::Miss) => { /* evicted meanwhile */ }
+///     Err(e) => panic!("{e}"),
+/// }
+/// client.close().await;
+/// # Ok(())
+/// # }
+/// ```
 ///
 /// Transfers, and calls on a medium that does drive IO (SSD), run on tokio's blocking pool and are
 /// awaited, so the chunks of a batch overlap them; a memory-only medium's calls run under
@@ -505,7 +365,10 @@ impl PoolClient {
         // SAFETY: the caller guarantees validity until deregistration and the location (this
         // function's contract).
         let region = unsafe { LocalRegion::new(ptr, len, location) };
-        let r = self.engine.register_local_only(region).map_err(|e| PoolError::Transfer(e.to_string()))?;
+        let r = self
+            .engine
+            .register_local_only(region)
+            .map_err(|e| PoolError::Transfer { context: "registering caller memory", source: Box::new(e) })?;
         regions.insert(base, (len, r));
         Ok(())
     }
@@ -566,7 +429,7 @@ impl PoolClient {
             return Ok(client);
         }
         let previous = self.peers.open(node).map(|c| c.data_endpoint().to_owned());
-        let (client, info) = self.peers.connect(node, address).await.map_err(|e| holder::unreachable(node, &e))?;
+        let (client, info) = self.peers.connect(node, address).await.map_err(|e| holder::unreachable(node, e))?;
         if previous.as_ref().is_some_and(|p| *p != info.data_endpoint) {
             tracing::info!(node, old = ?previous, new = %info.data_endpoint, "peer's data endpoint changed");
         }
@@ -618,8 +481,7 @@ impl PoolClient {
             return Err(KeyError::Closed);
         }
         let owned: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
-        let mut found =
-            self.master.batch_lookup(&owned).await.map_err(|e| KeyError::Routing(format!("lookup: {e}")))?;
+        let mut found = self.master.batch_lookup(&owned).await.map_err(|e| KeyError::Routing(e.into()))?;
         if let Some(m) = &self.medium {
             let missed: Vec<usize> = (0..found.len()).filter(|i| !found[*i]).collect();
             if !missed.is_empty() {
@@ -648,8 +510,7 @@ impl PoolClient {
                 *f += r.bytes_freed;
             }
         }
-        let status =
-            self.master.cluster_status().await.map_err(|e| KeyError::Routing(format!("cluster status: {e}")))?;
+        let status = self.master.cluster_status().await.map_err(|e| KeyError::Routing(e.into()))?;
         for node in status.nodes {
             if node.node_id == self.config.node_id || node.peer_address.is_empty() {
                 continue;

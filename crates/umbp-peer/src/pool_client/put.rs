@@ -318,8 +318,9 @@ impl PoolClient {
             let decisions = match decisions {
                 Ok(d) => d,
                 Err(e) => {
+                    let e = SharedError::new(e);
                     for i in indexes {
-                        st.results.insert(*i, Err(KeyError::Routing(e.to_string())));
+                        st.results.insert(*i, Err(KeyError::Routing(e.clone())));
                     }
                     continue;
                 }
@@ -410,6 +411,7 @@ impl PoolClient {
                                 KeyError::Unreachable {
                                     node: node.to_owned(),
                                     message: format!("malformed slot: {e}"),
+                                    source: None,
                                 },
                             ),
                         }
