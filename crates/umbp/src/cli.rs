@@ -85,6 +85,21 @@ CONFIGURATION
     capacity_bytes = \"1GiB\"           # device memory an hbm node lends
     runtime = \"auto\"                  # or \"cuda\", \"hip\", \"cudart\", \"fake\" (host memory, for tests)
 
+    [node.master]                       # the node's client of the master
+    heartbeat_rpc_timeout = \"3s\"
+    events_per_bundle = 1024
+    max_bundles_per_rpc = 16
+    auto_flush_event_threshold = 128
+    shutdown_timeout = \"3s\"
+    max_outbox_events = 1000000
+    full_sync_chunk_events = 32768
+    max_request_bytes = \"4MiB\"
+    rpc_timeout = \"3s\"
+    connect_timeout = \"3s\"
+    clear_timeout = \"30s\"
+    default_heartbeat_interval = \"5s\"
+    max_message_bytes = \"64MiB\"
+
     [client]
     max_get_size = \"64MiB\"              # largest value `umbp get` accepts
 
@@ -181,6 +196,8 @@ pub struct Cli {
 }
 
 /// The subcommands.
+// Parsed once per process; boxing `NodeArgs` would only make every match on it clumsier.
+#[expect(clippy::large_enum_variant, reason = "parsed once per process")]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the master (membership, key index, routing, eviction) until SIGINT/SIGTERM
@@ -430,6 +447,61 @@ pub struct NodeArgs {
     /// free one [env: UMBP_NODE_METRICS_ADDR] [default: none, no endpoint]
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// The master client's settings.
+    #[command(flatten)]
+    pub master_client: MasterClientArgs,
+}
+
+/// The master client's flags of `umbp node` (its `[node.master]` settings).
+#[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "Master client")]
+pub struct MasterClientArgs {
+    /// Deadline of one Heartbeat call [env: UMBP_HEARTBEAT_RPC_TIMEOUT_MS, in ms] [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub heartbeat_rpc_timeout: Option<Duration>,
+    /// Most events in one delta bundle [env: UMBP_HEARTBEAT_EVENTS_PER_BUNDLE] [default: 1024]
+    #[arg(long, value_name = "N")]
+    pub events_per_bundle: Option<usize>,
+    /// Most delta bundles in one Heartbeat call [env: UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC] [default: 16]
+    #[arg(long, value_name = "N")]
+    pub max_bundles_per_rpc: Option<usize>,
+    /// Unshipped events that wake the heartbeat at once; 0 turns it off
+    /// [env: UMBP_AUTO_FLUSH_EVENT_THRESHOLD] [default: 128]
+    #[arg(long, value_name = "N")]
+    pub auto_flush_event_threshold: Option<usize>,
+    /// Deadline of the unregister call at shutdown [env: UMBP_RPC_SHUTDOWN_TIMEOUT_MS, in ms]
+    /// [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub shutdown_timeout: Option<Duration>,
+    /// Most events queued for the master before a full sync replaces them
+    /// [env: UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS] [default: 1000000]
+    #[arg(long, value_name = "N")]
+    pub max_outbox_events: Option<usize>,
+    /// Most events in one full-sync chunk [env: UMBP_FULL_SYNC_CHUNK_EVENTS] [default: 32768]
+    #[arg(long, value_name = "N")]
+    pub full_sync_chunk_events: Option<usize>,
+    /// Largest Heartbeat request the client builds (at least 4KiB, at most half of
+    /// --master-max-message-bytes) [env: UMBP_HEARTBEAT_MAX_REQUEST_BYTES] [default: 4MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub max_request_bytes: Option<u64>,
+    /// Deadline of every other call to the master [env: UMBP_MASTER_RPC_TIMEOUT_MS, in ms] [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub master_rpc_timeout: Option<Duration>,
+    /// Deadline for connecting to the master [env: UMBP_MASTER_CONNECT_TIMEOUT_MS, in ms] [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub master_connect_timeout: Option<Duration>,
+    /// How long clearing this node's keys at the master is retried [env: UMBP_CLEAR_TIMEOUT_MS, in ms]
+    /// [default: 30s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub clear_timeout: Option<Duration>,
+    /// The heartbeat interval when the master's reply names none
+    /// [env: UMBP_DEFAULT_HEARTBEAT_INTERVAL] [default: 5s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub default_heartbeat_interval: Option<Duration>,
+    /// Largest gRPC message to and from the master [env: UMBP_NODE_MASTER_MAX_MESSAGE_BYTES]
+    /// [default: 64MiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub master_max_message_bytes: Option<u64>,
 }
 
 /// `umbp put`.

@@ -74,8 +74,8 @@ mod units;
 #[doc(hidden)]
 pub use cli::{
     BENCH_AFTER_HELP, BenchArgs, BenchChildArgs, BenchSuite, CONFIG_FILE_HELP, Cli, Command, DemoArgs, GetArgs,
-    KeysArgs, MASTER_ENV_HELP, MasterAddress, MasterArgs, MediumKind, NODE_AFTER_HELP, NodeArgs, PutArgs,
-    SsdEngineChoice, StatArgs,
+    KeysArgs, MASTER_ENV_HELP, MasterAddress, MasterArgs, MasterClientArgs, MediumKind, NODE_AFTER_HELP, NodeArgs,
+    PutArgs, SsdEngineChoice, StatArgs,
 };
 #[cfg(feature = "cli")]
 #[doc(hidden)]

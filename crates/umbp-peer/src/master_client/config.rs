@@ -1,5 +1,6 @@
-//! Settings of the master client: defaults, then `UMBP_*` environment variables (the reference's names
-//! where one exists).
+//! Settings of the master client: names, defaults and ranges. The command line (`umbp node`) layers
+//! the file's `[node.master]`, the `UMBP_*` environment (the reference's names) and its flags over
+//! them through its one settings table.
 
 use std::fmt;
 use std::time::Duration;
@@ -10,16 +11,6 @@ use umbp_core::ErrorKind;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// An environment variable holds something that is not a valid value.
-    #[error("{var}={value:?} is invalid: expected {expected}")]
-    BadEnv {
-        /// The variable.
-        var: &'static str,
-        /// What it held.
-        value: String,
-        /// What it should hold.
-        expected: String,
-    },
     /// A field of [`MasterClientConfig`] is out of range.
     #[error("invalid master client setting `{setting}`: {reason}")]
     Invalid {
@@ -34,20 +25,19 @@ impl ConfigError {
     /// What the caller does next: fix the setting (always [`ErrorKind::InvalidInput`]).
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::BadEnv { .. } | Self::Invalid { .. } => ErrorKind::InvalidInput,
+            Self::Invalid { .. } => ErrorKind::InvalidInput,
         }
     }
 }
 
 /// Settings of a [`MasterClient`](super::MasterClient).
 ///
-/// The one place their names (the settings file's `[node.master_client]` keys), defaults and
+/// The one place their names (the settings file's `[node.master]` keys), defaults and
 /// meaning are written; durations read `"3s"`, sizes `"4MiB"` or bytes. The cluster token is not a
 /// key of its own (the node's `cluster_token` is handed down).
 ///
-/// Every field has a default (in its doc) and, where noted, an environment override read by
-/// [`from_env`](Self::from_env). The heartbeat interval is not here: the master hands it out in its
-/// registration reply.
+/// Every field has a default (in its doc) and, where noted, the `UMBP_*` variable `umbp node` reads
+/// for it. The heartbeat interval is not here: the master hands it out in its registration reply.
 #[derive(Clone, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MasterClientConfig {
@@ -57,9 +47,11 @@ pub struct MasterClientConfig {
     pub heartbeat_rpc_timeout: Duration,
     /// Most events in one delta bundle (one sequence number). Env `UMBP_HEARTBEAT_EVENTS_PER_BUNDLE`.
     /// Default: 1024.
+    #[serde(deserialize_with = "at_least_one")]
     pub events_per_bundle: usize,
     /// Most delta bundles in one `Heartbeat` RPC; a longer backlog goes in back-to-back RPCs. Env
     /// `UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC`. Default: 16.
+    #[serde(deserialize_with = "at_least_one")]
     pub max_bundles_per_rpc: usize,
     /// A backend whose unshipped outbox reaches this many events wakes the heartbeat loop at once;
     /// 0 disables it. Env `UMBP_AUTO_FLUSH_EVENT_THRESHOLD`. Default: 128.
@@ -71,14 +63,17 @@ pub struct MasterClientConfig {
     /// Most events the client keeps queued (unacknowledged) for the master. When a drain would exceed
     /// it, the queued deltas are dropped and a full sync is sent instead, so a master outage never
     /// grows memory without bound. Env `UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS`. Default: 1 000 000.
+    #[serde(deserialize_with = "at_least_one")]
     pub max_outbox_events: usize,
     /// Most events in one full-sync chunk. Env `UMBP_FULL_SYNC_CHUNK_EVENTS`. Default: 32 768.
+    #[serde(deserialize_with = "at_least_one")]
     pub full_sync_chunk_events: usize,
     /// Largest encoded `Heartbeat` request the client builds: caps each full-sync chunk and the
     /// bundles of one delta RPC (one bundle, or one event of a chunk, always goes even if larger). Far
     /// below the 64 MiB gRPC limit even with long keys. Env `UMBP_HEARTBEAT_MAX_REQUEST_BYTES`.
     /// Default: 4 MiB.
-    #[serde(with = "umbp_core::units::serde::size_usize")]
+    #[serde(serialize_with = "umbp_core::units::serde::size_usize::serialize")]
+    #[serde(deserialize_with = "request_bytes")]
     pub max_request_bytes: usize,
     /// Deadline of every other RPC (registration, routing, lookup, cluster status, unregister outside
     /// shutdown). Env `UMBP_MASTER_RPC_TIMEOUT_MS`. Default: 3000 ms.
@@ -152,73 +147,21 @@ impl fmt::Debug for MasterClientConfig {
 /// The smallest request cap: room for the request's fixed fields and a few events.
 const MIN_REQUEST_BYTES: usize = 4 << 10;
 
-/// Reads `var` through `get` and parses it with `valid`; absent means `None`.
-fn parse<T: std::str::FromStr>(
-    get: &dyn Fn(&str) -> Option<String>,
-    var: &'static str,
-    expected: &str,
-    valid: impl Fn(&T) -> bool,
-) -> Result<Option<T>, ConfigError> {
-    let Some(value) = get(var) else { return Ok(None) };
-    match value.trim().parse::<T>() {
-        Ok(v) if valid(&v) => Ok(Some(v)),
-        _ => Err(ConfigError::BadEnv { var, value, expected: expected.to_owned() }),
+fn at_least_one<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    let n = <usize as serde::Deserialize>::deserialize(d)?;
+    if n >= 1 { Ok(n) } else { Err(serde::de::Error::custom(format!("{n} is out of range: expected an integer >= 1"))) }
+}
+
+fn request_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    let n = umbp_core::units::serde::size_usize::deserialize(d)?;
+    if n >= MIN_REQUEST_BYTES {
+        Ok(n)
+    } else {
+        Err(serde::de::Error::custom(format!("{n} is below the minimum of {MIN_REQUEST_BYTES}")))
     }
 }
 
 impl MasterClientConfig {
-    /// Defaults overridden by the process environment; a malformed value is an error naming the
-    /// variable, never a silent default.
-    pub fn from_env() -> Result<Self, ConfigError> {
-        Self::default().with_env(&|var| std::env::var(var).ok())
-    }
-
-    /// `self` overridden by the variables `get` returns (tests pass a map instead of the process
-    /// environment). A malformed value is an error naming the variable.
-    pub fn with_env(mut self, get: &dyn Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
-        let millis = |var: &'static str| parse::<u64>(get, var, "milliseconds >= 1", |m| *m >= 1);
-        let count = |var: &'static str, min: usize| {
-            parse::<usize>(get, var, &format!("an integer >= {min}"), move |n| *n >= min)
-        };
-        if let Some(ms) = millis("UMBP_HEARTBEAT_RPC_TIMEOUT_MS")? {
-            self.heartbeat_rpc_timeout = Duration::from_millis(ms);
-        }
-        if let Some(n) = count("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", 1)? {
-            self.events_per_bundle = n;
-        }
-        if let Some(n) = count("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", 1)? {
-            self.max_bundles_per_rpc = n;
-        }
-        if let Some(n) = count("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", 0)? {
-            self.auto_flush_event_threshold = n;
-        }
-        if let Some(ms) = millis("UMBP_RPC_SHUTDOWN_TIMEOUT_MS")? {
-            self.shutdown_timeout = Duration::from_millis(ms);
-        }
-        if let Some(n) = count("UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS", 1)? {
-            self.max_outbox_events = n;
-        }
-        if let Some(n) = count("UMBP_FULL_SYNC_CHUNK_EVENTS", 1)? {
-            self.full_sync_chunk_events = n;
-        }
-        if let Some(n) = count("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", MIN_REQUEST_BYTES)? {
-            self.max_request_bytes = n;
-        }
-        if let Some(ms) = millis("UMBP_MASTER_RPC_TIMEOUT_MS")? {
-            self.rpc_timeout = Duration::from_millis(ms);
-        }
-        if let Some(ms) = millis("UMBP_MASTER_CONNECT_TIMEOUT_MS")? {
-            self.connect_timeout = Duration::from_millis(ms);
-        }
-        if let Some(ms) = millis("UMBP_CLEAR_TIMEOUT_MS")? {
-            self.clear_timeout = Duration::from_millis(ms);
-        }
-        if let Some(token) = get("UMBP_CLUSTER_TOKEN") {
-            self.cluster_token = Some(token).filter(|t| !t.is_empty());
-        }
-        Ok(self)
-    }
-
     /// Checks every field's range (called by [`MasterClient::connect`](super::MasterClient::connect)).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |setting: &'static str, reason: String| Err(ConfigError::Invalid { setting, reason });
@@ -270,14 +213,7 @@ impl MasterClientConfig {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
-
     use super::*;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
-        move |var| map.get(var).cloned()
-    }
 
     #[test]
     fn defaults_are_the_reference_values_and_valid() {
@@ -292,57 +228,7 @@ mod tests {
     }
 
     #[test]
-    fn env_overrides_defaults() {
-        let c = MasterClientConfig::default()
-            .with_env(&env(&[
-                ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "250"),
-                ("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", "8"),
-                ("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", "2"),
-                ("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", "0"),
-                ("UMBP_RPC_SHUTDOWN_TIMEOUT_MS", "100"),
-                ("UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS", "64"),
-                ("UMBP_FULL_SYNC_CHUNK_EVENTS", "10"),
-                ("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", "65536"),
-                ("UMBP_MASTER_RPC_TIMEOUT_MS", "500"),
-                ("UMBP_CLEAR_TIMEOUT_MS", "700"),
-                ("UMBP_CLUSTER_TOKEN", "s3cret"),
-            ]))
-            .expect("valid env");
-        assert_eq!(c.heartbeat_rpc_timeout, Duration::from_millis(250));
-        assert_eq!(c.events_per_bundle, 8);
-        assert_eq!(c.max_bundles_per_rpc, 2);
-        assert_eq!(c.auto_flush_event_threshold, 0);
-        assert_eq!(c.shutdown_timeout, Duration::from_millis(100));
-        assert_eq!(c.max_outbox_events, 64);
-        assert_eq!(c.full_sync_chunk_events, 10);
-        assert_eq!(c.max_request_bytes, 65536);
-        assert_eq!(c.rpc_timeout, Duration::from_millis(500));
-        assert_eq!(c.clear_timeout, Duration::from_millis(700));
-        assert_eq!(c.cluster_token.as_deref(), Some("s3cret"));
-        c.validate().expect("valid");
-        assert!(!format!("{c:?}").contains("s3cret"), "Debug must not print the token");
-    }
-
-    #[test]
-    fn garbage_in_the_environment_is_an_error_naming_the_variable() {
-        for (var, value) in [
-            ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "soon"),
-            ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "0"),
-            ("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", "-1"),
-            ("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", "0"),
-            ("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", "1.5"),
-            ("UMBP_RPC_SHUTDOWN_TIMEOUT_MS", ""),
-            ("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", "100"),
-        ] {
-            let err = MasterClientConfig::default().with_env(&env(&[(var, value)])).expect_err(value);
-            assert!(err.to_string().contains(var), "{err} names {var}");
-        }
-    }
-
-    #[test]
     fn every_config_error_is_invalid_input() {
-        let bad_env = ConfigError::BadEnv { var: "UMBP_X", value: "y".into(), expected: "z".into() };
-        assert_eq!(bad_env.kind(), ErrorKind::InvalidInput);
         let invalid = ConfigError::Invalid { setting: "rpc_timeout", reason: "zero".into() };
         assert_eq!(invalid.kind(), ErrorKind::InvalidInput);
     }

@@ -293,7 +293,7 @@ fn new_incarnation() -> u64 {
 /// let node = NodeRegistration::new("node-1", "10.0.0.5")
 ///     .with_peer_address("10.0.0.5:7001")
 ///     .with_data_endpoint("10.0.0.5:7002");
-/// let client = MasterClient::connect("10.0.0.1:50051", MasterClientConfig::from_env()?, node, registry).await?;
+/// let client = MasterClient::connect("10.0.0.1:50051", MasterClientConfig::default(), node, registry).await?;
 /// client.register().await?;
 /// client.start_heartbeat()?;
 /// let hits = client.batch_route_get(&["key".to_owned()], &[]).await?;

@@ -116,6 +116,20 @@ pub(crate) fn node(a: &NodeArgs, token: Option<&str>) -> Vec<FlagValue> {
     // A switch: absent means "not set here", never "false".
     f.bool("--ssd-create-dirs", a.ssd_create_dirs.then_some(true));
     f.bool("--ssd-cache-committed", a.ssd_cache_committed);
+    let m = &a.master_client;
+    f.duration("--heartbeat-rpc-timeout", m.heartbeat_rpc_timeout);
+    f.int("--events-per-bundle", m.events_per_bundle);
+    f.int("--max-bundles-per-rpc", m.max_bundles_per_rpc);
+    f.int("--auto-flush-event-threshold", m.auto_flush_event_threshold);
+    f.duration("--shutdown-timeout", m.shutdown_timeout);
+    f.int("--max-outbox-events", m.max_outbox_events);
+    f.int("--full-sync-chunk-events", m.full_sync_chunk_events);
+    f.size("--max-request-bytes", m.max_request_bytes);
+    f.duration("--master-rpc-timeout", m.master_rpc_timeout);
+    f.duration("--master-connect-timeout", m.master_connect_timeout);
+    f.duration("--clear-timeout", m.clear_timeout);
+    f.duration("--default-heartbeat-interval", m.default_heartbeat_interval);
+    f.size("--master-max-message-bytes", m.master_max_message_bytes);
     f.0
 }
 

@@ -71,7 +71,7 @@ impl FileConfig {
 /// A flag that was given: its name (`--ssd-capacity`) and its value in the file's syntax.
 pub(crate) type FlagValue = (&'static str, Value);
 
-/// The file, then the variables of the rows of `scopes`, then `flags` (of the command `scope`).
+/// The file, then the variables of the rows of `scopes`, then `flags` (of those rows).
 pub(crate) fn layer(
     file: &FileConfig,
     env: EnvGetter<'_>,
@@ -82,16 +82,16 @@ pub(crate) fn layer(
     for row in TABLE.iter().filter(|r| scopes.contains(&r.scope)) {
         // The first variable of a row wins: apply them last to first.
         for &(var, kind) in row.env.iter().rev() {
-            let Some(text) = env(var).filter(|t| !t.trim().is_empty()) else { continue };
+            // An empty name or address is unset; an empty number is a mistake.
+            let Some(text) = env(var).filter(|t| kind != EnvKind::Text || !t.trim().is_empty()) else { continue };
             let value = from_env(&text, kind)
                 .and_then(|v| check(row.path, &v).map(|()| v))
                 .map_err(|reason| SettingsError::BadEnv { var, value: text.clone(), reason })?;
             set(&mut tree, row.path, value);
         }
     }
-    let scope = scopes.iter().copied().find(|s| *s != Scope::Global).unwrap_or(Scope::Global);
     for (flag, value) in flags {
-        let row: &Row = table::by_flag(scope, flag)
+        let row: &Row = table::by_flag(scopes, flag)
             .ok_or_else(|| SettingsError::Invalid { setting: flag, reason: "no such setting".into() })?;
         check(row.path, value).map_err(|reason| SettingsError::Invalid { setting: row.flag, reason })?;
         set(&mut tree, row.path, value.clone());

@@ -25,7 +25,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use umbp_core::ErrorKind;
-use umbp_peer::master_client::MasterClientConfig;
 use umbp_peer::pool_client::{Medium, PoolClientConfig, RecachePolicy};
 
 pub use layer::FileConfig;
@@ -166,7 +165,8 @@ pub fn resolve_node(
     flags: &NodeArgs,
     token: Option<&str>,
 ) -> Result<PoolClientConfig, SettingsError> {
-    let s = layer::layer(file, env, &[Scope::Global, Scope::Node], &flags::node(flags, token))?;
+    let scopes = [Scope::Global, Scope::Node, Scope::MasterClient];
+    let s = layer::layer(file, env, &scopes, &flags::node(flags, token))?;
     let n = s.node;
     let node_id = n.node_id.ok_or(SettingsError::Missing {
         what: "the node id",
@@ -212,7 +212,7 @@ pub fn resolve_node(
         MediumKind::None => Medium::None,
     };
     c.cluster_token = s.cluster_token.filter(|t| !t.is_empty());
-    c.master = MasterClientConfig::default().with_env(env)?;
+    c.master = n.master;
     c.master.cluster_token.clone_from(&c.cluster_token);
     check_node(&c)?;
     Ok(c)
@@ -227,14 +227,15 @@ pub fn resolve_client(
     token: Option<&str>,
     node_id: String,
 ) -> Result<PoolClientConfig, SettingsError> {
-    let s = layer::layer(file, env, &[Scope::Global, Scope::Client], &flags::global(master, token))?;
+    let scopes = [Scope::Global, Scope::Client, Scope::MasterClient];
+    let s = layer::layer(file, env, &scopes, &flags::global(master, token))?;
     let mut c = PoolClientConfig::new(node_id, s.master_address);
     c.rpc_timeout = s.node.rpc_timeout;
     c.max_reroutes = s.node.max_reroutes;
     c.bounce_bytes = s.node.bounce;
     c.recache = RecachePolicy::Off;
     c.cluster_token = s.cluster_token.filter(|t| !t.is_empty());
-    c.master = MasterClientConfig::default().with_env(env)?;
+    c.master = s.node.master;
     c.master.cluster_token.clone_from(&c.cluster_token);
     c.master.validate()?;
     Ok(c)

@@ -18,6 +18,8 @@ pub(crate) enum Scope {
     Node,
     /// `umbp get` (the client commands).
     Client,
+    /// The master client of `umbp node` and of the client commands (its flags are `umbp node`'s).
+    MasterClient,
 }
 
 /// How a variable's text becomes a value of the tree (the file's syntax).
@@ -66,7 +68,7 @@ const fn row(
 }
 
 use EnvKind::{Bool, Float, Int, List, Millis, Secs, Text};
-use Scope::{Client, Global, Master, Node};
+use Scope::{Client, Global, Master, MasterClient, Node};
 
 /// Every setting of the tree.
 pub(crate) const TABLE: &[Row] = &[
@@ -215,6 +217,92 @@ pub(crate) const TABLE: &[Row] = &[
         &["node.ssd_create_dirs"],
     ),
     row("node.ssd.cache_committed", Node, "--ssd-cache-committed", &[("UMBP_SSD_CACHE_COMMITTED", Bool)], &[]),
+    // [node.master]: umbp_peer::master_client::MasterClientConfig.
+    row(
+        "node.master.heartbeat_rpc_timeout",
+        MasterClient,
+        "--heartbeat-rpc-timeout",
+        &[("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", Millis(1))],
+        &[],
+    ),
+    row(
+        "node.master.events_per_bundle",
+        MasterClient,
+        "--events-per-bundle",
+        &[("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", Int)],
+        &[],
+    ),
+    row(
+        "node.master.max_bundles_per_rpc",
+        MasterClient,
+        "--max-bundles-per-rpc",
+        &[("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", Int)],
+        &[],
+    ),
+    row(
+        "node.master.auto_flush_event_threshold",
+        MasterClient,
+        "--auto-flush-event-threshold",
+        &[("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", Int)],
+        &[],
+    ),
+    row(
+        "node.master.shutdown_timeout",
+        MasterClient,
+        "--shutdown-timeout",
+        &[("UMBP_RPC_SHUTDOWN_TIMEOUT_MS", Millis(1))],
+        &[],
+    ),
+    row(
+        "node.master.max_outbox_events",
+        MasterClient,
+        "--max-outbox-events",
+        &[("UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS", Int)],
+        &[],
+    ),
+    row(
+        "node.master.full_sync_chunk_events",
+        MasterClient,
+        "--full-sync-chunk-events",
+        &[("UMBP_FULL_SYNC_CHUNK_EVENTS", Int)],
+        &[],
+    ),
+    row(
+        "node.master.max_request_bytes",
+        MasterClient,
+        "--max-request-bytes",
+        &[("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", Text)],
+        &[],
+    ),
+    row(
+        "node.master.rpc_timeout",
+        MasterClient,
+        "--master-rpc-timeout",
+        &[("UMBP_MASTER_RPC_TIMEOUT_MS", Millis(1))],
+        &[],
+    ),
+    row(
+        "node.master.connect_timeout",
+        MasterClient,
+        "--master-connect-timeout",
+        &[("UMBP_MASTER_CONNECT_TIMEOUT_MS", Millis(1))],
+        &[],
+    ),
+    row("node.master.clear_timeout", MasterClient, "--clear-timeout", &[("UMBP_CLEAR_TIMEOUT_MS", Millis(1))], &[]),
+    row(
+        "node.master.default_heartbeat_interval",
+        MasterClient,
+        "--default-heartbeat-interval",
+        &[("UMBP_DEFAULT_HEARTBEAT_INTERVAL", Text)],
+        &[],
+    ),
+    row(
+        "node.master.max_message_bytes",
+        MasterClient,
+        "--master-max-message-bytes",
+        &[("UMBP_NODE_MASTER_MAX_MESSAGE_BYTES", Text)],
+        &[],
+    ),
     // [client].
     row("client.max_get_size", Client, "--max-get-size", &[("UMBP_MAX_GET_SIZE", Text)], &[]),
 ];
@@ -224,7 +312,7 @@ pub(crate) fn by_key(key: &str) -> Option<&'static Row> {
     TABLE.iter().find(|r| r.path == key || r.legacy.contains(&key))
 }
 
-/// The row of `flag` in `scope` (a `Global` flag in any scope).
-pub(crate) fn by_flag(scope: Scope, flag: &str) -> Option<&'static Row> {
-    TABLE.iter().find(|r| r.flag == flag && (r.scope == scope || r.scope == Scope::Global))
+/// The row of `flag` among the rows of `scopes`.
+pub(crate) fn by_flag(scopes: &[Scope], flag: &str) -> Option<&'static Row> {
+    TABLE.iter().find(|r| r.flag == flag && scopes.contains(&r.scope))
 }

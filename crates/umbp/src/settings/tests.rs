@@ -113,7 +113,7 @@ fn each_flags_help_states_its_variables_and_the_components_default() {
     for row in TABLE {
         let cmd = match row.scope {
             Scope::Master => "master",
-            Scope::Node | Scope::Global => "node",
+            Scope::Node | Scope::Global | Scope::MasterClient => "node",
             Scope::Client => "get",
         };
         let entry = help_entry(cmd, row.flag);
@@ -260,13 +260,9 @@ fn settings_errors_say_what_to_do_next() {
     assert!(matches!(invalid, SettingsError::Invalid { .. }) && invalid.kind() == ErrorKind::InvalidInput);
     let master = SettingsError::from(umbp_master::ConfigError::Invalid("x".into()));
     assert_eq!(master.kind(), ErrorKind::InvalidInput);
-    let client = resolve_node(
-        &FileConfig::default(),
-        &env(&[("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "soon")]),
-        &node_args(&["--node-id", "n"]),
-        None,
-    )
-    .expect_err("bad master client env");
+    // A cross-field rule of the master client: its request cap above half its message limit.
+    let f = FileConfig::parse("[node.master]\nmax_request_bytes = \"64MiB\"", Path::new("t")).expect("in range");
+    let client = resolve_node(&f, &env(&[]), &node_args(&["--node-id", "n"]), None).expect_err("no headroom");
     assert!(matches!(client, SettingsError::MasterClient(_)) && client.kind() == ErrorKind::InvalidInput);
 }
 
@@ -329,5 +325,68 @@ fn garbage_in_the_masters_variables_is_an_error_naming_the_variable() {
         let (var, value) = BAD[i];
         let err = resolve_master(&FileConfig::default(), &env(&BAD[i..=i]), &master_args(&[]), None).expect_err(value);
         assert!(err.to_string().contains(var), "{var}={value}: {err}");
+    }
+}
+
+/// The master client's variables (the reference's names, moved here from `umbp-peer` with the
+/// table), read by `umbp node` and by the client commands.
+#[test]
+fn the_master_clients_variables_override_its_defaults() {
+    let e = env(&[
+        ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "250"),
+        ("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", "8"),
+        ("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", "2"),
+        ("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", "0"),
+        ("UMBP_RPC_SHUTDOWN_TIMEOUT_MS", "100"),
+        ("UMBP_HEARTBEAT_MAX_OUTBOX_EVENTS", "64"),
+        ("UMBP_FULL_SYNC_CHUNK_EVENTS", "10"),
+        ("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", "65536"),
+        ("UMBP_MASTER_RPC_TIMEOUT_MS", "500"),
+        ("UMBP_CLEAR_TIMEOUT_MS", "700"),
+        ("UMBP_CLUSTER_TOKEN", "s3cret"),
+    ]);
+    let ms = std::time::Duration::from_millis;
+    for c in [
+        resolve_node(&FileConfig::default(), &e, &node_args(&["--node-id", "n"]), None).expect("node").master,
+        resolve_client(&FileConfig::default(), &e, &MasterAddress::default(), None, "c".into()).expect("client").master,
+    ] {
+        assert_eq!(c.heartbeat_rpc_timeout, ms(250));
+        assert_eq!((c.events_per_bundle, c.max_bundles_per_rpc, c.auto_flush_event_threshold), (8, 2, 0));
+        assert_eq!(c.shutdown_timeout, ms(100));
+        assert_eq!((c.max_outbox_events, c.full_sync_chunk_events, c.max_request_bytes), (64, 10, 65536));
+        assert_eq!((c.rpc_timeout, c.clear_timeout), (ms(500), ms(700)));
+        assert_eq!(c.cluster_token.as_deref(), Some("s3cret"));
+        c.validate().expect("valid");
+        assert!(!format!("{c:?}").contains("s3cret"), "Debug must not print the token");
+    }
+    // The file's [node.master] and the flags, in their order.
+    let f =
+        FileConfig::parse("[node.master]\nrpc_timeout = \"9s\"\nevents_per_bundle = 7", Path::new("t")).expect("file");
+    let c = resolve_node(&f, &env(&[]), &node_args(&["--node-id", "n"]), None).expect("file");
+    assert_eq!((c.master.rpc_timeout, c.master.events_per_bundle), (ms(9000), 7));
+    let flags = node_args(&["--node-id", "n", "--master-rpc-timeout", "4s", "--events-per-bundle", "3"]);
+    let c = resolve_node(&f, &env(&[("UMBP_MASTER_RPC_TIMEOUT_MS", "500")]), &flags, None).expect("flags");
+    assert_eq!((c.master.rpc_timeout, c.master.events_per_bundle), (ms(4000), 3));
+}
+
+#[test]
+fn garbage_in_the_master_clients_variables_is_an_error_naming_the_variable() {
+    const BAD: &[(&str, &str)] = &[
+        ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "soon"),
+        ("UMBP_HEARTBEAT_RPC_TIMEOUT_MS", "0"),
+        ("UMBP_HEARTBEAT_EVENTS_PER_BUNDLE", "-1"),
+        ("UMBP_HEARTBEAT_MAX_BUNDLES_PER_RPC", "0"),
+        ("UMBP_AUTO_FLUSH_EVENT_THRESHOLD", "1.5"),
+        ("UMBP_RPC_SHUTDOWN_TIMEOUT_MS", ""),
+        ("UMBP_HEARTBEAT_MAX_REQUEST_BYTES", "100"),
+    ];
+    for i in 0..BAD.len() {
+        let (var, value) = BAD[i];
+        let e = env(&BAD[i..=i]);
+        let err = resolve_node(&FileConfig::default(), &e, &node_args(&["--node-id", "n"]), None).expect_err(value);
+        assert!(err.to_string().contains(var), "{var}={value:?}: {err}");
+        let err =
+            resolve_client(&FileConfig::default(), &e, &MasterAddress::default(), None, "c".into()).expect_err(value);
+        assert!(err.to_string().contains(var), "{var}={value:?}: {err}");
     }
 }

@@ -9,6 +9,7 @@
 //! [node.dram]         # umbp_peer::pool_client::DramConfig
 //! [node.hbm]          # umbp_hbm::HbmConfig
 //! [node.ssd]          # umbp_ssd::SsdSettings
+//! [node.master]       # umbp_peer::master_client::MasterClientConfig
 //! [client]
 //! ```
 
@@ -17,6 +18,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use umbp_master::MasterConfig;
+use umbp_peer::master_client::MasterClientConfig;
 use umbp_peer::pool_client::{DramConfig, HbmConfig, PoolClientConfig, RecachePolicy, SsdConfig as SsdSettings};
 
 use crate::cli::MediumKind;
@@ -97,6 +99,8 @@ pub struct NodeSettings {
     pub hbm: HbmConfig,
     /// `[node.ssd]`.
     pub ssd: SsdSettings,
+    /// `[node.master]`: the node's client of the master.
+    pub master: MasterClientConfig,
 }
 
 impl Default for NodeSettings {
@@ -120,6 +124,7 @@ impl Default for NodeSettings {
             dram: DramConfig::default(),
             hbm: HbmConfig::default(),
             ssd: SsdSettings::default(),
+            master: p.master,
         }
     }
 }
