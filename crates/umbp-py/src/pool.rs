@@ -328,6 +328,18 @@ impl Pool {
         self.inner.master_address.clone()
     }
 
+    /// Where this node's peer service listens (`None` for a node that lends nothing).
+    #[getter]
+    fn peer_address(&self) -> Option<String> {
+        self.inner.client.peer_address().map(|a| a.to_string())
+    }
+
+    /// Where this node's data server listens.
+    #[getter]
+    fn data_endpoint(&self) -> String {
+        self.inner.client.data_endpoint().to_owned()
+    }
+
     /// Whether `close` ran.
     #[getter]
     fn closed(&self) -> bool {
