@@ -155,7 +155,7 @@ pub fn format_duration(d: Duration) -> String {
 }
 
 impl UnitError {
-    /// What the caller does next: fix the text (always [`ErrorKind::InvalidInput`]).
+    /// What the caller does next: fix the text (always [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput)).
     pub fn kind(&self) -> crate::ErrorKind {
         crate::ErrorKind::InvalidInput
     }
