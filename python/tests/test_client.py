@@ -180,3 +180,20 @@ def test_ctypes_buffers(client):
     raw = (ctypes.c_char * 64).from_buffer_copy(b"q" * 64)
     client.put("ct", raw)
     assert client.get("ct") == b"q" * 64
+
+
+def test_two_nodes_of_a_real_master(master):
+    """Client.connect: one node lends DRAM and writes, a client-only node reads it over TCP."""
+    with umbp.Client.connect(master, node_id="lender", lend_bytes=64 << 20, page_size=64 << 10) as a:
+        assert a.distributed and a.node_id == "lender"
+        data = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8)
+        a.put_batch(["x", "y"], [data, b"small"])
+        a.flush()
+        with umbp.Client.connect(master, node_id="reader", recache_bytes=None) as b:
+            assert b.exists_batch(["x", "y", "z"]) == [True, True, False]
+            out = np.zeros_like(data)
+            assert b.get_into("x", out) == data.nbytes and (out == data).all()
+            assert b.get("y") == b"small"
+            b.put("new", b"placed on the lender")  # a client-only node writes to other nodes
+            b.flush()
+            assert a.get("new") == b"placed on the lender"

@@ -1,0 +1,91 @@
+"""Type stubs of the native module ``umbp._umbp`` (built from crates/umbp-py)."""
+
+from typing import Any, List, Optional, Sequence, Tuple, Union, overload
+
+__version__: str
+
+KIND_INVALID_INPUT: int
+KIND_RETRY: int
+KIND_UNAVAILABLE: int
+KIND_CLOSED: int
+KIND_INTERNAL: int
+KIND_NOT_FOUND: int
+
+class Error(Exception):
+    """Base class of every error the umbp pool raises."""
+
+class InvalidInputError(Error):
+    """The request can never succeed as given: fix it, do not retry it."""
+
+class RetryError(Error):
+    """A transient condition: the same call may succeed later."""
+
+class UnavailableError(Error):
+    """The master or a peer cannot be reached."""
+
+class ClosedError(Error):
+    """The client was closed."""
+
+class InternalError(Error):
+    """A bug or a broken invariant."""
+
+class NotFoundError(Error):
+    """The key is not in the pool."""
+
+#: One key's detailed answer: an int (put: 1; get: the value's size) or ``(kind, message)``.
+KeyResult = Union[int, Tuple[int, str]]
+
+class Pool:
+    """One node of a umbp pool in this process. Every I/O call releases the GIL."""
+
+    @staticmethod
+    def local(capacity_bytes: int, page_size: int = 65536, prefault: bool = False) -> "Pool":
+        """An embedded master and one DRAM node of ``capacity_bytes``, in this process."""
+    @staticmethod
+    def node(
+        master_address: str,
+        node_id: str,
+        node_address: str = "127.0.0.1",
+        lend_bytes: int = 0,
+        page_size: int = 2097152,
+        data_host: Optional[str] = None,
+        data_port: int = 0,
+        peer_port: int = 0,
+        bounce_bytes: int = 67108864,
+        recache_bytes: Optional[int] = None,
+        prefault: bool = False,
+    ) -> "Pool":
+        """Joins the pool whose master is at ``master_address``."""
+    @property
+    def distributed(self) -> bool: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def master_address(self) -> str: ...
+    @property
+    def peer_address(self) -> Optional[str]: ...
+    @property
+    def data_endpoint(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    @overload
+    def put_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[bool]: ...
+    @overload
+    def put_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], detail: bool) -> List[Any]: ...
+    @overload
+    def get_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[bool]: ...
+    @overload
+    def get_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], detail: bool) -> List[Any]: ...
+    def put_buffers(self, keys: Sequence[str], values: Sequence[Any], detail: bool = True) -> List[Any]:
+        """Puts objects exporting the buffer protocol, without copying them first."""
+    def get_into_buffers(self, keys: Sequence[str], buffers: Sequence[Any], detail: bool = True) -> List[Any]:
+        """Gets keys into writable buffers."""
+    def get_bytes(self, key: str, size_hint: int = 65536) -> Optional[bytes]:
+        """The value as bytes, or None on a miss."""
+    def exists(self, keys: Sequence[str]) -> List[bool]: ...
+    def exists_prefix(self, keys: Sequence[str]) -> int: ...
+    def register_memory(self, ptr: int, size: int) -> None: ...
+    def deregister_memory(self, ptr: int) -> bool: ...
+    def clear(self) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
