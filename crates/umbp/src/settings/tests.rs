@@ -390,3 +390,30 @@ fn garbage_in_the_master_clients_variables_is_an_error_naming_the_variable() {
         assert!(err.to_string().contains(var), "{var}={value:?}: {err}");
     }
 }
+
+/// The file's shape in `umbp --help`: every key of the table under its `[table]`, with the
+/// component's default where it has one (an unset optional shows an example).
+#[test]
+fn the_files_shape_in_the_help_lists_every_key_with_its_default() {
+    let mut shown = std::collections::HashMap::new();
+    let mut table = String::new();
+    for line in crate::cli::CONFIG_FILE_HELP.lines().map(str::trim) {
+        if let Some(header) = line.strip_prefix('[').and_then(|l| l.split(']').next()) {
+            table = header.to_owned();
+        } else if let Some((key, value)) = line.split_once(" = ") {
+            let key = key.trim();
+            let path = if table.is_empty() { key.to_owned() } else { format!("{table}.{key}") };
+            let value = value.split(" #").next().unwrap_or(value).trim().to_owned();
+            shown.insert(path, value);
+        }
+    }
+    let defaults = Table::try_from(Settings::default()).expect("serialize");
+    for row in TABLE {
+        let value = shown.get(row.path).unwrap_or_else(|| panic!("`umbp --help` lacks {}", row.path));
+        match layer::get(&defaults, row.path) {
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(default) => assert_eq!(*value, default.to_string(), "the help's default of {}", row.path),
+            None => {}
+        }
+    }
+}
