@@ -127,3 +127,9 @@ def test_host_mem_allocator():
     assert not h
     assert not a.alloc(0)
     c.close()
+
+
+def test_enums_print_like_pybind():
+    assert str(mu.UMBPDeploymentMode.Local) == "UMBPDeploymentMode.Local"
+    assert f"{mu.UMBPHostBufferBacking.Anonymous}" == "UMBPHostBufferBacking.Anonymous"
+    assert mu.UMBPRole.Standalone == 0

@@ -56,7 +56,15 @@ MiB = 1 << 20
 # -- enums ---------------------------------------------------------------------------------------
 
 
-class UMBPRole(enum.IntEnum):
+class _Enum(enum.IntEnum):
+    """An int enum that prints as ``Type.Member``, as pybind11's enums do (Python 3.11's IntEnum
+    prints the bare number, which would make the store's log lines unreadable)."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class UMBPRole(_Enum):
     """Role of a client sharing an SSD (this pool has no shared SSD: every role is a plain node)."""
 
     Standalone = 0
@@ -64,7 +72,7 @@ class UMBPRole(enum.IntEnum):
     SharedSSDFollower = 2
 
 
-class UMBPDeploymentMode(enum.IntEnum):
+class UMBPDeploymentMode(_Enum):
     """How the client reaches its pool: embedded (Local) or as a node of a master (Distributed)."""
 
     Local = 0
@@ -72,7 +80,7 @@ class UMBPDeploymentMode(enum.IntEnum):
     Distributed = 2
 
 
-class UMBPTierType(enum.IntEnum):
+class UMBPTierType(_Enum):
     """A storage tier."""
 
     Unknown = 0
@@ -81,27 +89,27 @@ class UMBPTierType(enum.IntEnum):
     SSD = 3
 
 
-class UMBPIoBackend(enum.IntEnum):
+class UMBPIoBackend(_Enum):
     """SSD I/O engine (accepted; local mode keeps no SSD)."""
 
     Posix = 0
     IoUring = 1
 
 
-class UMBPDurabilityMode(enum.IntEnum):
+class UMBPDurabilityMode(_Enum):
     """SSD durability (accepted; local mode keeps no SSD)."""
 
     Strict = 0
     Relaxed = 1
 
 
-class UMBPSsdLayoutMode(enum.IntEnum):
+class UMBPSsdLayoutMode(_Enum):
     """SSD layout (accepted)."""
 
     SegmentedLog = 1
 
 
-class UMBPMedium(enum.IntEnum):
+class UMBPMedium(_Enum):
     """What a distributed node lends the pool."""
 
     NONE = 0
@@ -110,7 +118,7 @@ class UMBPMedium(enum.IntEnum):
     SSD = 3
 
 
-class CacheRemoteAdmission(enum.IntEnum):
+class CacheRemoteAdmission(_Enum):
     """Which values fetched from other nodes are re-cached locally."""
 
     SIZE = 0
@@ -118,7 +126,7 @@ class CacheRemoteAdmission(enum.IntEnum):
     ALWAYS = 2
 
 
-class UMBPHostBufferBacking(enum.IntEnum):
+class UMBPHostBufferBacking(_Enum):
     """Backing of a host buffer from :class:`UMBPHostMemAllocator`."""
 
     Anonymous = 0
