@@ -54,9 +54,13 @@ pub mod pool_client;
 pub use master_client::{MasterClient, MasterClientConfig, MasterClientError};
 pub use peer_client::{PeerClient, PeerClientError};
 pub use peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService, PeerServiceError};
+#[cfg(feature = "hbm")]
+pub use pool_client::HbmConfig;
+#[cfg(feature = "ssd")]
+pub use pool_client::SsdConfig;
 pub use pool_client::{
-    DramConfig, HbmConfig, KeyError, Medium, PoolClient, PoolClientBuilder, PoolClientConfig, PoolClientStats,
-    PoolError, PutOutcome, RecachePolicy, SsdConfig,
+    DramConfig, KeyError, Medium, PoolClient, PoolClientBuilder, PoolClientConfig, PoolClientStats, PoolError,
+    PutOutcome, RecachePolicy, SharedError,
 };
 pub use umbp_core::ErrorKind;
 /// Raises the process's soft open-file limit to its hard limit, as a server does (a node's data

@@ -6,15 +6,21 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use umbp_core::{MediumBackend, TierType};
+use umbp_core::MediumBackend;
+#[cfg(any(feature = "dram", feature = "hbm"))]
+use umbp_core::TierType;
 use umbp_gpu::GpuRuntime;
 use umbp_metrics::InstrumentedBackend;
-use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
+#[cfg(any(feature = "dram", feature = "hbm"))]
+use umbp_page::PageBackendConfig;
+#[cfg(feature = "dram")]
+use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend};
 use umbp_transfer::{
     CompositeConfig, CompositeTransferEngine, GpuCopyConfig, GpuCopyEngine, LocalCopyConfig, LocalCopyEngine,
     TcpEngine, TcpEngineConfig, TransferEngine,
 };
 
+#[cfg(feature = "ssd")]
 use super::config::ssd_dirs_exist;
 use super::{Medium, PoolClientConfig, PoolError, RuntimeSelection, support};
 
@@ -37,6 +43,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
     // can put from and get into device memory), and the TCP data server stages peers' reads and
     // writes of GPU regions (an HBM medium's pages) with it.
     let gpu_runtime: Option<Arc<dyn GpuRuntime>> = match (&config.medium, config.gpu_runtime) {
+        #[cfg(feature = "hbm")]
         (Medium::Hbm(hbm), _) => Some(
             hbm.runtime
                 .load()
@@ -76,6 +83,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
         // Pinning needs a current device: an HBM node uses its medium's, so it never touches
         // (on the CUDA driver API: creates a context on) another GPU.
         let pin_device = match &config.medium {
+            #[cfg(feature = "hbm")]
             Medium::Hbm(hbm) => hbm.device,
             _ => 0,
         };
@@ -87,10 +95,12 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
         CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
             .map_err(|e| PoolError::Transfer { context: "composite engine", source: Box::new(e) })?,
     );
-    // The medium switch: one arm per medium. Adding a medium adds an arm here and nowhere else.
-    // Each arm also says whether the medium's calls do drive IO (see `medium_call`).
+    // The medium switch: one arm per medium, each behind its crate feature. Adding a medium adds an
+    // arm here and nowhere else. Each arm also says whether the medium's calls do drive IO (see
+    // `medium_call`).
     let (medium, medium_drive_io): (Option<Arc<dyn MediumBackend>>, bool) = match &config.medium {
         Medium::None => (None, false),
+        #[cfg(feature = "dram")]
         Medium::Dram(dram) => {
             let backend_config = PageBackendConfig::new(TierType::Dram, config.page_size, vec![dram.capacity_bytes])
                 .with_pending_ttl(config.pending_ttl)
@@ -104,6 +114,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
             });
             (Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?)), false)
         }
+        #[cfg(feature = "hbm")]
         Medium::Hbm(hbm) => {
             let runtime = gpu_runtime.clone().ok_or_else(|| PoolError::Config("hbm medium: no GPU runtime".into()))?;
             let backend_config = PageBackendConfig::new(TierType::Hbm, config.page_size, Vec::new())
@@ -117,6 +128,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
             .map_err(|e| PoolError::Config(format!("hbm medium: {e}")))?;
             (Some(Arc::from(backend)), false)
         }
+        #[cfg(feature = "ssd")]
         Medium::Ssd(ssd) => {
             if !ssd.create_dirs {
                 ssd_dirs_exist(&ssd.dirs)?;

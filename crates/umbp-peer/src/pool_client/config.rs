@@ -5,8 +5,10 @@ use std::time::Duration;
 
 /// How a node names its GPU runtime ([`HbmConfig::runtime`]).
 pub use umbp_gpu::RuntimeSelection;
+#[cfg(feature = "ssd")]
 pub use umbp_ssd::IoEngineKind;
 
+#[cfg(feature = "ssd")]
 use super::PoolError;
 use crate::master_client::MasterClientConfig;
 
@@ -17,11 +19,14 @@ pub enum Medium {
     /// No medium: the node only reads and writes the pool.
     None,
     /// Host DRAM through `PageBackend` over anonymous memory.
+    #[cfg(feature = "dram")]
     Dram(DramConfig),
     /// GPU HBM through `PageBackend` over device memory of one GPU (`umbp-hbm`).
+    #[cfg(feature = "hbm")]
     Hbm(HbmConfig),
     /// Local drives through `SsdBackend`: a registered host staging arena over a drive log
     /// (`umbp-ssd`).
+    #[cfg(feature = "ssd")]
     Ssd(umbp_ssd::SsdSettings),
 }
 
@@ -31,6 +36,7 @@ impl Medium {
     pub fn summary(&self) -> Option<String> {
         match self {
             Self::None => None,
+            #[cfg(feature = "dram")]
             Self::Dram(d) => Some(format!(
                 "medium=dram capacity_bytes={} hugepages={} thp={} prefault={} numa_node={}",
                 d.capacity_bytes,
@@ -39,10 +45,12 @@ impl Medium {
                 d.prefault,
                 d.numa_node.map_or_else(|| "none".to_owned(), |n| n.to_string())
             )),
+            #[cfg(feature = "hbm")]
             Self::Hbm(h) => Some(format!(
                 "medium=hbm capacity_bytes={} device={} runtime={}",
                 h.capacity_bytes, h.device, h.runtime
             )),
+            #[cfg(feature = "ssd")]
             Self::Ssd(s) => Some(format!(
                 "medium=ssd capacity_bytes={} dirs={} io_engine={} staging_pages={} max_value_pages={} \
                  read_lease_ms={} sync_interval_ms={}",
@@ -92,14 +100,17 @@ impl Default for DramConfig {
 }
 
 /// Settings of an HBM medium: the HBM crate's own (device, capacity, runtime).
+#[cfg(feature = "hbm")]
 pub use umbp_hbm::HbmConfig;
 
 /// Settings of an SSD medium: the SSD crate's own [`umbp_ssd::SsdSettings`] (the rest of
 /// `umbp_ssd::SsdConfig` keeps its defaults). The old name, kept for call sites.
+#[cfg(feature = "ssd")]
 pub type SsdConfig = umbp_ssd::SsdSettings;
 
 /// Refuses a directory of an SSD medium that does not exist (or is not a directory), naming it and
 /// the way out.
+#[cfg(feature = "ssd")]
 pub(super) fn ssd_dirs_exist(dirs: &[std::path::PathBuf]) -> Result<(), PoolError> {
     for dir in dirs {
         match std::fs::metadata(dir) {

@@ -52,9 +52,11 @@ use crate::peer_client::{PeerClient, PeerClientConfig, Peers};
 use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
 pub use builder::PoolClientBuilder;
 use compose::{Composed, compose};
-pub use config::{
-    DramConfig, HbmConfig, IoEngineKind, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection, SsdConfig,
-};
+#[cfg(feature = "hbm")]
+pub use config::HbmConfig;
+pub use config::{DramConfig, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection};
+#[cfg(feature = "ssd")]
+pub use config::{IoEngineKind, SsdConfig};
 pub use error::{KeyError, PoolError, SharedError};
 use support::{CallerBuf, RecacheJob, StatCounters, blocking, offload, page_items, recache_worker};
 
