@@ -7,24 +7,26 @@
 //! and decides placement; the bytes move between nodes directly.
 //!
 //! ```no_run
-//! use umbp::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig};
+//! use umbp::{DramConfig, ErrorKind, KeyError, Medium, PoolClient};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! // A node lending 1 GiB of DRAM to the pool whose master runs at 127.0.0.1:50051
 //! // (`umbp master`).
-//! let mut config = PoolClientConfig::new("node-1", "127.0.0.1:50051");
-//! config.medium = Medium::Dram(DramConfig { capacity_bytes: 1 << 30, ..DramConfig::default() });
-//! let pool = PoolClient::start(config).await?;
+//! let pool = PoolClient::builder("node-1", "127.0.0.1:50051")
+//!     .medium(Medium::Dram(DramConfig { capacity_bytes: 1 << 30, ..DramConfig::default() }))
+//!     .start()
+//!     .await?;
 //!
-//! pool.put("llama-70b/blk/0", b"sixty-four kilobytes of KV cache, say").await?;
+//! pool.put("llama-70b/blk/0", b"a block of KV cache").await?;
 //! let mut buf = vec![0u8; 64 << 10];
 //! let len = pool.get("llama-70b/blk/0", &mut buf).await?;
-//! assert_eq!(&buf[..len as usize], b"sixty-four kilobytes of KV cache, say");
+//! assert_eq!(&buf[..len as usize], b"a block of KV cache");
 //!
 //! // Every error says what to do next.
 //! match pool.get("never-put", &mut buf).await {
 //!     Err(KeyError::Miss) => {}
-//!     Err(err) if err.is_retryable() => { /* a node busy or unreachable: try again shortly */ }
+//!     Err(err) if err.kind() == ErrorKind::Retry => { /* a node busy: try again shortly */ }
+//!     Err(err) if err.kind() == ErrorKind::Unavailable => { /* the master unreachable: retry later */ }
 //!     other => panic!("{other:?}"),
 //! }
 //! pool.close().await;
@@ -33,10 +35,12 @@
 //! ```
 //!
 //! # Features
-//! - `dram` (default), `ssd`, `hbm`: the media this build can lend (see the note on each below).
-//! - `cli` (default): the `umbp` binary and its settings (clap, TOML, logging). A library user who
-//!   only needs the client turns default features off and picks media: `umbp = { version = "0.1",
-//!   default-features = false, features = ["dram"] }`.
+//! - `dram` (default), `ssd`, `hbm`: the media this build can lend (forwarded to `umbp-peer`; a
+//!   node refuses a medium its build lacks). A client-only node needs none.
+//! - `cli` (default): the `umbp` binary and what only it needs (the command line, the settings
+//!   file, logging, the master, the demo and the benches); it takes every medium. A program that
+//!   only joins the pool turns default features off and picks its media:
+//!   `umbp = { version = "0.1", default-features = false, features = ["dram"] }`.
 //!
 //! # Owns
 //! - The public face of the pool: the client API re-exported from `umbp-peer` ([`PoolClient`] and
@@ -89,9 +93,14 @@ pub use settings::{
 pub use units::{UnitError, format_duration, format_size, human_size, parse_duration, parse_size};
 
 // The client API: what a program that joins the pool names.
-pub use umbp_core::ErrorKind;
-pub use umbp_peer::pool_client::{
-    DramConfig, HbmConfig, IoEngineKind, KeyError, Medium, PoolClient, PoolClientConfig, PoolClientStats, PoolError,
-    PutOutcome, RecachePolicy, RuntimeSelection, SsdConfig,
+#[cfg(feature = "hbm")]
+pub use umbp_peer::HbmConfig;
+#[cfg(feature = "ssd")]
+pub use umbp_peer::SsdConfig;
+#[cfg(feature = "ssd")]
+pub use umbp_peer::pool_client::IoEngineKind;
+pub use umbp_peer::pool_client::{RuntimeSelection, SharedError};
+pub use umbp_peer::{
+    DramConfig, ErrorKind, KeyError, MasterClientError, Medium, PoolClient, PoolClientBuilder, PoolClientConfig,
+    PoolClientStats, PoolError, PutOutcome, RecachePolicy, raise_open_file_limit,
 };
-pub use umbp_peer::raise_open_file_limit;
