@@ -138,6 +138,13 @@ impl SsdSettings {
             .cache_committed(self.cache_committed)
     }
 
+    /// Whether a value of `max_value_pages` can be staged: in `1..=staging_pages` (the medium
+    /// stages a whole value at once). One of [`validate`](Self::validate)'s rules, on its own for a
+    /// caller that checks before it knows the page size.
+    pub fn check_value_pages(&self) -> Result<(), SsdConfigError> {
+        value_pages_fit(self.max_value_pages, self.staging_pages)
+    }
+
     /// Checks these settings with pages of `page_size` (the rules of [`SsdConfigBuilder::build`]).
     pub fn validate(&self, page_size: u64) -> Result<(), SsdConfigError> {
         self.builder(page_size).build().map(drop)
@@ -304,6 +311,16 @@ impl SsdConfig {
     pub fn read_lease_ttl(&self) -> Duration {
         self.read_lease_ttl
     }
+}
+
+/// A value of `max_value_pages` pages must fit the staging arena of `staging_pages`.
+fn value_pages_fit(max_value_pages: u64, staging_pages: u64) -> Result<(), SsdConfigError> {
+    if max_value_pages == 0 || max_value_pages > staging_pages {
+        return Err(SsdConfigError(format!(
+            "max_value_pages {max_value_pages} must be in 1..=staging_pages ({staging_pages})"
+        )));
+    }
+    Ok(())
 }
 
 /// Builds an [`SsdConfig`]; [`build`](Self::build) rejects every setting that can never work.
@@ -486,12 +503,7 @@ impl SsdConfigBuilder {
         if c.staging_pages.checked_mul(c.page_size).is_none_or(|b| b > isize::MAX as u64) {
             return bad("the staging arena (staging_pages x page_size) is too large".into());
         }
-        if c.max_value_pages == 0 || c.max_value_pages > c.staging_pages {
-            return bad(format!(
-                "max_value_pages {} must be in 1..=staging_pages ({})",
-                c.max_value_pages, c.staging_pages
-            ));
-        }
+        value_pages_fit(c.max_value_pages, c.staging_pages)?;
         let dirs = c.dirs.len() as u64;
         if c.capacity_bytes / dirs < c.page_size {
             return bad(format!(
@@ -594,6 +606,8 @@ mod tests {
         assert!(serde_json::from_str::<SsdSettings>(r#"{"max_value_page":4}"#).is_err(), "unknown key");
         assert!(s.validate(4096).is_ok());
         let too_large = SsdSettings { max_value_pages: 129, dirs: vec!["/d".into()], ..SsdSettings::default() };
+        assert!(too_large.check_value_pages().is_err(), "the same rule on its own");
+        assert!(SsdSettings::default().check_value_pages().is_ok());
         let err = too_large.validate(4096).expect_err("more pages than the arena");
         assert!(err.to_string().contains("max_value_pages"), "{err}");
         assert_eq!(err.kind(), ErrorKind::InvalidInput);

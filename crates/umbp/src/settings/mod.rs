@@ -274,14 +274,9 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
                           configuration file",
                 });
             }
-            if s.max_value_pages == 0 || s.max_value_pages > s.staging_pages {
-                // The medium stages a whole value at once: a value of more pages than the arena holds
-                // could never be written or read.
-                return Err(SettingsError::Invalid {
-                    setting: "ssd_max_value_pages",
-                    reason: format!("{} must be in 1..=ssd_staging_pages ({})", s.max_value_pages, s.staging_pages),
-                });
-            }
+            // The medium's own rule, checked before it starts.
+            s.check_value_pages()
+                .map_err(|e| SettingsError::Invalid { setting: "ssd_max_value_pages", reason: e.to_string() })?;
             if s.capacity_bytes < c.page_size {
                 return Err(smaller("ssd_capacity", s.capacity_bytes));
             }
