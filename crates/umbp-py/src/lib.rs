@@ -1,8 +1,8 @@
 //! The native module of the `umbp` Python package (`umbp._umbp`).
 //!
-//! One class, [`Pool`](pool::Pool): a node of a umbp pool living in this Python process, either with
-//! an embedded master (the *local* deployment, [`Pool::local`](pool::Pool::local)) or joined to a
-//! running master (the *distributed* deployment, [`Pool::node`](pool::Pool::node)). Its methods take
+//! One class, `Pool` (`src/pool.rs`): a node of a umbp pool living in this Python process, either with
+//! an embedded master (the *local* deployment, `Pool.local`) or joined to a
+//! running master (the *distributed* deployment, `Pool.node`). Its methods take
 //! keys, raw addresses (Python ints) or objects exporting the buffer protocol, and release the GIL
 //! for every call that waits on I/O: the work runs on a tokio runtime this module owns.
 //!
