@@ -436,7 +436,7 @@ async fn the_token_is_required_when_configured() {
     assert_eq!(err.code(), Code::Unauthenticated);
 
     let mut wrong = tonic::Request::new(pb::GetPeerInfoRequest {});
-    wrong.metadata_mut().insert("x-umbp-token", "nope".parse().expect("ascii"));
+    wrong.metadata_mut().insert(umbp_peer::master_client::TOKEN_METADATA, "nope".parse().expect("ascii"));
     assert_eq!(client.get_peer_info(wrong).await.expect_err("wrong token").code(), Code::Unauthenticated);
 
     let mut right = tonic::Request::new(pb::GetPeerInfoRequest {});

@@ -31,7 +31,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use super::holder::{Answer, Hit, Holder, unreachable};
 use super::support::{
-    BatchProgress, BusyWait, PageLayout, by_exclude_set, chunk_by_bytes, join_all, pipelined, refuses_connections,
+    BatchProgress, BusyWait, PageLayout, chunk_by_bytes, join_all, pipelined, refuses_connections, route_by_exclude_set,
 };
 use super::*;
 use crate::peer_client::{LeaseRelease, PeerClientError};
@@ -358,37 +358,32 @@ impl PoolClient {
         st: &mut ChunkState,
         groups: &mut BTreeMap<Target, Vec<(usize, Asked)>>,
     ) {
-        let sets = by_exclude_set(to_route, |i| st.exclude.get(i), &self.recently_unreachable());
-        let calls = sets
-            .iter()
-            .map(|(set, indexes)| async move {
+        let unreachable = self.recently_unreachable();
+        let routed = route_by_exclude_set(
+            to_route,
+            |i| st.exclude.get(i),
+            &unreachable,
+            move |set, indexes| async move {
                 let route_keys: Vec<String> = indexes.iter().map(|i| keys[*i].to_owned()).collect();
-                self.master.batch_route_get(&route_keys, set).await
-            })
-            .collect();
-        for ((_, indexes), hits) in sets.iter().zip(join_all(calls).await) {
-            let hits = match hits {
-                Ok(h) => h,
+                self.master.batch_route_get(&route_keys, &set).await
+            },
+        )
+        .await;
+        for (i, hit) in routed {
+            let (target, asked) = match hit {
                 Err(e) => {
-                    let e = SharedError::new(e);
-                    for i in indexes {
-                        st.results[*i] = Some(Err(KeyError::Routing(e.clone())));
-                    }
+                    st.results[i] = Some(Err(e));
                     continue;
                 }
+                Ok(None) if self.medium.is_none() || st.exclude[i].contains(&here.node) => {
+                    st.results[i] = Some(Err(st.last_error.remove(&i).unwrap_or(KeyError::Miss)));
+                    continue;
+                }
+                Ok(None) => (here.clone(), Asked::LastResort),
+                Ok(Some(h)) if h.node_id == here.node => (here.clone(), Asked::Routed),
+                Ok(Some(h)) => (Target { node: h.node_id, peer: h.peer_address }, Asked::Routed),
             };
-            for (i, hit) in indexes.iter().zip(hits) {
-                let (target, asked) = match hit {
-                    None if self.medium.is_none() || st.exclude[*i].contains(&here.node) => {
-                        st.results[*i] = Some(Err(st.last_error.remove(i).unwrap_or(KeyError::Miss)));
-                        continue;
-                    }
-                    None => (here.clone(), Asked::LastResort),
-                    Some(h) if h.node_id == here.node => (here.clone(), Asked::Routed),
-                    Some(h) => (Target { node: h.node_id, peer: h.peer_address }, Asked::Routed),
-                };
-                groups.entry(target).or_default().push((*i, asked));
-            }
+            groups.entry(target).or_default().push((i, asked));
         }
     }
 

@@ -29,7 +29,7 @@ use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
 
 use super::holder::{Allocation, Holder};
 use super::support::{
-    BatchProgress, BusyWait, PageLayout, SlotGuard, by_exclude_set, chunk_by_bytes, join_all, pipelined,
+    BatchProgress, BusyWait, PageLayout, SlotGuard, chunk_by_bytes, join_all, pipelined, route_by_exclude_set,
 };
 use super::*;
 use crate::master_client::RoutePutDecision;
@@ -304,40 +304,34 @@ impl PoolClient {
     /// Routes `pending` at the master, one call per distinct exclude set (concurrently), and groups
     /// the routed keys by node and tier.
     async fn route_puts(&self, items: &[(&str, CallerBuf)], pending: &[usize], st: &mut PutState) -> Vec<Group> {
-        let sets = by_exclude_set(pending, |i| st.exclude.get(&i), &self.recently_unreachable());
-        let calls = sets
-            .iter()
-            .map(|(set, indexes)| async move {
+        let unreachable = self.recently_unreachable();
+        let routed = route_by_exclude_set(
+            pending,
+            |i| st.exclude.get(&i),
+            &unreachable,
+            move |set, indexes| async move {
                 let keys: Vec<String> = indexes.iter().map(|i| items[*i].0.to_owned()).collect();
                 let sizes: Vec<u64> = indexes.iter().map(|i| items[*i].1.len as u64).collect();
-                self.master.batch_route_put(&keys, &sizes, set).await
-            })
-            .collect();
+                self.master.batch_route_put(&keys, &sizes, &set).await
+            },
+        )
+        .await;
         let mut groups: BTreeMap<(String, String, TierType), Vec<usize>> = BTreeMap::new();
-        for ((_, indexes), decisions) in sets.iter().zip(join_all(calls).await) {
-            let decisions = match decisions {
-                Ok(d) => d,
+        for (i, decision) in routed {
+            match decision {
                 Err(e) => {
-                    let e = SharedError::new(e);
-                    for i in indexes {
-                        st.results.insert(*i, Err(KeyError::Routing(e.clone())));
-                    }
-                    continue;
+                    st.results.insert(i, Err(e));
                 }
-            };
-            for (i, d) in indexes.iter().zip(decisions) {
-                match d {
-                    RoutePutDecision::AlreadyExists => {
-                        st.results.insert(*i, Ok(PutOutcome::AlreadyPresent));
-                    }
-                    RoutePutDecision::Unavailable => {
-                        let size = items[*i].1.len as u64;
-                        let e = st.last_error.remove(i).unwrap_or(KeyError::NoSpace { size });
-                        st.results.insert(*i, Err(e));
-                    }
-                    RoutePutDecision::Routed { node_id, peer_address, tier } => {
-                        groups.entry((node_id, peer_address, tier)).or_default().push(*i)
-                    }
+                Ok(RoutePutDecision::AlreadyExists) => {
+                    st.results.insert(i, Ok(PutOutcome::AlreadyPresent));
+                }
+                Ok(RoutePutDecision::Unavailable) => {
+                    let size = items[i].1.len as u64;
+                    let e = st.last_error.remove(&i).unwrap_or(KeyError::NoSpace { size });
+                    st.results.insert(i, Err(e));
+                }
+                Ok(RoutePutDecision::Routed { node_id, peer_address, tier }) => {
+                    groups.entry((node_id, peer_address, tier)).or_default().push(i)
                 }
             }
         }

@@ -463,6 +463,34 @@ pub(super) fn by_exclude_set<'a>(
     by_set.into_iter().collect()
 }
 
+/// Routes `keys` at the master once per distinct exclude set ([`by_exclude_set`]), the calls
+/// concurrent; `route` makes one call for a set and its keys. Returns `(key, answer)` for every key
+/// the calls answered, and [`KeyError::Routing`](super::KeyError::Routing) for every key of a set
+/// whose call failed (the error shared among them).
+pub(super) async fn route_by_exclude_set<'a, T, Fut>(
+    keys: &[usize],
+    excluded: impl Fn(usize) -> Option<&'a BTreeSet<String>>,
+    unreachable: &[String],
+    route: impl Fn(Vec<String>, Vec<usize>) -> Fut,
+) -> Vec<(usize, Result<T, super::KeyError>)>
+where
+    Fut: Future<Output = Result<Vec<T>, crate::master_client::MasterClientError>>,
+{
+    let sets = by_exclude_set(keys, excluded, unreachable);
+    let calls = sets.iter().map(|(set, indexes)| route(set.clone(), indexes.clone())).collect();
+    let mut out = Vec::with_capacity(keys.len());
+    for ((_, indexes), answer) in sets.iter().zip(join_all(calls).await) {
+        match answer {
+            Ok(answers) => out.extend(indexes.iter().copied().zip(answers.into_iter().map(Ok))),
+            Err(e) => {
+                let e = super::SharedError::new(e);
+                out.extend(indexes.iter().map(|i| (*i, Err(super::KeyError::Routing(e.clone())))));
+            }
+        }
+    }
+    out
+}
+
 /// A value fetched from a peer, to store on this node's medium.
 #[derive(Debug)]
 pub(super) struct RecacheJob {

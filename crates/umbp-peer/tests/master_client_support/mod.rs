@@ -309,7 +309,7 @@ impl Fake {
     }
 
     fn record_token<T>(&self, request: &Request<T>) {
-        let token = request.metadata().get("x-umbp-token").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let token = request.metadata().get(umbp_proto::TOKEN_METADATA).and_then(|v| v.to_str().ok()).map(str::to_owned);
         self.rec.lock().tokens.push(token);
     }
 
