@@ -133,3 +133,15 @@ def test_enums_print_like_pybind():
     assert str(mu.UMBPDeploymentMode.Local) == "UMBPDeploymentMode.Local"
     assert f"{mu.UMBPHostBufferBacking.Anonymous}" == "UMBPHostBufferBacking.Anonymous"
     assert mu.UMBPRole.Standalone == 0
+
+
+def test_more_malformed_batches():
+    c = local_client()
+    buf = np.zeros(64, dtype=np.uint8)
+    p = buf.ctypes.data
+    assert c.batch_put_from_ptr("ab", [p, p], [8, 8]) == [False, False]  # a str is not a key list
+    assert c.batch_get_into_ptr(["a"], [p], [2**70]) == [False]
+    assert c.batch_exists([None]) == [False]
+    assert c.batch_put_from_ptr_with_depth(["a"], [p], [8], None) == [False]
+    assert c.batch_put_from_ptr(("t",), (p,), (8,)) == [True]  # tuples are sequences too
+    c.close()

@@ -351,36 +351,10 @@ class UMBPConfig(_Config):
 # -- the client ----------------------------------------------------------------------------------
 
 
-def _ints(values: Sequence[Any]) -> Optional[List[int]]:
-    """``values`` as a list of non-negative ints, or None when any is not one."""
-    out = []
-    for v in values:
-        if isinstance(v, bool):
-            return None
-        try:
-            i = int(v)
-        except (TypeError, ValueError):
-            return None
-        if i < 0:
-            return None
-        out.append(i)
-    return out
-
-
-def _batch(keys: Any, *columns: Any) -> Optional[tuple]:
-    """Checks a batch: a list of str keys and int columns of the same length; None when ragged or
-    malformed (the caller answers all-False)."""
-    try:
-        keys = list(keys)
-        cols = [list(c) for c in columns]
-    except TypeError:
-        return None
-    if any(len(c) != len(keys) for c in cols) or not all(isinstance(k, str) for k in keys):
-        return None
-    ints = [_ints(c) for c in cols]
-    if any(c is None for c in ints):
-        return None
-    return (keys, *ints)
+# What a malformed batch raises while the native side converts it: a non-str key, a pointer or
+# size that is not an int or is negative, a list that is not a list. Ragged lists raise
+# InvalidInputError (an Error). Every one of them answers all-False.
+_MALFORMED = (Error, TypeError, ValueError, OverflowError)
 
 
 class UMBPClient:
@@ -445,46 +419,33 @@ class UMBPClient:
 
     def batch_put_from_ptr(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[bool]:
         """Stores ``sizes[i]`` bytes at ``ptrs[i]`` under ``keys[i]``; ragged lists: all False."""
-        checked = _batch(keys, ptrs, sizes)
-        if checked is None:
-            return [False] * _len(keys)
         try:
-            return self._pool.put_ptrs(*checked)
-        except Error:
-            return [False] * len(checked[0])
+            return self._pool.put_ptrs(keys, ptrs, sizes)
+        except _MALFORMED:
+            return [False] * _len(keys)
 
     def batch_put_from_ptr_with_depth(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], depths: Sequence[int]
     ) -> List[bool]:
         """As :meth:`batch_put_from_ptr`; the prefix depths are checked and otherwise ignored
         (the pool's eviction does not weigh depth)."""
-        checked = _batch(keys, ptrs, sizes, depths)
-        if checked is None:
+        if _len(depths) != _len(keys):
             return [False] * _len(keys)
-        try:
-            return self._pool.put_ptrs(*checked[:3])
-        except Error:
-            return [False] * len(checked[0])
+        return self.batch_put_from_ptr(keys, ptrs, sizes)
 
     def batch_get_into_ptr(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[bool]:
         """Reads ``keys[i]`` into ``sizes[i]`` bytes at ``ptrs[i]``; ragged lists: all False."""
-        checked = _batch(keys, ptrs, sizes)
-        if checked is None:
-            return [False] * _len(keys)
         try:
-            return self._pool.get_ptrs(*checked)
-        except Error:
-            return [False] * len(checked[0])
+            return self._pool.get_ptrs(keys, ptrs, sizes)
+        except _MALFORMED:
+            return [False] * _len(keys)
 
     def batch_exists(self, keys: Sequence[str]) -> List[bool]:
         """Whether the pool holds each key (all False when the pool cannot be asked)."""
-        checked = _batch(keys)
-        if checked is None:
-            return [False] * _len(keys)
         try:
-            return self._pool.exists(checked[0])
-        except Error:
-            return [False] * len(checked[0])
+            return self._pool.exists(keys)
+        except _MALFORMED:
+            return [False] * _len(keys)
 
     def batch_exists_consecutive(self, keys: Sequence[str]) -> int:
         """How many keys, from the first, the pool holds."""

@@ -109,22 +109,26 @@ pub(crate) fn key_error(e: &KeyError) -> PyErr {
     exception(key_kind(e), e.to_string())
 }
 
-/// The exception of a node that could not start, stop or clear: bind failures and bad settings are
-/// the caller's to fix, a master that cannot be reached is unavailable.
-pub(crate) fn pool_error(context: &str, e: &PoolError) -> PyErr {
-    let kind = match e {
+/// The kind code of a node's error: bad settings and bind failures are the caller's to fix, a
+/// master that cannot be reached is unavailable.
+pub(crate) fn pool_kind(e: &PoolError) -> u8 {
+    match e {
         PoolError::Config(_) => INVALID_INPUT,
         PoolError::Closed => CLOSED,
         PoolError::Master(_) => UNAVAILABLE,
         e if e.is_bind_failure() => INVALID_INPUT,
         _ => INTERNAL,
-    };
-    // The chain says why (a bind error names the port); Display alone drops it.
+    }
+}
+
+/// The exception of a node that could not start, stop, clear or register, with the error's whole
+/// source chain in the message (a bind error names the port only in its source).
+pub(crate) fn pool_error(context: &str, e: &PoolError) -> PyErr {
     let mut message = format!("{context}: {e}");
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
         message.push_str(&format!(": {s}"));
         source = s.source();
     }
-    exception(kind, message)
+    exception(pool_kind(e), message)
 }

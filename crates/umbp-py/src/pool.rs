@@ -478,30 +478,36 @@ impl Pool {
     /// Registers `size` bytes at `ptr` for zero-copy puts and gets; the caller keeps the memory
     /// mapped until `deregister_memory(ptr)` or `close`. Unmapped memory or an overlap with a range
     /// already registered raises `InvalidInputError`.
-    fn register_memory(&self, ptr: usize, size: usize) -> PyResult<()> {
-        let inner = self.open()?;
-        if !range_mapped(ptr, size) {
-            return Err(errors::InvalidInputError::new_err(format!(
-                "{size} bytes at {ptr:#x} are not mapped memory of this process"
-            )));
-        }
-        let p = NonNull::new(ptr as *mut u8).ok_or_else(|| errors::InvalidInputError::new_err("null pointer"))?;
-        // SAFETY: the range is mapped (checked), and the caller promises to keep it so until it
-        // deregisters or closes (this method's documented contract).
-        unsafe { inner.client.register_memory(p, size as u64) }
-            .map_err(|e| errors::pool_error("registering memory", &e))?;
-        inner.regions.lock().insert(ptr, size);
-        Ok(())
+    fn register_memory(&self, py: Python<'_>, ptr: usize, size: usize) -> PyResult<()> {
+        self.open()?;
+        let inner = Arc::clone(&self.inner);
+        // Detached: checking a large host pool page by page takes a while.
+        py.detach(move || {
+            if !range_mapped(ptr, size) {
+                return Err((INVALID_INPUT, format!("{size} bytes at {ptr:#x} are not mapped memory of this process")));
+            }
+            let p = NonNull::new(ptr as *mut u8).ok_or((INVALID_INPUT, "null pointer".to_owned()))?;
+            // SAFETY: the range is mapped (checked), and the caller promises to keep it so until it
+            // deregisters or closes (this method's documented contract).
+            unsafe { inner.client.register_memory(p, size as u64) }
+                .map_err(|e| (errors::pool_kind(&e), format!("registering memory: {e}")))?;
+            inner.regions.lock().insert(ptr, size);
+            Ok(())
+        })
+        .map_err(|(k, m)| errors::exception(k, m))
     }
 
     /// Undoes `register_memory(ptr, …)`; returns whether `ptr` was registered.
-    fn deregister_memory(&self, ptr: usize) -> PyResult<bool> {
-        let inner = self.open()?;
-        let known = inner.regions.lock().remove(&ptr).is_some();
-        if let Some(p) = NonNull::new(ptr as *mut u8) {
-            inner.client.deregister_memory(p);
-        }
-        Ok(known)
+    fn deregister_memory(&self, py: Python<'_>, ptr: usize) -> PyResult<bool> {
+        self.open()?;
+        let inner = Arc::clone(&self.inner);
+        Ok(py.detach(move || {
+            let known = inner.regions.lock().remove(&ptr).is_some();
+            if let Some(p) = NonNull::new(ptr as *mut u8) {
+                inner.client.deregister_memory(p);
+            }
+            known
+        }))
     }
 
     /// Drops every value this node's medium holds (and tells the master).
