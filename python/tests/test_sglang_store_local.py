@@ -103,3 +103,24 @@ def test_local_mode_does_not_register_memory(sglang):
     store, pool, _ = make_store(sglang)
     assert store._zero_copy_registered is False
     store.close()
+
+
+def test_v2_side_pool(sglang):
+    """The multi-pool v2 interface: a KV anchor plus a registered side pool (SWA)."""
+    store, pool, hicache = make_store(sglang)
+    side = FakeHostPool(8, element_size=32 << 10, mla=True)  # one object per page
+    store.register_mem_host_pool_v2(side, hicache.PoolName.SWA)
+    keys = ["s0", "s1", "s2"]
+    fill(pool, range(3), seed=8)
+    fill(side, range(3), seed=9)
+    assert store.batch_set_v1(keys, pool.indices(range(3))) == [True] * 3
+    put = hicache.PoolTransfer(name=hicache.PoolName.SWA, keys=keys, host_indices=side.indices(range(3)))
+    assert store.batch_set_v2([put]) == {hicache.PoolName.SWA: [True] * 3}
+    probe = hicache.PoolTransfer(name=hicache.PoolName.SWA, keys=keys)
+    result = store.batch_exists_v2(keys + ["absent"], [probe])
+    assert result.kv_hit_pages == 3 and result.extra_pool_hit_pages == {hicache.PoolName.KV: 3, hicache.PoolName.SWA: 3}
+    get = hicache.PoolTransfer(name=hicache.PoolName.SWA, keys=keys, host_indices=side.indices(range(4, 7)))
+    assert store.batch_get_v2([get]) == {hicache.PoolName.SWA: [True] * 3}
+    for i in range(3):
+        assert np.array_equal(side.page_object(4 + i), side.page_object(i))
+    store.close()
