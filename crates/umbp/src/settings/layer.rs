@@ -22,9 +22,20 @@ use super::tree::Settings;
 use super::{EnvGetter, SettingsError};
 
 /// The configuration file, read and checked, with its flat keys moved to their component's path.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct FileConfig {
     tree: Table,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for FileConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut shown = self.tree.clone();
+        if let Some(token) = shown.get_mut("cluster_token") {
+            *token = Value::String("<redacted>".into());
+        }
+        f.debug_struct("FileConfig").field("tree", &shown).finish()
+    }
 }
 
 impl FileConfig {

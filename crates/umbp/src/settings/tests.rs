@@ -417,3 +417,12 @@ fn the_files_shape_in_the_help_lists_every_key_with_its_default() {
         }
     }
 }
+
+#[test]
+fn the_settings_debug_never_shows_the_cluster_token() {
+    let f = FileConfig::parse("cluster_token = \"s3cret-token\"", Path::new("t")).expect("file");
+    let file = format!("{f:?}");
+    assert!(!file.contains("s3cret-token") && file.contains("<redacted>"), "{file}");
+    let shown = format!("{:?}", f.settings().expect("settings"));
+    assert!(!shown.contains("s3cret-token") && shown.contains("<redacted>"), "{shown}");
+}

@@ -30,7 +30,7 @@ pub const DEFAULT_MASTER_ADDRESS: &str = "127.0.0.1:50051";
 pub const DEFAULT_MAX_GET_SIZE: u64 = 64 << 20;
 
 /// Every setting of every command, after the file, the environment and the flags.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     /// Where nodes and client commands find the master.
@@ -43,6 +43,19 @@ pub struct Settings {
     pub node: NodeSettings,
     /// `[client]`.
     pub client: ClientSettings,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("master_address", &self.master_address)
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("master", &self.master)
+            .field("node", &self.node)
+            .field("client", &self.client)
+            .finish()
+    }
 }
 
 impl Default for Settings {
