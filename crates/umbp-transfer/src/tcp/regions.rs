@@ -2,11 +2,11 @@
 //! [`TcpEngine`](super::TcpEngine): registered host regions by id, each with an in-flight count so
 //! that deregistration can wait until nobody touches the memory any more.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use parking_lot::{Condvar, Mutex, RwLock};
+use dashmap::DashMap;
+use parking_lot::{Condvar, Mutex};
 use umbp_core::LocalRegion;
 
 use super::protocol::Status;
@@ -142,16 +142,20 @@ const COUNTER_BITS: u32 = 40;
 /// never reused: a peer holding ids from before this process restarted addresses no live region of
 /// the new process (except with a chance of 1 in 2^24) and gets "unknown region" instead of
 /// another buffer's bytes.
+///
+/// A [`DashMap`]: every request the data server serves, and every batch the client submits, looks
+/// a region up here, so lookups on different connections take different shard locks instead of all
+/// counting themselves into one reader lock.
 #[derive(Debug)]
 pub(crate) struct RegionTable {
     epoch: u64,
     next_id: AtomicU64,
-    regions: RwLock<HashMap<u64, Arc<RegionEntry>>>,
+    regions: DashMap<u64, Arc<RegionEntry>>,
 }
 
 impl Default for RegionTable {
     fn default() -> Self {
-        Self { epoch: random_epoch(), next_id: AtomicU64::new(1), regions: RwLock::new(HashMap::new()) }
+        Self { epoch: random_epoch(), next_id: AtomicU64::new(1), regions: DashMap::new() }
     }
 }
 
@@ -182,7 +186,7 @@ impl RegionTable {
             state: Mutex::new(EntryState { live: true, in_flight: 0 }),
             idle: Condvar::new(),
         });
-        self.regions.write().insert(id, entry);
+        self.regions.insert(id, entry);
         id
     }
 
@@ -198,7 +202,7 @@ impl RegionTable {
     }
 
     fn acquire_if(&self, id: u64, allowed: impl FnOnce(&RegionEntry) -> bool) -> Option<RegionGuard> {
-        let entry = Arc::clone(self.regions.read().get(&id)?);
+        let entry = self.regions.get(&id).map(|e| Arc::clone(e.value()))?;
         if !allowed(&entry) {
             return None;
         }
@@ -214,21 +218,14 @@ impl RegionTable {
 
     /// Whether `id` is live and `local` lies inside it (see [`within`]).
     pub(crate) fn is_registered(&self, id: u64, local: &LocalRegion) -> bool {
-        self.regions.read().get(&id).is_some_and(|e| within(&e.region, local))
+        self.regions.get(&id).is_some_and(|e| within(&e.region, local))
     }
 
     /// Removes region `id` if `local` lies inside it (a truncated ref of the region deregisters it
     /// too), then blocks until every guard over it is gone. Returns whether anything was removed.
     /// Unknown ids and foreign regions are a no-op.
     pub(crate) fn remove(&self, id: u64, local: &LocalRegion) -> bool {
-        let entry = {
-            let mut map = self.regions.write();
-            match map.get(&id) {
-                Some(e) if within(&e.region, local) => map.remove(&id),
-                _ => None,
-            }
-        };
-        let Some(entry) = entry else { return false };
+        let Some((_, entry)) = self.regions.remove_if(&id, |_, e| within(&e.region, local)) else { return false };
         let mut state = entry.state.lock();
         state.live = false;
         while state.in_flight > 0 {
@@ -241,7 +238,7 @@ impl RegionTable {
 
     /// Number of live regions.
     pub(crate) fn len(&self) -> usize {
-        self.regions.read().len()
+        self.regions.len()
     }
 }
 
