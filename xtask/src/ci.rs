@@ -284,8 +284,10 @@ pub fn cargo_home() -> PathBuf {
 /// package is not, so a second run would verify against the first run's sources twice over:
 ///
 /// - the unpacked sources: `CARGO_HOME/registry/src/<local registry>/NAME-VERSION`, reused as long as
-///   its `.cargo-ok` marker is there. A local registry's directory is named `-HASH` (no host);
-///   crates.io's extractions are left alone.
+///   its `.cargo-ok` marker is there. A local registry's directory is named `-HASH` (no host), and
+///   the hash is cargo's own, so every such directory goes through the cleanup (another checkout's
+///   copies are unpacked again when it next packages; two package steps must not run at once under
+///   one cargo home); crates.io's extractions are left alone.
 /// - the builds: their fingerprints compare the sources' modification times, and a `.crate` carries a
 ///   fixed one from 2006, so a freshly unpacked changed source still looks older than the old build.
 ///   Every fingerprint and build-script directory of our packages under `target_dir`'s `debug`
