@@ -121,7 +121,12 @@ fn into_settings(tree: Table) -> Result<Settings, SettingsError> {
 fn check(path: &str, value: &Value) -> Result<(), String> {
     let mut one = Table::new();
     set(&mut one, path, value.clone());
-    Value::Table(one).try_into::<Settings>().map(drop).map_err(|e| e.to_string().trim().to_owned())
+    Value::Table(one).try_into::<Settings>().map(drop).map_err(|e| {
+        // The caller names the key, variable or flag as the operator wrote it; drop toml's own
+        // "in `path`" line.
+        let text = e.to_string();
+        text.split("\nin `").next().unwrap_or(&text).trim().to_owned()
+    })
 }
 
 /// A variable's text as a value of the tree.
