@@ -130,8 +130,8 @@ impl ChunkState {
 struct Resolved {
     /// The instant just before the resolve was sent: the lease's conservative start.
     start: Instant,
-    /// The holder, when it could be reached.
-    holder: Option<Holder>,
+    /// The holder, when it could be reached (shared by the reads planned on it).
+    holder: Option<Arc<Holder>>,
     /// One answer per key, or why the holder could not answer.
     answers: Result<Vec<Answer>, KeyError>,
 }
@@ -140,7 +140,7 @@ struct Resolved {
 struct Planned {
     index: usize,
     size: u64,
-    holder: Holder,
+    holder: Arc<Holder>,
     lease_end: Instant,
     /// The read lease to release once the copy is done (0: none).
     lease: u64,
@@ -417,7 +417,7 @@ impl PoolClient {
                 }
                 Err(e) => Err(unreachable(&target.node, e)),
             };
-        Resolved { start, holder: Some(holder), answers }
+        Resolved { start, holder: Some(Arc::new(holder)), answers }
     }
 
     /// Takes `target`'s answers for the `asked` keys: plans the copies of its hits into `round`
@@ -462,7 +462,7 @@ impl PoolClient {
                     let plan = Planned {
                         index: *i,
                         size: hit.size,
-                        holder: holder.clone(),
+                        holder: Arc::clone(holder),
                         lease_end,
                         lease: hit.lease,
                         backend_id: hit.backend_id,
@@ -503,10 +503,12 @@ impl PoolClient {
     /// caller's result never waits for it) unless the chunk still has keys that holder answered
     /// busy, whose next resolve needs the pages back first.
     async fn release_reads(&self, keys: &[&str], planned: &[Planned], st: &ChunkState) {
-        let mut by_holder: BTreeMap<String, (Holder, Vec<LeaseRelease>)> = BTreeMap::new();
+        let mut by_holder: BTreeMap<String, (Arc<Holder>, Vec<LeaseRelease>)> = BTreeMap::new();
         for p in planned.iter().filter(|p| p.lease != 0) {
-            let reads =
-                &mut by_holder.entry(p.holder.node().to_owned()).or_insert_with(|| (p.holder.clone(), Vec::new())).1;
+            let reads = &mut by_holder
+                .entry(p.holder.node().to_owned())
+                .or_insert_with(|| (Arc::clone(&p.holder), Vec::new()))
+                .1;
             reads.push(LeaseRelease { key: keys[p.index].to_owned(), lease: p.lease, backend_id: p.backend_id });
         }
         let mut waited = Vec::new();
