@@ -31,7 +31,7 @@ const MAX_DECODING_BYTES: usize = 64 << 20;
 #[non_exhaustive]
 pub enum PeerClientError {
     /// The peer address is not a usable URI.
-    #[error("bad peer address {address}")]
+    #[error("bad peer address {address}: {source}")]
     BadAddress {
         /// The address.
         address: String,
@@ -43,7 +43,7 @@ pub enum PeerClientError {
     #[error(transparent)]
     InvalidToken(#[from] InvalidToken),
     /// The connection could not be opened.
-    #[error("connecting to {address}")]
+    #[error("connecting to {address}: {source}")]
     Connect {
         /// The address.
         address: String,
@@ -61,7 +61,7 @@ pub enum PeerClientError {
         status: Box<tonic::Status>,
     },
     /// The reply could not be read (a field this build does not know, arrays that disagree).
-    #[error("malformed {rpc} reply")]
+    #[error("malformed {rpc} reply: {source}")]
     Malformed {
         /// The RPC.
         rpc: &'static str,
