@@ -197,3 +197,21 @@ def test_two_nodes_of_a_real_master(master):
             b.put("new", b"placed on the lender")  # a client-only node writes to other nodes
             b.flush()
             assert a.get("new") == b"placed on the lender"
+
+
+def test_start_failures_are_typed(master):
+    import socket
+
+    with pytest.raises(umbp.UnavailableError):
+        umbp.Client.connect("127.0.0.1:1", node_id="nobody")  # no master there
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(umbp.InvalidInputError) as e:
+            umbp.Client.connect(master, node_id="clash", lend_bytes=4 << 20, peer_port=port)
+        assert str(e.value).count(f"127.0.0.1:{port}") == 1, str(e.value)
+    with pytest.raises(umbp.InvalidInputError):
+        umbp.Client.connect(master, node_id="", lend_bytes=0)
+    with pytest.raises(umbp.InvalidInputError):
+        umbp.Client.connect(master, node_id="tiny", lend_bytes=1 << 20)  # less than one 2 MiB page

@@ -79,8 +79,23 @@ def test_one_node_writes_another_reads(sglang, master, monkeypatch, element_size
         stop(writer)
 
 
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (rank 1 binds base + 1)."""
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 1))
+                return base
+            except OSError:
+                continue
+    raise RuntimeError("no free port pair")
+
+
 def test_each_rank_is_a_node_with_offset_ports(sglang, master):
-    base = free_port()
+    base = free_port_pair()
     writer, ready = start_writer(master, 1, 3, 64 << 10, tp_rank=1, tp_size=2,
                                  env_extra={"UMBP_PEER_SERVICE_PORT": str(base)})
     try:

@@ -114,6 +114,8 @@ pub(crate) fn key_error(e: &KeyError) -> PyErr {
 pub(crate) fn pool_kind(e: &PoolError) -> u8 {
     match e {
         PoolError::Config(_) => INVALID_INPUT,
+        PoolError::Medium(m) => kind_code(m.kind()),
+        PoolError::Registry(r) => kind_code(r.kind()),
         PoolError::Closed => CLOSED,
         PoolError::Master(_) => UNAVAILABLE,
         e if e.is_bind_failure() => INVALID_INPUT,
@@ -127,7 +129,11 @@ pub(crate) fn pool_error(context: &str, e: &PoolError) -> PyErr {
     let mut message = format!("{context}: {e}");
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
-        message.push_str(&format!(": {s}"));
+        let text = s.to_string();
+        // Many errors already print their source; say each cause once.
+        if !message.contains(&text) {
+            message.push_str(&format!(": {text}"));
+        }
         source = s.source();
     }
     exception(pool_kind(e), message)
