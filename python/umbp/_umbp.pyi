@@ -1,6 +1,6 @@
 """Type stubs of the native module ``umbp._umbp`` (built from crates/umbp-py)."""
 
-from typing import Any, List, Optional, Sequence, Tuple, Union, overload
+from typing import Any, List, Optional, Sequence, final, overload
 
 __version__: str
 
@@ -32,11 +32,12 @@ class InternalError(Error):
 class NotFoundError(Error):
     """The key is not in the pool."""
 
-#: One key's detailed answer: an int (put: 1; get: the value's size) or ``(kind, message)``.
-KeyResult = Union[int, Tuple[int, str]]
-
+@final
 class Pool:
-    """One node of a umbp pool in this process. Every I/O call releases the GIL."""
+    """One node of a umbp pool in this process. Every I/O call releases the GIL.
+
+    With ``detail=True`` a batch answers per key an ``int`` (put: 1; get: the value's size) or a
+    ``(kind, message)`` tuple (``KIND_*``)."""
 
     @staticmethod
     def local(capacity_bytes: int, page_size: int = 65536, prefault: bool = False) -> "Pool":
