@@ -215,3 +215,14 @@ def test_start_failures_are_typed(master):
         umbp.Client.connect(master, node_id="", lend_bytes=0)
     with pytest.raises(umbp.InvalidInputError):
         umbp.Client.connect(master, node_id="tiny", lend_bytes=1 << 20)  # less than one 2 MiB page
+
+
+def test_a_node_closed_and_reopened_under_its_id(master):
+    with umbp.Client.connect(master, node_id="again", lend_bytes=8 << 20, page_size=64 << 10) as a:
+        a.put("k1", b"one")
+        a.flush()
+    with umbp.Client.connect(master, node_id="again", lend_bytes=8 << 20, page_size=64 << 10) as a:
+        assert a.get("k1") is None  # its memory went with it
+        a.put("k2", b"two")
+        a.flush()
+        assert a.get("k2") == b"two"
