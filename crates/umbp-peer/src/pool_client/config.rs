@@ -140,7 +140,7 @@ pub enum RecachePolicy {
     Always,
 }
 
-/// Settings of a [`PoolClient`].
+/// Settings of a [`PoolClient`](super::PoolClient).
 #[derive(Clone)]
 pub struct PoolClientConfig {
     /// This node's unique id. Required.
@@ -174,12 +174,12 @@ pub struct PoolClientConfig {
     /// The master client's settings.
     pub master: MasterClientConfig,
     /// Where to serve Prometheus `/metrics` (port 0 picks a free one; see
-    /// [`PoolClient::metrics_address`]). Default: none (no endpoint, and the medium is not wrapped
+    /// [`PoolClient::metrics_address`](super::PoolClient::metrics_address)). Default: none (no endpoint, and the medium is not wrapped
     /// in `InstrumentedBackend`: nothing would read its counters).
     pub metrics_listen: Option<SocketAddr>,
     /// The GPU runtime of a node that lends no HBM (an HBM node uses its medium's). With one, the GPU
     /// copy engine joins, so the caller can put from and get into its own device buffers
-    /// ([`register_memory_at`](PoolClient::register_memory_at)); `auto` probes the machine (and
+    /// ([`register_memory_at`](super::PoolClient::register_memory_at)); `auto` probes the machine (and
     /// finds nothing under `UMBP_GPU_RUNTIME=none`). Default: none, so a DRAM, SSD or client-only
     /// node never probes a GPU nor pins its medium and bounce pool with one.
     pub gpu_runtime: Option<RuntimeSelection>,
