@@ -101,6 +101,6 @@ pub use umbp_peer::SsdConfig;
 pub use umbp_peer::pool_client::IoEngineKind;
 pub use umbp_peer::pool_client::{RuntimeSelection, SharedError};
 pub use umbp_peer::{
-    DramConfig, ErrorKind, KeyError, MasterClientError, Medium, PoolClient, PoolClientBuilder, PoolClientConfig,
-    PoolClientStats, PoolError, PutOutcome, RecachePolicy, raise_open_file_limit,
+    DramConfig, ErrorKind, KeyError, MasterClientConfig, MasterClientError, Medium, PoolClient, PoolClientBuilder,
+    PoolClientConfig, PoolClientStats, PoolError, PutOutcome, RecachePolicy, raise_open_file_limit,
 };
