@@ -35,8 +35,9 @@
 //! ```
 //!
 //! # Features
-//! - `dram` (default), `ssd`, `hbm`: the media this build can lend (forwarded to `umbp-peer`; a
-//!   node refuses a medium its build lacks). A client-only node needs none.
+//! - `dram` (default), `ssd`, `hbm`: the media this build can lend (forwarded to `umbp-peer`: a
+//!   build without one has no [`Medium`] variant for it, nor its crates). A client-only node needs
+//!   none.
 //! - `cli` (default): the `umbp` binary and what only it needs (the command line, the settings
 //!   file, logging, the master, the demo and the benches); it takes every medium. A program that
 //!   only joins the pool turns default features off and picks its media:
