@@ -69,6 +69,8 @@ mod cli;
 #[doc(hidden)]
 pub mod demo;
 #[cfg(feature = "cli")]
+mod entry;
+#[cfg(feature = "cli")]
 mod progress;
 #[cfg(feature = "cli")]
 mod settings;
@@ -82,6 +84,9 @@ pub use cli::{
     KeysArgs, MASTER_ENV_HELP, MasterAddress, MasterArgs, MasterClientArgs, MediumKind, NODE_AFTER_HELP, NodeArgs,
     PutArgs, SsdEngineChoice, StatArgs,
 };
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub use entry::cli_main;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
 pub use settings::{
