@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The Python suite from a machine with only a Rust toolchain and CPython (3.9+; CI uses 3.11):
 # makes a venv under target/, installs maturin, pytest and numpy from PyPI, builds and installs the
-# umbp wheel and the mori.umbp compatibility package, builds the `umbp` binary the distributed tests
-# start, and runs pytest (SGLang's wheel is downloaded by the tests into target/sglang-cache).
+# umbp wheel and the mori.umbp compatibility package, and runs pytest (the distributed tests start
+# their master with `python -m umbp master`, the command line built into the wheel; SGLang's wheel
+# is downloaded by the tests into target/sglang-cache).
 #
 #   python/run_tests.sh [pytest args...]
 #
 # UMBP_PY_PROFILE: the cargo profile of the wheel (default dev: a release build of the binding
 # costs minutes on 2 cores and the suite times nothing). PYTHON: the interpreter (default
 # python3.11, else python3). UMBP_PYENV: the venv (default target/pyenv). UMBP_BIN: a built `umbp`
-# binary to use instead of building target/debug/umbp.
+# binary the tests start their master with instead of `python -m umbp`.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -26,12 +27,6 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 step "build tools and test dependencies"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" pytest numpy wheel "setuptools>=61"
-
-if [ -z "${UMBP_BIN:-}" ]; then
-    step "umbp binary (the distributed tests start a real master)"
-    cargo build -q -p umbp --bin umbp
-    export UMBP_BIN=$ROOT/target/debug/umbp
-fi
 
 step "umbp wheel (profile $PROFILE) and mori-compat"
 PATH="$VENV/bin:$PATH" MATURIN_PEP517_ARGS="--profile $PROFILE" \

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -45,12 +44,11 @@ def sglang():
     return sglang_harness.import_store(d)
 
 
-def umbp_binary() -> str:
-    """The ``umbp`` command line: UMBP_BIN, else target/debug/umbp, else PATH."""
-    for candidate in (os.environ.get("UMBP_BIN"), str(ROOT / "target" / "debug" / "umbp"), shutil.which("umbp")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    pytest.skip("no umbp binary (build it: cargo build -p umbp, or set UMBP_BIN)")
+def umbp_command() -> list:
+    """The ``umbp`` command line: the installed package's own (``python -m umbp``), or the binary
+    UMBP_BIN names (to run the suite against a separately built ``umbp``)."""
+    binary = os.environ.get("UMBP_BIN")
+    return [binary] if binary else [sys.executable, "-m", "umbp"]
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
@@ -71,7 +69,7 @@ def master():
     """A real ``umbp master`` process on a free port; yields its ``host:port``."""
     port = free_port()
     proc = subprocess.Popen(
-        [umbp_binary(), "master", "--listen", f"127.0.0.1:{port}", "--heartbeat-ttl", "2s"],
+        [*umbp_command(), "master", "--listen", f"127.0.0.1:{port}", "--heartbeat-ttl", "2s"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

@@ -1,27 +1,22 @@
-"""``python -m umbp ...``: the ``umbp`` command line (master, node, put, get, stat, ...)."""
+"""``python -m umbp ...``: the ``umbp`` command line (master, node, put, get, exists, rm, stat, ...).
 
-import os
-import shutil
+The command line is the ``umbp`` binary's own code, linked into the native module (``_umbp.cli_main``),
+so the installed package is all an operator needs: no binary to find, no process to exec.
+"""
+
+import signal
 import sys
 
 
 def main() -> int:
     from . import _umbp
 
-    cli = getattr(_umbp, "cli_main", None)
-    if cli is not None:
-        # The command line built into the native module: one install gives an operator everything.
-        return int(cli(["umbp", *sys.argv[1:]]))
-    # Until the native module carries the command line, run the `umbp` binary (UMBP_BIN or PATH).
-    binary = os.environ.get("UMBP_BIN") or shutil.which("umbp")
-    if binary is None:
-        sys.stderr.write(
-            "python -m umbp: this build of the umbp package has no built-in command line and no `umbp` "
-            "binary was found (set UMBP_BIN or put it on PATH; `cargo install --path crates/umbp`)\n"
-        )
-        return 2
-    os.execv(binary, [binary, *sys.argv[1:]])
-    return 0  # not reached
+    # Behave as the binary does: until a command installs its own SIGINT handler, Ctrl-C ends the
+    # process (the default action) instead of setting Python's KeyboardInterrupt flag, which would
+    # only be seen after the command returned. `master`, `node` and the client commands then catch
+    # SIGINT and SIGTERM themselves and stop cleanly, returning their exit status.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return int(_umbp.cli_main(["umbp", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

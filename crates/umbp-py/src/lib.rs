@@ -10,6 +10,9 @@
 //! class (`python/umbp/`); per-key failures come back as `(kind, message)` pairs that the Python
 //! side turns into the exceptions defined here.
 //!
+//! `cli_main` runs the `umbp` command line (crate `umbp`, feature `cli`) inside the interpreter, for
+//! `python -m umbp`: one install gives an operator the pool's client and its command line.
+//!
 //! Built by maturin from `python/pyproject.toml`; `cargo check` builds it like any crate.
 
 mod buffer;
@@ -40,10 +43,21 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     Ok(RUNTIME.get_or_init(|| rt))
 }
 
-/// The module: the `Pool` class, the exception hierarchy and the error-kind codes.
+/// Runs the `umbp` command line (the `umbp` binary's, linked in) with `argv` (the program name
+/// first) and returns its exit status; the GIL is released while it runs. `python -m umbp` calls
+/// it. Each call has its own runtime; `master`, `node` and the client commands install SIGINT and
+/// SIGTERM handlers that stay installed (they chain to Python's own).
+#[pyfunction]
+fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
+    let args = argv.into_iter().map(std::ffi::OsString::from).collect();
+    py.detach(move || umbp::cli_main(args))
+}
+
+/// The module: the `Pool` class, the command line, the exception hierarchy and the error-kind codes.
 #[pymodule]
 fn _umbp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::Pool>()?;
+    m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
