@@ -24,6 +24,9 @@ pub enum Step {
     Deny,
     /// `cargo nextest run --workspace` and `cargo test --workspace --doc`, or `cargo test --workspace`.
     Test,
+    /// `python/run_tests.sh`: the umbp wheel built into a venv under target/, and its pytest suite
+    /// (SGLang's `UMBPStore` on the `mori.umbp` surface). Needs `python3` and PyPI.
+    Python,
     /// `cargo build --workspace --benches`: benches compile; they are never timed here.
     Benches,
     /// `cargo package --workspace --allow-dirty`: every publishable crate packaged and built from its
@@ -33,8 +36,8 @@ pub enum Step {
 
 impl Step {
     /// Every step, in order.
-    pub const ALL: [Step; 7] =
-        [Step::Fmt, Step::Clippy, Step::Layering, Step::Deny, Step::Test, Step::Benches, Step::Package];
+    pub const ALL: [Step; 8] =
+        [Step::Fmt, Step::Clippy, Step::Layering, Step::Deny, Step::Test, Step::Python, Step::Benches, Step::Package];
 
     /// The step's name, as `--skip` takes it.
     pub fn name(self) -> &'static str {
@@ -44,6 +47,7 @@ impl Step {
             Step::Layering => "layering",
             Step::Deny => "deny",
             Step::Test => "test",
+            Step::Python => "python",
             Step::Benches => "benches",
             Step::Package => "package",
         }
@@ -57,6 +61,7 @@ impl Step {
             Step::Layering => "no backend crate depends on transfer/peer/master/proto, tonic or tokio",
             Step::Deny => "dependency bans, licenses and sources (cargo deny check bans licenses sources)",
             Step::Test => "tests (cargo nextest run --workspace + doc tests, or cargo test --workspace)",
+            Step::Python => "the Python package's suite (python/run_tests.sh: wheel into target/pyenv, pytest)",
             Step::Benches => "benches compile (cargo build --workspace --benches)",
             Step::Package => "every publishable crate packages and builds from its package (cargo package --workspace)",
         }
@@ -174,6 +179,21 @@ fn run_step(step: Step, root: &Path) -> anyhow::Result<StepResult> {
             } else {
                 println!("cargo-nextest is not installed: running `cargo test` instead");
                 run_cargo(root, &["test", "--workspace"])?;
+            }
+        }
+        Step::Python => {
+            let python = Command::new("python3").arg("--version").stdout(Stdio::null()).status();
+            if !python.is_ok_and(|s| s.success()) {
+                bail!("python3 is not installed: the python step needs CPython >= 3.9 with venv and pip (and PyPI)");
+            }
+            println!("$ python/run_tests.sh");
+            let status = Command::new("bash")
+                .arg("python/run_tests.sh")
+                .current_dir(root)
+                .status()
+                .context("could not start `bash python/run_tests.sh`")?;
+            if !status.success() {
+                bail!("`python/run_tests.sh` exited with {status}");
             }
         }
         Step::Benches => run_cargo(root, &["build", "--workspace", "--benches"])?,
@@ -393,6 +413,14 @@ mod tests {
             assert_eq!(Step::from_name(step.name()), Some(step));
         }
         assert_eq!(Step::from_name("nope"), None);
+    }
+
+    #[test]
+    fn python_runs_after_the_rust_tests_and_is_not_skipped_by_fast() {
+        let names: Vec<&str> = Step::ALL.iter().map(|s| s.name()).collect();
+        let at = |n: &str| names.iter().position(|s| *s == n);
+        assert_eq!(at("python"), at("test").map(|t| t + 1));
+        assert!(!Step::Python.skipped_by_fast());
     }
 
     #[test]
