@@ -48,6 +48,14 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
     raise TimeoutError(f"nothing on port {port}")
 
 
+def child_capacity(rounds: int, batch: int) -> int:
+    """DRAM the bench-child lends: what ``umbp bench`` gives its own (every round's keys of both sizes
+    stay stored, with room below the master's eviction watermark), so both sides write to the same node."""
+    stored = 2 * rounds * batch
+    page = 64 << 10
+    return -(-(stored + stored // 2 + (64 << 20)) // page) * page
+
+
 def python_rows(binary: str, rounds: int, batch: int, register: bool) -> dict:
     """``{(op, value): GB/s}`` of umbp.Client against a bench-child node."""
     port = free_port()
@@ -57,7 +65,7 @@ def python_rows(binary: str, rounds: int, batch: int, register: bool) -> dict:
     try:
         wait_port(port)
         addr = f"127.0.0.1:{port}"
-        child = subprocess.Popen([binary, "bench-child", "--master", addr, "--capacity", str(2 * batch + (64 << 20))],
+        child = subprocess.Popen([binary, "bench-child", "--master", addr, "--capacity", str(child_capacity(rounds, batch))],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = child.stdout.readline()
         if "ready" not in line:
