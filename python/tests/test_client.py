@@ -226,3 +226,14 @@ def test_a_node_closed_and_reopened_under_its_id(master):
         a.put("k2", b"two")
         a.flush()
         assert a.get("k2") == b"two"
+
+
+def test_every_native_name_is_in_the_type_stubs():
+    import ast
+    from pathlib import Path
+
+    stub = ast.parse((Path(umbp.__file__).parent / "_umbp.pyi").read_text())
+    declared = {n.name for n in stub.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    declared |= {n.target.id for n in stub.body if isinstance(n, ast.AnnAssign)}
+    public = {n for n in dir(umbp._umbp) if not n.startswith("_")} | {"__version__"}
+    assert public - declared == set()
