@@ -20,6 +20,9 @@ pub enum Step {
     Clippy,
     /// The layering check ([`crate::layering`]).
     Layering,
+    /// Commit subjects since the rule was adopted are `area: summary`, at most 72 characters
+    /// ([`crate::history`]).
+    History,
     /// `cargo deny check bans licenses sources`, when cargo-deny is installed.
     Deny,
     /// `cargo nextest run --workspace` and `cargo test --workspace --doc`, or `cargo test --workspace`.
@@ -36,8 +39,17 @@ pub enum Step {
 
 impl Step {
     /// Every step, in order.
-    pub const ALL: [Step; 8] =
-        [Step::Fmt, Step::Clippy, Step::Layering, Step::Deny, Step::Test, Step::Python, Step::Benches, Step::Package];
+    pub const ALL: [Step; 9] = [
+        Step::Fmt,
+        Step::Clippy,
+        Step::Layering,
+        Step::History,
+        Step::Deny,
+        Step::Test,
+        Step::Python,
+        Step::Benches,
+        Step::Package,
+    ];
 
     /// The step's name, as `--skip` takes it.
     pub fn name(self) -> &'static str {
@@ -45,6 +57,7 @@ impl Step {
             Step::Fmt => "fmt",
             Step::Clippy => "clippy",
             Step::Layering => "layering",
+            Step::History => "history",
             Step::Deny => "deny",
             Step::Test => "test",
             Step::Python => "python",
@@ -59,6 +72,7 @@ impl Step {
             Step::Fmt => "formatting (cargo fmt --all -- --check)",
             Step::Clippy => "lints (cargo clippy --workspace --all-targets -- -D warnings)",
             Step::Layering => "no backend crate depends on transfer/peer/master/proto, tonic or tokio",
+            Step::History => "commit subjects are `area: summary`, at most 72 characters (git log)",
             Step::Deny => "dependency bans, licenses and sources (cargo deny check bans licenses sources)",
             Step::Test => "tests (cargo nextest run --workspace + doc tests, or cargo test --workspace)",
             Step::Python => "the Python package's suite (python/run_tests.sh: wheel into target/pyenv, pytest)",
@@ -160,6 +174,14 @@ fn run_step(step: Step, root: &Path) -> anyhow::Result<StepResult> {
                 bail!("the layering check found forbidden dependencies (see above)");
             }
         }
+        Step::History => match crate::history::check(root)? {
+            Some(n) => println!("{n} commit subjects since {} follow the rule", &crate::history::ADOPTED_AFTER[..12]),
+            None => {
+                return Ok(StepResult::Skipped(
+                    "this clone does not hold the commit the rule starts after (a shallow clone)".to_owned(),
+                ));
+            }
+        },
         Step::Deny => {
             if !cargo_subcommand_available(root, "deny") {
                 return Ok(StepResult::Skipped(

@@ -47,8 +47,8 @@
 //! - The public face of the pool: the client API re-exported from `umbp-peer` ([`PoolClient`] and
 //!   its settings, results and errors) and [`ErrorKind`].
 //! - The command line (`umbp master`, `node`, `put`, `get`, `exists`, `rm`, `stat`, `demo`,
-//!   `bench`), its settings (file → environment → flags) and the demo; public only for the binary
-//!   and the tests (hidden from these docs).
+//!   `bench`), its settings (file → environment → flags) and the demo; public only for the binary,
+//!   the Python package (`umbp-py` links `cli_main`) and the tests (hidden from these docs).
 //!
 //! # Never
 //! Implements pool behaviour: placement, transfers and the heartbeat belong to `umbp-master` and
