@@ -1,5 +1,16 @@
 //! The native module of the `umbp` Python package (`umbp._umbp`).
 //!
+//! ```python
+//! import umbp
+//!
+//! with umbp.Client.local(capacity_bytes=1 << 30) as pool:   # an embedded pool, nothing to start
+//!     pool.put("k1", b"hello")
+//!     assert pool.get("k1") == b"hello"
+//!     assert pool.get("missing") is None
+//! ```
+//!
+//! (Python, not a doctest: `python/tests/test_client.py` makes the same calls.)
+//!
 //! One class, `Pool` (`src/pool.rs`): a node of a umbp pool living in this Python process, either with
 //! an embedded master (the *local* deployment, `Pool.local`) or joined to a
 //! running master (the *distributed* deployment, `Pool.node`). Its methods take
