@@ -5,6 +5,8 @@
 //!   packaging, in that order, stopping at the first failure.
 //! - `cargo xtask layering` — only the layering check ([`layering`]).
 //! - `cargo xtask bench [ARGS]` — `cargo bench --workspace --bench '*' [ARGS]`: every bench target.
+//! - `cargo xtask bench-python [ARGS]` — `python/bench/run.sh [ARGS]`: the Python package beside the
+//!   Rust `PoolClient` (release builds of both), over TCP to a node in another process.
 //!
 //! This crate owns the workspace's build policy: the layering rule table ([`layering::RULES`]) lives here
 //! and nowhere else. It must never be published (`publish = false`) nor depended on by a library crate.
@@ -13,7 +15,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::bail;
+use anyhow::{Context as _, bail};
 
 pub mod ci;
 pub mod history;
@@ -32,6 +34,9 @@ tasks:
         check that no layered crate (`layer = \"backend\"`, `\"runtime-shim\"`) depends on a forbidden crate
   bench [ARGS]...
         cargo bench --workspace --bench '*' [ARGS]... (arguments after `--` go to the bench binaries)
+  bench-python [ARGS]...
+        python/bench/run.sh [ARGS]...: Python batch put/get beside the Rust PoolClient, release
+        builds (RUNS=N runs, default 5; ARGS go to python/bench/bench_remote.py, e.g. --json)
   help
         print this message
 ";
@@ -63,6 +68,18 @@ pub fn run(args: Vec<String>) -> anyhow::Result<()> {
             Ok(())
         }
         Some("bench") => ci::run_cargo_owned(&root, &bench_args(rest)),
+        Some("bench-python") => {
+            let status = std::process::Command::new("bash")
+                .arg("python/bench/run.sh")
+                .args(&rest)
+                .current_dir(&root)
+                .status()
+                .context("could not start `bash python/bench/run.sh`")?;
+            if !status.success() {
+                bail!("`python/bench/run.sh` exited with {status}");
+            }
+            Ok(())
+        }
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(())
