@@ -2,7 +2,10 @@
 //! its same-run baseline:
 //!
 //! - **local**: a node writing to and reading from its own DRAM medium, against raw `memcpy` of the
-//!   same bytes on one thread. The master runs with `local` put affinity, so it grants the node local
+//!   same bytes on as many threads as the pool's local copy engine may use ([`memcpy_threads`]: the
+//!   machine's best copy), measured on a quiet process right before and right after each round's
+//!   cell (see [`quiet_memcpy_gbps`]); the bench warns when two baselines of one run disagree by more
+//!   than [`BASELINE_TOLERANCE`]. The master runs with `local` put affinity, so it grants the node local
 //!   placement and its puts need no route call; the `put (routed)` rows measure the same puts on a
 //!   node of a second master without that affinity, where every chunk is routed first;
 //! - **remote**: a client-only node in this process and a DRAM node in a CHILD PROCESS (`umbp
@@ -47,6 +50,20 @@ const WAIT: Duration = Duration::from_secs(30);
 
 /// The line the child prints once it serves; the raw sink/source address follows.
 const READY_PREFIX: &str = "bench-child ready raw=";
+
+/// How far apart (max / min − 1) two same-kind baselines of one run may be before the bench warns.
+pub const BASELINE_TOLERANCE: f64 = 0.20;
+
+/// How long a baseline waits for the work of the cell before it (index shipping, lease releases, the
+/// master's indexing) to drain. Measured: without it the first local 64 KiB baselines read 2–4×
+/// lower than the same copy a moment later.
+const SETTLE: Duration = Duration::from_millis(150);
+
+/// Threads of the memcpy baseline: what the pool's local copy engine may copy on
+/// (`LocalCopyConfig::default().threads`, the machine's available parallelism).
+pub fn memcpy_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
 
 /// The header of the markdown table.
 pub const TABLE_HEADER: &str = "| path | op | value | PoolClient GB/s | baseline GB/s | baseline | ratio |";
@@ -158,6 +175,9 @@ pub struct BenchRow {
     pub baseline_gbps: f64,
     /// What the baseline is.
     pub baseline: String,
+    /// Lowest and highest baseline sample of the row's rounds, GB/s (their spread shows a disturbed
+    /// baseline).
+    pub baseline_range: (f64, f64),
 }
 
 impl BenchRow {
@@ -189,6 +209,11 @@ pub struct BenchReport {
     pub rows: Vec<BenchRow>,
     /// The single 64 KiB remote get.
     pub latency: Latency,
+    /// Threads of the memcpy baseline ([`memcpy_threads`]).
+    pub memcpy_threads: usize,
+    /// One line per pair of same-kind baselines of this run that differ by more than
+    /// [`BASELINE_TOLERANCE`]; empty when the baselines agree.
+    pub baseline_warnings: Vec<String>,
 }
 
 fn value_label(bytes: u64) -> String {
@@ -204,7 +229,7 @@ impl BenchReport {
             .map(|r| {
                 format!(
                     "{{\"path\":\"{}\",\"op\":\"{}\",\"value_bytes\":{},\"pool_gbps\":{:.4},\"baseline_gbps\":{:.4},\
-                     \"baseline\":\"{}\",\"ratio\":{:.4}}}",
+                     \"baseline\":\"{}\",\"ratio\":{:.4},\"baseline_min_gbps\":{:.4},\"baseline_max_gbps\":{:.4}}}",
                     match r.path {
                         BenchPath::Local => "local",
                         BenchPath::Remote => "remote",
@@ -214,21 +239,62 @@ impl BenchReport {
                     r.pool_gbps,
                     r.baseline_gbps,
                     r.baseline,
-                    r.ratio()
+                    r.ratio(),
+                    r.baseline_range.0,
+                    r.baseline_range.1
                 )
             })
             .collect();
         format!(
             "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{{\"value_bytes\":{},\"calls\":{},\
-             \"p50_us\":{:.1},\"p99_us\":{:.1}}}}}",
+             \"p50_us\":{:.1},\"p99_us\":{:.1}}},\"memcpy_threads\":{},\"baseline_warnings\":[{}]}}",
             self.rounds,
             self.batch_bytes,
             rows.join(","),
             LATENCY_VALUE,
             self.latency.calls,
             self.latency.p50_us,
-            self.latency.p99_us
+            self.latency.p99_us,
+            self.memcpy_threads,
+            self.baseline_warnings.iter().map(|w| format!("\"{}\"", w.replace('"', "'"))).collect::<Vec<_>>().join(",")
         )
+    }
+}
+
+/// Compares every pair of rows with the same baseline (same kind, same value size): one warning per
+/// pair whose medians differ by more than [`BASELINE_TOLERANCE`].
+pub fn baseline_warnings(rows: &[BenchRow]) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for (i, a) in rows.iter().enumerate() {
+        for b in &rows[i + 1..] {
+            if a.baseline != b.baseline || a.value_bytes != b.value_bytes || a.baseline_gbps == b.baseline_gbps {
+                continue;
+            }
+            let (lo, hi) = if a.baseline_gbps < b.baseline_gbps { (a, b) } else { (b, a) };
+            if hi.baseline_gbps > lo.baseline_gbps * (1.0 + BASELINE_TOLERANCE) {
+                warnings.push(format!(
+                    "{} baseline of {} {} {} reads {:.2} GB/s but {:.2} GB/s for {} {}: more than {:.0}% apart, \
+                     the machine was not quiet",
+                    a.baseline,
+                    path_label(lo.path),
+                    lo.op,
+                    value_label(lo.value_bytes),
+                    lo.baseline_gbps,
+                    hi.baseline_gbps,
+                    path_label(hi.path),
+                    hi.op,
+                    BASELINE_TOLERANCE * 100.0
+                ));
+            }
+        }
+    }
+    warnings
+}
+
+fn path_label(path: BenchPath) -> &'static str {
+    match path {
+        BenchPath::Local => "local",
+        BenchPath::Remote => "remote",
     }
 }
 
@@ -236,9 +302,10 @@ impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "PoolClient batch put/get, {} per batch, medians of {} rounds",
+            "PoolClient batch put/get, {} per batch, medians of {} rounds; memcpy baseline on {} threads",
             human_size(self.batch_bytes),
-            self.rounds
+            self.rounds,
+            self.memcpy_threads
         )?;
         writeln!(f)?;
         writeln!(f, "{TABLE_HEADER}")?;
@@ -267,7 +334,11 @@ impl fmt::Display for BenchReport {
             self.latency.calls,
             self.latency.p50_us,
             self.latency.p99_us
-        )
+        )?;
+        for w in &self.baseline_warnings {
+            write!(f, "\nwarning: {w}")?;
+        }
+        Ok(())
     }
 }
 
@@ -523,7 +594,19 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     .await;
     client.close().await;
     drop(child);
-    Ok(BenchReport { rounds, batch_bytes: options.batch_bytes, rows, latency: result? })
+    let latency = result?;
+    let baseline_warnings = baseline_warnings(&rows);
+    for w in &baseline_warnings {
+        crate::progress::note(format_args!("umbp bench: warning: {w}"));
+    }
+    Ok(BenchReport {
+        rounds,
+        batch_bytes: options.batch_bytes,
+        rows,
+        latency,
+        memcpy_threads: memcpy_threads(),
+        baseline_warnings,
+    })
 }
 
 /// Which local rows [`measure_local`] produces.
@@ -557,12 +640,14 @@ async fn measure_local(
         for round in 0..rounds {
             let keys: Vec<String> = (0..n).map(|i| format!("local-{value}-{round}-{i}")).collect();
             let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+            // The baseline right before the cell and right after it, each on a settled process.
+            copy.push(quiet_memcpy_gbps(&mut out, &data, bytes).await);
             let t = Instant::now();
             let results = local.batch_put(&items).await;
             put.push(gbps(bytes, t));
             fail("local put", &results)?;
             if which == LocalRows::Routed {
-                copy.push(memcpy_gbps(&mut out, &data, bytes));
+                copy.push(quiet_memcpy_gbps(&mut out, &data, bytes).await);
                 progress.advance(1);
                 continue;
             }
@@ -575,10 +660,11 @@ async fn measure_local(
             if out[n / 2] != data[n / 2] {
                 return Err(BenchError::Failed("local get returned other bytes than were put".into()));
             }
-            copy.push(memcpy_gbps(&mut out, &data, bytes));
+            copy.push(quiet_memcpy_gbps(&mut out, &data, bytes).await);
             progress.advance(1);
         }
         progress.finish();
+        let range = spread(&copy);
         let copy = median(copy);
         let cells = match which {
             LocalRows::Granted => vec![("put", put), ("get", get)],
@@ -592,17 +678,46 @@ async fn measure_local(
                 pool_gbps: median(figures),
                 baseline_gbps: copy,
                 baseline: "memcpy".into(),
+                baseline_range: range,
             });
         }
     }
     Ok(())
 }
 
-/// The baseline: one `memcpy` per value from `data` into `out`, GB/s.
-fn memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> f64 {
+/// The lowest and highest of `samples`.
+fn spread(samples: &[f64]) -> (f64, f64) {
+    samples.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)))
+}
+
+/// One baseline sample on a quiet process: waits [`SETTLE`] for the cell's background work to drain,
+/// copies once untimed (faults in and warms both sides), then returns the better of two timed copies
+/// (a copy the scheduler interrupted is not the machine's best).
+pub async fn quiet_memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> f64 {
+    tokio::time::sleep(SETTLE).await;
+    let threads = memcpy_threads();
+    memcpy_gbps(out, data, bytes, threads);
+    memcpy_gbps(out, data, bytes, threads).max(memcpy_gbps(out, data, bytes, threads))
+}
+
+/// The baseline: one `memcpy` per value from `data` into `out`, the values split evenly over `threads`
+/// threads as the local copy engine splits a large batch, GB/s.
+fn memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize, threads: usize) -> f64 {
+    fn copy(out: &mut [Vec<u8>], data: &[Vec<u8>]) {
+        for (d, s) in out.iter_mut().zip(data) {
+            d.copy_from_slice(std::hint::black_box(s));
+        }
+    }
+    let per = out.len().div_ceil(threads.max(1)).max(1);
     let t = Instant::now();
-    for (d, s) in out.iter_mut().zip(data) {
-        d.copy_from_slice(std::hint::black_box(s));
+    if threads <= 1 || out.len() <= 1 {
+        copy(out, data);
+    } else {
+        std::thread::scope(|s| {
+            for (o, d) in out.chunks_mut(per).zip(data.chunks(per)) {
+                s.spawn(move || copy(o, d));
+            }
+        });
     }
     std::hint::black_box(&*out);
     gbps(bytes, t)
@@ -650,6 +765,7 @@ async fn measure_remote(
         }
         progress.finish();
         for (op, figures, baseline) in [("put", put, raw_w), ("get", get, raw_r)] {
+            let range = spread(&baseline);
             rows.push(BenchRow {
                 path: BenchPath::Remote,
                 op,
@@ -657,6 +773,7 @@ async fn measure_remote(
                 pool_gbps: median(figures),
                 baseline_gbps: median(baseline),
                 baseline: format!("raw TCP x{CONNECTIONS}"),
+                baseline_range: range,
             });
         }
     }

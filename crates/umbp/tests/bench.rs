@@ -6,7 +6,7 @@ use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use umbp::bench::TABLE_HEADER;
+use umbp::bench::{BASELINE_TOLERANCE, BenchPath, BenchRow, TABLE_HEADER, baseline_warnings, memcpy_threads};
 use umbp::bench_ssd::SSD_TABLE_HEADER;
 
 /// Runs `umbp ARGS`, killing it past `limit`; returns (exit code, stdout, stderr).
@@ -52,7 +52,59 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
         assert!(ratio.is_finite() && ratio > 0.0, "{row}");
     }
     assert!(out.contains("memcpy") && out.contains("raw TCP x4"), "{out}");
+    assert!(out.contains(&format!("memcpy baseline on {} threads", memcpy_threads())), "{out}");
     assert!(out.contains("p50") && out.contains("p99"), "{out}");
+}
+
+#[test]
+fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
+    let (code, out, err) =
+        run_bounded(&["bench", "--rounds", "1", "--batch-bytes", "4MiB", "--json"], Duration::from_secs(20));
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    let json = out.trim();
+    // The fields of before stay; the new ones are added.
+    assert_eq!(json.matches("\"baseline_gbps\":").count(), 10, "{json}");
+    assert_eq!(json.matches("\"baseline_min_gbps\":").count(), 10, "{json}");
+    assert_eq!(json.matches("\"baseline_max_gbps\":").count(), 10, "{json}");
+    assert!(json.contains(&format!("\"memcpy_threads\":{}", memcpy_threads())), "{json}");
+    assert!(json.contains("\"baseline_warnings\":["), "{json}");
+    // A warning in the JSON is also on stderr.
+    if !json.contains("\"baseline_warnings\":[]") {
+        assert!(err.contains("warning:"), "{err}");
+    }
+}
+
+fn row(path: BenchPath, op: &'static str, value_bytes: u64, baseline: &str, gbps: f64) -> BenchRow {
+    BenchRow {
+        path,
+        op,
+        value_bytes,
+        pool_gbps: 1.0,
+        baseline_gbps: gbps,
+        baseline: baseline.into(),
+        baseline_range: (gbps, gbps),
+    }
+}
+
+#[test]
+fn two_baselines_of_one_kind_more_than_the_tolerance_apart_are_warned_of() {
+    let local = BenchPath::Local;
+    let agree = [
+        row(local, "put", 65536, "memcpy", 8.0),
+        row(local, "put (routed)", 65536, "memcpy", 8.0 * (1.0 + BASELINE_TOLERANCE) - 0.01),
+        // Other sizes and other kinds of baseline are not compared.
+        row(local, "put", 1 << 20, "memcpy", 2.0),
+        row(BenchPath::Remote, "put", 65536, "raw TCP x4", 3.0),
+    ];
+    assert_eq!(baseline_warnings(&agree), Vec::<String>::new());
+
+    let disagree = [row(local, "put", 65536, "memcpy", 2.0), row(local, "put (routed)", 65536, "memcpy", 7.5)];
+    let warnings = baseline_warnings(&disagree);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("2.00") && warnings[0].contains("7.50") && warnings[0].contains("64 KiB"),
+        "{warnings:?}"
+    );
 }
 
 #[test]
