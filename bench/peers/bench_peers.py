@@ -100,6 +100,8 @@ class System:
     def batch_put(self, keys: list[str], offs: list[int], value: int) -> None: ...
     def batch_get(self, keys: list[str], offs: list[int], value: int) -> None: ...
     def put1(self, key: str, off: int, value: int) -> None: ...
+    def until_visible(self, keys: list[str]) -> None:
+        """Returns once a reader sees every key (the peers' puts are visible when they return)."""
     def get1(self, key: str, off: int, value: int) -> None: ...
     def stop(self) -> None: ...
 
@@ -118,7 +120,7 @@ class Umbp(System):
     def start(self, capacity: int) -> None:
         port = free_port()
         self.addr = f"127.0.0.1:{port}"
-        self.master = subprocess.Popen([self.binary, "master", "--listen", self.addr],
+        self.master = subprocess.Popen([self.binary, "master", "--listen", self.addr, "--heartbeat-ttl", "2s"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(port, self.master)
         self.node = subprocess.Popen([self.binary, "node", "--master", self.addr, "--node-id", "holder",
@@ -139,12 +141,26 @@ class Umbp(System):
 
     def batch_put(self, keys, offs, value):
         self.client.batch_put_from_ptr(keys, [self.s + o for o in offs], [value] * len(keys))
-        self.client.flush()  # every node sees them when it returns, as with the peers
+
+    def until_visible(self, keys):
+        # A umbp put returns when the bytes are committed on the holder; the master indexes them when
+        # the holder ships its ADDs (every 128 events, or at its next heartbeat: 1 s with the
+        # master's --heartbeat-ttl 2s, as `umbp bench` does). Waited for, untimed, as `umbp bench`
+        # does; the wait is reported beside the table.
+        deadline = time.time() + 30
+        left = keys
+        while left:
+            seen = self.client.exists_batch(left)
+            left = [k for k, ok in zip(left, seen) if not ok]
+            if left and time.time() > deadline:
+                raise RuntimeError(f"umbp: {len(left)} keys not indexed after 30 s")
+            if left:
+                time.sleep(0.01)
 
     def batch_get(self, keys, offs, value):
         got = self.client.batch_get_into_ptr(keys, [self.d + o for o in offs], [value] * len(keys))
         if any(g != value for g in got):
-            raise RuntimeError("umbp: a batch get missed")
+            raise RuntimeError(f"umbp: a batch get missed ({[g for g in got if g != value][:2]}, {sum(g != value for g in got)} of {len(got)})")
 
     def put1(self, key, off, value):
         self.client.put_from_ptr(key, self.s + off, value)
@@ -334,6 +350,9 @@ def one_round(sys_: System, r: int, src, dst, phase: int, lat_calls: int) -> dic
             sys_.batch_put(keys, offs, value)
             out[("put", value)] = n * value / (time.perf_counter() - t) / 1e9
             t = time.perf_counter()
+            sys_.until_visible(keys)
+            out[("visible_s", value)] = time.perf_counter() - t
+            t = time.perf_counter()
             sys_.batch_get(keys, offs, value)
             out[("get", value)] = n * value / (time.perf_counter() - t) / 1e9
             verify(src, dst, offs, value, sys_.name)
@@ -346,6 +365,9 @@ def one_round(sys_: System, r: int, src, dst, phase: int, lat_calls: int) -> dic
             t = time.perf_counter()
             sys_.put1(k, o, LAT_VALUE)
             put_us.append((time.perf_counter() - t) * 1e6)
+        t = time.perf_counter()
+        sys_.until_visible(keys)
+        out[("visible_s", LAT_VALUE, "single")] = time.perf_counter() - t
         dst[:slots * LAT_VALUE] = 0
         for k, o in zip(keys, offs):
             t = time.perf_counter()
@@ -426,6 +448,11 @@ def main() -> int:
         print(f"| umbp / {p} | " + " | ".join(fmt_ratio(u[(op, v)], m[(op, v)]) for op, v, _ in cols)
               + f" | {fmt_ratio(u[('get_p50',)], m[('get_p50',)], True)} / {fmt_ratio(u[('get_p99',)], m[('get_p99',)], True)}"
               + f" | {fmt_ratio(u[('put_p50',)], m[('put_p50',)], True)} / {fmt_ratio(u[('put_p99',)], m[('put_p99',)], True)} |")
+    for name, m in med.items():
+        waits = {k: v for k, v in m.items() if k[0] == "visible_s"}
+        if any(v > 0.005 for v in waits.values()):
+            print(f"\n{name}: wait (untimed) until a reader saw the keys after each put phase: " + ", ".join(
+                f"{'single-key' if len(k) > 2 else (str(k[1] >> 10) + ' KiB batch')} {v:.2f}s" for k, v in waits.items()))
     print("\nThroughput ratios: umbp / peer (> 1: umbp faster). Latency ratios: peer / umbp (> 1: umbp faster).")
     for name, why in skipped.items():
         print(f"\n{name}: not measured -- {why}")
