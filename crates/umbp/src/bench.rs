@@ -178,6 +178,10 @@ pub struct BenchRow {
     /// Lowest and highest baseline sample of the row's rounds, GB/s (their spread shows a disturbed
     /// baseline).
     pub baseline_range: (f64, f64),
+    /// For memcpy rows, the median of the old, unsettled baseline of the same rounds: one thread's
+    /// timed copy taken the moment the cell before it returned, with no settle and no warm-up. Beside
+    /// [`baseline_gbps`](Self::baseline_gbps) it shows what the cell's background work costs a copy.
+    pub unsettled_baseline_gbps: Option<f64>,
 }
 
 impl BenchRow {
@@ -229,7 +233,7 @@ impl BenchReport {
             .map(|r| {
                 format!(
                     "{{\"path\":\"{}\",\"op\":\"{}\",\"value_bytes\":{},\"pool_gbps\":{:.4},\"baseline_gbps\":{:.4},\
-                     \"baseline\":\"{}\",\"ratio\":{:.4},\"baseline_min_gbps\":{:.4},\"baseline_max_gbps\":{:.4}}}",
+                     \"baseline\":\"{}\",\"ratio\":{:.4},\"baseline_min_gbps\":{:.4},\"baseline_max_gbps\":{:.4},\"baseline_unsettled_gbps\":{}}}",
                     match r.path {
                         BenchPath::Local => "local",
                         BenchPath::Remote => "remote",
@@ -241,7 +245,8 @@ impl BenchReport {
                     r.baseline,
                     r.ratio(),
                     r.baseline_range.0,
-                    r.baseline_range.1
+                    r.baseline_range.1,
+                    r.unsettled_baseline_gbps.map_or_else(|| "null".to_owned(), |g| format!("{g:.4}"))
                 )
             })
             .collect();
@@ -264,25 +269,38 @@ impl BenchReport {
 /// Compares every pair of rows with the same baseline (same kind, same value size): one warning per
 /// pair whose medians differ by more than [`BASELINE_TOLERANCE`].
 pub fn baseline_warnings(rows: &[BenchRow]) -> Vec<String> {
+    // Rows of one cell share one baseline (local put and get): one entry per distinct baseline.
+    let mut distinct: Vec<(&BenchRow, String)> = Vec::new();
+    for r in rows {
+        match distinct.iter_mut().find(|(d, _)| {
+            d.path == r.path
+                && d.value_bytes == r.value_bytes
+                && d.baseline == r.baseline
+                && d.baseline_gbps == r.baseline_gbps
+        }) {
+            Some((_, ops)) => {
+                ops.push('/');
+                ops.push_str(r.op);
+            }
+            None => distinct.push((r, format!("{} {}", path_label(r.path), r.op))),
+        }
+    }
     let mut warnings = Vec::new();
-    for (i, a) in rows.iter().enumerate() {
-        for b in &rows[i + 1..] {
-            if a.baseline != b.baseline || a.value_bytes != b.value_bytes || a.baseline_gbps == b.baseline_gbps {
+    for (i, (a, a_ops)) in distinct.iter().enumerate() {
+        for (b, b_ops) in &distinct[i + 1..] {
+            if a.baseline != b.baseline || a.value_bytes != b.value_bytes {
                 continue;
             }
-            let (lo, hi) = if a.baseline_gbps < b.baseline_gbps { (a, b) } else { (b, a) };
+            let ((lo, lo_ops), (hi, hi_ops)) =
+                if a.baseline_gbps < b.baseline_gbps { ((a, a_ops), (b, b_ops)) } else { ((b, b_ops), (a, a_ops)) };
             if hi.baseline_gbps > lo.baseline_gbps * (1.0 + BASELINE_TOLERANCE) {
                 warnings.push(format!(
-                    "{} baseline of {} {} {} reads {:.2} GB/s but {:.2} GB/s for {} {}: more than {:.0}% apart, \
-                     the machine was not quiet",
+                    "{} baseline of {lo_ops} {} reads {:.2} GB/s but {:.2} GB/s for {hi_ops}: more than {:.0}% \
+                     apart, the machine was not quiet",
                     a.baseline,
-                    path_label(lo.path),
-                    lo.op,
                     value_label(lo.value_bytes),
                     lo.baseline_gbps,
                     hi.baseline_gbps,
-                    path_label(hi.path),
-                    hi.op,
                     BASELINE_TOLERANCE * 100.0
                 ));
             }
@@ -630,7 +648,7 @@ async fn measure_local(
         let bytes = n * value;
         let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
-        let (mut put, mut get, mut copy) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut put, mut get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let what = match which {
             LocalRows::Granted => "local",
             LocalRows::Routed => "local routed",
@@ -641,13 +659,17 @@ async fn measure_local(
             let keys: Vec<String> = (0..n).map(|i| format!("local-{value}-{round}-{i}")).collect();
             let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
             // The baseline right before the cell and right after it, each on a settled process.
-            copy.push(quiet_memcpy_gbps(&mut out, &data, bytes).await);
+            let (quiet, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
+            copy.push(quiet);
+            unsettled.push(hasty);
             let t = Instant::now();
             let results = local.batch_put(&items).await;
             put.push(gbps(bytes, t));
             fail("local put", &results)?;
             if which == LocalRows::Routed {
-                copy.push(quiet_memcpy_gbps(&mut out, &data, bytes).await);
+                let (quiet, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
+                copy.push(quiet);
+                unsettled.push(hasty);
                 progress.advance(1);
                 continue;
             }
@@ -660,12 +682,15 @@ async fn measure_local(
             if out[n / 2] != data[n / 2] {
                 return Err(BenchError::Failed("local get returned other bytes than were put".into()));
             }
-            copy.push(quiet_memcpy_gbps(&mut out, &data, bytes).await);
+            let (quiet, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
+            copy.push(quiet);
+            unsettled.push(hasty);
             progress.advance(1);
         }
         progress.finish();
         let range = spread(&copy);
         let copy = median(copy);
+        let unsettled = median(unsettled);
         let cells = match which {
             LocalRows::Granted => vec![("put", put), ("get", get)],
             LocalRows::Routed => vec![("put (routed)", put)],
@@ -679,6 +704,7 @@ async fn measure_local(
                 baseline_gbps: copy,
                 baseline: "memcpy".into(),
                 baseline_range: range,
+                unsettled_baseline_gbps: Some(unsettled),
             });
         }
     }
@@ -692,12 +718,14 @@ fn spread(samples: &[f64]) -> (f64, f64) {
 
 /// One baseline sample on a quiet process: waits [`SETTLE`] for the cell's background work to drain,
 /// copies once untimed (faults in and warms both sides), then returns the better of two timed copies
-/// (a copy the scheduler interrupted is not the machine's best).
-pub async fn quiet_memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> f64 {
+/// (a copy the scheduler interrupted is not the machine's best). Second: the old, unsettled sample
+/// (one thread, timed at once, before the settle), kept to show the disturbance.
+pub async fn quiet_memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> (f64, f64) {
+    let unsettled = memcpy_gbps(out, data, bytes, 1);
     tokio::time::sleep(SETTLE).await;
     let threads = memcpy_threads();
     memcpy_gbps(out, data, bytes, threads);
-    memcpy_gbps(out, data, bytes, threads).max(memcpy_gbps(out, data, bytes, threads))
+    (memcpy_gbps(out, data, bytes, threads).max(memcpy_gbps(out, data, bytes, threads)), unsettled)
 }
 
 /// The baseline: one `memcpy` per value from `data` into `out`, the values split evenly over `threads`
@@ -774,6 +802,7 @@ async fn measure_remote(
                 baseline_gbps: median(baseline),
                 baseline: format!("raw TCP x{CONNECTIONS}"),
                 baseline_range: range,
+                unsettled_baseline_gbps: None,
             });
         }
     }

@@ -66,6 +66,7 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
     assert_eq!(json.matches("\"baseline_gbps\":").count(), 10, "{json}");
     assert_eq!(json.matches("\"baseline_min_gbps\":").count(), 10, "{json}");
     assert_eq!(json.matches("\"baseline_max_gbps\":").count(), 10, "{json}");
+    assert_eq!(json.matches("\"baseline_unsettled_gbps\":null").count(), 4, "only memcpy rows have one: {json}");
     assert!(json.contains(&format!("\"memcpy_threads\":{}", memcpy_threads())), "{json}");
     assert!(json.contains("\"baseline_warnings\":["), "{json}");
     // A warning in the JSON is also on stderr.
@@ -83,6 +84,7 @@ fn row(path: BenchPath, op: &'static str, value_bytes: u64, baseline: &str, gbps
         baseline_gbps: gbps,
         baseline: baseline.into(),
         baseline_range: (gbps, gbps),
+        unsettled_baseline_gbps: None,
     }
 }
 
@@ -105,6 +107,16 @@ fn two_baselines_of_one_kind_more_than_the_tolerance_apart_are_warned_of() {
         warnings[0].contains("2.00") && warnings[0].contains("7.50") && warnings[0].contains("64 KiB"),
         "{warnings:?}"
     );
+
+    // Put and get of one cell share one baseline: the pair is warned of once, naming both.
+    let shared = [
+        row(local, "put", 65536, "memcpy", 2.0),
+        row(local, "get", 65536, "memcpy", 2.0),
+        row(local, "put (routed)", 65536, "memcpy", 7.5),
+    ];
+    let warnings = baseline_warnings(&shared);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("local put/get 64 KiB"), "{warnings:?}");
 }
 
 #[test]
