@@ -266,8 +266,8 @@ impl BenchReport {
     }
 }
 
-/// Compares every pair of rows with the same baseline (same kind, same value size): one warning per
-/// pair whose medians differ by more than [`BASELINE_TOLERANCE`].
+/// Compares every pair of rows with the same baseline (same kind, same value size, and for raw TCP the
+/// same direction): one warning per pair whose medians differ by more than [`BASELINE_TOLERANCE`].
 pub fn baseline_warnings(rows: &[BenchRow]) -> Vec<String> {
     // Rows of one cell share one baseline (local put and get): one entry per distinct baseline.
     let mut distinct: Vec<(&BenchRow, String)> = Vec::new();
@@ -288,7 +288,10 @@ pub fn baseline_warnings(rows: &[BenchRow]) -> Vec<String> {
     let mut warnings = Vec::new();
     for (i, (a, a_ops)) in distinct.iter().enumerate() {
         for (b, b_ops) in &distinct[i + 1..] {
-            if a.baseline != b.baseline || a.value_bytes != b.value_bytes {
+            // memcpy is one copy for put and get; a raw TCP write and a raw TCP read are two different
+            // baselines, never compared.
+            let direction = |r: &BenchRow| if r.path == BenchPath::Local { "" } else { r.op };
+            if a.baseline != b.baseline || a.value_bytes != b.value_bytes || direction(a) != direction(b) {
                 continue;
             }
             let ((lo, lo_ops), (hi, hi_ops)) =

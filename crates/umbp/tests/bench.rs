@@ -97,6 +97,8 @@ fn two_baselines_of_one_kind_more_than_the_tolerance_apart_are_warned_of() {
         // Other sizes and other kinds of baseline are not compared.
         row(local, "put", 1 << 20, "memcpy", 2.0),
         row(BenchPath::Remote, "put", 65536, "raw TCP x4", 3.0),
+        // A raw TCP write and a raw TCP read are different baselines.
+        row(BenchPath::Remote, "get", 65536, "raw TCP x4", 5.0),
     ];
     assert_eq!(baseline_warnings(&agree), Vec::<String>::new());
 
