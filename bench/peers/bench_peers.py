@@ -19,8 +19,8 @@ The clients, all Python, from numpy buffers:
   ``batch_get_into_ptr`` and ``put_from_ptr`` / ``get_into_ptr`` -- the path SGLang's store takes.
   Holder: ``umbp master`` + ``umbp node --capacity ... --page-size 64KiB``.
 * Mooncake Store (PyPI ``mooncake-transfer-engine-non-cuda``, TCP transport): the buffers
-  registered with ``register_buffer``; ``batch_put_from`` / ``batch_get_into`` and ``put_from`` /
-  ``get_into``. Holder: ``mooncake_master`` + a Python process that mounts the segment.
+  registered with ``register_buffer``; ``batch_put_from`` / ``batch_get_into`` in calls of 256 keys
+  (a whole phase in one call overflows its TCP lane queue) and ``put_from`` / ``get_into``. Holder: ``mooncake_master`` + a Python process that mounts the segment.
 * Redis (Debian ``redis-server``, no persistence; redis-py + hiredis): pipelined SET/GET in
   chunks of 64 MiB, each value a ``memoryview`` of the source and each reply copied into the
   destination buffer; single SET/GET.
@@ -51,6 +51,9 @@ VALUES = (64 << 10, 1 << 20)
 LAT_VALUE = 64 << 10
 VERIFY_EVERY = 97
 REDIS_CHUNK = 64 << 20
+# Keys per Mooncake batch call: its TCP transport rejects a 4096-key batch ("TCP lane queue-full",
+# rc -800 after 60 s); 256 keys (16 MiB of 64 KiB values) is what SGLang-sized batches look like.
+MOONCAKE_CHUNK = 256
 
 
 def free_port() -> int:
@@ -232,13 +235,19 @@ class Mooncake(System):
                 raise RuntimeError("mooncake register_buffer failed")
 
     def batch_put(self, keys, offs, value):
-        rcs = self.store.batch_put_from(keys, [self.s + o for o in offs], [value] * len(keys))
+        rcs = []
+        for i in range(0, len(keys), MOONCAKE_CHUNK):
+            ks = keys[i:i + MOONCAKE_CHUNK]
+            rcs += self.store.batch_put_from(ks, [self.s + o for o in offs[i:i + MOONCAKE_CHUNK]], [value] * len(ks))
         bad = [r for r in rcs if r != 0]
         if bad:
             raise RuntimeError(f"mooncake: {len(bad)} of {len(keys)} puts failed (first rc {bad[0]})")
 
     def batch_get(self, keys, offs, value):
-        rcs = self.store.batch_get_into(keys, [self.d + o for o in offs], [value] * len(keys))
+        rcs = []
+        for i in range(0, len(keys), MOONCAKE_CHUNK):
+            ks = keys[i:i + MOONCAKE_CHUNK]
+            rcs += self.store.batch_get_into(ks, [self.d + o for o in offs[i:i + MOONCAKE_CHUNK]], [value] * len(ks))
         if any(r != value for r in rcs):
             raise RuntimeError(f"mooncake: a batch get failed ({[r for r in rcs if r != value][:1]})")
 
