@@ -268,6 +268,8 @@ impl BenchReport {
 
 /// Compares every pair of rows with the same baseline (same kind, same value size, and for raw TCP the
 /// same direction): one warning per pair whose medians differ by more than [`BASELINE_TOLERANCE`].
+/// Also warns of a memcpy baseline slower than its own unsettled one-thread sample (the cores were
+/// busy, so the threaded copy is not the machine's best).
 pub fn baseline_warnings(rows: &[BenchRow]) -> Vec<String> {
     // Rows of one cell share one baseline (local put and get): one entry per distinct baseline.
     let mut distinct: Vec<(&BenchRow, String)> = Vec::new();
@@ -286,6 +288,19 @@ pub fn baseline_warnings(rows: &[BenchRow]) -> Vec<String> {
         }
     }
     let mut warnings = Vec::new();
+    for (r, ops) in &distinct {
+        // All baselines of a run can be low together (a neighbour holding a core throughout): then the
+        // threaded best-of-two copy is no faster than one thread's hasty copy of the same rounds.
+        if let Some(one) = r.unsettled_baseline_gbps.filter(|&one| r.baseline_gbps < one) {
+            warnings.push(format!(
+                "{} baseline of {ops} {} reads {:.2} GB/s on all threads, below one thread's {one:.2} GB/s: the \
+                 cores were busy",
+                r.baseline,
+                value_label(r.value_bytes),
+                r.baseline_gbps
+            ));
+        }
+    }
     for (i, (a, a_ops)) in distinct.iter().enumerate() {
         for (b, b_ops) in &distinct[i + 1..] {
             // memcpy is one copy for put and get; a raw TCP write and a raw TCP read are two different

@@ -119,6 +119,15 @@ fn two_baselines_of_one_kind_more_than_the_tolerance_apart_are_warned_of() {
     let warnings = baseline_warnings(&shared);
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert!(warnings[0].contains("local put/get 64 KiB"), "{warnings:?}");
+
+    // A threaded baseline below one thread's unsettled copy of the same rounds: the cores were busy.
+    let mut busy = row(local, "put", 1 << 20, "memcpy", 6.5);
+    busy.unsettled_baseline_gbps = Some(6.9);
+    let mut quiet = row(local, "put", 65536, "memcpy", 12.0);
+    quiet.unsettled_baseline_gbps = Some(6.5);
+    let warnings = baseline_warnings(&[busy, quiet]);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("1 MiB") && warnings[0].contains("busy"), "{warnings:?}");
 }
 
 #[test]
