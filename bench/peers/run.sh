@@ -15,7 +15,7 @@
 #    each, rounds interleaved; prints one markdown table with the ratios umbp/peer (its docstring says
 #    what is measured and how).
 #
-# Needs ~4x --phase-mib of free memory (client buffers + one holder at a time).
+# Needs ~5x --phase-mib of free memory (two client buffers + one holder of 3x at a time).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
