@@ -60,6 +60,8 @@ def test_typed_errors(client):
     assert client.get("ok") == b"y"
     with pytest.raises(umbp.InvalidInputError):
         client.put_batch(["a"], [b"1", b"2"])  # ragged
+    with pytest.raises(umbp.InvalidInputError, match="2 keys but 1 buffers"):
+        client.get_batch(["a", "b"], [bytearray(8)])  # ragged
     with pytest.raises(umbp.InvalidInputError):
         client.put("k", 12345)  # not a buffer
     with pytest.raises(umbp.InvalidInputError):

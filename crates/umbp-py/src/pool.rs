@@ -92,6 +92,23 @@ fn check_batch(keys: &[String], ptrs: &[usize], sizes: &[usize]) -> PyResult<()>
     Ok(())
 }
 
+/// Pins one buffer view per key (`writable` for gets) and lists their addresses and lengths; a
+/// key count that differs from the object count (`what`: "values", "buffers") is invalid input.
+fn views_of(
+    keys: &[String],
+    objects: &[Bound<'_, PyAny>],
+    writable: bool,
+    what: &str,
+) -> PyResult<(Vec<View>, Vec<usize>, Vec<usize>)> {
+    if keys.len() != objects.len() {
+        return Err(errors::InvalidInputError::new_err(format!("{} keys but {} {what}", keys.len(), objects.len())));
+    }
+    let views = objects.iter().map(|v| View::new(v, writable)).collect::<PyResult<Vec<_>>>()?;
+    let ptrs = views.iter().map(View::ptr).collect();
+    let sizes = views.iter().map(View::len).collect();
+    Ok((views, ptrs, sizes))
+}
+
 /// The Python list of per-key results.
 fn results_list<'py>(py: Python<'py>, results: &[KeyResult], detail: bool) -> PyResult<Bound<'py, PyList>> {
     if !detail {
@@ -388,12 +405,7 @@ impl Pool {
         values: Vec<Bound<'py, PyAny>>,
         detail: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        if keys.len() != values.len() {
-            return Err(errors::InvalidInputError::new_err(format!("{} keys but {} values", keys.len(), values.len())));
-        }
-        let views = values.iter().map(|v| View::new(v, false)).collect::<PyResult<Vec<_>>>()?;
-        let ptrs = views.iter().map(View::ptr).collect();
-        let sizes = views.iter().map(View::len).collect();
+        let (views, ptrs, sizes) = views_of(&keys, &values, false, "values")?;
         // `views` stays alive (the exporters pinned) until after the call, and is released here,
         // attached.
         let results = self.put_raw(py, keys, ptrs, sizes)?;
@@ -410,16 +422,7 @@ impl Pool {
         buffers: Vec<Bound<'py, PyAny>>,
         detail: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        if keys.len() != buffers.len() {
-            return Err(errors::InvalidInputError::new_err(format!(
-                "{} keys but {} buffers",
-                keys.len(),
-                buffers.len()
-            )));
-        }
-        let views = buffers.iter().map(|v| View::new(v, true)).collect::<PyResult<Vec<_>>>()?;
-        let ptrs = views.iter().map(View::ptr).collect();
-        let sizes = views.iter().map(View::len).collect();
+        let (views, ptrs, sizes) = views_of(&keys, &buffers, true, "buffers")?;
         let results = self.get_raw(py, keys, ptrs, sizes)?;
         drop(views);
         results_list(py, &results, detail)
