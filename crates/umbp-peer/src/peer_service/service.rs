@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, BackendRegistry, BufferDesc, CommitRequest, MediumBackend,
     ReadRelease, ResolvedEntry, TierType,
@@ -15,6 +16,7 @@ use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_server::UmbpPeer;
 
 use super::{slot_local, slot_tier, tag_slot};
+use crate::pool_client::phases::{self, phase};
 
 /// The `UMBPPeer` service of one node: dispatches every call into the node's media.
 ///
@@ -402,7 +404,8 @@ impl UmbpPeer for PeerService {
         request: Request<pb::BatchAllocateSlotsRequest>,
     ) -> Result<Response<pb::BatchAllocateSlotsResponse>, Status> {
         let pb::BatchAllocateSlotsRequest { entries, accepts_busy } = request.into_inner();
-        let entries = self.blocking(move |d| d.allocate(entries, accepts_busy)).await?;
+        let entries =
+            self.blocking(move |d| d.allocate(entries, accepts_busy)).instrument(phase!(phases::PEER_ALLOCATE)).await?;
         Ok(Response::new(pb::BatchAllocateSlotsResponse { entries }))
     }
 
@@ -423,7 +426,7 @@ impl UmbpPeer for PeerService {
         request: Request<pb::BatchCommitSlotsRequest>,
     ) -> Result<Response<pb::BatchCommitSlotsResponse>, Status> {
         let entries = request.into_inner().entries;
-        let entries = self.blocking(move |d| d.commit(entries)).await?;
+        let entries = self.blocking(move |d| d.commit(entries)).instrument(phase!(phases::PEER_COMMIT)).await?;
         if entries.iter().any(|a| a.success) {
             self.changed();
         }
@@ -461,7 +464,10 @@ impl UmbpPeer for PeerService {
         request: Request<pb::BatchResolveKeysRequest>,
     ) -> Result<Response<pb::BatchResolveKeysResponse>, Status> {
         let pb::BatchResolveKeysRequest { keys, omit_descs } = request.into_inner();
-        self.blocking(move |d| d.batch_resolve(keys, omit_descs)).await.map(Response::new)
+        self.blocking(move |d| d.batch_resolve(keys, omit_descs))
+            .instrument(phase!(phases::PEER_RESOLVE))
+            .await
+            .map(Response::new)
     }
 
     async fn release_reads(

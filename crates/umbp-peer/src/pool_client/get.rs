@@ -29,7 +29,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use tracing::Instrument;
+
 use super::holder::{Answer, Hit, Holder, unreachable};
+use super::phases::{self, phase};
 use super::support::{
     BatchProgress, BusyWait, PageLayout, chunk_by_bytes, join_all, pipelined, refuses_connections, route_by_exclude_set,
 };
@@ -172,7 +175,7 @@ impl PoolClient {
     pub async fn batch_get(&self, keys: &[&str], bufs: &mut [&mut [u8]]) -> Vec<Result<u64, KeyError>> {
         // The caller's buffers, borrowed for this call (every transfer is waited for).
         let targets: Vec<CallerBuf> = bufs.iter_mut().map(|b| CallerBuf::of_mut(b)).collect();
-        self.get_bufs(keys, &targets).await
+        self.get_bufs(keys, &targets).instrument(phase!(phases::GET)).await
     }
 
     /// [`batch_get`](Self::batch_get) into raw ranges `(ptr, len)`: the way to get into memory no
@@ -193,7 +196,7 @@ impl PoolClient {
         bufs: &[(NonNull<u8>, usize)],
     ) -> Vec<Result<u64, KeyError>> {
         let targets: Vec<CallerBuf> = bufs.iter().map(|(ptr, len)| CallerBuf { ptr: *ptr, len: *len }).collect();
-        self.get_bufs(keys, &targets).await
+        self.get_bufs(keys, &targets).instrument(phase!(phases::GET)).await
     }
 
     /// The get path over caller buffers (slices or raw ranges).
@@ -256,7 +259,7 @@ impl PoolClient {
         let mut local_hits = Vec::new();
         if self.medium.is_some() {
             let asked: Vec<(usize, Asked)> = (0..n).map(|i| (i, Asked::First)).collect();
-            let resolved = self.resolve_at(&here, keys, &asked).await;
+            let resolved = self.resolve_at(&here, keys, &asked).instrument(phase!(phases::GET_LOCAL)).await;
             self.take_answers(&here, &asked, resolved, bufs, &mut st, &mut carried);
             for p in &carried.planned {
                 read_locally[p.index] = true;
@@ -298,19 +301,22 @@ impl PoolClient {
                     None => to_route.push(i),
                 }
             }
-            self.route_gets(keys, &to_route, &here, &mut st, &mut groups).await;
+            self.route_gets(keys, &to_route, &here, &mut st, &mut groups).instrument(phase!(phases::GET_ROUTE)).await;
             // Resolve on every holder concurrently, right before the submit.
             let groups: Vec<(Target, Vec<(usize, Asked)>)> = groups.into_iter().collect();
             let resolved =
-                join_all(groups.iter().map(|(target, asked)| self.resolve_at(target, keys, asked)).collect()).await;
+                join_all(groups.iter().map(|(target, asked)| self.resolve_at(target, keys, asked)).collect())
+                    .instrument(phase!(phases::GET_RESOLVE))
+                    .await;
             for ((target, asked), resolved) in groups.iter().zip(resolved) {
                 self.take_answers(target, asked, resolved, bufs, &mut st, &mut round);
             }
             busy.round(round.planned.iter().any(|p| p.copied));
-            let failed = self.run_transfers(std::mem::take(&mut round.transfers)).await;
+            let failed =
+                self.run_transfers(std::mem::take(&mut round.transfers)).instrument(phase!(phases::GET_TRANSFER)).await;
             let ended = self.clock.now();
             // Every copy of this round is over: its holders may reuse the pages now.
-            self.release_reads(keys, &round.planned, &st).await;
+            self.release_reads(keys, &round.planned, &st).instrument(phase!(phases::GET_RELEASE)).await;
             for p in round.planned.into_iter().filter(|p| p.copied) {
                 let node = p.holder.node().to_owned();
                 if let Some((kind, message)) = failed.get(&(p.index as u64)) {

@@ -6,6 +6,9 @@ use std::collections::HashMap;
 
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation, ReadRelease};
 
+use tracing::Instrument;
+
+use super::phases::{self, phase};
 use super::support::{blocking, medium_call};
 use super::*;
 use crate::peer_client::{LeaseRelease, PeerClient, PeerClientError};
@@ -108,7 +111,11 @@ impl Holder {
             }
             Self::Peer(p) => {
                 let node = p.node();
-                let answers = p.allocate(tier, &requests).await.map_err(|e| unreachable(node, e))?;
+                let answers = p
+                    .allocate(tier, &requests)
+                    .instrument(phase!(phases::PUT_ALLOCATE_RPC))
+                    .await
+                    .map_err(|e| unreachable(node, e))?;
                 let descs: Vec<_> = answers.iter().flat_map(|a| a.result.descs.iter().cloned()).collect();
                 directory.replace_remote_buffers(node, &descs);
                 let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
@@ -152,7 +159,11 @@ impl Holder {
                 out.resize(n, false);
                 Ok(out)
             }
-            Self::Peer(p) => p.commit(&commits).await.map_err(|e| unreachable(p.node(), e)),
+            Self::Peer(p) => p
+                .commit(&commits)
+                .instrument(phase!(phases::PUT_COMMIT_RPC))
+                .await
+                .map_err(|e| unreachable(p.node(), e)),
         }
     }
 
@@ -207,6 +218,7 @@ impl Holder {
                     let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
                     (m.batch_resolve(&keys, false), Some(refs))
                 })
+                .instrument(phase!(phases::GET_RESOLVE_MEDIUM))
                 .await
                 .unwrap_or_default();
                 let mut answers: Vec<Answer> = resolved
@@ -229,7 +241,10 @@ impl Holder {
             }
             Self::Peer(p) => {
                 let node = p.node();
-                let decoded = p.resolve(keys, directory.has_remote_buffers(node)).await?;
+                let decoded = p
+                    .resolve(keys, directory.has_remote_buffers(node))
+                    .instrument(phase!(phases::GET_RESOLVE_RPC))
+                    .await?;
                 directory.replace_remote_buffers(node, &decoded.descs);
                 let mut shelves: HashMap<u32, Arc<[Option<TransferRef>]>> = HashMap::new();
                 Ok(decoded

@@ -29,6 +29,7 @@ mod error;
 mod get;
 mod holder;
 mod metrics;
+pub mod phases;
 mod put;
 mod support;
 

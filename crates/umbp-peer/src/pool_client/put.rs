@@ -27,7 +27,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
 
+use tracing::Instrument;
+
 use super::holder::{Allocation, Holder};
+use super::phases::{self, phase};
 use super::support::{
     BatchProgress, BusyWait, PageLayout, SlotGuard, chunk_by_bytes, join_all, pipelined, route_by_exclude_set,
 };
@@ -133,7 +136,7 @@ impl PoolClient {
     /// already present.
     pub async fn batch_put_outcomes(&self, items: &[(&str, &[u8])]) -> Vec<Result<PutOutcome, KeyError>> {
         let bufs: Vec<(&str, CallerBuf)> = items.iter().map(|(k, v)| (*k, CallerBuf::of(v))).collect();
-        self.put_bufs(&bufs).await
+        self.put_bufs(&bufs).instrument(phase!(phases::PUT)).await
     }
 
     /// Writes every `(key, value)`; one result per item, in order. A key the pool already holds counts
@@ -158,7 +161,7 @@ impl PoolClient {
     pub async unsafe fn batch_put_raw(&self, items: &[(&str, NonNull<u8>, usize)]) -> Vec<Result<(), KeyError>> {
         let bufs: Vec<(&str, CallerBuf)> =
             items.iter().map(|(k, ptr, len)| (*k, CallerBuf { ptr: *ptr, len: *len })).collect();
-        self.put_bufs(&bufs).await.into_iter().map(|r| r.map(|_| ())).collect()
+        self.put_bufs(&bufs).instrument(phase!(phases::PUT)).await.into_iter().map(|r| r.map(|_| ())).collect()
     }
 
     /// The put path over caller buffers (slices or raw ranges).
@@ -237,7 +240,7 @@ impl PoolClient {
                     }
                     groups = match granted_tier {
                         Some(tier) if attempt == 0 => vec![self.local_group(tier, fresh)],
-                        _ => self.route_puts(items, &fresh, &mut st).await,
+                        _ => self.route_puts(items, &fresh, &mut st).instrument(phase!(phases::PUT_ROUTE)).await,
                     };
                     attempt += 1;
                 }
@@ -261,7 +264,7 @@ impl PoolClient {
             }
             let settled = st.results.len();
             let allocated = self.put_round(items, &groups, &mut guard, &mut st).await;
-            guard.abort_all().await;
+            guard.abort_all().instrument(phase!(phases::PUT_ABORT)).await;
             wait.round(allocated || st.results.len() > settled);
         }
         st
@@ -349,7 +352,9 @@ impl PoolClient {
     ) -> bool {
         let mut allocated_any = false;
         // 1. Allocate on every node at once.
-        let allocs = join_all(groups.iter().map(|g| self.allocate_group(items, g)).collect()).await;
+        let allocs = join_all(groups.iter().map(|g| self.allocate_group(items, g)).collect())
+            .instrument(phase!(phases::PUT_ALLOCATE))
+            .await;
         let mut transfers = Vec::new();
         let mut planned: Vec<(usize, usize, u64, Instant)> = Vec::new();
         let mut holders: Vec<Option<Holder>> = vec![None; groups.len()];
@@ -414,7 +419,7 @@ impl PoolClient {
             }
         }
         // 2. One submit for every group (the local copies complete in submit), then wait.
-        let failed = self.run_transfers(transfers).await;
+        let failed = self.run_transfers(transfers).instrument(phase!(phases::PUT_TRANSFER)).await;
         let ended = self.clock.now();
         let mut commits: BTreeMap<usize, Vec<(usize, u64)>> = BTreeMap::new();
         for (g, i, slot_id, deadline) in planned {
@@ -438,6 +443,7 @@ impl PoolClient {
         // Only groups that allocated planned a copy: each has its holder.
         let replies =
             join_all(commits.iter().map(|(g, list)| self.commit_group(items, holders[*g].as_ref(), list)).collect())
+                .instrument(phase!(phases::PUT_COMMIT))
                 .await;
         for ((g, list), reply) in commits.iter().zip(replies) {
             let node = groups[*g].node.as_str();
