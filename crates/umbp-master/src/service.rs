@@ -228,6 +228,9 @@ pub(crate) struct ServiceStats {
     pub(crate) route_get_keys: AtomicU64,
 }
 
+/// `node_id → data endpoint` of the put candidates, beside them (a route put's reply names it).
+type DataEndpoints = HashMap<Arc<str>, Arc<str>>;
+
 /// The `UMBPMaster` implementation.
 #[derive(Debug, Clone)]
 pub(crate) struct MasterService {
@@ -245,18 +248,24 @@ pub(crate) struct MasterService {
 }
 
 impl MasterService {
-    /// Every ALIVE node with a reachable peer service and at least one medium, as put candidates.
-    fn put_candidates(&self) -> Result<Vec<Candidate>, Status> {
+    /// Every ALIVE node with a reachable peer service and at least one medium, as put candidates,
+    /// with each candidate's data endpoint by node id (kept beside the routing type, which needs none).
+    fn put_candidates(&self) -> Result<(Vec<Candidate>, DataEndpoints), Status> {
         let nodes = self.store.list_alive().map_err(store_status)?;
-        Ok(nodes
+        let mut endpoints = HashMap::with_capacity(nodes.len());
+        let candidates = nodes
             .into_iter()
             .filter(|n| n.status == NodeStatus::Alive && !n.peer_address.is_empty() && !n.caps.is_empty())
-            .map(|n| Candidate {
-                node_id: n.node_id,
-                peer_address: n.peer_address,
-                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+            .map(|n| {
+                endpoints.insert(Arc::clone(&n.node_id), n.data_endpoint);
+                Candidate {
+                    node_id: n.node_id,
+                    peer_address: n.peer_address,
+                    tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+                }
             })
-            .collect())
+            .collect();
+        Ok((candidates, endpoints))
     }
 
     fn route_put_batch(
@@ -292,7 +301,7 @@ impl MasterService {
                 }
             }
         }
-        let candidates = self.put_candidates()?;
+        let (candidates, endpoints) = self.put_candidates()?;
         let mut decisions = self.put.select_batch(requester, sizes, &exists, &candidates, exclude, &mut rand::rng());
         // A repeat of a key routed (or already stored) is AlreadyExists: the writer writes the key
         // once. A repeat of a key that could not be placed is Unavailable like its first occurrence.
@@ -312,6 +321,7 @@ impl MasterService {
                     node_id: p.node_id.to_string(),
                     tier: tier_to_wire(p.tier),
                     peer_address: p.peer_address.to_string(),
+                    data_endpoint: endpoints.get(&p.node_id).map(|e| e.to_string()).unwrap_or_default(),
                 },
                 PutDecision::AlreadyExists => v1::RoutePutEntry {
                     outcome: v1::RoutePutOutcome::RoutePutAlreadyExists as i32,
@@ -457,8 +467,15 @@ impl MasterService {
                 Some(loc) => {
                     let next = node_index.len() as u32 + 1;
                     let index = *node_index.entry(loc.node_id.clone()).or_insert_with(|| {
-                        let peer = view.get(&loc.node_id).map(|p| p.to_string()).unwrap_or_default();
-                        reply.nodes.push(v1::NodeInfo { node_id: loc.node_id.to_string(), peer_address: peer });
+                        let (peer_address, data_endpoint) = view
+                            .get(&loc.node_id)
+                            .map(|p| (p.peer_address.to_string(), p.data_endpoint.to_string()))
+                            .unwrap_or_default();
+                        reply.nodes.push(v1::NodeInfo {
+                            node_id: loc.node_id.to_string(),
+                            peer_address,
+                            data_endpoint,
+                        });
                         next
                     });
                     reply.node_ref.push(index);
@@ -587,6 +604,7 @@ impl UmbpMaster for MasterService {
             node_id: entry.node_id,
             tier: entry.tier,
             peer_address: entry.peer_address,
+            data_endpoint: entry.data_endpoint,
         }))
     }
 
@@ -602,6 +620,7 @@ impl UmbpMaster for MasterService {
                 tier: reply.tier.first().copied().unwrap_or(0),
                 size: reply.size.first().copied().unwrap_or(0),
                 peer_address: node.peer_address.clone(),
+                data_endpoint: node.data_endpoint.clone(),
             },
             None => v1::RouteGetResponse::default(),
         }))
@@ -677,7 +696,7 @@ fn cluster_status(store: &dyn MetadataStore, retention_ms: u64) -> Result<v1::Ge
             node_id: n.node_id.to_string(),
             node_address: n.node_address,
             peer_address: n.peer_address.to_string(),
-            data_endpoint: n.data_endpoint,
+            data_endpoint: n.data_endpoint.to_string(),
             status: match n.status {
                 NodeStatus::Alive => v1::NodeStatus::Alive as i32,
                 NodeStatus::Expired => v1::NodeStatus::Expired as i32,

@@ -10,7 +10,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request};
 use umbp_core::TierType;
 use umbp_master::store::{
-    EvictionCandidate, HeartbeatApply, HeartbeatOutcome, InMemoryStore, Location, MetadataStore, NodeRecord,
+    EvictionCandidate, HeartbeatApply, HeartbeatOutcome, InMemoryStore, Location, MetadataStore, NodeRecord, PeerView,
     RegisterOutcome, Registration, StoreError,
 };
 use umbp_master::{MasterConfig, MasterHandle, TOKEN_METADATA};
@@ -100,6 +100,69 @@ async fn register_heartbeat_route_and_lookup() {
     assert_eq!(put.entries[0].outcome, v1::RoutePutOutcome::RoutePutAlreadyExists as i32, "master-side dedup");
     assert_eq!(put.entries[1].outcome, v1::RoutePutOutcome::RoutePutRouted as i32);
     assert_eq!(put.entries[1].node_id, "n1");
+    m.shutdown().await;
+}
+
+/// A route reply names the holder's (or target's) data endpoint as it registered it, so a client can
+/// go straight to its data server; a node that registered none is named with an empty one.
+#[tokio::test]
+async fn route_replies_carry_the_registered_data_endpoint() {
+    let (m, mut c) = master(config()).await;
+    let with =
+        v1::RegisterClientRequest { data_endpoint: "127.0.0.1:9101".into(), ..registration("n1", "127.0.0.1:7001") };
+    let without = v1::RegisterClientRequest { data_endpoint: String::new(), ..registration("n2", "127.0.0.1:7002") };
+    c.register_client(with).await.expect("register n1");
+    c.register_client(without).await.expect("register n2");
+    c.heartbeat(delta("n1", vec![(1, vec![add("a", 10)])])).await.expect("hb n1");
+    c.heartbeat(delta("n2", vec![(1, vec![add("b", 20)])])).await.expect("hb n2");
+
+    let keys = vec!["a".to_string(), "b".to_string(), "zz".to_string()];
+    let get = c
+        .batch_route_get(v1::BatchRouteGetRequest { node_id: "reader".into(), keys, exclude_nodes: vec![] })
+        .await
+        .expect("route get")
+        .into_inner();
+    let endpoint_of = |i: usize| {
+        let node = &get.nodes[get.node_ref[i] as usize - 1];
+        (node.node_id.as_str(), node.data_endpoint.as_str())
+    };
+    assert_eq!(endpoint_of(0), ("n1", "127.0.0.1:9101"));
+    assert_eq!(endpoint_of(1), ("n2", ""), "a node that registered no data endpoint");
+    assert_eq!(get.node_ref[2], 0);
+
+    let one = c
+        .route_get(v1::RouteGetRequest { key: "a".into(), node_id: "reader".into(), exclude_nodes: vec![] })
+        .await
+        .expect("unary route get")
+        .into_inner();
+    assert!(one.found);
+    assert_eq!((one.node_id.as_str(), one.data_endpoint.as_str()), ("n1", "127.0.0.1:9101"));
+
+    // Only n1 may take the put: n2 is excluded.
+    let put = c
+        .batch_route_put(v1::BatchRoutePutRequest {
+            node_id: "writer".into(),
+            keys: vec!["new".into()],
+            block_sizes: vec![4096],
+            exclude_nodes: vec!["n2".into()],
+        })
+        .await
+        .expect("route put")
+        .into_inner();
+    assert_eq!(put.entries[0].outcome, v1::RoutePutOutcome::RoutePutRouted as i32);
+    assert_eq!((put.entries[0].node_id.as_str(), put.entries[0].data_endpoint.as_str()), ("n1", "127.0.0.1:9101"));
+    let put = c
+        .route_put(v1::RoutePutRequest {
+            key: "other".into(),
+            node_id: "writer".into(),
+            block_size: 4096,
+            exclude_nodes: vec!["n1".into()],
+        })
+        .await
+        .expect("unary route put")
+        .into_inner();
+    assert_eq!(put.outcome, v1::RoutePutOutcome::RoutePutRouted as i32);
+    assert_eq!((put.node_id.as_str(), put.data_endpoint.as_str()), ("n2", ""));
     m.shutdown().await;
 }
 
@@ -447,7 +510,7 @@ impl MetadataStore for GhostLocations {
     fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
         self.0.list_nodes()
     }
-    fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, Arc<str>>, StoreError> {
+    fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, PeerView>, StoreError> {
         self.0.alive_peer_view()
     }
     fn key_count(&self) -> Result<u64, StoreError> {

@@ -18,7 +18,7 @@ fn register_inserts_alive_record_at_seq_zero() {
         assert_eq!(rec.status, NodeStatus::Alive);
         assert_eq!((rec.last_heartbeat_ms, rec.registered_at_ms, rec.last_applied_seq), (1_000, 1_000, 0));
         assert_eq!(&*rec.peer_address, "a:7000");
-        assert_eq!(rec.data_endpoint, "a:7001");
+        assert_eq!(&*rec.data_endpoint, "a:7001");
         assert_eq!(rec.node_address, "127.0.0.1");
         assert_eq!(rec.tags, vec!["role=test".to_owned()]);
         assert_eq!(rec.caps, vec![TierCap::new(TierType::Dram, 1 << 30, 1 << 30)]);
@@ -193,5 +193,6 @@ fn listings_are_sorted_and_peer_view_has_alive_only() {
     assert_eq!(ids(store.list_alive().unwrap()), vec!["a", "c"]);
     let view = store.alive_peer_view().unwrap();
     assert_eq!(view.len(), 2);
-    assert_eq!(view.get("a").map(|p| &**p), Some("a:7000"));
+    assert_eq!(view.get("a").map(|p| &*p.peer_address), Some("a:7000"));
+    assert_eq!(view.get("a").map(|p| &*p.data_endpoint), Some("a:7001"), "the data endpoint as registered");
 }

@@ -291,7 +291,7 @@ fn rebuild_node_record(master: &MasterHandle, id: &str) {
         node_id: id.into(),
         node_address: rec.node_address.clone(),
         peer_address: rec.peer_address.to_string(),
-        data_endpoint: rec.data_endpoint.clone(),
+        data_endpoint: rec.data_endpoint.to_string(),
         tier_capacities: rec.caps.clone(),
         tags: rec.tags.clone(),
         // The same process: a rebuilt record of the incarnation that stands.

@@ -22,11 +22,23 @@ async fn routed_client(master: &FakeMaster, config: MasterClientConfig) -> umbp_
 }
 
 fn nodes(ids: &[&str]) -> Vec<pb::NodeInfo> {
-    ids.iter().map(|id| pb::NodeInfo { node_id: (*id).into(), peer_address: format!("{id}.peer:7001") }).collect()
+    ids.iter()
+        .map(|id| pb::NodeInfo {
+            node_id: (*id).into(),
+            peer_address: format!("{id}.peer:7001"),
+            data_endpoint: format!("{id}.data:7002"),
+        })
+        .collect()
 }
 
 fn hit(node: &str, tier: TierType, size: u64) -> Option<RouteGetHit> {
-    Some(RouteGetHit { node_id: node.into(), peer_address: format!("{node}.peer:7001"), tier, size })
+    Some(RouteGetHit {
+        node_id: node.into(),
+        peer_address: format!("{node}.peer:7001"),
+        data_endpoint: format!("{node}.data:7002"),
+        tier,
+        size,
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -126,6 +138,7 @@ async fn route_put_and_lookup_replies_are_validated() {
                 node_id: "n1".into(),
                 tier: pb::TierType::TierDram as i32,
                 peer_address: "n1.peer:7001".into(),
+                data_endpoint: "n1.data:7002".into(),
             },
             pb::RoutePutEntry { outcome: pb::RoutePutOutcome::RoutePutAlreadyExists as i32, ..Default::default() },
             pb::RoutePutEntry::default(),
@@ -138,7 +151,8 @@ async fn route_put_and_lookup_replies_are_validated() {
             RoutePutDecision::Routed {
                 node_id: "n1".into(),
                 tier: TierType::Dram,
-                peer_address: "n1.peer:7001".into()
+                peer_address: "n1.peer:7001".into(),
+                data_endpoint: "n1.data:7002".into(),
             },
             RoutePutDecision::AlreadyExists,
             RoutePutDecision::Unavailable,

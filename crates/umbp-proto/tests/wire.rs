@@ -58,7 +58,11 @@ fn buffer_desc_field_numbers_are_pinned() {
 #[test]
 fn columnar_route_get_reply_round_trips() {
     let r = v1::BatchRouteGetResponse {
-        nodes: vec![v1::NodeInfo { node_id: "a".into(), peer_address: "127.0.0.1:1".into() }],
+        nodes: vec![v1::NodeInfo {
+            node_id: "a".into(),
+            peer_address: "127.0.0.1:1".into(),
+            data_endpoint: "127.0.0.1:2".into(),
+        }],
         node_ref: vec![1, 0, 1],
         tier: vec![v1::TierType::TierDram as i32; 3],
         size: vec![10, 0, 30],
@@ -124,4 +128,22 @@ fn the_allocate_busy_value_and_accepts_busy_field_are_pinned() {
     // An older caller's request (no field 2) reads as not accepting busy.
     let old = v1::BatchAllocateSlotsRequest::decode([0x0a, 0x00].as_slice()).expect("decodes");
     assert!(!old.accepts_busy && old.entries.len() == 1);
+}
+
+#[test]
+fn the_route_reply_data_endpoint_field_numbers_are_pinned() {
+    // NodeInfo.data_endpoint = 3: tag 0x1a.
+    let node = v1::NodeInfo { data_endpoint: "d".into(), ..Default::default() };
+    assert_eq!(node.encode_to_vec(), vec![0x1a, 1, b'd']);
+    // RoutePutEntry.data_endpoint = 5 and RoutePutResponse.data_endpoint = 5: tag 0x2a.
+    let entry = v1::RoutePutEntry { data_endpoint: "d".into(), ..Default::default() };
+    assert_eq!(entry.encode_to_vec(), vec![0x2a, 1, b'd']);
+    let put = v1::RoutePutResponse { data_endpoint: "d".into(), ..Default::default() };
+    assert_eq!(put.encode_to_vec(), vec![0x2a, 1, b'd']);
+    // RouteGetResponse.data_endpoint = 6: tag 0x32.
+    let get = v1::RouteGetResponse { data_endpoint: "d".into(), ..Default::default() };
+    assert_eq!(get.encode_to_vec(), vec![0x32, 1, b'd']);
+    // An older master's node (no field 3) reads as having no data endpoint.
+    let old = v1::NodeInfo::decode([0x0a, 1, b'n'].as_slice()).expect("decodes");
+    assert!(old.node_id == "n" && old.data_endpoint.is_empty());
 }

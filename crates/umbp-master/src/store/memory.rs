@@ -44,7 +44,7 @@ use umbp_core::{KvEvent, KvEventKind, TierType};
 
 use super::{
     EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, Location, MetadataStore, NodeRecord,
-    NodeStatus, RegisterOutcome, Registration, StoreError, TierCap,
+    NodeStatus, PeerView, RegisterOutcome, Registration, StoreError, TierCap,
 };
 
 /// Block shards of [`InMemoryStore::new`] (the reference's `UMBP_MASTER_INDEX_SHARDS` default).
@@ -603,7 +603,7 @@ impl MetadataStore for InMemoryStore {
                 node_id: Arc::clone(&node_id),
                 node_address: reg.node_address,
                 peer_address: Arc::from(reg.peer_address),
-                data_endpoint: reg.data_endpoint,
+                data_endpoint: Arc::from(reg.data_endpoint),
                 tags: reg.tags,
                 status: NodeStatus::Alive,
                 last_heartbeat_ms: now_ms,
@@ -912,12 +912,18 @@ impl MetadataStore for InMemoryStore {
         Ok(self.records(false))
     }
 
-    fn alive_peer_view(&self) -> Result<StdHashMap<Arc<str>, Arc<str>>, StoreError> {
+    fn alive_peer_view(&self) -> Result<StdHashMap<Arc<str>, PeerView>, StoreError> {
         let meta = self.meta.read();
         Ok(meta
             .values()
             .filter(|state| state.record.status == NodeStatus::Alive)
-            .map(|state| (Arc::clone(&state.record.node_id), Arc::clone(&state.record.peer_address)))
+            .map(|state| {
+                let view = PeerView {
+                    peer_address: Arc::clone(&state.record.peer_address),
+                    data_endpoint: Arc::clone(&state.record.data_endpoint),
+                };
+                (Arc::clone(&state.record.node_id), view)
+            })
             .collect())
     }
 

@@ -97,6 +97,16 @@ pub struct Registration {
     pub incarnation: u64,
 }
 
+/// How to reach one ALIVE node, as [`MetadataStore::alive_peer_view`] lists it (cheap to clone: two
+/// shared strings).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PeerView {
+    /// `host:port` of the node's peer service; empty for a client-only node.
+    pub peer_address: Arc<str>,
+    /// `host:port` of the node's data-plane server; empty if it registered none.
+    pub data_endpoint: Arc<str>,
+}
+
 /// Liveness of a node that has a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NodeStatus {
@@ -116,8 +126,8 @@ pub struct NodeRecord {
     pub node_address: String,
     /// `host:port` of the node's peer service.
     pub peer_address: Arc<str>,
-    /// `host:port` of the node's data-plane server.
-    pub data_endpoint: String,
+    /// `host:port` of the node's data-plane server; empty if it registered none.
+    pub data_endpoint: Arc<str>,
     /// Operator tags.
     pub tags: Vec<String>,
     /// Alive or expired.
@@ -491,11 +501,12 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// Backend failures.
     fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
 
-    /// `node_id → peer_address` of every ALIVE node.
+    /// `node_id →` how to reach it (peer-service address and data endpoint, as registered) for every
+    /// ALIVE node. Route get answers with it, once per call.
     ///
     /// # Errors
     /// Backend failures.
-    fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, Arc<str>>, StoreError>;
+    fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, PeerView>, StoreError>;
 
     /// Distinct keys in the index.
     ///
@@ -594,7 +605,7 @@ mod tests {
         fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
             Ok(Vec::new())
         }
-        fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, Arc<str>>, StoreError> {
+        fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, PeerView>, StoreError> {
             Ok(HashMap::new())
         }
         fn key_count(&self) -> Result<u64, StoreError> {

@@ -57,6 +57,9 @@ pub enum RoutePutDecision {
         tier: TierType,
         /// `host:port` of the target's peer service.
         peer_address: String,
+        /// `host:port` of the target's data-plane server; empty when it registered none or the
+        /// master is older than this field.
+        data_endpoint: String,
     },
     /// The master's index already holds the key: nothing to write (count it as a success).
     AlreadyExists,
@@ -71,6 +74,9 @@ pub struct RouteGetHit {
     pub node_id: String,
     /// `host:port` of that node's peer service.
     pub peer_address: String,
+    /// `host:port` of that node's data-plane server; empty when it registered none or the master is
+    /// older than this field.
+    pub data_endpoint: String,
     /// The tier it is on.
     pub tier: TierType,
     /// Its size in bytes, as the holder reported it.

@@ -93,6 +93,7 @@ pub(crate) fn decode_route_put(keys: usize, reply: pb::BatchRoutePutResponse) ->
                     node_id: e.node_id,
                     tier: tier_from_wire(e.tier),
                     peer_address: e.peer_address,
+                    data_endpoint: e.data_endpoint,
                 })
             }
             Ok(pb::RoutePutOutcome::RoutePutAlreadyExists) => Ok(RoutePutDecision::AlreadyExists),
@@ -129,6 +130,7 @@ pub(crate) fn decode_route_get(
         hits.push(Some(RouteGetHit {
             node_id: node.node_id.clone(),
             peer_address: node.peer_address.clone(),
+            data_endpoint: node.data_endpoint.clone(),
             tier: tier_from_wire(reply.tier[i]),
             size: reply.size[i],
         }));
@@ -187,7 +189,7 @@ mod tests {
     use super::*;
 
     fn node(id: &str) -> pb::NodeInfo {
-        pb::NodeInfo { node_id: id.into(), peer_address: format!("{id}:7000") }
+        pb::NodeInfo { node_id: id.into(), peer_address: format!("{id}:7000"), data_endpoint: format!("{id}:7002") }
     }
 
     fn reply(nodes: &[&str], refs: &[u32], tiers: &[TierType], sizes: &[u64]) -> pb::BatchRouteGetResponse {
@@ -201,17 +203,20 @@ mod tests {
 
     #[test]
     fn columnar_reply_dedups_nodes_with_one_based_refs() {
-        let r = reply(
+        let mut r = reply(
             &["a", "b"],
             &[1, 2, 1, 0],
             &[TierType::Dram, TierType::Hbm, TierType::Ssd, TierType::Unknown],
             &[10, 20, 30, 0],
         );
+        // "b" as an older master (or a node that registered no data server) sends it: no endpoint.
+        r.nodes[1].data_endpoint.clear();
         let hits = decode_route_get(4, r).expect("valid");
         let a = hits[0].as_ref().expect("hit");
         assert_eq!((a.node_id.as_str(), a.peer_address.as_str(), a.tier, a.size), ("a", "a:7000", TierType::Dram, 10));
+        assert_eq!(a.data_endpoint, "a:7002");
         let b = hits[1].as_ref().expect("hit");
-        assert_eq!((b.node_id.as_str(), b.tier, b.size), ("b", TierType::Hbm, 20));
+        assert_eq!((b.node_id.as_str(), b.tier, b.size, b.data_endpoint.as_str()), ("b", TierType::Hbm, 20, ""));
         let a2 = hits[2].as_ref().expect("hit");
         assert_eq!((a2.node_id.as_str(), a2.tier, a2.size), ("a", TierType::Ssd, 30));
         assert!(hits[3].is_none(), "ref 0 is a miss");
@@ -259,6 +264,7 @@ mod tests {
             node_id: id.into(),
             tier: tier_to_wire(TierType::Dram),
             peer_address: "p:1".into(),
+            data_endpoint: "d:2".into(),
         };
         let exists =
             pb::RoutePutEntry { outcome: pb::RoutePutOutcome::RoutePutAlreadyExists as i32, ..Default::default() };
@@ -271,7 +277,12 @@ mod tests {
         assert_eq!(
             ok,
             vec![
-                RoutePutDecision::Routed { node_id: "a".into(), tier: TierType::Dram, peer_address: "p:1".into() },
+                RoutePutDecision::Routed {
+                    node_id: "a".into(),
+                    tier: TierType::Dram,
+                    peer_address: "p:1".into(),
+                    data_endpoint: "d:2".into(),
+                },
                 RoutePutDecision::AlreadyExists,
                 RoutePutDecision::Unavailable,
                 RoutePutDecision::Unavailable,

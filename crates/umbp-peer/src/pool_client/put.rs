@@ -333,7 +333,7 @@ impl PoolClient {
                     let e = st.last_error.remove(&i).unwrap_or(KeyError::NoSpace { size });
                     st.results.insert(i, Err(e));
                 }
-                Ok(RoutePutDecision::Routed { node_id, peer_address, tier }) => {
+                Ok(RoutePutDecision::Routed { node_id, peer_address, tier, .. }) => {
                     groups.entry((node_id, peer_address, tier)).or_default().push(i)
                 }
             }

@@ -122,7 +122,7 @@ impl Model {
             node_id: NODE.into(),
             node_address: rec.node_address.clone(),
             peer_address: rec.peer_address.to_string(),
-            data_endpoint: rec.data_endpoint.clone(),
+            data_endpoint: rec.data_endpoint.to_string(),
             tier_capacities: rec.caps.clone(),
             tags: rec.tags.clone(),
             incarnation: rec.incarnation,
