@@ -69,7 +69,10 @@ pub use engine::{
 pub use fd_limit::raise_open_file_limit;
 pub use gpu::{GpuCopyConfig, GpuCopyEngine};
 pub use local::{LocalCopyConfig, LocalCopyEngine};
-pub use tcp::{DataServer, DataServerConfig, TcpEngine, TcpEngineConfig, TcpStartError};
+pub use tcp::{
+    DataServer, DataServerConfig, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedHandler, KeyedLease,
+    KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite, TcpEngine, TcpEngineConfig, TcpStartError,
+};
 
 const _: () = {
     const fn pin<T: Send + Sync>() {}

@@ -890,8 +890,16 @@ fn status_kind(status: Status) -> FailureKind {
         Status::Ok => FailureKind::Local,
         Status::UnknownRegion => FailureKind::UnknownRegion,
         Status::OutOfRange => FailureKind::OutOfRange,
-        Status::BadRequest => FailureKind::Protocol,
         Status::DeviceError => FailureKind::RemoteDevice,
+        // Keyed statuses never answer a READ or WRITE: a server that sends one is off protocol.
+        Status::BadRequest
+        | Status::Miss
+        | Status::Busy
+        | Status::TooSmall
+        | Status::Exists
+        | Status::NoSpace
+        | Status::Failed
+        | Status::Unsupported => FailureKind::Protocol,
     }
 }
 
@@ -905,7 +913,7 @@ fn status_message(status: Status, req: &Req, endpoint: &str) -> String {
             "{endpoint} could not copy [{}, +{}) of GPU region {} through host staging (its GPU runtime failed)",
             req.remote_offset, req.len, req.region
         ),
-        Status::BadRequest | Status::Ok => format!("{endpoint} refused the request ({})", status.as_str()),
+        _ => format!("{endpoint} refused the request ({})", status.as_str()),
     }
 }
 

@@ -20,6 +20,11 @@
 //! a bounded host buffer per connection, copying with the runtime (see [`DataServer`]). Peers see
 //! no difference. A GPU region is never the *local* side of this engine's own transfers.
 //!
+//! # Client only
+//! A node that lends no memory starts its engine [`TcpEngine::client_only`]: no data server
+//! listens (no port, no thread of a server) and its endpoint is "". It reaches peers as any engine
+//! does; only memory for peers to reach cannot be registered with it.
+//!
 //! # Threads
 //! The server: a gate thread that accepts every connection and runs every handshake over
 //! non-blocking sockets (a connection that has not authenticated costs a descriptor, never a
@@ -41,6 +46,8 @@ mod conns;
 mod error;
 mod gate;
 mod io;
+pub(crate) mod keyed;
+mod keyed_client;
 pub(crate) mod protocol;
 mod regions;
 mod server;
@@ -56,6 +63,8 @@ use umbp_gpu::GpuRuntime;
 
 use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandle};
 pub use self::error::TcpStartError;
+pub use self::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
+pub use self::keyed_client::{KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut};
 use self::protocol::{MAX_REQUEST_BYTES, Op};
 use self::regions::LocalSide;
 pub use self::server::{DataServer, DataServerConfig};
@@ -182,7 +191,26 @@ impl TcpEngine {
         Self::start(config, Some(runtime))
     }
 
+    /// An engine that only reaches peers and serves none: no data server listens (no socket, no
+    /// thread of a server), [`endpoint`](Self::endpoint) is "" and `config.server`'s address is
+    /// not used. It reads and writes peers' regions exactly as [`new`](Self::new)'s does, from
+    /// unregistered caller memory or from memory registered
+    /// [local only](TransferEngine::register_local_only); registering memory for peers to reach
+    /// ([`MemoryRegistrar::register_memory`]) fails with [`RegistrationError::Refused`]. For a node
+    /// that lends no medium.
+    ///
+    /// # Errors
+    /// The token is longer than the protocol allows (1024 bytes) or conflicts with
+    /// `server.cluster_token`.
+    pub fn client_only(config: TcpEngineConfig) -> Result<Self, TcpStartError> {
+        Self::build(config, None, false)
+    }
+
     fn start(config: TcpEngineConfig, gpu: Option<Arc<dyn GpuRuntime>>) -> Result<Self, TcpStartError> {
+        Self::build(config, gpu, true)
+    }
+
+    fn build(config: TcpEngineConfig, gpu: Option<Arc<dyn GpuRuntime>>, serve: bool) -> Result<Self, TcpStartError> {
         if config.server.cluster_token.is_some() && config.server.cluster_token != config.cluster_token {
             return Err(TcpStartError::ConflictingTokens);
         }
@@ -190,7 +218,11 @@ impl TcpEngine {
         let hello = protocol::encode_hello(token)
             .map_err(|_| TcpStartError::TokenTooLong { len: token.len(), max: protocol::MAX_TOKEN_LEN })?;
         let server_config = DataServerConfig { cluster_token: config.cluster_token.clone(), ..config.server.clone() };
-        let server = DataServer::start_with(server_config, Arc::default(), gpu)?;
+        let server = if serve {
+            DataServer::start_with(server_config, Arc::default(), gpu)?
+        } else {
+            DataServer::unbound(server_config, Arc::default())
+        };
         let client = Arc::new(ClientShared {
             connect_timeout: config.connect_timeout,
             io_timeout: config.io_timeout,
@@ -202,7 +234,8 @@ impl TcpEngine {
         Ok(Self { config, server, client, peers: Peers::default() })
     }
 
-    /// The data endpoint of this node (`host:port`), as carried by registered refs.
+    /// The data endpoint of this node (`host:port`), as carried by registered refs; "" for a
+    /// [client-only](Self::client_only) engine (nothing to advertise).
     pub fn endpoint(&self) -> &str {
         self.server.endpoint()
     }
@@ -212,7 +245,8 @@ impl TcpEngine {
         &self.config
     }
 
-    /// The engine's data server.
+    /// The engine's data server (one that does not listen, for a [client-only](Self::client_only)
+    /// engine: see [`DataServer::is_listening`]).
     pub fn server(&self) -> &DataServer {
         &self.server
     }
@@ -309,7 +343,8 @@ impl MemoryRegistrar for TcpEngine {
     /// Host memory, and GPU memory when the engine was started with a runtime that has the device
     /// ([`with_gpu_runtime`](TcpEngine::with_gpu_runtime)); other GPU memory →
     /// [`RegistrationError::Unsupported`]. The ref carries `region` and (this engine's endpoint, a
-    /// fresh region id).
+    /// fresh region id). A [client-only](TcpEngine::client_only) engine serves no peers: →
+    /// [`RegistrationError::Refused`].
     fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
         self.server.register_memory(region)
     }

@@ -41,6 +41,24 @@
 //! A WRITE header is followed by exactly `length` payload bytes, always — whether or not the server
 //! accepts the request. A READ header is followed by nothing.
 //!
+//! # Keyed requests
+//! Two ops name a key instead of a region, so that a get or a put is one exchange with the holder
+//! (its data server resolves, moves and settles on its own connection thread):
+//!
+//! - **GET_KEY** (op 3): `region_id` 0, `offset` the most bytes the client can take, `length` the
+//!   key's length (at most [`MAX_KEY_LEN`]); the key's bytes (UTF-8) follow. Reply `OK` with
+//!   `length` = the value's size, the value, then an 8-byte **trailer** (magic, a verdict byte:
+//!   0 = intact, 1 = lapsed — the send outlived the holder's read lease and the bytes must be
+//!   discarded —, three zero bytes). `TOO_SMALL` carries the value's size in `length` and no
+//!   payload; `MISS`, `BUSY`, `BAD_REQUEST` (not UTF-8) and `UNSUPPORTED` carry nothing.
+//! - **PUT_KEY** (op 4): `region_id` the tier (`TierType` as a number), `offset` the key's length
+//!   (at most [`MAX_KEY_LEN`]), `length` key and value together; the key, then the value follow —
+//!   always in full, as a WRITE's payload. Reply `OK` (written and committed), `EXISTS`,
+//!   `NO_SPACE`, `BUSY`, `FAILED`, `BAD_REQUEST` or `UNSUPPORTED`, with no payload.
+//!
+//! A server without a keyed handler answers `UNSUPPORTED`; a server older than these ops closes
+//! the connection at the unknown op. Either way the client takes the routed path.
+//!
 //! # Replies (server → client), 24 bytes
 //!
 //! | bytes  | field      | meaning                                            |
@@ -108,6 +126,11 @@ pub(crate) const MAX_TOKEN_LEN: usize = 1024;
 pub(crate) const REQUEST_LEN: usize = 40;
 /// Bytes of a reply header.
 pub(crate) const REPLY_LEN: usize = 24;
+/// The longest key a GET_KEY or PUT_KEY may name. A longer one is not the protocol: the server
+/// closes the connection.
+pub(crate) const MAX_KEY_LEN: u64 = 8 << 10;
+/// Bytes of the trailer that ends a successful GET_KEY payload.
+pub(crate) const TRAILER_LEN: usize = 8;
 /// The most bytes one request may move. A peer claiming more is not speaking the protocol; the
 /// client splits larger runs into several requests.
 pub(crate) const MAX_REQUEST_BYTES: u64 = 1 << 30;
@@ -119,6 +142,12 @@ pub(crate) enum Op {
     Read = 1,
     /// Socket → region.
     Write = 2,
+    /// A keyed read: the holder resolves a key, sends its value and ends the read lease, in one
+    /// exchange (see [`keyed`](super::keyed)).
+    GetKey = 3,
+    /// A keyed write: the holder allocates a slot for a key, receives its value and commits it, in
+    /// one exchange (see [`keyed`](super::keyed)).
+    PutKey = 4,
 }
 
 impl Op {
@@ -126,6 +155,8 @@ impl Op {
         match v {
             1 => Some(Self::Read),
             2 => Some(Self::Write),
+            3 => Some(Self::GetKey),
+            4 => Some(Self::PutKey),
             _ => None,
         }
     }
@@ -146,12 +177,41 @@ pub(crate) enum Status {
     /// staging. (A client that predates this status reads it as a malformed reply and drops the
     /// connection: the request fails either way.)
     DeviceError = 4,
+    /// Keyed: the holder does not hold the key.
+    Miss = 5,
+    /// Keyed: the holder holds the key (or has room for it) but cannot serve it now (every staging
+    /// page is held): ask again shortly.
+    Busy = 6,
+    /// GET_KEY: the value is larger than the capacity the request stated; the reply's `length` is
+    /// the value's size and no payload follows.
+    TooSmall = 7,
+    /// PUT_KEY: the holder already holds the key; its stored value was kept.
+    Exists = 8,
+    /// PUT_KEY: the holder has no room for the value.
+    NoSpace = 9,
+    /// PUT_KEY: the holder could not store the value (allocation or commit failed).
+    Failed = 10,
+    /// Keyed: this server serves no keyed requests, or not for this value (one in device memory):
+    /// use the routed path.
+    Unsupported = 11,
 }
 
 impl Status {
     /// Every status, in wire order.
-    pub(crate) const ALL: [Status; 5] =
-        [Self::Ok, Self::UnknownRegion, Self::OutOfRange, Self::BadRequest, Self::DeviceError];
+    pub(crate) const ALL: [Status; 12] = [
+        Self::Ok,
+        Self::UnknownRegion,
+        Self::OutOfRange,
+        Self::BadRequest,
+        Self::DeviceError,
+        Self::Miss,
+        Self::Busy,
+        Self::TooSmall,
+        Self::Exists,
+        Self::NoSpace,
+        Self::Failed,
+        Self::Unsupported,
+    ];
 
     fn from_u8(v: u8) -> Option<Self> {
         Self::ALL.get(usize::from(v)).copied()
@@ -165,6 +225,13 @@ impl Status {
             Self::OutOfRange => "out_of_range",
             Self::BadRequest => "bad_request",
             Self::DeviceError => "device_error",
+            Self::Miss => "miss",
+            Self::Busy => "busy",
+            Self::TooSmall => "too_small",
+            Self::Exists => "exists",
+            Self::NoSpace => "no_space",
+            Self::Failed => "failed",
+            Self::Unsupported => "unsupported",
         }
     }
 }
@@ -382,6 +449,39 @@ impl Reply {
     }
 }
 
+/// What the trailer of a GET_KEY reply says about the bytes before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Trailer {
+    /// The holder's read lease covered the whole send: the bytes are the value.
+    Intact = 0,
+    /// The send outlived the read lease: the pages may have been reused under it, so the bytes
+    /// must be discarded.
+    Lapsed = 1,
+}
+
+impl Trailer {
+    /// The 8 trailer bytes: the magic, the verdict, three reserved zero bytes.
+    pub(crate) fn encode(self) -> [u8; TRAILER_LEN] {
+        let mut out = [0u8; TRAILER_LEN];
+        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        out[4] = self as u8;
+        out
+    }
+
+    /// Parses a trailer; an error means the connection is out of sync.
+    pub(crate) fn decode(b: &[u8; TRAILER_LEN]) -> Result<Self, FrameError> {
+        let magic = u32_at(b, 0);
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        match b[4] {
+            0 => Ok(Self::Intact),
+            1 => Ok(Self::Lapsed),
+            v => Err(FrameError::BadStatus(v)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -411,6 +511,18 @@ mod tests {
     }
 
     #[test]
+    fn trailers_round_trip_and_reject_garbage() {
+        for t in [Trailer::Intact, Trailer::Lapsed] {
+            assert_eq!(Trailer::decode(&t.encode()), Ok(t));
+        }
+        let mut b = Trailer::Intact.encode();
+        b[4] = 2;
+        assert_eq!(Trailer::decode(&b), Err(FrameError::BadStatus(2)));
+        b[0] = 0;
+        assert!(matches!(Trailer::decode(&b), Err(FrameError::BadMagic(_))));
+    }
+
+    #[test]
     fn malformed_headers_are_rejected() {
         let good = Request { op: Op::Write, flags: 0, id: 9, region: 1, offset: 0, length: 10 }.encode();
         let mut b = good;
@@ -420,8 +532,8 @@ mod tests {
         b[4] = 99;
         assert_eq!(Request::decode(&b), Err(FrameError::BadVersion(99)));
         let mut b = good;
-        b[6] = 7;
-        assert_eq!(Request::decode(&b), Err(FrameError::BadOp(7)));
+        b[6] = 9;
+        assert_eq!(Request::decode(&b), Err(FrameError::BadOp(9)));
         let mut b = good;
         b[32..40].copy_from_slice(&(MAX_REQUEST_BYTES + 1).to_le_bytes());
         assert_eq!(Request::decode(&b), Err(FrameError::TooLong(MAX_REQUEST_BYTES + 1)));
@@ -440,7 +552,7 @@ mod tests {
         }
 
         #[test]
-        fn replies_round_trip(status in 0usize..4, id in any::<u64>(), length in 0..=MAX_REQUEST_BYTES) {
+        fn replies_round_trip(status in 0usize..Status::ALL.len(), id in any::<u64>(), length in 0..=MAX_REQUEST_BYTES) {
             let r = Reply { status: Status::ALL[status], id, length };
             prop_assert_eq!(Reply::decode(&r.encode()), Ok(r));
         }

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, RegistrationError, RemoteRegion, TransferRef};
 use umbp_gpu::{CopyKind, DeviceGuard, GpuRuntime};
 
@@ -33,10 +33,14 @@ use super::conns::{Activity, Conns};
 use super::error::TcpStartError;
 use super::gate;
 use super::io::{FrameReader, SocketClock, is_timeout, write_all_vectored_until};
+use super::keyed::KeyedHandler;
 use super::protocol::{self, FrameError, Op, REQUEST_LEN, Reply, Request, Status};
 use super::regions::{RegionGuard, RegionTable};
 use super::staging::DeviceStaging;
 use crate::warn::{WarnLimiter, warn_limited};
+
+#[path = "keyed_server.rs"]
+mod keyed_server;
 
 /// Settings of a [`DataServer`].
 ///
@@ -203,6 +207,26 @@ pub(crate) struct Shared {
     pub(crate) metrics: ServerMetrics,
     /// Every per-connection warning goes through it.
     pub(crate) warns: WarnLimiter,
+    /// Serves keyed requests (GET_KEY, PUT_KEY); `None`: they are answered `UNSUPPORTED`.
+    pub(crate) keyed: RwLock<Option<Arc<dyn KeyedHandler>>>,
+}
+
+impl Shared {
+    fn new(config: DataServerConfig, regions: Arc<RegionTable>, gpu: Option<Arc<dyn GpuRuntime>>) -> Arc<Self> {
+        let warns = WarnLimiter::new(config.warn_interval);
+        Arc::new(Self {
+            config,
+            regions,
+            gpu,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(Conns::default()),
+            handshaking: AtomicUsize::new(0),
+            epoch: Instant::now(),
+            metrics: ServerMetrics::default(),
+            warns,
+            keyed: RwLock::new(None),
+        })
+    }
 }
 
 /// A node's data server: serves the regions registered with it to peers, by (region id, offset,
@@ -253,18 +277,7 @@ impl DataServer {
         let listener = TcpListener::bind(config.listen).map_err(bind)?;
         let local_addr = listener.local_addr().map_err(bind)?;
         let endpoint = config.advertise.clone().unwrap_or_else(|| local_addr.to_string());
-        let warns = WarnLimiter::new(config.warn_interval);
-        let shared = Arc::new(Shared {
-            config,
-            regions,
-            gpu,
-            stop: AtomicBool::new(false),
-            conns: Mutex::new(Conns::default()),
-            handshaking: AtomicUsize::new(0),
-            epoch: Instant::now(),
-            metrics: ServerMetrics::default(),
-            warns,
-        });
+        let shared = Shared::new(config, regions, gpu);
         let acceptor = {
             let shared = Arc::clone(&shared);
             std::thread::Builder::new()
@@ -276,13 +289,33 @@ impl DataServer {
         Ok(Self { shared, local_addr, endpoint, acceptor: Some(acceptor) })
     }
 
+    /// A server that serves no peer: it binds no socket and starts no thread, its endpoint is ""
+    /// (nothing to advertise) and its address the unspecified `0.0.0.0:0`. Its region table still
+    /// takes local-only registrations (the local side of a client's own transfers); registering
+    /// memory for peers fails ([`RegistrationError::Refused`]). A client-only
+    /// [`TcpEngine`](super::TcpEngine)'s.
+    pub(crate) fn unbound(config: DataServerConfig, regions: Arc<RegionTable>) -> Self {
+        let shared = Shared::new(config, regions, None);
+        Self {
+            shared,
+            local_addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0),
+            endpoint: String::new(),
+            acceptor: None,
+        }
+    }
+
+    /// Whether the server listens for peers (false for a client-only engine's, which serves none).
+    pub fn is_listening(&self) -> bool {
+        self.acceptor.is_some()
+    }
+
     /// The endpoint peers use to reach this server (`host:port`): the advertised one if configured,
-    /// else the address actually bound.
+    /// else the address actually bound; "" for a server that does not listen.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
     }
 
-    /// The address actually bound.
+    /// The address actually bound (`0.0.0.0:0` for a server that does not listen).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
@@ -290,6 +323,13 @@ impl DataServer {
     /// The configuration.
     pub fn config(&self) -> &DataServerConfig {
         &self.shared.config
+    }
+
+    /// Serves keyed requests (GET_KEY, PUT_KEY: a get or a put in one exchange, see
+    /// [`keyed`](super::keyed)) with `handler` from now on; `None` answers them `UNSUPPORTED`
+    /// (the client takes the routed path).
+    pub fn set_keyed_handler(&self, handler: Option<Arc<dyn KeyedHandler>>) {
+        *self.shared.keyed.write() = handler;
     }
 
     /// Regions registered now.
@@ -328,6 +368,14 @@ impl DataServer {
             if !servable {
                 return Err(RegistrationError::Unsupported { len: region.len(), location: region.location() });
             }
+        }
+        if remote && !self.is_listening() {
+            return Err(RegistrationError::Refused {
+                transport: "TcpEngine".into(),
+                reason: "this engine serves no peers (started client-only): memory for peers to reach \
+                         cannot be registered with it"
+                    .into(),
+            });
         }
         let region_id = self.shared.regions.insert(region, remote);
         Ok(TransferRef::local(region).with_remote(RemoteRegion { endpoint: self.endpoint.clone(), region_id }))
@@ -428,6 +476,10 @@ impl MemoryRegistrar for DataServer {
 impl Drop for DataServer {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        if self.acceptor.is_none() {
+            // It never listened: no thread, no connection.
+            return;
+        }
         // Wake the acceptor, blocked in `accept`, with a connection of our own.
         let wake = match self.local_addr.ip() {
             IpAddr::V4(ip) if ip.is_unspecified() => {
@@ -648,18 +700,25 @@ impl ServerConn<'_> {
     }
 
     fn handle(&mut self, r: Request) -> Result<(), End> {
+        let write = match r.op {
+            Op::Read => false,
+            Op::Write => true,
+            Op::GetKey => return self.get_key(r),
+            Op::PutKey => return self.put_key(r),
+        };
         let resolved = self.resolve(&r);
         let device = resolved.as_ref().ok().and_then(|(guard, _, _)| guard.region().location().device());
         if let (Some(device), Ok((guard, ptr, len))) = (device, &resolved) {
-            let status = match r.op {
-                Op::Write => self.write_device(r.id, guard, device, *ptr, *len)?,
-                Op::Read => self.read_device(r.id, guard, device, *ptr, *len)?,
+            let status = if write {
+                self.write_device(r.id, guard, device, *ptr, *len)?
+            } else {
+                self.read_device(r.id, guard, device, *ptr, *len)?
             };
             bump(&self.shared.metrics.requests[status as usize]);
             return Ok(());
         }
-        let status = match (r.op, resolved) {
-            (Op::Write, Ok((guard, ptr, len))) => {
+        let status = match (write, resolved) {
+            (true, Ok((guard, ptr, len))) => {
                 // SAFETY: `ptr..ptr + len` lies inside the region (bounds-checked by
                 // `RegionGuard::range` in `resolve`), which stays registered — so valid, per
                 // `LocalRegion`'s invariant — while `guard` lives, i.e. until after this read. The
@@ -672,16 +731,16 @@ impl ServerConn<'_> {
                 self.queue(Reply { status: Status::Ok, id: r.id, length: 0 }, None);
                 Status::Ok
             }
-            (Op::Write, Err(status)) => {
+            (true, Err(status)) => {
                 self.discard(r.length)?;
                 self.queue(Reply { status, id: r.id, length: 0 }, None);
                 status
             }
-            (Op::Read, Ok((guard, ptr, len))) => {
+            (false, Ok((guard, ptr, len))) => {
                 self.queue(Reply { status: Status::Ok, id: r.id, length: r.length }, Some((guard, ptr, len)));
                 Status::Ok
             }
-            (Op::Read, Err(status)) => {
+            (false, Err(status)) => {
                 self.queue(Reply { status, id: r.id, length: 0 }, None);
                 status
             }

@@ -1,0 +1,126 @@
+//! Keyed requests: a get or a put in one exchange with the holder.
+//!
+//! A routed get costs a route call to the master, a resolve call to the holder's peer service, the
+//! data transfer and a release — three round trips and several thread hand-offs before the first
+//! byte. A keyed request names the key on the data plane instead of a region: the holder's data
+//! server asks the node's [`KeyedHandler`] to resolve the key under a read lease, sends the value
+//! straight from the medium's pages, ends the lease and says in a trailer whether the lease covered
+//! the whole send — all on the connection's own thread, in one exchange. A keyed put likewise
+//! allocates, receives the value straight into the slot's pages and commits.
+//!
+//! The transfer layer still moves bytes only: what a key means (which medium, which pages, which
+//! lease) is the handler's, which the node (`umbp-peer`) implements over its media. The wire format
+//! is in [`protocol`](super::protocol) ("Keyed requests"); the client is
+//! [`KeyedClient`](super::KeyedClient).
+//!
+//! Correctness rules the server keeps:
+//! - bytes are sent only from ranges of live host regions of this server, bounds-checked as a READ's
+//!   (a handler that names anything else gets its lease closed and the request refused);
+//! - a read lease is closed on every path, also when the connection breaks mid-send;
+//! - a send that ends after the lease's end is marked lapsed in the trailer, so the reader discards
+//!   the bytes (the pages may have been reused under it) and never returns them as a hit;
+//! - a slot is committed only when its value arrived in full before the slot's end, and aborted on
+//!   every other path.
+
+use std::time::Instant;
+
+/// A byte range of a region registered with this node's data server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyedRange {
+    /// The region's id, as its registration assigned it (`TransferRef::remote().region_id`).
+    pub region_id: u64,
+    /// Byte offset inside the region.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// The read lease a keyed read holds while its bytes are sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyedLease {
+    /// The medium's lease id (0: the medium took none).
+    pub id: u64,
+    /// The medium that served the key.
+    pub backend_id: u32,
+    /// Until when the lease protects the pages, measured from before the resolve (conservative). A
+    /// send that ends later is marked lapsed.
+    pub until: Instant,
+}
+
+/// The slot a keyed write fills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyedSlot {
+    /// The medium's slot id.
+    pub id: u64,
+    /// The medium holding the slot.
+    pub backend_id: u32,
+    /// Until when the slot may be written and committed (its pending TTL minus a margin, from
+    /// before the allocation). A value that arrives later is aborted.
+    pub until: Instant,
+}
+
+/// What a keyed read found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyedRead {
+    /// The value, as ranges in order (their lengths add up to `size`), under `lease`.
+    Hit {
+        /// The value's size.
+        size: u64,
+        /// Where its bytes are.
+        ranges: Vec<KeyedRange>,
+        /// The lease to close once the bytes are sent.
+        lease: KeyedLease,
+    },
+    /// Not held here.
+    Miss,
+    /// Held here, but not servable now (every staging page held): ask again shortly.
+    Busy,
+    /// Not servable by a keyed read (a value in device memory): use the routed path.
+    Unsupported,
+}
+
+/// What a keyed write got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyedWrite {
+    /// A slot: the value goes into `ranges`, in order (their lengths add up to the value's size).
+    Slot {
+        /// Where the value's bytes go.
+        ranges: Vec<KeyedRange>,
+        /// The slot to commit or abort.
+        slot: KeyedSlot,
+    },
+    /// The key is held here already; its value is kept.
+    Exists,
+    /// No room here.
+    NoSpace,
+    /// Room, but no staging page now: ask again shortly.
+    Busy,
+    /// The allocation failed.
+    Failed,
+    /// Not writable by a keyed write (no medium of the tier, device memory): use the routed path.
+    Unsupported,
+}
+
+/// What a node's data server asks of the node to serve keyed requests. Implemented by the node over
+/// its media; called on the data server's connection threads, concurrently.
+///
+/// Every `open_read` that returns [`KeyedRead::Hit`] is followed by exactly one `close_read` of its
+/// lease, and every `open_write` that returns [`KeyedWrite::Slot`] by exactly one `close_write` of its
+/// slot, whatever happens to the connection.
+pub trait KeyedHandler: Send + Sync {
+    /// Resolves `key` for reading, taking a read lease on a hit.
+    fn open_read(&self, key: &str) -> KeyedRead;
+    /// Ends the lease of a keyed read (its bytes were sent, or the send failed).
+    fn close_read(&self, key: &str, lease: KeyedLease);
+    /// Reserves a slot of `size` bytes for `key` on the medium of `tier` (`TierType` as a number).
+    fn open_write(&self, key: &str, tier: u64, size: u64) -> KeyedWrite;
+    /// Commits the slot when `received` (the whole value arrived in time), else aborts it. Returns
+    /// whether it was committed.
+    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool) -> bool;
+}
+
+impl std::fmt::Debug for dyn KeyedHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyedHandler")
+    }
+}

@@ -1,0 +1,440 @@
+//! [`KeyedClient`]: keyed gets and puts (one exchange with the holder, see
+//! [`keyed`](super::keyed)) on the calling thread.
+//!
+//! No worker thread, no channel: the caller writes the request and reads the reply on a pooled
+//! connection of its own, so a single get costs one round trip and no thread hand-off. Connections
+//! are pooled per endpoint (a few idle ones each, closed after
+//! [`idle_timeout`](KeyedClientConfig::idle_timeout)); an idle one is checked for an end of stream
+//! before reuse, and a GET lost with a reused connection is sent once more on a fresh one (a GET
+//! may be repeated: the holder takes and ends its own lease). A PUT is never resent: whether the
+//! holder committed it before the connection broke cannot be known, so the caller takes the routed
+//! path (which finds the key if it was).
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::io::configure;
+use super::protocol::{
+    self, HELLO_REPLY_LEN, HelloStatus, MAX_KEY_LEN, Op, REPLY_LEN, Reply, Request, Status, TRAILER_LEN, Trailer,
+};
+use crate::engine::FailureKind;
+
+/// Settings of a [`KeyedClient`].
+#[derive(Clone)]
+pub struct KeyedClientConfig {
+    /// The cluster token presented in the handshake. Default: none.
+    pub cluster_token: Option<String>,
+    /// Connecting and the handshake must finish within this. Default: 2 s.
+    pub connect_timeout: Duration,
+    /// Each read or write of a request or reply must progress within this. Default: 30 s.
+    pub io_timeout: Duration,
+    /// Idle connections kept per endpoint. Default: 8.
+    pub idle_per_peer: usize,
+    /// An idle connection older than this is closed rather than reused (keep it below the
+    /// servers' idle timeout, 60 s by default). Default: 30 s.
+    pub idle_timeout: Duration,
+}
+
+// Manual `Debug`: the cluster token must never reach a log line.
+impl std::fmt::Debug for KeyedClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyedClientConfig")
+            .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
+            .field("connect_timeout", &self.connect_timeout)
+            .field("io_timeout", &self.io_timeout)
+            .field("idle_per_peer", &self.idle_per_peer)
+            .field("idle_timeout", &self.idle_timeout)
+            .finish()
+    }
+}
+
+impl Default for KeyedClientConfig {
+    fn default() -> Self {
+        Self {
+            cluster_token: None,
+            connect_timeout: Duration::from_secs(2),
+            io_timeout: Duration::from_secs(30),
+            idle_per_peer: 8,
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What a keyed get found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyedGet {
+    /// The value (this many bytes) is in the destination.
+    Hit(u64),
+    /// The holder does not hold the key.
+    Miss,
+    /// The holder holds it but cannot serve it now: ask again shortly.
+    Busy,
+    /// The value (this many bytes) is larger than the destination; nothing was written.
+    TooSmall(u64),
+    /// The send outlived the holder's read lease: the destination's bytes are not the value.
+    Lapsed,
+    /// The holder serves no keyed reads of this key: take the routed path.
+    Unsupported,
+}
+
+/// What a keyed put did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyedPut {
+    /// Written and committed on the holder.
+    Written,
+    /// The holder already held the key; its value was kept.
+    Exists,
+    /// The holder has no room.
+    NoSpace,
+    /// The holder has room but no staging page now: ask again shortly.
+    Busy,
+    /// The holder could not store it (allocation or commit failed, or the value arrived after the
+    /// slot's end).
+    Failed,
+    /// The holder serves no keyed writes here: take the routed path.
+    Unsupported,
+}
+
+/// Why a keyed request got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyedError {
+    /// The key is empty or longer than the protocol allows: fix the key.
+    #[error("a keyed request's key must be 1 to {max} bytes, got {len}")]
+    BadKey {
+        /// The key's length.
+        len: usize,
+        /// The longest accepted.
+        max: u64,
+    },
+    /// No connection could be made (nothing listens, refused handshake, …): the holder may be
+    /// gone; take the routed path.
+    #[error("cannot reach {endpoint}: {message}")]
+    Connect {
+        /// The holder's data endpoint.
+        endpoint: String,
+        /// What failed.
+        message: String,
+        /// What kind of failure.
+        kind: FailureKind,
+    },
+    /// The connection broke or timed out mid-exchange: take the routed path.
+    #[error("keyed request to {endpoint} failed: {source}")]
+    Io {
+        /// The holder's data endpoint.
+        endpoint: String,
+        /// The socket error.
+        #[source]
+        source: io::Error,
+    },
+    /// The holder answered something that is not the protocol (an older server closes the
+    /// connection at the unknown op, which reads as [`Io`](Self::Io)).
+    #[error("keyed request to {endpoint}: {message}")]
+    Protocol {
+        /// The holder's data endpoint.
+        endpoint: String,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+impl KeyedError {
+    /// Whether the holder could not be reached at all (no connection): its process may be gone.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, Self::Connect { kind: FailureKind::ConnectionLost | FailureKind::Timeout, .. })
+    }
+}
+
+/// One pooled connection.
+struct Conn {
+    stream: TcpStream,
+    idle_since: Instant,
+}
+
+impl Conn {
+    /// Whether an idle connection is still open (a non-blocking peek sees no end of stream).
+    fn alive(&self) -> bool {
+        if self.stream.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let alive = matches!(self.stream.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+        alive && self.stream.set_nonblocking(false).is_ok()
+    }
+}
+
+/// Keyed gets and puts on the calling thread (see the module docs).
+pub struct KeyedClient {
+    config: KeyedClientConfig,
+    hello: Vec<u8>,
+    idle: Mutex<HashMap<String, Vec<Conn>>>,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for KeyedClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyedClient").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl KeyedClient {
+    /// A client with no connection yet.
+    ///
+    /// # Errors
+    /// The token is longer than the protocol allows (1024 bytes).
+    pub fn new(config: KeyedClientConfig) -> Result<Self, KeyedError> {
+        let token = config.cluster_token.as_deref().unwrap_or("").as_bytes();
+        let hello = protocol::encode_hello(token)
+            .map_err(|e| KeyedError::Protocol { endpoint: String::new(), message: format!("cluster token: {e}") })?;
+        Ok(Self { config, hello, idle: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1) })
+    }
+
+    /// Reads `key`'s value from the holder at `endpoint` into `dst` (at most `cap` bytes).
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `cap` bytes, and nobody else reads or writes them until this
+    /// returns.
+    ///
+    /// # Errors
+    /// See [`KeyedError`]; on an error the destination's bytes are unspecified.
+    pub unsafe fn get(&self, endpoint: &str, key: &str, dst: NonNull<u8>, cap: usize) -> Result<KeyedGet, KeyedError> {
+        check_key(key)?;
+        let request =
+            |id| Request { op: Op::GetKey, flags: 0, id, region: 0, offset: cap as u64, length: key.len() as u64 };
+        // SAFETY: this function's contract.
+        self.exchange(endpoint, true, |stream, id| unsafe {
+            send(stream, &request(id).encode(), &[key.as_bytes()])?;
+            read_get_reply(stream, id, dst, cap)
+        })
+    }
+
+    /// Writes `value` under `key` on the holder at `endpoint`, on its medium of `tier` (a
+    /// `TierType` as a number).
+    ///
+    /// # Errors
+    /// See [`KeyedError`]; a connection that broke mid-exchange leaves unknown whether the holder
+    /// committed the value.
+    pub fn put(&self, endpoint: &str, key: &str, tier: u64, value: &[u8]) -> Result<KeyedPut, KeyedError> {
+        check_key(key)?;
+        let length = key.len() as u64 + value.len() as u64;
+        if length > protocol::MAX_REQUEST_BYTES {
+            return Err(KeyedError::Protocol {
+                endpoint: endpoint.to_owned(),
+                message: format!("a value of {} bytes is larger than one keyed request may carry", value.len()),
+            });
+        }
+        self.exchange(endpoint, false, |stream, id| {
+            let head = Request { op: Op::PutKey, flags: 0, id, region: tier, offset: key.len() as u64, length };
+            send(stream, &head.encode(), &[key.as_bytes(), value])?;
+            let reply = read_reply(stream, id)?;
+            if reply.length != 0 {
+                return Err(protocol_error(format!("a PUT_KEY reply carries {} bytes", reply.length)));
+            }
+            Ok(match reply.status {
+                Status::Ok => KeyedPut::Written,
+                Status::Exists => KeyedPut::Exists,
+                Status::NoSpace => KeyedPut::NoSpace,
+                Status::Busy => KeyedPut::Busy,
+                Status::Failed => KeyedPut::Failed,
+                Status::Unsupported => KeyedPut::Unsupported,
+                other => return Err(protocol_error(format!("unexpected PUT_KEY status {}", other.as_str()))),
+            })
+        })
+    }
+
+    /// Closes the idle connections to `endpoint` (its holder went away).
+    pub fn forget(&self, endpoint: &str) {
+        self.idle.lock().remove(endpoint);
+    }
+
+    /// Runs one exchange on a pooled or fresh connection; a `resendable` request lost with a reused
+    /// connection before any reply byte is sent once more on a fresh one.
+    fn exchange<T>(
+        &self,
+        endpoint: &str,
+        resendable: bool,
+        mut run: impl FnMut(&mut TcpStream, u64) -> Result<T, ExchangeError>,
+    ) -> Result<T, KeyedError> {
+        let mut reused = self.take_idle(endpoint);
+        loop {
+            let was_reused = reused.is_some();
+            let mut stream = match reused.take() {
+                Some(s) => s,
+                None => self.connect(endpoint)?,
+            };
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            match run(&mut stream, id).map_err(|e| e.into_keyed(endpoint)) {
+                Ok(v) => {
+                    self.put_idle(endpoint, stream);
+                    return Ok(v);
+                }
+                Err((e, before_reply)) => {
+                    if resendable && was_reused && before_reply {
+                        tracing::debug!(%endpoint, error = %e, "keyed request lost with a reused connection; resending");
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn take_idle(&self, endpoint: &str) -> Option<TcpStream> {
+        let mut idle = self.idle.lock();
+        let conns = idle.get_mut(endpoint)?;
+        while let Some(c) = conns.pop() {
+            if c.idle_since.elapsed() < self.config.idle_timeout && c.alive() {
+                return Some(c.stream);
+            }
+        }
+        None
+    }
+
+    fn put_idle(&self, endpoint: &str, stream: TcpStream) {
+        let mut idle = self.idle.lock();
+        let conns = idle.entry(endpoint.to_owned()).or_default();
+        if conns.len() < self.config.idle_per_peer {
+            conns.push(Conn { stream, idle_since: Instant::now() });
+        }
+    }
+
+    fn connect(&self, endpoint: &str) -> Result<TcpStream, KeyedError> {
+        let fail =
+            |kind: FailureKind, message: String| KeyedError::Connect { endpoint: endpoint.to_owned(), message, kind };
+        let timeout = self.config.connect_timeout.max(Duration::from_millis(1));
+        let addrs = endpoint
+            .to_socket_addrs()
+            .map_err(|e| fail(FailureKind::ConnectionLost, format!("cannot resolve: {e}")))?;
+        let mut last = None;
+        let mut stream = None;
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        let mut stream = stream.ok_or_else(|| {
+            let why = last.map_or_else(|| "no address".to_owned(), |e| e.to_string());
+            fail(FailureKind::ConnectionLost, why)
+        })?;
+        let io_fail = |what: &str, e: io::Error| fail(super::io::failure_kind(&e), format!("{what}: {e}"));
+        configure(&stream, timeout).map_err(|e| io_fail("configuring the socket", e))?;
+        stream.write_all(&self.hello).map_err(|e| io_fail("sending the hello", e))?;
+        let mut answer = [0u8; HELLO_REPLY_LEN];
+        stream.read_exact(&mut answer).map_err(|e| io_fail("reading the hello answer", e))?;
+        match protocol::decode_hello_reply(&answer) {
+            Ok(HelloStatus::Ok) => {}
+            Ok(HelloStatus::Unauthorized) => {
+                return Err(fail(FailureKind::Unauthorized, "refused the cluster token".into()));
+            }
+            Ok(HelloStatus::Busy) => return Err(fail(FailureKind::Busy, "serving its maximum of connections".into())),
+            Ok(HelloStatus::BadVersion) => {
+                return Err(fail(
+                    FailureKind::Protocol,
+                    format!("does not speak protocol version {}", protocol::VERSION),
+                ));
+            }
+            Err(e) => return Err(fail(FailureKind::Protocol, format!("bad hello answer: {e}"))),
+        }
+        configure(&stream, self.config.io_timeout).map_err(|e| io_fail("configuring the socket", e))?;
+        Ok(stream)
+    }
+}
+
+/// An exchange's failure before it is tied to an endpoint.
+enum ExchangeError {
+    /// A socket error; `before_reply`: no reply byte had arrived (the request may be resent).
+    Io {
+        source: io::Error,
+        before_reply: bool,
+    },
+    Protocol(String),
+}
+
+impl ExchangeError {
+    fn into_keyed(self, endpoint: &str) -> (KeyedError, bool) {
+        match self {
+            Self::Io { source, before_reply } => {
+                (KeyedError::Io { endpoint: endpoint.to_owned(), source }, before_reply)
+            }
+            Self::Protocol(message) => (KeyedError::Protocol { endpoint: endpoint.to_owned(), message }, false),
+        }
+    }
+}
+
+fn protocol_error(message: String) -> ExchangeError {
+    ExchangeError::Protocol(message)
+}
+
+fn check_key(key: &str) -> Result<(), KeyedError> {
+    if key.is_empty() || key.len() as u64 > MAX_KEY_LEN {
+        return Err(KeyedError::BadKey { len: key.len(), max: MAX_KEY_LEN });
+    }
+    Ok(())
+}
+
+/// Writes the header and the payload parts in one gather write.
+fn send(stream: &mut TcpStream, head: &[u8], parts: &[&[u8]]) -> Result<(), ExchangeError> {
+    let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(parts.len() + 1);
+    slices.push(io::IoSlice::new(head));
+    slices.extend(parts.iter().map(|p| io::IoSlice::new(p)));
+    super::io::write_all_vectored(stream, &mut slices)
+        .map_err(|source| ExchangeError::Io { source, before_reply: true })
+}
+
+/// Reads a reply header for request `id`.
+fn read_reply(stream: &mut TcpStream, id: u64) -> Result<Reply, ExchangeError> {
+    let mut head = [0u8; REPLY_LEN];
+    stream.read_exact(&mut head).map_err(|source| ExchangeError::Io { source, before_reply: true })?;
+    let reply = Reply::decode(&head).map_err(|e| protocol_error(format!("bad reply: {e}")))?;
+    if reply.id != id {
+        return Err(protocol_error(format!("reply to request {} while waiting for {id}", reply.id)));
+    }
+    Ok(reply)
+}
+
+/// Reads a GET_KEY reply: the value straight into `dst`, then its trailer.
+///
+/// # Safety
+/// As [`KeyedClient::get`].
+unsafe fn read_get_reply(
+    stream: &mut TcpStream,
+    id: u64,
+    dst: NonNull<u8>,
+    cap: usize,
+) -> Result<KeyedGet, ExchangeError> {
+    let reply = read_reply(stream, id)?;
+    let mid = |source| ExchangeError::Io { source, before_reply: false };
+    match reply.status {
+        Status::Ok => {
+            let len = usize::try_from(reply.length).ok().filter(|l| *l <= cap).ok_or_else(|| {
+                protocol_error(format!("a value of {} bytes for a destination of {cap}", reply.length))
+            })?;
+            // SAFETY: `len <= cap` (checked above) bytes at `dst`, valid for writes and ours alone
+            // during the call (the caller's contract). Only handed to the kernel's `recv`.
+            let buf = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr(), len) };
+            stream.read_exact(buf).map_err(mid)?;
+            let mut trailer = [0u8; TRAILER_LEN];
+            stream.read_exact(&mut trailer).map_err(mid)?;
+            match Trailer::decode(&trailer).map_err(|e| protocol_error(format!("bad trailer: {e}")))? {
+                Trailer::Intact => Ok(KeyedGet::Hit(reply.length)),
+                Trailer::Lapsed => Ok(KeyedGet::Lapsed),
+            }
+        }
+        Status::TooSmall => Ok(KeyedGet::TooSmall(reply.length)),
+        status if reply.length != 0 => {
+            Err(protocol_error(format!("a GET_KEY {} reply carries {} bytes", status.as_str(), reply.length)))
+        }
+        Status::Miss => Ok(KeyedGet::Miss),
+        Status::Busy => Ok(KeyedGet::Busy),
+        Status::Unsupported => Ok(KeyedGet::Unsupported),
+        other => Err(protocol_error(format!("unexpected GET_KEY status {}", other.as_str()))),
+    }
+}

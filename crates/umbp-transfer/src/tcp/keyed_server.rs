@@ -1,0 +1,199 @@
+//! The data server's side of keyed requests (GET_KEY, PUT_KEY): see [`keyed`](super::super::keyed)
+//! for what they are and the rules kept, [`protocol`](super::protocol) for the bytes.
+
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::super::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
+use super::super::protocol::{FrameError, MAX_KEY_LEN, Reply, Request, Status, Trailer};
+use super::{End, RegionGuard, ServerConn, bump, write_all_vectored_until};
+
+/// A keyed read's lease, closed when dropped (sent, failed, or the connection broke).
+struct OpenRead<'h> {
+    handler: &'h dyn KeyedHandler,
+    key: &'h str,
+    lease: KeyedLease,
+}
+
+impl Drop for OpenRead<'_> {
+    fn drop(&mut self) {
+        self.handler.close_read(self.key, self.lease);
+    }
+}
+
+/// A keyed write's slot, aborted when dropped unless committed.
+struct OpenWrite<'h> {
+    handler: &'h dyn KeyedHandler,
+    key: &'h str,
+    slot: KeyedSlot,
+    settled: bool,
+}
+
+impl OpenWrite<'_> {
+    /// Commits the slot if the value arrived before the slot's end; whether it was committed.
+    fn commit(mut self) -> bool {
+        self.settled = true;
+        let received = Instant::now() <= self.slot.until;
+        self.handler.close_write(self.key, self.slot, received) && received
+    }
+}
+
+impl Drop for OpenWrite<'_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.handler.close_write(self.key, self.slot, false);
+        }
+    }
+}
+
+impl ServerConn<'_> {
+    fn keyed_handler(&self) -> Option<Arc<dyn KeyedHandler>> {
+        self.shared.keyed.read().clone()
+    }
+
+    /// Guards every range of a handler's answer and turns it into host memory: `None` when one is
+    /// not a live host range of this server or the lengths do not add up to `size` (a handler bug,
+    /// or a region deregistered meanwhile).
+    fn guard_ranges(&self, ranges: &[KeyedRange], size: u64) -> Option<Vec<(RegionGuard, *mut u8, usize)>> {
+        let mut out = Vec::with_capacity(ranges.len());
+        let mut total = 0u64;
+        for r in ranges {
+            let guard = self.shared.regions.acquire_remote(r.region_id)?;
+            if !guard.region().location().is_host() {
+                return None;
+            }
+            let (ptr, len) = guard.range(r.offset, r.len).ok()?;
+            total = total.checked_add(r.len)?;
+            out.push((guard, ptr, len));
+        }
+        (total == size).then_some(out)
+    }
+
+    /// GET_KEY: resolve, send the value with its trailer, close the lease.
+    pub(super) fn get_key(&mut self, r: Request) -> Result<(), End> {
+        if r.length > MAX_KEY_LEN {
+            return Err(End::Malformed(FrameError::TooLong(r.length)));
+        }
+        let mut key = vec![0u8; r.length as usize];
+        self.reader.read_exact_into(&mut key)?;
+        // This reply is written now, not queued: everything queued goes out first, in order.
+        self.flush()?;
+        let status = self.serve_get_key(&r, &key)?;
+        bump(&self.shared.metrics.requests[status as usize]);
+        Ok(())
+    }
+
+    fn serve_get_key(&mut self, r: &Request, key: &[u8]) -> Result<Status, End> {
+        let answer = |status: Status, length: u64| Reply { status, id: r.id, length }.encode();
+        let handler = self.keyed_handler();
+        let (key, handler) = match (std::str::from_utf8(key), handler) {
+            (Ok(key), Some(handler)) if r.flags == 0 && r.region == 0 => (key, handler),
+            (_, None) => return self.send_alone(&answer(Status::Unsupported, 0)).map(|()| Status::Unsupported),
+            _ => return self.send_alone(&answer(Status::BadRequest, 0)).map(|()| Status::BadRequest),
+        };
+        let (size, ranges, lease) = match handler.open_read(key) {
+            KeyedRead::Hit { size, ranges, lease } => (size, ranges, lease),
+            other => {
+                let status = match other {
+                    KeyedRead::Miss => Status::Miss,
+                    KeyedRead::Busy => Status::Busy,
+                    _ => Status::Unsupported,
+                };
+                return self.send_alone(&answer(status, 0)).map(|()| status);
+            }
+        };
+        let open = OpenRead { handler: handler.as_ref(), key, lease };
+        if size > r.offset {
+            drop(open);
+            return self.send_alone(&answer(Status::TooSmall, size)).map(|()| Status::TooSmall);
+        }
+        let Some(guarded) = self.guard_ranges(&ranges, size) else {
+            drop(open);
+            return self.send_alone(&answer(Status::Unsupported, 0)).map(|()| Status::Unsupported);
+        };
+        let head = answer(Status::Ok, size);
+        let mut slices = Vec::with_capacity(guarded.len() + 1);
+        slices.push(IoSlice::new(&head));
+        for (_, ptr, len) in &guarded {
+            // SAFETY: `ptr..ptr + len` lies inside a host region of this server (bounds-checked by
+            // `RegionGuard::range` in `guard_ranges`), which stays registered — so valid, per
+            // `LocalRegion`'s invariant — while its guard in `guarded` lives, i.e. past this write.
+            // The medium's read lease (`open`) keeps the pages the key's while it holds; a send that
+            // outlives it is reported lapsed below. The slice is only read (by the kernel's `send`).
+            slices.push(IoSlice::new(unsafe { std::slice::from_raw_parts(ptr.cast_const(), *len) }));
+        }
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        write_all_vectored_until(&mut self.writer, &mut slices, deadline, &mut self.write_clock)?;
+        // Every byte left region memory (it is in the kernel's buffer now): judge the lease, then
+        // give it back before the trailer leaves.
+        let trailer = if Instant::now() <= lease.until { Trailer::Intact } else { Trailer::Lapsed };
+        drop(slices);
+        drop(guarded);
+        drop(open);
+        self.send_alone(&trailer.encode())?;
+        Ok(if trailer == Trailer::Intact { Status::Ok } else { Status::Failed })
+    }
+
+    /// Writes `bytes` now, within one IO timeout.
+    fn send_alone(&mut self, bytes: &[u8]) -> Result<(), End> {
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        write_all_vectored_until(&mut self.writer, &mut [IoSlice::new(bytes)], deadline, &mut self.write_clock)
+            .map_err(End::Io)
+    }
+
+    /// PUT_KEY: allocate, receive the value into the slot, commit (or abort); the reply is queued
+    /// like a WRITE's.
+    pub(super) fn put_key(&mut self, r: Request) -> Result<(), End> {
+        let key_len = r.offset;
+        if key_len > MAX_KEY_LEN || key_len > r.length {
+            return Err(End::Malformed(FrameError::TooLong(key_len)));
+        }
+        let mut key = vec![0u8; key_len as usize];
+        self.reader.read_exact_into(&mut key)?;
+        let size = r.length - key_len;
+        let status = self.serve_put_key(&r, &key, size)?;
+        self.replies.payload_bytes += usize::try_from(size).unwrap_or(usize::MAX);
+        self.queue(Reply { status, id: r.id, length: 0 }, None);
+        bump(&self.shared.metrics.requests[status as usize]);
+        Ok(())
+    }
+
+    fn serve_put_key(&mut self, r: &Request, key: &[u8], size: u64) -> Result<Status, End> {
+        let handler = self.keyed_handler();
+        let (key, handler) = match (std::str::from_utf8(key), handler) {
+            (Ok(key), Some(handler)) if r.flags == 0 && !key.is_empty() => (key, handler),
+            (_, None) => return self.discard(size).map(|()| Status::Unsupported),
+            _ => return self.discard(size).map(|()| Status::BadRequest),
+        };
+        let (ranges, slot) = match handler.open_write(key, r.region, size) {
+            KeyedWrite::Slot { ranges, slot } => (ranges, slot),
+            other => {
+                let status = match other {
+                    KeyedWrite::Exists => Status::Exists,
+                    KeyedWrite::NoSpace => Status::NoSpace,
+                    KeyedWrite::Busy => Status::Busy,
+                    KeyedWrite::Failed => Status::Failed,
+                    _ => Status::Unsupported,
+                };
+                return self.discard(size).map(|()| status);
+            }
+        };
+        let open = OpenWrite { handler: handler.as_ref(), key, slot, settled: false };
+        let Some(guarded) = self.guard_ranges(&ranges, size) else {
+            drop(open);
+            return self.discard(size).map(|()| Status::Unsupported);
+        };
+        for (_, ptr, len) in &guarded {
+            // SAFETY: `ptr..ptr + len` lies inside a host region of this server (bounds-checked by
+            // `RegionGuard::range`), kept registered (so valid) by its guard in `guarded` until after
+            // this read; the slot's pages are this request's alone until it commits or aborts (the
+            // medium hands a slot to one writer). Only handed to the kernel's `recv`. A broken
+            // connection returns early: `open` aborts the slot.
+            let dst = unsafe { std::slice::from_raw_parts_mut(*ptr, *len) };
+            self.reader.read_exact_into(dst)?;
+        }
+        drop(guarded);
+        Ok(if open.commit() { Status::Ok } else { Status::Failed })
+    }
+}
