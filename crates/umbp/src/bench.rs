@@ -80,11 +80,14 @@ pub struct BenchOptions {
     /// The program run as the child node, with `bench-child --master ADDR --capacity BYTES`.
     /// Default: this executable.
     pub child_program: Option<PathBuf>,
+    /// Also time the phases of single remote puts and gets (`--breakdown`, see
+    /// [`bench_breakdown`](crate::bench_breakdown)). Default: off.
+    pub breakdown: bool,
 }
 
 impl Default for BenchOptions {
     fn default() -> Self {
-        Self { rounds: 5, batch_bytes: 64 << 20, latency_calls: 1000, child_program: None }
+        Self { rounds: 5, batch_bytes: 64 << 20, latency_calls: 1000, child_program: None, breakdown: false }
     }
 }
 
@@ -97,6 +100,7 @@ impl BenchOptions {
             batch_bytes: args.batch_bytes.unwrap_or(d.batch_bytes),
             latency_calls: args.latency_calls.unwrap_or(d.latency_calls),
             child_program: None,
+            breakdown: args.breakdown,
         }
     }
 
@@ -218,6 +222,8 @@ pub struct BenchReport {
     /// One line per pair of same-kind baselines of this run that differ by more than
     /// [`BASELINE_TOLERANCE`]; empty when the baselines agree.
     pub baseline_warnings: Vec<String>,
+    /// Where the time of one remote put and get goes (`--breakdown` only).
+    pub breakdown: Option<crate::bench_breakdown::Breakdown>,
 }
 
 fn value_label(bytes: u64) -> String {
@@ -252,7 +258,7 @@ impl BenchReport {
             .collect();
         format!(
             "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{{\"value_bytes\":{},\"calls\":{},\
-             \"p50_us\":{:.1},\"p99_us\":{:.1}}},\"memcpy_threads\":{},\"baseline_warnings\":[{}]}}",
+             \"p50_us\":{:.1},\"p99_us\":{:.1}}},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{}}}",
             self.rounds,
             self.batch_bytes,
             rows.join(","),
@@ -261,7 +267,8 @@ impl BenchReport {
             self.latency.p50_us,
             self.latency.p99_us,
             self.memcpy_threads,
-            self.baseline_warnings.iter().map(|w| format!("\"{}\"", w.replace('"', "'"))).collect::<Vec<_>>().join(",")
+            self.baseline_warnings.iter().map(|w| format!("\"{}\"", w.replace('"', "'"))).collect::<Vec<_>>().join(","),
+            self.breakdown.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json())
         )
     }
 }
@@ -371,6 +378,9 @@ impl fmt::Display for BenchReport {
             self.latency.p50_us,
             self.latency.p99_us
         )?;
+        if let Some(b) = &self.breakdown {
+            write!(f, "\n\n{b}")?;
+        }
         for w in &self.baseline_warnings {
             write!(f, "\nwarning: {w}")?;
         }
@@ -404,7 +414,7 @@ async fn start_node(config: PoolClientConfig) -> Result<PoolClient, BenchError> 
 }
 
 /// Waits until the master's index lists every key.
-async fn until_indexed(client: &PoolClient, keys: &[String]) -> Result<(), BenchError> {
+pub(crate) async fn until_indexed(client: &PoolClient, keys: &[String]) -> Result<(), BenchError> {
     let deadline = Instant::now() + WAIT;
     loop {
         let found = client.master().batch_lookup(keys).await.map_err(|e| BenchError::Failed(format!("lookup: {e}")))?;
@@ -546,6 +556,14 @@ fn fail(what: &str, results: &[Result<impl Sized, impl fmt::Display>]) -> Result
 /// Runs the bench: an embedded master on 127.0.0.1, a local node, then a node in a child process.
 pub async fn run(options: BenchOptions) -> Result<BenchReport, BenchError> {
     options.validate()?;
+    if options.breakdown {
+        // The process's subscriber only logs: the phase spans are timed on a runtime of their own.
+        return crate::bench_breakdown::on_recording_runtime(move || run_validated(options)).await?;
+    }
+    run_validated(options).await
+}
+
+async fn run_validated(options: BenchOptions) -> Result<BenchReport, BenchError> {
     // `local` affinity: the master grants the local node local placement (its puts skip the route
     // call). The remote rows are unaffected: their writer lends no medium, so it is never granted.
     let master = bench_master(Affinity::Local).await?;
@@ -625,12 +643,18 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     let client = start_node(node_config("bench-client", master, Medium::None)).await?;
     let result = async {
         measure_remote(&client, &raw_addr, rounds, batch, &mut rows).await?;
-        measure_latency(&client, options.latency_calls).await
+        let latency = measure_latency(&client, options.latency_calls).await?;
+        let breakdown = if options.breakdown {
+            Some(crate::bench_breakdown::measure(&client, options.latency_calls).await?)
+        } else {
+            None
+        };
+        Ok::<_, BenchError>((latency, breakdown))
     }
     .await;
     client.close().await;
     drop(child);
-    let latency = result?;
+    let (latency, breakdown) = result?;
     let baseline_warnings = baseline_warnings(&rows);
     for w in &baseline_warnings {
         crate::progress::note(format_args!("umbp bench: warning: {w}"));
@@ -642,6 +666,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
         latency,
         memcpy_threads: memcpy_threads(),
         baseline_warnings,
+        breakdown,
     })
 }
 

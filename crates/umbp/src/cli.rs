@@ -632,6 +632,11 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the markdown table [default: off]
     #[arg(long)]
     pub json: bool,
+    /// pool suite: also time each phase of single 64 KiB remote puts and gets (route, allocate or
+    /// resolve, transfer, commit or release) with the pool's tracing spans, --latency-calls of each
+    /// [default: off]
+    #[arg(long)]
+    pub breakdown: bool,
 }
 
 /// `umbp bench-child` (hidden): the child node of `umbp bench`.

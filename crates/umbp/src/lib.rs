@@ -62,6 +62,9 @@
 pub mod bench;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
+pub mod bench_breakdown;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_ssd;
 #[cfg(feature = "cli")]
 mod cli;

@@ -1,0 +1,572 @@
+//! `umbp bench --breakdown`: where the time of one get and one put goes (issue 16, item 6),
+//! measured with the pool's phase spans ([`phases`]), not guessed.
+//!
+//! A [`PhaseLayer`] records each phase span's wall time (from its creation to its close) and busy
+//! time (while its future was being polled), by span name. The process's global subscriber only
+//! logs, so the bench with `--breakdown` runs on a runtime of its own whose every thread (and the
+//! thread that drives it) uses a dispatcher holding the layer ([`on_recording_runtime`]). After the
+//! bench's own latency probe, [`measure`] runs a loop of single 64 KiB remote puts and one of single
+//! gets of the keys it put, recording only during each loop, and reports per phase: calls, p50 wall
+//! and busy time, and the phase's share of the whole call's p50.
+//!
+//! The holder runs in a child process: its spans (`umbp.peer.*`) are recorded there, not here.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tracing::span::{Attributes, Id};
+use tracing::{Dispatch, Subscriber};
+use tracing_subscriber::filter::filter_fn;
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
+use umbp_peer::pool_client::PoolClient;
+use umbp_peer::pool_client::phases;
+
+use crate::bench::{BenchError, LATENCY_VALUE};
+use crate::units::human_size;
+
+/// The pseudo-phase of a whole get: its wall time outside every direct phase (gate, planning, thread
+/// hand-offs between the phases).
+pub const GET_OTHER: &str = "umbp.get (outside the phases)";
+/// The pseudo-phase of a whole put: its wall time outside every direct phase.
+pub const PUT_OTHER: &str = "umbp.put (outside the phases)";
+
+/// Warm-up calls before each recorded loop (connections and buffers are warm already; these settle
+/// the allocator and the caches of this loop's key pattern).
+const WARM_UP: usize = 10;
+
+/// One closed span.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    wall: Duration,
+    busy: Duration,
+}
+
+/// Where the layer's samples go: kept only while armed ([`start`](Self::start) to
+/// [`stop`](Self::stop)).
+#[derive(Debug, Default)]
+pub struct Recorder {
+    armed: AtomicBool,
+    samples: Mutex<HashMap<&'static str, Vec<Sample>>>,
+}
+
+impl Recorder {
+    /// Drops what was recorded and records from now on.
+    pub fn start(&self) {
+        if let Ok(mut s) = self.samples.lock() {
+            s.clear();
+        }
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops recording; what was recorded since [`start`](Self::start), by span name: (wall, busy)
+    /// per closed span.
+    pub fn stop(&self) -> Samples {
+        self.armed.store(false, Ordering::SeqCst);
+        let taken = self.samples.lock().map(|mut s| std::mem::take(&mut *s)).unwrap_or_default();
+        Samples(taken)
+    }
+
+    fn record(&self, name: &'static str, wall: Duration, busy: Duration) {
+        if !self.armed.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Ok(mut s) = self.samples.lock() {
+            s.entry(name).or_default().push(Sample { wall, busy });
+        }
+    }
+
+    /// The recorder of the phase layer in the current thread's dispatcher, if it has one.
+    pub fn current() -> Option<Arc<Recorder>> {
+        tracing::dispatcher::get_default(|d| d.downcast_ref::<PhaseLayer>().map(|l| Arc::clone(&l.recorder)))
+    }
+}
+
+/// Closed spans by name, from one armed stretch of a [`Recorder`].
+#[derive(Debug, Default)]
+pub struct Samples(HashMap<&'static str, Vec<Sample>>);
+
+impl Samples {
+    /// The span names recorded.
+    pub fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.0.keys().copied()
+    }
+
+    /// How many spans named `name` closed.
+    pub fn calls(&self, name: &str) -> usize {
+        self.0.get(name).map_or(0, Vec::len)
+    }
+}
+
+/// A span's timing while it is open.
+struct Timing {
+    opened: Instant,
+    entered: Option<Instant>,
+    busy: Duration,
+    /// For a whole call: the wall time of its direct phases closed so far.
+    phases: Duration,
+}
+
+/// The layer that times the phase spans (target [`phases::TARGET`]); give it only those spans
+/// (see [`dispatch`]).
+#[derive(Debug, Clone)]
+pub struct PhaseLayer {
+    recorder: Arc<Recorder>,
+}
+
+fn whole_call(name: &str) -> Option<&'static str> {
+    match name {
+        phases::GET => Some(GET_OTHER),
+        phases::PUT => Some(PUT_OTHER),
+        _ => None,
+    }
+}
+
+impl<S> Layer<S> for PhaseLayer
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, _attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id) {
+            let timing = Timing { opened: Instant::now(), entered: None, busy: Duration::ZERO, phases: Duration::ZERO };
+            span.extensions_mut().insert(timing);
+        }
+    }
+
+    fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id)
+            && let Some(t) = span.extensions_mut().get_mut::<Timing>()
+        {
+            t.entered = Some(Instant::now());
+        }
+    }
+
+    fn on_exit(&self, id: &Id, ctx: Context<'_, S>) {
+        if let Some(span) = ctx.span(id)
+            && let Some(t) = span.extensions_mut().get_mut::<Timing>()
+            && let Some(entered) = t.entered.take()
+        {
+            t.busy += entered.elapsed();
+        }
+    }
+
+    fn on_close(&self, id: Id, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(&id) else { return };
+        let Some(t) = span.extensions_mut().remove::<Timing>() else { return };
+        let wall = t.opened.elapsed();
+        let name = span.name();
+        // A direct phase of a whole call counts toward the call's phases (a nested one, such as the
+        // RPC inside a resolve, is inside its own phase already).
+        if let Some(parent) = span.parent()
+            && whole_call(parent.name()).is_some()
+            && let Some(pt) = parent.extensions_mut().get_mut::<Timing>()
+        {
+            pt.phases += wall;
+        }
+        self.recorder.record(name, wall, t.busy);
+        if let Some(other) = whole_call(name) {
+            self.recorder.record(other, wall.saturating_sub(t.phases), Duration::ZERO);
+        }
+    }
+}
+
+/// A dispatcher that logs as the CLI does (`RUST_LOG`, default `warn`, to stderr) and times the
+/// phase spans into `recorder`.
+pub fn dispatch(recorder: Arc<Recorder>) -> Dispatch {
+    let logs = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let subscriber = Registry::default()
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(false).with_filter(logs))
+        .with(PhaseLayer { recorder }.with_filter(filter_fn(|m| m.target() == phases::TARGET)));
+    Dispatch::new(subscriber)
+}
+
+thread_local! {
+    /// The recording dispatcher, while a thread of the recording runtime runs.
+    static SCOPED: RefCell<Option<tracing::dispatcher::DefaultGuard>> = const { RefCell::new(None) };
+}
+
+/// Runs `make()`'s future to completion on a fresh multi-thread runtime (as many workers as the
+/// CLI's) whose threads, and the thread that drives it, record the phase spans (see [`dispatch`]),
+/// on a thread of its own; blocks until it is done.
+pub fn run_recording<T, F, Fut>(make: F) -> Result<T, BenchError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = T>,
+{
+    let thread = std::thread::Builder::new()
+        .name("umbp-bench-breakdown".into())
+        .spawn(move || -> Result<T, BenchError> {
+            let dispatch = dispatch(Arc::new(Recorder::default()));
+            let _here = tracing::dispatcher::set_default(&dispatch);
+            let on_start = dispatch.clone();
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .on_thread_start(move || {
+                    SCOPED.with(|s| *s.borrow_mut() = Some(tracing::dispatcher::set_default(&on_start)));
+                })
+                .on_thread_stop(|| SCOPED.with(|s| drop(s.borrow_mut().take())))
+                .build()
+                .map_err(|e| BenchError::Failed(format!("starting the recording runtime: {e}")))?;
+            let out = runtime.block_on(make());
+            runtime.shutdown_timeout(Duration::from_secs(2));
+            Ok(out)
+        })
+        .map_err(|e| BenchError::Failed(format!("starting the recording thread: {e}")))?;
+    thread.join().map_err(|_| BenchError::Failed("the recording runtime panicked".into()))?
+}
+
+/// [`run_recording`] from async code: the caller's task waits without blocking its runtime.
+pub async fn on_recording_runtime<T, F, Fut>(make: F) -> Result<T, BenchError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = T>,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("umbp-bench-breakdown-wait".into())
+        .spawn(move || {
+            let _ = tx.send(run_recording(make));
+        })
+        .map_err(|e| BenchError::Failed(format!("starting the recording thread: {e}")))?;
+    rx.await.map_err(|_| BenchError::Failed("the recording runtime stopped without a result".into()))?
+}
+
+/// One phase's figures.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhaseStat {
+    /// The span name ([`phases`]), or [`GET_OTHER`] / [`PUT_OTHER`].
+    pub name: &'static str,
+    /// Spans closed (more than the calls when a call repeats a phase, e.g. a re-route).
+    pub calls: usize,
+    /// Median wall time, µs.
+    pub p50_us: f64,
+    /// Median busy time (polled), µs; `None` for the pseudo-phase outside the phases.
+    pub busy_p50_us: Option<f64>,
+    /// `p50_us` / the whole call's p50.
+    pub share: f64,
+}
+
+impl PhaseStat {
+    /// Nested inside another phase (the RPC or medium call inside a resolve, allocate, commit).
+    pub fn nested(&self) -> bool {
+        self.name.split('.').count() > 3
+    }
+}
+
+/// Where the time of one kind of single-key call went.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpBreakdown {
+    /// `get` or `put`.
+    pub op: &'static str,
+    /// Whole calls recorded.
+    pub calls: usize,
+    /// The whole call's median, µs.
+    pub p50_us: f64,
+    /// The whole call's 99th percentile, µs.
+    pub p99_us: f64,
+    /// The phases in the order they run, each with its share of `p50_us`; then the time outside them.
+    pub phases: Vec<PhaseStat>,
+}
+
+fn percentile(sorted: &[f64], p: usize) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+fn micros(samples: &[Sample], of: impl Fn(&Sample) -> Duration) -> Vec<f64> {
+    let mut v: Vec<f64> = samples.iter().map(|s| of(s).as_secs_f64() * 1e6).collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+impl OpBreakdown {
+    /// The figures of `samples` for the whole call `whole`, its `phase_names` (those with no span
+    /// recorded are left out) and the time outside them (`other`).
+    pub fn from_samples(
+        op: &'static str,
+        samples: &Samples,
+        whole: &'static str,
+        phase_names: &[&'static str],
+        other: &'static str,
+    ) -> Self {
+        let empty = Vec::new();
+        let calls_of = |name: &str| samples.0.get(name).unwrap_or(&empty);
+        let wall = micros(calls_of(whole), |s| s.wall);
+        let p50 = percentile(&wall, 50);
+        let share = |x: f64| if p50 > 0.0 { x / p50 } else { 0.0 };
+        let mut phases: Vec<PhaseStat> = Vec::new();
+        for name in phase_names.iter().copied().chain([other]) {
+            let recorded = calls_of(name);
+            if recorded.is_empty() {
+                continue;
+            }
+            let p = percentile(&micros(recorded, |s| s.wall), 50);
+            let busy = (name != other).then(|| percentile(&micros(recorded, |s| s.busy), 50));
+            phases.push(PhaseStat { name, calls: recorded.len(), p50_us: p, busy_p50_us: busy, share: share(p) });
+        }
+        Self { op, calls: wall.len(), p50_us: p50, p99_us: percentile(&wall, 99), phases }
+    }
+
+    /// The phase named `name`, if it was recorded.
+    pub fn phase(&self, name: &str) -> Option<&PhaseStat> {
+        self.phases.iter().find(|p| p.name == name)
+    }
+
+    fn to_json(&self) -> String {
+        let phases: Vec<String> = self
+            .phases
+            .iter()
+            .map(|p| {
+                format!(
+                    "{{\"name\":\"{}\",\"calls\":{},\"p50_us\":{:.1},\"busy_p50_us\":{},\"share\":{:.4}}}",
+                    p.name,
+                    p.calls,
+                    p.p50_us,
+                    p.busy_p50_us.map_or_else(|| "null".to_owned(), |b| format!("{b:.1}")),
+                    p.share
+                )
+            })
+            .collect();
+        format!(
+            "{{\"calls\":{},\"p50_us\":{:.1},\"p99_us\":{:.1},\"phases\":[{}]}}",
+            self.calls,
+            self.p50_us,
+            self.p99_us,
+            phases.join(",")
+        )
+    }
+}
+
+/// Where the time of one single-key remote get and one put goes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Breakdown {
+    /// Bytes per value.
+    pub value_bytes: u64,
+    /// The single puts.
+    pub put: OpBreakdown,
+    /// The single gets (of the keys the puts wrote).
+    pub get: OpBreakdown,
+}
+
+/// The heading of the breakdown's table.
+pub const BREAKDOWN_HEADER: &str = "| op | phase | spans | p50 µs | busy p50 µs | share of the call's p50 |";
+
+impl Breakdown {
+    /// Figures of recorded single gets and puts.
+    pub fn new(value_bytes: u64, put: &Samples, get: &Samples) -> Self {
+        Self {
+            value_bytes,
+            put: OpBreakdown::from_samples("put", put, phases::PUT, &phases::PUT_PHASES, PUT_OTHER),
+            get: OpBreakdown::from_samples("get", get, phases::GET, &phases::GET_PHASES, GET_OTHER),
+        }
+    }
+
+    /// The breakdown as one JSON object.
+    pub fn to_json(&self) -> String {
+        format!(
+            "{{\"value_bytes\":{},\"put\":{},\"get\":{}}}",
+            self.value_bytes,
+            self.put.to_json(),
+            self.get.to_json()
+        )
+    }
+}
+
+impl fmt::Display for Breakdown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "Where the time of one {} remote put and get goes ({} of each; phase spans, wall time from a span's \
+             start to its end; busy: while its future was polled; medians). Single-key calls: their phases run \
+             one after another (in a batch, one chunk's phases overlap another's and do not add up). A phase \
+             marked ↳ lies inside the one above. The holder's spans (umbp.peer.*) are recorded in its own \
+             process, not here.",
+            human_size(self.value_bytes),
+            self.get.calls
+        )?;
+        writeln!(f)?;
+        writeln!(f, "{BREAKDOWN_HEADER}")?;
+        write!(f, "|---|---|---|---|---|---|")?;
+        for op in [&self.put, &self.get] {
+            write!(
+                f,
+                "\n| {} | whole call (p99 {:.0} µs) | {} | {:.0} | | 100% |",
+                op.op, op.p99_us, op.calls, op.p50_us
+            )?;
+            for p in &op.phases {
+                let indent = if p.nested() { "↳ " } else { "" };
+                let busy = p.busy_p50_us.map_or_else(String::new, |b| format!("{b:.0}"));
+                write!(
+                    f,
+                    "\n| {} | {indent}{} | {} | {:.0} | {busy} | {:.0}% |",
+                    op.op,
+                    p.name,
+                    p.calls,
+                    p.p50_us,
+                    p.share * 100.0
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Times `calls` single 64 KiB puts of distinct keys from `client` (a node without a medium, so
+/// every put is remote), then `calls` single gets of those keys, each loop recorded by the phase
+/// layer of this thread's dispatcher (the bench must run under [`on_recording_runtime`]). The keys
+/// are removed afterwards.
+pub async fn measure(client: &PoolClient, calls: usize) -> Result<Breakdown, BenchError> {
+    let recorder = Recorder::current()
+        .ok_or_else(|| BenchError::Failed("--breakdown: no phase recorder on this runtime".into()))?;
+    let value = vec![9u8; LATENCY_VALUE];
+    let keys: Vec<String> = (0..WARM_UP + calls).map(|i| format!("bench-breakdown-{i}")).collect();
+    crate::progress::note(format_args!("umbp bench: {calls} single puts and gets for the breakdown"));
+    let put_one = |key: &str| {
+        let value = &value;
+        let key = key.to_owned();
+        async move { client.put(&key, value).await.map_err(|e| BenchError::Failed(format!("breakdown put: {e}"))) }
+    };
+    for key in &keys[..WARM_UP] {
+        put_one(key).await?;
+    }
+    recorder.start();
+    for key in &keys[WARM_UP..] {
+        put_one(key).await?;
+    }
+    let put = recorder.stop();
+    crate::bench::until_indexed(client, &keys).await?;
+    let mut buf = vec![0u8; LATENCY_VALUE];
+    for key in &keys[..WARM_UP] {
+        client.get(key, &mut buf).await.map_err(|e| BenchError::Failed(format!("breakdown get: {e}")))?;
+    }
+    recorder.start();
+    let mut failed = None;
+    for key in &keys[WARM_UP..] {
+        if let Err(e) = client.get(key, &mut buf).await {
+            failed = Some(e);
+            break;
+        }
+    }
+    let get = recorder.stop();
+    if let Some(e) = failed {
+        return Err(BenchError::Failed(format!("breakdown get: {e}")));
+    }
+    if buf != value {
+        return Err(BenchError::Failed("breakdown get returned other bytes than were put".into()));
+    }
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let _ = client.remove(&refs).await;
+    Ok(Breakdown::new(LATENCY_VALUE as u64, &put, &get))
+}
+
+#[cfg(test)]
+mod tests {
+    use umbp_master::MasterConfig;
+    use umbp_peer::pool_client::{DramConfig, Medium, PoolClientConfig};
+
+    use super::*;
+
+    /// The phases a remote single-key put records in the writer's process.
+    const REMOTE_PUT: [&str; 8] = [
+        phases::PUT,
+        phases::PUT_ROUTE,
+        phases::PUT_ALLOCATE,
+        phases::PUT_ALLOCATE_RPC,
+        phases::PUT_TRANSFER,
+        phases::PUT_COMMIT,
+        phases::PUT_COMMIT_RPC,
+        phases::PUT_ABORT,
+    ];
+    /// The phases a remote single-key get records in the reader's process.
+    const REMOTE_GET: [&str; 6] = [
+        phases::GET,
+        phases::GET_ROUTE,
+        phases::GET_RESOLVE,
+        phases::GET_RESOLVE_RPC,
+        phases::GET_TRANSFER,
+        phases::GET_RELEASE,
+    ];
+
+    fn config(id: &str, master: &str, medium: Medium) -> PoolClientConfig {
+        let mut c = PoolClientConfig::new(id, master).with_medium(medium);
+        c.page_size = 64 << 10;
+        c
+    }
+
+    /// One remote put and get between two nodes of one process, then a local get on the holder:
+    /// every phase span of each path is recorded (the holder's peer-service spans too, as the
+    /// holder is in this process), and the breakdown's figures come from them.
+    #[test]
+    fn the_layer_records_every_phase_of_a_get_and_a_put() {
+        let (put, get, local) = run_recording(|| async {
+            let master = umbp_master::start(MasterConfig {
+                listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                ..MasterConfig::default()
+            })
+            .await
+            .expect("master");
+            let addr = master.local_addr().to_string();
+            let dram = Medium::Dram(DramConfig { capacity_bytes: 8 << 20, ..DramConfig::default() });
+            let holder = PoolClient::start(config("holder", &addr, dram)).await.expect("holder");
+            let client = PoolClient::start(config("client", &addr, Medium::None)).await.expect("client");
+            let recorder = Recorder::current().expect("the recording runtime has a recorder");
+            let value = vec![3u8; LATENCY_VALUE];
+            recorder.start();
+            client.put("k", &value).await.expect("put");
+            let put = recorder.stop();
+            holder.flush();
+            crate::bench::until_indexed(&client, &["k".to_owned()]).await.expect("indexed");
+            let mut buf = vec![0u8; LATENCY_VALUE];
+            recorder.start();
+            client.get("k", &mut buf).await.expect("remote get");
+            let get = recorder.stop();
+            assert_eq!(buf, value);
+            recorder.start();
+            holder.get("k", &mut buf).await.expect("local get");
+            let local = recorder.stop();
+            client.close().await;
+            holder.close().await;
+            master.shutdown().await;
+            (put, get, local)
+        })
+        .expect("recording runtime");
+        for name in REMOTE_PUT.iter().chain(&[phases::PEER_ALLOCATE, phases::PEER_COMMIT]) {
+            assert!(put.calls(name) >= 1, "put recorded no {name}: {:?}", put.names().collect::<Vec<_>>());
+        }
+        for name in REMOTE_GET.iter().chain(&[phases::PEER_RESOLVE]) {
+            assert!(get.calls(name) >= 1, "get recorded no {name}: {:?}", get.names().collect::<Vec<_>>());
+        }
+        for name in [phases::GET, phases::GET_LOCAL, phases::GET_RESOLVE_MEDIUM, phases::GET_TRANSFER] {
+            assert!(local.calls(name) >= 1, "local get recorded no {name}: {:?}", local.names().collect::<Vec<_>>());
+        }
+        assert_eq!(put.calls(phases::PUT), 1, "one whole put");
+        assert_eq!(get.calls(phases::GET), 1, "one whole get");
+        let breakdown = Breakdown::new(LATENCY_VALUE as u64, &put, &get);
+        for (op, names) in [(&breakdown.put, &REMOTE_PUT[1..]), (&breakdown.get, &REMOTE_GET[1..])] {
+            assert_eq!(op.calls, 1);
+            assert!(op.p50_us > 0.0);
+            for name in names {
+                let p = op.phase(name).unwrap_or_else(|| panic!("{} breakdown has no {name}", op.op));
+                assert!(p.p50_us <= op.p50_us, "{name} lies inside the whole call");
+            }
+            let other = op.phases.last().expect("the time outside the phases");
+            assert!(other.name.ends_with("(outside the phases)"));
+            let direct: f64 =
+                op.phases.iter().filter(|p| !p.nested() && p.busy_p50_us.is_some()).map(|p| p.p50_us).sum();
+            assert!(direct + other.p50_us <= op.p50_us * 1.0001 + 1.0, "phases of one call add up to at most the call");
+        }
+        let text = breakdown.to_string();
+        assert!(text.contains(BREAKDOWN_HEADER) && text.contains("one after another"), "{text}");
+        assert!(breakdown.to_json().contains("\"umbp.get.route\""));
+    }
+}
