@@ -211,13 +211,15 @@ async fn a_copy_that_outlives_the_read_lease_is_never_a_hit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slot_past_its_ttl_is_aborted_not_committed() {
     let m = master().await;
-    let mut hc = config(&m, "holder", 1024 * PAGE);
+    let mut hc = config(&m, "holder", 8192 * PAGE);
     hc.pending_ttl = Duration::from_millis(1);
     let holder = PoolClient::start(hc).await.expect("holder");
     let mut wc = client_config(&m, "writer");
     wc.max_reroutes = 0;
     let writer = PoolClient::start(wc).await.expect("writer");
-    let v = value(6, 1 << 20);
+    // 16 MiB cannot cross loopback within the slot's TTL (minus its margin): the keyed put's
+    // holder aborts it, and the routed path that follows never commits it either.
+    let v = value(6, 16 << 20);
     let r = writer.put("slow", &v).await;
     assert_eq!(r, Err(KeyError::SlotExpired { node: "holder".into() }));
     assert!(writer.stats().slot_expiries >= 1);

@@ -40,11 +40,13 @@
 //!   only the call that hit it (`INTERNAL`).
 //! - The media list is snapshotted when the service is built: register every medium first.
 
+mod keyed;
 mod server;
 mod service;
 
 use umbp_core::TierType;
 
+pub use keyed::KeyedMedia;
 pub use server::{PeerServer, PeerServerConfig, PeerServerHandle, PeerServiceError};
 pub use service::{ChangeHook, PeerService};
 pub use umbp_proto::resolve::{DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};

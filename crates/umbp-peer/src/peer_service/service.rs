@@ -61,7 +61,12 @@ impl PeerService {
         *self.on_change.write() = hook;
     }
 
-    fn changed(&self) {
+    /// The media the service dispatches to: (backend id, tier, medium), ascending tier.
+    pub(super) fn media(&self) -> impl Iterator<Item = (u32, TierType, &Arc<dyn MediumBackend>)> {
+        self.inner.media.iter().map(|m| (m.id, m.tier, &m.backend))
+    }
+
+    pub(super) fn changed(&self) {
         if let Some(hook) = self.on_change.read().as_ref() {
             hook();
         }

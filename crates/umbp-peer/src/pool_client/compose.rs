@@ -1,7 +1,8 @@
 //! The composition root: the only place that names concrete media and transfer engines. It builds
 //! the composite engine (local copy + TCP, plus GPU copy when the node lends HBM or `gpu_runtime`
-//! asks for it) and the node's one medium from its [`Medium`] setting, with a `match`: adding a
-//! medium adds an arm here and nowhere else.
+//! asks for it; the TCP engine serves peers only when the node lends a medium) and the node's one
+//! medium from its [`Medium`] setting, with a `match`: adding a medium adds an arm here and nowhere
+//! else.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -28,7 +29,10 @@ use super::{Medium, PoolClientConfig, PoolError, RuntimeSelection, support};
 pub(super) struct Composed {
     /// Every engine of the node behind one.
     pub(super) engine: Arc<CompositeTransferEngine>,
-    /// The TCP data server's advertised endpoint.
+    /// The TCP engine inside it: its data server answers keyed requests (see `fast.rs`).
+    pub(super) tcp: Arc<TcpEngine>,
+    /// The TCP data server's advertised endpoint ("" for a node that lends no medium: it serves no
+    /// data).
     pub(super) data_endpoint: String,
     /// The node's medium, not yet `init`ed (none for a client-only node).
     pub(super) medium: Option<Arc<dyn MediumBackend>>,
@@ -64,11 +68,15 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
         cluster_token: config.cluster_token.clone(),
         ..TcpEngineConfig::default()
     };
-    let tcp = match &gpu_runtime {
-        Some(runtime) => TcpEngine::with_gpu_runtime(tcp_config, Arc::clone(runtime)),
-        None => TcpEngine::new(tcp_config),
+    // A node that lends no medium has nothing for peers to reach: its engine serves none (no data
+    // port, no server thread) and its endpoint is "".
+    let tcp = match (&config.medium, &gpu_runtime) {
+        (Medium::None, _) => TcpEngine::client_only(tcp_config),
+        (_, Some(runtime)) => TcpEngine::with_gpu_runtime(tcp_config, Arc::clone(runtime)),
+        (_, None) => TcpEngine::new(tcp_config),
     }
     .map_err(PoolError::DataPlane)?;
+    let tcp = Arc::new(tcp);
     let data_endpoint = tcp.endpoint().to_owned();
     let mut engines: Vec<Arc<dyn TransferEngine>> = vec![
         Arc::new(LocalCopyEngine::new(LocalCopyConfig {
@@ -77,7 +85,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
             parallel_threshold: 2 * support::PIPELINE_CHUNK_BYTES,
             ..LocalCopyConfig::default()
         })),
-        Arc::new(tcp),
+        Arc::clone(&tcp) as Arc<dyn TransferEngine>,
     ];
     if let Some(runtime) = &gpu_runtime {
         // Pinning needs a current device: an HBM node uses its medium's, so it never touches
@@ -151,7 +159,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
     // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
     // endpoint is configured; otherwise nothing would read the counters).
     let medium = if config.metrics_listen.is_some() { medium.map(InstrumentedBackend::wrap) } else { medium };
-    Ok(Composed { engine, data_endpoint, medium, medium_drive_io })
+    Ok(Composed { engine, tcp, data_endpoint, medium, medium_drive_io })
 }
 
 /// The data endpoint to advertise for a data server listening on `listen`: none (the bound address) for

@@ -151,7 +151,8 @@ pub struct PoolClientConfig {
     pub node_address: String,
     /// Where the peer service listens (only when the node lends a medium). Default: `127.0.0.1:0`.
     pub peer_listen: SocketAddr,
-    /// Where the TCP data server listens. Default: `127.0.0.1:0`.
+    /// Where the TCP data server listens (only when the node lends a medium: a node that lends none
+    /// serves no data). Default: `127.0.0.1:0`.
     pub data_listen: SocketAddr,
     /// The medium this node lends. Default: none.
     pub medium: Medium,
@@ -183,6 +184,21 @@ pub struct PoolClientConfig {
     /// finds nothing under `UMBP_GPU_RUNTIME=none`). Default: none, so a DRAM, SSD or client-only
     /// node never probes a GPU nor pins its medium and bounce pool with one.
     pub gpu_runtime: Option<RuntimeSelection>,
+    /// Whether a node that lends no medium registers with the master anyway (listed as a client in
+    /// the cluster status and `umbp stat`, heartbeating, unregistered at `close`). A node that lends
+    /// a medium always registers, and so does one that serves `/metrics`
+    /// ([`metrics_listen`](Self::metrics_listen): an operator who scrapes it wants it listed).
+    /// Otherwise a medium-less node is a *light client*: no registration, no heartbeat, no data
+    /// server, no peer service — it only asks the master for routes and talks to the holders.
+    /// Default: false.
+    pub register_client: bool,
+    /// Whether single-key gets and puts use **keyed requests**: one exchange with the holder's data
+    /// server instead of the routed resolve/allocate → transfer → release/commit RPCs (see the
+    /// `fast` module of `pool_client`; anything unusual still takes the routed path). As a node,
+    /// whether its data server answers other nodes' keyed requests. Off: every call is routed (for
+    /// a comparison, or a cluster with an older node that closes connections at unknown ops).
+    /// Default: true.
+    pub keyed_requests: bool,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -206,6 +222,8 @@ impl std::fmt::Debug for PoolClientConfig {
             .field("master", &self.master)
             .field("metrics_listen", &self.metrics_listen)
             .field("gpu_runtime", &self.gpu_runtime)
+            .field("register_client", &self.register_client)
+            .field("keyed_requests", &self.keyed_requests)
             .finish()
     }
 }
@@ -231,6 +249,8 @@ impl PoolClientConfig {
             master: MasterClientConfig::default(),
             metrics_listen: None,
             gpu_runtime: None,
+            register_client: false,
+            keyed_requests: true,
         }
     }
 
@@ -238,5 +258,11 @@ impl PoolClientConfig {
     pub fn with_medium(mut self, medium: Medium) -> Self {
         self.medium = medium;
         self
+    }
+
+    /// Whether the node registers with the master (and heartbeats): it lends a medium, serves
+    /// `/metrics`, or asks to ([`register_client`](Self::register_client)).
+    pub fn registers(&self) -> bool {
+        !matches!(self.medium, Medium::None) || self.metrics_listen.is_some() || self.register_client
     }
 }

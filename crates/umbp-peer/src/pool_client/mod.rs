@@ -26,6 +26,7 @@ mod builder;
 mod compose;
 mod config;
 mod error;
+mod fast;
 mod get;
 mod holder;
 mod metrics;
@@ -46,11 +47,13 @@ use umbp_core::{
     TransferRef,
 };
 use umbp_metrics::{MetricsConfig, MetricsExporter, MetricsServer};
-use umbp_transfer::{CompositeTransferEngine, FailureKind, PeerDirectory, TransferEngine, TransferItem};
+use umbp_transfer::{
+    CompositeTransferEngine, FailureKind, KeyedClient, KeyedClientConfig, PeerDirectory, TransferEngine, TransferItem,
+};
 
 use crate::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
 use crate::peer_client::{PeerClient, PeerClientConfig, Peers};
-use crate::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
+use crate::peer_service::{KeyedMedia, PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
 pub use builder::PoolClientBuilder;
 use compose::{Composed, compose};
 #[cfg(feature = "hbm")]
@@ -87,6 +90,10 @@ pub struct PoolClientStats {
     pub recache_dropped: u64,
     /// Re-cache jobs that stored the value locally.
     pub recache_stored: u64,
+    /// Single-key gets served in one keyed exchange with the holder (no routed resolve).
+    pub keyed_gets: u64,
+    /// Single-key puts written in one keyed exchange with the holder (no allocate or commit RPC).
+    pub keyed_puts: u64,
 }
 
 /// How long a node that could not be reached is left out of every route.
@@ -153,10 +160,20 @@ pub struct PoolClient {
     releases: support::Releases,
     /// What the read-lease and slot-TTL checks measure time with (the media's own clock is theirs).
     clock: Arc<dyn Clock>,
+    /// Keyed gets and puts: one exchange with a holder's data server (see `fast.rs`).
+    keyed: Arc<KeyedClient>,
+    /// Where keys were last read or written (see `fast.rs`).
+    locations: fast::Locations,
+    /// Keys read without a route call, told to the master in batches (see `fast.rs`).
+    hints: Arc<fast::Hints>,
 }
 
 impl PoolClient {
     /// Starts a node: transfer engines, the medium, the peer service, registration and the heartbeat.
+    /// A node that lends no medium starts no data server and no peer service, and registers (and
+    /// heartbeats) only when it serves `/metrics` or sets
+    /// [`register_client`](PoolClientConfig::register_client): see
+    /// [`PoolClientConfig::registers`].
     pub async fn start(config: PoolClientConfig) -> Result<Self, PoolError> {
         Self::start_with_clock(config, umbp_core::SystemClock::shared()).await
     }
@@ -169,7 +186,7 @@ impl PoolClient {
         if config.page_size == 0 {
             return Err(PoolError::Config("page_size must be greater than 0".into()));
         }
-        let Composed { engine, data_endpoint, medium, medium_drive_io } = compose(&config)?;
+        let Composed { engine, tcp, data_endpoint, medium, medium_drive_io } = compose(&config)?;
         let mut registry = BackendRegistry::new();
         if let Some(m) = &medium {
             m.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>)?;
@@ -190,6 +207,20 @@ impl PoolClient {
             None => None,
         };
         let service = PeerService::new(Arc::clone(&registry), data_endpoint.clone());
+        if medium.is_some() && config.keyed_requests {
+            // The data server answers keyed gets and puts from the same media, in one exchange.
+            let keyed = KeyedMedia::new(&service, config.read_lease, config.pending_ttl);
+            tcp.server().set_keyed_handler(Some(Arc::new(keyed)));
+        }
+        let keyed = Arc::new(
+            KeyedClient::new(KeyedClientConfig {
+                cluster_token: config.cluster_token.clone(),
+                connect_timeout: config.rpc_timeout,
+                io_timeout: tcp.config().io_timeout,
+                ..KeyedClientConfig::default()
+            })
+            .map_err(|e| PoolError::Config(format!("cluster_token: {e}")))?,
+        );
         let peer_server = match &medium {
             Some(_) => Some(
                 PeerServer::start(
@@ -227,8 +258,14 @@ impl PoolClient {
             unreachable_for: UNREACHABLE_FOR,
         })
         .map_err(|e| PoolError::Config(format!("cluster_token: {e}")))?;
-        master.register().await?;
-        master.start_heartbeat()?;
+        // A light client (no medium, no /metrics, no opt-in: `PoolClientConfig::registers`) never
+        // registers: the master's route and lookup calls take its id only for affinity, and `close`
+        // has nothing to unregister (`MasterClient::shutdown` sends nothing for a node that never
+        // registered).
+        if config.registers() {
+            master.register().await?;
+            master.start_heartbeat()?;
+        }
         // Remote writers' commits land here: wake the heartbeat so the master indexes them at once.
         let weak = Arc::downgrade(&master);
         service.set_change_hook(Some(Arc::new(move || {
@@ -278,6 +315,9 @@ impl PoolClient {
             metrics: Mutex::new(metrics),
             releases: support::Releases::default(),
             clock,
+            keyed,
+            locations: fast::Locations::default(),
+            hints: Arc::default(),
         })
     }
 
@@ -291,7 +331,7 @@ impl PoolClient {
         self.peer_server.lock().as_ref().map(PeerServerHandle::local_addr)
     }
 
-    /// The TCP data endpoint.
+    /// The TCP data endpoint; "" for a node that lends no medium (it serves no data).
     pub fn data_endpoint(&self) -> &str {
         &self.data_endpoint
     }
@@ -544,8 +584,9 @@ impl PoolClient {
     }
 
     /// Leaves the cluster: waits for every batch in flight (later calls fail with
-    /// [`KeyError::Closed`]), stops the re-cache worker and the heartbeat, unregisters, stops the peer
-    /// service, then shuts the medium down (deregistering before releasing its memory). Idempotent.
+    /// [`KeyError::Closed`]), stops the re-cache worker and the heartbeat, unregisters (a light
+    /// client, never registered, sends nothing), stops the peer service, then shuts the medium down
+    /// (deregistering before releasing its memory). Idempotent.
     pub async fn close(&self) {
         let mut closed = self.gate.write().await;
         if *closed {

@@ -35,6 +35,9 @@ pub const GET_RESOLVE_MEDIUM: &str = "umbp.get.resolve.medium";
 pub const GET_TRANSFER: &str = "umbp.get.transfer";
 /// Ending the read leases of a round (a remote release is usually sent in the background).
 pub const GET_RELEASE: &str = "umbp.get.release";
+/// A keyed get: one exchange with the holder's data server that resolves, sends and releases
+/// (`fast.rs`), on the calling thread.
+pub const GET_KEYED: &str = "umbp.get.keyed";
 
 /// A whole `put` / `batch_put` call.
 pub const PUT: &str = "umbp.put";
@@ -53,6 +56,9 @@ pub const PUT_COMMIT: &str = "umbp.put.commit";
 pub const PUT_COMMIT_RPC: &str = "umbp.put.commit.rpc";
 /// Aborting the slots of a round that were not committed (a no-op when every slot was).
 pub const PUT_ABORT: &str = "umbp.put.abort";
+/// A keyed put: one exchange with the holder's data server that allocates, receives and commits
+/// (`fast.rs`), on the calling thread.
+pub const PUT_KEYED: &str = "umbp.put.keyed";
 
 /// The peer service's `BatchResolveKeys` handler (in the holder's process).
 pub const PEER_RESOLVE: &str = "umbp.peer.resolve";
@@ -62,12 +68,12 @@ pub const PEER_ALLOCATE: &str = "umbp.peer.allocate";
 pub const PEER_COMMIT: &str = "umbp.peer.commit";
 
 /// The phases of a single-key get, in the order they run.
-pub const GET_PHASES: [&str; 7] =
-    [GET_LOCAL, GET_ROUTE, GET_RESOLVE, GET_RESOLVE_RPC, GET_RESOLVE_MEDIUM, GET_TRANSFER, GET_RELEASE];
+pub const GET_PHASES: [&str; 8] =
+    [GET_LOCAL, GET_ROUTE, GET_KEYED, GET_RESOLVE, GET_RESOLVE_RPC, GET_RESOLVE_MEDIUM, GET_TRANSFER, GET_RELEASE];
 
 /// The phases of a single-key put, in the order they run.
-pub const PUT_PHASES: [&str; 7] =
-    [PUT_ROUTE, PUT_ALLOCATE, PUT_ALLOCATE_RPC, PUT_TRANSFER, PUT_COMMIT, PUT_COMMIT_RPC, PUT_ABORT];
+pub const PUT_PHASES: [&str; 8] =
+    [PUT_ROUTE, PUT_KEYED, PUT_ALLOCATE, PUT_ALLOCATE_RPC, PUT_TRANSFER, PUT_COMMIT, PUT_COMMIT_RPC, PUT_ABORT];
 
 /// A TRACE span named `$name` (one of the constants above) with target [`TARGET`], for
 /// `.instrument(..)` or `.in_scope(..)`.

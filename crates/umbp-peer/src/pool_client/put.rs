@@ -170,6 +170,13 @@ impl PoolClient {
         if *gate {
             return vec![Err(KeyError::Closed); items.len()];
         }
+        // One key from a client that lends no medium: a route call and one keyed exchange with the
+        // holder; anything unusual falls back to the routed path below.
+        if let [(key, value)] = items
+            && let Some(result) = self.put_fast(key, *value).await
+        {
+            return vec![result];
+        }
         let n = items.len();
         let mut results: Vec<Option<Result<PutOutcome, KeyError>>> = vec![None; n];
         let mut repeat_of: Vec<Option<usize>> = vec![None; n];

@@ -349,6 +349,8 @@ pub(super) struct StatCounters {
     pub(super) recache_queued: AtomicU64,
     pub(super) recache_dropped: AtomicU64,
     pub(super) recache_stored: AtomicU64,
+    pub(super) keyed_gets: AtomicU64,
+    pub(super) keyed_puts: AtomicU64,
 }
 
 impl StatCounters {
@@ -365,6 +367,8 @@ impl StatCounters {
             recache_queued: get(&self.recache_queued),
             recache_dropped: get(&self.recache_dropped),
             recache_stored: get(&self.recache_stored),
+            keyed_gets: get(&self.keyed_gets),
+            keyed_puts: get(&self.keyed_puts),
         }
     }
 }

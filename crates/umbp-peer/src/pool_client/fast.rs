@@ -1,0 +1,253 @@
+//! The hot path of a single key: one exchange with the holder's data server.
+//!
+//! A routed get pays a route call to the master, a resolve RPC to the holder's peer service, the
+//! transfer (through the engine's worker threads) and a release; a routed put a route, an allocate
+//! RPC, the transfer and a commit RPC. For a single key the client instead sends a **keyed
+//! request** (`umbp_transfer`'s `KeyedClient`) from the calling thread to the holder's data server,
+//! which resolves (or allocates), moves the bytes and releases (or commits) on its connection
+//! thread — see `umbp_transfer`'s `keyed` module and this crate's `KeyedMedia`:
+//!
+//! - **get**: where the client last saw the key (its **location cache**, filled by keyed gets and
+//!   puts, entries living [`LOCATION_TTL`]) → one GET_KEY; with no cached location, a route call
+//!   first (which stamps the master's LRU). A cache hit skips the master, so the key is queued as an
+//!   **access hint**, sent with the others in one batch at most every [`HINT_EVERY`] in the
+//!   background, so the master's LRU still sees the read. The holder's read lease covers the send;
+//!   a send that outlived it arrives marked lapsed and is discarded, never returned.
+//! - **put** (a client that lends no medium): a route call → one PUT_KEY (allocate, receive,
+//!   commit); the holder's commit wakes its heartbeat, as a routed commit does.
+//!
+//! Anything else falls back to the routed path, which keeps every rule it has: a miss, a busy or
+//! unreachable holder, a lapsed lease, a holder that does not serve keyed requests (an older build,
+//! a value in device memory), a caller buffer in device memory, a node with a medium of its own (its
+//! local look comes first there). A miss or a failure also drops the cached location. So a stale
+//! location costs one exchange, never wrong bytes: the holder resolves the key itself, and values
+//! are write-once, so any holder's bytes for a key are that key's value.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tracing::Instrument;
+use umbp_transfer::{KeyedGet, KeyedPut};
+
+use super::phases::{self, phase};
+use super::support::{CallerBuf, StatCounters, blocking};
+use super::*;
+use crate::master_client::RoutePutDecision;
+
+/// How long a cached location is trusted without a route call.
+pub(super) const LOCATION_TTL: Duration = Duration::from_secs(30);
+/// Locations cached at most (a full cache drops its expired entries, then everything).
+const LOCATION_CAP: usize = 1 << 16;
+/// Access hints are sent at most this often, in one batch.
+pub(super) const HINT_EVERY: Duration = Duration::from_millis(50);
+/// Hints waiting at most; more are dropped (they are hints).
+const HINTS_CAP: usize = 4096;
+
+/// Where a key was last read or written: its holder and the holder's data endpoint.
+#[derive(Debug, Clone)]
+struct Location {
+    node: Arc<str>,
+    endpoint: Arc<str>,
+    until: Instant,
+}
+
+/// The client's location cache (see the module docs).
+#[derive(Debug, Default)]
+pub(super) struct Locations {
+    map: Mutex<HashMap<String, Location>>,
+}
+
+impl Locations {
+    fn get(&self, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
+        let map = self.map.lock();
+        let l = map.get(key).filter(|l| l.until > now)?;
+        Some((Arc::clone(&l.node), Arc::clone(&l.endpoint)))
+    }
+
+    fn insert(&self, key: &str, node: &str, endpoint: &str, now: Instant) {
+        let mut map = self.map.lock();
+        if map.len() >= LOCATION_CAP && !map.contains_key(key) {
+            map.retain(|_, l| l.until > now);
+            if map.len() >= LOCATION_CAP {
+                map.clear();
+            }
+        }
+        map.insert(
+            key.to_owned(),
+            Location { node: node.into(), endpoint: endpoint.into(), until: now + LOCATION_TTL },
+        );
+    }
+
+    pub(super) fn forget(&self, key: &str) {
+        self.map.lock().remove(key);
+    }
+
+    /// Drops every location on `node` (it failed or went away).
+    pub(super) fn forget_node(&self, node: &str) {
+        self.map.lock().retain(|_, l| &*l.node != node);
+    }
+}
+
+/// Keys read without a route call, waiting to be told to the master in one batch.
+#[derive(Debug, Default)]
+pub(super) struct Hints {
+    keys: Mutex<Vec<String>>,
+    scheduled: AtomicBool,
+}
+
+impl PoolClient {
+    /// A single-key get over one keyed exchange; `None`: take the routed path.
+    pub(super) async fn get_fast(&self, key: &str, buf: CallerBuf) -> Option<Result<u64, KeyError>> {
+        if !self.config.keyed_requests || key.is_empty() || self.in_device_registration(buf) {
+            return None;
+        }
+        let now = self.clock.now();
+        let (node, endpoint, cached) = match self.locations.get(key, now) {
+            Some((node, endpoint)) => (node, endpoint, true),
+            // A node with a medium looks at its own medium first: the routed path does that.
+            None if self.medium.is_some() => return None,
+            None => {
+                let routed = self
+                    .master
+                    .batch_route_get(&[key.to_owned()], &self.recently_unreachable())
+                    .instrument(phase!(phases::GET_ROUTE))
+                    .await;
+                match routed.map(|mut hits| hits.pop().flatten()) {
+                    Ok(Some(hit)) if !hit.data_endpoint.is_empty() && hit.node_id != self.config.node_id => {
+                        (hit.node_id.into(), hit.data_endpoint.into(), false)
+                    }
+                    Ok(Some(_)) => return None,
+                    Ok(None) => return Some(Err(KeyError::Miss)),
+                    Err(e) => return Some(Err(KeyError::Routing(e.into()))),
+                }
+            }
+        };
+        let keyed = Arc::clone(&self.keyed);
+        // The holder judges its own lease (the trailer); the client's `read_lease` bounds the
+        // exchange too, from before it was sent, as on the routed path (nodes of a cluster share
+        // the setting: the stricter of the two rules).
+        let sent = self.clock.now();
+        let got = phase!(phases::GET_KEYED).in_scope(|| {
+            blocking(|| {
+                // SAFETY: `buf` is a caller buffer of this call (a slice it borrows, or a raw range
+                // its contract keeps valid and unshared until the call returns), host memory (not in
+                // a device registration: checked above); this blocks until the exchange is over.
+                unsafe { keyed.get(&endpoint, key, buf.ptr, buf.len) }
+            })
+        });
+        let got = match got {
+            Ok(KeyedGet::Hit(_)) if self.clock.now() > sent + self.config.read_lease => Ok(KeyedGet::Lapsed),
+            other => other,
+        };
+        match got {
+            Ok(KeyedGet::Hit(size)) => {
+                if cached {
+                    self.hint(key);
+                }
+                self.locations.insert(key, &node, &endpoint, now);
+                StatCounters::add(&self.stats.keyed_gets, 1);
+                Some(Ok(size))
+            }
+            Ok(KeyedGet::TooSmall(size)) => Some(Err(KeyError::BufferTooSmall { needed: size, got: buf.len as u64 })),
+            Ok(other) => {
+                if other == KeyedGet::Lapsed {
+                    StatCounters::add(&self.stats.lease_lapses, 1);
+                }
+                tracing::trace!(key, node = %node, answer = ?other, "keyed get fell back to the routed path");
+                self.locations.forget(key);
+                None
+            }
+            Err(e) => {
+                tracing::debug!(key, node = %node, error = %e, "keyed get failed; taking the routed path");
+                self.locations.forget_node(&node);
+                self.keyed.forget(&endpoint);
+                None
+            }
+        }
+    }
+
+    /// A single-key put over one route call and one keyed exchange, for a client that lends no
+    /// medium; `None`: take the routed path.
+    pub(super) async fn put_fast(&self, key: &str, value: CallerBuf) -> Option<Result<PutOutcome, KeyError>> {
+        if !self.config.keyed_requests
+            || self.medium.is_some()
+            || key.is_empty()
+            || value.len == 0
+            || self.in_device_registration(value)
+        {
+            return None;
+        }
+        let routed = self
+            .master
+            .batch_route_put(&[key.to_owned()], &[value.len as u64], &self.recently_unreachable())
+            .instrument(phase!(phases::PUT_ROUTE))
+            .await;
+        let (node, tier, endpoint) = match routed.map(|mut d| d.pop()) {
+            Ok(Some(RoutePutDecision::Routed { node_id, tier, data_endpoint, .. })) if !data_endpoint.is_empty() => {
+                (node_id, tier, data_endpoint)
+            }
+            Ok(Some(RoutePutDecision::AlreadyExists)) => return Some(Ok(PutOutcome::AlreadyPresent)),
+            // No room (the routed path makes room), no data endpoint, or no answer: routed path.
+            Ok(_) | Err(_) => return None,
+        };
+        let keyed = Arc::clone(&self.keyed);
+        let put = phase!(phases::PUT_KEYED).in_scope(|| {
+            blocking(|| {
+                // SAFETY: `value` is a caller buffer of this call (a slice it borrows, or a raw
+                // range its contract keeps valid and unwritten until the call returns), host memory
+                // (checked above); only read, until this blocking call returns.
+                let bytes = unsafe { std::slice::from_raw_parts(value.ptr.as_ptr().cast_const(), value.len) };
+                keyed.put(&endpoint, key, u64::from(tier.wire()), bytes)
+            })
+        });
+        match put {
+            Ok(KeyedPut::Written) => {
+                self.locations.insert(key, &node, &endpoint, self.clock.now());
+                StatCounters::add(&self.stats.keyed_puts, 1);
+                Some(Ok(PutOutcome::Written))
+            }
+            Ok(KeyedPut::Exists) => Some(Ok(PutOutcome::AlreadyPresent)),
+            Ok(other) => {
+                tracing::trace!(key, node = %node, answer = ?other, "keyed put fell back to the routed path");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(key, node = %node, error = %e, "keyed put failed; taking the routed path");
+                self.locations.forget_node(&node);
+                self.keyed.forget(&endpoint);
+                None
+            }
+        }
+    }
+
+    /// Queues `key` as read, for the master's LRU; one batch leaves at most every [`HINT_EVERY`].
+    fn hint(&self, key: &str) {
+        {
+            let mut keys = self.hints.keys.lock();
+            if keys.len() >= HINTS_CAP {
+                return;
+            }
+            keys.push(key.to_owned());
+        }
+        if self.hints.scheduled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.hints.scheduled.store(false, Ordering::Release);
+            return;
+        };
+        let hints = Arc::clone(&self.hints);
+        let master = Arc::clone(&self.master);
+        runtime.spawn(async move {
+            tokio::time::sleep(HINT_EVERY).await;
+            hints.scheduled.store(false, Ordering::Release);
+            let keys = std::mem::take(&mut *hints.keys.lock());
+            if keys.is_empty() {
+                return;
+            }
+            if let Err(e) = master.batch_route_get(&keys, &[]).await {
+                tracing::debug!(error = %e, keys = keys.len(), "access hints did not reach the master");
+            }
+        });
+    }
+}
