@@ -224,7 +224,7 @@ async fn processes_round_trip_bytes_through_the_cli_and_a_client() {
         let row = text.lines().find(|l| l.starts_with(id)).unwrap_or_else(|| panic!("stat lists {id}:\n{text}"));
         assert!(row.contains("alive") && row.contains("dram") && row.contains("64 MiB"), "{row}");
     }
-    assert!(text.contains("test-client"), "the in-test client is a (client-only) node:\n{text}");
+    assert!(!text.contains("test-client"), "the in-test client lends nothing: a light client, not listed:\n{text}");
     let total = 5 + keys.len();
     assert!(text.lines().next().is_some_and(|l| l.contains(&format!("{total} keys"))), "{text}");
 
@@ -503,7 +503,15 @@ async fn a_cluster_token_is_required_by_every_command() {
     assert!(out.stderr.contains("token"), "says why: {}", out.stderr);
     let out = cli(&["put", "--master", master, "--token", "wrong", "k", "-"], Some(b"v"));
     assert_eq!(out.code, 3, "a wrong token is refused: {}", out.stderr);
-    let err = PoolClient::start(PoolClientConfig::new("no-token", master)).await.expect_err("no token");
+    // A light client makes no call to start: its first call is the one refused.
+    let light = PoolClient::start(PoolClientConfig::new("no-token", master)).await.expect("a light client starts");
+    let err = light.exists("k").await.expect_err("no token");
+    assert!(err.to_string().contains("token"), "{err}");
+    light.close().await;
+    // One that registers is refused at start.
+    let mut listed = PoolClientConfig::new("no-token-listed", master);
+    listed.register_client = true;
+    let err = PoolClient::start(listed).await.expect_err("no token");
     assert!(err.to_string().contains("token"), "{err}");
 
     // With it, from the flag or from the environment.

@@ -113,7 +113,11 @@ async fn stat_shows_nodes_and_clients_apart() {
     let dir = TempDir::new("stat");
     let (_master, address) = start_master(&dir.0, FAST);
     let _node = start_dram_node(&dir.0, &address, "n1", &[], FAST);
-    let client = PoolClient::start(PoolClientConfig::new("reader-7", address.clone())).await.expect("joins");
+    // A medium-less client is listed only when it registers: it asks to here (or serves /metrics).
+    let mut listed = PoolClientConfig::new("reader-7", address.clone());
+    listed.register_client = true;
+    let client = PoolClient::start(listed).await.expect("joins");
+    let light = PoolClient::start(PoolClientConfig::new("light-8", address.clone())).await.expect("starts");
     let out = umbp(&address, "stat", &[], None);
     assert_eq!(out.code, 0, "{}", out.stderr);
     let text = out.text();
@@ -125,7 +129,78 @@ async fn stat_shows_nodes_and_clients_apart() {
     let reader = text.find("\nreader-7 ").expect("the client listed");
     assert!(node_table < n1 && n1 < client_table && client_table < reader, "n1 a node, reader-7 a client:\n{text}");
     assert!(!text.contains("cli-"), "stat leaves out its own client:\n{text}");
+    assert!(!text.contains("light-8"), "a light client is not listed:\n{text}");
+    light.close().await;
     client.close().await;
+}
+
+/// Listening TCP sockets process `pid` holds open (its fds against its namespace's LISTEN table).
+fn listeners_of(pid: u32) -> usize {
+    let mut listening = std::collections::HashSet::new();
+    for table in ["tcp", "tcp6"] {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) else { continue };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+            if cols.len() > 9 && cols[3] == "0A" {
+                listening.extend(cols[9].parse::<u64>().ok());
+            }
+        }
+    }
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the process's fds")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|t| t.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse::<u64>().ok())
+        .filter(|inode| listening.contains(inode))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn umbp_get_is_a_light_client_it_listens_on_nothing_and_is_not_listed() {
+    let dir = TempDir::new("light-get");
+    let (master, address) = start_master(&dir.0, FAST);
+    let node = start_dram_node(&dir.0, &address, "n1", &[], FAST);
+    assert!(listeners_of(master.child.id()) > 0 && listeners_of(node.child.id()) > 0, "the check sees listeners");
+    // Larger than a pipe's buffer: `umbp get` into a FIFO blocks in its write, mid-command, until
+    // this test reads, so it is caught alive with its client up.
+    let stored = value("big", 256 << 10);
+    assert_eq!(umbp(&address, "put", &["big", "-"], Some(&stored)).code, 0);
+    let fifo = dir.0.join("get.fifo");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    let fifo_arg = fifo.to_str().expect("utf-8 path").to_owned();
+    let mut get = command(&["get", "--master", &address, "big", &fifo_arg], &[])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn umbp get");
+    // Opening the read end waits for `umbp get` to open the write end: it has joined and read.
+    let reader = {
+        let fifo = fifo.clone();
+        tokio::task::spawn_blocking(move || std::fs::File::open(fifo)).await.expect("join").expect("open fifo")
+    };
+    assert_eq!(listeners_of(get.id()), 0, "`umbp get` opens no listening socket");
+    let observer = PoolClient::start(PoolClientConfig::new("observer", address.clone())).await.expect("starts");
+    assert_eq!(cli_records(&observer).await, Vec::<String>::new(), "`umbp get` is not a node of the cluster");
+    let out = umbp(&address, "stat", &[], None);
+    assert!(out.text().starts_with(&format!("master {address}: 1 node (1 alive), 0 clients")), "{}", out.text());
+    let got = tokio::task::spawn_blocking(move || {
+        let mut reader = reader;
+        let mut got = Vec::new();
+        std::io::Read::read_to_end(&mut reader, &mut got).map(|_| got)
+    })
+    .await
+    .expect("join")
+    .expect("read fifo");
+    let status = get.wait().expect("wait umbp get");
+    let mut stderr = String::new();
+    if let Some(mut e) = get.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+    }
+    assert!(status.success(), "umbp get: {stderr}");
+    assert!(got == stored, "byte-exact: {} of {} bytes", got.len(), stored.len());
+    observer.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
