@@ -160,7 +160,11 @@ async fn a_put_cancelled_after_allocation_leaves_no_pending_slot() {
     let mut holder_config = config(&m, "holder", 1024 * PAGE);
     holder_config.pending_ttl = Duration::from_secs(2);
     let holder = PoolClient::start(holder_config).await.expect("holder");
-    let writer = PoolClient::start(PoolClientConfig::new("writer", m.local_addr().to_string())).await.expect("writer");
+    // The routed path: a keyed put (one exchange, run to its end on the calling thread, its slot
+    // settled by the holder whatever happens to the connection) has no allocation to cancel.
+    let mut writer_config = PoolClientConfig::new("writer", m.local_addr().to_string());
+    writer_config.keyed_requests = false;
+    let writer = PoolClient::start(writer_config).await.expect("writer");
     let medium = Arc::clone(holder.medium().expect("m"));
     let total = medium.capacity().total_bytes;
     let v = value(9, 64 * PAGE as usize);

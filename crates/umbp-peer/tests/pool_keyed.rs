@@ -164,3 +164,35 @@ async fn keyed_requests_off_routes_every_call() {
     }
     m.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_remembers_where_it_read_a_remote_key_unless_it_recaches_it() {
+    let m = master().await;
+    let holder = PoolClient::start(config(&m, "holder", 256 * PAGE)).await.expect("holder");
+    let v = value(9, 6000);
+    holder.put("k", &v).await.expect("put");
+    holder.flush();
+    indexed(&holder, &["k"]).await;
+    // A node with a medium and no re-caching: the first get is routed (its own medium first), the
+    // second one keyed, to the holder it found.
+    let reader = PoolClient::start(config(&m, "reader", 256 * PAGE)).await.expect("reader");
+    let mut buf = vec![0u8; 6000];
+    assert_eq!(reader.get("k", &mut buf).await, Ok(6000));
+    assert_eq!(reader.stats().keyed_gets, 0);
+    buf.fill(0);
+    assert_eq!(reader.get("k", &mut buf).await, Ok(6000));
+    assert_eq!(buf, v);
+    assert_eq!(reader.stats().keyed_gets, 1);
+    // A node that re-caches what it fetches reads it locally next time, never from the holder.
+    let mut rc = config(&m, "recacher", 256 * PAGE);
+    rc.recache = umbp_peer::pool_client::RecachePolicy::Always;
+    let recacher = PoolClient::start(rc).await.expect("recacher");
+    assert_eq!(recacher.get("k", &mut buf).await, Ok(6000));
+    assert_eq!(recacher.get("k", &mut buf).await, Ok(6000));
+    assert_eq!(buf, v);
+    assert_eq!(recacher.stats().keyed_gets, 0);
+    for n in [&reader, &recacher, &holder] {
+        n.close().await;
+    }
+    m.shutdown().await;
+}

@@ -8,8 +8,10 @@
 //! thread — see `umbp_transfer`'s `keyed` module and this crate's `KeyedMedia`:
 //!
 //! - **get**: where the client last saw the key (its **location cache**, filled by keyed gets and
-//!   puts, entries living [`LOCATION_TTL`]) → one GET_KEY; with no cached location, a route call
-//!   first (which stamps the master's LRU). A cache hit skips the master, so the key is queued as an
+//!   puts and by routed reads from another node, entries living [`LOCATION_TTL`]; a value re-cached
+//!   on this node's own medium drops its entry) → one GET_KEY; with no cached location, a route
+//!   call first (which stamps the master's LRU) for a client that lends no medium, the routed path
+//!   (its own medium first) for a node that does. A cache hit skips the master, so the key is queued as an
 //!   **access hint**, sent with the others in one batch at most every [`HINT_EVERY`] in the
 //!   background, so the master's LRU still sees the read. The holder's read lease covers the send;
 //!   a send that outlived it arrives marked lapsed and is discarded, never returned.
@@ -64,7 +66,7 @@ impl Locations {
         Some((Arc::clone(&l.node), Arc::clone(&l.endpoint)))
     }
 
-    fn insert(&self, key: &str, node: &str, endpoint: &str, now: Instant) {
+    pub(super) fn insert(&self, key: &str, node: &str, endpoint: &str, now: Instant) {
         let mut map = self.map.lock();
         if map.len() >= LOCATION_CAP && !map.contains_key(key) {
             map.retain(|_, l| l.until > now);
@@ -104,7 +106,8 @@ impl PoolClient {
         let now = self.clock.now();
         let (node, endpoint, cached) = match self.locations.get(key, now) {
             Some((node, endpoint)) => (node, endpoint, true),
-            // A node with a medium looks at its own medium first: the routed path does that.
+            // A node with a medium looks at its own medium first: the routed path does that (and
+            // remembers where it found a remote key).
             None if self.medium.is_some() => return None,
             None => {
                 let routed = self

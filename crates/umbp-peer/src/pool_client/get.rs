@@ -152,6 +152,9 @@ struct Planned {
     /// Whether its copy was submitted (false: the key already failed, e.g. a buffer too small; the
     /// plan is kept only to release its lease).
     copied: bool,
+    /// A remote holder's data endpoint (from its descriptors), remembered as the key's location
+    /// once the read succeeded, so the next single get of the key is one keyed exchange.
+    endpoint: Option<Arc<str>>,
 }
 
 /// What one round of a chunk plans: the copies to submit and the reads they belong to.
@@ -342,6 +345,9 @@ impl PoolClient {
                     st.results[p.index] = Some(Ok(p.size));
                     if !p.holder.is_here() {
                         fetched_remote.push(p.index);
+                        if let Some(endpoint) = &p.endpoint {
+                            self.locations.insert(keys[p.index], p.holder.node(), endpoint, ended);
+                        }
                     }
                 }
             }
@@ -472,6 +478,14 @@ impl PoolClient {
                     st.exclude[*i].insert(node.clone());
                     // A hit always comes with its holder (a gone holder answers only misses).
                     let Some(holder) = &holder else { continue };
+                    let endpoint = if holder.is_here() {
+                        None
+                    } else {
+                        hit.pages
+                            .first()
+                            .and_then(|p| hit.refs.get(p.buffer_index as usize))
+                            .and_then(|r| r.as_ref()?.remote().map(|r| Arc::from(r.endpoint.as_str())))
+                    };
                     let plan = Planned {
                         index: *i,
                         size: hit.size,
@@ -480,6 +494,7 @@ impl PoolClient {
                         lease: hit.lease,
                         backend_id: hit.backend_id,
                         copied: true,
+                        endpoint,
                     };
                     self.plan_get(plan, &hit, bufs[*i], st, round);
                 }
@@ -596,6 +611,8 @@ impl PoolClient {
             // by the finished transfer, and nothing else writes them during the call.
             let bytes = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr(), *size as usize) }.to_vec();
             permit.send(RecacheJob { key: keys[*i].to_owned(), bytes });
+            // The value is about to live here too: the next get finds it locally (routed path).
+            self.locations.forget(keys[*i]);
             StatCounters::add(&self.stats.recache_queued, 1);
         }
     }
