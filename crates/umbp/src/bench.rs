@@ -13,7 +13,8 @@
 //!   stream of the same bytes (from the same source buffers, into the same destination buffers, the
 //!   child's side a region as large as the batch) to and from the same child, over as many
 //!   connections as the data plane pools ([`CONNECTIONS`]);
-//! - the p50 / p99 latency of a single 64 KiB remote get.
+//! - the p50 / p99 latency of a single 64 KiB remote get, and of `umbp get` of it as a process
+//!   beside `umbp --version` ([`bench_cli`](crate::bench_cli)).
 //!
 //! The same measurements as `cargo bench -p umbp --bench pool`; each cell is the median of
 //! [`BenchOptions::rounds`] rounds.
@@ -224,6 +225,8 @@ pub struct BenchReport {
     pub baseline_warnings: Vec<String>,
     /// Where the time of one remote put and get goes (`--breakdown` only).
     pub breakdown: Option<crate::bench_breakdown::Breakdown>,
+    /// `umbp get` of the latency value as a process, beside `umbp --version` ([`crate::bench_cli`]).
+    pub cli_get: Option<crate::bench_cli::CliGet>,
 }
 
 fn value_label(bytes: u64) -> String {
@@ -258,7 +261,7 @@ impl BenchReport {
             .collect();
         format!(
             "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{{\"value_bytes\":{},\"calls\":{},\
-             \"p50_us\":{:.1},\"p99_us\":{:.1}}},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{}}}",
+             \"p50_us\":{:.1},\"p99_us\":{:.1}}},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{},\"cli_get\":{}}}",
             self.rounds,
             self.batch_bytes,
             rows.join(","),
@@ -268,7 +271,8 @@ impl BenchReport {
             self.latency.p99_us,
             self.memcpy_threads,
             self.baseline_warnings.iter().map(|w| format!("\"{}\"", w.replace('"', "'"))).collect::<Vec<_>>().join(","),
-            self.breakdown.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json())
+            self.breakdown.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
+            self.cli_get.as_ref().map_or_else(|| "null".to_owned(), crate::bench_cli::CliGet::to_json)
         )
     }
 }
@@ -378,6 +382,9 @@ impl fmt::Display for BenchReport {
             self.latency.p50_us,
             self.latency.p99_us
         )?;
+        if let Some(c) = &self.cli_get {
+            write!(f, "\n{c}")?;
+        }
         if let Some(b) = &self.breakdown {
             write!(f, "\n\n{b}")?;
         }
@@ -644,17 +651,19 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     let result = async {
         measure_remote(&client, &raw_addr, rounds, batch, &mut rows).await?;
         let latency = measure_latency(&client, options.latency_calls).await?;
+        // The key the latency probe stored, got by `umbp get` processes (light clients).
+        let cli_get = crate::bench_cli::measure(&program, master, LATENCY_KEY, LATENCY_VALUE as u64).await?;
         let breakdown = if options.breakdown {
             Some(crate::bench_breakdown::measure(&client, options.latency_calls).await?)
         } else {
             None
         };
-        Ok::<_, BenchError>((latency, breakdown))
+        Ok::<_, BenchError>((latency, breakdown, cli_get))
     }
     .await;
     client.close().await;
     drop(child);
-    let (latency, breakdown) = result?;
+    let (latency, breakdown, cli_get) = result?;
     let baseline_warnings = baseline_warnings(&rows);
     for w in &baseline_warnings {
         crate::progress::note(format_args!("umbp bench: warning: {w}"));
@@ -667,6 +676,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
         memcpy_threads: memcpy_threads(),
         baseline_warnings,
         breakdown,
+        cli_get: Some(cli_get),
     })
 }
 
@@ -853,9 +863,12 @@ async fn measure_remote(
     Ok(())
 }
 
+/// The key of the latency probe's value.
+const LATENCY_KEY: &str = "bench-latency-key";
+
 async fn measure_latency(client: &PoolClient, calls: usize) -> Result<Latency, BenchError> {
     let value = vec![5u8; LATENCY_VALUE];
-    let key = "bench-latency-key".to_owned();
+    let key = LATENCY_KEY.to_owned();
     client.put(&key, &value).await.map_err(|e| BenchError::Failed(format!("latency put: {e}")))?;
     until_indexed(client, std::slice::from_ref(&key)).await?;
     let mut buf = vec![0u8; LATENCY_VALUE];

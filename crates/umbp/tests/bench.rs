@@ -1,6 +1,6 @@
 //! `umbp bench`: the binary runs a small bench end to end (the local node, a child node process over
-//! TCP, the latency probe) and prints the table with its ratio column; `umbp bench ssd` does the same
-//! for an SSD node beside raw `O_DIRECT` IO.
+//! TCP, the latency probe, `umbp get` as a process) and prints the table with its ratio column;
+//! `umbp bench ssd` does the same for an SSD node beside raw `O_DIRECT` IO.
 
 use std::io::Read;
 use std::process::{Command, Stdio};
@@ -54,6 +54,11 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
     assert!(out.contains("memcpy") && out.contains("raw TCP x4"), "{out}");
     assert!(out.contains(&format!("memcpy baseline on {} threads", memcpy_threads())), "{out}");
     assert!(out.contains("p50") && out.contains("p99"), "{out}");
+    assert!(
+        out.contains("`umbp get` of a 64 KiB value as a process, 30 runs: p50 ")
+            && out.contains("(`umbp --version`: p50 "),
+        "the CLI get beside the process start:\n{out}"
+    );
 }
 
 #[test]
@@ -69,6 +74,11 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
     assert_eq!(json.matches("\"baseline_unsettled_gbps\":null").count(), 4, "only memcpy rows have one: {json}");
     assert!(json.contains(&format!("\"memcpy_threads\":{}", memcpy_threads())), "{json}");
     assert!(json.contains("\"baseline_warnings\":["), "{json}");
+    assert!(
+        json.contains("\"cli_get\":{\"value_bytes\":65536,\"get\":{\"runs\":30,\"p50_ms\":")
+            && json.contains("\"version\":{\"runs\":30,\"p50_ms\":"),
+        "{json}"
+    );
     // A warning in the JSON is also on stderr.
     if !json.contains("\"baseline_warnings\":[]") {
         assert!(err.contains("warning:"), "{err}");
