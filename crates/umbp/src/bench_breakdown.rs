@@ -503,12 +503,30 @@ mod tests {
         c
     }
 
-    /// One remote put and get between two nodes of one process, then a local get on the holder:
-    /// every phase span of each path is recorded (the holder's peer-service spans too, as the
-    /// holder is in this process), and the breakdown's figures come from them.
+    /// What one test run recorded.
+    struct Recorded {
+        /// A routed remote put and get (the client's keyed requests off).
+        put: Samples,
+        get: Samples,
+        /// A keyed remote put and get (the default).
+        keyed_put: Samples,
+        keyed_get: Samples,
+        /// A get on the holder itself.
+        local: Samples,
+    }
+
+    fn assert_recorded(what: &str, samples: &Samples, names: &[&str]) {
+        for name in names {
+            assert!(samples.calls(name) >= 1, "{what} recorded no {name}: {:?}", samples.names().collect::<Vec<_>>());
+        }
+    }
+
+    /// Remote puts and gets between two nodes of one process, routed and keyed, then a local get
+    /// on the holder: every phase span of each path is recorded (the holder's peer-service spans
+    /// too, as the holder is in this process), and the breakdown's figures come from them.
     #[test]
     fn the_layer_records_every_phase_of_a_get_and_a_put() {
-        let (put, get, local) = run_recording(|| async {
+        let r = run_recording(|| async {
             let master = umbp_master::start(MasterConfig {
                 listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 ..MasterConfig::default()
@@ -518,40 +536,52 @@ mod tests {
             let addr = master.local_addr().to_string();
             let dram = Medium::Dram(DramConfig { capacity_bytes: 8 << 20, ..DramConfig::default() });
             let holder = PoolClient::start(config("holder", &addr, dram)).await.expect("holder");
-            let client = PoolClient::start(config("client", &addr, Medium::None)).await.expect("client");
+            let mut routed = config("routed", &addr, Medium::None);
+            routed.keyed_requests = false;
+            let routed = PoolClient::start(routed).await.expect("routed client");
+            let keyed = PoolClient::start(config("keyed", &addr, Medium::None)).await.expect("keyed client");
             let recorder = Recorder::current().expect("the recording runtime has a recorder");
             let value = vec![3u8; LATENCY_VALUE];
-            recorder.start();
-            client.put("k", &value).await.expect("put");
-            let put = recorder.stop();
-            holder.flush();
-            crate::bench::until_indexed(&client, &["k".to_owned()]).await.expect("indexed");
+            let mut buf = vec![0u8; LATENCY_VALUE];
+            let mut one = async |client: &PoolClient, key: &str| {
+                recorder.start();
+                client.put(key, &value).await.expect("put");
+                let put = recorder.stop();
+                holder.flush();
+                crate::bench::until_indexed(client, &[key.to_owned()]).await.expect("indexed");
+                buf.fill(0);
+                recorder.start();
+                client.get(key, &mut buf).await.expect("remote get");
+                let get = recorder.stop();
+                assert_eq!(buf, value);
+                (put, get)
+            };
+            let (put, get) = one(&routed, "routed").await;
+            let (keyed_put, keyed_get) = one(&keyed, "keyed").await;
             let mut buf = vec![0u8; LATENCY_VALUE];
             recorder.start();
-            client.get("k", &mut buf).await.expect("remote get");
-            let get = recorder.stop();
-            assert_eq!(buf, value);
-            recorder.start();
-            holder.get("k", &mut buf).await.expect("local get");
+            holder.get("routed", &mut buf).await.expect("local get");
             let local = recorder.stop();
-            client.close().await;
+            routed.close().await;
+            keyed.close().await;
             holder.close().await;
             master.shutdown().await;
-            (put, get, local)
+            Recorded { put, get, keyed_put, keyed_get, local }
         })
         .expect("recording runtime");
-        for name in REMOTE_PUT.iter().chain(&[phases::PEER_ALLOCATE, phases::PEER_COMMIT]) {
-            assert!(put.calls(name) >= 1, "put recorded no {name}: {:?}", put.names().collect::<Vec<_>>());
-        }
-        for name in REMOTE_GET.iter().chain(&[phases::PEER_RESOLVE]) {
-            assert!(get.calls(name) >= 1, "get recorded no {name}: {:?}", get.names().collect::<Vec<_>>());
-        }
-        for name in [phases::GET, phases::GET_LOCAL, phases::GET_RESOLVE_MEDIUM, phases::GET_TRANSFER] {
-            assert!(local.calls(name) >= 1, "local get recorded no {name}: {:?}", local.names().collect::<Vec<_>>());
-        }
+        let (put, get) = (&r.put, &r.get);
+        assert_recorded("routed put", put, &[&REMOTE_PUT[..], &[phases::PEER_ALLOCATE, phases::PEER_COMMIT]].concat());
+        assert_recorded("routed get", get, &[&REMOTE_GET[..], &[phases::PEER_RESOLVE]].concat());
+        assert_recorded("keyed put", &r.keyed_put, &[phases::PUT, phases::PUT_ROUTE, phases::PUT_KEYED]);
+        assert_recorded("keyed get", &r.keyed_get, &[phases::GET, phases::GET_KEYED]);
+        assert_recorded(
+            "local get",
+            &r.local,
+            &[phases::GET, phases::GET_LOCAL, phases::GET_RESOLVE_MEDIUM, phases::GET_TRANSFER],
+        );
         assert_eq!(put.calls(phases::PUT), 1, "one whole put");
         assert_eq!(get.calls(phases::GET), 1, "one whole get");
-        let breakdown = Breakdown::new(LATENCY_VALUE as u64, &put, &get);
+        let breakdown = Breakdown::new(LATENCY_VALUE as u64, put, get);
         for (op, names) in [(&breakdown.put, &REMOTE_PUT[1..]), (&breakdown.get, &REMOTE_GET[1..])] {
             assert_eq!(op.calls, 1);
             assert!(op.p50_us > 0.0);

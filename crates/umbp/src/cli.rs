@@ -632,9 +632,9 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the markdown table [default: off]
     #[arg(long)]
     pub json: bool,
-    /// pool suite: also time each phase of single 64 KiB remote puts and gets (route, allocate or
-    /// resolve, transfer, commit or release) with the pool's tracing spans, --latency-calls of each
-    /// [default: off]
+    /// pool suite: also time each phase of single 64 KiB remote puts and gets (route, the keyed
+    /// exchange or allocate/resolve, transfer, commit/release) with the pool's tracing spans,
+    /// --latency-calls of each [default: off]
     #[arg(long)]
     pub breakdown: bool,
 }
