@@ -14,6 +14,10 @@
 //!   given a GPU runtime, the server also serves GPU regions through a bounded host staging buffer;
 //!   floods of silent, slow or idle connections cannot lock real peers out (bounded handshakes,
 //!   per-address caps, idle eviction), and repeated warnings are rate-limited;
+//! - keyed requests on the same data plane — [`KeyedClient`] and the server's [`KeyedHandler`]: a
+//!   get or a put of one key in one exchange, the server asking the node's handler which ranges of
+//!   its registered regions hold (or will hold) the value, moving the bytes itself, and saying in a
+//!   trailer whether the read lease covered the send;
 //! - [`CompositeTransferEngine`] — what a node actually holds: registration fans out to every engine,
 //!   each (src, dst) pair goes to the first engine that can handle it, caller memory no engine can
 //!   address is staged through one bounce pool, and every engine is measured per direction.
@@ -47,8 +51,9 @@
 //! peer directory (which remote buffers this node knows).
 //!
 //! # Never
-//! Knows a storage medium, a key or a tier. Descriptors are self-describing, so adding a medium never
-//! edits this crate.
+//! Knows a storage medium, or what a key or a tier means: a keyed request's key and tier number are
+//! handed to the node's [`KeyedHandler`] as they came, and only the ranges it answers are touched.
+//! Descriptors are self-describing, so adding a medium never edits this crate.
 
 mod composite;
 mod directory;
