@@ -74,6 +74,8 @@ pub use metrics::{MetricKind, MetricSample, MetricSource, names as metric_names}
 pub use outbox::EventOutbox;
 pub use ratelimit::RateLimited;
 pub use registry::{BackendRegistry, drain_all_backends, snapshot_all_backends_for_full_sync};
+#[cfg(unix)]
+pub use transfer_ref::SharedBacking;
 pub use transfer_ref::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegion, TransferRef};
 pub use types::{
     AllocateOutcome, AllocateRequest, AllocateResult, BufferDesc, CommitRequest, CommitResult, EvictResult, KvEvent,

@@ -1,6 +1,8 @@
 //! Endpoint descriptors and the registration capability handed to media.
 
 use std::fmt;
+#[cfg(unix)]
+use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -188,6 +190,39 @@ impl TransferRef {
     }
 }
 
+/// The file behind a shareable host region: a sealed memory file (a Linux `memfd`) that another
+/// process on the same host may map, and the byte offset in it where the region starts.
+///
+/// A medium whose memory can be shared hands this to
+/// [`MemoryRegistrar::register_shareable`]; a registrar that serves same-host peers keeps its own
+/// duplicate of the descriptor (the borrow ends with the call) and drops it in
+/// [`deregister`](MemoryRegistrar::deregister). The medium keeps the file sealed against shrinking,
+/// so no process that maps it can take a `SIGBUS` from a truncation.
+#[cfg(unix)]
+#[derive(Debug, Clone, Copy)]
+pub struct SharedBacking<'fd> {
+    fd: BorrowedFd<'fd>,
+    offset: u64,
+}
+
+#[cfg(unix)]
+impl<'fd> SharedBacking<'fd> {
+    /// The region lives in the file `fd`, from byte `offset` on.
+    pub const fn new(fd: BorrowedFd<'fd>, offset: u64) -> Self {
+        Self { fd, offset }
+    }
+
+    /// The file.
+    pub const fn fd(&self) -> BorrowedFd<'fd> {
+        self.fd
+    }
+
+    /// Where the region starts in the file.
+    pub const fn offset(&self) -> u64 {
+        self.offset
+    }
+}
+
 /// The registration capability of the transfer layer, and the only part of it a medium may see.
 ///
 /// A medium registers each buffer it owns in `init` and deregisters it in `shutdown`, before it
@@ -197,6 +232,20 @@ pub trait MemoryRegistrar: Send + Sync + fmt::Debug {
     /// Registers `region` with every transport and returns the merged ref. The returned ref always
     /// carries `region` as its local part.
     fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError>;
+
+    /// Registers `region`, whose bytes are also the file `backing` describes, so that a transport
+    /// serving same-host peers may hand them the file to map. The default ignores the file and is
+    /// [`register_memory`](Self::register_memory): every registrar that cannot share memory stays as
+    /// it is. Undone by [`deregister`](Self::deregister), as a plain registration is.
+    #[cfg(unix)]
+    fn register_shareable(
+        &self,
+        region: LocalRegion,
+        backing: SharedBacking<'_>,
+    ) -> Result<TransferRef, RegistrationError> {
+        let _ = backing;
+        self.register_memory(region)
+    }
 
     /// Undoes [`register_memory`](Self::register_memory). Deregistering a ref twice, or one this
     /// registrar never issued, is a no-op.
@@ -225,6 +274,34 @@ mod tests {
         );
         let empty = TransferRef::local(region).truncated(0);
         assert!(!empty.is_valid());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn register_shareable_defaults_to_register_memory() {
+        use std::os::fd::AsFd;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        #[derive(Debug, Default)]
+        struct Counting(AtomicUsize);
+        impl MemoryRegistrar for Counting {
+            fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+                self.0.fetch_add(1, Ordering::SeqCst);
+                Ok(TransferRef::local(region))
+            }
+            fn deregister(&self, _: &TransferRef) {}
+        }
+
+        let mut buf = [0u8; 64];
+        // SAFETY: `buf` outlives every use of the region in this test.
+        let region = unsafe { LocalRegion::new(NonNull::from(&mut buf).cast(), 64, MemoryLocation::Host) };
+        let file = std::fs::File::open("/dev/null").expect("/dev/null");
+        let backing = SharedBacking::new(file.as_fd(), 4096);
+        assert_eq!(backing.offset(), 4096);
+        let registrar = Counting::default();
+        let r = registrar.register_shareable(region, backing).expect("registered");
+        assert_eq!(registrar.0.load(Ordering::SeqCst), 1, "the default is one plain registration");
+        assert_eq!(r.local_region(), Some(&region));
     }
 
     #[test]

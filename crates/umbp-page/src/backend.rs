@@ -535,7 +535,12 @@ impl PageBackend {
             // SAFETY: `buffer` came from `self.source`, which keeps it valid until `release`; every
             // registration is deregistered (in `shutdown` or just below) before `release` is called.
             let region = unsafe { LocalRegion::new(buffer.base(), buffer.len(), location) };
-            match registrar.register_memory(region) {
+            // Shareable memory tells the registrar its file, so a same-host peer may map it.
+            let registration = match buffer.shared_backing() {
+                Some(backing) => registrar.register_shareable(region, backing),
+                None => registrar.register_memory(region),
+            };
+            match registration {
                 Ok(r) => registered.push(r),
                 Err(source) => {
                     for r in &registered {

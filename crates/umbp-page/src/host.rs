@@ -1,4 +1,5 @@
-//! Host DRAM as a paged medium: private anonymous mappings (reference §3).
+//! Host DRAM as a paged medium: private anonymous mappings (reference §3), or, with
+//! [`HostMemoryOptions::shareable`], sealed memory files another process on this host may map.
 //!
 //! Each buffer is one `mmap`, rounded up to 4 KiB. With huge pages requested, hugetlb is tried first
 //! and any failure (commonly: no pages reserved in `/proc/sys/vm/nr_hugepages`) falls back to a normal
@@ -25,6 +26,7 @@ compile_error!(
 
 use std::ffi::c_void;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::ptr::{self, NonNull};
 
 use parking_lot::Mutex;
@@ -63,6 +65,12 @@ pub struct HostMemoryOptions {
     /// pin per 2 MiB instead of per 4 KiB. Best effort: THP off (`never`) is not an error.
     /// Default: `true`.
     pub transparent_hugepages: bool,
+    /// Make every buffer shareable with other processes on this host: a sealed memory file
+    /// (`memfd_create`, sealed against shrinking and growing) mapped `MAP_SHARED` instead of a private
+    /// anonymous mapping, with the same huge-page, NUMA and prefault behaviour. Each buffer then
+    /// reports its file ([`RawBuffer::shared_backing`]) so the registrar may hand it to a same-host
+    /// peer; see `shared.rs` for what the seals guarantee. Default: `false`.
+    pub shareable: bool,
 }
 
 impl Default for HostMemoryOptions {
@@ -73,6 +81,7 @@ impl Default for HostMemoryOptions {
             numa_node: None,
             prefault: true,
             transparent_hugepages: true,
+            shareable: false,
         }
     }
 }
@@ -84,6 +93,8 @@ struct Mapping {
     buffer: RawBuffer,
     /// Whether it is backed by hugetlb pages.
     hugetlb: bool,
+    /// The memory file behind a shareable buffer, closed (by drop) after the buffer is unmapped.
+    _file: Option<OwnedFd>,
 }
 
 #[derive(Debug, Default)]
@@ -165,6 +176,16 @@ impl HostPageMemorySource {
         SourceError::Invalid { source_name: NAME.to_owned(), reason }
     }
 
+    /// A fresh read-write mapping of `len` bytes: a sealed memory file when the buffers are
+    /// shareable (with the file), else private anonymous memory.
+    fn map(&self, len: u64, hugepage_size: Option<u64>) -> io::Result<(RawBuffer, Option<OwnedFd>)> {
+        if self.options.shareable {
+            crate::shared::map_memfd(len, hugepage_size).map(|(buffer, file)| (buffer, Some(file)))
+        } else {
+            map_anonymous(len, hugepage_size).map(|buffer| (buffer, None))
+        }
+    }
+
     /// Maps, binds and prefaults one buffer of at least `size` bytes. On error nothing of this buffer
     /// stays mapped.
     fn map_one(&self, state: &mut State, size: u64) -> Result<Mapping, SourceError> {
@@ -175,8 +196,8 @@ impl HostPageMemorySource {
             let huge = self.options.hugepage_size;
             let huge_len = round_up(size, huge)
                 .ok_or_else(|| Self::invalid(format!("{size} bytes overflow when rounded up to {huge}")))?;
-            match map_anonymous(huge_len, Some(huge)) {
-                Ok(buffer) => mapping = Some(Mapping { buffer, hugetlb: true }),
+            match self.map(huge_len, Some(huge)) {
+                Ok((buffer, file)) => mapping = Some(Mapping { buffer, hugetlb: true, _file: file }),
                 Err(err) => {
                     if !state.warned_hugetlb_fallback {
                         state.warned_hugetlb_fallback = true;
@@ -194,7 +215,7 @@ impl HostPageMemorySource {
         let mapping = match mapping {
             Some(mapping) => mapping,
             None => {
-                let buffer = map_anonymous(len, None).map_err(|source| SourceError::Allocation {
+                let (buffer, file) = self.map(len, None).map_err(|source| SourceError::Allocation {
                     source_name: NAME.to_owned(),
                     requested: size,
                     source,
@@ -208,7 +229,7 @@ impl HostPageMemorySource {
                         tracing::debug!(source = NAME, error = %err, "madvise(MADV_HUGEPAGE) failed");
                     }
                 }
-                Mapping { buffer, hugetlb: false }
+                Mapping { buffer, hugetlb: false, _file: file }
             }
         };
         if let Some(node) = self.options.numa_node
@@ -585,6 +606,7 @@ mod tests {
         assert_eq!(o.hugepage_size, 2 << 20);
         assert_eq!(o.numa_node, None);
         assert!(o.prefault);
+        assert!(!o.shareable, "private memory until the shared data path is on by default");
     }
 
     #[test]

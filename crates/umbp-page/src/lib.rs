@@ -47,6 +47,7 @@
 mod allocator;
 mod backend;
 mod host;
+mod shared;
 mod source;
 
 pub use allocator::{AllocatorError, PageBitmapAllocator};

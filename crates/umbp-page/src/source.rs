@@ -1,16 +1,22 @@
 //! The seam a paged medium implements.
 
 use std::fmt;
+use std::os::fd::{BorrowedFd, RawFd};
 use std::ptr::NonNull;
 
-use umbp_core::MemoryLocation;
+use umbp_core::{MemoryLocation, SharedBacking};
 
 /// One buffer handed out by a [`PageMemorySource`]: a base address and its **usable** size (which may
-/// exceed the request, e.g. after huge-page rounding; `PageBackend` publishes what is reported).
+/// exceed the request, e.g. after huge-page rounding; `PageBackend` publishes what is reported), and,
+/// for memory another process on the same host may map, the file behind it
+/// ([`shared_backing`](Self::shared_backing)), which `PageBackend` hands to
+/// [`MemoryRegistrar::register_shareable`](umbp_core::MemoryRegistrar::register_shareable).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct RawBuffer {
     base: NonNull<u8>,
     len: u64,
+    /// The file descriptor of the memory file behind the buffer and the buffer's offset in it.
+    shared: Option<(RawFd, u64)>,
 }
 
 // SAFETY: a `RawBuffer` is an address and a length of memory owned by its source; it carries no
@@ -26,7 +32,29 @@ impl RawBuffer {
     /// `base` must be valid for reads and writes of `len` bytes (in the source's location) until the
     /// source that produced it is released.
     pub const unsafe fn new(base: NonNull<u8>, len: u64) -> Self {
-        Self { base, len }
+        Self { base, len, shared: None }
+    }
+
+    /// Describes `len` usable bytes at `base` that are also the bytes of the file `fd` from byte
+    /// `offset` on (a `MAP_SHARED` mapping of a sealed memory file), so a same-host peer may map them.
+    ///
+    /// # Safety
+    /// As [`new`](Self::new); and `fd` must stay open, and its bytes `offset..offset + len` must stay
+    /// the bytes at `base`, until the source that produced the buffer is released.
+    pub unsafe fn new_shared(base: NonNull<u8>, len: u64, fd: BorrowedFd<'_>, offset: u64) -> Self {
+        use std::os::fd::AsRawFd as _;
+        Self { base, len, shared: Some((fd.as_raw_fd(), offset)) }
+    }
+
+    /// The file behind the buffer and where the buffer starts in it, when the source made the memory
+    /// shareable; `None` for private memory. Valid while the source holds the buffer (the contract of
+    /// [`new_shared`](Self::new_shared)).
+    pub fn shared_backing(&self) -> Option<SharedBacking<'_>> {
+        self.shared.map(|(fd, offset)| {
+            // SAFETY: `new_shared`'s contract keeps `fd` open until the source is released, and a
+            // `RawBuffer` is only used while its source holds it (as its base pointer is).
+            SharedBacking::new(unsafe { BorrowedFd::borrow_raw(fd) }, offset)
+        })
     }
 
     /// The base address (a device pointer for GPU sources).
@@ -47,7 +75,11 @@ impl RawBuffer {
 
 impl fmt::Debug for RawBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RawBuffer").field("base", &self.base).field("len", &self.len).finish()
+        f.debug_struct("RawBuffer")
+            .field("base", &self.base)
+            .field("len", &self.len)
+            .field("shared", &self.shared)
+            .finish()
     }
 }
 
