@@ -62,6 +62,7 @@ mod fd_limit;
 mod gpu;
 mod local;
 mod planning;
+pub mod shm;
 mod tcp;
 mod warn;
 
