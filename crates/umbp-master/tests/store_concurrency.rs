@@ -1,5 +1,13 @@
-//! The in-memory metadata store under concurrent writers and readers.
+//! The metadata stores under concurrent writers and readers (contract tests, run against both).
 
+#![expect(
+    clippy::unwrap_used,
+    reason = "contract tests are plain functions that `contract!` wraps in #[test]; clippy exempts only the latter"
+)]
+
+#[macro_use]
+#[path = "store_support/contract.rs"]
+mod contract;
 mod store_support;
 
 use std::collections::HashSet;
@@ -9,7 +17,7 @@ use std::thread;
 
 use store_support::*;
 use umbp_core::{KvEvent, TierType};
-use umbp_master::store::{InMemoryStore, MetadataStore, RegisterOutcome};
+use umbp_master::store::{MetadataStore, RegisterOutcome};
 
 const KEYS: u64 = 256;
 
@@ -20,10 +28,9 @@ fn key(i: u64) -> String {
 /// Two writers re-`ADD` every key with a size that encodes (round, key index) and remove half of them
 /// each round, while readers route-get batches. A reader must never see a torn entry: every size
 /// belongs to its key, no (node, tier) repeats, and only the two writers appear.
-#[test]
-fn route_gets_racing_heartbeats_never_see_torn_entries() {
-    for shards in [1, 8] {
-        let store = Arc::new(InMemoryStore::with_shards(shards).unwrap());
+fn route_gets_racing_heartbeats_never_see_torn_entries(kind: Kind) {
+    for store in kind.stores_of(&[1, 8]) {
+        let store = Arc::new(store);
         register(&*store, "w0", 0);
         register(&*store, "w1", 0);
         let stop = Arc::new(AtomicBool::new(false));
@@ -87,10 +94,9 @@ fn route_gets_racing_heartbeats_never_see_torn_entries() {
 /// Heartbeats of a node race its unregister or expiry. Once the node is no longer alive, no location
 /// of it may remain in the index: a heartbeat that passed its seq check must not insert after the
 /// wipe (the store serializes the writes of one node).
-#[test]
-fn no_phantom_locations_after_membership_churn() {
-    for shards in [1, 8] {
-        let store = Arc::new(InMemoryStore::with_shards(shards).unwrap());
+fn no_phantom_locations_after_membership_churn(kind: Kind) {
+    for store in kind.stores_of(&[1, 8]) {
+        let store = Arc::new(store);
         for episode in 0..200u64 {
             assert_eq!(store.register(registration("churn"), episode, 0).unwrap(), RegisterOutcome::Registered);
             let barrier = Arc::new(Barrier::new(3));
@@ -133,3 +139,5 @@ fn no_phantom_locations_after_membership_churn() {
         assert!(store.enumerate_eviction_candidates(&[("churn".into(), TierType::Dram)], 0, 0).unwrap().is_empty());
     }
 }
+
+contract!(route_gets_racing_heartbeats_never_see_torn_entries, no_phantom_locations_after_membership_churn,);

@@ -1,11 +1,19 @@
-//! Heartbeat ingestion of the in-memory metadata store: deltas, seq gaps, re-acks, chunked full syncs
-//! and capacity refresh.
+//! Heartbeat ingestion of the metadata stores (contract tests, run against both): deltas, seq gaps,
+//! re-acks, chunked full syncs and capacity refresh.
 
+#![expect(
+    clippy::unwrap_used,
+    reason = "contract tests are plain functions that `contract!` wraps in #[test]; clippy exempts only the latter"
+)]
+
+#[macro_use]
+#[path = "store_support/contract.rs"]
+mod contract;
 mod store_support;
 
 use store_support::*;
 use umbp_core::{KvEvent, TierType};
-use umbp_master::store::{HeartbeatOutcome, InMemoryStore, MetadataStore, TierCap};
+use umbp_master::store::{HeartbeatOutcome, MetadataStore, TierCap};
 
 /// Owned keys (store_support's `keys`, kept unused here so its dead-code expectation holds).
 fn owned(list: &[&str]) -> Vec<String> {
@@ -16,9 +24,8 @@ fn dram(node: &str, size: u64) -> (String, TierType, u64) {
     (node.to_owned(), TierType::Dram, size)
 }
 
-#[test]
-fn delta_add_and_remove() {
-    for store in stores() {
+fn delta_add_and_remove(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         let events = vec![add("k1", 10), KvEvent::add("k1", TierType::Hbm, 11), add("k2", 20), rm("k2")];
         assert_eq!(delta(&store, "a", 1, 1, events), HeartbeatOutcome::Applied { acked_seq: 1 });
@@ -39,9 +46,8 @@ fn delta_add_and_remove() {
     }
 }
 
-#[test]
-fn remove_only_touches_the_sending_node() {
-    let store = InMemoryStore::new();
+fn remove_only_touches_the_sending_node(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     register(&store, "b", 0);
     delta(&store, "a", 1, 1, vec![add("k", 1)]);
@@ -50,9 +56,8 @@ fn remove_only_touches_the_sending_node() {
     assert_eq!(locs(&store, "k"), vec![dram("a", 1)]);
 }
 
-#[test]
-fn duplicate_add_overwrites_the_size() {
-    for store in stores() {
+fn duplicate_add_overwrites_the_size(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         delta(&store, "a", 1, 1, vec![add("k", 100)]);
         delta(&store, "a", 2, 2, vec![add("k", 300)]);
@@ -62,9 +67,8 @@ fn duplicate_add_overwrites_the_size() {
     }
 }
 
-#[test]
-fn unknown_tier_events_are_skipped() {
-    let store = InMemoryStore::new();
+fn unknown_tier_events_are_skipped(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     assert_eq!(
         delta(&store, "a", 1, 1, vec![KvEvent::add("k", TierType::Unknown, 1), add("ok", 1)]).acked_seq(),
@@ -74,9 +78,8 @@ fn unknown_tier_events_are_skipped() {
     assert_eq!(store.key_count().unwrap(), 1);
 }
 
-#[test]
-fn seq_gap_keeps_liveness_and_caps_but_not_seq_or_events() {
-    let store = InMemoryStore::new();
+fn seq_gap_keeps_liveness_and_caps_but_not_seq_or_events(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     assert_eq!(delta(&store, "a", 10, 1, vec![add("k1", 1)]).acked_seq(), Some(1));
     let gap = delta(&store, "a", 20, 3, vec![add("k3", 1)]);
@@ -92,9 +95,8 @@ fn seq_gap_keeps_liveness_and_caps_but_not_seq_or_events() {
     assert_eq!(delta(&store, "a", 30, 2, vec![add("k2", 1)]), HeartbeatOutcome::Applied { acked_seq: 2 });
 }
 
-#[test]
-fn resent_applied_delta_is_reacked_without_reapplying() {
-    for store in stores() {
+fn resent_applied_delta_is_reacked_without_reapplying(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         assert_eq!(delta(&store, "a", 1, 1, vec![add("k", 1)]).acked_seq(), Some(1));
         assert_eq!(delta(&store, "a", 2, 2, vec![rm("k")]).acked_seq(), Some(2));
@@ -112,9 +114,8 @@ fn resent_applied_delta_is_reacked_without_reapplying() {
     }
 }
 
-#[test]
-fn keepalive_refreshes_caps_and_liveness_and_acks_last_applied() {
-    let store = InMemoryStore::new();
+fn keepalive_refreshes_caps_and_liveness_and_acks_last_applied(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     delta(&store, "a", 1, 1, vec![add("k", 1)]);
     let new_caps = vec![TierCap::new(TierType::Dram, 1 << 30, 12345), TierCap::new(TierType::Hbm, 10, 5)];
@@ -125,18 +126,16 @@ fn keepalive_refreshes_caps_and_liveness_and_acks_last_applied() {
     assert_eq!(locs(&store, "k"), vec![dram("a", 1)]);
 }
 
-#[test]
-fn liveness_never_moves_backwards() {
-    let store = InMemoryStore::new();
+fn liveness_never_moves_backwards(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     keepalive(&store, "a", 500, caps());
     keepalive(&store, "a", 400, caps());
     assert_eq!(store.get_node("a").unwrap().unwrap().last_heartbeat_ms, 500);
 }
 
-#[test]
-fn full_sync_replaces_the_nodes_locations_only() {
-    for store in stores() {
+fn full_sync_replaces_the_nodes_locations_only(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         register(&store, "b", 0);
         delta(&store, "a", 1, 1, vec![add("gone", 1), add("kept", 1), add("shared", 1)]);
@@ -153,9 +152,8 @@ fn full_sync_replaces_the_nodes_locations_only() {
     }
 }
 
-#[test]
-fn empty_full_sync_clears_the_node() {
-    let store = InMemoryStore::new();
+fn empty_full_sync_clears_the_node(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     delta(&store, "a", 1, 1, (0..100).map(|i| add(&format!("k{i}"), 1)).collect());
     // A clear's empty sync carries a fresh baseline (the node's next seq).
@@ -164,9 +162,8 @@ fn empty_full_sync_clears_the_node() {
     assert_eq!(store.node_key_count("a").unwrap(), 0);
 }
 
-#[test]
-fn full_sync_heals_a_gap() {
-    let store = InMemoryStore::new();
+fn full_sync_heals_a_gap(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     delta(&store, "a", 1, 1, vec![add("k1", 1)]);
     assert!(delta(&store, "a", 2, 5, vec![add("k5", 1)]).requests_full_sync());
@@ -175,9 +172,8 @@ fn full_sync_heals_a_gap() {
     assert_eq!(delta(&store, "a", 4, 6, vec![rm("k1")]).acked_seq(), Some(6));
 }
 
-#[test]
-fn chunked_full_sync_then_delta_lines_up_at_baseline_plus_one() {
-    for store in stores() {
+fn chunked_full_sync_then_delta_lines_up_at_baseline_plus_one(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         delta(&store, "a", 1, 1, vec![add("stale", 1)]);
         let keys: Vec<String> = (0..300).map(|i| format!("key-{i}")).collect();
@@ -198,9 +194,8 @@ fn chunked_full_sync_then_delta_lines_up_at_baseline_plus_one() {
     }
 }
 
-#[test]
-fn out_of_order_chunk_is_a_gap_and_the_sync_restarts_from_chunk_zero() {
-    let store = InMemoryStore::new();
+fn out_of_order_chunk_is_a_gap_and_the_sync_restarts_from_chunk_zero(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     // Chunk 1 without chunk 0.
     assert_eq!(chunk(&store, "a", 1, 10, 1, true, vec![add("x", 1)]), HeartbeatOutcome::SeqGap { acked_seq: 0 });
@@ -219,9 +214,8 @@ fn out_of_order_chunk_is_a_gap_and_the_sync_restarts_from_chunk_zero() {
     assert!(store.lookup("c2").unwrap().is_empty());
 }
 
-#[test]
-fn delta_during_unfinished_full_sync_is_a_gap() {
-    let store = InMemoryStore::new();
+fn delta_during_unfinished_full_sync_is_a_gap(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     delta(&store, "a", 1, 1, vec![add("k", 1)]);
     chunk(&store, "a", 2, 5, 0, false, vec![add("c0", 1)]);
@@ -235,18 +229,16 @@ fn delta_during_unfinished_full_sync_is_a_gap() {
     assert_eq!(chunk(&store, "a", 7, 5, 1, true, vec![add("c1", 1)]), HeartbeatOutcome::Applied { acked_seq: 5 });
 }
 
-#[test]
-fn keepalive_does_not_disturb_a_chunked_sync() {
-    let store = InMemoryStore::new();
+fn keepalive_does_not_disturb_a_chunked_sync(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     chunk(&store, "a", 1, 3, 0, false, vec![add("c0", 1)]);
     assert_eq!(keepalive(&store, "a", 2, caps()), HeartbeatOutcome::Applied { acked_seq: 0 });
     assert_eq!(chunk(&store, "a", 3, 3, 1, true, vec![add("c1", 1)]), HeartbeatOutcome::Applied { acked_seq: 3 });
 }
 
-#[test]
-fn full_sync_older_than_last_applied_is_a_stale_copy() {
-    let store = InMemoryStore::new();
+fn full_sync_older_than_last_applied_is_a_stale_copy(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     full_sync(&store, "a", 1, 4, vec![add("k", 1)]);
     delta(&store, "a", 2, 5, vec![rm("k")]);
@@ -263,9 +255,8 @@ fn full_sync_older_than_last_applied_is_a_stale_copy() {
     assert!(store.lookup("kept").unwrap().is_empty());
 }
 
-#[test]
-fn a_late_copy_of_an_applied_sync_applies_nothing() {
-    for store in stores() {
+fn a_late_copy_of_an_applied_sync_applies_nothing(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         assert_eq!(
             full_sync(&store, "a", 1, 5, vec![add("k1", 1), add("x", 2)]),
@@ -288,9 +279,8 @@ fn a_late_copy_of_an_applied_sync_applies_nothing() {
     }
 }
 
-#[test]
-fn reads_during_a_chunked_sync_see_the_previous_view() {
-    for store in stores() {
+fn reads_during_a_chunked_sync_see_the_previous_view(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         register(&store, "b", 0);
         delta(&store, "a", 1, 1, vec![add("held", 1), add("dropped", 1), KvEvent::add("held", TierType::Hbm, 3)]);
@@ -313,9 +303,8 @@ fn reads_during_a_chunked_sync_see_the_previous_view() {
     }
 }
 
-#[test]
-fn an_abandoned_sync_keeps_the_old_view_and_the_next_sync_ends_exact() {
-    for store in stores() {
+fn an_abandoned_sync_keeps_the_old_view_and_the_next_sync_ends_exact(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         delta(&store, "a", 1, 1, vec![add("old1", 1), add("old2", 1)]);
         // Chunks 0 and 1 of baseline 2, then the node gives up (e.g. it was cleared or timed out).
@@ -336,9 +325,8 @@ fn an_abandoned_sync_keeps_the_old_view_and_the_next_sync_ends_exact() {
     }
 }
 
-#[test]
-fn reregistration_wipes_and_requires_a_fresh_stream() {
-    let store = InMemoryStore::new();
+fn reregistration_wipes_and_requires_a_fresh_stream(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     full_sync(&store, "a", 1, 7, vec![add("k", 1)]);
     store.expire_stale(100).unwrap();
@@ -348,3 +336,26 @@ fn reregistration_wipes_and_requires_a_fresh_stream() {
     assert_eq!(full_sync(&store, "a", 201, 7, vec![add("k", 1)]), HeartbeatOutcome::Applied { acked_seq: 7 });
     assert_eq!(locs(&store, "k"), vec![dram("a", 1)]);
 }
+
+contract!(
+    delta_add_and_remove,
+    remove_only_touches_the_sending_node,
+    duplicate_add_overwrites_the_size,
+    unknown_tier_events_are_skipped,
+    seq_gap_keeps_liveness_and_caps_but_not_seq_or_events,
+    resent_applied_delta_is_reacked_without_reapplying,
+    keepalive_refreshes_caps_and_liveness_and_acks_last_applied,
+    liveness_never_moves_backwards,
+    full_sync_replaces_the_nodes_locations_only,
+    empty_full_sync_clears_the_node,
+    full_sync_heals_a_gap,
+    chunked_full_sync_then_delta_lines_up_at_baseline_plus_one,
+    out_of_order_chunk_is_a_gap_and_the_sync_restarts_from_chunk_zero,
+    delta_during_unfinished_full_sync_is_a_gap,
+    keepalive_does_not_disturb_a_chunked_sync,
+    full_sync_older_than_last_applied_is_a_stale_copy,
+    a_late_copy_of_an_applied_sync_applies_nothing,
+    reads_during_a_chunked_sync_see_the_previous_view,
+    an_abandoned_sync_keeps_the_old_view_and_the_next_sync_ends_exact,
+    reregistration_wipes_and_requires_a_fresh_stream,
+);

@@ -1,18 +1,25 @@
-//! Node incarnations and the retention of expired records in the in-memory metadata store: a
+//! Node incarnations and the retention of expired records in the metadata stores: a
 //! restarted process replaces its predecessor's live record at once, the predecessor's late
 //! heartbeats and unregister change nothing, and expired rows go after the master's retention.
 
+#![expect(
+    clippy::unwrap_used,
+    reason = "contract tests are plain functions that `contract!` wraps in #[test]; clippy exempts only the latter"
+)]
+
+#[macro_use]
+#[path = "store_support/contract.rs"]
+mod contract;
 mod store_support;
 
 use std::sync::{Arc, Barrier};
 
 use store_support::*;
 use umbp_core::TierType;
-use umbp_master::store::{HeartbeatOutcome, InMemoryStore, MetadataStore, NodeStatus, RegisterOutcome, TierCap};
+use umbp_master::store::{HeartbeatOutcome, MetadataStore, NodeStatus, RegisterOutcome, TierCap};
 
-#[test]
-fn a_higher_incarnation_replaces_a_live_record_at_once_and_wipes_its_locations() {
-    for store in stores() {
+fn a_higher_incarnation_replaces_a_live_record_at_once_and_wipes_its_locations(kind: Kind) {
+    for store in kind.all() {
         assert_eq!(store.register(registration_of("a", 100), 1_000, STALE).unwrap(), RegisterOutcome::Registered);
         assert_eq!(
             delta_of(&store, "a", 1_500, 100, 1, vec![add("old", 10)]),
@@ -46,9 +53,8 @@ fn a_higher_incarnation_replaces_a_live_record_at_once_and_wipes_its_locations()
     }
 }
 
-#[test]
-fn a_lower_incarnation_is_refused_alive_or_expired() {
-    let store = InMemoryStore::new();
+fn a_lower_incarnation_is_refused_alive_or_expired(kind: Kind) {
+    let store = kind.one();
     assert_eq!(store.register(registration_of("a", 200), 1_000, STALE).unwrap(), RegisterOutcome::Registered);
     assert_eq!(delta_of(&store, "a", 1_000, 200, 1, vec![add("k", 10)]), HeartbeatOutcome::Applied { acked_seq: 1 });
     let mut older = registration_of("a", 100);
@@ -65,9 +71,8 @@ fn a_lower_incarnation_is_refused_alive_or_expired() {
     assert_eq!(store.register(registration_of("a", 300), 90_000, STALE).unwrap(), RegisterOutcome::Registered);
 }
 
-#[test]
-fn the_same_incarnation_or_none_keeps_the_compare_and_set() {
-    let store = InMemoryStore::new();
+fn the_same_incarnation_or_none_keeps_the_compare_and_set(kind: Kind) {
+    let store = kind.one();
     assert_eq!(store.register(registration_of("a", 100), 1_000, STALE).unwrap(), RegisterOutcome::Registered);
     assert_eq!(store.register(registration_of("a", 100), 1_001, STALE).unwrap(), RegisterOutcome::AlreadyExists);
     assert_eq!(store.register(registration_of("a", 0), 1_002, STALE).unwrap(), RegisterOutcome::AlreadyExists);
@@ -79,17 +84,15 @@ fn the_same_incarnation_or_none_keeps_the_compare_and_set() {
     assert_eq!(keepalive_of(&store, "b", 1_100, 7), HeartbeatOutcome::Applied { acked_seq: 0 });
 }
 
-#[test]
-fn a_heartbeat_of_a_higher_incarnation_than_the_record_must_register() {
-    let store = InMemoryStore::new();
+fn a_heartbeat_of_a_higher_incarnation_than_the_record_must_register(kind: Kind) {
+    let store = kind.one();
     assert_eq!(store.register(registration_of("a", 100), 1_000, STALE).unwrap(), RegisterOutcome::Registered);
     assert_eq!(delta_of(&store, "a", 1_100, 300, 1, vec![add("k", 1)]), HeartbeatOutcome::Unknown);
     assert!(locs(&store, "k").is_empty());
 }
 
-#[test]
-fn a_superseded_process_cannot_unregister_the_newer_one() {
-    let store = InMemoryStore::new();
+fn a_superseded_process_cannot_unregister_the_newer_one(kind: Kind) {
+    let store = kind.one();
     assert_eq!(store.register(registration_of("a", 100), 1_000, STALE).unwrap(), RegisterOutcome::Registered);
     assert_eq!(
         store.register(registration_of("a", 200), 1_100, STALE).unwrap(),
@@ -106,11 +109,10 @@ fn a_superseded_process_cannot_unregister_the_newer_one() {
     assert!(store.unregister("a").unwrap());
 }
 
-#[test]
-fn concurrent_restarts_of_one_id_leave_the_highest_incarnation() {
+fn concurrent_restarts_of_one_id_leave_the_highest_incarnation(kind: Kind) {
     const THREADS: u64 = 8;
     for round in 0..20 {
-        let store = Arc::new(InMemoryStore::new());
+        let store = Arc::new(kind.one());
         let barrier = Arc::new(Barrier::new(THREADS as usize));
         let outcomes: Vec<RegisterOutcome> = std::thread::scope(|s| {
             let handles: Vec<_> = (1..=THREADS)
@@ -137,9 +139,8 @@ fn concurrent_restarts_of_one_id_leave_the_highest_incarnation() {
     }
 }
 
-#[test]
-fn expired_records_are_removed_after_the_retention() {
-    for store in stores() {
+fn expired_records_are_removed_after_the_retention(kind: Kind) {
+    for store in kind.all() {
         register(&store, "storage", 1_000);
         let client = umbp_master::store::Registration {
             node_id: "client".into(),
@@ -162,9 +163,8 @@ fn expired_records_are_removed_after_the_retention() {
     }
 }
 
-#[test]
-fn a_node_that_came_back_before_the_removal_is_kept() {
-    let store = InMemoryStore::new();
+fn a_node_that_came_back_before_the_removal_is_kept(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 1_000);
     assert_eq!(store.expire_stale(2_000).unwrap(), vec!["a".to_owned()]);
     register(&store, "a", 3_000);
@@ -172,9 +172,8 @@ fn a_node_that_came_back_before_the_removal_is_kept() {
     assert!(store.is_alive("a").unwrap());
 }
 
-#[test]
-fn records_tell_storage_nodes_from_clients() {
-    let store = InMemoryStore::new();
+fn records_tell_storage_nodes_from_clients(kind: Kind) {
+    let store = kind.one();
     register(&store, "storage", 1_000);
     let client = umbp_master::store::Registration { node_id: "client".into(), ..Default::default() };
     assert_eq!(store.register(client, 1_000, STALE).unwrap(), RegisterOutcome::Registered);
@@ -182,9 +181,8 @@ fn records_tell_storage_nodes_from_clients() {
     assert!(!store.get_node("client").unwrap().unwrap().lends_medium());
 }
 
-#[test]
-fn credited_capacity_is_seen_until_the_next_report() {
-    let store = InMemoryStore::new();
+fn credited_capacity_is_seen_until_the_next_report(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 1_000);
     let low = vec![TierCap::new(TierType::Dram, 1 << 30, 100)];
     assert_eq!(keepalive(&store, "a", 1_100, low), HeartbeatOutcome::Applied { acked_seq: 0 });
@@ -199,9 +197,8 @@ fn credited_capacity_is_seen_until_the_next_report() {
     assert_eq!(store.get_node("a").unwrap().unwrap().caps, caps(), "the node's report wins");
 }
 
-#[test]
-fn debited_capacity_is_reserved_until_the_next_report() {
-    let store = InMemoryStore::new();
+fn debited_capacity_is_reserved_until_the_next_report(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 1_000);
     let report = vec![TierCap::new(TierType::Dram, 1_000, 600)];
     assert_eq!(keepalive(&store, "a", 1_100, report.clone()), HeartbeatOutcome::Applied { acked_seq: 0 });
@@ -217,3 +214,48 @@ fn debited_capacity_is_reserved_until_the_next_report() {
     assert_eq!(store.expire_stale(u64::MAX).unwrap(), vec!["a".to_owned()]);
     assert_eq!(store.debit_capacity("a", TierType::Dram, 1).unwrap(), None, "an expired node");
 }
+
+/// Incarnations are often nanosecond clocks, seqs and sizes any `u64`: values above 2^53 (where a
+/// double, such as a Lua number, loses precision) keep their exact value and order.
+fn values_beyond_two_to_the_53_keep_their_order(kind: Kind) {
+    let store = kind.one();
+    let (old, new) = ((1u64 << 60) + 1, (1u64 << 60) + 2);
+    assert_eq!(store.register(registration_of("a", old), 1_000, STALE).unwrap(), RegisterOutcome::Registered);
+    assert_eq!(
+        store.register(registration_of("a", new), 1_001, STALE).unwrap(),
+        RegisterOutcome::Replaced { previous: old }
+    );
+    assert_eq!(
+        store.register(registration_of("a", old), 1_002, STALE).unwrap(),
+        RegisterOutcome::Superseded { current: new }
+    );
+    assert_eq!(keepalive_of(&store, "a", 1_003, old), HeartbeatOutcome::Superseded { current: new });
+    let big = u64::MAX - 1;
+    assert_eq!(
+        full_sync(&store, "a", 1_004, big, vec![add("k", u64::MAX)]),
+        HeartbeatOutcome::Applied { acked_seq: big }
+    );
+    assert_eq!(
+        delta(&store, "a", 1_005, u64::MAX, vec![add("k2", 1)]),
+        HeartbeatOutcome::Applied { acked_seq: u64::MAX }
+    );
+    assert_eq!(delta(&store, "a", 1_006, big, Vec::new()), HeartbeatOutcome::AlreadyApplied { acked_seq: u64::MAX });
+    assert_eq!(locs(&store, "k"), vec![("a".to_owned(), TierType::Dram, u64::MAX)]);
+    let rec = store.get_node("a").unwrap().unwrap();
+    assert_eq!((rec.incarnation, rec.last_applied_seq), (new, u64::MAX));
+}
+
+contract!(
+    a_higher_incarnation_replaces_a_live_record_at_once_and_wipes_its_locations,
+    a_lower_incarnation_is_refused_alive_or_expired,
+    the_same_incarnation_or_none_keeps_the_compare_and_set,
+    a_heartbeat_of_a_higher_incarnation_than_the_record_must_register,
+    a_superseded_process_cannot_unregister_the_newer_one,
+    concurrent_restarts_of_one_id_leave_the_highest_incarnation,
+    expired_records_are_removed_after_the_retention,
+    a_node_that_came_back_before_the_removal_is_kept,
+    records_tell_storage_nodes_from_clients,
+    credited_capacity_is_seen_until_the_next_report,
+    debited_capacity_is_reserved_until_the_next_report,
+    values_beyond_two_to_the_53_keep_their_order,
+);

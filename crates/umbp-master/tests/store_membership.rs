@@ -1,5 +1,14 @@
-//! Registry state machine of the in-memory metadata store: register, replace, unregister, expire.
+//! Registry state machine of the metadata stores (contract tests, run against both): register,
+//! replace, unregister, expire.
 
+#![expect(
+    clippy::unwrap_used,
+    reason = "contract tests are plain functions that `contract!` wraps in #[test]; clippy exempts only the latter"
+)]
+
+#[macro_use]
+#[path = "store_support/contract.rs"]
+mod contract;
 mod store_support;
 
 use std::sync::{Arc, Barrier};
@@ -10,9 +19,8 @@ use umbp_master::store::{
     HeartbeatOutcome, InMemoryStore, MetadataStore, NodeStatus, RegisterOutcome, StoreError, TierCap,
 };
 
-#[test]
-fn register_inserts_alive_record_at_seq_zero() {
-    for store in stores() {
+fn register_inserts_alive_record_at_seq_zero(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 1_000);
         let rec = store.get_node("a").unwrap().unwrap();
         assert_eq!(rec.status, NodeStatus::Alive);
@@ -28,9 +36,8 @@ fn register_inserts_alive_record_at_seq_zero() {
     }
 }
 
-#[test]
-fn empty_node_id_is_rejected() {
-    let store = InMemoryStore::new();
+fn empty_node_id_is_rejected(kind: Kind) {
+    let store = kind.one();
     let err = store.register(registration(""), 0, STALE).unwrap_err();
     assert!(matches!(err, StoreError::InvalidArgument { .. }));
     assert!(!err.is_retryable());
@@ -44,9 +51,8 @@ fn shard_count_is_validated() {
     assert_eq!(InMemoryStore::new().shard_count(), 32);
 }
 
-#[test]
-fn fresh_duplicate_registration_is_refused_and_changes_nothing() {
-    let store = InMemoryStore::new();
+fn fresh_duplicate_registration_is_refused_and_changes_nothing(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 1_000);
     assert_eq!(delta(&store, "a", 2_000, 1, vec![add("k", 10)]), HeartbeatOutcome::Applied { acked_seq: 1 });
     let mut other = registration("a");
@@ -58,9 +64,8 @@ fn fresh_duplicate_registration_is_refused_and_changes_nothing() {
     assert_eq!(locs(&store, "k").len(), 1);
 }
 
-#[test]
-fn stale_alive_record_is_replaced_and_its_locations_wiped() {
-    for store in stores() {
+fn stale_alive_record_is_replaced_and_its_locations_wiped(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 1_000);
         register(&store, "b", 1_000);
         assert_eq!(delta(&store, "a", 2_000, 1, vec![add("k1", 10), add("k2", 20)]).acked_seq(), Some(1));
@@ -80,9 +85,8 @@ fn stale_alive_record_is_replaced_and_its_locations_wiped() {
     }
 }
 
-#[test]
-fn expired_record_is_replaced() {
-    let store = InMemoryStore::new();
+fn expired_record_is_replaced(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 1_000);
     assert_eq!(store.expire_stale(1_001).unwrap(), vec!["a".to_owned()]);
     // Even "fresh" by time, an expired record is replaced.
@@ -91,10 +95,9 @@ fn expired_record_is_replaced() {
     assert_eq!((rec.status, rec.registered_at_ms), (NodeStatus::Alive, 1_002));
 }
 
-#[test]
-fn concurrent_registrations_of_one_id_register_exactly_once() {
+fn concurrent_registrations_of_one_id_register_exactly_once(kind: Kind) {
     for _ in 0..20 {
-        let store = Arc::new(InMemoryStore::new());
+        let store = Arc::new(kind.one());
         let threads = 8;
         let barrier = Arc::new(Barrier::new(threads));
         let handles: Vec<_> = (0..threads)
@@ -114,9 +117,8 @@ fn concurrent_registrations_of_one_id_register_exactly_once() {
     }
 }
 
-#[test]
-fn unregister_cascades_and_is_idempotent() {
-    for store in stores() {
+fn unregister_cascades_and_is_idempotent(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         register(&store, "b", 0);
         delta(&store, "a", 1, 1, vec![add("shared", 5), add("only-a", 6)]);
@@ -133,9 +135,8 @@ fn unregister_cascades_and_is_idempotent() {
     }
 }
 
-#[test]
-fn heartbeat_from_unknown_node_is_unknown_and_changes_nothing() {
-    let store = InMemoryStore::new();
+fn heartbeat_from_unknown_node_is_unknown_and_changes_nothing(kind: Kind) {
+    let store = kind.one();
     assert_eq!(delta(&store, "ghost", 1, 1, vec![add("k", 1)]), HeartbeatOutcome::Unknown);
     assert_eq!(keepalive(&store, "ghost", 1, caps()), HeartbeatOutcome::Unknown);
     assert_eq!(full_sync(&store, "ghost", 1, 0, vec![add("k", 1)]), HeartbeatOutcome::Unknown);
@@ -143,9 +144,8 @@ fn heartbeat_from_unknown_node_is_unknown_and_changes_nothing() {
     assert!(store.list_nodes().unwrap().is_empty());
 }
 
-#[test]
-fn expire_keeps_row_wipes_locations_and_is_idempotent() {
-    for store in stores() {
+fn expire_keeps_row_wipes_locations_and_is_idempotent(kind: Kind) {
+    for store in kind.all() {
         register(&store, "old", 0);
         register(&store, "new", 0);
         delta(&store, "old", 1_000, 1, vec![add("k", 1), add("shared", 2)]);
@@ -166,9 +166,8 @@ fn expire_keeps_row_wipes_locations_and_is_idempotent() {
     }
 }
 
-#[test]
-fn heartbeat_to_expired_node_is_unknown_and_does_not_revive_it() {
-    let store = InMemoryStore::new();
+fn heartbeat_to_expired_node_is_unknown_and_does_not_revive_it(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     store.expire_stale(1).unwrap();
     assert_eq!(delta(&store, "a", 50, 1, vec![add("k", 1)]), HeartbeatOutcome::Unknown);
@@ -178,9 +177,8 @@ fn heartbeat_to_expired_node_is_unknown_and_does_not_revive_it() {
     assert!(store.lookup("k").unwrap().is_empty());
 }
 
-#[test]
-fn listings_are_sorted_and_peer_view_has_alive_only() {
-    let store = InMemoryStore::new();
+fn listings_are_sorted_and_peer_view_has_alive_only(kind: Kind) {
+    let store = kind.one();
     for id in ["c", "a", "b"] {
         register(&store, id, 10);
     }
@@ -196,3 +194,17 @@ fn listings_are_sorted_and_peer_view_has_alive_only() {
     assert_eq!(view.get("a").map(|p| &*p.peer_address), Some("a:7000"));
     assert_eq!(view.get("a").map(|p| &*p.data_endpoint), Some("a:7001"), "the data endpoint as registered");
 }
+
+contract!(
+    register_inserts_alive_record_at_seq_zero,
+    empty_node_id_is_rejected,
+    fresh_duplicate_registration_is_refused_and_changes_nothing,
+    stale_alive_record_is_replaced_and_its_locations_wiped,
+    expired_record_is_replaced,
+    concurrent_registrations_of_one_id_register_exactly_once,
+    unregister_cascades_and_is_idempotent,
+    heartbeat_from_unknown_node_is_unknown_and_changes_nothing,
+    expire_keeps_row_wipes_locations_and_is_idempotent,
+    heartbeat_to_expired_node_is_unknown_and_does_not_revive_it,
+    listings_are_sorted_and_peer_view_has_alive_only,
+);

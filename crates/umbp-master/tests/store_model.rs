@@ -1,11 +1,19 @@
-//! Randomized: the in-memory store gives the same observable answers at 1, 3 and 8 shards, and they
-//! match a plain sequential model of the contract.
+//! Randomized: the in-memory store gives the same observable answers at 1, 3 and 8 shards, the Redis
+//! store gives the same answers as the in-memory one, and they match a plain sequential model of the
+//! contract.
 
+#[macro_use]
+#[path = "store_support/contract.rs"]
+mod contract;
 mod store_support;
 
 use std::collections::BTreeMap;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use proptest::prelude::*;
+use proptest::test_runner::TestRunner;
 use store_support::*;
 use umbp_core::{KvEvent, KvEventKind, TierType};
 use umbp_master::store::{
@@ -224,18 +232,18 @@ impl Model {
     }
 }
 
-fn run(ops: &[Op]) -> Result<(), TestCaseError> {
-    let stores: Vec<InMemoryStore> =
-        [1, 3, 8].into_iter().map(|n| InMemoryStore::with_shards(n).expect("in-memory store call")).collect();
+/// Runs `ops` on every store (the first is the reference for the stamps and listings) and on the
+/// model, checking every answer and the whole observable state after each step.
+fn run(ops: &[Op], stores: &[Subject]) -> Result<(), TestCaseError> {
     let mut model = Model::default();
     let mut now = 100_000u64;
     for (step, op) in ops.iter().enumerate() {
         match op {
             Op::Register { node } => {
                 let expected = model.register(NODES[*node], now);
-                for s in &stores {
+                for s in stores {
                     prop_assert_eq!(
-                        s.register(registration(NODES[*node]), now, STALE).expect("in-memory store call"),
+                        s.register(registration(NODES[*node]), now, STALE).expect("store call"),
                         expected,
                         "step {}",
                         step
@@ -245,13 +253,8 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             Op::Unregister { node } => {
                 let expected = model.nodes.remove(NODES[*node]).is_some();
                 model.wipe(NODES[*node]);
-                for s in &stores {
-                    prop_assert_eq!(
-                        s.unregister(NODES[*node]).expect("in-memory store call"),
-                        expected,
-                        "step {}",
-                        step
-                    );
+                for s in stores {
+                    prop_assert_eq!(s.unregister(NODES[*node]).expect("store call"), expected, "step {}", step);
                 }
             }
             Op::Delta { .. } | Op::Chunk { .. } | Op::Keepalive { .. } => {
@@ -290,7 +293,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                     _ => unreachable!(),
                 };
                 let expected = model.heartbeat(NODES[node], now, &kind);
-                for s in &stores {
+                for s in stores {
                     let hb = HeartbeatApply {
                         node_id: NODES[node].to_owned(),
                         now_ms: now,
@@ -298,25 +301,14 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                         kind: kind.clone(),
                         incarnation: 0,
                     };
-                    prop_assert_eq!(
-                        s.apply_heartbeat(hb).expect("in-memory store call"),
-                        expected,
-                        "step {}: {:?}",
-                        step,
-                        op
-                    );
+                    prop_assert_eq!(s.apply_heartbeat(hb).expect("store call"), expected, "step {}: {:?}", step, op);
                 }
             }
             Op::Expire { age } => {
                 let cutoff = now - age * 1_000;
                 let expected = model.expire(cutoff);
-                for s in &stores {
-                    prop_assert_eq!(
-                        s.expire_stale(cutoff).expect("in-memory store call"),
-                        expected.clone(),
-                        "step {}",
-                        step
-                    );
+                for s in stores {
+                    prop_assert_eq!(s.expire_stale(cutoff).expect("store call"), expected.clone(), "step {}", step);
                 }
             }
             Op::RouteGet { keys, exclude, lease } => {
@@ -324,7 +316,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 let exclude: Vec<String> = exclude.iter().map(|n| NODES[*n].to_owned()).collect();
                 let answers: Vec<_> = stores
                     .iter()
-                    .map(|s| s.batch_lookup_for_route_get(&keys, &exclude, now, *lease).expect("in-memory store call"))
+                    .map(|s| s.batch_lookup_for_route_get(&keys, &exclude, now, *lease).expect("store call"))
                     .collect();
                 for (i, k) in keys.iter().enumerate() {
                     let expected: Vec<(String, TierType, u64)> = model
@@ -344,21 +336,16 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             Op::Exists { keys } => {
                 let keys: Vec<String> = keys.iter().map(|k| key(*k)).collect();
                 let expected: Vec<bool> = keys.iter().map(|k| model.index.contains_key(k)).collect();
-                for s in &stores {
-                    prop_assert_eq!(
-                        s.batch_exists(&keys).expect("in-memory store call"),
-                        expected.clone(),
-                        "step {}",
-                        step
-                    );
+                for s in stores {
+                    prop_assert_eq!(s.batch_exists(&keys).expect("store call"), expected.clone(), "step {}", step);
                 }
             }
             Op::Evict { node, tier, cap } => {
                 let buckets = [(NODES[*node].to_owned(), TIERS[*tier])];
-                let first = stores[0].enumerate_eviction_candidates(&buckets, now, *cap).expect("in-memory store call");
+                let first = stores[0].enumerate_eviction_candidates(&buckets, now, *cap).expect("store call");
                 for s in &stores[1..] {
                     prop_assert_eq!(
-                        s.enumerate_eviction_candidates(&buckets, now, *cap).expect("in-memory store call"),
+                        s.enumerate_eviction_candidates(&buckets, now, *cap).expect("store call"),
                         first.clone()
                     );
                 }
@@ -369,10 +356,10 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
         for k in 0..KEY_SPACE {
             let expected: Vec<(String, TierType, u64)> =
                 model.index.get(&key(k)).into_iter().flatten().map(|(n, t, size, _)| (n.clone(), *t, *size)).collect();
-            for s in &stores {
+            for s in stores {
                 let got: Vec<_> = s
                     .lookup(&key(k))
-                    .expect("in-memory store call")
+                    .expect("store call")
                     .into_iter()
                     .map(|l| (l.node_id.to_string(), l.tier, l.size))
                     .collect();
@@ -380,18 +367,15 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
                 prop_assert_eq!(s.key_stats(&key(k)), stores[0].key_stats(&key(k)));
             }
         }
-        for s in &stores {
-            prop_assert_eq!(s.key_count().expect("in-memory store call"), model.index.len() as u64);
-            prop_assert_eq!(
-                s.list_nodes().expect("in-memory store call"),
-                stores[0].list_nodes().expect("in-memory store call")
-            );
+        for s in stores {
+            prop_assert_eq!(s.key_count().expect("store call"), model.index.len() as u64);
+            prop_assert_eq!(s.list_nodes().expect("store call"), stores[0].list_nodes().expect("store call"));
             for n in NODES {
                 let held = model.index.values().filter(|locs| locs.iter().any(|(m, _, _, _)| m == n)).count() as u64;
-                prop_assert_eq!(s.node_key_count(n).expect("in-memory store call"), held);
+                prop_assert_eq!(s.node_key_count(n).expect("store call"), held);
                 let status = s
                     .get_node(n)
-                    .expect("in-memory store call")
+                    .expect("store call")
                     .map(|r| (r.status == NodeStatus::Alive, r.last_heartbeat_ms, r.last_applied_seq));
                 prop_assert_eq!(status, model.nodes.get(n).map(|m| (m.0, m.1, m.2)));
             }
@@ -400,11 +384,30 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
-    #[test]
-    fn shard_counts_agree_with_each_other_and_the_model(ops in proptest::collection::vec(op(), 1..100)) {
-        run(&ops)?;
+/// Random operation sequences on the subject's stores and the model. The in-memory subject runs at 1,
+/// 3 and 8 shards (its answers must not depend on the count); the Redis subject runs against the
+/// in-memory store, on one `redis-server` for the whole run, each case under a key prefix of its own.
+fn stores_agree_with_each_other_and_the_model(kind: Kind) {
+    let server = (kind == Kind::Redis).then(RedisServer::start);
+    let case = AtomicU64::new(0);
+    let cases = if server.is_some() { 128 } else { 256 };
+    let mut runner = TestRunner::new(ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() });
+    let result = runner.run(&proptest::collection::vec(op(), 1..100), |ops| {
+        let stores = match &server {
+            None => Kind::Memory.stores_of(&[1, 3, 8]),
+            Some(server) => {
+                let prefix = format!("case{}", case.fetch_add(1, Ordering::Relaxed));
+                vec![
+                    Subject::Memory(InMemoryStore::with_shards(8).expect("store call")),
+                    Arc::clone(server).subject(&prefix),
+                ]
+            }
+        };
+        run(&ops, &stores)
+    });
+    if let Err(err) = result {
+        panic!("{err}");
     }
 }
+
+contract!(stores_agree_with_each_other_and_the_model);

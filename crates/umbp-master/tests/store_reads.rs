@@ -1,11 +1,19 @@
-//! Reads of the in-memory metadata store: lookups, route-get leases and access stamps, existence and
-//! eviction candidates.
+//! Reads of the metadata stores (contract tests, run against both): lookups, route-get leases and
+//! access stamps, existence and eviction candidates.
 
+#![expect(
+    clippy::unwrap_used,
+    reason = "contract tests are plain functions that `contract!` wraps in #[test]; clippy exempts only the latter"
+)]
+
+#[macro_use]
+#[path = "store_support/contract.rs"]
+mod contract;
 mod store_support;
 
 use store_support::*;
 use umbp_core::{KvEvent, TierType};
-use umbp_master::store::{EvictionCandidate, InMemoryStore, KeyStats, Location, MetadataStore};
+use umbp_master::store::{EvictionCandidate, KeyStats, Location, MetadataStore};
 
 fn ids(locations: &[Location]) -> Vec<String> {
     let mut out: Vec<_> = locations.iter().map(|loc| loc.node_id.to_string()).collect();
@@ -13,13 +21,12 @@ fn ids(locations: &[Location]) -> Vec<String> {
     out
 }
 
-fn stats(store: &InMemoryStore, key: &str) -> KeyStats {
+fn stats(store: &Subject, key: &str) -> KeyStats {
     store.key_stats(key).expect("key in the index")
 }
 
-#[test]
-fn route_get_leases_and_stamps_only_found_keys() {
-    for store in stores() {
+fn route_get_leases_and_stamps_only_found_keys(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         delta(&store, "a", 100, 1, vec![add("hit", 8), add("idle", 8)]);
         let before = stats(&store, "hit");
@@ -41,9 +48,8 @@ fn route_get_leases_and_stamps_only_found_keys() {
     }
 }
 
-#[test]
-fn lookup_and_exists_have_no_side_effects() {
-    let store = InMemoryStore::new();
+fn lookup_and_exists_have_no_side_effects(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     delta(&store, "a", 100, 1, vec![add("k", 8)]);
     assert_eq!(store.lookup("k").unwrap().len(), 1);
@@ -51,9 +57,8 @@ fn lookup_and_exists_have_no_side_effects() {
     assert_eq!(stats(&store, "k"), KeyStats { lease_until_ms: 0, last_accessed_ms: 100, access_count: 0 });
 }
 
-#[test]
-fn excluded_nodes_are_filtered_inside_and_grant_no_lease() {
-    for store in stores() {
+fn excluded_nodes_are_filtered_inside_and_grant_no_lease(kind: Kind) {
+    for store in kind.all() {
         register(&store, "a", 0);
         register(&store, "b", 0);
         delta(&store, "a", 1, 1, vec![add("both", 1), add("only-a", 1)]);
@@ -70,9 +75,8 @@ fn excluded_nodes_are_filtered_inside_and_grant_no_lease() {
     }
 }
 
-#[test]
-fn never_returns_locations_of_expired_or_unregistered_nodes() {
-    for store in stores() {
+fn never_returns_locations_of_expired_or_unregistered_nodes(kind: Kind) {
+    for store in kind.all() {
         register(&store, "dead", 0);
         register(&store, "live", 0);
         register(&store, "gone", 0);
@@ -95,7 +99,7 @@ fn cand(key: &str, node: &str, tier: TierType, size: u64, last: u64) -> Eviction
 }
 
 /// a: DRAM keys d0..d4 added at t = 10..14; HBM key h0 at t = 20. b: DRAM key b0 at t = 30.
-fn eviction_fixture(store: &InMemoryStore) {
+fn eviction_fixture(store: &Subject) {
     register(store, "a", 0);
     register(store, "b", 0);
     for i in 0..5u64 {
@@ -105,9 +109,8 @@ fn eviction_fixture(store: &InMemoryStore) {
     delta(store, "b", 30, 1, vec![add("b0", 9)]);
 }
 
-#[test]
-fn eviction_candidates_oldest_first_and_leased_skipped() {
-    for store in stores() {
+fn eviction_candidates_oldest_first_and_leased_skipped(kind: Kind) {
+    for store in kind.all() {
         eviction_fixture(&store);
         // Touch d0 (oldest) with a lease until 2_100, and d1 with a lease that ends at 1_005.
         store.batch_lookup_for_route_get(&keys(&["d0"]), &[], 100, 2_000).unwrap();
@@ -131,9 +134,8 @@ fn eviction_candidates_oldest_first_and_leased_skipped() {
     }
 }
 
-#[test]
-fn eviction_candidates_cap_and_only_requested_buckets() {
-    for store in stores() {
+fn eviction_candidates_cap_and_only_requested_buckets(kind: Kind) {
+    for store in kind.all() {
         eviction_fixture(&store);
         let got = store
             .enumerate_eviction_candidates(
@@ -159,9 +161,8 @@ fn eviction_candidates_cap_and_only_requested_buckets() {
     }
 }
 
-#[test]
-fn eviction_candidates_skip_expired_nodes() {
-    let store = InMemoryStore::new();
+fn eviction_candidates_skip_expired_nodes(kind: Kind) {
+    let store = kind.one();
     eviction_fixture(&store);
     keepalive(&store, "b", 10_000, caps());
     store.expire_stale(5_000).unwrap();
@@ -171,9 +172,8 @@ fn eviction_candidates_skip_expired_nodes() {
     assert_eq!(got, vec![cand("b0", "b", TierType::Dram, 9, 30)]);
 }
 
-#[test]
-fn counts_follow_the_index() {
-    let store = InMemoryStore::new();
+fn counts_follow_the_index(kind: Kind) {
+    let store = kind.one();
     register(&store, "a", 0);
     register(&store, "b", 0);
     delta(&store, "a", 1, 1, vec![add("x", 1), KvEvent::add("x", TierType::Hbm, 1), add("y", 1)]);
@@ -183,3 +183,14 @@ fn counts_follow_the_index() {
     assert_eq!(store.node_key_count("b").unwrap(), 1);
     assert_eq!(store.node_key_count("nobody").unwrap(), 0);
 }
+
+contract!(
+    route_get_leases_and_stamps_only_found_keys,
+    lookup_and_exists_have_no_side_effects,
+    excluded_nodes_are_filtered_inside_and_grant_no_lease,
+    never_returns_locations_of_expired_or_unregistered_nodes,
+    eviction_candidates_oldest_first_and_leased_skipped,
+    eviction_candidates_cap_and_only_requested_buckets,
+    eviction_candidates_skip_expired_nodes,
+    counts_follow_the_index,
+);

@@ -1,9 +1,11 @@
 //! The master's metadata store: node membership and the `key → [location]` index.
 //!
 //! [`MetadataStore`] is the contract the gRPC service, the reaper, routing and eviction run against;
-//! [`InMemoryStore`] is its sharded in-process implementation. The trait is synchronous, object-safe
-//! and takes every timestamp from the caller (`now_ms`, wall-clock milliseconds) so that a store shared
-//! by several masters (Redis and the like) can implement it later with the same answers.
+//! [`InMemoryStore`] is its sharded in-process implementation and [`RedisStore`] the same contract in a
+//! Redis that several masters can share (one Lua script per atomic write; key layout in its docs).
+//! The trait is synchronous, object-safe and takes every timestamp from the caller (`now_ms`,
+//! wall-clock milliseconds), so both stores give the same answers to the same calls: the contract
+//! suite (`tests/store_*.rs`) runs every test against each.
 //!
 //! # The contract
 //! - **Membership** ([`register`](MetadataStore::register), [`unregister`](MetadataStore::unregister),
@@ -47,9 +49,10 @@
 //! # Errors
 //! Contract outcomes (unknown node, a seq gap, a duplicate registration) are values. [`StoreError`] is
 //! reserved for invalid arguments and for a backend that failed; [`InMemoryStore`] only ever returns
-//! the former.
+//! the former, [`RedisStore`] also a retryable [`StoreError::Backend`] while Redis is unreachable.
 
 mod memory;
+mod redis;
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -59,6 +62,7 @@ use std::sync::Arc;
 use umbp_core::{KvEvent, TierType};
 
 pub use memory::{DEFAULT_SHARDS, InMemoryStore, KeyStats, MAX_SHARDS};
+pub use redis::{DEFAULT_PREFIX, RedisStore, RedisTimeouts};
 
 /// Capacity of one tier of one node, as the node last reported it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -1,12 +1,156 @@
-//! Helpers shared by the `store_*` integration tests.
+//! Helpers shared by the `store_*` integration tests, and the two subjects of the store contract
+//! suite: every contract test is a function of a [`Kind`], and `contract!` (`contract.rs`) runs it
+//! once against the in-memory store and once against a [`RedisStore`] on a `redis-server` the test
+//! starts.
 
 #![expect(dead_code, reason = "each test file uses a different subset of the helpers")]
 
+mod redis_server;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub(crate) use redis_server::RedisServer;
 use umbp_core::{KvEvent, TierType};
 use umbp_master::store::{
-    HeartbeatApply, HeartbeatKind, HeartbeatOutcome, InMemoryStore, MetadataStore, RegisterOutcome, Registration,
-    TierCap,
+    EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, InMemoryStore, KeyStats, Location,
+    MetadataStore, NodeRecord, PeerView, RedisStore, RegisterOutcome, Registration, StoreError, TierCap,
 };
+
+/// Which store a contract test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// [`InMemoryStore`].
+    Memory,
+    /// [`RedisStore`] on its own `redis-server`.
+    Redis,
+}
+
+impl Kind {
+    /// One fresh store.
+    pub(crate) fn one(self) -> Subject {
+        match self {
+            Self::Memory => Subject::Memory(InMemoryStore::new()),
+            Self::Redis => RedisServer::start().subject("umbp"),
+        }
+    }
+
+    /// Fresh stores: the in-memory store at each of `shards`; one Redis store.
+    pub(crate) fn stores_of(self, shards: &[usize]) -> Vec<Subject> {
+        match self {
+            Self::Memory => {
+                shards.iter().map(|&n| Subject::Memory(InMemoryStore::with_shards(n).expect("store call"))).collect()
+            }
+            Self::Redis => vec![self.one()],
+        }
+    }
+
+    /// Fresh stores of every configuration worth running: the in-memory store at 1, 8 and 32 shards
+    /// (its answers must not depend on the count); one Redis store.
+    pub(crate) fn all(self) -> Vec<Subject> {
+        match self {
+            Self::Memory => self.stores_of(&[1, 8, 32]),
+            Self::Redis => vec![self.one()],
+        }
+    }
+}
+
+/// A store under test; a [`MetadataStore`] itself (every call goes to the store).
+#[derive(Debug)]
+pub(crate) enum Subject {
+    /// The in-memory store.
+    Memory(InMemoryStore),
+    /// A Redis store and the server it talks to (stopped when the last subject on it goes).
+    Redis(Box<RedisStore>, Arc<RedisServer>),
+}
+
+impl Subject {
+    /// The route-get stamps of a key (each store has the diagnostic).
+    pub(crate) fn key_stats(&self, key: &str) -> Option<KeyStats> {
+        match self {
+            Self::Memory(store) => store.key_stats(key),
+            Self::Redis(store, _) => store.key_stats(key).expect("store call"),
+        }
+    }
+}
+
+impl Subject {
+    fn store(&self) -> &dyn MetadataStore {
+        match self {
+            Self::Memory(store) => store,
+            Self::Redis(store, _) => &**store,
+        }
+    }
+}
+
+/// Every call goes to the store under test.
+impl MetadataStore for Subject {
+    fn register(&self, reg: Registration, now_ms: u64, stale: u64) -> Result<RegisterOutcome, StoreError> {
+        self.store().register(reg, now_ms, stale)
+    }
+    fn unregister_incarnation(&self, node_id: &str, incarnation: u64) -> Result<bool, StoreError> {
+        self.store().unregister_incarnation(node_id, incarnation)
+    }
+    fn apply_heartbeat(&self, hb: HeartbeatApply) -> Result<HeartbeatOutcome, StoreError> {
+        self.store().apply_heartbeat(hb)
+    }
+    fn expire_stale(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
+        self.store().expire_stale(cutoff_ms)
+    }
+    fn remove_expired(&self, cutoff_ms: u64) -> Result<Vec<String>, StoreError> {
+        self.store().remove_expired(cutoff_ms)
+    }
+    fn credit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<(), StoreError> {
+        self.store().credit_capacity(node_id, tier, bytes)
+    }
+    fn debit_capacity(&self, node_id: &str, tier: TierType, bytes: u64) -> Result<Option<TierCap>, StoreError> {
+        self.store().debit_capacity(node_id, tier, bytes)
+    }
+    fn lookup(&self, key: &str) -> Result<Vec<Location>, StoreError> {
+        self.store().lookup(key)
+    }
+    fn batch_lookup_for_route_get(
+        &self,
+        keys: &[String],
+        exclude: &[String],
+        now_ms: u64,
+        lease_ms: u64,
+    ) -> Result<Vec<Vec<Location>>, StoreError> {
+        self.store().batch_lookup_for_route_get(keys, exclude, now_ms, lease_ms)
+    }
+    fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
+        self.store().batch_exists(keys)
+    }
+    fn enumerate_eviction_candidates(
+        &self,
+        buckets: &[(String, TierType)],
+        now_ms: u64,
+        max: usize,
+    ) -> Result<Vec<EvictionCandidate>, StoreError> {
+        self.store().enumerate_eviction_candidates(buckets, now_ms, max)
+    }
+    fn get_node(&self, node_id: &str) -> Result<Option<NodeRecord>, StoreError> {
+        self.store().get_node(node_id)
+    }
+    fn is_alive(&self, node_id: &str) -> Result<bool, StoreError> {
+        self.store().is_alive(node_id)
+    }
+    fn list_alive(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        self.store().list_alive()
+    }
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        self.store().list_nodes()
+    }
+    fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, PeerView>, StoreError> {
+        self.store().alive_peer_view()
+    }
+    fn key_count(&self) -> Result<u64, StoreError> {
+        self.store().key_count()
+    }
+    fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
+        self.store().node_key_count(node_id)
+    }
+}
 
 /// The reference's stale window (ttl 10 s × 3 missed).
 pub(crate) const STALE: u64 = 30_000;
@@ -39,7 +183,7 @@ pub(crate) fn keepalive_of(store: &dyn MetadataStore, node_id: &str, now: u64, i
             kind: HeartbeatKind::Keepalive,
             incarnation,
         })
-        .expect("in-memory store call")
+        .expect("store call")
 }
 
 /// A delta from the process of `incarnation`.
@@ -59,15 +203,12 @@ pub(crate) fn delta_of(
             kind: HeartbeatKind::Delta { seq, events },
             incarnation,
         })
-        .expect("in-memory store call")
+        .expect("store call")
 }
 
 /// Registers `node_id` at `now`, asserting it was registered.
 pub(crate) fn register(store: &dyn MetadataStore, node_id: &str, now: u64) {
-    assert_eq!(
-        store.register(registration(node_id), now, STALE).expect("in-memory store call"),
-        RegisterOutcome::Registered
-    );
+    assert_eq!(store.register(registration(node_id), now, STALE).expect("store call"), RegisterOutcome::Registered);
 }
 
 /// A DRAM `ADD`.
@@ -101,7 +242,7 @@ pub(crate) fn delta(
             kind: HeartbeatKind::Delta { seq, events },
             incarnation: 0,
         })
-        .expect("in-memory store call")
+        .expect("store call")
 }
 
 /// Applies a keepalive with the given capacity.
@@ -114,7 +255,7 @@ pub(crate) fn keepalive(store: &dyn MetadataStore, node_id: &str, now: u64, caps
             kind: HeartbeatKind::Keepalive,
             incarnation: 0,
         })
-        .expect("in-memory store call")
+        .expect("store call")
 }
 
 /// Applies one full-sync chunk.
@@ -135,7 +276,7 @@ pub(crate) fn chunk(
             kind: HeartbeatKind::FullSyncChunk { baseline_seq, chunk_index, is_final, events },
             incarnation: 0,
         })
-        .expect("in-memory store call")
+        .expect("store call")
 }
 
 /// Applies a single-chunk full sync.
@@ -153,7 +294,7 @@ pub(crate) fn full_sync(
 pub(crate) fn locs(store: &dyn MetadataStore, key: &str) -> Vec<(String, TierType, u64)> {
     let mut out: Vec<_> = store
         .lookup(key)
-        .expect("in-memory store call")
+        .expect("store call")
         .into_iter()
         .map(|loc| (loc.node_id.to_string(), loc.tier, loc.size))
         .collect();
@@ -166,7 +307,7 @@ pub(crate) fn keys(list: &[&str]) -> Vec<String> {
     list.iter().map(|key| (*key).to_owned()).collect()
 }
 
-/// Stores of every interesting shard count.
-pub(crate) fn stores() -> Vec<InMemoryStore> {
-    [1, 8, 32].into_iter().map(|n| InMemoryStore::with_shards(n).expect("in-memory store call")).collect()
+/// One route-get of `key` at t=1 with a 10 ms lease; its locations.
+pub(crate) fn route_get_once(store: &dyn MetadataStore, key: &str) -> Vec<Location> {
+    store.batch_lookup_for_route_get(&keys(&[key]), &[], 1, 10).expect("store call").remove(0)
 }
