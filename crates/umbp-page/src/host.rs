@@ -513,7 +513,7 @@ fn hugepage_lines(meminfo: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::process::Command;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -527,7 +527,7 @@ mod tests {
     }
 
     /// The `VmFlags` line of `/proc/self/smaps` for the mapping containing `addr`.
-    fn vm_flags_at(addr: usize) -> String {
+    pub(crate) fn vm_flags_at(addr: usize) -> String {
         let text = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
         let mut inside = false;
         for line in text.lines() {

@@ -42,7 +42,8 @@
 //! xtask ci` fails the build if it does (`[package.metadata.umbp] layer = "backend"`).
 //!
 //! # Platforms
-//! Linux: `HostPageMemorySource` uses `mmap`, `madvise` and `mbind`.
+//! Linux: `HostPageMemorySource` uses `mmap`, `madvise` and `mbind`, and `memfd_create` with file
+//! seals for shareable memory.
 
 mod allocator;
 mod backend;

@@ -164,6 +164,21 @@ mod tests {
     }
 
     #[test]
+    fn shareable_mappings_are_advised_for_transparent_huge_pages_unless_turned_off() {
+        if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+            eprintln!("skipped: this kernel has no transparent huge pages");
+            return;
+        }
+        let advised = |options: HostMemoryOptions| {
+            let s = shareable(HostMemoryOptions { prefault: false, ..options });
+            let b = s.allocate(&[4 << 20]).expect("allocate").remove(0);
+            crate::host::tests::vm_flags_at(b.base().as_ptr() as usize).split_whitespace().any(|f| f == "hg")
+        };
+        assert!(advised(HostMemoryOptions::default()), "advised MADV_HUGEPAGE by default");
+        assert!(!advised(HostMemoryOptions { transparent_hugepages: false, ..HostMemoryOptions::default() }));
+    }
+
+    #[test]
     fn shareable_hugepages_fall_back_to_a_normal_memfd() {
         let s = shareable(HostMemoryOptions { use_hugepages: true, ..HostMemoryOptions::default() });
         let b = s.allocate(&[3 << 20]).expect("allocate").remove(0);

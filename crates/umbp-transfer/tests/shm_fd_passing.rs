@@ -233,13 +233,32 @@ fn a_deregistered_region_reads_as_stale_and_a_new_registration_maps_again() {
 }
 
 #[test]
-fn a_killed_holder_leaves_the_mapping_valid_and_new_requests_fail_cleanly() {
+fn a_holder_killed_mid_copy_leaves_the_mapping_valid_and_new_requests_fail_cleanly() {
     let mut holder = Holder::start("killed", "t");
     let client = ShmClient::new(ShmClientConfig::new("t"));
     let region = client.region(&holder.endpoint, 7).expect("mapped");
     assert_eq!(holder.command("fill 66"), "OK");
+    // A reader copies the whole region over and over while the holder is killed under it.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (region, stop) = (Arc::clone(&region), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let (mut buf, mut copies) = (vec![0u8; FILE_LEN], 0u64);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                region.read_at(0, &mut buf).expect("a dead holder's pages are still readable");
+                assert!(buf.iter().all(|&b| b == 66));
+                copies += 1;
+            }
+            copies
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(20));
     holder.child.kill().expect("kill");
     holder.child.wait().expect("reaped");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let copies = reader.join().expect("the reader survived the holder's death");
+    assert!(copies > 0);
     // The holder's process and its file descriptors are gone; our mapping keeps the pages.
     let mut all = vec![0u8; FILE_LEN];
     // SAFETY: the mapping is alive and `FILE_LEN` long; no other thread writes it now.
