@@ -97,6 +97,10 @@ pub struct MasterConfig {
     /// `MasterHandle::metrics_addr`). Env `UMBP_MASTER_METRICS_ADDR`. Default: none (no endpoint).
     #[serde(rename = "metrics_addr")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Where the metadata lives: none for this process's memory ([`InMemoryStore`](crate::store::InMemoryStore)),
+    /// or `redis://HOST:PORT[/DB]` for a Redis that several masters can share
+    /// ([`RedisStore`](crate::store::RedisStore)). Env `UMBP_MASTER_METADATA`. Default: none.
+    pub metadata: Option<String>,
 }
 
 /// The shards of the key index a master may have.
@@ -171,6 +175,7 @@ impl std::fmt::Debug for MasterConfig {
             .field("cluster_token", &self.cluster_token.as_ref().map(|_| "<redacted>"))
             .field("max_message_bytes", &self.max_message_bytes)
             .field("metrics_listen", &self.metrics_listen)
+            .field("metadata", &self.metadata.as_deref().map(redact_url))
             .finish()
     }
 }
@@ -192,7 +197,16 @@ impl Default for MasterConfig {
             cluster_token: None,
             max_message_bytes: 64 << 20,
             metrics_listen: None,
+            metadata: None,
         }
+    }
+}
+
+/// A metadata URL without its credentials (`redis://user:secret@host` → `redis://<redacted>@host`).
+fn redact_url(url: &str) -> String {
+    match (url.split_once("://"), url.rsplit_once('@')) {
+        (Some((scheme, _)), Some((_, host))) => format!("{scheme}://<redacted>@{host}"),
+        _ => url.to_owned(),
     }
 }
 
@@ -226,6 +240,14 @@ impl MasterConfig {
         self.eviction.validate().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         if !INDEX_SHARDS.contains(&self.index_shards) {
             return Err(ConfigError::Invalid(format!("index_shards {} is outside 1..=4096", self.index_shards)));
+        }
+        if let Some(url) = &self.metadata
+            && (!url.starts_with("redis://") || url.contains(','))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "metadata {:?}: expected one redis://HOST:PORT[/DB] (several endpoints are not supported yet)",
+                redact_url(url)
+            )));
         }
         if self.heartbeat_ttl.is_zero() || self.reaper_interval.is_zero() || self.heartbeat_interval().is_zero() {
             return Err(ConfigError::Invalid(
@@ -288,6 +310,22 @@ mod tests {
         c.validate().expect("expiry 10 s > interval 5 s");
         let c = MasterConfig { max_message_bytes: 10, ..MasterConfig::default() };
         assert!(c.validate().is_err(), "tiny message limit");
+        for (url, ok) in [("redis://127.0.0.1:6379/2", true), ("http://h:1", false), ("redis://a:1,redis://b:1", false)]
+        {
+            let c = MasterConfig { metadata: Some(url.into()), ..MasterConfig::default() };
+            assert_eq!(c.validate().is_ok(), ok, "{url}");
+        }
+    }
+
+    #[test]
+    fn a_metadata_url_never_shows_its_password() {
+        let c = MasterConfig { metadata: Some("redis://u:hunter2@db:6379/0".into()), ..MasterConfig::default() };
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("hunter2") && shown.contains("<redacted>@db:6379/0"), "{shown}");
+        let err = MasterConfig { metadata: Some("rediss://u:hunter2@db".into()), ..MasterConfig::default() }
+            .validate()
+            .expect_err("only redis://");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::evictor::{EvictionReport, EvictionStats, Evictor, ReapReport, reap};
 use crate::metrics::ClusterMetrics;
 use crate::routing::{GetAlgo, PutStrategyConfig, RouteGetStrategy, RoutePutStrategy};
 use crate::service::{MasterService, ServiceStats};
-use crate::store::{InMemoryStore, MetadataStore};
+use crate::store::{InMemoryStore, MetadataStore, RedisStore, StoreError};
 
 /// A gauge not refreshed for this long leaves the metrics output (an expired or removed node's).
 const METRICS_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
@@ -183,12 +183,25 @@ impl Drop for MasterHandle {
     }
 }
 
-/// Starts a master with `config` on the current tokio runtime: binds the listen address (port 0
+/// Starts a master with `config` on the current tokio runtime: opens its metadata store (this
+/// process's memory, or the Redis of [`MasterConfig::metadata`]), binds the listen address (port 0
 /// picks a free one; see [`MasterHandle::local_addr`]), then serves until
 /// [`MasterHandle::shutdown`].
 pub async fn start(config: MasterConfig) -> Result<MasterHandle, MasterError> {
     config.validate()?;
-    let store: Arc<dyn MetadataStore> = Arc::new(InMemoryStore::with_shards(config.index_shards)?);
+    let store: Arc<dyn MetadataStore> = match config.metadata.clone() {
+        None => Arc::new(InMemoryStore::with_shards(config.index_shards)?),
+        // Connecting blocks (bounded by the store's connect timeout): off the async workers.
+        Some(url) => {
+            Arc::new(tokio::task::spawn_blocking(move || RedisStore::connect(&url)).await.map_err(|err| {
+                StoreError::Backend {
+                    message: format!("connecting to the metadata store: {err}"),
+                    retryable: false,
+                    source: None,
+                }
+            })??)
+        }
+    };
     start_with_store(config, store).await
 }
 
