@@ -39,6 +39,7 @@ CONFIGURATION
     shutdown_deadline = \"3s\"
     max_message_bytes = \"64MiB\"
     metrics_addr = \"127.0.0.1:9091\"   # serve Prometheus /metrics here (default: none)
+    metadata = \"redis://127.0.0.1:6379/0\"   # keep the metadata in Redis (default: this process's memory)
 
     [master.eviction]
     check_interval = \"5s\"
@@ -293,6 +294,10 @@ pub struct MasterArgs {
     /// [env: UMBP_MASTER_METRICS_ADDR] [default: none, no endpoint]
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Keep the metadata (members and key index) in the Redis at URL, redis://HOST:PORT[/DB], instead
+    /// of this process's memory [env: UMBP_MASTER_METADATA] [default: none, in-process memory]
+    #[arg(long, value_name = "URL")]
+    pub metadata: Option<String>,
 }
 
 /// The medium a node lends.

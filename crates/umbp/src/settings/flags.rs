@@ -75,6 +75,7 @@ pub(crate) fn master(a: &MasterArgs, token: Option<&str>) -> Vec<FlagValue> {
     f.duration("--shutdown-deadline", a.shutdown_deadline);
     f.size("--max-message-bytes", a.max_message_bytes);
     f.text("--metrics-addr", a.metrics_addr);
+    f.text("--metadata", a.metadata.as_deref());
     f.0
 }
 

@@ -111,6 +111,7 @@ pub(crate) const TABLE: &[Row] = &[
     ),
     row("master.max_message_bytes", Master, "--max-message-bytes", &[("UMBP_MASTER_MAX_MESSAGE_BYTES", Text)], &[]),
     row("master.metrics_addr", Master, "--metrics-addr", &[("UMBP_MASTER_METRICS_ADDR", Text)], &[]),
+    row("master.metadata", Master, "--metadata", &[("UMBP_MASTER_METADATA", Text)], &[]),
     // [master.eviction]: umbp_master::routing::EvictionConfig.
     row(
         "master.eviction.check_interval",
