@@ -18,6 +18,7 @@ use crate::engine::{
     TransferItem, TransferPlan,
 };
 use crate::planning::in_range;
+use crate::shm::ShmServer;
 
 /// Staged items start on this alignment inside the bounce pool (a cache line: copies stay aligned).
 const BOUNCE_ALIGN: u64 = 64;
@@ -106,6 +107,9 @@ pub struct CompositeTransferEngine {
     bounce: Option<Bounce>,
     /// The epoch of the next `plan` call that stages anything.
     next_epoch: AtomicU64,
+    /// The node's shared-memory server: shareable regions are handed to it (see
+    /// [`with_shm_server`](Self::with_shm_server)).
+    shm_server: Option<Arc<ShmServer>>,
 }
 
 impl fmt::Debug for CompositeTransferEngine {
@@ -133,7 +137,7 @@ impl CompositeTransferEngine {
             engines: engines.iter().map(|_| Default::default()).collect(),
             rejected_items: AtomicU64::new(0),
         });
-        let mut this = Self { engines, stats, bounce: None, next_epoch: AtomicU64::new(1) };
+        let mut this = Self { engines, stats, bounce: None, next_epoch: AtomicU64::new(1), shm_server: None };
         if config.bounce_bytes > 0 {
             this.bounce = Some(this.map_bounce(config.bounce_bytes)?);
         }
@@ -143,6 +147,44 @@ impl CompositeTransferEngine {
     /// The engines, in preference order.
     pub fn engines(&self) -> &[Arc<dyn TransferEngine>] {
         &self.engines
+    }
+
+    /// The same composite handing every region registered
+    /// [shareable](MemoryRegistrar::register_shareable) to `server`, under the region id the data
+    /// plane gave it (so same-host peers can map it by the id their refs carry), and taking it back
+    /// from `server` first when the region is deregistered (so a peer's mapping reads as stale
+    /// before any engine forgets the region). The server's endpoint must be this node's data
+    /// endpoint.
+    pub fn with_shm_server(mut self, server: Arc<ShmServer>) -> Self {
+        self.shm_server = Some(server);
+        self
+    }
+
+    /// The shared-memory server, when there is one.
+    pub fn shm_server(&self) -> Option<&Arc<ShmServer>> {
+        self.shm_server.as_ref()
+    }
+
+    /// Bytes of successful plans the engine named `name` moved so far, every direction together
+    /// (0 for an engine not in the composite or never used): what a test asserts to know which path
+    /// the bytes took.
+    pub fn moved_bytes(&self, name: &str) -> u64 {
+        self.engines
+            .iter()
+            .zip(&self.stats.engines)
+            .filter(|(e, _)| e.name() == name)
+            .flat_map(|(_, dirs)| dirs.iter())
+            .map(|s| s.bytes.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Whether `r` is a region this node's shared-memory server may know: its remote handle names
+    /// the server's endpoint.
+    fn shared_id(&self, r: &TransferRef) -> Option<(&ShmServer, u64)> {
+        let server = self.shm_server.as_deref()?;
+        let remote = r.remote()?;
+        let ours = crate::shm::socket_name(&remote.endpoint).is_ok_and(|name| name == server.socket_name());
+        ours.then_some((server, remote.region_id))
     }
 
     /// Bytes of the bounce pool (0 when staging is off).
@@ -366,6 +408,60 @@ impl CompositeTransferEngine {
                 }
                 failures.extend(round_failures);
             }
+        }
+    }
+
+    /// Submits the plans of an engine whose failures fall back
+    /// ([`TransferEngine::fallback_on_failure`]): waits for them (such an engine completes in
+    /// submit), then hands every failed plan to the next engine after it that can handle the plan's
+    /// pair, as submitted groups of their own. A failed plan no later engine can handle keeps its
+    /// failure.
+    fn submit_with_fallback(&self, engine: usize, plans: Vec<TransferPlan>, subs: &mut Vec<SubHandle>) {
+        let copies = plans.clone();
+        let mut handle = self.submit_group(engine, plans);
+        let failures = handle.wait();
+        if failures.is_empty() {
+            return;
+        }
+        let failed = crate::engine::failed_tags(&failures);
+        let mut retried: Vec<u64> = Vec::new();
+        let mut next: Vec<(usize, Vec<TransferPlan>)> = Vec::new();
+        for mut plan in copies {
+            if !plan.tags.iter().any(|t| failed.binary_search(t).is_ok()) {
+                continue;
+            }
+            let Some(e) = (engine + 1..self.engines.len()).find(|&e| self.engines[e].can_handle(&plan.src, &plan.dst))
+            else {
+                continue;
+            };
+            plan.engine = Some(e);
+            retried.extend(&plan.tags);
+            match next.iter_mut().find(|(k, _)| *k == e) {
+                Some((_, v)) => v.push(plan),
+                None => next.push((e, vec![plan])),
+            }
+        }
+        retried.sort_unstable();
+        retried.dedup();
+        // What no later engine took keeps its failure; the rest is the next engine's to answer.
+        let kept: Vec<TransferFailure> = failures
+            .into_iter()
+            .filter_map(|mut f| {
+                f.tags.retain(|t| retried.binary_search(t).is_err());
+                (!f.tags.is_empty()).then_some(f)
+            })
+            .collect();
+        if !kept.is_empty() {
+            subs.push(SubHandle::settled(kept));
+        }
+        for (e, plans) in next {
+            tracing::debug!(
+                from = self.engines[engine].name(),
+                to = self.engines[e].name(),
+                plans = plans.len(),
+                "plans handed to the next engine"
+            );
+            subs.push(self.submit_group(e, plans));
         }
     }
 
@@ -611,10 +707,33 @@ impl MemoryRegistrar for CompositeTransferEngine {
         self.register_with_all(region, false)
     }
 
+    /// Takes the region back from the shared-memory server first (peers' mappings read as stale at
+    /// once), then from every engine.
     fn deregister(&self, r: &TransferRef) {
+        if let Some((server, region_id)) = self.shared_id(r) {
+            server.deregister(region_id);
+        }
         for engine in &self.engines {
             engine.deregister(r);
         }
+    }
+
+    /// Registers `region` with every engine (the data plane gives it its region id), then, with a
+    /// shared-memory server ([`with_shm_server`](Self::with_shm_server)), hands the server the file
+    /// under that id. A region the server refuses is still registered: peers reach it over TCP.
+    #[cfg(unix)]
+    fn register_shareable(
+        &self,
+        region: LocalRegion,
+        backing: umbp_core::SharedBacking<'_>,
+    ) -> Result<TransferRef, RegistrationError> {
+        let r = self.register_with_all(region, false)?;
+        if let Some((server, region_id)) = self.shared_id(&r)
+            && let Err(e) = server.register(region_id, backing.fd(), backing.offset(), region.len())
+        {
+            tracing::warn!(region_id, error = %e, "region not shared with same-host peers; they use TCP");
+        }
+        Ok(r)
     }
 }
 
@@ -777,7 +896,14 @@ impl TransferEngine for CompositeTransferEngine {
         // of a mixed batch is done "in the gap"), then the staged rounds, which complete inline.
         // A stable sort keeps the engines' preference order within each kind.
         direct.sort_by_key(|(e, _)| self.engines[*e].completes_in_submit());
-        let subs: Vec<SubHandle> = direct.into_iter().map(|(e, plans)| self.submit_group(e, plans)).collect();
+        let mut subs: Vec<SubHandle> = Vec::with_capacity(direct.len());
+        for (e, plans) in direct {
+            if self.engines[e].fallback_on_failure() {
+                self.submit_with_fallback(e, plans, &mut subs);
+            } else {
+                subs.push(self.submit_group(e, plans));
+            }
+        }
         if !staged.is_empty() {
             self.run_staged(staged, &mut settled);
         }

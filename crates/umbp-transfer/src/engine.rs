@@ -307,6 +307,15 @@ pub trait TransferEngine: MemoryRegistrar + MetricSource {
         false
     }
 
+    /// Whether a failed plan of this engine may be handed to the next engine that can handle its
+    /// pair (the composite engine does so at once): for a short path whose failure says nothing
+    /// about the bytes, such as the same-host shared-memory path falling back to TCP. Such an engine
+    /// must complete its work in `submit` ([`completes_in_submit`](Self::completes_in_submit)).
+    /// Default: `false`.
+    fn fallback_on_failure(&self) -> bool {
+        false
+    }
+
     /// Registers `region` for use as the local side of this engine's own transfers only: peers must
     /// never be able to address it (the composite engine's bounce pool). Engines that publish
     /// nothing to peers register it as usual (the default).

@@ -18,6 +18,9 @@
 //!   get or a put of one key in one exchange, the server asking the node's handler which ranges of
 //!   its registered regions hold (or will hold) the value, moving the bytes itself, and saying in a
 //!   trailer whether the read lease covered the send;
+//! - [`SharedMemoryEngine`] (in [`shm`]) — the same-host path: a holder on this host hands its
+//!   registered regions' sealed memory files over a Unix socket, and the bytes are copied through a
+//!   mapping of them; failures fall back to TCP;
 //! - [`CompositeTransferEngine`] — what a node actually holds: registration fans out to every engine,
 //!   each (src, dst) pair goes to the first engine that can handle it, caller memory no engine can
 //!   address is staged through one bounce pool, and every engine is measured per direction.
@@ -75,6 +78,7 @@ pub use engine::{
 pub use fd_limit::raise_open_file_limit;
 pub use gpu::{GpuCopyConfig, GpuCopyEngine};
 pub use local::{LocalCopyConfig, LocalCopyEngine};
+pub use shm::{SharedMemoryConfig, SharedMemoryEngine};
 pub use tcp::{
     DataServer, DataServerConfig, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedHandler, KeyedLease,
     KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite, TcpEngine, TcpEngineConfig, TcpStartError,
@@ -86,4 +90,5 @@ const _: () = {
     pin::<GpuCopyEngine>();
     pin::<CompositeTransferEngine>();
     pin::<PeerDirectory>();
+    pin::<SharedMemoryEngine>();
 };

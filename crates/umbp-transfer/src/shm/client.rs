@@ -47,7 +47,8 @@ struct Peer {
 pub struct ShmClient {
     config: ShmClientConfig,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
-    regions: Mutex<HashMap<(String, u64), Arc<SharedMapping>>>,
+    /// Holder endpoint → region id → mapping (nested, so a lookup by `&str` allocates nothing).
+    regions: Mutex<HashMap<String, HashMap<u64, Arc<SharedMapping>>>>,
 }
 
 impl ShmClient {
@@ -61,14 +62,19 @@ impl ShmClient {
     /// there is no connection). A request lost with a broken connection is sent once more on a new
     /// one; a holder that is gone then fails cleanly ([`ShmError::Io`]).
     pub fn region(&self, endpoint: &str, region_id: u64) -> Result<Arc<SharedMapping>, ShmError> {
-        let key = (endpoint.to_owned(), region_id);
-        if let Some(mapping) = self.regions.lock().get(&key)
-            && mapping.is_current()
         {
-            return Ok(Arc::clone(mapping));
+            let mut regions = self.regions.lock();
+            if let Some(held) = regions.get_mut(endpoint) {
+                match held.get(&region_id) {
+                    Some(mapping) if mapping.is_current() => return Ok(Arc::clone(mapping)),
+                    // Stale: unmapped once its last user lets go.
+                    Some(_) => {
+                        held.remove(&region_id);
+                    }
+                    None => {}
+                }
+            }
         }
-        // Stale or absent: whatever was cached is unmapped once its last user lets go.
-        self.regions.lock().remove(&key);
         let mapping = match self.fetch(endpoint, region_id) {
             Err(ShmError::Io { .. }) => {
                 self.forget_peer(endpoint);
@@ -77,19 +83,21 @@ impl ShmClient {
             other => other?,
         };
         let mapping = Arc::new(mapping);
-        self.regions.lock().insert(key, Arc::clone(&mapping));
+        self.regions.lock().entry(endpoint.to_owned()).or_default().insert(region_id, Arc::clone(&mapping));
         Ok(mapping)
     }
 
     /// Drops the cached mapping of one region (it is unmapped when its last user lets go).
     pub fn evict(&self, endpoint: &str, region_id: u64) {
-        self.regions.lock().remove(&(endpoint.to_owned(), region_id));
+        if let Some(held) = self.regions.lock().get_mut(endpoint) {
+            held.remove(&region_id);
+        }
     }
 
     /// Drops the connection to a holder and every mapping of its regions.
     pub fn forget_peer(&self, endpoint: &str) {
         self.peers.lock().remove(endpoint);
-        self.regions.lock().retain(|(peer, _), _| peer != endpoint);
+        self.regions.lock().remove(endpoint);
     }
 
     /// Drops every mapping whose epoch is no longer current and every connection the holder closed
@@ -101,14 +109,28 @@ impl ShmClient {
             self.peers.lock().remove(endpoint);
         }
         let mut regions = self.regions.lock();
-        let before = regions.len();
-        regions.retain(|(peer, _), m| m.is_current() && !gone.contains(peer));
-        before - regions.len()
+        let mut dropped = 0;
+        regions.retain(|peer, held| {
+            if gone.contains(peer) {
+                dropped += held.len();
+                return false;
+            }
+            let before = held.len();
+            held.retain(|_, m| m.is_current());
+            dropped += before - held.len();
+            !held.is_empty()
+        });
+        dropped
     }
 
     /// Mappings cached now.
     pub fn cached_regions(&self) -> usize {
-        self.regions.lock().len()
+        self.regions.lock().values().map(HashMap::len).sum()
+    }
+
+    /// Whether a connection to `endpoint` was made and not forgotten (open or not).
+    pub fn has_peer(&self, endpoint: &str) -> bool {
+        self.peers.lock().contains_key(endpoint)
     }
 
     /// Whether the connection to `endpoint` is open and the holder has not closed it.

@@ -15,7 +15,8 @@
 //!   one cached [`SharedMapping`] per (peer, region id), replaced when its epoch is no longer
 //!   current and unmapped when the last user drops it.
 //!
-//! The engine that selects this path per pair, before TCP, comes on top of these pieces.
+//! - [`SharedMemoryEngine`] — the transfer engine over these: the composite engine selects it per
+//!   pair before TCP, and hands any pair it fails to TCP.
 //!
 //! # Safety of mappings
 //! The server accepts only files sealed against shrinking (`F_SEAL_SHRINK`) and ranges inside
@@ -26,6 +27,7 @@
 //! copy that raced a deregistration is reported [`ShmError::Stale`], never returned as good bytes.
 
 mod client;
+mod engine;
 mod epochs;
 mod identity;
 mod server;
@@ -33,7 +35,12 @@ mod wire;
 
 use std::io;
 
+/// The TCP handshake's constant-time comparison: the time taken says nothing about how much of a
+/// wrong token matched.
+use crate::tcp::tokens_equal;
+
 pub use client::{SharedMapping, ShmClient, ShmClientConfig};
+pub use engine::{SharedMemoryConfig, SharedMemoryEngine};
 pub use identity::HostIdentity;
 pub use server::{ShmServer, ShmServerConfig};
 
@@ -153,13 +160,6 @@ impl ShmError {
     }
 }
 
-/// Constant-time comparison of two tokens (the data plane's rule: the time taken says nothing about
-/// how much of a wrong token matched). The same as the TCP handshake's `tcp::io::tokens_equal`, which
-/// its module keeps private.
-fn tokens_equal(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,14 +173,6 @@ mod tests {
         assert!(matches!(socket_name(&long), Err(ShmError::Invalid(_))));
         let fits = "h".repeat(MAX_SOCKET_NAME - "umbp-shm/".len());
         assert_eq!(socket_name(&fits).expect("fits").len(), MAX_SOCKET_NAME);
-    }
-
-    #[test]
-    fn tokens_compare_by_value() {
-        assert!(tokens_equal(b"secret", b"secret"));
-        assert!(!tokens_equal(b"secret", b"secreT"));
-        assert!(!tokens_equal(b"secret", b"secre"));
-        assert!(tokens_equal(b"", b""));
     }
 
     #[test]

@@ -63,6 +63,8 @@ use umbp_gpu::GpuRuntime;
 
 use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandle};
 pub use self::error::TcpStartError;
+/// The constant-time token comparison, shared with the shared-memory handshake.
+pub(crate) use self::io::tokens_equal;
 pub use self::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 pub use self::keyed_client::{KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut};
 use self::protocol::{MAX_REQUEST_BYTES, Op};
