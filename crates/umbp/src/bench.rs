@@ -13,8 +13,11 @@
 //!   stream of the same bytes (from the same source buffers, into the same destination buffers, the
 //!   child's side a region as large as the batch) to and from the same child, over as many
 //!   connections as the data plane pools ([`CONNECTIONS`]);
-//! - the p50 / p99 latency of a single 64 KiB remote get, and of `umbp get` of it as a process
-//!   beside `umbp --version` ([`bench_cli`](crate::bench_cli)).
+//! - the p50 / p99 latency of a single 64 KiB remote get and of a single 64 KiB remote put, each on
+//!   both client paths in the same run ([`measure_latency`]: the default keyed path, one exchange
+//!   with the holder's data server, and the routed path of a client with `keyed_requests = false`,
+//!   in alternating blocks), and of `umbp get` of the value as a process beside `umbp --version`
+//!   ([`bench_cli`](crate::bench_cli)).
 //!
 //! The same measurements as `cargo bench -p umbp --bench pool`; each cell is the median of
 //! [`BenchOptions::rounds`] rounds.
@@ -28,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use umbp_master::MasterConfig;
 use umbp_master::routing::Affinity;
-use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, PutOutcome, RecachePolicy};
 
 use crate::cli::BenchArgs;
 use crate::progress::Progress;
@@ -42,6 +45,13 @@ pub const VALUE_SIZES: [usize; 2] = [64 << 10, 1 << 20];
 
 /// The size of the value whose single-get latency is measured.
 pub const LATENCY_VALUE: usize = 64 << 10;
+
+/// Blocks the single-call probes alternate the two client paths in (each path's calls split evenly),
+/// so a change in the machine's load during the probe reaches both paths alike.
+pub const LATENCY_BLOCKS: usize = 10;
+
+/// Untimed calls of each kind on each path before a probe (connections, location cache, allocator).
+pub(crate) const WARM_UP: usize = 10;
 
 /// Page size of the bench nodes.
 const PAGE_SIZE: u64 = 64 << 10;
@@ -125,7 +135,18 @@ impl BenchOptions {
     /// DRAM each bench node lends: every round's keys of both sizes (the local node keeps them all),
     /// with room below the master's eviction watermark.
     fn capacity(&self) -> u64 {
-        let stored = 2 * self.rounds as u64 * self.batch_bytes;
+        Self::room_for(2 * self.rounds as u64 * self.batch_bytes)
+    }
+
+    /// DRAM the child node lends: [`capacity`](Self::capacity) plus the single puts of both client
+    /// paths, of the latency probe and of the breakdown (warm-ups included), kept until the end.
+    fn child_capacity(&self) -> u64 {
+        let singles = 4 * (self.latency_calls + WARM_UP) as u64 * LATENCY_VALUE as u64;
+        Self::room_for(2 * self.rounds as u64 * self.batch_bytes + singles)
+    }
+
+    /// `stored` bytes with room below the master's eviction watermark, in whole pages.
+    fn room_for(stored: u64) -> u64 {
         (stored + stored / 2 + (64 << 20)).div_ceil(PAGE_SIZE) * PAGE_SIZE
     }
 }
@@ -196,7 +217,7 @@ impl BenchRow {
     }
 }
 
-/// Single-get latency percentiles, microseconds.
+/// Single-call latency percentiles, microseconds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Latency {
     /// Calls timed.
@@ -205,6 +226,35 @@ pub struct Latency {
     pub p50_us: f64,
     /// 99th percentile.
     pub p99_us: f64,
+}
+
+impl Latency {
+    /// The percentiles of `samples` (µs, any order; at least one).
+    fn of(mut samples: Vec<f64>) -> Self {
+        samples.sort_by(f64::total_cmp);
+        let calls = samples.len();
+        Self { calls, p50_us: samples[calls / 2], p99_us: samples[(calls * 99 / 100).min(calls - 1)] }
+    }
+
+    fn to_json(&self) -> String {
+        format!(
+            "{{\"value_bytes\":{LATENCY_VALUE},\"calls\":{},\"p50_us\":{:.1},\"p99_us\":{:.1}}}",
+            self.calls, self.p50_us, self.p99_us
+        )
+    }
+}
+
+/// The single 64 KiB remote get and put on both client paths, measured in alternating blocks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Latencies {
+    /// Gets of the default client: the keyed path (one exchange with the holder's data server).
+    pub get: Latency,
+    /// Gets of a client with `keyed_requests = false`: route, resolve RPC, TCP read, release.
+    pub get_routed: Latency,
+    /// Puts of distinct keys, each written, by the default client: a route and one keyed exchange.
+    pub put: Latency,
+    /// Puts of distinct keys by the routed client: route, allocate RPC, TCP write, commit RPC.
+    pub put_routed: Latency,
 }
 
 /// What the bench measured.
@@ -216,15 +266,17 @@ pub struct BenchReport {
     pub batch_bytes: u64,
     /// The table.
     pub rows: Vec<BenchRow>,
-    /// The single 64 KiB remote get.
-    pub latency: Latency,
+    /// The single 64 KiB remote get and put, keyed and routed.
+    pub latency: Latencies,
     /// Threads of the memcpy baseline ([`memcpy_threads`]).
     pub memcpy_threads: usize,
     /// One line per pair of same-kind baselines of this run that differ by more than
     /// [`BASELINE_TOLERANCE`]; empty when the baselines agree.
     pub baseline_warnings: Vec<String>,
-    /// Where the time of one remote put and get goes (`--breakdown` only).
+    /// Where the time of one remote put and get goes on the keyed path (`--breakdown` only).
     pub breakdown: Option<crate::bench_breakdown::Breakdown>,
+    /// The same on the routed path, recorded in blocks alternating with the keyed ones.
+    pub breakdown_routed: Option<crate::bench_breakdown::Breakdown>,
     /// `umbp get` of the latency value as a process, beside `umbp --version` ([`crate::bench_cli`]).
     pub cli_get: Option<crate::bench_cli::CliGet>,
 }
@@ -260,18 +312,20 @@ impl BenchReport {
             })
             .collect();
         format!(
-            "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{{\"value_bytes\":{},\"calls\":{},\
-             \"p50_us\":{:.1},\"p99_us\":{:.1}}},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{},\"cli_get\":{}}}",
+            "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{},\"latency_routed\":{},\"put_latency\":{},\
+             \"put_latency_routed\":{},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{},\"breakdown_routed\":{},\
+             \"cli_get\":{}}}",
             self.rounds,
             self.batch_bytes,
             rows.join(","),
-            LATENCY_VALUE,
-            self.latency.calls,
-            self.latency.p50_us,
-            self.latency.p99_us,
+            self.latency.get.to_json(),
+            self.latency.get_routed.to_json(),
+            self.latency.put.to_json(),
+            self.latency.put_routed.to_json(),
             self.memcpy_threads,
             self.baseline_warnings.iter().map(|w| format!("\"{}\"", w.replace('"', "'"))).collect::<Vec<_>>().join(","),
             self.breakdown.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
+            self.breakdown_routed.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
             self.cli_get.as_ref().map_or_else(|| "null".to_owned(), crate::bench_cli::CliGet::to_json)
         )
     }
@@ -374,24 +428,45 @@ impl fmt::Display for BenchReport {
             )?;
         }
         writeln!(f)?;
-        write!(
-            f,
-            "single {} remote get (route + resolve + TCP read), {} calls: p50 {:.0} µs, p99 {:.0} µs",
-            human_size(LATENCY_VALUE as u64),
-            self.latency.calls,
-            self.latency.p50_us,
-            self.latency.p99_us
-        )?;
+        write!(f, "{}", self.latency)?;
         if let Some(c) = &self.cli_get {
             write!(f, "\n{c}")?;
         }
-        if let Some(b) = &self.breakdown {
+        for b in [&self.breakdown_routed, &self.breakdown].into_iter().flatten() {
             write!(f, "\n\n{b}")?;
         }
         for w in &self.baseline_warnings {
             write!(f, "\nwarning: {w}")?;
         }
         Ok(())
+    }
+}
+
+impl fmt::Display for Latencies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let value = human_size(LATENCY_VALUE as u64);
+        let ratio = |keyed: &Latency, routed: &Latency| {
+            format!("keyed/routed p50 {:.2}, p99 {:.2}", keyed.p50_us / routed.p50_us, keyed.p99_us / routed.p99_us)
+        };
+        let line = |l: &Latency| format!("p50 {:.0} µs, p99 {:.0} µs", l.p50_us, l.p99_us);
+        writeln!(
+            f,
+            "single {value} remote get, {} calls per path in {LATENCY_BLOCKS} alternating blocks: keyed (one exchange \
+             with the holder) {}; routed (route + resolve + TCP read + release) {}; {}",
+            self.get.calls,
+            line(&self.get),
+            line(&self.get_routed),
+            ratio(&self.get, &self.get_routed)
+        )?;
+        write!(
+            f,
+            "single {value} remote put of a new key, {} calls per path in {LATENCY_BLOCKS} alternating blocks: keyed \
+             (route + one exchange) {}; routed (route + allocate + TCP write + commit) {}; {}",
+            self.put.calls,
+            line(&self.put),
+            line(&self.put_routed),
+            ratio(&self.put, &self.put_routed)
+        )
     }
 }
 
@@ -623,7 +698,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     };
     let mut child = ChildGuard(
         Command::new(&program)
-            .args(["bench-child", "--master", master, "--capacity", &options.capacity().to_string()])
+            .args(["bench-child", "--master", master, "--capacity", &options.child_capacity().to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -648,22 +723,34 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     .map_err(|e| BenchError::Child(e.to_string()))??;
 
     let client = start_node(node_config("bench-client", master, Medium::None)).await?;
+    // The same client on the routed path, for the single-call probes.
+    let mut routed_config = node_config("bench-client-routed", master, Medium::None);
+    routed_config.keyed_requests = false;
+    let routed = match start_node(routed_config).await {
+        Ok(routed) => routed,
+        Err(e) => {
+            client.close().await;
+            return Err(e);
+        }
+    };
     let result = async {
         measure_remote(&client, &raw_addr, rounds, batch, &mut rows).await?;
-        let latency = measure_latency(&client, options.latency_calls).await?;
+        let latency = measure_latency(&client, &routed, options.latency_calls).await?;
         // The key the latency probe stored, got by `umbp get` processes (light clients).
         let cli_get = crate::bench_cli::measure(&program, master, LATENCY_KEY, LATENCY_VALUE as u64).await?;
         let breakdown = if options.breakdown {
-            Some(crate::bench_breakdown::measure(&client, options.latency_calls).await?)
+            Some(crate::bench_breakdown::measure(&client, &routed, options.latency_calls).await?)
         } else {
             None
         };
         Ok::<_, BenchError>((latency, breakdown, cli_get))
     }
     .await;
+    routed.close().await;
     client.close().await;
     drop(child);
     let (latency, breakdown, cli_get) = result?;
+    let (breakdown, breakdown_routed) = breakdown.unzip();
     let baseline_warnings = baseline_warnings(&rows);
     for w in &baseline_warnings {
         crate::progress::note(format_args!("umbp bench: warning: {w}"));
@@ -676,6 +763,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
         memcpy_threads: memcpy_threads(),
         baseline_warnings,
         breakdown,
+        breakdown_routed,
         cli_get: Some(cli_get),
     })
 }
@@ -866,19 +954,85 @@ async fn measure_remote(
 /// The key of the latency probe's value.
 const LATENCY_KEY: &str = "bench-latency-key";
 
-async fn measure_latency(client: &PoolClient, calls: usize) -> Result<Latency, BenchError> {
+/// `calls` split into [`LATENCY_BLOCKS`] consecutive ranges of (nearly) equal length.
+pub(crate) fn latency_blocks(calls: usize) -> Vec<std::ops::Range<usize>> {
+    let mut start = 0;
+    (0..LATENCY_BLOCKS)
+        .map(|b| {
+            let n = calls / LATENCY_BLOCKS + usize::from(b < calls % LATENCY_BLOCKS);
+            start += n;
+            start - n..start
+        })
+        .collect()
+}
+
+/// The single 64 KiB remote get (of one key, [`LATENCY_KEY`]) and put (of distinct new keys, each
+/// checked to be written) of `keyed` (the default client) and `routed` (`keyed_requests = false`),
+/// `calls` of each per path, in [`LATENCY_BLOCKS`] blocks alternating the paths (the first path
+/// alternates too), after [`WARM_UP`] untimed calls of each.
+async fn measure_latency(keyed: &PoolClient, routed: &PoolClient, calls: usize) -> Result<Latencies, BenchError> {
     let value = vec![5u8; LATENCY_VALUE];
     let key = LATENCY_KEY.to_owned();
-    client.put(&key, &value).await.map_err(|e| BenchError::Failed(format!("latency put: {e}")))?;
-    until_indexed(client, std::slice::from_ref(&key)).await?;
+    keyed.put(&key, &value).await.map_err(|e| BenchError::Failed(format!("latency put: {e}")))?;
+    until_indexed(keyed, std::slice::from_ref(&key)).await?;
+    let clients = [keyed, routed];
+    let names = ["keyed", "routed"];
     let mut buf = vec![0u8; LATENCY_VALUE];
-    let mut lat = Vec::with_capacity(calls);
-    crate::progress::note(format_args!("umbp bench: {calls} single gets for the latency percentiles"));
-    for _ in 0..calls {
+    let get = async |client: &PoolClient, buf: &mut [u8]| {
         let t = Instant::now();
-        client.get(&key, &mut buf).await.map_err(|e| BenchError::Failed(format!("latency get: {e}")))?;
-        lat.push(t.elapsed().as_secs_f64() * 1e6);
+        client.get(&key, buf).await.map_err(|e| BenchError::Failed(format!("latency get: {e}")))?;
+        Ok::<_, BenchError>(t.elapsed().as_secs_f64() * 1e6)
+    };
+    let put = async |client: &PoolClient, key: &str| {
+        let t = Instant::now();
+        let outcome =
+            client.put_outcome(key, &value).await.map_err(|e| BenchError::Failed(format!("latency put: {e}")))?;
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        match outcome {
+            PutOutcome::Written => Ok(us),
+            PutOutcome::AlreadyPresent => Err(BenchError::Failed(format!("latency put: {key} was already present"))),
+        }
+    };
+    let put_key = |path: usize, i: usize| format!("bench-latency-put-{}-{i}", names[path]);
+    for (p, client) in clients.iter().enumerate() {
+        for i in 0..WARM_UP {
+            get(client, &mut buf).await?;
+            put(client, &put_key(p, calls + i)).await?;
+        }
     }
-    lat.sort_by(f64::total_cmp);
-    Ok(Latency { calls, p50_us: lat[calls / 2], p99_us: lat[calls * 99 / 100] })
+    let before = keyed.stats();
+    crate::progress::note(format_args!(
+        "umbp bench: {calls} single gets and {calls} single puts per client path for the latency percentiles"
+    ));
+    let mut gets = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
+    for (b, block) in latency_blocks(calls).into_iter().enumerate() {
+        for p in [b % 2, (b + 1) % 2] {
+            for _ in block.clone() {
+                gets[p].push(get(clients[p], &mut buf).await?);
+            }
+        }
+    }
+    if buf != value {
+        return Err(BenchError::Failed("latency get returned other bytes than were put".into()));
+    }
+    let mut puts = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
+    for (b, block) in latency_blocks(calls).into_iter().enumerate() {
+        for p in [b % 2, (b + 1) % 2] {
+            for i in block.clone() {
+                puts[p].push(put(clients[p], &put_key(p, i)).await?);
+            }
+        }
+    }
+    // Say so when the default client did not take the keyed path every time (a fallback is routed).
+    let after = keyed.stats();
+    let (keyed_gets, keyed_puts) = (after.keyed_gets - before.keyed_gets, after.keyed_puts - before.keyed_puts);
+    if keyed_gets < calls as u64 || keyed_puts < calls as u64 {
+        crate::progress::note(format_args!(
+            "umbp bench: warning: only {keyed_gets} of {calls} gets and {keyed_puts} of {calls} puts of the default \
+             client took the keyed path"
+        ));
+    }
+    let [get_keyed, get_routed] = gets.map(Latency::of);
+    let [put_keyed, put_routed] = puts.map(Latency::of);
+    Ok(Latencies { get: get_keyed, get_routed, put: put_keyed, put_routed })
 }

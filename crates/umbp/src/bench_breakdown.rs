@@ -5,9 +5,11 @@
 //! time (while its future was being polled), by span name. The process's global subscriber only
 //! logs, so the bench with `--breakdown` runs on a runtime of its own whose every thread (and the
 //! thread that drives it) uses a dispatcher holding the layer ([`on_recording_runtime`]). After the
-//! bench's own latency probe, [`measure`] runs a loop of single 64 KiB remote puts and one of single
-//! gets of the keys it put, recording only during each loop, and reports per phase: calls, p50 wall
-//! and busy time, and the phase's share of the whole call's p50.
+//! bench's own latency probe, [`measure`] runs single 64 KiB remote puts of distinct keys, then single
+//! gets of the keys it put, on both client paths (the default keyed one and the routed one of a
+//! client with `keyed_requests = false`) in blocks alternating the paths, recording only during each
+//! block, and reports per path and phase: calls, p50 wall and busy time, and the phase's share of the
+//! whole call's p50.
 //!
 //! The holder runs in a child process: its spans (`umbp.peer.*`) are recorded there, not here.
 
@@ -25,10 +27,10 @@ use tracing_subscriber::filter::filter_fn;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
-use umbp_peer::pool_client::PoolClient;
 use umbp_peer::pool_client::phases;
+use umbp_peer::pool_client::{PoolClient, PutOutcome};
 
-use crate::bench::{BenchError, LATENCY_VALUE};
+use crate::bench::{BenchError, LATENCY_VALUE, WARM_UP, latency_blocks};
 use crate::units::human_size;
 
 /// The pseudo-phase of a whole get: its wall time outside every direct phase (gate, planning, thread
@@ -36,10 +38,6 @@ use crate::units::human_size;
 pub const GET_OTHER: &str = "umbp.get (outside the phases)";
 /// The pseudo-phase of a whole put: its wall time outside every direct phase.
 pub const PUT_OTHER: &str = "umbp.put (outside the phases)";
-
-/// Warm-up calls before each recorded loop (connections and buffers are warm already; these settle
-/// the allocator and the caches of this loop's key pattern).
-const WARM_UP: usize = 10;
 
 /// One closed span.
 #[derive(Debug, Clone, Copy)]
@@ -101,6 +99,13 @@ impl Samples {
     /// How many spans named `name` closed.
     pub fn calls(&self, name: &str) -> usize {
         self.0.get(name).map_or(0, Vec::len)
+    }
+
+    /// Adds the spans of `other` (another armed stretch) to these.
+    pub fn absorb(&mut self, other: Samples) {
+        for (name, samples) in other.0 {
+            self.0.entry(name).or_default().extend(samples);
+        }
     }
 }
 
@@ -350,6 +355,8 @@ impl OpBreakdown {
 /// Where the time of one single-key remote get and one put goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Breakdown {
+    /// The client path: `keyed` (the default) or `routed` (`keyed_requests = false`).
+    pub path: &'static str,
     /// Bytes per value.
     pub value_bytes: u64,
     /// The single puts.
@@ -362,9 +369,10 @@ pub struct Breakdown {
 pub const BREAKDOWN_HEADER: &str = "| op | phase | spans | p50 µs | busy p50 µs | share of the call's p50 |";
 
 impl Breakdown {
-    /// Figures of recorded single gets and puts.
-    pub fn new(value_bytes: u64, put: &Samples, get: &Samples) -> Self {
+    /// Figures of recorded single gets and puts of the client path `path`.
+    pub fn new(path: &'static str, value_bytes: u64, put: &Samples, get: &Samples) -> Self {
         Self {
+            path,
             value_bytes,
             put: OpBreakdown::from_samples("put", put, phases::PUT, &phases::PUT_PHASES, PUT_OTHER),
             get: OpBreakdown::from_samples("get", get, phases::GET, &phases::GET_PHASES, GET_OTHER),
@@ -374,7 +382,8 @@ impl Breakdown {
     /// The breakdown as one JSON object.
     pub fn to_json(&self) -> String {
         format!(
-            "{{\"value_bytes\":{},\"put\":{},\"get\":{}}}",
+            "{{\"path\":\"{}\",\"value_bytes\":{},\"put\":{},\"get\":{}}}",
+            self.path,
             self.value_bytes,
             self.put.to_json(),
             self.get.to_json()
@@ -386,12 +395,14 @@ impl fmt::Display for Breakdown {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "Where the time of one {} remote put and get goes ({} of each; phase spans, wall time from a span's \
+            "Where the time of one {} remote put and get goes on the {} path ({} of each, in blocks alternating \
+             with the other path; phase spans, wall time from a span's \
              start to its end; busy: while its future was polled; medians). Single-key calls: their phases run \
              one after another (in a batch, one chunk's phases overlap another's and do not add up). A phase \
              marked ↳ lies inside the one above. The holder's spans (umbp.peer.*) are recorded in its own \
              process, not here.",
             human_size(self.value_bytes),
+            self.path,
             self.get.calls
         )?;
         writeln!(f)?;
@@ -421,52 +432,90 @@ impl fmt::Display for Breakdown {
     }
 }
 
-/// Times `calls` single 64 KiB puts of distinct keys from `client` (a node without a medium, so
-/// every put is remote), then `calls` single gets of those keys, each loop recorded by the phase
-/// layer of this thread's dispatcher (the bench must run under [`on_recording_runtime`]). The keys
-/// are removed afterwards.
-pub async fn measure(client: &PoolClient, calls: usize) -> Result<Breakdown, BenchError> {
+/// Times `calls` single 64 KiB puts of distinct keys from `keyed` (the default client) and from
+/// `routed` (`keyed_requests = false`), both nodes without a medium, so every put is remote and
+/// written; then `calls` single gets of those keys by the client that put them. Each kind runs in
+/// [`LATENCY_BLOCKS`](crate::bench::LATENCY_BLOCKS) blocks alternating the paths, each block recorded
+/// by the phase layer of this thread's dispatcher (the bench must run under
+/// [`on_recording_runtime`]), after [`WARM_UP`] unrecorded calls per path. The keys are removed
+/// afterwards. Returns (keyed, routed).
+pub async fn measure(
+    keyed: &PoolClient,
+    routed: &PoolClient,
+    calls: usize,
+) -> Result<(Breakdown, Breakdown), BenchError> {
     let recorder = Recorder::current()
         .ok_or_else(|| BenchError::Failed("--breakdown: no phase recorder on this runtime".into()))?;
     let value = vec![9u8; LATENCY_VALUE];
-    let keys: Vec<String> = (0..WARM_UP + calls).map(|i| format!("bench-breakdown-{i}")).collect();
-    crate::progress::note(format_args!("umbp bench: {calls} single puts and gets for the breakdown"));
-    let put_one = |key: &str| {
-        let value = &value;
-        let key = key.to_owned();
-        async move { client.put(&key, value).await.map_err(|e| BenchError::Failed(format!("breakdown put: {e}"))) }
+    let clients = [keyed, routed];
+    let paths = ["keyed", "routed"];
+    let keys: [Vec<String>; 2] =
+        paths.map(|path| (0..WARM_UP + calls).map(|i| format!("bench-breakdown-{path}-{i}")).collect());
+    crate::progress::note(format_args!("umbp bench: {calls} single puts and gets per client path for the breakdown"));
+    let put_one = async |client: &PoolClient, key: &str| match client.put_outcome(key, &value).await {
+        Ok(PutOutcome::Written) => Ok(()),
+        Ok(PutOutcome::AlreadyPresent) => Err(BenchError::Failed(format!("breakdown put: {key} was already present"))),
+        Err(e) => Err(BenchError::Failed(format!("breakdown put: {e}"))),
     };
-    for key in &keys[..WARM_UP] {
-        put_one(key).await?;
-    }
-    recorder.start();
-    for key in &keys[WARM_UP..] {
-        put_one(key).await?;
-    }
-    let put = recorder.stop();
-    crate::bench::until_indexed(client, &keys).await?;
-    let mut buf = vec![0u8; LATENCY_VALUE];
-    for key in &keys[..WARM_UP] {
-        client.get(key, &mut buf).await.map_err(|e| BenchError::Failed(format!("breakdown get: {e}")))?;
-    }
-    recorder.start();
-    let mut failed = None;
-    for key in &keys[WARM_UP..] {
-        if let Err(e) = client.get(key, &mut buf).await {
-            failed = Some(e);
-            break;
+    for p in 0..2 {
+        for key in &keys[p][..WARM_UP] {
+            put_one(clients[p], key).await?;
         }
     }
-    let get = recorder.stop();
-    if let Some(e) = failed {
-        return Err(BenchError::Failed(format!("breakdown get: {e}")));
+    let mut put = [Samples::default(), Samples::default()];
+    for (b, block) in latency_blocks(calls).into_iter().enumerate() {
+        for p in [b % 2, (b + 1) % 2] {
+            recorder.start();
+            let mut failed = None;
+            for key in &keys[p][WARM_UP + block.start..WARM_UP + block.end] {
+                if let Err(e) = put_one(clients[p], key).await {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            put[p].absorb(recorder.stop());
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
     }
-    if buf != value {
-        return Err(BenchError::Failed("breakdown get returned other bytes than were put".into()));
+    let all: Vec<String> = keys.concat();
+    crate::bench::until_indexed(keyed, &all).await?;
+    let mut buf = vec![0u8; LATENCY_VALUE];
+    for p in 0..2 {
+        for key in &keys[p][..WARM_UP] {
+            clients[p].get(key, &mut buf).await.map_err(|e| BenchError::Failed(format!("breakdown get: {e}")))?;
+        }
     }
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let _ = client.remove(&refs).await;
-    Ok(Breakdown::new(LATENCY_VALUE as u64, &put, &get))
+    let mut get = [Samples::default(), Samples::default()];
+    for (b, block) in latency_blocks(calls).into_iter().enumerate() {
+        for p in [b % 2, (b + 1) % 2] {
+            recorder.start();
+            let mut failed = None;
+            for key in &keys[p][WARM_UP + block.start..WARM_UP + block.end] {
+                buf.fill(0);
+                if let Err(e) = clients[p].get(key, &mut buf).await {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            get[p].absorb(recorder.stop());
+            if let Some(e) = failed {
+                return Err(BenchError::Failed(format!("breakdown get: {e}")));
+            }
+            if buf != value {
+                return Err(BenchError::Failed("breakdown get returned other bytes than were put".into()));
+            }
+        }
+    }
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    let _ = keyed.remove(&refs).await;
+    let [put_keyed, put_routed] = put;
+    let [get_keyed, get_routed] = get;
+    Ok((
+        Breakdown::new(paths[0], LATENCY_VALUE as u64, &put_keyed, &get_keyed),
+        Breakdown::new(paths[1], LATENCY_VALUE as u64, &put_routed, &get_routed),
+    ))
 }
 
 #[cfg(test)]
@@ -581,7 +630,7 @@ mod tests {
         );
         assert_eq!(put.calls(phases::PUT), 1, "one whole put");
         assert_eq!(get.calls(phases::GET), 1, "one whole get");
-        let breakdown = Breakdown::new(LATENCY_VALUE as u64, put, get);
+        let breakdown = Breakdown::new("routed", LATENCY_VALUE as u64, put, get);
         for (op, names) in [(&breakdown.put, &REMOTE_PUT[1..]), (&breakdown.get, &REMOTE_GET[1..])] {
             assert_eq!(op.calls, 1);
             assert!(op.p50_us > 0.0);
@@ -597,6 +646,9 @@ mod tests {
         }
         let text = breakdown.to_string();
         assert!(text.contains(BREAKDOWN_HEADER) && text.contains("one after another"), "{text}");
-        assert!(breakdown.to_json().contains("\"umbp.get.route\""));
+        assert!(breakdown.to_json().contains("\"umbp.get.route\"") && text.contains("on the routed path"));
+        let keyed = Breakdown::new("keyed", LATENCY_VALUE as u64, &r.keyed_put, &r.keyed_get);
+        assert!(keyed.get.phase(phases::GET_KEYED).is_some() && keyed.get.phase(phases::GET_RESOLVE).is_none());
+        assert!(keyed.to_json().starts_with("{\"path\":\"keyed\""));
     }
 }

@@ -1,5 +1,6 @@
 //! `umbp bench`: the binary runs a small bench end to end (the local node, a child node process over
-//! TCP, the latency probe, `umbp get` as a process) and prints the table with its ratio column;
+//! TCP, the latency probes of both client paths, `umbp get` as a process) and prints the table with
+//! its ratio column;
 //! `umbp bench ssd` does the same for an SSD node beside raw `O_DIRECT` IO.
 
 use std::io::Read;
@@ -38,7 +39,8 @@ fn run_bounded(args: &[&str], limit: Duration) -> (Option<i32>, String, String) 
 
 #[test]
 fn a_small_bench_prints_every_row_beside_its_baseline() {
-    let (code, out, err) = run_bounded(&["bench", "--rounds", "1", "--batch-bytes", "4MiB"], Duration::from_secs(20));
+    let args = ["bench", "--rounds", "1", "--batch-bytes", "4MiB", "--latency-calls", "100"];
+    let (code, out, err) = run_bounded(&args, Duration::from_secs(30));
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains(TABLE_HEADER), "{out}");
     assert!(out.contains("| ratio |"), "{out}");
@@ -53,7 +55,15 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
     }
     assert!(out.contains("memcpy") && out.contains("raw TCP x4"), "{out}");
     assert!(out.contains(&format!("memcpy baseline on {} threads", memcpy_threads())), "{out}");
-    assert!(out.contains("p50") && out.contains("p99"), "{out}");
+    // The single get and put, each on both client paths, with the ratio of the two.
+    let get =
+        out.lines().find(|l| l.starts_with("single 64 KiB remote get, 100 calls per path in 10 alternating blocks"));
+    let put = out.lines().find(|l| l.starts_with("single 64 KiB remote put of a new key, 100 calls per path"));
+    for line in [get, put] {
+        let line = line.unwrap_or_else(|| panic!("no single get or put line:\n{out}"));
+        assert!(line.contains("keyed (") && line.contains("routed (") && line.contains("keyed/routed p50 "), "{line}");
+        assert_eq!(line.matches(" µs, p99 ").count(), 2, "{line}");
+    }
     assert!(
         out.contains("`umbp get` of a 64 KiB value as a process, 30 runs: p50 ")
             && out.contains("(`umbp --version`: p50 "),
@@ -63,8 +73,8 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
 
 #[test]
 fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
-    let (code, out, err) =
-        run_bounded(&["bench", "--rounds", "1", "--batch-bytes", "4MiB", "--json"], Duration::from_secs(20));
+    let args = ["bench", "--rounds", "1", "--batch-bytes", "4MiB", "--latency-calls", "100", "--json"];
+    let (code, out, err) = run_bounded(&args, Duration::from_secs(30));
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     let json = out.trim();
     // The fields of before stay; the new ones are added.
@@ -74,6 +84,13 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
     assert_eq!(json.matches("\"baseline_unsettled_gbps\":null").count(), 4, "only memcpy rows have one: {json}");
     assert!(json.contains(&format!("\"memcpy_threads\":{}", memcpy_threads())), "{json}");
     assert!(json.contains("\"baseline_warnings\":["), "{json}");
+    // `latency` stays the default client's single get (now the keyed path); the routed path and the
+    // puts are beside it.
+    for field in ["latency", "latency_routed", "put_latency", "put_latency_routed"] {
+        let prefix = format!("\"{field}\":{{\"value_bytes\":65536,\"calls\":100,\"p50_us\":");
+        assert_eq!(json.matches(&prefix).count(), 1, "{field}: {json}");
+    }
+    assert!(json.contains("\"breakdown\":null,\"breakdown_routed\":null,"), "no --breakdown: {json}");
     assert!(
         json.contains("\"cli_get\":{\"value_bytes\":65536,\"get\":{\"runs\":30,\"p50_ms\":")
             && json.contains("\"version\":{\"runs\":30,\"p50_ms\":"),
