@@ -66,6 +66,25 @@
 //! concurrent writers are not all sent to the same last bytes. One eviction runs at a time; a put
 //! that waited for another's routes again first (no stampede). Details in the evictor's module docs.
 //!
+//! # Several masters
+//! Masters started with the same `metadata` Redis share one index and answer the same nodes and
+//! clients (which take a list of master addresses and fail over). Each is stateless apart from
+//! caches; what each keeps in its own memory, and why that is safe:
+//! - the **duty lease** (a key in the store, see the `lease` module): the registry reaper and the
+//!   eviction rounds run only on its holder; another master takes it over within 4 s of the
+//!   holder's death (TTL 3 s, attempts every 1 s), at once after a graceful shutdown;
+//! - **relief evictions** (a route ran a medium past the high watermark) run only on the holder too;
+//!   the per-master `relief_pending` flag only keeps one master from queueing two;
+//! - **on-demand evictions** (a put found no room) run on the master answering the put, which cannot
+//!   wait for another: two masters may evict on one medium at once, costing at most one extra
+//!   budget of evicted keys, never a wrong answer (a key evicted twice frees 0 bytes the second time);
+//! - **routed bytes** are debited from the node's recorded capacity *in the store* (a compare-and-set),
+//!   so concurrent routes on different masters never place the same room twice;
+//! - the evictor's peer connections and its memory of keys peers refused are caches: a new holder
+//!   starts without them and at worst asks for a protected key once more;
+//! - the heartbeat seq of every node is in its store record, so a heartbeat answered by another
+//!   master continues the same stream.
+//!
 //! # Logs
 //! A storage node joining or leaving is one INFO line with its settings as `key=value`; a client (an
 //! engine process, every CLI command) joining or leaving is DEBUG. A warning that can repeat on every
@@ -78,6 +97,7 @@
 
 mod config;
 mod evictor;
+mod lease;
 mod metrics;
 pub mod routing;
 mod server;

@@ -11,6 +11,7 @@ use umbp_proto::v1::umbp_master_server::UmbpMasterServer;
 
 use crate::config::MasterConfig;
 use crate::evictor::{EvictionReport, EvictionStats, Evictor, ReapReport, reap};
+use crate::lease::{DutyLease, lease_loop};
 use crate::metrics::ClusterMetrics;
 use crate::routing::{GetAlgo, PutStrategyConfig, RouteGetStrategy, RoutePutStrategy};
 use crate::service::{MasterService, ServiceStats};
@@ -91,6 +92,7 @@ pub struct MasterHandle {
     store: Arc<dyn MetadataStore>,
     config: Arc<MasterConfig>,
     metrics: Option<umbp_metrics::MetricsServer>,
+    lease: Arc<DutyLease>,
 }
 
 impl MasterHandle {
@@ -107,6 +109,17 @@ impl MasterHandle {
     /// The metadata store (for tests and operator tooling in the same process).
     pub fn store(&self) -> &Arc<dyn MetadataStore> {
         &self.store
+    }
+
+    /// Whether this master holds the duty lease now: it runs the registry reaper and the eviction
+    /// rounds for every master on its store (see the crate docs, "Several masters").
+    pub fn holds_duty_lease(&self) -> bool {
+        self.lease.held()
+    }
+
+    /// This master's token in the duty lease (unique per process and start).
+    pub fn lease_holder(&self) -> &str {
+        self.lease.holder()
     }
 
     /// A snapshot of the counters.
@@ -157,6 +170,8 @@ impl MasterHandle {
                 task.abort();
             }
         }
+        // The next master takes the duties at its next attempt, not after the lease's TTL.
+        let _ = tokio::time::timeout_at(deadline, self.lease.release()).await;
         if let Some(mut server) = self.server.take() {
             match tokio::time::timeout_at(deadline, &mut server).await {
                 Ok(Ok(Ok(()))) => {}
@@ -235,6 +250,9 @@ pub async fn start_with_store(
         None => None,
     };
     let (stop, stopped) = watch::channel(false);
+    let lease = Arc::new(DutyLease::new(Arc::clone(&store), addr));
+    // Before the loops start: a lone master runs its first reaper pass as the holder.
+    lease.attempt().await;
     let evictor = Arc::new(tokio::sync::Mutex::new(Evictor::new(
         Arc::clone(&store),
         Arc::clone(&config),
@@ -249,6 +267,7 @@ pub async fn start_with_store(
         stats: Arc::clone(&stats),
         evictor: Arc::clone(&evictor),
         relief_pending: Arc::default(),
+        lease: Arc::clone(&lease),
     };
     let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     tracing::info!(
@@ -276,20 +295,40 @@ pub async fn start_with_store(
         },
     ));
     let tasks = vec![
-        tokio::spawn(reaper_loop(Arc::clone(&store), Arc::clone(&config), stopped.clone())),
-        tokio::spawn(eviction_loop(Arc::clone(&evictor), Arc::clone(&config), stopped)),
+        tokio::spawn(lease_loop(Arc::clone(&lease), stopped.clone())),
+        tokio::spawn(reaper_loop(Arc::clone(&store), Arc::clone(&config), Arc::clone(&lease), stopped.clone())),
+        tokio::spawn(eviction_loop(Arc::clone(&evictor), Arc::clone(&config), Arc::clone(&lease), stopped)),
     ];
-    Ok(MasterHandle { addr, stop, tasks, server: Some(server), stats, eviction, evictor, store, config, metrics })
+    Ok(MasterHandle {
+        addr,
+        stop,
+        tasks,
+        server: Some(server),
+        stats,
+        eviction,
+        evictor,
+        store,
+        config,
+        metrics,
+        lease,
+    })
 }
 
-/// Runs the reaper every `reaper_interval` until stopped.
-async fn reaper_loop(store: Arc<dyn MetadataStore>, config: Arc<MasterConfig>, mut stop: watch::Receiver<bool>) {
+/// Runs the reaper every `reaper_interval` until stopped, while this master holds the duty lease.
+async fn reaper_loop(
+    store: Arc<dyn MetadataStore>,
+    config: Arc<MasterConfig>,
+    lease: Arc<DutyLease>,
+    mut stop: watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             _ = tokio::time::sleep(config.reaper_interval) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        reap(&store, &config).await;
+        if lease.held() {
+            reap(&store, &config).await;
+        }
     }
 }
 
@@ -298,12 +337,16 @@ async fn reaper_loop(store: Arc<dyn MetadataStore>, config: Arc<MasterConfig>, m
 async fn eviction_loop(
     evictor: Arc<tokio::sync::Mutex<Evictor>>,
     config: Arc<MasterConfig>,
+    lease: Arc<DutyLease>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
         tokio::select! {
             _ = tokio::time::sleep(config.eviction.check_interval) => {}
             _ = stop.wait_for(|s| *s) => return,
+        }
+        if !lease.held() {
+            continue;
         }
         let report = evictor.lock().await.tick().await;
         if report.stopped {

@@ -245,6 +245,9 @@ pub(crate) struct MasterService {
     /// A relief eviction (a put route ran a medium past the high watermark) is queued or running:
     /// later routes do not queue another.
     pub(crate) relief_pending: Arc<std::sync::atomic::AtomicBool>,
+    /// The duty lease: relief evictions, like eviction rounds, run only on its holder (another
+    /// master's routes leave the pressure to the holder's next round).
+    pub(crate) lease: Arc<crate::lease::DutyLease>,
 }
 
 impl MasterService {
@@ -423,7 +426,7 @@ impl MasterService {
     /// Keeping every medium below the high watermark between background rounds leaves room for the
     /// writes in flight, which a pool filled to the last byte would refuse.
     fn relieve_soon(&self, nodes: Vec<Arc<str>>) {
-        if self.relief_pending.swap(true, Ordering::AcqRel) {
+        if !self.lease.held() || self.relief_pending.swap(true, Ordering::AcqRel) {
             return;
         }
         let (evictor, pending) = (Arc::clone(&self.evictor), Arc::clone(&self.relief_pending));

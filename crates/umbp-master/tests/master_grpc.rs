@@ -519,6 +519,12 @@ impl MetadataStore for GhostLocations {
     fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
         self.0.node_key_count(node_id)
     }
+    fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+        self.0.acquire_lease(name, holder, now_ms, ttl_ms)
+    }
+    fn release_lease(&self, name: &str, holder: &str) -> Result<bool, StoreError> {
+        self.0.release_lease(name, holder)
+    }
 }
 
 #[tokio::test]

@@ -371,6 +371,8 @@ pub struct InMemoryStore {
     shard_hasher: FixedState,
     meta: RwLock<HashMap<Arc<str>, NodeState>>,
     node_locks: Box<[Mutex<()>]>,
+    /// `lease name → (holder, until_ms)` (see [`MetadataStore::acquire_lease`]).
+    leases: Mutex<StdHashMap<String, (String, u64)>>,
 }
 
 impl fmt::Debug for InMemoryStore {
@@ -412,6 +414,7 @@ impl InMemoryStore {
             shard_hasher: FixedState::with_seed(SHARD_SEED),
             meta: RwLock::new(HashMap::default()),
             node_locks: (0..NODE_STRIPES).map(|_| Mutex::new(())).collect(),
+            leases: Mutex::new(StdHashMap::new()),
         }
     }
 
@@ -935,6 +938,32 @@ impl MetadataStore for InMemoryStore {
         Ok(self.meta.read().get(node_id).map_or(0, |state| {
             if state.record.status == NodeStatus::Alive { state.handle.key_count.load(Ordering::Relaxed) } else { 0 }
         }))
+    }
+
+    fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+        super::check_lease_args(name, holder, ttl_ms)?;
+        let mut leases = self.leases.lock();
+        let until = now_ms.saturating_add(ttl_ms);
+        match leases.get_mut(name) {
+            Some((current, current_until)) if current != holder && *current_until > now_ms => Ok(false),
+            Some(lease) => {
+                *lease = (holder.to_owned(), until);
+                Ok(true)
+            }
+            None => {
+                leases.insert(name.to_owned(), (holder.to_owned(), until));
+                Ok(true)
+            }
+        }
+    }
+
+    fn release_lease(&self, name: &str, holder: &str) -> Result<bool, StoreError> {
+        let mut leases = self.leases.lock();
+        if leases.get(name).is_some_and(|(current, _)| current == holder) {
+            leases.remove(name);
+            return Ok(true);
+        }
+        Ok(false)
     }
 }
 

@@ -524,6 +524,37 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// # Errors
     /// Backend failures.
     fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError>;
+
+    /// Takes the lease `name` for `holder` (a token unique to one master process), or renews it if
+    /// `holder` already has it, for `ttl_ms` from now. Returns whether `holder` holds it afterwards:
+    /// `false` while another holder's lease runs. The lease lapses by itself `ttl_ms` after its last
+    /// renewal, so a holder that dies is replaced within one TTL. Work only one master may do (the
+    /// registry reaper, eviction rounds) runs under it. [`RedisStore`] keeps it in Redis under
+    /// Redis's own clock (`now_ms` is unused: masters' clocks need not agree); [`InMemoryStore`] in
+    /// its process, against `now_ms`.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidArgument`] for an empty name or holder or a zero TTL; backend failures
+    /// (the caller must then act as if it did not hold the lease).
+    fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError>;
+
+    /// Gives the lease `name` up if `holder` holds it (a master shutting down), so another master
+    /// takes it at its next attempt instead of after the TTL. Returns whether it was released.
+    ///
+    /// # Errors
+    /// Backend failures.
+    fn release_lease(&self, name: &str, holder: &str) -> Result<bool, StoreError>;
+}
+
+/// Checks the arguments of [`MetadataStore::acquire_lease`].
+pub(crate) fn check_lease_args(name: &str, holder: &str, ttl_ms: u64) -> Result<(), StoreError> {
+    if name.is_empty() || holder.is_empty() {
+        return Err(StoreError::InvalidArgument { reason: "a lease needs a name and a holder" });
+    }
+    if ttl_ms == 0 {
+        return Err(StoreError::InvalidArgument { reason: "a lease needs a TTL above 0" });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -617,6 +648,12 @@ mod tests {
         }
         fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
             Ok(0)
+        }
+        fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+            Ok(true)
+        }
+        fn release_lease(&self, name: &str, holder: &str) -> Result<bool, StoreError> {
+            Ok(true)
         }
     }
 

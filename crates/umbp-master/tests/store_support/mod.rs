@@ -150,6 +150,12 @@ impl MetadataStore for Subject {
     fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
         self.store().node_key_count(node_id)
     }
+    fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+        self.store().acquire_lease(name, holder, now_ms, ttl_ms)
+    }
+    fn release_lease(&self, name: &str, holder: &str) -> Result<bool, StoreError> {
+        self.store().release_lease(name, holder)
+    }
 }
 
 /// The reference's stale window (ttl 10 s × 3 missed).

@@ -19,6 +19,7 @@
 //! | `{P}:nk:<node>` | hash | the node's reverse index: `key →` how many tiers it holds the key on (`HLEN` = the node's key count) |
 //! | `{P}:k:<key>` | hash | the entry: `<tier>\|<node> → <size>\|<sync tag>` per replica, and the stamps `!l` (lease until), `!a` (last access), `!c` (access count) |
 //! | `{P}:keys` | string | the number of entries (distinct keys) |
+//! | `{P}:lease:<name>` | string | the holder's token of a master lease (`duties`: the reaper and eviction rounds), with a TTL on Redis's clock |
 //!
 //! Numbers are decimal strings; tags are `len:tag` runs and capacities `tier:total:available`
 //! joined by `,` ([`codec`]). A replica exists only for an ALIVE node: registration, expiry and
@@ -435,5 +436,20 @@ impl MetadataStore for RedisStore {
                 .query(con)
         })?;
         Ok(if status.as_deref() == Some("A") { count } else { 0 })
+    }
+
+    fn acquire_lease(&self, name: &str, holder: &str, _now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+        super::check_lease_args(name, holder, ttl_ms)?;
+        let held: i64 = self.invoke(&scripts::LEASE_ACQUIRE, |inv| {
+            inv.arg(name).arg(holder).arg(ttl_ms);
+        })?;
+        Ok(held == 1)
+    }
+
+    fn release_lease(&self, name: &str, holder: &str) -> Result<bool, StoreError> {
+        let released: i64 = self.invoke(&scripts::LEASE_RELEASE, |inv| {
+            inv.arg(name).arg(holder);
+        })?;
+        Ok(released == 1)
     }
 }

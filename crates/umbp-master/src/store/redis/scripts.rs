@@ -334,7 +334,49 @@ return res
     )
 });
 
+/// `acquire_lease`: takes the lease with `SET NX PX`, or renews it (compare-and-renew) when the
+/// holder already has it. ARGV: base, name, holder, ttl_ms. Returns 1 if the holder holds it after.
+/// The TTL runs on Redis's clock, so masters' clocks need not agree.
+pub(super) static LEASE_ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r#"
+local k = base .. 'lease:' .. ARGV[2]
+if redis.call('GET', k) == ARGV[3] then
+  redis.call('PEXPIRE', k, ARGV[4])
+  return 1
+end
+if redis.call('SET', k, ARGV[3], 'NX', 'PX', ARGV[4]) then return 1 end
+return 0
+"#,
+    )
+});
+
+/// `release_lease`: compare-and-delete. ARGV: base, name, holder. Returns 1 if released.
+pub(super) static LEASE_RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r#"
+local k = base .. 'lease:' .. ARGV[2]
+if redis.call('GET', k) == ARGV[3] then
+  redis.call('DEL', k)
+  return 1
+end
+return 0
+"#,
+    )
+});
+
 /// Every script, for loading them all when a connection is made.
-pub(super) fn all() -> [&'static Script; 8] {
-    [&REGISTER, &UNREGISTER, &HEARTBEAT, &EXPIRE, &REMOVE_EXPIRED, &CAPS_CAS, &ROUTE_GET, &EVICTION]
+pub(super) fn all() -> [&'static Script; 10] {
+    [
+        &REGISTER,
+        &UNREGISTER,
+        &HEARTBEAT,
+        &EXPIRE,
+        &REMOVE_EXPIRED,
+        &CAPS_CAS,
+        &ROUTE_GET,
+        &EVICTION,
+        &LEASE_ACQUIRE,
+        &LEASE_RELEASE,
+    ]
 }
