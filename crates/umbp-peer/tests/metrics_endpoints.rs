@@ -101,6 +101,9 @@ fn node_config(master: &MasterHandle, id: &str, medium: bool) -> PoolClientConfi
     c.recache = RecachePolicy::Off;
     c.pending_ttl = PENDING_TTL;
     c.metrics_listen = Some(any_port());
+    // The nodes share one host: with the shared-memory path their batches would never open the
+    // TCP connections whose series the dashboard charts.
+    c.shared_memory = false;
     c
 }
 

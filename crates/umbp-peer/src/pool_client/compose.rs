@@ -1,5 +1,5 @@
 //! The composition root: the only place that names concrete media and transfer engines. It builds
-//! the composite engine (local copy + TCP, plus GPU copy when the node lends HBM or `gpu_runtime`
+//! the composite engine (local copy + shared memory (`shared_memory`) + TCP, plus GPU copy when the node lends HBM or `gpu_runtime`
 //! asks for it; the TCP engine serves peers only when the node lends a medium) and the node's one
 //! medium from its [`Medium`] setting, with a `match`: adding a medium adds an arm here and nowhere
 //! else.
@@ -16,9 +16,10 @@ use umbp_metrics::InstrumentedBackend;
 use umbp_page::PageBackendConfig;
 #[cfg(feature = "dram")]
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend};
+use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
     CompositeConfig, CompositeTransferEngine, GpuCopyConfig, GpuCopyEngine, LocalCopyConfig, LocalCopyEngine,
-    TcpEngine, TcpEngineConfig, TransferEngine,
+    SharedMemoryConfig, SharedMemoryEngine, TcpEngine, TcpEngineConfig, TransferEngine,
 };
 
 #[cfg(feature = "ssd")]
@@ -78,15 +79,23 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
     .map_err(PoolError::DataPlane)?;
     let tcp = Arc::new(tcp);
     let data_endpoint = tcp.endpoint().to_owned();
-    let mut engines: Vec<Arc<dyn TransferEngine>> = vec![
-        Arc::new(LocalCopyEngine::new(LocalCopyConfig {
-            // A pipelined chunk copies on one thread (the pipeline overlaps chunks); a submit larger
-            // than two chunks (one huge value) still spreads over threads.
-            parallel_threshold: 2 * support::PIPELINE_CHUNK_BYTES,
-            ..LocalCopyConfig::default()
-        })),
-        Arc::clone(&tcp) as Arc<dyn TransferEngine>,
-    ];
+    let copy_config = LocalCopyConfig {
+        // A pipelined chunk copies on one thread (the pipeline overlaps chunks); a submit larger
+        // than two chunks (one huge value) still spreads over threads.
+        parallel_threshold: 2 * support::PIPELINE_CHUNK_BYTES,
+        ..LocalCopyConfig::default()
+    };
+    // Selection is by order: in-process copies, then same-host holders' memory through shared
+    // mappings (any pair it fails falls back to the next engine), then TCP.
+    let mut engines: Vec<Arc<dyn TransferEngine>> = vec![Arc::new(LocalCopyEngine::new(copy_config.clone()))];
+    let token = config.cluster_token.clone().unwrap_or_default().into_bytes();
+    if config.shared_memory {
+        engines.push(Arc::new(SharedMemoryEngine::new(SharedMemoryConfig {
+            copy: copy_config,
+            ..SharedMemoryConfig::new(data_endpoint.clone(), token.clone())
+        })));
+    }
+    engines.push(Arc::clone(&tcp) as Arc<dyn TransferEngine>);
     if let Some(runtime) = &gpu_runtime {
         // Pinning needs a current device: an HBM node uses its medium's, so it never touches
         // (on the CUDA driver API: creates a context on) another GPU.
@@ -99,10 +108,17 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
             .map_err(|e| PoolError::Transfer { context: "GPU copy engine", source: Box::new(e) })?;
         engines.push(Arc::new(gpu));
     }
-    let engine = Arc::new(
-        CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
-            .map_err(|e| PoolError::Transfer { context: "composite engine", source: Box::new(e) })?,
-    );
+    let mut composite = CompositeTransferEngine::new(engines, CompositeConfig { bounce_bytes: config.bounce_bytes })
+        .map_err(|e| PoolError::Transfer { context: "composite engine", source: Box::new(e) })?;
+    // A node that lends a medium serves its shareable regions to same-host peers; one that cannot
+    // (the socket name taken, say) still serves them over TCP.
+    if config.shared_memory && !matches!(config.medium, Medium::None) && !data_endpoint.is_empty() {
+        match ShmServer::start(ShmServerConfig::new(data_endpoint.clone(), token)) {
+            Ok(server) => composite = composite.with_shm_server(Arc::new(server)),
+            Err(e) => tracing::warn!(data = %data_endpoint, error = %e, "no shared-memory server; peers use TCP"),
+        }
+    }
+    let engine = Arc::new(composite);
     // The medium switch: one arm per medium, each behind its crate feature. Adding a medium adds an
     // arm here and nowhere else. Each arm also says whether the medium's calls do drive IO (see
     // `medium_call`).
@@ -118,6 +134,9 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
                 numa_node: dram.numa_node,
                 prefault: dram.prefault,
                 transparent_hugepages: dram.transparent_hugepages,
+                // Sealed memory files same-host peers may map (the composite hands them to the
+                // shared-memory server at registration).
+                shareable: config.shared_memory,
                 ..HostMemoryOptions::default()
             });
             (Some(Arc::new(PageBackend::new(backend_config, Box::new(source))?)), false)

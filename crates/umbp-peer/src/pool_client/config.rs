@@ -199,6 +199,13 @@ pub struct PoolClientConfig {
     /// a comparison, or a cluster with an older node that closes connections at unknown ops).
     /// Default: true.
     pub keyed_requests: bool,
+    /// Whether same-host traffic takes the **shared-memory path**: a DRAM medium allocates its
+    /// memory as sealed memory files and the node serves them to authenticated processes of the
+    /// same user on this host (a Unix socket named after its data endpoint), and the client copies
+    /// to and from same-host holders' memory through mappings of those files instead of over TCP
+    /// (falling back to TCP for any pair the path cannot take). Off: no memory file, no socket,
+    /// every byte over TCP. Default: true.
+    pub shared_memory: bool,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -224,6 +231,7 @@ impl std::fmt::Debug for PoolClientConfig {
             .field("gpu_runtime", &self.gpu_runtime)
             .field("register_client", &self.register_client)
             .field("keyed_requests", &self.keyed_requests)
+            .field("shared_memory", &self.shared_memory)
             .finish()
     }
 }
@@ -251,6 +259,7 @@ impl PoolClientConfig {
             gpu_runtime: None,
             register_client: false,
             keyed_requests: true,
+            shared_memory: true,
         }
     }
 

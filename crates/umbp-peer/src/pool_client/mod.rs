@@ -357,6 +357,14 @@ impl PoolClient {
         self.stats.snapshot()
     }
 
+    /// Bytes the transfer engine named `engine` moved for this node so far (`"LocalCopyEngine"`,
+    /// `"SharedMemoryEngine"`, `"TcpEngine"`, `"GpuCopyEngine"`): which path the batches' bytes took.
+    /// Keyed single-key exchanges (see `keyed_requests`) move their bytes on the data plane's own
+    /// connections and are not counted here.
+    pub fn transferred_bytes(&self, engine: &str) -> u64 {
+        self.engine.moved_bytes(engine)
+    }
+
     /// Registers caller memory for zero-copy puts and gets. The memory is registered **local only**:
     /// this node's engines can move it, but no peer can address it. A range that overlaps one
     /// already registered is refused ([`PoolError::Config`]): deregister the old one first.
@@ -615,6 +623,10 @@ impl PoolClient {
         }
         if let Some(m) = &self.medium {
             m.shutdown();
+        }
+        // Every region is deregistered (peers' mappings read as stale): close the socket too.
+        if let Some(server) = self.engine.shm_server() {
+            server.shutdown();
         }
         let regions: Vec<TransferRef> =
             std::mem::take(&mut *self.user_regions.lock()).into_values().map(|(_, r)| r).collect();
