@@ -76,6 +76,35 @@ fn a_store_recovers_when_its_redis_comes_back() {
 }
 
 #[test]
+fn a_redis_restart_costs_no_call_an_error() {
+    let server = RedisServer::start();
+    let port = server.port();
+    let store = std::sync::Arc::new(RedisStore::connect_with(&server.url(0), "umbp", fast()).expect("connect"));
+    // Fill the pool with several idle connections (concurrent callers each take one).
+    let callers: Vec<_> = (0..4)
+        .map(|_| {
+            let store = std::sync::Arc::clone(&store);
+            std::thread::spawn(move || {
+                for _ in 0..50 {
+                    store.key_count().unwrap();
+                }
+            })
+        })
+        .collect();
+    for c in callers {
+        c.join().unwrap();
+    }
+    drop(server);
+    let _again = RedisServer::start_on(port);
+    // Every idle connection is dead; the first call finds out, drops them all and retries once on a
+    // new connection: no caller sees the restart.
+    for _ in 0..8 {
+        assert_eq!(store.key_count().unwrap(), 0);
+    }
+    register(&*store, "a", 10);
+}
+
+#[test]
 fn every_key_lives_under_the_store_hash_tag_and_stores_are_isolated() {
     let server = RedisServer::start();
     let (one, two) = (server.store("one"), server.store("two"));

@@ -62,9 +62,14 @@ impl Pool {
         Ok(con)
     }
 
-    /// Runs `f` on a pooled connection. A connection whose call failed on I/O is dropped, not reused.
-    pub(super) fn with<T>(&self, f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
+    /// Runs `f` on a pooled connection. A connection whose call failed on I/O is dropped, not reused,
+    /// and so is every idle one (after a Redis restart they are all dead). A call that failed on a
+    /// pooled connection because the connection was gone (closed, reset: not a timeout, after which
+    /// the command may have run) is made once more on a new connection, so a restarted Redis costs
+    /// no caller an error.
+    pub(super) fn with<T>(&self, mut f: impl FnMut(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
         let pooled = self.idle.lock().pop();
+        let was_pooled = pooled.is_some();
         let mut con = match pooled {
             Some(con) => con,
             None => self.connect()?,
@@ -74,8 +79,18 @@ impl Pool {
                 self.put_back(con);
                 Ok(value)
             }
+            Err(err) if is_transient(&err) => {
+                self.idle.lock().clear();
+                if was_pooled && is_gone(&err) {
+                    let mut fresh = self.connect()?;
+                    let value = f(&mut fresh).map_err(|e| self.error(e))?;
+                    self.put_back(fresh);
+                    return Ok(value);
+                }
+                Err(self.error(err))
+            }
             Err(err) => {
-                if !is_transient(&err) && con.is_open() {
+                if con.is_open() {
                     self.put_back(con);
                 }
                 Err(self.error(err))
@@ -101,6 +116,12 @@ impl Pool {
         };
         StoreError::Backend { message, retryable, source: Some(Box::new(err)) }
     }
+}
+
+/// Whether the connection was found closed or reset before a reply could come (the command did not
+/// run: a Redis that restarted closed it), as opposed to a timeout.
+fn is_gone(err: &RedisError) -> bool {
+    !err.is_timeout() && (err.is_connection_dropped() || err.is_unrecoverable_error())
 }
 
 /// Whether the failure is of the connection or of a Redis that is temporarily not serving.

@@ -133,12 +133,10 @@ impl RedisStore {
         script: &Script,
         args: impl FnOnce(&mut redis::ScriptInvocation<'_>),
     ) -> Result<T, StoreError> {
-        self.pool.with(|con: &mut Connection| {
-            let mut invocation = script.prepare_invoke();
-            invocation.arg(&self.base);
-            args(&mut invocation);
-            invocation.invoke(con)
-        })
+        let mut invocation = script.prepare_invoke();
+        invocation.arg(&self.base);
+        args(&mut invocation);
+        self.pool.with(|con: &mut Connection| invocation.invoke(con))
     }
 
     /// Reads, changes and compare-and-sets an ALIVE node's caps on `tier`.
