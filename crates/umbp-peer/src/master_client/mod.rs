@@ -64,6 +64,7 @@
 mod config;
 mod error;
 mod heartbeat;
+mod masters;
 mod types;
 mod wire;
 
@@ -77,7 +78,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use umbp_core::BackendRegistry;
 use umbp_proto::token::TokenInjector;
 use umbp_proto::v1 as pb;
@@ -85,6 +86,7 @@ use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
 
 pub use config::{ConfigError, MasterClientConfig};
 pub use error::MasterClientError;
+pub use masters::parse_master_addresses;
 pub use types::{
     ClusterStatus, MasterClientStats, NodeLiveness, NodeRegistration, NodeRole, NodeStatusReport, RouteGetHit,
     RoutePutDecision,
@@ -113,6 +115,7 @@ struct Counters {
     re_registrations: AtomicU64,
     outbox_overflows: AtomicU64,
     rpc_errors: AtomicU64,
+    failovers: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -124,7 +127,8 @@ struct Inner {
     config: MasterClientConfig,
     node: NodeRegistration,
     registry: Arc<BackendRegistry>,
-    grpc: Grpc,
+    /// The masters, and which one calls go to first (see [`masters`]).
+    masters: masters::Masters,
     state: Mutex<HbState>,
     /// Serialises every heartbeat, full sync, registration and clear (the reference's
     /// `hb_send_mutex_`).
@@ -163,29 +167,57 @@ impl fmt::Debug for Inner {
 
 impl Inner {
     /// Sends one RPC with `timeout` as both the gRPC deadline and a local bound, so a master that
-    /// accepts the connection and never answers still returns control in time.
-    async fn call<Req, Resp, Fut>(
+    /// accepts the connection and never answers still returns control in time. With several
+    /// masters, a call no master answered goes to the next one, each at most once (see
+    /// [`masters`]).
+    async fn call<Req: Clone, Resp, Fut>(
         &self,
         rpc: &'static str,
         timeout: Duration,
         message: Req,
-        send: impl FnOnce(Grpc, tonic::Request<Req>) -> Fut,
+        send: impl Fn(Grpc, tonic::Request<Req>) -> Fut,
     ) -> Result<Resp, MasterClientError>
     where
         Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
-        let mut request = tonic::Request::new(message);
-        request.set_timeout(timeout);
-        let result = match tokio::time::timeout(timeout, send(self.grpc.clone(), request)).await {
-            Err(_elapsed) => Err(MasterClientError::Timeout { rpc, after: timeout }),
-            Ok(Err(status)) if deadline_passed(&status) => Err(MasterClientError::Timeout { rpc, after: timeout }),
-            Ok(Err(status)) => Err(MasterClientError::Rpc { rpc, status: Box::new(status) }),
-            Ok(Ok(response)) => Ok(response.into_inner()),
-        };
-        if result.is_err() {
-            bump(&self.stats.rpc_errors, 1);
+        let n = self.masters.len();
+        let start = self.masters.current();
+        let mut message = Some(message);
+        let mut attempt = 0;
+        loop {
+            let (index, addr, grpc) = self.masters.pick(start, attempt);
+            let last = attempt + 1 >= n;
+            // Clone only while another master may still need the message.
+            let body = if last { message.take() } else { message.clone() };
+            let Some(body) = body else { return Err(MasterClientError::InvalidArgument("no message".into())) };
+            let mut request = tonic::Request::new(body);
+            request.set_timeout(timeout);
+            let result = match tokio::time::timeout(timeout, send(grpc, request)).await {
+                Err(_elapsed) => Err(MasterClientError::Timeout { rpc, after: timeout }),
+                Ok(Err(status)) if deadline_passed(&status) => Err(MasterClientError::Timeout { rpc, after: timeout }),
+                Ok(Err(status)) => Err(MasterClientError::Rpc { rpc, status: Box::new(status) }),
+                Ok(Ok(response)) => Ok(response.into_inner()),
+            };
+            match result {
+                Err(e) if !last && masters::fails_over(&e) => {
+                    bump(&self.stats.rpc_errors, 1);
+                    let next = self.masters.pick(start, attempt + 1).1;
+                    tracing::warn!(rpc, master = %addr, next = %next, error = %e, "master failed; trying the next one");
+                    attempt += 1;
+                }
+                Err(e) => {
+                    bump(&self.stats.rpc_errors, 1);
+                    return Err(e);
+                }
+                Ok(reply) => {
+                    if self.masters.answered_by(index) {
+                        bump(&self.stats.failovers, 1);
+                        tracing::info!(rpc, master = %addr, "failed over to another master");
+                    }
+                    return Ok(reply);
+                }
+            }
         }
-        result
     }
 
     /// Installs (`on`) or removes the auto-flush hook on every medium.
@@ -315,6 +347,12 @@ impl MasterClient {
     /// Opens the connection to the master at `master_addr` (`host:port`, or a `http://` URI), bounded
     /// by [`connect_timeout`](MasterClientConfig::connect_timeout). Nothing is registered yet; the
     /// channel reconnects by itself if the master restarts later.
+    ///
+    /// `master_addr` may list several masters sharing one metadata store, comma-separated
+    /// (`a:50051,b:50051`): the first reachable one is connected now, and every call that no master
+    /// answered (unreachable, broken connection, deadline, `UNAVAILABLE`) goes to the next one, each
+    /// at most once per call; the one that answers is tried first from then on. A heartbeat answered
+    /// by another master continues the same seq stream (the store holds the seq).
     pub async fn connect(
         master_addr: &str,
         config: MasterClientConfig,
@@ -327,26 +365,14 @@ impl MasterClient {
         }
         let token = TokenInjector::new(config.cluster_token.as_deref())
             .map_err(|e| MasterClientError::InvalidArgument(e.to_string()))?;
-        let uri = if master_addr.contains("://") { master_addr.to_owned() } else { format!("http://{master_addr}") };
-        let endpoint = Endpoint::from_shared(uri)
-            .map_err(|e| MasterClientError::InvalidArgument(format!("master address {master_addr:?}: {e}")))?
-            .connect_timeout(config.connect_timeout)
-            .tcp_nodelay(true);
-        let channel = match tokio::time::timeout(config.connect_timeout, endpoint.connect()).await {
-            Err(_elapsed) => return Err(MasterClientError::Timeout { rpc: "connect", after: config.connect_timeout }),
-            Ok(Err(source)) => return Err(MasterClientError::Connect { addr: master_addr.to_owned(), source }),
-            Ok(Ok(channel)) => channel,
-        };
-        let grpc = UmbpMasterClient::with_interceptor(channel, token)
-            .max_decoding_message_size(config.max_message_bytes)
-            .max_encoding_message_size(config.max_message_bytes);
+        let masters = masters::Masters::connect(master_addr, &config, &token).await?;
         let state = HbState::new(config.default_heartbeat_interval);
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 node,
                 registry,
-                grpc,
+                masters,
                 state: Mutex::new(state),
                 send_lock: tokio::sync::Mutex::new(()),
                 wake: Arc::new(Notify::new()),
@@ -651,6 +677,7 @@ impl MasterClient {
             re_registrations: get(&c.re_registrations),
             outbox_overflows: get(&c.outbox_overflows),
             rpc_errors: get(&c.rpc_errors),
+            failovers: get(&c.failovers),
             next_seq: st.next_seq,
             acked_seq: st.acked,
             outbox_bundles: st.outbox.len(),
@@ -659,6 +686,12 @@ impl MasterClient {
             clear_pending: st.clear_pending,
             heartbeat_interval: st.interval,
         }
+    }
+
+    /// The address of the master calls go to first: the one that answered last (after a failover,
+    /// the survivor).
+    pub fn current_master(&self) -> &str {
+        self.inner.masters.current_address()
     }
 
     /// The node's registration record.

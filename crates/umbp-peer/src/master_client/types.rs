@@ -196,6 +196,8 @@ pub struct MasterClientStats {
     pub outbox_overflows: u64,
     /// RPCs that failed or timed out.
     pub rpc_errors: u64,
+    /// Calls answered by another master than the one tried first (see `master_address` lists).
+    pub failovers: u64,
     /// The seq the next delta bundle will get.
     pub next_seq: u64,
     /// The highest seq the master acknowledged.
