@@ -23,7 +23,7 @@ CONFIGURATION
   Every key of the file is optional; an unknown key is an error. Each table is one component's
   settings. The whole shape, with defaults:
 
-    master_address = \"127.0.0.1:50051\"  # where nodes and client commands find the master
+    master_address = \"127.0.0.1:50051\"  # the master, or masters: \"a:50051,b:50051\"
     cluster_token  = \"…\"                # guards gRPC and the data port (default: none)
 
     [master]
@@ -329,8 +329,9 @@ impl MediumKind {
 /// `--master`, shared by the node and the client commands.
 #[derive(Debug, Clone, Default, Args)]
 pub struct MasterAddress {
-    /// The master's address [env: UMBP_MASTER_ADDRESS] [default: 127.0.0.1:50051]
-    #[arg(long, value_name = "ADDR")]
+    /// The master's address, or several masters on one Redis comma-separated (a:50051,b:50051;
+    /// calls fail over between them) [env: UMBP_MASTER_ADDRESS] [default: 127.0.0.1:50051]
+    #[arg(long, value_name = "ADDR[,ADDR…]")]
     pub master: Option<String>,
 }
 

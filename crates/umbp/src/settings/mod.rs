@@ -126,7 +126,9 @@ pub fn format_recache(policy: RecachePolicy) -> String {
     }
 }
 
-/// The master address: flag, else `UMBP_MASTER_ADDRESS`, else the file, else `127.0.0.1:50051`.
+/// The master address: flag, else `UMBP_MASTER_ADDRESS`, else the file, else `127.0.0.1:50051`. A
+/// comma-separated list names several masters sharing one Redis (the master client fails over
+/// between them; it checks the list when it connects).
 pub fn resolve_master_address(file: &FileConfig, env: EnvGetter<'_>, flag: &MasterAddress) -> String {
     let flags = flags::global(flag, None);
     // The address is text: no layer can make it invalid.
@@ -148,7 +150,7 @@ pub fn resolve_master(
         return Err(SettingsError::BadEnv {
             var: "UMBP_METADATA_BACKEND",
             value: b,
-            reason: "only `inmemory` is supported by this master (the Redis-backed store is not built yet)".into(),
+            reason: "only `inmemory` names a store here; for Redis, give --metadata redis://HOST:PORT".into(),
         });
     }
     let s = layer::layer(file, env, &[Scope::Global, Scope::Master], &flags::master(flags, token))?;

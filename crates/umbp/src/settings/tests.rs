@@ -427,3 +427,18 @@ fn the_settings_debug_never_shows_the_cluster_token() {
     let shown = format!("{:?}", f.settings().expect("settings"));
     assert!(!shown.contains("s3cret-token") && shown.contains("<redacted>"), "{shown}");
 }
+
+/// A list of masters (several masters on one Redis) is one setting, taken whole from the flag, the
+/// environment or the file, in that order.
+#[test]
+fn a_list_of_masters_is_read_whole_from_flag_env_and_file() {
+    let file = FileConfig::parse("master_address = \"f1:1,f2:2\"", Path::new("t")).expect("file");
+    let none = MasterAddress::default();
+    assert_eq!(resolve_master_address(&file, &env(&[]), &none), "f1:1,f2:2");
+    let e = env(&[("UMBP_MASTER_ADDRESS", "e1:1,e2:2")]);
+    assert_eq!(resolve_master_address(&file, &e, &none), "e1:1,e2:2");
+    let flag = MasterAddress { master: Some("a:50051,b:50051".into()) };
+    assert_eq!(resolve_master_address(&file, &e, &flag), "a:50051,b:50051");
+    let addrs = umbp_peer::master_client::parse_master_addresses(&resolve_master_address(&file, &e, &flag));
+    assert_eq!(addrs.expect("a valid list"), ["a:50051", "b:50051"]);
+}

@@ -33,7 +33,8 @@ pub const DEFAULT_MAX_GET_SIZE: u64 = 64 << 20;
 #[derive(Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
-    /// Where nodes and client commands find the master.
+    /// Where nodes and client commands find the master: `host:port`, or several masters sharing one
+    /// Redis comma-separated (`a:50051,b:50051`; the master client fails over between them).
     pub master_address: String,
     /// The cluster token (an empty one means none).
     pub cluster_token: Option<String>,
