@@ -117,6 +117,31 @@ async fn a_master_answers_unavailable_promptly_while_redis_is_down_and_serves_wh
     handle.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_master_whose_redis_hangs_answers_unavailable_within_the_client_deadline() {
+    let server = RedisServer::start();
+    let (handle, mut c) = master(&server.url(0)).await;
+    c.register_client(register_request("n1")).await.expect("register");
+    server.signal("-STOP");
+    let started = Instant::now();
+    let err = c
+        .batch_route_get(v1::BatchRouteGetRequest {
+            node_id: "r".into(),
+            keys: vec!["k".into()],
+            exclude_nodes: vec![],
+        })
+        .await
+        .expect_err("a stopped Redis answers nothing");
+    let took = started.elapsed();
+    server.signal("-CONT");
+    eprintln!("answered {:?} after {took:?}", err.code());
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err}");
+    assert!(took < Duration::from_millis(2900), "inside a client's 3 s deadline: {took:?}");
+    // Redis continues: the master serves again.
+    c.heartbeat(v1::HeartbeatRequest { node_id: "n1".into(), ..Default::default() }).await.expect("served again");
+    handle.shutdown().await;
+}
+
 fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).expect("clock").as_millis() as u64
 }

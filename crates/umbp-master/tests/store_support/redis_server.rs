@@ -71,6 +71,16 @@ impl RedisServer {
         self.port
     }
 
+    /// Stops (`SIGSTOP`) or continues (`SIGCONT`) the server: a Redis that accepts connections and
+    /// answers nothing.
+    pub(crate) fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill {signal}");
+    }
+
     /// A store on this server (database 0) under `prefix`.
     pub(crate) fn store(&self, prefix: &str) -> RedisStore {
         RedisStore::connect_with(&self.url(0), prefix, RedisTimeouts::default()).expect("connect to the test redis")

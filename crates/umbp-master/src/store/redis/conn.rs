@@ -13,6 +13,11 @@ use crate::store::StoreError;
 const MAX_IDLE: usize = 16;
 
 /// How long to wait for Redis: to connect, and for each reply.
+///
+/// The defaults (1 s, 2 s) keep a master's answer inside its clients' RPC deadline (3 s) while Redis
+/// hangs (stopped, or busy in another master's long script): the client gets a retryable
+/// `UNAVAILABLE` in time to try another master instead of a deadline of its own. A command that
+/// timed out may still run in Redis; every master call is safe to repeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RedisTimeouts {
     /// TCP connect (and handshake) timeout.
@@ -23,7 +28,7 @@ pub struct RedisTimeouts {
 
 impl Default for RedisTimeouts {
     fn default() -> Self {
-        Self { connect: Duration::from_secs(2), io: Duration::from_secs(10) }
+        Self { connect: Duration::from_secs(1), io: Duration::from_secs(2) }
     }
 }
 
