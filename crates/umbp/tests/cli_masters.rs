@@ -85,7 +85,7 @@ async fn a_master_killed_mid_workload_costs_under_five_seconds_and_no_key() {
     let dir = TempDir::new("masters-kill");
     let redis = Redis::start();
     let (mut first, a) = start_master(&dir.0, "master-a", &redis);
-    let (_second, b) = start_master(&dir.0, "master-b", &redis);
+    let (second, b) = start_master(&dir.0, "master-b", &redis);
     let list = format!("{a},{b}");
     // Pages of the value's size: every put of the run fits, nothing is evicted.
     let node_args = [
@@ -170,6 +170,9 @@ async fn a_master_killed_mid_workload_costs_under_five_seconds_and_no_key() {
         assert_eq!(n as usize, VALUE);
         assert!(buf == value(key, VALUE), "{key}");
     }
+    // The killed master held the duty lease (it started first); the survivor took it over.
+    let log = std::fs::read_to_string(&second.log).unwrap_or_default();
+    assert!(log.contains("duty lease taken"), "master B never took the duty lease:\n{}", second.log_tail());
     writer.close().await;
     reader.close().await;
 }
