@@ -99,7 +99,10 @@ pub struct MasterConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// Where the metadata lives: none for this process's memory ([`InMemoryStore`](crate::store::InMemoryStore)),
     /// or `redis://HOST:PORT[/DB]` for a Redis that several masters can share
-    /// ([`RedisStore`](crate::store::RedisStore)). Env `UMBP_MASTER_METADATA`. Default: none.
+    /// ([`RedisStore`](crate::store::RedisStore)), or several such URLs comma-separated for the index
+    /// sharded over them by key hash ([`ShardedStore`](crate::store::ShardedStore); the first holds
+    /// the node records and leases; every master must list the same URLs in the same order). Env
+    /// `UMBP_MASTER_METADATA`. Default: none.
     pub metadata: Option<String>,
 }
 
@@ -203,11 +206,12 @@ impl Default for MasterConfig {
 }
 
 /// A metadata URL without its credentials (`redis://user:secret@host` → `redis://<redacted>@host`).
-fn redact_url(url: &str) -> String {
-    match (url.split_once("://"), url.rsplit_once('@')) {
+fn redact_url(urls: &str) -> String {
+    let one = |url: &str| match (url.split_once("://"), url.rsplit_once('@')) {
         (Some((scheme, _)), Some((_, host))) => format!("{scheme}://<redacted>@{host}"),
         _ => url.to_owned(),
-    }
+    };
+    urls.split(',').map(one).collect::<Vec<_>>().join(",")
 }
 
 /// The default of [`MasterConfig::expired_retention`]: long enough for an operator to see a node
@@ -241,12 +245,12 @@ impl MasterConfig {
         if !INDEX_SHARDS.contains(&self.index_shards) {
             return Err(ConfigError::Invalid(format!("index_shards {} is outside 1..=4096", self.index_shards)));
         }
-        if let Some(url) = &self.metadata
-            && (!url.starts_with("redis://") || url.contains(','))
+        if let Some(urls) = &self.metadata
+            && urls.split(',').map(str::trim).any(|url| !url.starts_with("redis://"))
         {
             return Err(ConfigError::Invalid(format!(
-                "metadata {:?}: expected one redis://HOST:PORT[/DB] (several endpoints are not supported yet)",
-                redact_url(url)
+                "metadata {:?}: expected redis://HOST:PORT[/DB], or several comma-separated (shards)",
+                redact_url(urls)
             )));
         }
         if self.heartbeat_ttl.is_zero() || self.reaper_interval.is_zero() || self.heartbeat_interval().is_zero() {
@@ -310,8 +314,12 @@ mod tests {
         c.validate().expect("expiry 10 s > interval 5 s");
         let c = MasterConfig { max_message_bytes: 10, ..MasterConfig::default() };
         assert!(c.validate().is_err(), "tiny message limit");
-        for (url, ok) in [("redis://127.0.0.1:6379/2", true), ("http://h:1", false), ("redis://a:1,redis://b:1", false)]
-        {
+        for (url, ok) in [
+            ("redis://127.0.0.1:6379/2", true),
+            ("http://h:1", false),
+            ("redis://a:1, redis://b:1", true),
+            ("redis://a:1,http://b:1", false),
+        ] {
             let c = MasterConfig { metadata: Some(url.into()), ..MasterConfig::default() };
             assert_eq!(c.validate().is_ok(), ok, "{url}");
         }

@@ -15,7 +15,7 @@ use crate::lease::{DutyLease, lease_loop};
 use crate::metrics::ClusterMetrics;
 use crate::routing::{GetAlgo, PutStrategyConfig, RouteGetStrategy, RoutePutStrategy};
 use crate::service::{MasterService, ServiceStats};
-use crate::store::{InMemoryStore, MetadataStore, RedisStore, StoreError};
+use crate::store::{InMemoryStore, MetadataStore, RedisStore, ShardedStore, StoreError};
 
 /// A gauge not refreshed for this long leaves the metrics output (an expired or removed node's).
 const METRICS_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
@@ -207,17 +207,28 @@ pub async fn start(config: MasterConfig) -> Result<MasterHandle, MasterError> {
     let store: Arc<dyn MetadataStore> = match config.metadata.clone() {
         None => Arc::new(InMemoryStore::with_shards(config.index_shards)?),
         // Connecting blocks (bounded by the store's connect timeout): off the async workers.
-        Some(url) => {
-            Arc::new(tokio::task::spawn_blocking(move || RedisStore::connect(&url)).await.map_err(|err| {
-                StoreError::Backend {
-                    message: format!("connecting to the metadata store: {err}"),
-                    retryable: false,
-                    source: None,
-                }
-            })??)
+        Some(urls) => {
+            tokio::task::spawn_blocking(move || open_redis(&urls)).await.map_err(|err| StoreError::Backend {
+                message: format!("connecting to the metadata store: {err}"),
+                retryable: false,
+                source: None,
+            })??
         }
     };
     start_with_store(config, store).await
+}
+
+/// The store of a `metadata` setting: one Redis, or a [`ShardedStore`] over the comma-separated
+/// endpoints (the first is the directory; every master must list the same ones in the same order).
+fn open_redis(urls: &str) -> Result<Arc<dyn MetadataStore>, StoreError> {
+    let mut shards: Vec<Arc<dyn MetadataStore>> = Vec::new();
+    for url in urls.split(',').map(str::trim) {
+        shards.push(Arc::new(RedisStore::connect(url)?));
+    }
+    if shards.len() == 1 {
+        return Ok(shards.remove(0));
+    }
+    Ok(Arc::new(ShardedStore::new(shards)?))
 }
 
 /// [`start`] over a caller-supplied metadata store (a shared store for several masters, or a test

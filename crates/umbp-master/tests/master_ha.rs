@@ -15,6 +15,8 @@ use umbp_master::{MasterConfig, MasterHandle};
 use umbp_proto::v1;
 use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
 
+const DRAM: i32 = v1::TierType::TierDram as i32;
+
 /// Masters that expire a node silent for 1 s and reap every 100 ms.
 async fn master(url: &str) -> (MasterHandle, UmbpMasterClient<Channel>) {
     let config = MasterConfig {
@@ -140,6 +142,60 @@ async fn a_master_whose_redis_hangs_answers_unavailable_within_the_client_deadli
     // Redis continues: the master serves again.
     c.heartbeat(v1::HeartbeatRequest { node_id: "n1".into(), ..Default::default() }).await.expect("served again");
     handle.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_masters_over_three_redis_shards_share_one_index_spread_over_them() {
+    let servers: Vec<_> = (0..3).map(|_| RedisServer::start()).collect();
+    let urls = servers.iter().map(|s| s.url(0)).collect::<Vec<_>>().join(",");
+    let (first, mut c) = master(&urls).await;
+    let (second, mut d) = master(&urls).await;
+    c.register_client(v1::RegisterClientRequest {
+        tier_capacities: vec![v1::TierCapacity { tier: DRAM, total_bytes: 1 << 30, available_bytes: 1 << 30 }],
+        ..register_request("n1")
+    })
+    .await
+    .expect("register");
+    let keys: Vec<String> = (0..128).map(|i| format!("key/{i:03}")).collect();
+    let put = c
+        .batch_route_put(v1::BatchRoutePutRequest {
+            node_id: "w".into(),
+            keys: keys.clone(),
+            block_sizes: vec![4096; keys.len()],
+            exclude_nodes: vec![],
+        })
+        .await
+        .expect("route put")
+        .into_inner();
+    assert!(put.entries.iter().all(|e| e.node_id == "n1"));
+    let events = keys
+        .iter()
+        .map(|key| v1::KvEvent { kind: v1::KvEventKind::KvEventAdd as i32, key: key.clone(), tier: DRAM, size: 4096 })
+        .collect();
+    let hb = d
+        .heartbeat(v1::HeartbeatRequest {
+            node_id: "n1".into(),
+            bundles: vec![v1::EventBundle { seq: 1, events }],
+            ..Default::default()
+        })
+        .await
+        .expect("heartbeat through the second master")
+        .into_inner();
+    assert_eq!((hb.acked_seq, hb.request_full_sync), (1, false));
+    // Gets through the first master find every key; the keys spread over every Redis.
+    let get = c
+        .batch_route_get(v1::BatchRouteGetRequest { node_id: "r".into(), keys: keys.clone(), exclude_nodes: vec![] })
+        .await
+        .expect("route get")
+        .into_inner();
+    assert!(get.node_ref.iter().all(|&r| r > 0), "{:?}", get.node_ref);
+    let per_shard: Vec<u64> = servers.iter().map(|s| s.store("umbp").key_count().expect("count")).collect();
+    assert_eq!(per_shard.iter().sum::<u64>(), 128, "{per_shard:?}");
+    assert!(per_shard.iter().all(|&n| n > 20), "spread: {per_shard:?}");
+    let status = d.get_cluster_status(v1::GetClusterStatusRequest {}).await.expect("status").into_inner();
+    assert_eq!((status.total_keys, status.nodes[0].key_count), (128, 128));
+    first.shutdown().await;
+    second.shutdown().await;
 }
 
 fn now() -> u64 {

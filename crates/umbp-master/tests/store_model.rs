@@ -388,7 +388,7 @@ fn run(ops: &[Op], stores: &[Subject]) -> Result<(), TestCaseError> {
 /// 3 and 8 shards (its answers must not depend on the count); the Redis subject runs against the
 /// in-memory store, on one `redis-server` for the whole run, each case under a key prefix of its own.
 fn stores_agree_with_each_other_and_the_model(kind: Kind) {
-    let server = (kind == Kind::Redis).then(RedisServer::start);
+    let server = (kind != Kind::Memory).then(RedisServer::start);
     let case = AtomicU64::new(0);
     let cases = if server.is_some() { 128 } else { 256 };
     let mut runner = TestRunner::new(ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() });
@@ -399,7 +399,11 @@ fn stores_agree_with_each_other_and_the_model(kind: Kind) {
                 let prefix = format!("case{}", case.fetch_add(1, Ordering::Relaxed));
                 vec![
                     Subject::Memory(InMemoryStore::with_shards(8).expect("store call")),
-                    Arc::clone(server).subject(&prefix),
+                    if kind == Kind::Sharded {
+                        store_support::sharded(Arc::clone(server), &prefix)
+                    } else {
+                        Arc::clone(server).subject(&prefix)
+                    },
                 ]
             }
         };

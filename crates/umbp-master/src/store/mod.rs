@@ -53,6 +53,7 @@
 
 mod memory;
 mod redis;
+mod sharded;
 
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -63,6 +64,7 @@ use umbp_core::{KvEvent, TierType};
 
 pub use memory::{DEFAULT_SHARDS, InMemoryStore, KeyStats, MAX_SHARDS};
 pub use redis::{DEFAULT_PREFIX, RedisStore, RedisTimeouts};
+pub use sharded::{ShardedStore, shard_of};
 
 /// Capacity of one tier of one node, as the node last reported it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -14,7 +14,8 @@ pub(crate) use redis_server::RedisServer;
 use umbp_core::{KvEvent, TierType};
 use umbp_master::store::{
     EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, InMemoryStore, KeyStats, Location,
-    MetadataStore, NodeRecord, PeerView, RedisStore, RegisterOutcome, Registration, StoreError, TierCap,
+    MetadataStore, NodeRecord, PeerView, RedisStore, RedisTimeouts, RegisterOutcome, Registration, ShardedStore,
+    StoreError, TierCap, shard_of,
 };
 
 /// Which store a contract test runs against.
@@ -24,6 +25,8 @@ pub(crate) enum Kind {
     Memory,
     /// [`RedisStore`] on its own `redis-server`.
     Redis,
+    /// [`ShardedStore`] over three Redis stores (databases 0, 1, 2 of one `redis-server`).
+    Sharded,
 }
 
 impl Kind {
@@ -32,6 +35,7 @@ impl Kind {
         match self {
             Self::Memory => Subject::Memory(InMemoryStore::new()),
             Self::Redis => RedisServer::start().subject("umbp"),
+            Self::Sharded => sharded(RedisServer::start(), "umbp"),
         }
     }
 
@@ -41,7 +45,7 @@ impl Kind {
             Self::Memory => {
                 shards.iter().map(|&n| Subject::Memory(InMemoryStore::with_shards(n).expect("store call"))).collect()
             }
-            Self::Redis => vec![self.one()],
+            Self::Redis | Self::Sharded => vec![self.one()],
         }
     }
 
@@ -50,9 +54,23 @@ impl Kind {
     pub(crate) fn all(self) -> Vec<Subject> {
         match self {
             Self::Memory => self.stores_of(&[1, 8, 32]),
-            Self::Redis => vec![self.one()],
+            Self::Redis | Self::Sharded => vec![self.one()],
         }
     }
+}
+
+/// A [`ShardedStore`] over databases 0, 1 and 2 of `server`, every shard under `prefix`.
+pub(crate) fn sharded(server: Arc<RedisServer>, prefix: &str) -> Subject {
+    let shards: Vec<Arc<RedisStore>> = (0..3)
+        .map(|db| {
+            Arc::new(
+                RedisStore::connect_with(&server.url(db), prefix, RedisTimeouts::default())
+                    .expect("connect to the test redis"),
+            )
+        })
+        .collect();
+    let dyn_shards = shards.iter().map(|s| Arc::clone(s) as Arc<dyn MetadataStore>).collect();
+    Subject::Sharded(Box::new(ShardedStore::new(dyn_shards).expect("shards")), shards, server)
 }
 
 /// A store under test; a [`MetadataStore`] itself (every call goes to the store).
@@ -62,6 +80,8 @@ pub(crate) enum Subject {
     Memory(InMemoryStore),
     /// A Redis store and the server it talks to (stopped when the last subject on it goes).
     Redis(Box<RedisStore>, Arc<RedisServer>),
+    /// A sharded store, its shards and their server.
+    Sharded(Box<ShardedStore>, Vec<Arc<RedisStore>>, Arc<RedisServer>),
 }
 
 impl Subject {
@@ -70,6 +90,7 @@ impl Subject {
         match self {
             Self::Memory(store) => store.key_stats(key),
             Self::Redis(store, _) => store.key_stats(key).expect("store call"),
+            Self::Sharded(_, shards, _) => shards[shard_of(key, shards.len())].key_stats(key).expect("store call"),
         }
     }
 }
@@ -79,6 +100,7 @@ impl Subject {
         match self {
             Self::Memory(store) => store,
             Self::Redis(store, _) => &**store,
+            Self::Sharded(store, _, _) => &**store,
         }
     }
 }
