@@ -295,8 +295,10 @@ pub struct MasterArgs {
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
     /// Keep the metadata (members and key index) in the Redis at URL, redis://HOST:PORT[/DB], instead
-    /// of this process's memory [env: UMBP_MASTER_METADATA] [default: none, in-process memory]
-    #[arg(long, value_name = "URL")]
+    /// of this process's memory; several URLs comma-separated shard the index over them by key hash
+    /// (every master lists the same ones, in the same order) [env: UMBP_MASTER_METADATA] [default:
+    /// none, in-process memory]
+    #[arg(long, value_name = "URL[,URL…]")]
     pub metadata: Option<String>,
 }
 
