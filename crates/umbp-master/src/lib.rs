@@ -85,6 +85,10 @@
 //! - the heartbeat seq of every node is in its store record, so a heartbeat answered by another
 //!   master continues the same stream.
 //!
+//! Several Redis URLs (`redis://a,redis://b,…`) shard the index by key hash
+//! ([`store::ShardedStore`]): the first holds the node records as routing reads them and the leases.
+//! What each failure costs: `docs/architecture.md`, "Metadata in Redis".
+//!
 //! # Logs
 //! A storage node joining or leaving is one INFO line with its settings as `key=value`; a client (an
 //! engine process, every CLI command) joining or leaving is DEBUG. A warning that can repeat on every

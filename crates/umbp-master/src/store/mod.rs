@@ -2,7 +2,8 @@
 //!
 //! [`MetadataStore`] is the contract the gRPC service, the reaper, routing and eviction run against;
 //! [`InMemoryStore`] is its sharded in-process implementation and [`RedisStore`] the same contract in a
-//! Redis that several masters can share (one Lua script per atomic write; key layout in its docs).
+//! Redis that several masters can share (one Lua script per atomic write; key layout in its docs);
+//! [`ShardedStore`] spreads the index over several stores (several Redis processes) by key hash.
 //! The trait is synchronous, object-safe and takes every timestamp from the caller (`now_ms`,
 //! wall-clock milliseconds), so both stores give the same answers to the same calls: the contract
 //! suite (`tests/store_*.rs`) runs every test against each.

@@ -48,7 +48,12 @@ pub fn shard_of(key: &str, n: usize) -> usize {
     (hash % n as u64) as usize
 }
 
-/// A [`MetadataStore`] over several stores, by key hash (see the [module docs](self)).
+/// A [`MetadataStore`] over several stores, by key hash ([`shard_of`]). The first shard is the
+/// directory (node records as routing and status read them, capacity, leases); every shard keeps its
+/// own copy of each node's record beside its keys, so each stays a complete store: membership writes
+/// go to every shard, a heartbeat to every shard with that shard's events (the answers combine; any
+/// disagreement asks the node to register or full-sync again), reads only to the shards of their
+/// keys. Every master must list the same shards in the same order.
 #[derive(Debug)]
 pub struct ShardedStore {
     shards: Vec<Arc<dyn MetadataStore>>,
