@@ -1,7 +1,8 @@
 //! A master client given several masters (`a:50051,b:50051`) on one Redis: when the one it talks to
 //! goes, calls fail over to the other and the heartbeat seq stream continues there (no full sync);
 //! application errors never fail over; when Redis restarts empty, the node re-registers and
-//! full-syncs by itself and its keys are found again.
+//! full-syncs by itself and its keys are found again, and so when one shard of a sharded index
+//! (the directory or another) restarts.
 
 mod master_client_support;
 
@@ -157,5 +158,44 @@ async fn after_a_redis_restart_the_node_registers_again_and_its_keys_are_found()
     let stats = client.stats();
     assert_eq!(stats.re_registrations, 1, "{stats:?}");
     assert!(stats.full_syncs_completed >= 1, "{stats:?}");
+    master.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_one_shard_of_a_sharded_index_restarts_the_node_heals_it() {
+    let mut shards: Vec<Redis> = (0..3).map(|_| Redis::start()).collect();
+    let urls = shards.iter().map(Redis::url).collect::<Vec<_>>().join(",");
+    let master = master(&urls).await;
+    let dram = page_backend(TierType::Dram, PAGE, 256);
+    let client =
+        MasterClient::connect(&master.local_addr().to_string(), test_config(), node(), registry(&[Arc::clone(&dram)]))
+            .await
+            .expect("connect");
+    client.register().await.expect("register");
+    let put = keys("k", 96);
+    commit(&dram, &put);
+    client.heartbeat_once().await.expect("delta");
+    assert!(client.batch_lookup(&put).await.expect("lookup").iter().all(|f| *f));
+
+    // A key shard restarts empty, then the directory: each time the keys it held are gone until the
+    // node, told by the combined heartbeat reply, registers again or full-syncs.
+    for shard in [2, 0] {
+        let port = shards[shard].port;
+        shards[shard] = {
+            drop(std::mem::replace(&mut shards[shard], Redis::start()));
+            Redis::start_on(port)
+        };
+        let started = Instant::now();
+        loop {
+            let found = client.batch_lookup(&put).await;
+            if found.as_ref().is_ok_and(|f| f.iter().all(|f| *f)) {
+                break;
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "shard {shard}: not healed: {:?}", client.stats());
+            let _ = client.heartbeat_once().await;
+        }
+        eprintln!("shard {shard} healed after {:?}: {:?}", started.elapsed(), client.stats());
+    }
+    assert!(client.stats().full_syncs_completed >= 2);
     master.shutdown().await;
 }
