@@ -62,6 +62,7 @@ CONFIGURATION
     max_reroutes = 2
     bounce = \"64MiB\"                    # staging for caller memory that is not registered
     metrics_addr = \"127.0.0.1:9092\"   # serve Prometheus /metrics here (default: none)
+    shared_memory = true                # same-host peers copy through mappings of the memory
 
     [node.dram]
     capacity_bytes = \"4GiB\"
@@ -455,6 +456,11 @@ pub struct NodeArgs {
     /// free one [env: UMBP_NODE_METRICS_ADDR] [default: none, no endpoint]
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Same-host peers (of this user, with the cluster token) read and write a dram node's memory
+    /// through shared mappings instead of TCP, and this node theirs [env: UMBP_SHARED_MEMORY]
+    /// [default: true]
+    #[arg(long, value_name = "BOOL")]
+    pub shared_memory: Option<bool>,
     /// The master client's settings.
     #[command(flatten)]
     pub master_client: MasterClientArgs,

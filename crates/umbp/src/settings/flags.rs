@@ -96,6 +96,7 @@ pub(crate) fn node(a: &NodeArgs, token: Option<&str>) -> Vec<FlagValue> {
     f.int("--max-reroutes", a.max_reroutes);
     f.size("--bounce", a.bounce);
     f.text("--metrics-addr", a.metrics_addr);
+    f.bool("--shared-memory", a.shared_memory);
     f.size("--capacity", a.capacity);
     f.bool("--prefault", a.prefault);
     f.bool("--hugepages", a.hugepages);

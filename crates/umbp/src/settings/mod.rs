@@ -207,6 +207,7 @@ pub fn resolve_node(
     c.max_reroutes = n.max_reroutes;
     c.bounce_bytes = n.bounce;
     c.metrics_listen = n.metrics_addr;
+    c.shared_memory = n.shared_memory;
     c.medium = match n.medium {
         MediumKind::Dram => Medium::Dram(n.dram),
         MediumKind::Ssd => Medium::Ssd(n.ssd),
@@ -235,6 +236,7 @@ pub fn resolve_client(
     c.rpc_timeout = s.node.rpc_timeout;
     c.max_reroutes = s.node.max_reroutes;
     c.bounce_bytes = s.node.bounce;
+    c.shared_memory = s.node.shared_memory;
     c.recache = RecachePolicy::Off;
     c.cluster_token = s.cluster_token.filter(|t| !t.is_empty());
     c.master = s.node.master;

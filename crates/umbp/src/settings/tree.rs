@@ -107,6 +107,8 @@ pub struct NodeSettings {
     pub bounce: u64,
     /// Where Prometheus `/metrics` is served (none: no endpoint).
     pub metrics_addr: Option<SocketAddr>,
+    /// The same-host shared-memory path.
+    pub shared_memory: bool,
     /// `[node.dram]`.
     pub dram: DramConfig,
     /// `[node.hbm]`.
@@ -135,6 +137,7 @@ impl Default for NodeSettings {
             max_reroutes: p.max_reroutes,
             bounce: p.bounce_bytes,
             metrics_addr: p.metrics_listen,
+            shared_memory: p.shared_memory,
             dram: DramConfig::default(),
             hbm: HbmConfig::default(),
             ssd: SsdSettings::default(),
