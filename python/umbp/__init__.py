@@ -249,5 +249,8 @@ class Client:
         self._pool.clear()
 
     def flush(self) -> None:
-        """Publishes this node's stores to the master: when it returns every node sees them."""
+        """Publishes this node's stores to the master: when it returns every node sees them.
+
+        A client that lends no memory owns nothing to publish (a no-op): the nodes holding its puts
+        tell the master themselves, woken by each commit, within milliseconds."""
         self._pool.flush()

@@ -522,9 +522,14 @@ impl Pool {
     }
 
     /// Sends this node's queued ownership changes to the master and waits for the answer: when it
-    /// returns, every key this node stored is visible to every node.
+    /// returns, every key this node stored is visible to every node. A node that lends no memory
+    /// owns nothing (its puts are committed on the nodes that hold them, which tell the master
+    /// themselves) and, as a light client, is not registered: there is nothing to send.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         let inner = self.open()?;
+        if inner.client.medium().is_none() {
+            return Ok(());
+        }
         let client = Arc::clone(&inner.client);
         let rt = runtime()?;
         py.detach(move || rt.block_on(async move { client.master().heartbeat_once().await })).map_err(|e| {
