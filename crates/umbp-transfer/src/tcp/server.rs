@@ -326,8 +326,8 @@ impl DataServer {
     }
 
     /// Serves keyed requests (GET_KEY, PUT_KEY: a get or a put in one exchange, see
-    /// [`keyed`](super::keyed)) with `handler` from now on; `None` answers them `UNSUPPORTED`
-    /// (the client takes the routed path).
+    /// [`KeyedHandler`] and [`KeyedClient`](crate::KeyedClient)) with `handler` from now on; `None`
+    /// answers them `UNSUPPORTED` (the client takes the routed path).
     pub fn set_keyed_handler(&self, handler: Option<Arc<dyn KeyedHandler>>) {
         *self.shared.keyed.write() = handler;
     }
