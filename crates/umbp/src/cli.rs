@@ -167,9 +167,16 @@ bench checks the medium's counters: one drive read per key). The keys of every r
 so no eviction runs under the measurement. --ssd-dir must be on the drive to measure (O_DIRECT: not
 tmpfs); the subdirectory is removed at the end. Progress goes to stderr, the table to stdout.
 
+SUITE metadata runs an in-process master over gRPC with its index in memory, in one Redis, and
+sharded over three Redis (redis-server processes started on free 127.0.0.1 ports, persistence off,
+killed at the end; without redis-server only the memory row runs): heartbeat ingestion (8 nodes,
+512 ADD events per heartbeat), then batch route-put and route-get (8 callers, batch 128), each for
+--duration; then the Redis memory per key (--memory-keys keys of one node on one tier).
+
 Build with --release for meaningful figures:
   cargo run --release -p umbp -- bench
-  cargo run --release -p umbp -- bench ssd --ssd-dir /mnt/nvme0/umbp-bench";
+  cargo run --release -p umbp -- bench ssd --ssd-dir /mnt/nvme0/umbp-bench
+  cargo run --release -p umbp -- bench metadata";
 
 /// `umbp`: the umbp-rs command line.
 #[derive(Debug, Parser)]
@@ -607,6 +614,9 @@ pub enum BenchSuite {
     Pool,
     /// Batch put/get through an SSD node's PoolClient beside raw O_DIRECT IO on the same directory.
     Ssd,
+    /// Heartbeat ingestion and route decisions over gRPC with the index in memory, in one Redis and
+    /// in three Redis shards (redis-server processes the bench starts), and Redis memory per key.
+    Metadata,
 }
 
 /// The io engines `umbp bench ssd` measures.
@@ -643,6 +653,12 @@ pub struct BenchArgs {
     /// ssd suite: the node's io engine [default: both]
     #[arg(long, value_name = "ENGINE")]
     pub ssd_io_engine: Option<SsdEngineChoice>,
+    /// metadata suite: how long each cell is measured [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub duration: Option<std::time::Duration>,
+    /// metadata suite: keys indexed to measure Redis memory per key (0 skips it) [default: 100000]
+    #[arg(long, value_name = "N")]
+    pub memory_keys: Option<usize>,
     /// Print one JSON object instead of the markdown table [default: off]
     #[arg(long)]
     pub json: bool,

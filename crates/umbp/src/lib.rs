@@ -68,6 +68,9 @@ pub mod bench_breakdown;
 pub mod bench_cli;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
+pub mod bench_metadata;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_ssd;
 #[cfg(feature = "cli")]
 mod cli;

@@ -8,6 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use umbp::bench::{BASELINE_TOLERANCE, BenchPath, BenchRow, TABLE_HEADER, baseline_warnings, memcpy_threads};
+use umbp::bench_metadata::METADATA_TABLE_HEADER;
 use umbp::bench_ssd::SSD_TABLE_HEADER;
 
 /// Runs `umbp ARGS`, killing it past `limit`; returns (exit code, stdout, stderr).
@@ -283,4 +284,59 @@ fn the_ssd_bench_needs_a_directory_and_a_batch_of_one_value() {
     for needle in ["--ssd-dir", "--ssd-io-engine", "- io_uring:", "- both:", "SUITE ssd", "O_DIRECT"] {
         assert!(out.contains(needle), "`umbp bench --help` lacks {needle:?}:\n{out}");
     }
+}
+
+/// Whether `redis-server` runs here (CI installs it; the metadata suite runs its Redis rows then).
+fn redis_server_installed() -> bool {
+    Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn a_small_metadata_bench_prints_each_store_beside_the_memory_row() {
+    let args = ["bench", "metadata", "--duration", "200ms", "--memory-keys", "2000"];
+    let (code, out, err) = run_bounded(&args, Duration::from_secs(30));
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains(METADATA_TABLE_HEADER), "{out}");
+    assert!(err.contains("umbp bench metadata: memory 3/3"), "progress on stderr:\n{err}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("| memory |") || l.starts_with("| redis")).collect();
+    let expected = if redis_server_installed() { 3 } else { 1 };
+    assert_eq!(rows.len(), expected, "{out}");
+    for row in &rows {
+        let cells = cells(row);
+        assert_eq!(cells.len(), 7, "{row}");
+        for ratio in [cells[2], cells[4], cells[6]] {
+            let ratio: f64 = ratio.parse().expect("a ratio");
+            assert!(ratio.is_finite() && ratio > 0.0, "{row}");
+        }
+    }
+    assert!(rows[0].contains("| 1.00 | ") && !rows[0].contains("| 0 |"), "{out}");
+    if expected == 3 {
+        assert!(rows[1].starts_with("| redis x1 |") && rows[2].starts_with("| redis x3 (sharded) |"), "{out}");
+        let line = out.lines().find(|l| l.starts_with("Redis memory per key: ")).expect("the memory line");
+        assert!(line.contains("(2000 keys of 64 bytes"), "{line}");
+    }
+}
+
+#[test]
+fn the_metadata_bench_without_redis_server_runs_the_memory_row_and_says_why() {
+    let empty = std::env::temp_dir().join(format!("umbp-bench-no-redis-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).expect("an empty PATH directory");
+    let child = Command::new(env!("CARGO_BIN_EXE_umbp"))
+        .args(["bench", "metadata", "--duration", "100ms", "--json"])
+        .env("PATH", &empty)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run umbp");
+    let _ = std::fs::remove_dir(&empty);
+    let out = String::from_utf8_lossy(&child.stdout);
+    assert_eq!(child.status.code(), Some(0), "{out}\n{}", String::from_utf8_lossy(&child.stderr));
+    let json = out.trim();
+    assert!(json.starts_with("{\"suite\":\"metadata\"") && json.ends_with('}'), "{json}");
+    assert_eq!(json.matches("\"store\":").count(), 1, "the memory row only: {json}");
+    assert!(json.contains("\"memory\":null") && json.contains("cannot start redis-server"), "{json}");
 }
