@@ -19,8 +19,8 @@
 //! the remote range until it completes). Likewise a handshake the server dropped before answering
 //! (its pending-handshake caps) is tried again, up to [`OPEN_ATTEMPTS`] times.
 
-use std::io::{self, IoSlice, Write};
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::io::IoSlice;
+use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -30,8 +30,8 @@ use crossbeam_channel::{Receiver, Sender};
 use dashmap::DashMap;
 use parking_lot::{Condvar, Mutex};
 
-use super::io::{FrameReader, SocketClock, configure, failure_kind, read_exact_until, write_all_vectored};
-use super::protocol::{self, HELLO_REPLY_LEN, HelloStatus, Op, REPLY_LEN, Reply, Request, Status};
+use super::io::{FrameReader, dial, failure_kind, idle_and_open, write_all_vectored};
+use super::protocol::{self, Op, REPLY_LEN, Reply, Request, Status};
 use super::regions::RegionGuard;
 use crate::engine::{FailureKind, TransferFailure, TransferHandle};
 use crate::warn::{WarnLimiter, warn_limited};
@@ -625,61 +625,12 @@ impl Conn {
             metrics.connect_failed.fetch_add(1, Ordering::Relaxed);
             OpenFailure { kind, message, dropped: false }
         };
-        let addrs = endpoint
-            .to_socket_addrs()
-            .map_err(|e| connect_failed(FailureKind::ConnectionLost, format!("cannot resolve {endpoint}: {e}")))?;
-        let mut last = None;
-        let mut stream = None;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, shared.connect_timeout.max(Duration::from_millis(1))) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let mut stream = stream.ok_or_else(|| {
-            let e = last.map_or_else(|| "no address".to_owned(), |e| e.to_string());
-            connect_failed(FailureKind::ConnectionLost, format!("cannot connect to {endpoint}: {e}"))
-        })?;
-        // Past the connect, a lost connection is the server dropping the handshake.
-        let io_err = |what: &str, e: io::Error| {
-            let kind = failure_kind(&e);
-            OpenFailure {
-                dropped: kind == FailureKind::ConnectionLost,
-                ..connect_failed(kind, format!("{what} {endpoint}: {e}"))
-            }
-        };
-        configure(&stream, shared.io_timeout).map_err(|e| io_err("configuring the socket to", e))?;
-        // The whole handshake within one IO timeout, however the peer paces its answer.
-        let deadline = Instant::now() + shared.io_timeout;
-        stream.write_all(&shared.hello).map_err(|e| io_err("sending the hello to", e))?;
-        let mut answer = [0u8; HELLO_REPLY_LEN];
-        read_exact_until(&mut stream, &mut answer, deadline, &mut SocketClock::new(shared.io_timeout))
-            .map_err(|e| io_err("reading the hello answer of", e))?;
-        match protocol::decode_hello_reply(&answer) {
-            Ok(HelloStatus::Ok) => {}
-            Ok(HelloStatus::Unauthorized) => {
+        let stream = dial(endpoint, shared.connect_timeout, shared.io_timeout, &shared.hello).map_err(|f| {
+            if f.kind == FailureKind::Unauthorized {
                 metrics.unauthorized.fetch_add(1, Ordering::Relaxed);
-                return Err(connect_failed(FailureKind::Unauthorized, format!("{endpoint} refused the cluster token")));
             }
-            Ok(HelloStatus::Busy) => {
-                return Err(connect_failed(
-                    FailureKind::Busy,
-                    format!("{endpoint} is serving its maximum of connections (busy)"),
-                ));
-            }
-            Ok(HelloStatus::BadVersion) => {
-                return Err(connect_failed(
-                    FailureKind::Protocol,
-                    format!("{endpoint} does not speak protocol version {}", protocol::VERSION),
-                ));
-            }
-            Err(e) => {
-                return Err(connect_failed(FailureKind::Protocol, format!("bad hello answer from {endpoint}: {e}")));
-            }
-        }
+            OpenFailure { dropped: f.dropped, ..connect_failed(f.kind, f.message) }
+        })?;
         let (Ok(read_half), Ok(control)) = (stream.try_clone(), stream.try_clone()) else {
             return Err(connect_failed(FailureKind::ConnectionLost, "cannot clone the socket".into()));
         };
@@ -715,11 +666,7 @@ impl Conn {
             return true;
         }
         // Idle: the reader is not reading the socket, so peeking is safe.
-        if self.stream.set_nonblocking(true).is_err() {
-            return false;
-        }
-        let alive = matches!(self.stream.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-        alive && self.stream.set_nonblocking(false).is_ok()
+        idle_and_open(&self.stream)
     }
 
     /// Writes a job's requests; `Err` when the connection broke, carrying the requests not handed

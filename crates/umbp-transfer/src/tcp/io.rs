@@ -1,9 +1,10 @@
 //! Socket helpers shared by the server and the client.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use super::protocol::{self, HELLO_REPLY_LEN, HelloStatus};
 use crate::engine::FailureKind;
 
 /// Writes every byte of `bufs` (a gather write: headers and region memory in one system call).
@@ -18,6 +19,83 @@ pub(crate) fn write_all_vectored(stream: &mut TcpStream, mut bufs: &mut [IoSlice
         }
     }
     Ok(())
+}
+
+/// Why [`dial`] could not open an authenticated connection.
+#[derive(Debug)]
+pub(crate) struct DialFailure {
+    pub(crate) kind: FailureKind,
+    /// What failed, naming the endpoint.
+    pub(crate) message: String,
+    /// The connection was made but lost during the handshake (the server dropped it, e.g. at its
+    /// pending-handshake cap): worth another try.
+    pub(crate) dropped: bool,
+}
+
+/// Connects to `endpoint` (within `connect_timeout`), applies the data plane's socket settings with
+/// `io_timeout`, sends `hello` and checks the server's answer (all within one `io_timeout`): the one
+/// handshake of the engine's pooled connections and of keyed requests.
+pub(crate) fn dial(
+    endpoint: &str,
+    connect_timeout: Duration,
+    io_timeout: Duration,
+    hello: &[u8],
+) -> Result<TcpStream, DialFailure> {
+    let failed = |kind: FailureKind, message: String| DialFailure { kind, message, dropped: false };
+    let addrs = endpoint
+        .to_socket_addrs()
+        .map_err(|e| failed(FailureKind::ConnectionLost, format!("cannot resolve {endpoint}: {e}")))?;
+    let mut last = None;
+    let mut stream = None;
+    for addr in addrs {
+        match TcpStream::connect_timeout(&addr, connect_timeout.max(Duration::from_millis(1))) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let mut stream = stream.ok_or_else(|| {
+        let e = last.map_or_else(|| "no address".to_owned(), |e| e.to_string());
+        failed(FailureKind::ConnectionLost, format!("cannot connect to {endpoint}: {e}"))
+    })?;
+    // Past the connect, a lost connection is the server dropping the handshake.
+    let io_err = |what: &str, e: io::Error| {
+        let kind = failure_kind(&e);
+        DialFailure { dropped: kind == FailureKind::ConnectionLost, ..failed(kind, format!("{what} {endpoint}: {e}")) }
+    };
+    configure(&stream, io_timeout).map_err(|e| io_err("configuring the socket to", e))?;
+    // The whole handshake within one IO timeout, however the peer paces its answer.
+    let deadline = Instant::now() + io_timeout;
+    stream.write_all(hello).map_err(|e| io_err("sending the hello to", e))?;
+    let mut answer = [0u8; HELLO_REPLY_LEN];
+    read_exact_until(&mut stream, &mut answer, deadline, &mut SocketClock::new(io_timeout))
+        .map_err(|e| io_err("reading the hello answer of", e))?;
+    match protocol::decode_hello_reply(&answer) {
+        Ok(HelloStatus::Ok) => Ok(stream),
+        Ok(HelloStatus::Unauthorized) => {
+            Err(failed(FailureKind::Unauthorized, format!("{endpoint} refused the cluster token")))
+        }
+        Ok(HelloStatus::Busy) => {
+            Err(failed(FailureKind::Busy, format!("{endpoint} is serving its maximum of connections (busy)")))
+        }
+        Ok(HelloStatus::BadVersion) => Err(failed(
+            FailureKind::Protocol,
+            format!("{endpoint} does not speak protocol version {}", protocol::VERSION),
+        )),
+        Err(e) => Err(failed(FailureKind::Protocol, format!("bad hello answer from {endpoint}: {e}"))),
+    }
+}
+
+/// Whether an idle connection may be reused: the peer has not closed it and sent nothing unasked
+/// (a non-blocking peek would block). Only for a socket nobody is reading now.
+pub(crate) fn idle_and_open(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let open = matches!(stream.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
+    open && stream.set_nonblocking(false).is_ok()
 }
 
 /// Whether `e` is a socket timeout (`SO_RCVTIMEO` / `SO_SNDTIMEO` report `WouldBlock` on Unix).

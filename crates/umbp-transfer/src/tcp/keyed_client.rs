@@ -11,18 +11,16 @@
 //! path (which finds the key if it was).
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::io::{self, Read};
+use std::net::TcpStream;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::io::configure;
-use super::protocol::{
-    self, HELLO_REPLY_LEN, HelloStatus, MAX_KEY_LEN, Op, REPLY_LEN, Reply, Request, Status, TRAILER_LEN, Trailer,
-};
+use super::io::{configure, dial, idle_and_open};
+use super::protocol::{self, MAX_KEY_LEN, Op, REPLY_LEN, Reply, Request, Status, TRAILER_LEN, Trailer};
 use crate::engine::FailureKind;
 
 /// Settings of a [`KeyedClient`].
@@ -114,11 +112,11 @@ pub enum KeyedError {
     },
     /// No connection could be made (nothing listens, refused handshake, …): the holder may be
     /// gone; take the routed path.
-    #[error("cannot reach {endpoint}: {message}")]
+    #[error("{message}")]
     Connect {
         /// The holder's data endpoint.
         endpoint: String,
-        /// What failed.
+        /// What failed (naming the endpoint).
         message: String,
         /// What kind of failure.
         kind: FailureKind,
@@ -157,13 +155,9 @@ struct Conn {
 }
 
 impl Conn {
-    /// Whether an idle connection is still open (a non-blocking peek sees no end of stream).
+    /// Whether an idle connection is still open.
     fn alive(&self) -> bool {
-        if self.stream.set_nonblocking(true).is_err() {
-            return false;
-        }
-        let alive = matches!(self.stream.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock);
-        alive && self.stream.set_nonblocking(false).is_ok()
+        idle_and_open(&self.stream)
     }
 }
 
@@ -303,47 +297,13 @@ impl KeyedClient {
     }
 
     fn connect(&self, endpoint: &str) -> Result<TcpStream, KeyedError> {
-        let fail =
-            |kind: FailureKind, message: String| KeyedError::Connect { endpoint: endpoint.to_owned(), message, kind };
-        let timeout = self.config.connect_timeout.max(Duration::from_millis(1));
-        let addrs = endpoint
-            .to_socket_addrs()
-            .map_err(|e| fail(FailureKind::ConnectionLost, format!("cannot resolve: {e}")))?;
-        let mut last = None;
-        let mut stream = None;
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, timeout) {
-                Ok(s) => {
-                    stream = Some(s);
-                    break;
-                }
-                Err(e) => last = Some(e),
-            }
-        }
-        let mut stream = stream.ok_or_else(|| {
-            let why = last.map_or_else(|| "no address".to_owned(), |e| e.to_string());
-            fail(FailureKind::ConnectionLost, why)
+        let stream = dial(endpoint, self.config.connect_timeout, self.config.connect_timeout, &self.hello)
+            .map_err(|f| KeyedError::Connect { endpoint: endpoint.to_owned(), message: f.message, kind: f.kind })?;
+        configure(&stream, self.config.io_timeout).map_err(|e| KeyedError::Connect {
+            endpoint: endpoint.to_owned(),
+            message: format!("configuring the socket: {e}"),
+            kind: super::io::failure_kind(&e),
         })?;
-        let io_fail = |what: &str, e: io::Error| fail(super::io::failure_kind(&e), format!("{what}: {e}"));
-        configure(&stream, timeout).map_err(|e| io_fail("configuring the socket", e))?;
-        stream.write_all(&self.hello).map_err(|e| io_fail("sending the hello", e))?;
-        let mut answer = [0u8; HELLO_REPLY_LEN];
-        stream.read_exact(&mut answer).map_err(|e| io_fail("reading the hello answer", e))?;
-        match protocol::decode_hello_reply(&answer) {
-            Ok(HelloStatus::Ok) => {}
-            Ok(HelloStatus::Unauthorized) => {
-                return Err(fail(FailureKind::Unauthorized, "refused the cluster token".into()));
-            }
-            Ok(HelloStatus::Busy) => return Err(fail(FailureKind::Busy, "serving its maximum of connections".into())),
-            Ok(HelloStatus::BadVersion) => {
-                return Err(fail(
-                    FailureKind::Protocol,
-                    format!("does not speak protocol version {}", protocol::VERSION),
-                ));
-            }
-            Err(e) => return Err(fail(FailureKind::Protocol, format!("bad hello answer: {e}"))),
-        }
-        configure(&stream, self.config.io_timeout).map_err(|e| io_fail("configuring the socket", e))?;
         Ok(stream)
     }
 }
