@@ -17,6 +17,7 @@ use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, 
 use umbp_transfer::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 
 use super::service::PeerService;
+use crate::pool_client::slot_deadline;
 
 /// One medium as keyed requests see it.
 struct Medium {
@@ -41,13 +42,6 @@ impl std::fmt::Debug for KeyedMedia {
             .field("pending_ttl", &self.pending_ttl)
             .finish_non_exhaustive()
     }
-}
-
-/// When a slot allocated at `start` with a TTL of `ttl` stops being safe to write (the client's
-/// rule for routed puts, `put.rs`).
-fn slot_end(start: Instant, ttl: Duration) -> Instant {
-    let margin = (ttl / 4).min(Duration::from_secs(2));
-    start + ttl.saturating_sub(margin)
 }
 
 /// The ranges of a value of `size` bytes on `pages` of `page_size` bytes of `backend`'s buffers,
@@ -152,7 +146,7 @@ impl KeyedHandler for KeyedMedia {
         }
         let ttl =
             if result.pending_ttl_ms > 0 { Duration::from_millis(result.pending_ttl_ms) } else { self.pending_ttl };
-        let slot = KeyedSlot { id: result.slot_id, backend_id: medium.id, until: slot_end(start, ttl) };
+        let slot = KeyedSlot { id: result.slot_id, backend_id: medium.id, until: slot_deadline(start, ttl) };
         match ranges(medium.backend.as_ref(), &result.pages, result.page_size, size) {
             Some(ranges) => KeyedWrite::Slot { ranges, slot },
             None => {

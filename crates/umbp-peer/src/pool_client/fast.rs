@@ -43,7 +43,7 @@ const LOCATION_CAP: usize = 1 << 16;
 /// Access hints are sent at most this often, in one batch.
 pub(super) const HINT_EVERY: Duration = Duration::from_millis(50);
 /// Hints waiting at most; more are dropped (they are hints).
-const HINTS_CAP: usize = 4096;
+const HINTS_CAP: usize = 16384;
 
 /// Where a key was last read or written: its holder and the holder's data endpoint.
 #[derive(Debug, Clone)]
@@ -225,12 +225,21 @@ impl PoolClient {
 
     /// Queues `key` as read, for the master's LRU; one batch leaves at most every [`HINT_EVERY`].
     fn hint(&self, key: &str) {
+        self.hint_all(std::iter::once(key.to_owned()));
+    }
+
+    /// Queues `keys` as read here without a route call (cache hits of the keyed path, local hits of
+    /// the routed one), so the master's LRU eviction still sees them as recently used. One batch
+    /// leaves at most every [`HINT_EVERY`], in the background; keys beyond [`HINTS_CAP`] waiting are
+    /// dropped (they are hints).
+    pub(super) fn hint_all(&self, keys: impl IntoIterator<Item = String>) {
         {
-            let mut keys = self.hints.keys.lock();
-            if keys.len() >= HINTS_CAP {
+            let mut waiting = self.hints.keys.lock();
+            let room = HINTS_CAP.saturating_sub(waiting.len());
+            waiting.extend(keys.into_iter().take(room));
+            if waiting.is_empty() {
                 return;
             }
-            keys.push(key.to_owned());
         }
         if self.hints.scheduled.swap(true, Ordering::AcqRel) {
             return;

@@ -247,7 +247,7 @@ impl PoolClient {
             local_hits.extend(outcome.local_hits);
         }
         // One access hint for the whole batch's local hits.
-        self.touch(local_hits);
+        self.hint_all(local_hits);
         self.queue_recache(keys, targets, &results, &fetched_remote);
         results.into_iter().map(|r| r.unwrap_or(Err(KeyError::Miss))).collect()
     }
@@ -558,24 +558,6 @@ impl PoolClient {
             }
         }
         join_all(waited).await;
-    }
-
-    /// Tells the master, in the background, that `keys` were just read here, so its LRU eviction
-    /// sees them as recently used (a local hit skips the route call that would have stamped them).
-    /// A hint: dropped when [`TOUCHES_IN_FLIGHT`] hints are already in flight.
-    fn touch(&self, keys: Vec<String>) {
-        if keys.is_empty() {
-            return;
-        }
-        let Ok(permit) = Arc::clone(&self.touches).try_acquire_owned() else { return };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        let master = Arc::clone(&self.master);
-        runtime.spawn(async move {
-            let _permit = permit;
-            if let Err(e) = master.batch_route_get(&keys, &[]).await {
-                tracing::debug!(error = %e, "access hint for local hits did not reach the master");
-            }
-        });
     }
 
     /// Queues remotely fetched values for the local medium when the admission policy allows; a full

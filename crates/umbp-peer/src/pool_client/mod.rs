@@ -62,6 +62,7 @@ pub use config::{DramConfig, Medium, PoolClientConfig, RecachePolicy, RuntimeSel
 #[cfg(feature = "ssd")]
 pub use config::{IoEngineKind, SsdConfig};
 pub use error::{KeyError, PoolError, SharedError};
+pub(crate) use put::slot_deadline;
 use support::{CallerBuf, RecacheJob, StatCounters, blocking, offload, page_items, recache_worker};
 
 /// What a successful put did with its key. Values are write-once: a key the pool already holds
@@ -100,8 +101,6 @@ pub struct PoolClientStats {
 const UNREACHABLE_FOR: Duration = Duration::from_secs(2);
 /// A gauge not refreshed for this long leaves the metrics output (its source went away).
 const METRICS_IDLE: Duration = Duration::from_secs(30);
-/// Access hints for local hits in flight at once; more are dropped (they are hints).
-const TOUCHES_IN_FLIGHT: usize = 4;
 /// Capacity of the re-cache queue; new jobs are dropped when it is full.
 const RECACHE_QUEUE: usize = 1024;
 
@@ -152,8 +151,6 @@ pub struct PoolClient {
     recache_tx: Mutex<Option<mpsc::Sender<RecacheJob>>>,
     recache_worker: Mutex<Option<tokio::task::JoinHandle<()>>>,
     stats: Arc<StatCounters>,
-    /// Bounds the background access hints sent to the master for local hits (see `get`).
-    touches: Arc<tokio::sync::Semaphore>,
     /// The Prometheus endpoint, when configured.
     metrics: Mutex<Option<MetricsServer>>,
     /// Read releases in flight (see `get`); `close` waits for them.
@@ -311,7 +308,6 @@ impl PoolClient {
             recache_tx: Mutex::new(recache_tx),
             recache_worker: Mutex::new(recache_worker),
             stats,
-            touches: Arc::new(tokio::sync::Semaphore::new(TOUCHES_IN_FLIGHT)),
             metrics: Mutex::new(metrics),
             releases: support::Releases::default(),
             clock,

@@ -114,8 +114,9 @@ fn busy_groups(st: &mut PutState, retry: Vec<usize>) -> Vec<Group> {
     by_target.into_iter().map(|((node, peer, tier), indexes)| Group { node, peer, tier, indexes }).collect()
 }
 
-/// When a slot allocated at `start` with a TTL of `ttl` stops being safe to write.
-fn slot_deadline(start: Instant, ttl: Duration) -> Instant {
+/// When a slot allocated at `start` with a TTL of `ttl` stops being safe to write (a margin of a
+/// quarter of the TTL, at most 2 s, before it). Also the holder's rule for keyed puts.
+pub(crate) fn slot_deadline(start: Instant, ttl: Duration) -> Instant {
     let margin = (ttl / 4).min(Duration::from_secs(2));
     start + ttl.saturating_sub(margin)
 }
