@@ -8,11 +8,15 @@
 //!   than [`BASELINE_TOLERANCE`]. The master runs with `local` put affinity, so it grants the node local
 //!   placement and its puts need no route call; the `put (routed)` rows measure the same puts on a
 //!   node of a second master without that affinity, where every chunk is routed first;
-//! - **remote**: a client-only node in this process and a DRAM node in a CHILD PROCESS (`umbp
-//!   bench-child`, the same binary re-executed), bytes over the TCP data plane, against a plain socket
-//!   stream of the same bytes (from the same source buffers, into the same destination buffers, the
-//!   child's side a region as large as the batch) to and from the same child, over as many
-//!   connections as the data plane pools ([`CONNECTIONS`]);
+//! - **remote**: a client-only node in this process (with the shared-memory path off) and a DRAM node
+//!   in a CHILD PROCESS (`umbp bench-child`, the same binary re-executed), bytes over the TCP data
+//!   plane, against a plain socket stream of the same bytes (from the same source buffers, into the
+//!   same destination buffers, the child's side a region as large as the batch) to and from the same
+//!   child, over as many connections as the data plane pools ([`CONNECTIONS`]);
+//! - **same host**: the same child read and written by a client with the shared-memory path on (issue
+//!   17), in the same rounds as the remote rows: each figure beside the memcpy baseline (as the local
+//!   rows') and beside the TCP path's figure of the same round, the bench failing if the TCP engine
+//!   moved any of these bytes;
 //! - the p50 / p99 latency of a single 64 KiB remote get and of a single 64 KiB remote put, each on
 //!   both client paths in the same run ([`measure_latency`]: the default keyed path, one exchange
 //!   with the holder's data server, and the routed path of a client with `keyed_requests = false`,
@@ -52,6 +56,16 @@ pub const LATENCY_BLOCKS: usize = 10;
 
 /// Untimed calls of each kind on each path before a probe (connections, location cache, allocator).
 pub(crate) const WARM_UP: usize = 10;
+
+/// The memcpy baseline's name in the table.
+const MEMCPY: &str = "memcpy";
+
+/// The baseline name of the same-host rows measured against the pool's own TCP path.
+const POOL_TCP: &str = "pool over TCP";
+
+/// The engines whose moved bytes tell which path a same-host batch took.
+const SHM_ENGINE: &str = "SharedMemoryEngine";
+const TCP_ENGINE: &str = "TcpEngine";
 
 /// Page size of the bench nodes.
 const PAGE_SIZE: u64 = 64 << 10;
@@ -184,6 +198,8 @@ pub enum BenchPath {
     Local,
     /// A node in another process, over the TCP data plane.
     Remote,
+    /// A node in another process on this host, through its shared memory (issue 17).
+    SameHost,
 }
 
 /// One row of the table: a PoolClient figure beside its baseline.
@@ -295,10 +311,7 @@ impl BenchReport {
                 format!(
                     "{{\"path\":\"{}\",\"op\":\"{}\",\"value_bytes\":{},\"pool_gbps\":{:.4},\"baseline_gbps\":{:.4},\
                      \"baseline\":\"{}\",\"ratio\":{:.4},\"baseline_min_gbps\":{:.4},\"baseline_max_gbps\":{:.4},\"baseline_unsettled_gbps\":{}}}",
-                    match r.path {
-                        BenchPath::Local => "local",
-                        BenchPath::Remote => "remote",
-                    },
+                    path_label(r.path),
                     r.op,
                     r.value_bytes,
                     r.pool_gbps,
@@ -368,9 +381,9 @@ pub fn baseline_warnings(rows: &[BenchRow]) -> Vec<String> {
     }
     for (i, (a, a_ops)) in distinct.iter().enumerate() {
         for (b, b_ops) in &distinct[i + 1..] {
-            // memcpy is one copy for put and get; a raw TCP write and a raw TCP read are two different
-            // baselines, never compared.
-            let direction = |r: &BenchRow| if r.path == BenchPath::Local { "" } else { r.op };
+            // memcpy is one copy for put and get; a raw TCP write and a raw TCP read (or the pool's TCP
+            // put and get) are two different baselines, never compared.
+            let direction = |r: &BenchRow| if r.baseline == MEMCPY { "" } else { r.op };
             if a.baseline != b.baseline || a.value_bytes != b.value_bytes || direction(a) != direction(b) {
                 continue;
             }
@@ -396,6 +409,7 @@ fn path_label(path: BenchPath) -> &'static str {
     match path {
         BenchPath::Local => "local",
         BenchPath::Remote => "remote",
+        BenchPath::SameHost => "same-host",
     }
 }
 
@@ -414,7 +428,8 @@ impl fmt::Display for BenchReport {
         for r in &self.rows {
             let path = match r.path {
                 BenchPath::Local => "local",
-                BenchPath::Remote => "remote (2 processes)",
+                BenchPath::Remote => "remote (2 processes, TCP)",
+                BenchPath::SameHost => "same host (2 processes, shared memory)",
             };
             writeln!(
                 f,
@@ -733,8 +748,20 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
             return Err(e);
         }
     };
+    // The remote rows' client: the child is on this host, so only with the shared path off do the
+    // batches cross the TCP data plane.
+    let mut tcp_config = node_config("bench-client-tcp", master, Medium::None);
+    tcp_config.shared_memory = false;
+    let tcp = match start_node(tcp_config).await {
+        Ok(tcp) => tcp,
+        Err(e) => {
+            routed.close().await;
+            client.close().await;
+            return Err(e);
+        }
+    };
     let result = async {
-        measure_remote(&client, &raw_addr, rounds, batch, &mut rows).await?;
+        measure_remote(&Clients { tcp: &tcp, shm: &client }, &raw_addr, rounds, batch, &mut rows).await?;
         let latency = measure_latency(&client, &routed, options.latency_calls).await?;
         // The key the latency probe stored, got by `umbp get` processes (light clients).
         let cli_get = crate::bench_cli::measure(&program, master, LATENCY_KEY, LATENCY_VALUE as u64).await?;
@@ -746,6 +773,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
         Ok::<_, BenchError>((latency, breakdown, cli_get))
     }
     .await;
+    tcp.close().await;
     routed.close().await;
     client.close().await;
     drop(child);
@@ -843,7 +871,7 @@ async fn measure_local(
                 value_bytes: value as u64,
                 pool_gbps: median(figures),
                 baseline_gbps: copy,
-                baseline: "memcpy".into(),
+                baseline: MEMCPY.into(),
                 baseline_range: range,
                 unsettled_baseline_gbps: Some(unsettled),
             });
@@ -893,8 +921,47 @@ fn memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize, threads: usi
     gbps(bytes, t)
 }
 
-async fn measure_remote(
+/// The two clients of the child's rows: the TCP path and the shared-memory path.
+struct Clients<'a> {
+    tcp: &'a PoolClient,
+    shm: &'a PoolClient,
+}
+
+/// One batch put then batch get of `data` under `keys` through `client`, checked byte-exact on a
+/// sample; returns (put GB/s, get GB/s). The keys are removed after (read leases lapse first).
+async fn put_get_round(
     client: &PoolClient,
+    keys: &[String],
+    data: &[Vec<u8>],
+    out: &mut [Vec<u8>],
+    what: &str,
+) -> Result<(f64, f64), BenchError> {
+    let n = data.len();
+    let bytes = data.iter().map(Vec::len).sum();
+    let items: Vec<(&str, &[u8])> = keys.iter().zip(data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    let t = Instant::now();
+    let results = client.batch_put(&items).await;
+    let put = gbps(bytes, t);
+    fail(&format!("{what} put"), &results)?;
+    // Reads need the master to know the keys: the child's node ships its ADDs at auto-flush or at its
+    // next heartbeat; wait for the index rather than guess.
+    until_indexed(client, keys).await?;
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+    let t = Instant::now();
+    let results = client.batch_get(&key_refs, &mut slices).await;
+    let get = gbps(bytes, t);
+    fail(&format!("{what} get"), &results)?;
+    for i in [0, n / 2, n - 1] {
+        if out[i] != data[i] {
+            return Err(BenchError::Failed(format!("{what} get returned other bytes than were put")));
+        }
+    }
+    Ok((put, get))
+}
+
+async fn measure_remote(
+    clients: &Clients<'_>,
     raw_addr: &str,
     rounds: usize,
     batch: usize,
@@ -906,46 +973,73 @@ async fn measure_remote(
         let mut data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut shm_put, mut shm_get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut progress =
             Progress::new(format!("umbp bench: remote {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
+            // TCP: the pool's data plane, then the raw sockets in the same round.
             let keys: Vec<String> = (0..n).map(|i| format!("remote-{value}-{round}-{i}")).collect();
-            let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-            let t = Instant::now();
-            let results = client.batch_put(&items).await;
-            put.push(gbps(bytes, t));
-            fail("remote put", &results)?;
-            // Reads need the master to know the keys: the child's node ships its ADDs at auto-flush
-            // or at its next heartbeat; wait for the index rather than guess.
-            until_indexed(client, &keys).await?;
-            let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let mut slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-            let t = Instant::now();
-            let results = client.batch_get(&key_refs, &mut slices).await;
-            get.push(gbps(bytes, t));
-            fail("remote get", &results)?;
-            if out[n / 2] != data[n / 2] {
-                return Err(BenchError::Failed("remote get returned other bytes than were put".into()));
-            }
+            let (p, g) = put_get_round(clients.tcp, &keys, &data, &mut out, "remote").await?;
+            put.push(p);
+            get.push(g);
             raw_w.push(raw_rate_blocking(raw_addr, &mut data, true)?);
             raw_r.push(raw_rate_blocking(raw_addr, &mut out, false)?);
             tokio::time::sleep(Duration::from_millis(600)).await; // read leases expire
-            let _ = client.remove(&key_refs).await;
+            let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let _ = clients.tcp.remove(&key_refs).await;
+
+            // Shared memory: the same bytes to and from the same child, between two memcpy baselines.
+            let keys: Vec<String> = (0..n).map(|i| format!("same-host-{value}-{round}-{i}")).collect();
+            let (before, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
+            unsettled.push(hasty);
+            let over_tcp = clients.shm.transferred_bytes(TCP_ENGINE);
+            let through_shm = clients.shm.transferred_bytes(SHM_ENGINE);
+            let (p, g) = put_get_round(clients.shm, &keys, &data, &mut out, "same-host").await?;
+            let (over_tcp, through_shm) = (
+                clients.shm.transferred_bytes(TCP_ENGINE) - over_tcp,
+                clients.shm.transferred_bytes(SHM_ENGINE) - through_shm,
+            );
+            if over_tcp != 0 || through_shm < 2 * bytes as u64 {
+                return Err(BenchError::Failed(format!(
+                    "the same-host batches did not take the shared path: {over_tcp} bytes over TCP, {through_shm} \
+                     through shared memory (is the path off by UMBP_SHARED_MEMORY, or refused by the child?)"
+                )));
+            }
+            shm_put.push(p);
+            shm_get.push(g);
+            let (after, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
+            copy.push(before.max(after));
+            unsettled.push(hasty);
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let _ = clients.shm.remove(&key_refs).await;
             progress.advance(1);
         }
         progress.finish();
-        for (op, figures, baseline) in [("put", put, raw_w), ("get", get, raw_r)] {
-            let range = spread(&baseline);
-            rows.push(BenchRow {
-                path: BenchPath::Remote,
+        let (copy_range, copy, unsettled) = (spread(&copy), median(copy), median(unsettled));
+        for (op, tcp, raw, shm) in [("put", put, raw_w, shm_put), ("get", get, raw_r, shm_get)] {
+            let row = |path, pool_gbps, baseline_gbps, baseline: &str, baseline_range, unsettled| BenchRow {
+                path,
                 op,
                 value_bytes: value as u64,
-                pool_gbps: median(figures),
-                baseline_gbps: median(baseline),
-                baseline: format!("raw TCP x{CONNECTIONS}"),
-                baseline_range: range,
-                unsettled_baseline_gbps: None,
-            });
+                pool_gbps,
+                baseline_gbps,
+                baseline: baseline.into(),
+                baseline_range,
+                unsettled_baseline_gbps: unsettled,
+            };
+            let (tcp_range, tcp) = (spread(&tcp), median(tcp));
+            let shm = median(shm);
+            rows.push(row(
+                BenchPath::Remote,
+                tcp,
+                median(raw.clone()),
+                &format!("raw TCP x{CONNECTIONS}"),
+                spread(&raw),
+                None,
+            ));
+            rows.push(row(BenchPath::SameHost, shm, copy, MEMCPY, copy_range, Some(unsettled)));
+            rows.push(row(BenchPath::SameHost, shm, tcp, POOL_TCP, tcp_range, None));
         }
     }
     Ok(())

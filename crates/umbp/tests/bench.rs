@@ -1,5 +1,5 @@
 //! `umbp bench`: the binary runs a small bench end to end (the local node, a child node process over
-//! TCP, the latency probes of both client paths, `umbp get` as a process) and prints the table with
+//! TCP and through shared memory, the latency probes of both client paths, `umbp get` as a process) and prints the table with
 //! its ratio column;
 //! `umbp bench ssd` does the same for an SSD node beside raw `O_DIRECT` IO.
 
@@ -45,9 +45,19 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains(TABLE_HEADER), "{out}");
     assert!(out.contains("| ratio |"), "{out}");
-    let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("| local |") || l.starts_with("| remote")).collect();
-    assert_eq!(rows.len(), 10, "put and get of 64 KiB and 1 MiB, local and remote, and routed local puts:\n{out}");
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("| local |") || l.starts_with("| remote") || l.starts_with("| same host"))
+        .collect();
+    assert_eq!(
+        rows.len(),
+        18,
+        "put and get of 64 KiB and 1 MiB, local, remote and same-host (twice), and routed local puts:\n{out}"
+    );
     assert_eq!(rows.iter().filter(|r| r.contains("| put (routed) |")).count(), 2, "{out}");
+    let same_host = rows.iter().filter(|r| r.starts_with("| same host (2 processes, shared memory) |"));
+    assert_eq!(same_host.clone().filter(|r| r.contains("| memcpy |")).count(), 4, "{out}");
+    assert_eq!(same_host.filter(|r| r.contains("| pool over TCP |")).count(), 4, "{out}");
     for row in &rows {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), 7, "{row}");
@@ -79,10 +89,11 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     let json = out.trim();
     // The fields of before stay; the new ones are added.
-    assert_eq!(json.matches("\"baseline_gbps\":").count(), 10, "{json}");
-    assert_eq!(json.matches("\"baseline_min_gbps\":").count(), 10, "{json}");
-    assert_eq!(json.matches("\"baseline_max_gbps\":").count(), 10, "{json}");
-    assert_eq!(json.matches("\"baseline_unsettled_gbps\":null").count(), 4, "only memcpy rows have one: {json}");
+    assert_eq!(json.matches("\"baseline_gbps\":").count(), 18, "{json}");
+    assert_eq!(json.matches("\"baseline_min_gbps\":").count(), 18, "{json}");
+    assert_eq!(json.matches("\"baseline_max_gbps\":").count(), 18, "{json}");
+    assert_eq!(json.matches("\"baseline_unsettled_gbps\":null").count(), 8, "only memcpy rows have one: {json}");
+    assert_eq!(json.matches("\"path\":\"same-host\"").count(), 8, "{json}");
     assert!(json.contains(&format!("\"memcpy_threads\":{}", memcpy_threads())), "{json}");
     assert!(json.contains("\"baseline_warnings\":["), "{json}");
     // `latency` stays the default client's single get (now the keyed path); the routed path and the
@@ -127,6 +138,9 @@ fn two_baselines_of_one_kind_more_than_the_tolerance_apart_are_warned_of() {
         row(BenchPath::Remote, "put", 65536, "raw TCP x4", 3.0),
         // A raw TCP write and a raw TCP read are different baselines.
         row(BenchPath::Remote, "get", 65536, "raw TCP x4", 5.0),
+        // So are the pool's TCP put and get that the same-host rows stand beside.
+        row(BenchPath::SameHost, "put", 65536, "pool over TCP", 1.0),
+        row(BenchPath::SameHost, "get", 65536, "pool over TCP", 3.0),
     ];
     assert_eq!(baseline_warnings(&agree), Vec::<String>::new());
 
@@ -147,6 +161,12 @@ fn two_baselines_of_one_kind_more_than_the_tolerance_apart_are_warned_of() {
     let warnings = baseline_warnings(&shared);
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert!(warnings[0].contains("local put/get 64 KiB"), "{warnings:?}");
+
+    // The same-host rows' memcpy is the local rows' memcpy of the same size: compared across paths.
+    let across = [row(local, "put", 65536, "memcpy", 8.0), row(BenchPath::SameHost, "get", 65536, "memcpy", 4.0)];
+    let warnings = baseline_warnings(&across);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("same-host get 64 KiB"), "{warnings:?}");
 
     // A threaded baseline below one thread's unsettled copy of the same rounds: the cores were busy.
     let mut busy = row(local, "put", 1 << 20, "memcpy", 6.5);
