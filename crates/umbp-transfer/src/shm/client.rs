@@ -138,16 +138,27 @@ impl ShmClient {
         self.peers.lock().get(endpoint).is_some_and(|p| !hung_up(&p.stream.lock()))
     }
 
+    /// Makes sure a live, authenticated connection to `endpoint`'s server exists: one the holder
+    /// closed is forgotten first (with every mapping of that holder: a restarted holder at the same
+    /// endpoint is another process, whose regions the old mappings are not), then a new one is
+    /// made when there is none.
+    pub fn connect(&self, endpoint: &str) -> Result<(), ShmError> {
+        if self.has_peer(endpoint) && !self.connected(endpoint) {
+            self.forget_peer(endpoint);
+        }
+        self.peer(endpoint).map(|_| ())
+    }
+
     fn peer(&self, endpoint: &str) -> Result<Arc<Peer>, ShmError> {
         if let Some(peer) = self.peers.lock().get(endpoint) {
             return Ok(Arc::clone(peer));
         }
-        let peer = Arc::new(self.connect(endpoint)?);
+        let peer = Arc::new(self.handshake(endpoint)?);
         self.peers.lock().insert(endpoint.to_owned(), Arc::clone(&peer));
         Ok(peer)
     }
 
-    fn connect(&self, endpoint: &str) -> Result<Peer, ShmError> {
+    fn handshake(&self, endpoint: &str) -> Result<Peer, ShmError> {
         let io = |context| move |source| ShmError::Io { peer: endpoint.to_owned(), context, source };
         let name = socket_name(endpoint)?;
         let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(io("naming the socket"))?;

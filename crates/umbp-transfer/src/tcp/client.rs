@@ -846,7 +846,8 @@ fn status_kind(status: Status) -> FailureKind {
         | Status::Exists
         | Status::NoSpace
         | Status::Failed
-        | Status::Unsupported => FailureKind::Protocol,
+        | Status::Unsupported
+        | Status::Mapped => FailureKind::Protocol,
     }
 }
 

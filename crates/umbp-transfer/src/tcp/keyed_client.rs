@@ -9,6 +9,11 @@
 //! may be repeated: the holder takes and ends its own lease). A PUT is never resent: whether the
 //! holder committed it before the connection broke cannot be known, so the caller takes the routed
 //! path (which finds the key if it was).
+//!
+//! [`get_shared`](KeyedClient::get_shared) is the same exchange for a holder on this host: the
+//! holder may answer with where the value lies in its shared regions instead of the bytes, and the
+//! client copies them from its own mappings (see `shm`'s `SharedReads` for the rules), then tells
+//! the holder to end the lease — or, on any doubt, to send the bytes after all.
 
 use std::collections::HashMap;
 use std::io::{self, Read};
@@ -20,8 +25,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use super::io::{configure, dial, idle_and_open};
-use super::protocol::{self, MAX_KEY_LEN, Op, REPLY_LEN, Reply, Request, Status, TRAILER_LEN, Trailer};
+use super::protocol::{
+    self, Descriptor, FLAG_SHARED, MAX_KEY_LEN, Op, REPLY_LEN, Reply, Request, Settle, Status, TRAILER_LEN, Trailer,
+};
 use crate::engine::FailureKind;
+use crate::shm::SharedReads;
 
 /// Settings of a [`KeyedClient`].
 #[derive(Clone)]
@@ -167,6 +175,8 @@ pub struct KeyedClient {
     hello: Vec<u8>,
     idle: Mutex<HashMap<String, Vec<Conn>>>,
     next_id: AtomicU64,
+    /// Mappings of same-host holders' regions, for [`get_shared`](Self::get_shared).
+    shared: SharedReads,
 }
 
 impl std::fmt::Debug for KeyedClient {
@@ -184,7 +194,8 @@ impl KeyedClient {
         let token = config.cluster_token.as_deref().unwrap_or("").as_bytes();
         let hello = protocol::encode_hello(token)
             .map_err(|e| KeyedError::Protocol { endpoint: String::new(), message: format!("cluster token: {e}") })?;
-        Ok(Self { config, hello, idle: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1) })
+        let shared = SharedReads::new(token, config.io_timeout);
+        Ok(Self { config, hello, idle: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), shared })
     }
 
     /// Reads `key`'s value from the holder at `endpoint` into `dst` (at most `cap` bytes).
@@ -204,6 +215,123 @@ impl KeyedClient {
             send(stream, &request(id).encode(), &[key.as_bytes()])?;
             read_get_reply(stream, id, dst, cap)
         })
+    }
+
+    /// As [`get`](Self::get), for a holder that may be on this host: when its shared-memory server
+    /// is reachable here (same kernel and network namespace, this user or an allowed group, the
+    /// cluster token), the holder may answer with the value's place in its shared regions; the
+    /// value is then copied from this process's mappings of them, under the holder's read lease
+    /// (judged here: see the TCP `protocol` module, "Keyed gets over shared memory"), and the lease
+    /// is ended by a settle frame that needs no answer. A holder without the path, a region this
+    /// client cannot map, or a mapping gone stale is served the TCP way within the same exchange.
+    ///
+    /// # Safety
+    /// As [`get`](Self::get).
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub unsafe fn get_shared(
+        &self,
+        endpoint: &str,
+        key: &str,
+        dst: NonNull<u8>,
+        cap: usize,
+    ) -> Result<KeyedGet, KeyedError> {
+        check_key(key)?;
+        if !self.shared.usable(endpoint) {
+            // SAFETY: this function's contract.
+            return unsafe { self.get(endpoint, key, dst, cap) };
+        }
+        let request = |id| Request {
+            op: Op::GetKey,
+            flags: FLAG_SHARED,
+            id,
+            region: 0,
+            offset: cap as u64,
+            length: key.len() as u64,
+        };
+        // SAFETY: this function's contract.
+        let answer = self.exchange(endpoint, true, |stream, id| unsafe {
+            // Before the request leaves: the lease's bound is measured from here.
+            let sent = Instant::now();
+            send(stream, &request(id).encode(), &[key.as_bytes()])?;
+            self.read_shared_reply(stream, endpoint, id, dst, cap, sent)
+        });
+        match answer {
+            Ok(Some(got)) => Ok(got),
+            Ok(None) => {
+                // A server older than the flag: ask it the old way (and not the new one for a while).
+                self.shared.remember(endpoint);
+                // SAFETY: this function's contract.
+                unsafe { self.get(endpoint, key, dst, cap) }
+            }
+            Err(e) => {
+                if e.is_unreachable() {
+                    self.shared.forget(endpoint);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Keyed gets [`get_shared`](Self::get_shared) copied through a mapping, and their bytes.
+    pub fn shared_copies(&self) -> (u64, u64) {
+        self.shared.copied()
+    }
+
+    /// Reads the answer to a GET_KEY with [`FLAG_SHARED`]: a `MAPPED` descriptor (copied from the
+    /// mappings, then settled) or any ordinary answer; `None`: the server refused the flag.
+    ///
+    /// # Safety
+    /// As [`get`](Self::get).
+    unsafe fn read_shared_reply(
+        &self,
+        stream: &mut TcpStream,
+        endpoint: &str,
+        id: u64,
+        dst: NonNull<u8>,
+        cap: usize,
+        sent: Instant,
+    ) -> Result<Option<KeyedGet>, ExchangeError> {
+        let reply = read_reply(stream, id)?;
+        let mid = |source| ExchangeError::Io { source, before_reply: false };
+        match reply.status {
+            Status::Mapped => {}
+            Status::BadRequest if reply.length == 0 => return Ok(None),
+            // SAFETY: this function's contract.
+            _ => return unsafe { read_get_body(stream, reply, dst, cap) }.map(Some),
+        }
+        let len = usize::try_from(reply.length)
+            .ok()
+            .filter(|l| *l <= Descriptor::max_len())
+            .ok_or_else(|| protocol_error(format!("a MAPPED descriptor of {} bytes", reply.length)))?;
+        let mut bytes = vec![0u8; len];
+        stream.read_exact(&mut bytes).map_err(mid)?;
+        let descriptor = Descriptor::decode(&bytes).map_err(|e| protocol_error(format!("bad descriptor: {e}")))?;
+        if descriptor.size > cap as u64 {
+            return Err(protocol_error(format!("a value of {} bytes for a destination of {cap}", descriptor.size)));
+        }
+        // SAFETY: the ranges add up to `descriptor.size <= cap` bytes (checked by `decode` and
+        // above), valid for writes at `dst` and ours alone during the call (this function's
+        // contract).
+        match unsafe { self.shared.copy(endpoint, &descriptor.ranges, dst) } {
+            Ok(size) => {
+                // The lease's bound: from before the request left (see `SharedReads`).
+                let intact = sent.elapsed() <= Duration::from_nanos(descriptor.lease_ns);
+                write_frame(stream, &Settle::Done.encode())?;
+                Ok(Some(if intact { KeyedGet::Hit(size) } else { KeyedGet::Lapsed }))
+            }
+            Err(error) => {
+                tracing::debug!(peer = endpoint, %error, "keyed get: no copy from the mapping; asking for the bytes");
+                write_frame(stream, &Settle::SendBytes.encode())?;
+                let reply = read_reply(stream, id).map_err(|e| match e {
+                    ExchangeError::Io { source, .. } => ExchangeError::Io { source, before_reply: false },
+                    other => other,
+                })?;
+                // SAFETY: this function's contract.
+                unsafe { read_get_body(stream, reply, dst, cap) }.map(Some)
+            }
+        }
     }
 
     /// Writes `value` under `key` on the holder at `endpoint`, on its medium of `tier` (a
@@ -240,9 +368,10 @@ impl KeyedClient {
         })
     }
 
-    /// Closes the idle connections to `endpoint` (its holder went away).
+    /// Closes the idle connections to `endpoint` (its holder went away) and unmaps its regions.
     pub fn forget(&self, endpoint: &str) {
         self.idle.lock().remove(endpoint);
+        self.shared.forget(endpoint);
     }
 
     /// Runs one exchange on a pooled or fresh connection; a `resendable` request lost with a reused
@@ -349,6 +478,12 @@ fn send(stream: &mut TcpStream, head: &[u8], parts: &[&[u8]]) -> Result<(), Exch
         .map_err(|source| ExchangeError::Io { source, before_reply: true })
 }
 
+/// Writes a small frame after a reply began (a failure is mid-exchange).
+fn write_frame(stream: &mut TcpStream, frame: &[u8]) -> Result<(), ExchangeError> {
+    super::io::write_all_vectored(stream, &mut [io::IoSlice::new(frame)])
+        .map_err(|source| ExchangeError::Io { source, before_reply: false })
+}
+
 /// Reads a reply header for request `id`.
 fn read_reply(stream: &mut TcpStream, id: u64) -> Result<Reply, ExchangeError> {
     let mut head = [0u8; REPLY_LEN];
@@ -371,6 +506,21 @@ unsafe fn read_get_reply(
     cap: usize,
 ) -> Result<KeyedGet, ExchangeError> {
     let reply = read_reply(stream, id)?;
+    // SAFETY: this function's contract.
+    unsafe { read_get_body(stream, reply, dst, cap) }
+}
+
+/// Reads what follows an ordinary GET_KEY reply header: the value straight into `dst`, then its
+/// trailer; or nothing.
+///
+/// # Safety
+/// As [`KeyedClient::get`].
+unsafe fn read_get_body(
+    stream: &mut TcpStream,
+    reply: Reply,
+    dst: NonNull<u8>,
+    cap: usize,
+) -> Result<KeyedGet, ExchangeError> {
     let mid = |source| ExchangeError::Io { source, before_reply: false };
     match reply.status {
         Status::Ok => {

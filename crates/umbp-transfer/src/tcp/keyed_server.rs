@@ -6,7 +6,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::super::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
-use super::super::protocol::{FrameError, MAX_KEY_LEN, Reply, Request, Status, Trailer};
+use super::super::protocol::{
+    Descriptor, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_SHARED_RANGES, Reply, Request, SETTLE_LEN, Settle, Status,
+    Trailer,
+};
 use super::{End, RegionGuard, ServerConn, bump, write_all_vectored_until};
 
 /// A keyed read's lease, closed when dropped (sent, failed, or the connection broke).
@@ -85,10 +88,14 @@ impl ServerConn<'_> {
     }
 
     fn serve_get_key(&mut self, r: &Request, key: &[u8]) -> Result<Status, End> {
+        // Before the resolve: a `MAPPED` answer states the lease from here, so the client's bound
+        // (from before it sent the request) is never later than the lease's end.
+        let received = Instant::now();
         let answer = |status: Status, length: u64| Reply { status, id: r.id, length }.encode();
         let handler = self.keyed_handler();
+        let shared = r.flags == FLAG_SHARED;
         let (key, handler) = match (std::str::from_utf8(key), handler) {
-            (Ok(key), Some(handler)) if r.flags == 0 && r.region == 0 => (key, handler),
+            (Ok(key), Some(handler)) if (r.flags == 0 || shared) && r.region == 0 => (key, handler),
             (_, None) => return self.send_alone(&answer(Status::Unsupported, 0)).map(|()| Status::Unsupported),
             _ => return self.send_alone(&answer(Status::BadRequest, 0)).map(|()| Status::BadRequest),
         };
@@ -112,7 +119,53 @@ impl ServerConn<'_> {
             drop(open);
             return self.send_alone(&answer(Status::Unsupported, 0)).map(|()| Status::Unsupported);
         };
-        let head = answer(Status::Ok, size);
+        let lease_ns = u64::try_from(lease.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
+        if shared && lease_ns > 0 && !ranges.is_empty() && ranges.len() <= MAX_SHARED_RANGES {
+            // The client copies from its own mappings: the regions' epochs (not our guards) tell it
+            // when one goes away, so nothing here blocks a deregistration while it copies.
+            drop(guarded);
+            let descriptor =
+                Descriptor { size, lease_ns, ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect() }
+                    .encode();
+            let head = answer(Status::Mapped, descriptor.len() as u64);
+            let deadline = Instant::now() + self.shared.config.io_timeout;
+            write_all_vectored_until(
+                &mut self.writer,
+                &mut [IoSlice::new(&head), IoSlice::new(&descriptor)],
+                deadline,
+                &mut self.write_clock,
+            )?;
+            // The lease stays open until the client settles (or the connection ends: `open` closes
+            // it on every path).
+            self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
+            let mut settle = [0u8; SETTLE_LEN];
+            self.reader.read_exact_into(&mut settle)?;
+            match Settle::decode(&settle).map_err(End::Malformed)? {
+                Settle::Done => {
+                    drop(open);
+                    return Ok(Status::Mapped);
+                }
+                Settle::SendBytes => {}
+            }
+            let Some(guarded) = self.guard_ranges(&ranges, size) else {
+                drop(open);
+                return self.send_alone(&answer(Status::Unsupported, 0)).map(|()| Status::Unsupported);
+            };
+            return self.send_value(r.id, size, guarded, open);
+        }
+        self.send_value(r.id, size, guarded, open)
+    }
+
+    /// Sends a keyed read's value from `guarded` with its trailer (judging `open`'s lease when the
+    /// last byte left region memory), then closes the lease.
+    fn send_value(
+        &mut self,
+        id: u64,
+        size: u64,
+        guarded: Vec<(RegionGuard, *mut u8, usize)>,
+        open: OpenRead<'_>,
+    ) -> Result<Status, End> {
+        let head = Reply { status: Status::Ok, id, length: size }.encode();
         let mut slices = Vec::with_capacity(guarded.len() + 1);
         slices.push(IoSlice::new(&head));
         for (_, ptr, len) in &guarded {
@@ -127,7 +180,7 @@ impl ServerConn<'_> {
         write_all_vectored_until(&mut self.writer, &mut slices, deadline, &mut self.write_clock)?;
         // Every byte left region memory (it is in the kernel's buffer now): judge the lease, then
         // give it back before the trailer leaves.
-        let trailer = if Instant::now() <= lease.until { Trailer::Intact } else { Trailer::Lapsed };
+        let trailer = if Instant::now() <= open.lease.until { Trailer::Intact } else { Trailer::Lapsed };
         drop(slices);
         drop(guarded);
         drop(open);

@@ -59,6 +59,30 @@
 //! A server without a keyed handler answers `UNSUPPORTED`; a server older than these ops closes
 //! the connection at the unknown op. Either way the client takes the routed path.
 //!
+//! ## Keyed gets over shared memory
+//! A client on the holder's host that has mapped (or can map) the holder's regions (see `shm`)
+//! sets [`FLAG_SHARED`] in a GET_KEY's `flags`. The server may then answer **`MAPPED`** instead of
+//! `OK`: `length` = the bytes of a **descriptor** that follows in place of the value —
+//!
+//! | bytes  | field     | meaning                                                          |
+//! |--------|-----------|------------------------------------------------------------------|
+//! | 0..8   | size      | the value's size                                                 |
+//! | 8..16  | lease_ns  | nanoseconds from when the server **received** the request to the end of its read lease |
+//! | 16..20 | count     | ranges that follow, 1 to [`MAX_SHARED_RANGES`]                   |
+//! | 20..24 | reserved  | 0                                                                |
+//! | 24..   | ranges    | `count` × (region_id `u64`, offset `u64`, len `u64`), in value order, lens adding up to `size` |
+//!
+//! — and keeps the read lease open. The client copies the ranges from its mappings of the
+//! holder's regions and then sends an 8-byte **settle** frame (magic, a verdict byte, three zero
+//! bytes): `0` = done (the server closes the lease; nothing more is sent), `1` = send the bytes
+//! instead (a region it cannot map: the server answers with an ordinary GET_KEY reply — `OK`,
+//! value and trailer under the same lease, or a status). The lease is the client's to judge: it
+//! keeps the bytes only when its copy ended within `lease_ns` of when **it sent** the request
+//! (which precedes the server's receipt), so no clock is shared, only the passage of time (see
+//! `keyed` for why that is sound). The server waits for the settle frame within its IO timeout; a
+//! connection that breaks or times out closes the lease. A server older than the flag answers
+//! `BAD_REQUEST` (the client then asks again without it).
+//!
 //! # Replies (server → client), 24 bytes
 //!
 //! | bytes  | field      | meaning                                            |
@@ -131,6 +155,17 @@ pub(crate) const REPLY_LEN: usize = 24;
 pub(crate) const MAX_KEY_LEN: u64 = 8 << 10;
 /// Bytes of the trailer that ends a successful GET_KEY payload.
 pub(crate) const TRAILER_LEN: usize = 8;
+/// GET_KEY `flags` bit: the client can copy the value from shared mappings of this server's
+/// regions, so a `MAPPED` answer (a descriptor instead of the bytes) is welcome.
+pub(crate) const FLAG_SHARED: u8 = 1;
+/// The most ranges a `MAPPED` descriptor names; a value in more pieces is sent as bytes.
+pub(crate) const MAX_SHARED_RANGES: usize = 1024;
+/// Bytes of a `MAPPED` descriptor's fixed part.
+pub(crate) const DESCRIPTOR_HEAD_LEN: usize = 24;
+/// Bytes of one range of a `MAPPED` descriptor.
+pub(crate) const DESCRIPTOR_RANGE_LEN: usize = 24;
+/// Bytes of the settle frame a client sends after a `MAPPED` answer.
+pub(crate) const SETTLE_LEN: usize = 8;
 /// The most bytes one request may move. A peer claiming more is not speaking the protocol; the
 /// client splits larger runs into several requests.
 pub(crate) const MAX_REQUEST_BYTES: u64 = 1 << 30;
@@ -194,11 +229,14 @@ pub(crate) enum Status {
     /// Keyed: this server serves no keyed requests, or not for this value (one in device memory):
     /// use the routed path.
     Unsupported = 11,
+    /// GET_KEY with [`FLAG_SHARED`]: a descriptor of the value's ranges follows instead of the
+    /// value; the read lease stays open until the client's settle frame.
+    Mapped = 12,
 }
 
 impl Status {
     /// Every status, in wire order.
-    pub(crate) const ALL: [Status; 12] = [
+    pub(crate) const ALL: [Status; 13] = [
         Self::Ok,
         Self::UnknownRegion,
         Self::OutOfRange,
@@ -211,6 +249,7 @@ impl Status {
         Self::NoSpace,
         Self::Failed,
         Self::Unsupported,
+        Self::Mapped,
     ];
 
     fn from_u8(v: u8) -> Option<Self> {
@@ -232,6 +271,7 @@ impl Status {
             Self::NoSpace => "no_space",
             Self::Failed => "failed",
             Self::Unsupported => "unsupported",
+            Self::Mapped => "mapped",
         }
     }
 }
@@ -482,6 +522,101 @@ impl Trailer {
     }
 }
 
+/// A `MAPPED` answer's descriptor: where a value lies in the holder's regions and how long the
+/// read lease lasts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Descriptor {
+    /// The value's size.
+    pub(crate) size: u64,
+    /// Nanoseconds from the server's receipt of the request to the end of the read lease.
+    pub(crate) lease_ns: u64,
+    /// (region id, offset, len), in value order.
+    pub(crate) ranges: Vec<(u64, u64, u64)>,
+}
+
+impl Descriptor {
+    /// The descriptor's bytes (`ranges` must hold 1 to [`MAX_SHARED_RANGES`] entries).
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * self.ranges.len());
+        out.extend_from_slice(&self.size.to_le_bytes());
+        out.extend_from_slice(&self.lease_ns.to_le_bytes());
+        out.extend_from_slice(&u32::try_from(self.ranges.len()).unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(&[0u8; 4]);
+        for (region, offset, len) in &self.ranges {
+            out.extend_from_slice(&region.to_le_bytes());
+            out.extend_from_slice(&offset.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+        }
+        out
+    }
+
+    /// The longest descriptor a client accepts.
+    pub(crate) const fn max_len() -> usize {
+        DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * MAX_SHARED_RANGES
+    }
+
+    /// Parses a descriptor: the count must match the length, the ranges must add up to the size
+    /// (checked arithmetic), and there must be at least one. Any error means a broken peer.
+    pub(crate) fn decode(b: &[u8]) -> Result<Self, FrameError> {
+        if b.len() < DESCRIPTOR_HEAD_LEN || b.len() > Self::max_len() {
+            return Err(FrameError::TooLong(b.len() as u64));
+        }
+        let size = u64_at(b, 0);
+        let lease_ns = u64_at(b, 8);
+        let count = u32_at(b, 16) as usize;
+        if count == 0 || b.len() != DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * count {
+            return Err(FrameError::TooLong(b.len() as u64));
+        }
+        let mut total = 0u64;
+        let ranges: Vec<(u64, u64, u64)> = (0..count)
+            .map(|i| {
+                let at = DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * i;
+                (u64_at(b, at), u64_at(b, at + 8), u64_at(b, at + 16))
+            })
+            .collect();
+        for (_, _, len) in &ranges {
+            total = total.checked_add(*len).ok_or(FrameError::TooLong(u64::MAX))?;
+        }
+        if total != size {
+            return Err(FrameError::TooLong(total));
+        }
+        Ok(Self { size, lease_ns, ranges })
+    }
+}
+
+/// What a client's settle frame (after a `MAPPED` answer) asks of the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settle {
+    /// The copy is over (good or not): close the read lease.
+    Done = 0,
+    /// The client cannot copy from its mappings: send the value as an ordinary GET_KEY reply, under
+    /// the same lease.
+    SendBytes = 1,
+}
+
+impl Settle {
+    /// The 8 settle bytes: the magic, the verdict, three reserved zero bytes.
+    pub(crate) fn encode(self) -> [u8; SETTLE_LEN] {
+        let mut out = [0u8; SETTLE_LEN];
+        out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        out[4] = self as u8;
+        out
+    }
+
+    /// Parses a settle frame; an error means the connection is out of sync.
+    pub(crate) fn decode(b: &[u8; SETTLE_LEN]) -> Result<Self, FrameError> {
+        let magic = u32_at(b, 0);
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        match b[4] {
+            0 => Ok(Self::Done),
+            1 => Ok(Self::SendBytes),
+            v => Err(FrameError::BadStatus(v)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -520,6 +655,27 @@ mod tests {
         assert_eq!(Trailer::decode(&b), Err(FrameError::BadStatus(2)));
         b[0] = 0;
         assert!(matches!(Trailer::decode(&b), Err(FrameError::BadMagic(_))));
+    }
+
+    #[test]
+    fn descriptors_and_settles_round_trip_and_reject_garbage() {
+        let d = Descriptor { size: 30, lease_ns: 5_000_000, ranges: vec![(7, 0, 10), (7, 4096, 20)] };
+        assert_eq!(Descriptor::decode(&d.encode()), Ok(d.clone()));
+        let mut b = d.encode();
+        b[0] = 31;
+        assert!(Descriptor::decode(&b).is_err(), "ranges must add up to the size");
+        let b = d.encode();
+        assert!(Descriptor::decode(&b[..b.len() - 1]).is_err(), "the count must match the length");
+        let empty = Descriptor { size: 0, lease_ns: 1, ranges: Vec::new() };
+        assert!(Descriptor::decode(&empty.encode()).is_err(), "at least one range");
+        let over = Descriptor { size: u64::MAX, lease_ns: 1, ranges: vec![(1, 0, u64::MAX), (1, 0, 1)] };
+        assert!(Descriptor::decode(&over.encode()).is_err(), "checked sums");
+        for s in [Settle::Done, Settle::SendBytes] {
+            assert_eq!(Settle::decode(&s.encode()), Ok(s));
+        }
+        let mut b = Settle::Done.encode();
+        b[4] = 9;
+        assert_eq!(Settle::decode(&b), Err(FrameError::BadStatus(9)));
     }
 
     #[test]

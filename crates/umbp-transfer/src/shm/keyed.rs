@@ -1,0 +1,137 @@
+//! [`SharedReads`]: the shared-memory half of a keyed get (`KeyedClient::get_shared`). The holder's
+//! data server answers a same-host client's GET_KEY with where the value lies in its regions (a
+//! `MAPPED` descriptor, see the TCP `protocol` module) and keeps the read lease open; this copies
+//! the ranges out of the client's mappings of those regions, checking every rule that makes the
+//! bytes the value:
+//!
+//! - **the lease covers the copy**: the caller keeps the bytes only when the copy ended within the
+//!   lease's length (`lease_ns`, which the holder measures from when it *received* the request) of
+//!   when the caller *sent* the request. No clock is shared: the send precedes the receipt, and both
+//!   processes' `CLOCK_MONOTONIC` advance at the same rate — they run on one kernel, and a time
+//!   namespace only adds a constant offset to a clock, never changes its rate — so the copy's end,
+//!   in the holder's time, is before the lease's end. (Comparing two processes' `Instant`s directly
+//!   would need the same offset, which time namespaces break; this rule needs none.)
+//! - **a stale mapping is never read**: each range is copied with
+//!   [`SharedMapping::read_at`], which checks the region's epoch before and after the copy; and the
+//!   holder's connection is checked after its answer arrived (a holder that answered is alive, so a
+//!   hung-up connection belongs to a dead predecessor at the same endpoint, whose mappings are
+//!   dropped before any is used).
+//! - **no SIGBUS**: every mapping is of a file sealed against shrinking (see the module docs of
+//!   [`shm`](super)), so a holder stopped, killed or deregistering mid-copy leaves valid memory.
+//! - **any doubt takes TCP**: a region the client cannot map (not shareable, such as an SSD staging
+//!   arena; a refused handshake) or one that went stale makes the caller ask the holder for the bytes
+//!   over the same exchange, under the same lease.
+
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::{ShmClient, ShmClientConfig, ShmError};
+
+/// How long a holder without a usable shared path is asked for bytes instead.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
+
+/// The keyed client's mappings of same-host holders' regions, and a memory of holders without a
+/// shared path (see the module docs).
+#[derive(Debug)]
+pub(crate) struct SharedReads {
+    client: ShmClient,
+    /// Holder endpoint → until when it is asked for bytes only.
+    refused: Mutex<HashMap<String, Instant>>,
+    gets: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl SharedReads {
+    /// No connection yet; the handshake presents `token`.
+    pub(crate) fn new(token: &[u8], io_timeout: Duration) -> Self {
+        let config = ShmClientConfig { io_timeout, ..ShmClientConfig::new(token) };
+        Self {
+            client: ShmClient::new(config),
+            refused: Mutex::new(HashMap::new()),
+            gets: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether to offer `endpoint` a `MAPPED` answer now: it is not remembered as pathless, and a
+    /// live connection to its shared-memory server exists (made now when there is none; a holder
+    /// on another host, or with the path off, has no server here and is remembered).
+    pub(crate) fn usable(&self, endpoint: &str) -> bool {
+        {
+            let mut refused = self.refused.lock();
+            match refused.get(endpoint) {
+                Some(&until) if Instant::now() < until => return false,
+                Some(_) => {
+                    refused.remove(endpoint);
+                }
+                None => {}
+            }
+        }
+        match self.client.connect(endpoint) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::debug!(peer = endpoint, %error, "no shared path for keyed gets; using TCP for a while");
+                self.remember(endpoint);
+                false
+            }
+        }
+    }
+
+    /// Leaves `endpoint` to the TCP bytes for a while.
+    pub(crate) fn remember(&self, endpoint: &str) {
+        self.refused.lock().insert(endpoint.to_owned(), Instant::now() + RETRY_AFTER);
+    }
+
+    /// Copies the value the ranges `(region id, offset, len)` of `endpoint`'s regions hold, in
+    /// order, to `dst`. `Err`: nothing in `dst` is to be used (the caller asks for the bytes).
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of the ranges' total length, and nobody else reads or writes those
+    /// bytes until this returns.
+    pub(crate) unsafe fn copy(
+        &self,
+        endpoint: &str,
+        ranges: &[(u64, u64, u64)],
+        dst: NonNull<u8>,
+    ) -> Result<u64, ShmError> {
+        // The holder answered, so it is alive: a connection it closed is a predecessor's.
+        self.client.connect(endpoint).inspect_err(|_| self.remember(endpoint))?;
+        let mut at = 0usize;
+        for &(region_id, offset, len) in ranges {
+            let mapping = self.client.region(endpoint, region_id).inspect_err(|e| {
+                if !matches!(e, ShmError::Stale { .. }) {
+                    // Not shareable (an SSD staging arena, say), or the server failed: ask for bytes.
+                    self.remember(endpoint);
+                }
+            })?;
+            let len =
+                usize::try_from(len).map_err(|_| ShmError::OutOfRange { offset, len, region_len: mapping.len() })?;
+            // SAFETY: `at + len` is at most the ranges' total (the sum of the lens, in order), for
+            // which `dst` is valid and ours alone (this function's contract).
+            let part = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr().add(at), len) };
+            mapping.read_at(offset, part).inspect_err(|e| {
+                if matches!(e, ShmError::Stale { .. }) {
+                    self.client.evict(endpoint, region_id);
+                }
+            })?;
+            at += len;
+        }
+        self.gets.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(at as u64, Ordering::Relaxed);
+        Ok(at as u64)
+    }
+
+    /// Keyed gets whose bytes were copied through a mapping, and those bytes.
+    pub(crate) fn copied(&self) -> (u64, u64) {
+        (self.gets.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed))
+    }
+
+    /// Drops the connection to `endpoint` and its mappings (it went away).
+    pub(crate) fn forget(&self, endpoint: &str) {
+        self.client.forget_peer(endpoint);
+    }
+}
