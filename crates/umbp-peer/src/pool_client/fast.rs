@@ -18,6 +18,12 @@
 //! - **put** (a client that lends no medium): a route call → one PUT_KEY (allocate, receive,
 //!   commit); the holder's commit wakes its heartbeat, as a routed commit does.
 //!
+//! With `shared_memory` on (the default), a get asks a holder on this host to answer with where
+//! the value lies in its shared memory instead of the bytes; the client copies them from its own
+//! mapping of the holder's region, under the holder's read lease, and the exchange ends the lease
+//! (see `umbp_transfer`'s `KeyedClient::get_shared`). A holder elsewhere, or a value the client
+//! cannot map, is answered with the bytes, in the same exchange.
+//!
 //! Anything else falls back to the routed path, which keeps every rule it has: a miss, a busy or
 //! unreachable holder, a lapsed lease, a holder that does not serve keyed requests (an older build,
 //! a value in device memory), a caller buffer in device memory, a node with a medium of its own (its
@@ -126,6 +132,10 @@ impl PoolClient {
             }
         };
         let keyed = Arc::clone(&self.keyed);
+        // A holder on this host may answer with where the value lies in its shared memory, which
+        // the client then copies from its own mapping (`KeyedClient::get_shared`); off with the
+        // shared path.
+        let shared = self.config.shared_memory;
         // The holder judges its own lease (the trailer); the client's `read_lease` bounds the
         // exchange too, from before it was sent, as on the routed path (nodes of a cluster share
         // the setting: the stricter of the two rules).
@@ -135,7 +145,13 @@ impl PoolClient {
                 // SAFETY: `buf` is a caller buffer of this call (a slice it borrows, or a raw range
                 // its contract keeps valid and unshared until the call returns), host memory (not in
                 // a device registration: checked above); this blocks until the exchange is over.
-                unsafe { keyed.get(&endpoint, key, buf.ptr, buf.len) }
+                unsafe {
+                    if shared {
+                        keyed.get_shared(&endpoint, key, buf.ptr, buf.len)
+                    } else {
+                        keyed.get(&endpoint, key, buf.ptr, buf.len)
+                    }
+                }
             })
         });
         let got = match got {
