@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use umbp_core::TierType;
 
-use super::keys;
 use crate::store::{KeyStats, Location, NodeRecord, NodeStatus, StoreError, TierCap};
 
 /// A value Redis handed back that this store never writes: the data is not ours or was corrupted.
@@ -126,30 +125,31 @@ pub(super) fn entry_locations(flat: &[String]) -> Result<Vec<Location>, StoreErr
     Ok(out)
 }
 
-/// Locations from a script's flat `tier, node, size, …` triples.
-pub(super) fn triples(flat: &[String]) -> Result<Vec<Location>, StoreError> {
-    flat.chunks_exact(3)
-        .map(|t| {
-            let tier: u32 = t[0].parse().map_err(|_| corrupt("tier"))?;
-            let size: u64 = t[2].parse().map_err(|_| corrupt("size"))?;
-            Ok(Location { node_id: Arc::from(t[1].as_str()), tier: TierType::from_wire(tier), size })
-        })
-        .collect()
+/// The locations of an entry (`HGETALL` as a flat list) on nodes not in `exclude`.
+pub(super) fn entry_locations_except(flat: &[String], exclude: &[String]) -> Result<Vec<Location>, StoreError> {
+    let mut out = entry_locations(flat)?;
+    if !exclude.is_empty() {
+        out.retain(|l| !exclude.iter().any(|e| *e == *l.node_id));
+    }
+    Ok(out)
 }
 
-/// Route-get stamps from `HMGET entry !l !a !c`; `None` if the entry is absent.
-pub(super) fn key_stats(values: &[Option<String>]) -> Result<Option<KeyStats>, StoreError> {
-    let parse = |i: usize| -> Result<Option<u64>, StoreError> {
-        values.get(i).cloned().flatten().map(|v| v.parse().map_err(|_| corrupt(keys::LEASE))).transpose()
-    };
-    let (Some(lease_until_ms), Some(last_accessed_ms), Some(access_count)) = (parse(0)?, parse(1)?, parse(2)?) else {
-        return Ok(None);
-    };
-    Ok(Some(KeyStats { lease_until_ms, last_accessed_ms, access_count }))
+/// Route-get stamps from an entry's stamps field (`lease|accessed|count`); `None` if the entry is
+/// absent.
+pub(super) fn key_stats(value: Option<&str>) -> Result<Option<KeyStats>, StoreError> {
+    let Some(value) = value else { return Ok(None) };
+    let mut it = value.split('|').map(|v| v.parse::<u64>().map_err(|_| corrupt("entry stamps")));
+    let mut next = || it.next().unwrap_or_else(|| Err(corrupt("entry stamps")));
+    let stats = KeyStats { lease_until_ms: next()?, last_accessed_ms: next()?, access_count: next()? };
+    if it.next().is_some() {
+        return Err(corrupt("entry stamps"));
+    }
+    Ok(Some(stats))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::keys;
     use super::*;
 
     #[test]
@@ -166,7 +166,17 @@ mod tests {
     #[test]
     fn replica_fields_split_at_the_first_bar() {
         assert_eq!(parse_replica_field(&replica_field("n|1", TierType::Hbm)), Some((TierType::Hbm, "n|1")));
-        assert_eq!(parse_replica_field(keys::LEASE), None);
+        assert_eq!(parse_replica_field(keys::STAMPS), None);
         assert_eq!(replica_size("42|7").ok(), Some(42));
+    }
+
+    #[test]
+    fn stamps_parse_or_report_corruption() {
+        let stats = key_stats(Some("9|8|7")).ok().flatten();
+        assert_eq!(stats, Some(KeyStats { lease_until_ms: 9, last_accessed_ms: 8, access_count: 7 }));
+        assert_eq!(key_stats(None).ok(), Some(None));
+        assert!(key_stats(Some("9|8")).is_err());
+        assert!(key_stats(Some("9|8|7|6")).is_err());
+        assert!(key_stats(Some("9|x|7")).is_err());
     }
 }

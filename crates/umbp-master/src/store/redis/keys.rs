@@ -9,7 +9,8 @@ pub(super) fn base(prefix: &str) -> String {
     format!("{{{prefix}}}:")
 }
 
-/// The set of node ids that have a record.
+/// The set of node ids that have a record (the scripts build it from the base).
+#[cfg(test)]
 pub(super) fn nodes(base: &str) -> String {
     format!("{base}nodes")
 }
@@ -34,14 +35,11 @@ pub(super) fn key_total(base: &str) -> String {
     format!("{base}keys")
 }
 
-/// Entry field of the lease stamp.
-pub(super) const LEASE: &str = "!l";
-/// Entry field of the last-access stamp.
-pub(super) const ACCESSED: &str = "!a";
-/// Entry field of the access count.
-pub(super) const COUNT: &str = "!c";
+/// Entry field of the route-get stamps, `lease_until|last_accessed|access_count` (decimal): one
+/// field, so that a route-get writes all three in one `HSET`.
+pub(super) const STAMPS: &str = "!";
 /// Stamp fields every entry carries (an entry with no more fields than these holds no replica).
-pub(super) const STAMP_FIELDS: usize = 3;
+pub(super) const STAMP_FIELDS: usize = 1;
 
 #[cfg(test)]
 mod tests {

@@ -17,7 +17,7 @@
 //! | `{P}:nodes` | set | ids of every node with a record |
 //! | `{P}:n:<node>` | hash | the record: `st` (`A` alive / `E` expired), `inc`, `hb`, `reg`, `seq`, `addr`, `peer`, `data`, `tags`, `caps`, and while a chunked full sync runs `fsb` (its baseline) and `fsn` (the next chunk) |
 //! | `{P}:nk:<node>` | hash | the node's reverse index: `key →` how many tiers it holds the key on (`HLEN` = the node's key count) |
-//! | `{P}:k:<key>` | hash | the entry: `<tier>\|<node> → <size>\|<sync tag>` per replica, and the stamps `!l` (lease until), `!a` (last access), `!c` (access count) |
+//! | `{P}:k:<key>` | hash | the entry: `<tier>\|<node> → <size>\|<sync tag>` per replica, and `!` → `<lease until>\|<last access>\|<access count>` (the route-get stamps, one field so that a route-get writes them in one `HSET`; written with the entry's first replica) |
 //! | `{P}:keys` | string | the number of entries (distinct keys) |
 //! | `{P}:lease:<name>` | string | the holder's token of a master lease (`duties`: the reaper and eviction rounds), with a TTL on Redis's clock |
 //!
@@ -33,7 +33,18 @@
 //!
 //! # Costs
 //! A write costs one round trip; wiping or sweeping a node runs in one script over its keys (Redis
-//! serves nothing else meanwhile, as the in-memory store holds a shard lock).
+//! serves nothing else meanwhile, as the in-memory store holds a shard lock). One Redis thread serves
+//! every master, so the scripts spend as few `redis.call`s as the semantics allow (each costs about
+//! a microsecond of Redis CPU beyond the command's own work, converting arguments and reply):
+//!
+//! - a heartbeat ADD of a key no entry has yet is one `HSET` (entry, stamps and replica) plus its
+//!   share of one `EXISTS` per run of 32 such keys; of an existing entry, one `HMGET` and at most one
+//!   `HSET`. The node's reverse index and the entry count change once per heartbeat (one `HMGET`,
+//!   one `HSET` of every changed key, one `INCRBY`), not once per event. The replica values are
+//!   built by the master, not by the script;
+//! - a route-get of a found key is one `HGETALL` (replicas and stamps) and one `HSET` of the stamps;
+//!   the master drops the stamps and the excluded nodes' replicas from the reply;
+//! - the node list and the peer view are one read-only script each (one round trip).
 
 mod codec;
 mod conn;
@@ -42,6 +53,7 @@ mod scripts;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::fmt::Write as _;
 use std::sync::Arc;
 
 use redis::{Connection, Script};
@@ -117,15 +129,10 @@ impl RedisStore {
     /// # Errors
     /// Backend failures.
     pub fn key_stats(&self, key: &str) -> Result<Option<KeyStats>, StoreError> {
-        let values: Vec<Option<String>> = self.pool.with(|con| {
-            redis::cmd("HMGET")
-                .arg(keys::entry(&self.base, key))
-                .arg(keys::LEASE)
-                .arg(keys::ACCESSED)
-                .arg(keys::COUNT)
-                .query(con)
-        })?;
-        codec::key_stats(&values)
+        let value: Option<String> = self
+            .pool
+            .with(|con| redis::cmd("HGET").arg(keys::entry(&self.base, key)).arg(keys::STAMPS).query(con))?;
+        codec::key_stats(value.as_deref())
     }
 
     fn invoke<T: redis::FromRedisValue>(
@@ -170,22 +177,12 @@ impl RedisStore {
     }
 
     fn records(&self, alive_only: bool) -> Result<Vec<NodeRecord>, StoreError> {
-        let nodes_key = keys::nodes(&self.base);
-        let ids: Vec<String> = self.pool.with(|con| redis::cmd("SMEMBERS").arg(&nodes_key).query(con))?;
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        let hashes: Vec<HashMap<String, String>> = self.pool.with(|con| {
-            let mut pipe = redis::pipe();
-            for id in &ids {
-                pipe.cmd("HGETALL").arg(keys::node(&self.base, id));
-            }
-            pipe.query(con)
+        let reply: Vec<(String, HashMap<String, String>)> = self.invoke(&scripts::NODES, |inv| {
+            inv.arg(if alive_only { "1" } else { "0" });
         })?;
-        let mut out = Vec::with_capacity(ids.len());
-        for (id, fields) in ids.iter().zip(hashes) {
-            // A record removed between the two reads is simply not listed.
-            if let Some(record) = codec::node_record(id, fields)?
+        let mut out = Vec::with_capacity(reply.len());
+        for (id, fields) in reply {
+            if let Some(record) = codec::node_record(&id, fields)?
                 && (!alive_only || record.status == NodeStatus::Alive)
             {
                 out.push(record);
@@ -238,14 +235,14 @@ impl MetadataStore for RedisStore {
         let HeartbeatApply { node_id, now_ms, caps, kind, incarnation } = hb;
         let reply: (String, String) = self.invoke(&scripts::HEARTBEAT, |inv| {
             inv.arg(&node_id).arg(now_ms).arg(codec::encode_caps(&caps)).arg(incarnation);
-            let events = match &kind {
+            let (events, tag) = match &kind {
                 HeartbeatKind::Keepalive => {
                     inv.arg("K");
                     return;
                 }
                 HeartbeatKind::Delta { seq, events } => {
                     inv.arg("D").arg(*seq).arg(seq.saturating_sub(1));
-                    events
+                    (events, 0)
                 }
                 HeartbeatKind::FullSyncChunk { baseline_seq, chunk_index, is_final, events } => {
                     inv.arg("S")
@@ -253,15 +250,20 @@ impl MetadataStore for RedisStore {
                         .arg(*chunk_index)
                         .arg(if *is_final { "1" } else { "0" })
                         .arg(chunk_index.saturating_add(1));
-                    events
+                    (events, *baseline_seq)
                 }
             };
+            // The replica values are built here, not in the script: Redis's one thread is the
+            // scarce CPU.
+            let mut value = String::new();
             for event in events.iter().filter(|e| e.tier != TierType::Unknown) {
                 let op = match event.kind {
                     KvEventKind::Add => "A",
                     KvEventKind::Remove => "R",
                 };
-                inv.arg(op).arg(event.tier.wire()).arg(event.key.as_str()).arg(event.size);
+                value.clear();
+                let _ = write!(value, "{}|{tag}", event.size);
+                inv.arg(op).arg(event.tier.wire()).arg(event.key.as_str()).arg(value.as_str());
             }
         })?;
         Ok(match coded(&reply)? {
@@ -327,7 +329,7 @@ impl MetadataStore for RedisStore {
         if reply.len() != keys.len() {
             return Err(codec::corrupt("route-get reply length"));
         }
-        reply.iter().map(|flat| codec::triples(flat)).collect()
+        reply.iter().map(|flat| codec::entry_locations_except(flat, exclude)).collect()
     }
 
     fn batch_exists(&self, keys: &[String]) -> Result<Vec<bool>, StoreError> {
@@ -411,10 +413,12 @@ impl MetadataStore for RedisStore {
     }
 
     fn alive_peer_view(&self) -> Result<HashMap<Arc<str>, PeerView>, StoreError> {
-        Ok(self
-            .records(true)?
+        let reply: Vec<(String, String, String)> = self.invoke(&scripts::PEERS, |_| {})?;
+        Ok(reply
             .into_iter()
-            .map(|r| (r.node_id, PeerView { peer_address: r.peer_address, data_endpoint: r.data_endpoint }))
+            .map(|(id, peer, data)| {
+                (Arc::from(id), PeerView { peer_address: Arc::from(peer), data_endpoint: Arc::from(data) })
+            })
             .collect())
     }
 

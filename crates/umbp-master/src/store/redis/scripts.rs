@@ -18,77 +18,171 @@ use std::sync::LazyLock;
 use redis::Script;
 use umbp_core::TierType;
 
-/// Helpers shared by every script: number order, the node wipe, replica add / remove / sweep.
+/// Helpers shared by every script: number order, the stamps, the node wipe, replica add / remove /
+/// sweep.
+///
+/// Redis's CPU goes mostly to the `redis.call`s a script makes (each converts its arguments and
+/// reply and dispatches a command), so the helpers make as few as the semantics allow: an ADD is one
+/// `HMGET` and one `HSET` (the stamps written with the entry's first replica), the count of entries
+/// changes once per script (`flush_keys`), and a heartbeat's changes to its node's reverse index
+/// are summed per key and written once per bundle (`nk_flush`): one `HMGET` and one `HSET` for
+/// hundreds of events.
 fn prelude() -> String {
     let tiers: Vec<String> = TierType::ALL.iter().map(|t| format!("'{}'", t.wire())).collect();
     format!(
         r#"
 local TIERS = {{{tiers}}}
+local STAMPS = '{stamps_field}'
+local CHUNK = 500
 local function pad(s) return string.rep('0', 20 - #s) .. s end
 local function lt(a, b) return pad(a) < pad(b) end
 local function gt(a, b) return pad(a) > pad(b) end
 local base = ARGV[1]
 local function entry_key(key) return base .. 'k:' .. key end
+-- The stamps `lease|accessed|count` of an entry (absent: all 0).
+local function stamps_of(v)
+  local l, a, c = string.match(v or '', '^(%d+)|(%d+)|(%d+)$')
+  if not l then return '0', '0', '0' end
+  return l, a, c
+end
+-- Entries created minus entries deleted by this script, written by `flush_keys`.
+local keys_delta = 0
+local function flush_keys()
+  if keys_delta ~= 0 then redis.call('INCRBY', base .. 'keys', keys_delta) end
+  keys_delta = 0
+end
+-- Runs `cmd` over `args` in calls of at most CHUNK arguments after `head` (Lua's stack bounds unpack).
+local function chunked(cmd, head, args)
+  for i = 1, #args, CHUNK do
+    redis.call(cmd, head, unpack(args, i, math.min(i + CHUNK - 1, #args)))
+  end
+end
 local function drop_if_empty(ek)
   if redis.call('HLEN', ek) <= {stamps} then
     redis.call('DEL', ek)
-    redis.call('DECR', base .. 'keys')
+    keys_delta = keys_delta - 1
   end
+end
+-- The heartbeat's pending changes to its node's reverse index: per key, the change of the count of
+-- tiers not yet written (`nk_delta`, keys in first-touched order in `nk_order`) and, where known
+-- without reading it, the count at the start of the script (`nk_base`).
+local nk_delta, nk_order, nk_base = {{}}, {{}}, {{}}
+local function nk_bump(key, d)
+  local cur = nk_delta[key]
+  if cur == nil then
+    nk_order[#nk_order + 1] = key
+    cur = 0
+  end
+  nk_delta[key] = cur + d
+end
+-- Writes the pending changes of the reverse index `nk`: one HMGET for the counts not known, one
+-- HSET of the new counts, one HDEL of the keys the node no longer holds.
+local function nk_flush(nk)
+  local unknown = {{}}
+  for _, key in ipairs(nk_order) do
+    if nk_base[key] == nil and nk_delta[key] ~= 0 then unknown[#unknown + 1] = key end
+  end
+  for i = 1, #unknown, CHUNK do
+    local last = math.min(i + CHUNK - 1, #unknown)
+    local got = redis.call('HMGET', nk, unpack(unknown, i, last))
+    for j = i, last do nk_base[unknown[j]] = tonumber(got[j - i + 1] or '0') end
+  end
+  local set, del = {{}}, {{}}
+  for _, key in ipairs(nk_order) do
+    local d = nk_delta[key]
+    if d ~= 0 then
+      local n = nk_base[key] + d
+      if n > 0 then
+        set[#set + 1] = key
+        set[#set + 1] = tostring(n)
+      else
+        del[#del + 1] = key
+      end
+    end
+  end
+  chunked('HSET', nk, set)
+  chunked('HDEL', nk, del)
+  nk_delta, nk_order, nk_base = {{}}, {{}}, {{}}
 end
 -- Drops every replica of the node and its reverse index.
 local function wipe(id)
   local nk = base .. 'nk:' .. id
+  local fields = {{}}
+  for i, t in ipairs(TIERS) do fields[i] = t .. '|' .. id end
   for _, key in ipairs(redis.call('HKEYS', nk)) do
     local ek = entry_key(key)
-    for _, t in ipairs(TIERS) do redis.call('HDEL', ek, t .. '|' .. id) end
+    redis.call('HDEL', ek, unpack(fields))
     drop_if_empty(ek)
   end
   redis.call('DEL', nk)
 end
--- ADD: inserts or refreshes (node, tier); a duplicate overwrites the size. `tag` (a full sync's
--- baseline) marks the replica as reported by that sync; nil keeps the replica's mark.
-local function add(id, nk, tier, key, size, tag, now)
-  local ek = entry_key(key)
-  if redis.call('EXISTS', ek) == 0 then
-    redis.call('HSET', ek, '!l', '0', '!a', now, '!c', '0')
-    redis.call('INCR', base .. 'keys')
-  end
-  local field = tier .. '|' .. id
-  local old = redis.call('HGET', ek, field)
+-- Creates the absent entry `ek` of `key` with its stamps `fresh` (never leased, accessed now, no
+-- access) and the replica `field` = `value`, in one HSET.
+local function create(ek, key, field, value, fresh)
+  redis.call('HSET', ek, STAMPS, fresh, field, value)
+  keys_delta = keys_delta + 1
+  -- The node held no tier of a key without an entry: its count at the start is what this script
+  -- has taken off since.
+  if nk_base[key] == nil then nk_base[key] = -(nk_delta[key] or 0) end
+  nk_bump(key, 1)
+end
+-- ADD: inserts or refreshes the replica `field` (`tier|node`) of `key` with `value`
+-- (`size|sync tag`); a duplicate overwrites the size. With `keep`, a replica already there keeps
+-- its sync tag (a delta); without, it takes the one in `value` (a full sync's baseline).
+local function add(ek, key, field, value, keep, fresh)
+  local got = redis.call('HMGET', ek, field, STAMPS)
+  local old = got[1]
   if old then
-    if not tag then tag = string.sub(old, string.find(old, '|', 1, true) + 1) end
-    redis.call('HSET', ek, field, size .. '|' .. tag)
+    if keep then
+      value = string.sub(value, 1, string.find(value, '|', 1, true)) .. string.sub(old, string.find(old, '|', 1, true) + 1)
+    end
+    if value ~= old then redis.call('HSET', ek, field, value) end
+  elseif got[2] then
+    redis.call('HSET', ek, field, value)
+    nk_bump(key, 1)
   else
-    redis.call('HSET', ek, field, size .. '|' .. (tag or '0'))
-    redis.call('HINCRBY', nk, key, 1)
+    create(ek, key, field, value, fresh)
   end
 end
--- REMOVE: deletes exactly (key, node, tier); the key goes with its last replica.
-local function remove(id, nk, tier, key)
+-- REMOVE: deletes exactly the replica `field` of `key`; the key goes with its last replica.
+local function remove(field, key)
   local ek = entry_key(key)
-  if redis.call('HDEL', ek, tier .. '|' .. id) == 1 then
-    if redis.call('HINCRBY', nk, key, -1) <= 0 then redis.call('HDEL', nk, key) end
+  if redis.call('HDEL', ek, field) == 1 then
+    nk_bump(key, -1)
     drop_if_empty(ek)
   end
 end
--- The sweep of a completed full sync: drops the node's replicas not marked with `keep`.
+-- The sweep of a completed full sync (pending reverse-index changes written): drops the node's
+-- replicas not marked with `keep`.
 local function sweep(id, nk, keep)
+  local fields = {{}}
+  for i, t in ipairs(TIERS) do fields[i] = t .. '|' .. id end
   for _, key in ipairs(redis.call('HKEYS', nk)) do
     local ek = entry_key(key)
-    for _, t in ipairs(TIERS) do
-      local field = t .. '|' .. id
-      local v = redis.call('HGET', ek, field)
-      if v and string.sub(v, string.find(v, '|', 1, true) + 1) ~= keep then
-        redis.call('HDEL', ek, field)
-        if redis.call('HINCRBY', nk, key, -1) <= 0 then redis.call('HDEL', nk, key) end
+    local got = redis.call('HMGET', ek, unpack(fields))
+    local held, gone = 0, {{}}
+    for i, field in ipairs(fields) do
+      local v = got[i]
+      if v then
+        held = held + 1
+        if string.sub(v, string.find(v, '|', 1, true) + 1) ~= keep then gone[#gone + 1] = field end
       end
     end
-    drop_if_empty(ek)
+    if #gone > 0 then
+      redis.call('HDEL', ek, unpack(gone))
+      if held > #gone then
+        redis.call('HSET', nk, key, held - #gone)
+      else
+        redis.call('HDEL', nk, key)
+      end
+      drop_if_empty(ek)
+    end
   end
 end
 "#,
         tiers = tiers.join(", "),
         stamps = super::keys::STAMP_FIELDS,
+        stamps_field = super::keys::STAMPS,
     )
 }
 
@@ -119,6 +213,7 @@ redis.call('DEL', nkey)
 redis.call('HSET', nkey, 'st', 'A', 'inc', inc, 'hb', now, 'reg', now, 'seq', '0',
   'addr', ARGV[6], 'peer', ARGV[7], 'data', ARGV[8], 'tags', ARGV[9], 'caps', ARGV[10])
 redis.call('SADD', base .. 'nodes', id)
+flush_keys()
 return {code, prev}
 "#,
     )
@@ -136,6 +231,7 @@ if inc ~= '0' and cur ~= '0' and inc ~= cur then return 0 end
 wipe(id)
 redis.call('DEL', nkey)
 redis.call('SREM', base .. 'nodes', id)
+flush_keys()
 return 1
 "#,
     )
@@ -143,7 +239,8 @@ return 1
 
 /// `apply_heartbeat`. ARGV: base, id, now, caps, incarnation, kind, then for a delta (`D`): seq,
 /// seq - 1, and events; for a full-sync chunk (`S`): baseline, chunk index, final (`1`/`0`), the
-/// next chunk index (saturating) and events; a keepalive (`K`) has nothing more. Events are `A`/`R`, tier, key, size quadruples.
+/// next chunk index (saturating) and events; a keepalive (`K`) has nothing more. Events are
+/// quadruples `A`/`R`, tier, key, replica value (`size|0` in a delta, `size|baseline` in a chunk).
 /// Returns `{code, seq}`: `A` applied, `R` already applied, `G` gap, `U` unknown, `S` superseded
 /// (with the incarnation that stands).
 pub(super) static HEARTBEAT: LazyLock<Script> = LazyLock::new(|| {
@@ -160,24 +257,63 @@ if inc ~= '0' and cur ~= '0' and inc ~= cur then
   return {'U', '0'}
 end
 if st ~= 'A' then return {'U', '0'} end
-if gt(now, hb) then redis.call('HSET', nkey, 'hb', now) end
-redis.call('HSET', nkey, 'caps', caps)
+if gt(now, hb) then
+  redis.call('HSET', nkey, 'hb', now, 'caps', caps)
+else
+  redis.call('HSET', nkey, 'caps', caps)
+end
 if kind == 'K' then return {'A', last} end
-local function apply(first, tag)
-  for i = first, #ARGV, 4 do
-    if ARGV[i] == 'A' then
-      add(id, nk, ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tag, now)
-    elseif not tag then
-      remove(id, nk, ARGV[i + 1], ARGV[i + 2])
+-- Applies the events from ARGV[first] on (REMOVEs only for a delta), then writes what they changed
+-- of the reverse index and the count of entries. Runs of up to RUN ADDs of distinct keys are
+-- checked with one EXISTS: when none of their entries exists (a node reporting new blocks, the
+-- common case), each is created with one HSET and no read.
+local RUN = 32
+local function apply(first, delta)
+  local fresh = '0|' .. now .. '|0'
+  local fields = {}
+  local function field_of(tier)
+    local field = fields[tier]
+    if not field then
+      field = tier .. '|' .. id
+      fields[tier] = field
     end
+    return field
   end
+  local i, n = first, #ARGV
+  while i <= n do
+    local eks, seen, j = {}, {}, i
+    while j <= n and #eks < RUN and ARGV[j] == 'A' and not seen[ARGV[j + 2]] do
+      seen[ARGV[j + 2]] = true
+      eks[#eks + 1] = entry_key(ARGV[j + 2])
+      j = j + 4
+    end
+    if #eks > 1 and redis.call('EXISTS', unpack(eks)) == 0 then
+      for k = 1, #eks do
+        local at = i + 4 * (k - 1)
+        create(eks[k], ARGV[at + 2], field_of(ARGV[at + 1]), ARGV[at + 3], fresh)
+      end
+    else
+      if j == i then j = i + 4 end
+      for at = i, j - 1, 4 do
+        local key = ARGV[at + 2]
+        if ARGV[at] == 'A' then
+          add(entry_key(key), key, field_of(ARGV[at + 1]), ARGV[at + 3], delta, fresh)
+        elseif delta then
+          remove(field_of(ARGV[at + 1]), key)
+        end
+      end
+    end
+    i = j
+  end
+  nk_flush(nk)
+  flush_keys()
 end
 if kind == 'D' then
   local seq, prev = ARGV[7], ARGV[8]
   if not gt(seq, last) then return {'R', last} end
   if prev == last and not fsb then
     redis.call('HSET', nkey, 'seq', seq)
-    apply(9, nil)
+    apply(9, true)
     return {'A', seq}
   end
   redis.call('HDEL', nkey, 'fsb', 'fsn')
@@ -202,8 +338,11 @@ if final then
 else
   redis.call('HSET', nkey, 'fsb', baseline, 'fsn', ARGV[10])
 end
-apply(11, baseline)
-if final then sweep(id, nk, baseline) end
+apply(11, false)
+if final then
+  sweep(id, nk, baseline)
+  flush_keys()
+end
 return {'A', last}
 "#,
     )
@@ -225,6 +364,7 @@ for _, id in ipairs(redis.call('SMEMBERS', base .. 'nodes')) do
     out[#out + 1] = id
   end
 end
+flush_keys()
 return out
 "#,
     )
@@ -246,6 +386,7 @@ for _, id in ipairs(redis.call('SMEMBERS', base .. 'nodes')) do
     out[#out + 1] = id
   end
 end
+flush_keys()
 return out
 "#,
     )
@@ -267,8 +408,10 @@ return 1
 });
 
 /// `batch_lookup_for_route_get`. ARGV: base, now, lease_until, the number of excluded nodes, the
-/// excluded nodes, then the keys. Returns per key its `tier, node, size` triples (not excluded);
-/// every key with one gets the lease and access stamps.
+/// excluded nodes, then the keys. Returns per key its entry as `HGETALL` gave it (before the
+/// stamps were written; the caller drops the stamps and the excluded nodes' replicas); every key
+/// with a replica on a node not excluded gets its stamps in one `HSET`: the lease and access time
+/// moved forward (never back), one more access.
 pub(super) static ROUTE_GET: LazyLock<Script> = LazyLock::new(|| {
     script(
         r#"
@@ -279,27 +422,22 @@ local res = {}
 for i = 5 + nex, #ARGV do
   local ek = entry_key(ARGV[i])
   local all = redis.call('HGETALL', ek)
-  local out = {}
+  local stamps, found = nil, false
   for j = 1, #all, 2 do
     local f = all[j]
-    if string.sub(f, 1, 1) ~= '!' then
-      local bar = string.find(f, '|', 1, true)
-      local node = string.sub(f, bar + 1)
-      if not excluded[node] then
-        local v = all[j + 1]
-        out[#out + 1] = string.sub(f, 1, bar - 1)
-        out[#out + 1] = node
-        out[#out + 1] = string.sub(v, 1, string.find(v, '|', 1, true) - 1)
-      end
+    if f == STAMPS then
+      stamps = all[j + 1]
+    elseif nex == 0 or not excluded[string.sub(f, string.find(f, '|', 1, true) + 1)] then
+      found = true
     end
   end
-  if #out > 0 then
-    local stamps = redis.call('HMGET', ek, '!l', '!a')
-    if gt(lease_until, stamps[1]) then redis.call('HSET', ek, '!l', lease_until) end
-    if gt(now, stamps[2]) then redis.call('HSET', ek, '!a', now) end
-    redis.call('HINCRBY', ek, '!c', 1)
+  if found then
+    local l, a, c = stamps_of(stamps)
+    if gt(lease_until, l) then l = lease_until end
+    if gt(now, a) then a = now end
+    redis.call('HSET', ek, STAMPS, l .. '|' .. a .. '|' .. string.format('%.0f', tonumber(c) + 1))
   end
-  res[#res + 1] = out
+  res[#res + 1] = all
 end
 return res
 "#,
@@ -319,15 +457,52 @@ for i = 3, #ARGV, 2 do
   if redis.call('HGET', base .. 'n:' .. id, 'st') == 'A' then
     local field = tier .. '|' .. id
     for _, key in ipairs(redis.call('HKEYS', base .. 'nk:' .. id)) do
-      local v = redis.call('HMGET', entry_key(key), field, '!l', '!a')
-      if v[1] and not gt(v[2], now) then
-        out[#out + 1] = key
-        out[#out + 1] = string.sub(v[1], 1, string.find(v[1], '|', 1, true) - 1)
-        out[#out + 1] = v[3]
+      local v = redis.call('HMGET', entry_key(key), field, STAMPS)
+      if v[1] then
+        local l, a = stamps_of(v[2])
+        if not gt(l, now) then
+          out[#out + 1] = key
+          out[#out + 1] = string.sub(v[1], 1, string.find(v[1], '|', 1, true) - 1)
+          out[#out + 1] = a
+        end
       end
     end
   end
   res[#res + 1] = out
+end
+return res
+"#,
+    )
+});
+
+/// `list_alive` / `list_nodes` (read-only): every record in one round trip. ARGV: base, `1` for ALIVE
+/// records only (else `0`). Returns `{id, HGETALL of the record}` per node.
+pub(super) static NODES: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r#"
+local alive_only = ARGV[2] == '1'
+local res = {}
+for _, id in ipairs(redis.call('SMEMBERS', base .. 'nodes')) do
+  local nkey = base .. 'n:' .. id
+  if not alive_only or redis.call('HGET', nkey, 'st') == 'A' then
+    local all = redis.call('HGETALL', nkey)
+    if #all > 0 then res[#res + 1] = {id, all} end
+  end
+end
+return res
+"#,
+    )
+});
+
+/// `alive_peer_view` (read-only; a route-get takes it before every lookup): ARGV: base. Returns
+/// `{id, peer address, data endpoint}` per ALIVE node, in one round trip and one `HMGET` a node.
+pub(super) static PEERS: LazyLock<Script> = LazyLock::new(|| {
+    script(
+        r#"
+local res = {}
+for _, id in ipairs(redis.call('SMEMBERS', base .. 'nodes')) do
+  local rec = redis.call('HMGET', base .. 'n:' .. id, 'st', 'peer', 'data')
+  if rec[1] == 'A' then res[#res + 1] = {id, rec[2] or '', rec[3] or ''} end
 end
 return res
 "#,
@@ -366,7 +541,7 @@ return 0
 });
 
 /// Every script, for loading them all when a connection is made.
-pub(super) fn all() -> [&'static Script; 10] {
+pub(super) fn all() -> [&'static Script; 12] {
     [
         &REGISTER,
         &UNREGISTER,
@@ -376,6 +551,8 @@ pub(super) fn all() -> [&'static Script; 10] {
         &CAPS_CAS,
         &ROUTE_GET,
         &EVICTION,
+        &NODES,
+        &PEERS,
         &LEASE_ACQUIRE,
         &LEASE_RELEASE,
     ]
