@@ -1,13 +1,19 @@
 //! What only the Redis store has: scripts re-loaded after Redis forgot them, prompt retryable errors
 //! while Redis is unreachable and recovery when it is back, the key layout under one hash tag, and
 //! stores isolated by prefix and database. Every test starts its own `redis-server`.
+//!
+//! Also contract tests (run against every store) aimed at the Redis scripts' batching: a bundle's
+//! runs of new keys created without reads, its reverse-index changes written once at its end.
 
+#[macro_use]
+#[path = "store_support/contract.rs"]
+mod contract;
 mod store_support;
 
 use std::time::{Duration, Instant};
 
 use store_support::*;
-use umbp_core::ErrorKind;
+use umbp_core::{ErrorKind, KvEvent, TierType};
 use umbp_master::store::{HeartbeatOutcome, MetadataStore, RedisStore, RedisTimeouts, StoreError};
 
 fn raw(server: &RedisServer, db: u8) -> redis::Connection {
@@ -142,3 +148,94 @@ fn every_key_lives_under_the_store_hash_tag_and_stores_are_isolated() {
 fn a_missing_redis_server_fails_the_redis_subject() {
     let _ = RedisServer::start_binary("/nonexistent/redis-server", 1);
 }
+
+fn counts(store: &Subject) -> (u64, u64, u64) {
+    let count = |node| store.node_key_count(node).expect("store call");
+    (store.key_count().expect("store call"), count("a"), count("b"))
+}
+
+/// One delta with runs of new keys longer than a script's run, repeats inside a run, a second tier,
+/// keys another node already holds, and keys removed and added back in the same bundle: every count
+/// and stamp as if the events were applied one by one.
+fn large_bundles_apply_as_their_events_in_order(kind: Kind) {
+    let store = kind.one();
+    register(&store, "a", 0);
+    register(&store, "b", 0);
+    let shared: Vec<KvEvent> = (0..10).map(|i| add(&format!("s{i}"), 1)).collect();
+    assert_eq!(delta(&store, "b", 5, 1, shared), HeartbeatOutcome::Applied { acked_seq: 1 });
+    assert_eq!(route_get_once(&store, "s0").len(), 1);
+    let before = store.key_stats("s0").expect("s0 indexed");
+
+    let mut events: Vec<KvEvent> = (0..10).map(|i| add(&format!("n{i}"), i)).collect();
+    events.push(add("n3", 100)); // a repeat inside a run of new keys
+    events.extend((10..70).map(|i| add(&format!("n{i}"), i)));
+    events.push(KvEvent::add("n5", TierType::Hbm, 55));
+    events.extend((0..10).map(|i| add(&format!("s{i}"), 2)));
+    events.extend([rm("n7"), add("n7", 77), rm("n8"), add("n9", 99), add("n9", 98)]);
+    events.extend([add("gone", 1), rm("gone"), add("back", 1), rm("back"), add("back", 3)]);
+    assert_eq!(delta(&store, "a", 10, 1, events), HeartbeatOutcome::Applied { acked_seq: 1 });
+
+    // a: n0..n69 but n8, s0..s9, back; b: s0..s9.
+    assert_eq!(counts(&store), (70 - 1 + 10 + 1, 69 + 10 + 1, 10));
+    assert_eq!(locs(&store, "n3"), vec![("a".to_owned(), TierType::Dram, 100)]);
+    assert_eq!(locs(&store, "n5"), vec![("a".to_owned(), TierType::Hbm, 55), ("a".to_owned(), TierType::Dram, 5)]);
+    assert_eq!(locs(&store, "n7"), vec![("a".to_owned(), TierType::Dram, 77)]);
+    assert_eq!(locs(&store, "n9"), vec![("a".to_owned(), TierType::Dram, 98)]);
+    assert!(locs(&store, "n8").is_empty() && locs(&store, "gone").is_empty());
+    assert_eq!(locs(&store, "back"), vec![("a".to_owned(), TierType::Dram, 3)]);
+    assert_eq!(locs(&store, "s4"), vec![("a".to_owned(), TierType::Dram, 2), ("b".to_owned(), TierType::Dram, 1)]);
+    assert_eq!(store.key_stats("s0"), Some(before), "a new replica leaves the stamps alone");
+    let fresh = store.key_stats("n7").expect("n7 indexed");
+    assert_eq!((fresh.lease_until_ms, fresh.last_accessed_ms, fresh.access_count), (0, 10, 0));
+
+    // Every replica of a's n-keys goes, then n5 (held on two tiers before the bundle) and n10 come
+    // back: their entries are new, their counts in a's reverse index are not.
+    let mut removes: Vec<KvEvent> = (0..70).map(|i| rm(&format!("n{i}"))).collect();
+    removes.extend([KvEvent::remove("n5", TierType::Hbm), add("n5", 505), add("n10", 1010)]);
+    assert_eq!(delta(&store, "a", 20, 2, removes).acked_seq(), Some(2));
+    assert_eq!(counts(&store), (10 + 1 + 1 + 1, 10 + 1 + 1 + 1, 10));
+    assert_eq!(locs(&store, "n5"), vec![("a".to_owned(), TierType::Dram, 505)]);
+    assert_eq!(locs(&store, "n10"), vec![("a".to_owned(), TierType::Dram, 1010)]);
+
+    // A full sync in two chunks: new keys, a repeat, keys already there; the sweep drops the rest.
+    let mut first: Vec<KvEvent> = (0..40).map(|i| add(&format!("m{i}"), i)).collect();
+    first.extend([KvEvent::add("n5", TierType::Hbm, 56), add("s0", 4), add("m1", 11)]);
+    assert_eq!(chunk(&store, "a", 30, 9, 0, false, first).acked_seq(), Some(2));
+    let second: Vec<KvEvent> = (40..80).map(|i| add(&format!("m{i}"), i)).collect();
+    assert_eq!(chunk(&store, "a", 31, 9, 1, true, second).acked_seq(), Some(9));
+    // a: m0..m79, n5 (HBM), s0; b: s0..s9.
+    assert_eq!(counts(&store), (80 + 1 + 10, 80 + 1 + 1, 10));
+    assert_eq!(locs(&store, "m1"), vec![("a".to_owned(), TierType::Dram, 11)]);
+    assert_eq!(locs(&store, "s0"), vec![("a".to_owned(), TierType::Dram, 4), ("b".to_owned(), TierType::Dram, 1)]);
+    assert_eq!(locs(&store, "s1"), vec![("b".to_owned(), TierType::Dram, 1)]);
+    assert!(locs(&store, "back").is_empty());
+}
+
+/// Route-gets of a batch with misses, repeats and excluded nodes stamp each found key once per
+/// occurrence, never move the lease or the access time back, and hand back only the locations.
+fn route_get_batches_stamp_each_found_key(kind: Kind) {
+    let store = kind.one();
+    register(&store, "a", 0);
+    register(&store, "b", 0);
+    assert_eq!(delta(&store, "a", 5, 1, vec![add("k", 1), add("j", 2)]).acked_seq(), Some(1));
+    assert_eq!(delta(&store, "b", 5, 1, vec![add("k", 3)]).acked_seq(), Some(1));
+    let batch = keys(&["k", "miss", "k", "j"]);
+    let found = store.batch_lookup_for_route_get(&batch, &["b".to_owned()], 100, 50).expect("store call");
+    let nodes: Vec<Vec<String>> = found.iter().map(|l| l.iter().map(|loc| loc.node_id.to_string()).collect()).collect();
+    assert_eq!(nodes, vec![vec!["a".to_owned()], vec![], vec!["a".to_owned()], vec!["a".to_owned()]]);
+    assert_eq!(found[0][0].size, 1);
+    let k = store.key_stats("k").expect("k indexed");
+    assert_eq!((k.lease_until_ms, k.last_accessed_ms, k.access_count), (150, 100, 2));
+    // An older call (a slow master) moves neither stamp back; a batch with only excluded nodes
+    // stamps nothing.
+    store.batch_lookup_for_route_get(&keys(&["k"]), &[], 90, 5).expect("store call");
+    let k = store.key_stats("k").expect("k indexed");
+    assert_eq!((k.lease_until_ms, k.last_accessed_ms, k.access_count), (150, 100, 3));
+    let none = store.batch_lookup_for_route_get(&keys(&["j"]), &["a".to_owned()], 200, 5).expect("store call");
+    assert!(none[0].is_empty());
+    let j = store.key_stats("j").expect("j indexed");
+    assert_eq!((j.lease_until_ms, j.last_accessed_ms, j.access_count), (150, 100, 1));
+    assert_eq!(store.key_stats("miss"), None);
+}
+
+contract!(large_bundles_apply_as_their_events_in_order, route_get_batches_stamp_each_found_key);

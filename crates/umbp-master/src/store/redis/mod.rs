@@ -129,9 +129,8 @@ impl RedisStore {
     /// # Errors
     /// Backend failures.
     pub fn key_stats(&self, key: &str) -> Result<Option<KeyStats>, StoreError> {
-        let value: Option<String> = self
-            .pool
-            .with(|con| redis::cmd("HGET").arg(keys::entry(&self.base, key)).arg(keys::STAMPS).query(con))?;
+        let value: Option<String> =
+            self.pool.with(|con| redis::cmd("HGET").arg(keys::entry(&self.base, key)).arg(keys::STAMPS).query(con))?;
         codec::key_stats(value.as_deref())
     }
 
