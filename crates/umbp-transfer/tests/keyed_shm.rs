@@ -3,7 +3,10 @@
 //! same host): the value copied from the mapping (no value bytes on the socket), the lease closed
 //! after the settle frame, a lease that ended before the copy did (lapsed, never a hit), a region
 //! the holder does not share and a holder without a server (both served the TCP way, byte-exact),
-//! a region deregistered from the shared path while mapped (never read through the stale mapping).
+//! a region deregistered from the shared path while mapped (never read through the stale mapping);
+//! keyed puts copied into the slot through the mapping and committed by the settle frame, a put
+//! whose slot ended before its settle (aborted, never committed), a put into a region the holder
+//! does not share (its bytes sent in the same exchange).
 
 pub mod tcp_support;
 
@@ -20,11 +23,11 @@ use tcp_support::pattern;
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
-    DataServer, DataServerConfig, KeyedClient, KeyedClientConfig, KeyedGet, KeyedHandler, KeyedLease, KeyedRange,
-    KeyedRead, KeyedSlot, KeyedWrite,
+    DataServer, DataServerConfig, KeyedClient, KeyedClientConfig, KeyedGet, KeyedHandler, KeyedLease, KeyedPut,
+    KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
 };
 
-const LEN: usize = 4 << 20;
+const LEN: usize = 16 << 20;
 const TOKEN: &str = "keyed-shm-token";
 
 /// A sealed memory file mapped read-write, as a shareable medium makes one; never unmapped (the
@@ -59,13 +62,22 @@ impl SealedFile {
     }
 }
 
-/// A read-only handler: keys at (region, offset, len), a lease of `lease` from the resolve, and a
-/// count of leases open.
+/// Where slots go: (region id, next free offset, open slots: id → (key, region, offset, len)).
+type Slots = (u64, u64, HashMap<u64, (String, u64, u64, u64)>);
+
+/// A handler: keys at (region, offset, len), a lease of `lease` from the resolve, a count of
+/// leases open, slots handed out at the next free offset of one region.
 struct Table {
     lease: Duration,
     /// Sleeps this long in the resolve after the lease began (to outlast a short lease).
     stall: Duration,
     keys: Mutex<HashMap<String, (u64, u64, u64)>>,
+    /// Where slots go.
+    slots: Mutex<Slots>,
+    /// A slot lasts this long from the allocation.
+    slot_ttl: Duration,
+    committed: Mutex<Vec<String>>,
+    aborted: Mutex<Vec<String>>,
     open: Mutex<usize>,
     closed: Mutex<Vec<String>>,
 }
@@ -76,6 +88,10 @@ impl Table {
             lease,
             stall,
             keys: Mutex::new(HashMap::new()),
+            slots: Mutex::new((0, 4 << 20, HashMap::new())),
+            slot_ttl: Duration::from_secs(10),
+            committed: Mutex::new(Vec::new()),
+            aborted: Mutex::new(Vec::new()),
             open: Mutex::new(0),
             closed: Mutex::new(Vec::new()),
         })
@@ -119,12 +135,33 @@ impl KeyedHandler for Table {
         self.closed.lock().push(key.to_owned());
     }
 
-    fn open_write(&self, _key: &str, _tier: u64, _size: u64) -> KeyedWrite {
-        KeyedWrite::Unsupported
+    fn open_write(&self, key: &str, _tier: u64, size: u64) -> KeyedWrite {
+        if self.keys.lock().contains_key(key) {
+            return KeyedWrite::Exists;
+        }
+        let until = Instant::now() + self.slot_ttl;
+        std::thread::sleep(self.stall);
+        let mut slots = self.slots.lock();
+        let (region_id, offset) = (slots.0, slots.1);
+        slots.1 += size;
+        let id = slots.2.len() as u64 + 1;
+        slots.2.insert(id, (key.to_owned(), region_id, offset, size));
+        KeyedWrite::Slot {
+            ranges: vec![KeyedRange { region_id, offset, len: size }],
+            slot: KeyedSlot { id, backend_id: 0, until },
+        }
     }
 
-    fn close_write(&self, _key: &str, _slot: KeyedSlot, _received: bool) -> bool {
-        false
+    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool) -> bool {
+        let (k, region_id, offset, len) = self.slots.lock().2.get(&slot.id).cloned().expect("an open slot");
+        assert_eq!(k, key);
+        if received {
+            self.insert(key, region_id, offset, len);
+            self.committed.lock().push(key.to_owned());
+        } else {
+            self.aborted.lock().push(key.to_owned());
+        }
+        received
     }
 }
 
@@ -139,6 +176,7 @@ fn holder(file: &SealedFile, table: &Arc<Table>, shared: bool) -> (DataServer, O
     .expect("server starts");
     let r = srv.register_memory(file.region()).expect("registered");
     let region_id = r.remote().expect("remote").region_id;
+    table.slots.lock().0 = region_id;
     srv.set_keyed_handler(Some(Arc::clone(table) as Arc<dyn KeyedHandler>));
     let shm = shared.then(|| {
         let shm = ShmServer::start(ShmServerConfig::new(srv.endpoint(), TOKEN)).expect("shm server");
@@ -176,7 +214,7 @@ fn a_same_host_get_copies_from_the_mapping_and_closes_the_lease() {
         assert_eq!(&buf[..len], &value[..], "byte-exact at {len}");
     }
     let copied: u64 = [1u64, 4096, 65_536, 1 << 20, 1_000_003].iter().sum();
-    assert_eq!(c.shared_copies(), (5, copied), "every byte came through the mapping");
+    assert_eq!(c.shared_copies(), (5, 0, copied), "every byte came through the mapping");
     assert_eq!(table.settled().len(), 5, "each lease ended by the settle frame");
     // Answers other than a hit are the same as over TCP.
     let mut small = vec![0u8; 10];
@@ -213,7 +251,7 @@ fn regions_without_the_shared_path_are_served_over_tcp_byte_exact() {
     let mut buf = vec![0u8; value.len()];
     assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(value.len() as u64));
     assert_eq!(buf, value);
-    assert_eq!(c.shared_copies(), (0, 0));
+    assert_eq!(c.shared_copies(), (0, 0, 0));
 
     // A holder with a server that does not share this region (an SSD staging arena, say): the
     // descriptor names a region the client cannot map, so it asks for the bytes in the same
@@ -227,7 +265,7 @@ fn regions_without_the_shared_path_are_served_over_tcp_byte_exact() {
     buf.fill(0);
     assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(value.len() as u64));
     assert_eq!(buf, value);
-    assert_eq!(c.shared_copies(), (0, 0));
+    assert_eq!(c.shared_copies(), (0, 0, 0));
     assert_eq!(shm.as_ref().map(ShmServer::connection_count), Some(1), "the client did reach the server");
     assert_eq!(table.settled(), vec!["k".to_owned()]);
 }
@@ -256,4 +294,68 @@ fn a_region_deregistered_from_the_shared_path_is_never_read_through_its_mapping(
     assert_eq!(buf, new);
     assert_eq!(c.shared_copies().0, 1, "not read through the stale mapping");
     assert_eq!(table.settled().len(), 2);
+}
+
+fn put(c: &KeyedClient, endpoint: &str, key: &str, value: &[u8]) -> KeyedPut {
+    c.put_shared(endpoint, key, 1, value).expect("an answer")
+}
+
+#[test]
+fn a_same_host_put_is_copied_into_the_slot_and_committed_by_the_settle() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let ep = srv.endpoint().to_owned();
+    let c = client();
+    let mut copied = 0;
+    // Below `SHARED_PUT_MIN` the value goes the TCP way (one round trip); from it on, through the
+    // mapping.
+    for (i, len) in [1usize, 65_536, 1 << 20, 3 << 20].into_iter().enumerate() {
+        let key = format!("p{i}");
+        let value = pattern(len, 10 + i as u64);
+        assert_eq!(put(&c, &ep, &key, &value), KeyedPut::Written, "{len} bytes");
+        copied += len as u64;
+        let mut buf = vec![0u8; len];
+        assert_eq!(get(&c, &ep, &key, &mut buf), KeyedGet::Hit(len as u64));
+        assert_eq!(buf, value, "the committed bytes are the value");
+    }
+    assert_eq!(put(&c, &ep, "p0", b"again"), KeyedPut::Exists);
+    let (gets, puts, bytes) = c.shared_copies();
+    let put_bytes = (1 << 20) + (3 << 20);
+    assert_eq!((gets, puts, bytes), (4, 2, copied + put_bytes), "the large puts and every get through the mapping");
+    assert_eq!(*table.committed.lock(), vec!["p0", "p1", "p2", "p3"]);
+    assert!(table.aborted.lock().is_empty());
+}
+
+#[test]
+fn a_put_settled_after_its_slot_ended_is_aborted_never_committed() {
+    let file = SealedFile::new();
+    let mut table = Table::new(Duration::from_secs(10), Duration::from_millis(20));
+    Arc::get_mut(&mut table).expect("unshared").slot_ttl = Duration::from_millis(2);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let c = client();
+    assert_eq!(put(&c, srv.endpoint(), "late", &pattern(1 << 20, 7)), KeyedPut::Failed);
+    assert_eq!(c.shared_copies().1, 1, "copied through the mapping, then refused by the slot's end");
+    assert!(table.committed.lock().is_empty());
+    assert_eq!(*table.aborted.lock(), vec!["late"]);
+    let mut buf = vec![0u8; 16];
+    assert_eq!(get(&c, srv.endpoint(), "late", &mut buf), KeyedGet::Miss);
+}
+
+#[test]
+fn a_put_into_a_region_the_holder_does_not_share_sends_its_bytes() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let other = SealedFile::new();
+    let unshared = srv.register_memory(other.region()).expect("registered").remote().expect("remote").region_id;
+    table.slots.lock().0 = unshared;
+    let c = client();
+    let value = pattern(300_001, 8);
+    assert_eq!(put(&c, srv.endpoint(), "k", &value), KeyedPut::Written);
+    assert_eq!(c.shared_copies(), (0, 0, 0), "nothing through a mapping");
+    let mut buf = vec![0u8; value.len()];
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(value.len() as u64));
+    assert_eq!(buf, value);
+    assert_eq!(*table.committed.lock(), vec!["k"]);
 }

@@ -1,5 +1,5 @@
 //! A focused latency probe (ignored by default; run it in release): single keyed gets of 64 KiB and
-//! 1 MiB from a holder in **another process** on this host, over the TCP exchange
+//! 1 MiB (and single keyed puts) from a holder in **another process** on this host, over the TCP exchange
 //! (`KeyedClient::get`) and over the shared-memory answer (`KeyedClient::get_shared`), in
 //! alternating blocks so a change in the machine's load reaches both paths alike; prints p50 / p99.
 //!
@@ -20,8 +20,8 @@ use rustix::mm::{MapFlags, ProtFlags};
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
-    DataServer, DataServerConfig, KeyedClient, KeyedClientConfig, KeyedGet, KeyedHandler, KeyedLease, KeyedRange,
-    KeyedRead, KeyedSlot, KeyedWrite,
+    DataServer, DataServerConfig, KeyedClient, KeyedClientConfig, KeyedGet, KeyedHandler, KeyedLease, KeyedPut,
+    KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
 };
 
 const CHILD: &str = "KEYED_LATENCY_CHILD";
@@ -47,11 +47,15 @@ impl KeyedHandler for Values {
         }
     }
     fn close_read(&self, _key: &str, _lease: KeyedLease) {}
-    fn open_write(&self, _key: &str, _tier: u64, _size: u64) -> KeyedWrite {
-        KeyedWrite::Unsupported
+    /// Every put gets the same slot (at 2 MiB): the probe never reads puts back.
+    fn open_write(&self, _key: &str, _tier: u64, size: u64) -> KeyedWrite {
+        KeyedWrite::Slot {
+            ranges: vec![KeyedRange { region_id: self.region_id, offset: 2 << 20, len: size }],
+            slot: KeyedSlot { id: 1, backend_id: 0, until: Instant::now() + Duration::from_secs(5) },
+        }
     }
-    fn close_write(&self, _key: &str, _slot: KeyedSlot, _received: bool) -> bool {
-        false
+    fn close_write(&self, _key: &str, _slot: KeyedSlot, received: bool) -> bool {
+        received
     }
 }
 
@@ -155,10 +159,39 @@ fn keyed_get_latency_over_tcp_and_shared_memory() {
             }
         }
         assert!(buf.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "byte-exact");
+        let put = |shared: bool| {
+            let t = Instant::now();
+            let done =
+                if shared { client.put_shared(&endpoint, &key, 1, &buf) } else { client.put(&endpoint, &key, 1, &buf) };
+            assert_eq!(done.expect("an answer"), KeyedPut::Written);
+            t.elapsed()
+        };
+        let mut put_times = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
+        for shared in [false, true] {
+            for _ in 0..20 {
+                put(shared);
+            }
+        }
+        for block in 0..2 * BLOCKS {
+            let shared = block % 2 == 1;
+            for _ in 0..calls / BLOCKS {
+                put_times[usize::from(shared)].push(put(shared));
+            }
+        }
         for (path, t) in ["tcp", "shared"].iter().zip(&mut times) {
             t.sort();
             println!(
                 "keyed get {:>5} KiB over {path:<6}: p50 {:>8.1} us  p99 {:>8.1} us  ({} calls)",
+                size >> 10,
+                percentile(t, 0.5),
+                percentile(t, 0.99),
+                t.len()
+            );
+        }
+        for (path, t) in ["tcp", "shared"].iter().zip(&mut put_times) {
+            t.sort();
+            println!(
+                "keyed put {:>5} KiB over {path:<6}: p50 {:>8.1} us  p99 {:>8.1} us  ({} calls)",
                 size >> 10,
                 percentile(t, 0.5),
                 percentile(t, 0.99),

@@ -22,7 +22,9 @@
 //! the value lies in its shared memory instead of the bytes; the client copies them from its own
 //! mapping of the holder's region, under the holder's read lease, and the exchange ends the lease
 //! (see `umbp_transfer`'s `KeyedClient::get_shared`). A holder elsewhere, or a value the client
-//! cannot map, is answered with the bytes, in the same exchange.
+//! cannot map, is answered with the bytes, in the same exchange. A put of a large value (128 KiB
+//! and up) likewise copies it into the slot the holder allocated, through the mapping, and the
+//! holder commits it when told in time (`KeyedClient::put_shared`).
 //!
 //! Anything else falls back to the routed path, which keeps every rule it has: a miss, a busy or
 //! unreachable holder, a lapsed lease, a holder that does not serve keyed requests (an older build,
@@ -210,13 +212,20 @@ impl PoolClient {
             Ok(_) | Err(_) => return None,
         };
         let keyed = Arc::clone(&self.keyed);
+        // A large value for a holder on this host is copied into the slot through the client's
+        // mapping (`KeyedClient::put_shared`); off with the shared path.
+        let shared = self.config.shared_memory;
         let put = phase!(phases::PUT_KEYED).in_scope(|| {
             blocking(|| {
                 // SAFETY: `value` is a caller buffer of this call (a slice it borrows, or a raw
                 // range its contract keeps valid and unwritten until the call returns), host memory
                 // (checked above); only read, until this blocking call returns.
                 let bytes = unsafe { std::slice::from_raw_parts(value.ptr.as_ptr().cast_const(), value.len) };
-                keyed.put(&endpoint, key, u64::from(tier.wire()), bytes)
+                if shared {
+                    keyed.put_shared(&endpoint, key, u64::from(tier.wire()), bytes)
+                } else {
+                    keyed.put(&endpoint, key, u64::from(tier.wire()), bytes)
+                }
             })
         });
         match put {

@@ -1,4 +1,5 @@
-//! [`SharedReads`]: the shared-memory half of a keyed get (`KeyedClient::get_shared`). The holder's
+//! [`SharedReads`]: the shared-memory half of a keyed get (`KeyedClient::get_shared`) or put
+//! (`KeyedClient::put_shared`). The holder's
 //! data server answers a same-host client's GET_KEY with where the value lies in its regions (a
 //! `MAPPED` descriptor, see the TCP `protocol` module) and keeps the read lease open; this copies
 //! the ranges out of the client's mappings of those regions, checking every rule that makes the
@@ -18,6 +19,10 @@
 //!   dropped before any is used).
 //! - **no SIGBUS**: every mapping is of a file sealed against shrinking (see the module docs of
 //!   [`shm`](super)), so a holder stopped, killed or deregistering mid-copy leaves valid memory.
+//! - **a put's bytes are committed only in time**: [`copy_in`](SharedReads::copy_in) writes a
+//!   keyed put's value into the slot the holder allocated, through the same mappings (epochs
+//!   checked likewise); the holder commits when the client's settle frame arrives before the
+//!   slot's end — the bytes were all written before the settle left — and aborts otherwise.
 //! - **any doubt takes TCP**: a region the client cannot map (not shareable, such as an SSD staging
 //!   arena; a refused handshake) or one that went stale makes the caller ask the holder for the bytes
 //!   over the same exchange, under the same lease.
@@ -29,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::{ShmClient, ShmClientConfig, ShmError};
+use super::{SharedMapping, ShmClient, ShmClientConfig, ShmError};
 
 /// How long a holder without a usable shared path is asked for bytes instead.
 const RETRY_AFTER: Duration = Duration::from_secs(5);
@@ -42,6 +47,7 @@ pub(crate) struct SharedReads {
     /// Holder endpoint → until when it is asked for bytes only.
     refused: Mutex<HashMap<String, Instant>>,
     gets: AtomicU64,
+    puts: AtomicU64,
     bytes: AtomicU64,
 }
 
@@ -53,6 +59,7 @@ impl SharedReads {
             client: ShmClient::new(config),
             refused: Mutex::new(HashMap::new()),
             gets: AtomicU64::new(0),
+            puts: AtomicU64::new(0),
             bytes: AtomicU64::new(0),
         }
     }
@@ -98,36 +105,67 @@ impl SharedReads {
         ranges: &[(u64, u64, u64)],
         dst: NonNull<u8>,
     ) -> Result<u64, ShmError> {
+        let copied = self.each_range(endpoint, ranges, |mapping, offset, at, len| {
+            // SAFETY: `at + len` is at most the ranges' total (the sum of the lens, in order), for
+            // which `dst` is valid and ours alone (this function's contract).
+            let part = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr().add(at), len) };
+            mapping.read_at(offset, part)
+        })?;
+        self.gets.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(copied, Ordering::Relaxed);
+        Ok(copied)
+    }
+
+    /// Copies `src` into the ranges `(region id, offset, len)` of `endpoint`'s regions, in order
+    /// (a keyed put's slot; the holder commits it when told). `Err`: the slot must not be committed
+    /// as written (the caller sends the bytes instead).
+    pub(crate) fn copy_in(&self, endpoint: &str, ranges: &[(u64, u64, u64)], src: &[u8]) -> Result<u64, ShmError> {
+        let total = ranges.iter().try_fold(0u64, |t, r| t.checked_add(r.2));
+        if total != Some(src.len() as u64) {
+            return Err(ShmError::Invalid(format!("slot ranges for a value of {} bytes", src.len())));
+        }
+        let copied = self.each_range(endpoint, ranges, |mapping, offset, at, len| {
+            let part = src.get(at..at + len).ok_or_else(|| ShmError::Invalid("a range past the value".into()))?;
+            mapping.write_at(offset, part)
+        })?;
+        self.puts.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(copied, Ordering::Relaxed);
+        Ok(copied)
+    }
+
+    /// Runs `copy(mapping, offset in the region, offset in the value, len)` over the ranges, in
+    /// order, after checking the holder's connection; returns the bytes covered.
+    fn each_range(
+        &self,
+        endpoint: &str,
+        ranges: &[(u64, u64, u64)],
+        mut copy: impl FnMut(&SharedMapping, u64, usize, usize) -> Result<(), ShmError>,
+    ) -> Result<u64, ShmError> {
         // The holder answered, so it is alive: a connection it closed is a predecessor's.
         self.client.connect(endpoint).inspect_err(|_| self.remember(endpoint))?;
         let mut at = 0usize;
         for &(region_id, offset, len) in ranges {
             let mapping = self.client.region(endpoint, region_id).inspect_err(|e| {
                 if !matches!(e, ShmError::Stale { .. }) {
-                    // Not shareable (an SSD staging arena, say), or the server failed: ask for bytes.
+                    // Not shareable (an SSD staging arena, say), or the server failed: use TCP.
                     self.remember(endpoint);
                 }
             })?;
             let len =
                 usize::try_from(len).map_err(|_| ShmError::OutOfRange { offset, len, region_len: mapping.len() })?;
-            // SAFETY: `at + len` is at most the ranges' total (the sum of the lens, in order), for
-            // which `dst` is valid and ours alone (this function's contract).
-            let part = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr().add(at), len) };
-            mapping.read_at(offset, part).inspect_err(|e| {
+            copy(&mapping, offset, at, len).inspect_err(|e| {
                 if matches!(e, ShmError::Stale { .. }) {
                     self.client.evict(endpoint, region_id);
                 }
             })?;
             at += len;
         }
-        self.gets.fetch_add(1, Ordering::Relaxed);
-        self.bytes.fetch_add(at as u64, Ordering::Relaxed);
         Ok(at as u64)
     }
 
-    /// Keyed gets whose bytes were copied through a mapping, and those bytes.
-    pub(crate) fn copied(&self) -> (u64, u64) {
-        (self.gets.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed))
+    /// Keyed gets and puts whose bytes were copied through a mapping, and those bytes.
+    pub(crate) fn copied(&self) -> (u64, u64, u64) {
+        (self.gets.load(Ordering::Relaxed), self.puts.load(Ordering::Relaxed), self.bytes.load(Ordering::Relaxed))
     }
 
     /// Drops the connection to `endpoint` and its mappings (it went away).

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use super::super::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 use super::super::protocol::{
-    Descriptor, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_SHARED_RANGES, Reply, Request, SETTLE_LEN, Settle, Status,
-    Trailer,
+    Descriptor, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES, MAX_SHARED_RANGES, Reply, Request, SETTLE_LEN,
+    Settle, Status, Trailer,
 };
 use super::{End, RegionGuard, ServerConn, bump, write_all_vectored_until};
 
@@ -204,6 +204,9 @@ impl ServerConn<'_> {
         }
         let mut key = vec![0u8; key_len as usize];
         self.reader.read_exact_into(&mut key)?;
+        if r.flags == FLAG_SHARED && r.length - key_len == 8 {
+            return self.put_key_shared(&r, &key);
+        }
         let size = r.length - key_len;
         let status = self.serve_put_key(&r, &key, size)?;
         self.replies.payload_bytes += usize::try_from(size).unwrap_or(usize::MAX);
@@ -248,5 +251,90 @@ impl ServerConn<'_> {
         }
         drop(guarded);
         Ok(if open.commit() { Status::Ok } else { Status::Failed })
+    }
+
+    /// PUT_KEY with [`FLAG_SHARED`]: the value's size follows the key (8 bytes), the value does not;
+    /// the answer is written now (the client waits for it before it copies).
+    fn put_key_shared(&mut self, r: &Request, key: &[u8]) -> Result<(), End> {
+        let mut size = [0u8; 8];
+        self.reader.read_exact_into(&mut size)?;
+        let size = u64::from_le_bytes(size);
+        if size > MAX_REQUEST_BYTES {
+            return Err(End::Malformed(FrameError::TooLong(size)));
+        }
+        // Everything queued goes out first, in order.
+        self.flush()?;
+        let status = self.serve_put_key_shared(r, key, size)?;
+        self.send_alone(&Reply { status, id: r.id, length: 0 }.encode())?;
+        bump(&self.shared.metrics.requests[status as usize]);
+        Ok(())
+    }
+
+    /// Allocates, answers `MAPPED` with the slot's ranges and how long the slot lasts, and waits for
+    /// the client's settle: `Done` (it copied into its mappings) commits the slot if the settle
+    /// arrived before the slot's end — every byte the client wrote was written before it sent the
+    /// settle, so this server's clock alone judges it; `SendBytes` receives the value the TCP way.
+    /// Any other end aborts the slot (`OpenWrite`'s drop).
+    fn serve_put_key_shared(&mut self, r: &Request, key: &[u8], size: u64) -> Result<Status, End> {
+        let received = Instant::now();
+        let handler = self.keyed_handler();
+        let (key, handler) = match (std::str::from_utf8(key), handler) {
+            (Ok(key), Some(handler)) if !key.is_empty() => (key, handler),
+            (_, None) => return Ok(Status::Unsupported),
+            _ => return Ok(Status::BadRequest),
+        };
+        let (ranges, slot) = match handler.open_write(key, r.region, size) {
+            KeyedWrite::Slot { ranges, slot } => (ranges, slot),
+            KeyedWrite::Exists => return Ok(Status::Exists),
+            KeyedWrite::NoSpace => return Ok(Status::NoSpace),
+            KeyedWrite::Busy => return Ok(Status::Busy),
+            KeyedWrite::Failed => return Ok(Status::Failed),
+            KeyedWrite::Unsupported => return Ok(Status::Unsupported),
+        };
+        let open = OpenWrite { handler: handler.as_ref(), key, slot, settled: false };
+        let slot_ns = u64::try_from(slot.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
+        if self.guard_ranges(&ranges, size).is_none()
+            || ranges.is_empty()
+            || ranges.len() > MAX_SHARED_RANGES
+            || slot_ns == 0
+        {
+            drop(open);
+            return Ok(Status::Unsupported);
+        }
+        let descriptor = Descriptor {
+            size,
+            lease_ns: slot_ns,
+            ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
+        }
+        .encode();
+        let head = Reply { status: Status::Mapped, id: r.id, length: descriptor.len() as u64 }.encode();
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        write_all_vectored_until(
+            &mut self.writer,
+            &mut [IoSlice::new(&head), IoSlice::new(&descriptor)],
+            deadline,
+            &mut self.write_clock,
+        )?;
+        self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
+        let mut settle = [0u8; SETTLE_LEN];
+        self.reader.read_exact_into(&mut settle)?;
+        match Settle::decode(&settle).map_err(End::Malformed)? {
+            Settle::Done => Ok(if open.commit() { Status::Ok } else { Status::Failed }),
+            Settle::SendBytes => {
+                let Some(guarded) = self.guard_ranges(&ranges, size) else {
+                    drop(open);
+                    return self.discard(size).map(|()| Status::Unsupported);
+                };
+                for (_, ptr, len) in &guarded {
+                    // SAFETY: as in `serve_put_key`: inside a host region of this server kept
+                    // registered by its guard, the slot's pages this request's alone until it
+                    // commits or aborts; only handed to the kernel's `recv`.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(*ptr, *len) };
+                    self.reader.read_exact_into(dst)?;
+                }
+                drop(guarded);
+                Ok(if open.commit() { Status::Ok } else { Status::Failed })
+            }
+        }
     }
 }

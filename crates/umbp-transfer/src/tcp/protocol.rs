@@ -83,6 +83,15 @@
 //! connection that breaks or times out closes the lease. A server older than the flag answers
 //! `BAD_REQUEST` (the client then asks again without it).
 //!
+//! A **PUT_KEY** with [`FLAG_SHARED`] carries the key and then the value's size (8 bytes, so
+//! `length` = key length + 8) instead of the value. The server allocates; on a slot it answers
+//! `MAPPED` with the slot's descriptor (`lease_ns`: from the receipt to the slot's end) — any other
+//! outcome is the ordinary final reply — and waits for the settle frame: `0` = the client copied
+//! the value into its mappings (the server commits if the settle arrived before the slot's end:
+//! every byte was written before the settle left), `1` = the value's bytes follow the settle (as
+//! a PUT_KEY's would). Then the ordinary final reply (`OK`, `FAILED`, `UNSUPPORTED`, ...). A server
+//! older than the flag reads the 8 bytes as the value, discards them and answers `BAD_REQUEST`.
+//!
 //! # Replies (server → client), 24 bytes
 //!
 //! | bytes  | field      | meaning                                            |
