@@ -184,6 +184,7 @@ pub struct SsdConfig {
     pub(crate) single_flight: bool,
     pub(crate) recover: bool,
     pub(crate) cache_committed: bool,
+    pub(crate) shareable_staging: bool,
     pub(crate) reclaim_dead_ratio: f64,
     pub(crate) pending_ttl: Duration,
     pub(crate) read_lease_ttl: Duration,
@@ -210,6 +211,7 @@ impl fmt::Debug for SsdConfig {
             .field("single_flight", &self.single_flight)
             .field("recover", &self.recover)
             .field("cache_committed", &self.cache_committed)
+            .field("shareable_staging", &self.shareable_staging)
             .field("reclaim_dead_ratio", &self.reclaim_dead_ratio)
             .field("pending_ttl", &self.pending_ttl)
             .field("read_lease_ttl", &self.read_lease_ttl)
@@ -274,6 +276,7 @@ impl SsdConfig {
             single_flight: true,
             recover: true,
             cache_committed: s.cache_committed,
+            shareable_staging: false,
             reclaim_dead_ratio: 0.5,
             pending_ttl: Duration::from_secs(30),
             read_lease_ttl: s.read_lease,
@@ -294,6 +297,10 @@ impl SsdConfig {
     /// The page size.
     pub fn page_size(&self) -> u64 {
         self.page_size
+    }
+    /// Whether the staging arena is a sealed memory file same-host peers may map.
+    pub fn shareable_staging(&self) -> bool {
+        self.shareable_staging
     }
     /// The staging arena's pages.
     pub fn staging_pages(&self) -> u64 {
@@ -430,6 +437,15 @@ impl SsdConfigBuilder {
     /// read needs them (a read of a just-written key then needs no drive read). Default: true.
     pub fn cache_committed(mut self, on: bool) -> Self {
         self.config.cache_committed = on;
+        self
+    }
+
+    /// Allocate the staging arena as a sealed memory file (`umbp_page`'s
+    /// `HostMemoryOptions::shareable`) and register it with its file, so a peer on this host may map
+    /// it and copy staged values through the shared-memory data path instead of TCP (the node's
+    /// `shared_memory` setting). Leases and commits still go through this medium. Default: false.
+    pub fn shareable_staging(mut self, on: bool) -> Self {
+        self.config.shareable_staging = on;
         self
     }
 

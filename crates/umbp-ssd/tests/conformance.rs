@@ -1,5 +1,6 @@
-//! `SsdBackend` passes the medium conformance suite with each io engine, with its background reaper
-//! racing the suite's own ticks.
+//! `SsdBackend` passes the medium conformance suite with each io engine, with its staging arena
+//! private or shareable (a sealed memory file), with its background reaper racing the suite's own
+//! ticks.
 //!
 //! The suite is written for media whose values span pages and whose capacity is the arena, so the
 //! subject is configured to match: values up to the whole medium (`max_value_pages`), a staging
@@ -16,7 +17,7 @@ use umbp_testkit::conformance::{self, Env, Subject};
 const PAGE: u64 = 4096;
 const PAGES: u64 = 16;
 
-fn subject(env: &Env, engine: IoEngineKind) -> Subject {
+fn subject(env: &Env, engine: IoEngineKind, shareable_staging: bool) -> Subject {
     let dir = tempfile::Builder::new().prefix("umbp-ssd-conf").tempdir_in(std::env::temp_dir()).expect("tempdir");
     let config = SsdConfig::builder([dir.path()])
         .page_size(PAGE)
@@ -25,6 +26,7 @@ fn subject(env: &Env, engine: IoEngineKind) -> Subject {
         .max_value_pages(PAGES)
         .segment_bytes(1 << 20)
         .io_engine(engine)
+        .shareable_staging(shareable_staging)
         .watermarks(None)
         .reaper_interval(Duration::from_millis(2))
         .pending_ttl(Duration::from_millis(50))
@@ -50,7 +52,14 @@ fn subject(env: &Env, engine: IoEngineKind) -> Subject {
 
 #[test]
 fn ssd_backend_conforms_with_psync() {
-    conformance::run(|env| subject(env, IoEngineKind::Psync));
+    conformance::run(|env| subject(env, IoEngineKind::Psync, false));
+}
+
+/// The staging arena as a sealed memory file (what a node with the shared-memory path uses): the
+/// drive IO (direct IO into shared-memory pages) behaves the same.
+#[test]
+fn ssd_backend_conforms_with_a_shareable_staging_arena() {
+    conformance::run(|env| subject(env, IoEngineKind::Psync, true));
 }
 
 #[test]
@@ -59,5 +68,15 @@ fn ssd_backend_conforms_with_io_uring() {
         eprintln!("skipped: io_uring is not available here ({e})");
         return;
     }
-    conformance::run(|env| subject(env, IoEngineKind::IoUring));
+    conformance::run(|env| subject(env, IoEngineKind::IoUring, false));
+}
+
+/// io_uring registers the staging arena as a fixed buffer: a memory file's pages must do as well.
+#[test]
+fn ssd_backend_conforms_with_io_uring_and_a_shareable_staging_arena() {
+    if let Err(e) = umbp_ssd::io_uring_available() {
+        eprintln!("skipped: io_uring is not available here ({e})");
+        return;
+    }
+    conformance::run(|env| subject(env, IoEngineKind::IoUring, true));
 }

@@ -170,6 +170,8 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
                 .sync_interval(ssd.sync_interval)
                 .max_value_pages(ssd.max_value_pages)
                 .cache_committed(ssd.cache_committed)
+                // A staging arena same-host peers may map, as the DRAM medium's memory.
+                .shareable_staging(config.shared_memory)
                 .build()
                 .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
             (Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config))), true)

@@ -189,11 +189,12 @@ impl SsdBackend {
         // SAFETY: `base` came from `self.source`, which keeps it mapped until `release`; the
         // registration is undone in `shutdown` (or on a failed init) before `release` is called.
         let region = unsafe { LocalRegion::new(base.base(), base.len(), MemoryLocation::Host) };
-        registrar.register_memory(region).map_err(|source| BackendError::Registration {
-            medium: NAME.into(),
-            buffer_index: 0,
-            source,
-        })
+        // A shareable arena tells the registrar its file, so a same-host peer may map it.
+        let registration = match base.shared_backing() {
+            Some(backing) => registrar.register_shareable(region, backing),
+            None => registrar.register_memory(region),
+        };
+        registration.map_err(|source| BackendError::Registration { medium: NAME.into(), buffer_index: 0, source })
     }
 }
 

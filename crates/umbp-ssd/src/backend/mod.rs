@@ -160,7 +160,8 @@ impl SsdBackend {
     /// A backend with `config`; nothing is allocated, opened or read until [`MediumBackend::init`].
     pub fn new(config: SsdConfig) -> Self {
         // Prefaulted: the first spill or fill into a page must not pay its page faults.
-        let options = HostMemoryOptions::default();
+        // Shareable: a sealed memory file a same-host peer may map (the registrar learns its file).
+        let options = HostMemoryOptions { shareable: config.shareable_staging, ..HostMemoryOptions::default() };
         Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::new(config.page_size)),
