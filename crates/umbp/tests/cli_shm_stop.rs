@@ -50,7 +50,7 @@ struct Progress {
 /// checking every hit byte for byte; returns when told to, or after the holder is gone (three
 /// failures in a row).
 async fn read_loop(client: Arc<PoolClient>, values: Arc<Vec<Vec<u8>>>, p: Arc<Progress>) {
-    let mut bufs = vec![vec![0u8; VALUE], vec![0u8; VALUE]];
+    let mut bufs = [vec![0u8; VALUE], vec![0u8; VALUE]];
     let mut failed_in_a_row = 0;
     for call in 1u64.. {
         if p.stop.load(Ordering::Acquire) || failed_in_a_row >= 3 {
