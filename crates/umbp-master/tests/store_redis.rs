@@ -168,6 +168,7 @@ fn large_bundles_apply_as_their_events_in_order(kind: Kind) {
 
     let mut events: Vec<KvEvent> = (0..10).map(|i| add(&format!("n{i}"), i)).collect();
     events.push(add("n3", 100)); // a repeat inside a run of new keys
+    events.push(KvEvent::add("n2", TierType::Hbm, 22)); // a second tier inside the run
     events.extend((10..70).map(|i| add(&format!("n{i}"), i)));
     events.push(KvEvent::add("n5", TierType::Hbm, 55));
     events.extend((0..10).map(|i| add(&format!("s{i}"), 2)));
@@ -178,6 +179,7 @@ fn large_bundles_apply_as_their_events_in_order(kind: Kind) {
     // a: n0..n69 but n8, s0..s9, back; b: s0..s9.
     assert_eq!(counts(&store), (70 - 1 + 10 + 1, 69 + 10 + 1, 10));
     assert_eq!(locs(&store, "n3"), vec![("a".to_owned(), TierType::Dram, 100)]);
+    assert_eq!(locs(&store, "n2"), vec![("a".to_owned(), TierType::Hbm, 22), ("a".to_owned(), TierType::Dram, 2)]);
     assert_eq!(locs(&store, "n5"), vec![("a".to_owned(), TierType::Hbm, 55), ("a".to_owned(), TierType::Dram, 5)]);
     assert_eq!(locs(&store, "n7"), vec![("a".to_owned(), TierType::Dram, 77)]);
     assert_eq!(locs(&store, "n9"), vec![("a".to_owned(), TierType::Dram, 98)]);
@@ -188,12 +190,14 @@ fn large_bundles_apply_as_their_events_in_order(kind: Kind) {
     let fresh = store.key_stats("n7").expect("n7 indexed");
     assert_eq!((fresh.lease_until_ms, fresh.last_accessed_ms, fresh.access_count), (0, 10, 0));
 
-    // Every replica of a's n-keys goes, then n5 (held on two tiers before the bundle) and n10 come
-    // back: their entries are new, their counts in a's reverse index are not.
+    // Every DRAM replica of a's n-keys goes (n2 stays on HBM), n5's HBM one too, then n5 (held on
+    // two tiers before the bundle) and n10 come back: their entries are new, their counts in a's
+    // reverse index are not.
     let mut removes: Vec<KvEvent> = (0..70).map(|i| rm(&format!("n{i}"))).collect();
     removes.extend([KvEvent::remove("n5", TierType::Hbm), add("n5", 505), add("n10", 1010)]);
     assert_eq!(delta(&store, "a", 20, 2, removes).acked_seq(), Some(2));
-    assert_eq!(counts(&store), (10 + 1 + 1 + 1, 10 + 1 + 1 + 1, 10));
+    assert_eq!(counts(&store), (10 + 1 + 1 + 1 + 1, 10 + 1 + 1 + 1 + 1, 10));
+    assert_eq!(locs(&store, "n2"), vec![("a".to_owned(), TierType::Hbm, 22)]);
     assert_eq!(locs(&store, "n5"), vec![("a".to_owned(), TierType::Dram, 505)]);
     assert_eq!(locs(&store, "n10"), vec![("a".to_owned(), TierType::Dram, 1010)]);
 

@@ -72,7 +72,13 @@ impl Pool {
     /// pooled connection because the connection was gone (closed, reset: not a timeout, after which
     /// the command may have run) is made once more on a new connection, so a restarted Redis costs
     /// no caller an error.
-    pub(super) fn with<T>(&self, mut f: impl FnMut(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
+    ///
+    /// The call blocks on Redis; see [`blocking_io`] for callers on an async runtime.
+    pub(super) fn with<T>(&self, f: impl FnMut(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
+        blocking_io(|| self.with_blocking(f))
+    }
+
+    fn with_blocking<T>(&self, mut f: impl FnMut(&mut Connection) -> redis::RedisResult<T>) -> Result<T, StoreError> {
         let pooled = self.idle.lock().pop();
         let was_pooled = pooled.is_some();
         let mut con = match pooled {
@@ -120,6 +126,22 @@ impl Pool {
             format!("Redis at {} failed: {err}", self.url)
         };
         StoreError::Backend { message, retryable, source: Some(Box::new(err)) }
+    }
+}
+
+/// Runs `f`, which waits on Redis, without stalling the async runtime it may be called from: on a
+/// worker of a multi-thread tokio runtime through [`tokio::task::block_in_place`] (the worker's
+/// other tasks move to another thread while `f` waits), elsewhere (a `spawn_blocking` thread, no
+/// runtime, a current-thread runtime) directly.
+///
+/// The store is synchronous; a master handler that calls it straight from an async fn would
+/// otherwise hold one of the runtime's few workers (one per core) for each Redis round trip, so a
+/// 2-core master kept at most two Redis calls in flight and its other requests waited meanwhile.
+fn blocking_io<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 

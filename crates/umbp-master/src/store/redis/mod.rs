@@ -38,13 +38,18 @@
 //! a microsecond of Redis CPU beyond the command's own work, converting arguments and reply):
 //!
 //! - a heartbeat ADD of a key no entry has yet is one `HSET` (entry, stamps and replica) plus its
-//!   share of one `EXISTS` per run of 32 such keys; of an existing entry, one `HMGET` and at most one
+//!   share of one `EXISTS` per run of 32 ADDs; of an existing entry, one `HMGET` and at most one
 //!   `HSET`. The node's reverse index and the entry count change once per heartbeat (one `HMGET`,
-//!   one `HSET` of every changed key, one `INCRBY`), not once per event. The replica values are
-//!   built by the master, not by the script;
+//!   one `HSET` of every changed key, one `INCRBY`), not once per event. An event is three
+//!   arguments (`A<tier>`/`R<tier>`, key, replica value), the values built by the master, not by
+//!   the script;
 //! - a route-get of a found key is one `HGETALL` (replicas and stamps) and one `HSET` of the stamps;
 //!   the master drops the stamps and the excluded nodes' replicas from the reply;
 //! - the node list and the peer view are one read-only script each (one round trip).
+//!
+//! Calls block on Redis; made from a worker of a multi-thread tokio runtime they run under
+//! `block_in_place`, so a master handler that calls the store from an async fn does not hold one of
+//! the runtime's few workers for a Redis round trip.
 
 mod codec;
 mod conn;
@@ -254,15 +259,16 @@ impl MetadataStore for RedisStore {
             };
             // The replica values are built here, not in the script: Redis's one thread is the
             // scarce CPU.
-            let mut value = String::new();
+            let (mut op, mut value) = (String::new(), String::new());
             for event in events.iter().filter(|e| e.tier != TierType::Unknown) {
-                let op = match event.kind {
-                    KvEventKind::Add => "A",
-                    KvEventKind::Remove => "R",
-                };
+                op.clear();
                 value.clear();
+                let _ = match event.kind {
+                    KvEventKind::Add => write!(op, "A{}", event.tier.wire()),
+                    KvEventKind::Remove => write!(op, "R{}", event.tier.wire()),
+                };
                 let _ = write!(value, "{}|{tag}", event.size);
-                inv.arg(op).arg(event.tier.wire()).arg(event.key.as_str()).arg(value.as_str());
+                inv.arg(op.as_str()).arg(event.key.as_str()).arg(value.as_str());
             }
         })?;
         Ok(match coded(&reply)? {

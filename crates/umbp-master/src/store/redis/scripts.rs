@@ -6,7 +6,8 @@
 //! always the store's key base `{PREFIX}:`; the scripts build the names of the keys they touch from
 //! it, all under the one hash tag (see the module docs' layout).
 //!
-//! Numbers travel and are stored as decimal strings; `lt`/`gt` compare them after zero-padding to 20
+//! Numbers travel and are stored as canonical decimal strings (no leading zero); `lt`/`gt` compare
+//! them by length, then bytewise, without building a string
 //! digits, so `u64`s above 2^53 keep their order (Lua numbers are doubles).
 //!
 //! **Invariant** every script keeps: a replica field exists only for a node whose record is ALIVE
@@ -34,9 +35,11 @@ fn prelude() -> String {
 local TIERS = {{{tiers}}}
 local STAMPS = '{stamps_field}'
 local CHUNK = 500
-local function pad(s) return string.rep('0', 20 - #s) .. s end
-local function lt(a, b) return pad(a) < pad(b) end
-local function gt(a, b) return pad(a) > pad(b) end
+local function lt(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function gt(a, b) return lt(b, a) end
 local base = ARGV[1]
 local function entry_key(key) return base .. 'k:' .. key end
 -- The stamps `lease|accessed|count` of an entry (absent: all 0).
@@ -94,7 +97,7 @@ local function nk_flush(nk)
       local n = nk_base[key] + d
       if n > 0 then
         set[#set + 1] = key
-        set[#set + 1] = tostring(n)
+        set[#set + 1] = string.format('%d', n)
       else
         del[#del + 1] = key
       end
@@ -240,7 +243,8 @@ return 1
 /// `apply_heartbeat`. ARGV: base, id, now, caps, incarnation, kind, then for a delta (`D`): seq,
 /// seq - 1, and events; for a full-sync chunk (`S`): baseline, chunk index, final (`1`/`0`), the
 /// next chunk index (saturating) and events; a keepalive (`K`) has nothing more. Events are
-/// quadruples `A`/`R`, tier, key, replica value (`size|0` in a delta, `size|baseline` in a chunk).
+/// triples: `A<tier>` / `R<tier>`, key, replica value (`size|0` in a delta, `size|baseline` in a
+/// chunk).
 /// Returns `{code, seq}`: `A` applied, `R` already applied, `G` gap, `U` unknown, `S` superseded
 /// (with the incarnation that stands).
 pub(super) static HEARTBEAT: LazyLock<Script> = LazyLock::new(|| {
@@ -264,42 +268,52 @@ else
 end
 if kind == 'K' then return {'A', last} end
 -- Applies the events from ARGV[first] on (REMOVEs only for a delta), then writes what they changed
--- of the reverse index and the count of entries. Runs of up to RUN ADDs of distinct keys are
--- checked with one EXISTS: when none of their entries exists (a node reporting new blocks, the
--- common case), each is created with one HSET and no read.
+-- of the reverse index and the count of entries. Runs of up to RUN ADDs are checked with one
+-- EXISTS: when none of their entries exists (a node reporting new blocks, the common case), each
+-- event is one HSET of stamps and replica and no read. A key repeated inside such a run finds the
+-- entry its first ADD created, stamps `fresh` included: HSET's count of new fields tells the three
+-- cases apart, and writing `fresh` again changes nothing.
 local RUN = 32
 local function apply(first, delta)
   local fresh = '0|' .. now .. '|0'
   local fields = {}
-  local function field_of(tier)
-    local field = fields[tier]
+  local function field_of(op)
+    local field = fields[op]
     if not field then
-      field = tier .. '|' .. id
-      fields[tier] = field
+      field = string.sub(op, 2) .. '|' .. id
+      fields[op] = field
     end
     return field
   end
+  local ADD = string.byte('A')
   local i, n = first, #ARGV
   while i <= n do
-    local eks, seen, j = {}, {}, i
-    while j <= n and #eks < RUN and ARGV[j] == 'A' and not seen[ARGV[j + 2]] do
-      seen[ARGV[j + 2]] = true
-      eks[#eks + 1] = entry_key(ARGV[j + 2])
-      j = j + 4
+    local eks, j = {}, i
+    while j <= n and #eks < RUN and string.byte(ARGV[j]) == ADD do
+      eks[#eks + 1] = entry_key(ARGV[j + 1])
+      j = j + 3
     end
     if #eks > 1 and redis.call('EXISTS', unpack(eks)) == 0 then
       for k = 1, #eks do
-        local at = i + 4 * (k - 1)
-        create(eks[k], ARGV[at + 2], field_of(ARGV[at + 1]), ARGV[at + 3], fresh)
+        local at = i + 3 * (k - 1)
+        local key = ARGV[at + 1]
+        local added = redis.call('HSET', eks[k], STAMPS, fresh, field_of(ARGV[at]), ARGV[at + 2])
+        if added == 2 then
+          keys_delta = keys_delta + 1
+          if nk_base[key] == nil then nk_base[key] = -(nk_delta[key] or 0) end
+          nk_bump(key, 1)
+        elseif added == 1 then
+          nk_bump(key, 1)
+        end
       end
     else
-      if j == i then j = i + 4 end
-      for at = i, j - 1, 4 do
-        local key = ARGV[at + 2]
-        if ARGV[at] == 'A' then
-          add(entry_key(key), key, field_of(ARGV[at + 1]), ARGV[at + 3], delta, fresh)
+      if j == i then j = i + 3 end
+      for at = i, j - 1, 3 do
+        local key = ARGV[at + 1]
+        if string.byte(ARGV[at]) == ADD then
+          add(entry_key(key), key, field_of(ARGV[at]), ARGV[at + 2], delta, fresh)
         elseif delta then
-          remove(field_of(ARGV[at + 1]), key)
+          remove(field_of(ARGV[at]), key)
         end
       end
     end
@@ -432,10 +446,15 @@ for i = 5 + nex, #ARGV do
     end
   end
   if found then
-    local l, a, c = stamps_of(stamps)
+    local l, a, c = '0', '0', 0
+    if stamps then
+      local p1 = string.find(stamps, '|', 1, true)
+      local p2 = string.find(stamps, '|', p1 + 1, true)
+      l, a, c = string.sub(stamps, 1, p1 - 1), string.sub(stamps, p1 + 1, p2 - 1), tonumber(string.sub(stamps, p2 + 1))
+    end
     if gt(lease_until, l) then l = lease_until end
     if gt(now, a) then a = now end
-    redis.call('HSET', ek, STAMPS, l .. '|' .. a .. '|' .. string.format('%.0f', tonumber(c) + 1))
+    redis.call('HSET', ek, STAMPS, l .. '|' .. a .. '|' .. string.format('%d', c + 1))
   end
   res[#res + 1] = all
 end
