@@ -141,6 +141,45 @@ fn every_key_lives_under_the_store_hash_tag_and_stores_are_isolated() {
     assert!(names.iter().all(|n| tag(n).as_deref() == Some("one")), "{names:?}");
 }
 
+/// A Lua script that keeps Redis busy (serving nothing else) for ARGV[1] milliseconds.
+const BUSY_LUA: &str = "local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] \
+     repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - s >= ARGV[1] * 1000 return 1";
+
+/// A master handler may call the (synchronous) store straight from an async fn: while the call
+/// waits on a busy Redis, the runtime's other tasks still run (the one worker is handed over).
+#[test]
+fn a_store_call_on_an_async_worker_leaves_the_runtime_running() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let server = RedisServer::start();
+    let store = Arc::new(server.store("umbp"));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let mut con = raw(&server, 0);
+    let busy = std::thread::spawn(move || redis::cmd("EVAL").arg(BUSY_LUA).arg(0).arg(800).query::<i64>(&mut con));
+    std::thread::sleep(Duration::from_millis(100));
+    runtime.block_on(async {
+        let calling = Arc::new(AtomicBool::new(false));
+        let call = tokio::spawn({
+            let (store, calling) = (Arc::clone(&store), Arc::clone(&calling));
+            async move {
+                calling.store(true, Ordering::SeqCst);
+                store.key_count()
+            }
+        });
+        // Waits on this thread (block_on's, not a worker: it drives no timers).
+        while !calling.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let started = Instant::now();
+        let ran_after = tokio::spawn(async move { started.elapsed() }).await.unwrap();
+        assert!(ran_after < Duration::from_millis(300), "the runtime stalled {ran_after:?} behind a Redis call");
+        assert_eq!(call.await.unwrap().unwrap(), 0);
+    });
+    assert_eq!(busy.join().unwrap().unwrap(), 1);
+}
+
 /// CI must not pass with the Redis subject silently skipped: no `redis-server`, a failed test that
 /// says what to install.
 #[test]
