@@ -213,3 +213,68 @@ fn chained_items_on_the_parallel_path_copy_in_item_order() {
     assert!(c.bytes == original, "item 1 read what item 0 wrote");
     assert!(a.bytes[LEN / 2..] == original[..LEN / 2]);
 }
+
+/// Names of this process's threads that are copy threads.
+fn copy_threads() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").expect("/proc/self/task").flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("umbp-copy-") {
+            out.push((task.file_name().to_string_lossy().into_owned(), comm.trim().to_owned()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn parallel_submits_reuse_the_engines_copy_threads() {
+    // The engine keeps `threads - 1` copy threads from its first parallel submit on: later submits
+    // start none (spawning per submit cost more than a pipelined chunk's copy).
+    let page = 1 << 20;
+    let (mut a, mut b) = (Buf::filled(16 * page, 5), Buf::zeroed(16 * page));
+    let (ra, rb) = (a.r(), b.r());
+    let e = parallel_engine();
+    let items: Vec<_> =
+        (0..16u64).map(|i| item(&ra, i * page as u64, &rb, (15 - i) * page as u64, page as u64, i)).collect();
+    transfer(&e, &items).expect("copied");
+    let kept = copy_threads();
+    assert_eq!(kept.len(), 3, "threads - 1 copy threads: {kept:?}");
+    for round in 0..20u8 {
+        b.bytes.fill(round);
+        transfer(&e, &items).expect("copied");
+        assert!(b.bytes[..page] == a.bytes[15 * page..], "round {round}");
+    }
+    assert_eq!(copy_threads(), kept, "the same threads copied every later submit");
+    drop(e);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !copy_threads().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(copy_threads(), Vec::new(), "a dropped engine's copy threads exit");
+}
+
+#[test]
+fn concurrent_parallel_submits_share_the_copy_threads_byte_exact() {
+    let page = 1 << 20;
+    let e = parallel_engine();
+    std::thread::scope(|s| {
+        for t in 0..6u8 {
+            let e = &e;
+            s.spawn(move || {
+                let (mut a, mut b) = (Buf::filled(8 * page, t), Buf::zeroed(8 * page));
+                let (ra, rb) = (a.r(), b.r());
+                let items: Vec<_> =
+                    (0..8u64).map(|i| item(&ra, i * page as u64, &rb, (7 - i) * page as u64, page as u64, i)).collect();
+                for _ in 0..10 {
+                    b.bytes.fill(0);
+                    transfer(e, &items).expect("copied");
+                    for i in 0..8 {
+                        assert!(b.bytes[(7 - i) * page..(8 - i) * page] == a.bytes[i * page..(i + 1) * page]);
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(copy_threads().len(), 3, "six submitting threads, one set of copy threads");
+}
