@@ -85,6 +85,16 @@ async fn batches_with_two_node_processes_go_through_shared_memory() {
     let total = (keys.len() * len) as u64;
     assert_eq!(client.transferred_bytes(TCP), 0, "the TCP engine moved no bytes");
     assert_eq!(client.transferred_bytes(SHM), 2 * total, "every put and get byte went through a mapping");
+    // Single keys too: a keyed get and a keyed put (large enough for the shared put) are copied
+    // through the same mappings, counted as shared-memory bytes, and the TCP engine moves none.
+    let mut one = vec![0u8; len];
+    assert_eq!(client.get(&keys[0], &mut one).await.expect("single get"), len as u64);
+    assert!(one == values[0], "single get byte-exact");
+    client.put("shm-single", &value("shm-single", len)).await.expect("single put");
+    let stats = client.stats();
+    assert_eq!((stats.keyed_gets, stats.keyed_puts), (1, 1), "both single calls took the keyed path");
+    assert_eq!(client.transferred_bytes(TCP), 0, "the TCP engine moved no bytes for single keys either");
+    assert_eq!(client.transferred_bytes(SHM), 2 * total + 2 * len as u64, "single-key bytes counted");
     // Both nodes hold some keys (the master spreads the batch), so both servers were used.
     let status = client.master().cluster_status().await.expect("status");
     assert_eq!(status.nodes.len(), 2, "{status:?}");

@@ -16,7 +16,7 @@ use umbp_metrics::InstrumentedBackend;
 use umbp_page::PageBackendConfig;
 #[cfg(feature = "dram")]
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend};
-use umbp_transfer::shm::{ShmServer, ShmServerConfig};
+use umbp_transfer::shm::{ShmClient, ShmClientConfig, ShmServer, ShmServerConfig};
 use umbp_transfer::{
     CompositeConfig, CompositeTransferEngine, GpuCopyConfig, GpuCopyEngine, LocalCopyConfig, LocalCopyEngine,
     SharedMemoryConfig, SharedMemoryEngine, TcpEngine, TcpEngineConfig, TransferEngine,
@@ -39,6 +39,11 @@ pub(super) struct Composed {
     pub(super) medium: Option<Arc<dyn MediumBackend>>,
     /// Whether the medium's calls do drive IO (see `medium_call`).
     pub(super) medium_drive_io: bool,
+    /// The node's one client of same-host holders' shared-memory servers (with `shared_memory`):
+    /// the engine's batches and the keyed client's single keys both map through it, so the process
+    /// holds one connection per holder and one mapping per holder region; the `PoolClient` sweeps
+    /// it (see `ShmClient::sweep`).
+    pub(super) shm_client: Option<Arc<ShmClient>>,
 }
 
 /// Builds the engines and the medium `config` names.
@@ -89,11 +94,13 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
     // mappings (any pair it fails falls back to the next engine), then TCP.
     let mut engines: Vec<Arc<dyn TransferEngine>> = vec![Arc::new(LocalCopyEngine::new(copy_config.clone()))];
     let token = config.cluster_token.clone().unwrap_or_default().into_bytes();
-    if config.shared_memory {
-        engines.push(Arc::new(SharedMemoryEngine::new(SharedMemoryConfig {
-            copy: copy_config,
-            ..SharedMemoryConfig::new(data_endpoint.clone(), token.clone())
-        })));
+    // One client of holders' shared-memory servers for the whole node (the keyed client gets it
+    // too); its socket calls are local, hence the short default timeout (5 s), not the data plane's.
+    let shm_client = config.shared_memory.then(|| Arc::new(ShmClient::new(ShmClientConfig::new(token.clone()))));
+    if let Some(client) = &shm_client {
+        let shm_config =
+            SharedMemoryConfig { copy: copy_config, ..SharedMemoryConfig::new(data_endpoint.clone(), token.clone()) };
+        engines.push(Arc::new(SharedMemoryEngine::with_client(shm_config, Arc::clone(client))));
     }
     engines.push(Arc::clone(&tcp) as Arc<dyn TransferEngine>);
     if let Some(runtime) = &gpu_runtime {
@@ -180,7 +187,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
     // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
     // endpoint is configured; otherwise nothing would read the counters).
     let medium = if config.metrics_listen.is_some() { medium.map(InstrumentedBackend::wrap) } else { medium };
-    Ok(Composed { engine, tcp, data_endpoint, medium, medium_drive_io })
+    Ok(Composed { engine, tcp, data_endpoint, medium, medium_drive_io, shm_client })
 }
 
 /// The data endpoint to advertise for a data server listening on `listen`: none (the bound address) for

@@ -182,6 +182,7 @@ impl PoolClient {
                 tracing::debug!(key, node = %node, error = %e, "keyed get failed; taking the routed path");
                 self.locations.forget_node(&node);
                 self.keyed.forget(&endpoint);
+                self.sweep_shared_memory();
                 None
             }
         }
@@ -243,6 +244,7 @@ impl PoolClient {
                 tracing::debug!(key, node = %node, error = %e, "keyed put failed; taking the routed path");
                 self.locations.forget_node(&node);
                 self.keyed.forget(&endpoint);
+                self.sweep_shared_memory();
                 None
             }
         }

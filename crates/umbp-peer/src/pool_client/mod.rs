@@ -47,6 +47,7 @@ use umbp_core::{
     TransferRef,
 };
 use umbp_metrics::{MetricsConfig, MetricsExporter, MetricsServer};
+use umbp_transfer::shm::ShmClient;
 use umbp_transfer::{
     CompositeTransferEngine, FailureKind, KeyedClient, KeyedClientConfig, PeerDirectory, TransferEngine, TransferItem,
 };
@@ -103,6 +104,61 @@ const UNREACHABLE_FOR: Duration = Duration::from_secs(2);
 const METRICS_IDLE: Duration = Duration::from_secs(30);
 /// Capacity of the re-cache queue; new jobs are dropped when it is full.
 const RECACHE_QUEUE: usize = 1024;
+/// How often the shared-memory mappings of dead or deregistered holders' regions are dropped
+/// (see [`ShmSweeper`]).
+pub const SHM_SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// The background task that unmaps same-host holders' memory once it is no longer theirs to share.
+///
+/// A mapping of a holder's memory file keeps the file's pages alive: without this, a reader that
+/// once mapped a holder's region would keep the holder's whole arena resident after the holder
+/// deregistered it, exited or crashed, until the reader itself exits (on a real host, a crashed
+/// 100 GB node staying in memory). Every [`SHM_SWEEP_EVERY`], and at once when the client finds
+/// a holder unreachable ([`wake`](Self::wake)), it runs `ShmClient::sweep` on the blocking pool (a
+/// large `munmap` takes a while). It stops at `close`, or when the client is dropped (it holds
+/// the `ShmClient` weakly).
+#[derive(Debug)]
+struct ShmSweeper {
+    client: Arc<ShmClient>,
+    wake: Arc<tokio::sync::Notify>,
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl ShmSweeper {
+    fn start(client: Arc<ShmClient>) -> Self {
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let weak = Arc::downgrade(&client);
+        let woken = Arc::clone(&wake);
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(SHM_SWEEP_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = woken.notified() => {}
+                }
+                let Some(client) = weak.upgrade() else { return };
+                if tokio::task::spawn_blocking(move || client.sweep()).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Self { client, wake, task: Mutex::new(Some(task)) }
+    }
+
+    /// Sweeps now (a holder was found unreachable).
+    fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Stops the task and drops every connection and mapping.
+    fn stop(&self) {
+        if let Some(task) = self.task.lock().take() {
+            task.abort();
+        }
+        self.client.clear();
+    }
+}
 
 /// A node of the pool (with or without a medium) and the client API over the whole pool.
 ///
@@ -163,6 +219,8 @@ pub struct PoolClient {
     locations: fast::Locations,
     /// Keys read without a route call, told to the master in batches (see `fast.rs`).
     hints: Arc<fast::Hints>,
+    /// Unmaps dead or deregistered holders' memory (with `shared_memory`).
+    shm_sweeper: Option<ShmSweeper>,
 }
 
 impl PoolClient {
@@ -183,7 +241,7 @@ impl PoolClient {
         if config.page_size == 0 {
             return Err(PoolError::Config("page_size must be greater than 0".into()));
         }
-        let Composed { engine, tcp, data_endpoint, medium, medium_drive_io } = compose(&config)?;
+        let Composed { engine, tcp, data_endpoint, medium, medium_drive_io, shm_client } = compose(&config)?;
         let mut registry = BackendRegistry::new();
         if let Some(m) = &medium {
             m.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>)?;
@@ -209,15 +267,19 @@ impl PoolClient {
             let keyed = KeyedMedia::new(&service, config.read_lease, config.pending_ttl);
             tcp.server().set_keyed_handler(Some(Arc::new(keyed)));
         }
-        let keyed = Arc::new(
-            KeyedClient::new(KeyedClientConfig {
-                cluster_token: config.cluster_token.clone(),
-                connect_timeout: config.rpc_timeout,
-                io_timeout: tcp.config().io_timeout,
-                ..KeyedClientConfig::default()
-            })
-            .map_err(|e| PoolError::Config(format!("cluster_token: {e}")))?,
-        );
+        let keyed_config = KeyedClientConfig {
+            cluster_token: config.cluster_token.clone(),
+            connect_timeout: config.rpc_timeout,
+            io_timeout: tcp.config().io_timeout,
+            ..KeyedClientConfig::default()
+        };
+        // Single keys map holders' regions through the engine's client: one connection and one
+        // mapping per holder region for the whole node.
+        let keyed = match &shm_client {
+            Some(shm) => KeyedClient::with_shm_client(keyed_config, Arc::clone(shm)),
+            None => KeyedClient::new(keyed_config),
+        };
+        let keyed = Arc::new(keyed.map_err(|e| PoolError::Config(format!("cluster_token: {e}")))?);
         let peer_server = match &medium {
             Some(_) => Some(
                 PeerServer::start(
@@ -293,6 +355,7 @@ impl PoolClient {
             None => tracing::debug!(node = %config.node_id, data = %data_endpoint, "client started"),
             Some(medium) => tracing::info!(node = %config.node_id, data = %data_endpoint, "node started {medium}"),
         }
+        let shm_sweeper = shm_client.map(ShmSweeper::start);
         Ok(Self {
             config,
             medium,
@@ -314,6 +377,7 @@ impl PoolClient {
             keyed,
             locations: fast::Locations::default(),
             hints: Arc::default(),
+            shm_sweeper,
         })
     }
 
@@ -355,10 +419,29 @@ impl PoolClient {
 
     /// Bytes the transfer engine named `engine` moved for this node so far (`"LocalCopyEngine"`,
     /// `"SharedMemoryEngine"`, `"TcpEngine"`, `"GpuCopyEngine"`): which path the batches' bytes took.
-    /// Keyed single-key exchanges (see `keyed_requests`) move their bytes on the data plane's own
-    /// connections and are not counted here.
+    ///
+    /// `"SharedMemoryEngine"` also counts the bytes of keyed single-key gets and puts (see
+    /// `keyed_requests`) copied through a mapping of a same-host holder's memory, so it is every
+    /// byte this node moved through shared memory. Keyed exchanges whose bytes travel on the data
+    /// plane's own connections are counted under no name: `"TcpEngine"` is the batches' TCP
+    /// transfers only.
     pub fn transferred_bytes(&self, engine: &str) -> u64 {
-        self.engine.moved_bytes(engine)
+        let moved = self.engine.moved_bytes(engine);
+        if engine == "SharedMemoryEngine" { moved + self.keyed.shared_copies().2 } else { moved }
+    }
+
+    /// Connections to same-host holders' shared-memory servers, and mappings of their regions,
+    /// held now (both 0 with `shared_memory` off): for diagnostics and tests of the one client
+    /// the engine and the keyed path share.
+    pub fn shared_memory_peers(&self) -> (usize, usize) {
+        self.shm_sweeper.as_ref().map_or((0, 0), |s| (s.client.peer_count(), s.client.cached_regions()))
+    }
+
+    /// A holder was found unreachable: drop its (and any other dead holder's) mappings now.
+    fn sweep_shared_memory(&self) {
+        if let Some(sweeper) = &self.shm_sweeper {
+            sweeper.wake();
+        }
     }
 
     /// Registers caller memory for zero-copy puts and gets. The memory is registered **local only**:
@@ -467,6 +550,7 @@ impl PoolClient {
     fn forget_peer(&self, node: &str) {
         self.peers.forget(node);
         self.directory.forget(node);
+        self.sweep_shared_memory();
     }
 
     /// The connection to `node` at `address`: the open one, else a new one, whose `GetPeerInfo` is
@@ -623,6 +707,10 @@ impl PoolClient {
         // Every region is deregistered (peers' mappings read as stale): close the socket too.
         if let Some(server) = self.engine.shm_server() {
             server.shutdown();
+        }
+        // Nothing is read or written after this: let go of every holder's memory.
+        if let Some(sweeper) = &self.shm_sweeper {
+            sweeper.stop();
         }
         let regions: Vec<TransferRef> =
             std::mem::take(&mut *self.user_regions.lock()).into_values().map(|(_, r)| r).collect();

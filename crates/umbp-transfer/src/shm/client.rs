@@ -97,35 +97,72 @@ impl ShmClient {
     /// Drops the connection to a holder and every mapping of its regions.
     pub fn forget_peer(&self, endpoint: &str) {
         self.peers.lock().remove(endpoint);
-        self.regions.lock().remove(endpoint);
+        // Unmapped (when no copy holds them) after the lock is released.
+        let held = self.regions.lock().remove(endpoint);
+        drop(held);
+    }
+
+    /// Drops every connection and every mapping (unmapped when no copy holds them).
+    pub fn clear(&self) {
+        self.peers.lock().clear();
+        let held = std::mem::take(&mut *self.regions.lock());
+        drop(held);
     }
 
     /// Drops every mapping whose epoch is no longer current and every connection the holder closed
     /// (with that holder's mappings); returns how many mappings were dropped.
+    ///
+    /// This is what returns a dead or deregistered holder's memory to the system: a mapping keeps
+    /// the pages of the holder's file alive (a crashed node's whole arena would stay resident in
+    /// every reader that mapped it) until the last process unmaps it. The `PoolClient` calls it
+    /// periodically and whenever it finds a holder's connection dead. It never waits: a
+    /// connection busy with a request right now is checked at the next sweep, and no lock is held
+    /// while the dropped mappings are unmapped (a large `munmap` takes a while).
     pub fn sweep(&self) -> usize {
-        let gone: Vec<String> =
-            self.peers.lock().iter().filter(|(_, p)| hung_up(&p.stream.lock())).map(|(e, _)| e.clone()).collect();
-        for endpoint in &gone {
-            self.peers.lock().remove(endpoint);
+        let peers: Vec<(String, Arc<Peer>)> =
+            self.peers.lock().iter().map(|(e, p)| (e.clone(), Arc::clone(p))).collect();
+        let gone: Vec<String> = peers
+            .into_iter()
+            .filter(|(_, p)| p.stream.try_lock().is_some_and(|s| hung_up(&s)))
+            .map(|(e, _)| e)
+            .collect();
+        {
+            let mut held = self.peers.lock();
+            for endpoint in &gone {
+                held.remove(endpoint);
+            }
         }
-        let mut regions = self.regions.lock();
-        let mut dropped = 0;
-        regions.retain(|peer, held| {
+        // Dropped after the lock is released: the last `Arc` of each unmaps it.
+        let mut dropped: Vec<Arc<SharedMapping>> = Vec::new();
+        self.regions.lock().retain(|peer, held| {
             if gone.contains(peer) {
-                dropped += held.len();
+                dropped.extend(held.drain().map(|(_, m)| m));
                 return false;
             }
-            let before = held.len();
-            held.retain(|_, m| m.is_current());
-            dropped += before - held.len();
+            held.retain(|_, m| {
+                let keep = m.is_current();
+                if !keep {
+                    dropped.push(Arc::clone(m));
+                }
+                keep
+            });
             !held.is_empty()
         });
-        dropped
+        let n = dropped.len();
+        if n > 0 {
+            tracing::debug!(mappings = n, holders_gone = gone.len(), "shared-memory sweep unmapped stale mappings");
+        }
+        n
     }
 
     /// Mappings cached now.
     pub fn cached_regions(&self) -> usize {
         self.regions.lock().values().map(HashMap::len).sum()
+    }
+
+    /// Connections held now (one per holder, open or not yet found closed).
+    pub fn peer_count(&self) -> usize {
+        self.peers.lock().len()
     }
 
     /// Whether a connection to `endpoint` was made and not forgotten (open or not).
@@ -145,6 +182,8 @@ impl ShmClient {
     pub fn connect(&self, endpoint: &str) -> Result<(), ShmError> {
         if self.has_peer(endpoint) && !self.connected(endpoint) {
             self.forget_peer(endpoint);
+            // A holder found dead: others may be too; unmap what they leave behind now.
+            self.sweep();
         }
         self.peer(endpoint).map(|_| ())
     }

@@ -89,7 +89,7 @@ struct Refused {
 /// [`CompositeTransferEngine::with_shm_server`](crate::CompositeTransferEngine::with_shm_server)).
 pub struct SharedMemoryEngine {
     config: SharedMemoryConfig,
-    client: ShmClient,
+    client: Arc<ShmClient>,
     copy: LocalCopyEngine,
     refused: Mutex<HashMap<String, Refused>>,
 }
@@ -114,13 +114,21 @@ struct Pair<'a> {
 impl SharedMemoryEngine {
     /// An engine with `config`; it connects to nobody until a pair asks for it.
     pub fn new(config: SharedMemoryConfig) -> Self {
-        let client = ShmClient::new(config.client.clone());
+        let client = Arc::new(ShmClient::new(config.client.clone()));
+        Self::with_client(config, client)
+    }
+
+    /// An engine that maps holders' regions through `client` (whose settings replace
+    /// `config.client`), shared with the process's other users of the shared path — the keyed
+    /// client's single-key gets and puts (`KeyedClient::with_shm_client`) — so a process holds one
+    /// connection and one mapping per holder region, not one per user.
+    pub fn with_client(config: SharedMemoryConfig, client: Arc<ShmClient>) -> Self {
         let copy = LocalCopyEngine::new(config.copy.clone());
         Self { config, client, copy, refused: Mutex::new(HashMap::new()) }
     }
 
     /// The client that maps holders' regions (for diagnostics and [`ShmClient::sweep`]).
-    pub fn client(&self) -> &ShmClient {
+    pub fn client(&self) -> &Arc<ShmClient> {
         &self.client
     }
 
@@ -224,6 +232,8 @@ impl SharedMemoryEngine {
             let gone = self.client.has_peer(endpoint) && !self.client.connected(endpoint);
             if gone {
                 self.client.forget_peer(endpoint);
+                // Other holders may have gone too: unmap what they leave behind now.
+                self.client.sweep();
                 self.remember(
                     endpoint,
                     pair.remote.region_id,

@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -43,7 +44,7 @@ const RETRY_AFTER: Duration = Duration::from_secs(5);
 /// shared path (see the module docs).
 #[derive(Debug)]
 pub(crate) struct SharedReads {
-    client: ShmClient,
+    client: Arc<ShmClient>,
     /// Holder endpoint → until when it is asked for bytes only.
     refused: Mutex<HashMap<String, Instant>>,
     gets: AtomicU64,
@@ -55,8 +56,14 @@ impl SharedReads {
     /// No connection yet; the handshake presents `token`.
     pub(crate) fn new(token: &[u8], io_timeout: Duration) -> Self {
         let config = ShmClientConfig { io_timeout, ..ShmClientConfig::new(token) };
+        Self::with_client(Arc::new(ShmClient::new(config)))
+    }
+
+    /// Over `client`, shared with the process's other users of the shared path (the engine's
+    /// batches): one connection and one mapping per holder region in all.
+    pub(crate) fn with_client(client: Arc<ShmClient>) -> Self {
         Self {
-            client: ShmClient::new(config),
+            client,
             refused: Mutex::new(HashMap::new()),
             gets: AtomicU64::new(0),
             puts: AtomicU64::new(0),

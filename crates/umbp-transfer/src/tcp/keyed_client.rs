@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::ptr::NonNull;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -202,6 +203,21 @@ impl KeyedClient {
             .map_err(|e| KeyedError::Protocol { endpoint: String::new(), message: format!("cluster token: {e}") })?;
         let shared = SharedReads::new(token, config.io_timeout);
         Ok(Self { config, hello, idle: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), shared })
+    }
+
+    /// As [`new`](Self::new), with [`get_shared`](Self::get_shared) and
+    /// [`put_shared`](Self::put_shared) mapping holders' regions through `shm` — the same client
+    /// the process's [`SharedMemoryEngine`](crate::SharedMemoryEngine) uses
+    /// ([`with_client`](crate::SharedMemoryEngine::with_client)), so batches and single keys share
+    /// one connection and one mapping per holder region. `shm` presents its own token (the cluster
+    /// token, as here).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn with_shm_client(config: KeyedClientConfig, shm: Arc<crate::shm::ShmClient>) -> Result<Self, KeyedError> {
+        let mut client = Self::new(config)?;
+        client.shared = SharedReads::with_client(shm);
+        Ok(client)
     }
 
     /// Reads `key`'s value from the holder at `endpoint` into `dst` (at most `cap` bytes).
