@@ -50,6 +50,17 @@ pub const VALUE_SIZES: [usize; 2] = [64 << 10, 1 << 20];
 /// The size of the value whose single-get latency is measured.
 pub const LATENCY_VALUE: usize = 64 << 10;
 
+/// The size of the value whose single get and put are measured on the same-host paths: through
+/// shared memory (the default client) beside TCP (a client with `shared_memory = false`).
+pub const LATENCY_LARGE_VALUE: usize = 1 << 20;
+
+/// Calls per path of the [`LATENCY_LARGE_VALUE`] probes for `calls` of the 64 KiB ones: a quarter
+/// (each call moves 16× the bytes, and every put is kept in the child's memory), at least 100 (for
+/// a p99).
+pub fn large_latency_calls(calls: usize) -> usize {
+    calls.div_ceil(4).max(100)
+}
+
 /// Blocks the single-call probes alternate the two client paths in (each path's calls split evenly),
 /// so a change in the machine's load during the probe reaches both paths alike.
 pub const LATENCY_BLOCKS: usize = 10;
@@ -155,7 +166,8 @@ impl BenchOptions {
     /// DRAM the child node lends: [`capacity`](Self::capacity) plus the single puts of both client
     /// paths, of the latency probe and of the breakdown (warm-ups included), kept until the end.
     fn child_capacity(&self) -> u64 {
-        let singles = 4 * (self.latency_calls + WARM_UP) as u64 * LATENCY_VALUE as u64;
+        let singles = 4 * (self.latency_calls + WARM_UP) as u64 * LATENCY_VALUE as u64
+            + 2 * (large_latency_calls(self.latency_calls) + WARM_UP + 1) as u64 * LATENCY_LARGE_VALUE as u64;
         Self::room_for(2 * self.rounds as u64 * self.batch_bytes + singles)
     }
 
@@ -253,8 +265,12 @@ impl Latency {
     }
 
     fn to_json(&self) -> String {
+        self.to_json_of(LATENCY_VALUE)
+    }
+
+    fn to_json_of(&self, value_bytes: usize) -> String {
         format!(
-            "{{\"value_bytes\":{LATENCY_VALUE},\"calls\":{},\"p50_us\":{:.1},\"p99_us\":{:.1}}}",
+            "{{\"value_bytes\":{value_bytes},\"calls\":{},\"p50_us\":{:.1},\"p99_us\":{:.1}}}",
             self.calls, self.p50_us, self.p99_us
         )
     }
@@ -271,6 +287,16 @@ pub struct Latencies {
     pub put: Latency,
     /// Puts of distinct keys by the routed client: route, allocate RPC, TCP write, commit RPC.
     pub put_routed: Latency,
+    /// Single 1 MiB gets of the default client from the same-host child: the keyed exchange, the
+    /// bytes copied from the client's mapping of the holder's memory.
+    pub get_large: Latency,
+    /// The same gets by a client with `shared_memory = false`: the keyed exchange over TCP.
+    pub get_large_tcp: Latency,
+    /// Single 1 MiB puts of distinct new keys by the default client: a route and the keyed
+    /// exchange, the bytes copied into the holder's slot through the mapping.
+    pub put_large: Latency,
+    /// The same puts by the client with `shared_memory = false`: the bytes over TCP.
+    pub put_large_tcp: Latency,
 }
 
 /// What the bench measured.
@@ -326,7 +352,8 @@ impl BenchReport {
             .collect();
         format!(
             "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{},\"latency_routed\":{},\"put_latency\":{},\
-             \"put_latency_routed\":{},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{},\"breakdown_routed\":{},\
+             \"put_latency_routed\":{},\"latency_1m_shm\":{},\"latency_1m_tcp\":{},\"put_latency_1m_shm\":{},\
+             \"put_latency_1m_tcp\":{},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{},\"breakdown_routed\":{},\
              \"cli_get\":{}}}",
             self.rounds,
             self.batch_bytes,
@@ -335,6 +362,10 @@ impl BenchReport {
             self.latency.get_routed.to_json(),
             self.latency.put.to_json(),
             self.latency.put_routed.to_json(),
+            self.latency.get_large.to_json_of(LATENCY_LARGE_VALUE),
+            self.latency.get_large_tcp.to_json_of(LATENCY_LARGE_VALUE),
+            self.latency.put_large.to_json_of(LATENCY_LARGE_VALUE),
+            self.latency.put_large_tcp.to_json_of(LATENCY_LARGE_VALUE),
             self.memcpy_threads,
             self.baseline_warnings.iter().map(|w| format!("\"{}\"", w.replace('"', "'"))).collect::<Vec<_>>().join(","),
             self.breakdown.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
@@ -473,7 +504,7 @@ impl fmt::Display for Latencies {
             line(&self.get_routed),
             ratio(&self.get, &self.get_routed)
         )?;
-        write!(
+        writeln!(
             f,
             "single {value} remote put of a new key, {} calls per path in {LATENCY_BLOCKS} alternating blocks: keyed \
              (route + one exchange) {}; routed (route + allocate + TCP write + commit) {}; {}",
@@ -481,6 +512,29 @@ impl fmt::Display for Latencies {
             line(&self.put),
             line(&self.put_routed),
             ratio(&self.put, &self.put_routed)
+        )?;
+        let large = human_size(LATENCY_LARGE_VALUE as u64);
+        let shm_ratio = |shm: &Latency, tcp: &Latency| {
+            format!("shared/TCP p50 {:.2}, p99 {:.2}", shm.p50_us / tcp.p50_us, shm.p99_us / tcp.p99_us)
+        };
+        writeln!(
+            f,
+            "single {large} same-host get, {} calls per path in {LATENCY_BLOCKS} alternating blocks: shared memory \
+             (keyed, copied from the holder's mapping) {}; TCP (keyed, shared_memory = false) {}; {}",
+            self.get_large.calls,
+            line(&self.get_large),
+            line(&self.get_large_tcp),
+            shm_ratio(&self.get_large, &self.get_large_tcp)
+        )?;
+        write!(
+            f,
+            "single {large} same-host put of a new key, {} calls per path in {LATENCY_BLOCKS} alternating blocks: \
+             shared memory (route + keyed, copied into the slot's mapping) {}; TCP (route + keyed, shared_memory = \
+             false) {}; {}",
+            self.put_large.calls,
+            line(&self.put_large),
+            line(&self.put_large_tcp),
+            shm_ratio(&self.put_large, &self.put_large_tcp)
         )
     }
 }
@@ -762,7 +816,8 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
     };
     let result = async {
         measure_remote(&Clients { tcp: &tcp, shm: &client }, &raw_addr, rounds, batch, &mut rows).await?;
-        let latency = measure_latency(&client, &routed, options.latency_calls).await?;
+        let mut latency = measure_latency(&client, &routed, options.latency_calls).await?;
+        measure_large_latency(&client, &tcp, large_latency_calls(options.latency_calls), &mut latency).await?;
         // The key the latency probe stored, got by `umbp get` processes (light clients).
         let cli_get = crate::bench_cli::measure(&program, master, LATENCY_KEY, LATENCY_VALUE as u64).await?;
         let breakdown = if options.breakdown {
@@ -1060,43 +1115,50 @@ pub(crate) fn latency_blocks(calls: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// The single 64 KiB remote get (of one key, [`LATENCY_KEY`]) and put (of distinct new keys, each
-/// checked to be written) of `keyed` (the default client) and `routed` (`keyed_requests = false`),
-/// `calls` of each per path, in [`LATENCY_BLOCKS`] blocks alternating the paths (the first path
-/// alternates too), after [`WARM_UP`] untimed calls of each.
-async fn measure_latency(keyed: &PoolClient, routed: &PoolClient, calls: usize) -> Result<Latencies, BenchError> {
-    let value = vec![5u8; LATENCY_VALUE];
-    let key = LATENCY_KEY.to_owned();
-    keyed.put(&key, &value).await.map_err(|e| BenchError::Failed(format!("latency put: {e}")))?;
-    until_indexed(keyed, std::slice::from_ref(&key)).await?;
-    let clients = [keyed, routed];
-    let names = ["keyed", "routed"];
-    let mut buf = vec![0u8; LATENCY_VALUE];
+/// One single-call probe: `clients[0]` stores `key` (a value of `len` bytes), then each client, after
+/// [`WARM_UP`] untimed calls of each kind, gets `key` `calls` times and puts `calls` distinct new
+/// keys (`bench-latency-put-{prefix}{name}-{i}`, each checked to be written), in [`LATENCY_BLOCKS`]
+/// blocks alternating the clients (the first client alternates too, so a change in the machine's
+/// load reaches both alike). Returns the gets' and the puts' percentiles per client.
+async fn probe_pair(
+    clients: [&PoolClient; 2],
+    names: [&str; 2],
+    key: &str,
+    len: usize,
+    prefix: &str,
+    calls: usize,
+) -> Result<([Latency; 2], [Latency; 2]), BenchError> {
+    let value: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+    let size = human_size(len as u64);
+    let failed = |what: &str, e: &dyn fmt::Display| BenchError::Failed(format!("{size} latency {what}: {e}"));
+    clients[0].put(key, &value).await.map_err(|e| failed("put", &e))?;
+    until_indexed(clients[0], &[key.to_owned()]).await?;
+    let mut buf = vec![0u8; len];
     let get = async |client: &PoolClient, buf: &mut [u8]| {
         let t = Instant::now();
-        client.get(&key, buf).await.map_err(|e| BenchError::Failed(format!("latency get: {e}")))?;
+        client.get(key, buf).await.map_err(|e| failed("get", &e))?;
         Ok::<_, BenchError>(t.elapsed().as_secs_f64() * 1e6)
     };
     let put = async |client: &PoolClient, key: &str| {
         let t = Instant::now();
-        let outcome =
-            client.put_outcome(key, &value).await.map_err(|e| BenchError::Failed(format!("latency put: {e}")))?;
+        let outcome = client.put_outcome(key, &value).await.map_err(|e| failed("put", &e))?;
         let us = t.elapsed().as_secs_f64() * 1e6;
         match outcome {
             PutOutcome::Written => Ok(us),
-            PutOutcome::AlreadyPresent => Err(BenchError::Failed(format!("latency put: {key} was already present"))),
+            PutOutcome::AlreadyPresent => Err(failed("put", &format_args!("{key} was already present"))),
         }
     };
-    let put_key = |path: usize, i: usize| format!("bench-latency-put-{}-{i}", names[path]);
+    let put_key = |path: usize, i: usize| format!("bench-latency-put-{prefix}{}-{i}", names[path]);
     for (p, client) in clients.iter().enumerate() {
         for i in 0..WARM_UP {
             get(client, &mut buf).await?;
             put(client, &put_key(p, calls + i)).await?;
         }
     }
-    let before = keyed.stats();
     crate::progress::note(format_args!(
-        "umbp bench: {calls} single gets and {calls} single puts per client path for the latency percentiles"
+        "umbp bench: {calls} single {size} gets and {calls} single {size} puts per path ({}, {}) for the latency \
+         percentiles",
+        names[0], names[1]
     ));
     let mut gets = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
     for (b, block) in latency_blocks(calls).into_iter().enumerate() {
@@ -1107,7 +1169,7 @@ async fn measure_latency(keyed: &PoolClient, routed: &PoolClient, calls: usize) 
         }
     }
     if buf != value {
-        return Err(BenchError::Failed("latency get returned other bytes than were put".into()));
+        return Err(failed("get", &"other bytes than were put"));
     }
     let mut puts = [Vec::with_capacity(calls), Vec::with_capacity(calls)];
     for (b, block) in latency_blocks(calls).into_iter().enumerate() {
@@ -1117,16 +1179,66 @@ async fn measure_latency(keyed: &PoolClient, routed: &PoolClient, calls: usize) 
             }
         }
     }
+    Ok((gets.map(Latency::of), puts.map(Latency::of)))
+}
+
+/// The single 64 KiB remote get (of one key, [`LATENCY_KEY`]) and put (of distinct new keys) of
+/// `keyed` (the default client) and `routed` (`keyed_requests = false`), `calls` of each per path
+/// ([`probe_pair`]); the large fields are left empty for [`measure_large_latency`].
+async fn measure_latency(keyed: &PoolClient, routed: &PoolClient, calls: usize) -> Result<Latencies, BenchError> {
+    let before = keyed.stats();
+    let ([get, get_routed], [put, put_routed]) =
+        probe_pair([keyed, routed], ["keyed", "routed"], LATENCY_KEY, LATENCY_VALUE, "", calls).await?;
     // Say so when the default client did not take the keyed path every time (a fallback is routed).
     let after = keyed.stats();
     let (keyed_gets, keyed_puts) = (after.keyed_gets - before.keyed_gets, after.keyed_puts - before.keyed_puts);
-    if keyed_gets < calls as u64 || keyed_puts < calls as u64 {
+    let expected = (calls + WARM_UP) as u64;
+    if keyed_gets < expected || keyed_puts < expected {
         crate::progress::note(format_args!(
-            "umbp bench: warning: only {keyed_gets} of {calls} gets and {keyed_puts} of {calls} puts of the default \
-             client took the keyed path"
+            "umbp bench: warning: only {keyed_gets} of {expected} gets and {keyed_puts} of {expected} puts of the \
+             default client took the keyed path"
         ));
     }
-    let [get_keyed, get_routed] = gets.map(Latency::of);
-    let [put_keyed, put_routed] = puts.map(Latency::of);
-    Ok(Latencies { get: get_keyed, get_routed, put: put_keyed, put_routed })
+    let none = Latency { calls: 0, p50_us: 0.0, p99_us: 0.0 };
+    Ok(Latencies {
+        get,
+        get_routed,
+        put,
+        put_routed,
+        get_large: none.clone(),
+        get_large_tcp: none.clone(),
+        put_large: none.clone(),
+        put_large_tcp: none,
+    })
+}
+
+/// The key of the 1 MiB latency probe's value.
+const LATENCY_LARGE_KEY: &str = "bench-latency-key-1m";
+
+/// The single 1 MiB get and put of `shm` (the default client: shared memory with the same-host
+/// child) beside `tcp` (`shared_memory = false`: the keyed exchange over TCP), `calls` of each per
+/// path ([`probe_pair`]); fills `out`'s large fields. Fails when the default client's bytes did
+/// not go through shared memory, or the other client's did.
+async fn measure_large_latency(
+    shm: &PoolClient,
+    tcp: &PoolClient,
+    calls: usize,
+    out: &mut Latencies,
+) -> Result<(), BenchError> {
+    const SHM: &str = "SharedMemoryEngine";
+    let before = shm.transferred_bytes(SHM);
+    let ([get, get_tcp], [put, put_tcp]) =
+        probe_pair([shm, tcp], ["shm", "tcp"], LATENCY_LARGE_KEY, LATENCY_LARGE_VALUE, "1m-", calls).await?;
+    // The store, the warm-ups and every timed call (keyed copies count as shared-memory bytes).
+    let through_shm = shm.transferred_bytes(SHM) - before;
+    let expected = ((2 * (calls + WARM_UP) + 1) * LATENCY_LARGE_VALUE) as u64;
+    if through_shm < expected || tcp.transferred_bytes(SHM) != 0 {
+        return Err(BenchError::Failed(format!(
+            "the 1 MiB single calls did not take their paths: {through_shm} of {expected} bytes of the default \
+             client through shared memory, {} of the TCP client",
+            tcp.transferred_bytes(SHM)
+        )));
+    }
+    (out.get_large, out.get_large_tcp, out.put_large, out.put_large_tcp) = (get, get_tcp, put, put_tcp);
+    Ok(())
 }

@@ -75,6 +75,17 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
         assert!(line.contains("keyed (") && line.contains("routed (") && line.contains("keyed/routed p50 "), "{line}");
         assert_eq!(line.matches(" µs, p99 ").count(), 2, "{line}");
     }
+    // The single 1 MiB get and put on one host: shared memory beside TCP, with their ratio.
+    let get = out.lines().find(|l| l.starts_with("single 1 MiB same-host get, 100 calls per path in 10 alternating"));
+    let put = out.lines().find(|l| l.starts_with("single 1 MiB same-host put of a new key, 100 calls per path"));
+    for line in [get, put] {
+        let line = line.unwrap_or_else(|| panic!("no single 1 MiB get or put line:\n{out}"));
+        assert!(
+            line.contains("shared memory (") && line.contains("TCP (") && line.contains("shared/TCP p50 "),
+            "{line}"
+        );
+        assert_eq!(line.matches(" µs, p99 ").count(), 2, "{line}");
+    }
     assert!(
         out.contains("`umbp get` of a 64 KiB value as a process, 30 runs: p50 ")
             && out.contains("(`umbp --version`: p50 "),
@@ -100,6 +111,11 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
     // puts are beside it.
     for field in ["latency", "latency_routed", "put_latency", "put_latency_routed"] {
         let prefix = format!("\"{field}\":{{\"value_bytes\":65536,\"calls\":100,\"p50_us\":");
+        assert_eq!(json.matches(&prefix).count(), 1, "{field}: {json}");
+    }
+    // The 1 MiB same-host single calls, shared memory and TCP (100 calls: the least per path).
+    for field in ["latency_1m_shm", "latency_1m_tcp", "put_latency_1m_shm", "put_latency_1m_tcp"] {
+        let prefix = format!("\"{field}\":{{\"value_bytes\":1048576,\"calls\":100,\"p50_us\":");
         assert_eq!(json.matches(&prefix).count(), 1, "{field}: {json}");
     }
     assert!(json.contains("\"breakdown\":null,\"breakdown_routed\":null,"), "no --breakdown: {json}");
