@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rustix::mm::{MapFlags, ProtFlags};
+use rustix::mm::{Advice, MapFlags, ProtFlags};
 
 use super::epochs::{EpochTable, check_backing};
 use super::wire::{self, Status};
@@ -23,12 +23,15 @@ pub struct ShmClientConfig {
     pub token: Vec<u8>,
     /// The timeout of each socket call. Default: 5 s.
     pub io_timeout: Duration,
+    /// Fill each new mapping's page tables on a background thread ([`populate_in_background`]), so
+    /// copies do not fault page by page. Default: on.
+    pub populate: bool,
 }
 
 impl ShmClientConfig {
     /// Defaults with cluster token `token`.
     pub fn new(token: impl Into<Vec<u8>>) -> Self {
-        Self { token: token.into(), io_timeout: Duration::from_secs(5) }
+        Self { token: token.into(), io_timeout: Duration::from_secs(5), populate: true }
     }
 }
 
@@ -83,6 +86,9 @@ impl ShmClient {
             other => other?,
         };
         let mapping = Arc::new(mapping);
+        if self.config.populate {
+            populate_in_background(&mapping);
+        }
         self.regions.lock().entry(endpoint.to_owned()).or_default().insert(region_id, Arc::clone(&mapping));
         Ok(mapping)
     }
@@ -276,6 +282,43 @@ fn hung_up(stream: &UnixStream) -> bool {
         Ok(0) => false,
         Ok(_) => !fds[0].revents().is_empty(),
         Err(_) => true,
+    }
+}
+
+/// Bytes one populate step covers. The populating thread holds the mapping only for one step at a
+/// time, so a sweep or an eviction unmaps it at most one step later.
+const POPULATE_STEP: usize = 64 << 20;
+
+/// Fills the page tables of a fresh mapping on a thread of its own, step by step
+/// (`MADV_POPULATE_WRITE`: every page mapped writable, no byte touched). Without it every 4 KiB page
+/// of the mapping costs the first copy into or out of it a page fault (shared memory files get no
+/// huge pages unless the host enables shmem THP): measured on the 2-core VM, a single 1 MiB put
+/// through an unpopulated mapping took p50 789 µs, populated 519 µs, TCP 735 µs. The price is page
+/// tables, ~2 MiB per GiB mapped, which a reader that touches the whole region pays anyway; the
+/// holder's pages themselves exist already (it prefaults its medium) or are its lent memory. A
+/// kernel without `MADV_POPULATE_WRITE` (before 5.14), or any failure, only ends the populating.
+fn populate_in_background(mapping: &Arc<SharedMapping>) {
+    let weak = Arc::downgrade(mapping);
+    let spawned = std::thread::Builder::new().name("umbp-shm-populate".into()).spawn(move || {
+        let mut offset = 0usize;
+        loop {
+            let Some(m) = weak.upgrade() else { return };
+            if offset >= m.map_len || !m.is_current() {
+                return;
+            }
+            let len = POPULATE_STEP.min(m.map_len - offset);
+            // SAFETY: `[offset, offset + len)` lies inside the mapping, which `m` keeps mapped for the
+            // call; populating changes no byte of it.
+            let done = unsafe { rustix::mm::madvise(m.map_base.add(offset).as_ptr().cast(), len, Advice::LinuxPopulateWrite) };
+            if let Err(e) = done {
+                tracing::debug!(peer = %m.peer, region = m.region_id, error = %e, "stopped populating a shared mapping");
+                return;
+            }
+            offset += len;
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::debug!(error = %e, "could not start populating a shared mapping; its pages fault in on first use");
     }
 }
 
