@@ -65,10 +65,10 @@ pub mod bench;
 pub mod bench_breakdown;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
-pub mod bench_latency;
+pub mod bench_cli;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
-pub mod bench_cli;
+pub mod bench_latency;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
 pub mod bench_metadata;
