@@ -66,6 +66,8 @@
 
 mod backend;
 mod config;
+#[doc(hidden)]
+pub mod fuzzing;
 mod io;
 mod record;
 mod staged;

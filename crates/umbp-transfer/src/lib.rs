@@ -62,6 +62,8 @@ mod composite;
 mod directory;
 mod engine;
 mod fd_limit;
+#[doc(hidden)]
+pub mod fuzzing;
 mod gpu;
 mod local;
 mod planning;

@@ -32,7 +32,7 @@ mod epochs;
 mod identity;
 mod keyed;
 mod server;
-mod wire;
+pub(crate) mod wire;
 
 use std::io;
 
