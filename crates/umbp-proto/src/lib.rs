@@ -22,6 +22,8 @@
 //! ```
 
 pub mod convert;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod resolve;
 pub mod token;
 
