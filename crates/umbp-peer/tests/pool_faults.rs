@@ -2,10 +2,13 @@
 
 use std::net::TcpListener;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use umbp_core::{AllocateRequest, BackendRegistry, CommitRequest, MediumBackend, TierType};
+use umbp_core::{
+    AllocateRequest, BackendRegistry, CommitRequest, LocalRegion, MediumBackend, MemoryRegistrar, RegistrationError,
+    RemoteRegion, TierType, TransferRef,
+};
 use umbp_master::MasterHandle;
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig};
 use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
@@ -151,12 +154,105 @@ async fn reads_racing_eviction_are_exact_or_fail_never_wrong() {
     m.shutdown().await;
 }
 
+/// Gives every region a remote handle at `endpoint`, as a data server would.
+#[derive(Debug)]
+struct RemoteAt {
+    endpoint: String,
+    next: AtomicU64,
+}
+
+impl MemoryRegistrar for RemoteAt {
+    fn register_memory(&self, region: LocalRegion) -> Result<TransferRef, RegistrationError> {
+        let region_id = self.next.fetch_add(1, Ordering::Relaxed);
+        Ok(TransferRef::local(region).with_remote(RemoteRegion { endpoint: self.endpoint.clone(), region_id }))
+    }
+
+    fn deregister(&self, _: &TransferRef) {}
+}
+
+/// A node whose peer service allocates on a [`MockBackend`] (which frees an uncommitted slot only
+/// when aborted: it has no reaper of its own) and whose data endpoint is `data`.
+async fn mock_holder(master: &MasterHandle, data: &str) -> (MasterClient, Arc<MockBackend>, PeerServerHandle) {
+    let mock = Arc::new(MockBackend::new(MockConfig { page_size: PAGE, pages: 16, ..MockConfig::default() }));
+    mock.init(Arc::new(RemoteAt { endpoint: data.to_owned(), next: AtomicU64::new(1) })).expect("init");
+    let mut registry = BackendRegistry::new();
+    registry.register(Arc::clone(&mock) as Arc<dyn MediumBackend>).expect("registry");
+    let registry = Arc::new(registry);
+    let service = PeerService::new(Arc::clone(&registry), data);
+    let server = PeerServer::start(PeerServerConfig::default(), service).await.expect("peer server");
+    let registration = NodeRegistration::new("mock", "127.0.0.1")
+        .with_peer_address(server.local_addr().to_string())
+        .with_data_endpoint(data);
+    let client =
+        MasterClient::connect(&master.local_addr().to_string(), MasterClientConfig::default(), registration, registry)
+            .await
+            .expect("connect");
+    client.register().await.expect("register");
+    client.start_heartbeat().expect("heartbeat");
+    client.flush();
+    (client, mock, server)
+}
+
+/// A put cancelled while its copy is in flight (the client holds the allocation reply, so its
+/// guard tracks the slot) has that slot aborted at once. The holder never reaps (a mock medium:
+/// no TTL sweep) and the copy is held up by a data endpoint that accepts and never answers, so the
+/// slot is freed by the guard's abort or not at all; this fails with `SlotGuard::drop` removed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_put_cancelled_after_allocation_leaves_no_pending_slot() {
+async fn a_put_cancelled_mid_copy_has_its_slot_aborted_by_its_guard() {
     let m = master().await;
-    // A put cancelled after the peer allocated but before its reply arrived leaves a slot the client
-    // never learned of: only the pending TTL can reclaim that one (as in the reference). Every slot
-    // the client did learn of is aborted by its guard at once. A 2 s TTL bounds the unknowable case.
+    let black_hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let data = black_hole.local_addr().expect("addr").to_string();
+    let (tx, mut dialled) = tokio::sync::mpsc::unbounded_channel();
+    let accepter = tokio::spawn(async move {
+        while let Ok((stream, _)) = black_hole.accept().await {
+            // Kept open and never answered, until the test drops the receiver.
+            if tx.send(stream).is_err() {
+                break;
+            }
+        }
+    });
+    let (_client, mock, _server) = mock_holder(&m, &data).await;
+    let mut writer_config = PoolClientConfig::new("writer", m.local_addr().to_string());
+    // The routed path (allocate, copy, commit): a keyed put has no client-side slot to guard.
+    writer_config.keyed_requests = false;
+    writer_config.shared_memory = false;
+    let writer = Arc::new(PoolClient::start(writer_config).await.expect("writer"));
+    let v = value(3, 4 * PAGE as usize);
+    let put = {
+        let (writer, v) = (Arc::clone(&writer), v.clone());
+        tokio::spawn(async move { writer.put("cancelled", &v).await })
+    };
+    // The copy has begun (the writer dialled the slot's data endpoint) and the slot is pending.
+    let conn = tokio::time::timeout(Duration::from_secs(10), dialled.recv())
+        .await
+        .expect("the writer dialled the data endpoint")
+        .expect("a connection");
+    assert_eq!(mock.pending_slot_count(), 1, "the slot is allocated and pending");
+    let aborts = mock.calls().batch_abort;
+    put.abort();
+    // The dropped put waits for its copy to end: refuse it (close the connection and the listener).
+    drop((conn, dialled));
+    accepter.abort();
+    let joined = tokio::time::timeout(Duration::from_secs(10), put).await.expect("the cancelled put ends");
+    assert!(joined.is_err_and(|e| e.is_cancelled()), "the put was cancelled, not finished");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while mock.pending_slot_count() > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the cancelled put's slot was never aborted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(mock.calls().batch_abort > aborts, "freed by an abort");
+    assert_eq!(mock.calls().batch_commit, 0, "nothing was committed");
+    writer.close().await;
+    m.shutdown().await;
+}
+
+/// Puts cancelled at every stage leak nothing for longer than the pending TTL (2 s here): a slot the
+/// client learned of is aborted by its guard (proven alone by the test above), and one whose
+/// allocation reply never reached the client is reaped by the holder's TTL, the only bound there is
+/// for that case (as in the reference).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn puts_cancelled_at_any_stage_leak_no_slot_past_the_pending_ttl() {
+    let m = master().await;
     let mut holder_config = config(&m, "holder", 1024 * PAGE);
     holder_config.pending_ttl = Duration::from_secs(2);
     let holder = PoolClient::start(holder_config).await.expect("holder");
