@@ -101,6 +101,8 @@
 
 mod config;
 mod evictor;
+#[doc(hidden)]
+pub mod fuzzing;
 mod lease;
 mod metrics;
 pub mod routing;
