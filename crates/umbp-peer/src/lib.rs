@@ -46,6 +46,8 @@
 //! unavailable node, build a new client after a close, or report an internal fault; sources are
 //! kept (`std::error::Error::source`).
 
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod master_client;
 pub mod peer_client;
 pub mod peer_service;

@@ -66,7 +66,7 @@ mod error;
 mod heartbeat;
 mod masters;
 mod types;
-mod wire;
+pub(crate) mod wire;
 
 use std::fmt;
 use std::future::Future;
