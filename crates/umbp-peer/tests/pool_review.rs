@@ -5,10 +5,16 @@
 use std::net::{SocketAddr, TcpListener};
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use umbp_core::{BackendRegistry, MediumBackend, MemoryRegistrar};
 use umbp_master::MasterHandle;
+use umbp_peer::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
+use umbp_peer::peer_service::{PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
 use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_testkit::{MockBackend, MockConfig};
+use umbp_transfer::{TcpEngine, TcpEngineConfig};
 
 mod pool_support;
 
@@ -86,8 +92,107 @@ async fn puts_succeed_after_a_peer_restarts_on_the_same_ports() {
     m.shutdown().await;
 }
 
+/// A node whose medium is a [`MockBackend`] (so a test can make its reads answer busy) behind a
+/// real peer service and data server.
+async fn mock_holder(master: &MasterHandle) -> (MasterClient, Arc<MockBackend>, PeerServerHandle, Arc<TcpEngine>) {
+    let engine = Arc::new(TcpEngine::new(TcpEngineConfig::default()).expect("data server"));
+    let mock = Arc::new(MockBackend::new(MockConfig { page_size: PAGE, pages: 64, ..MockConfig::default() }));
+    mock.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>).expect("init");
+    let mut registry = BackendRegistry::new();
+    registry.register(Arc::clone(&mock) as Arc<dyn MediumBackend>).expect("registry");
+    let registry = Arc::new(registry);
+    let service = PeerService::new(Arc::clone(&registry), engine.endpoint());
+    let server = PeerServer::start(PeerServerConfig::default(), service).await.expect("peer server");
+    let registration = NodeRegistration::new("mock", "127.0.0.1")
+        .with_peer_address(server.local_addr().to_string())
+        .with_data_endpoint(engine.endpoint());
+    let client =
+        MasterClient::connect(&master.local_addr().to_string(), MasterClientConfig::default(), registration, registry)
+            .await
+            .expect("connect");
+    client.register().await.expect("register");
+    client.start_heartbeat().expect("heartbeat");
+    client.flush();
+    (client, mock, server, engine)
+}
+
+/// A light client on the routed path (resolve, copy, release) over TCP.
+fn routed_client(master: &MasterHandle, id: &str) -> PoolClientConfig {
+    let mut c = client_config(master, id);
+    c.keyed_requests = false;
+    c.shared_memory = false;
+    c
+}
+
+/// `close` waits for a batch already in flight, which then completes with its bytes, and only then
+/// returns; later calls fail `Closed`. The batch is held in flight by its holder answering busy (the
+/// reader backs off and asks again) until the test lets it go, so "in flight" and "waited" are
+/// observed, not timed: this fails if `close` stops waiting for the calls in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn close_during_batch_get_waits_and_later_calls_say_closed() {
+    let m = master().await;
+    let (holder, mock, _server, _engine) = mock_holder(&m).await;
+    let writer = PoolClient::start(routed_client(&m, "writer")).await.expect("writer");
+    let keys: Vec<String> = (0..8).map(|i| format!("c-{i}")).collect();
+    let values: Vec<Vec<u8>> = (0..8).map(|i| value(i, 2 * PAGE as usize)).collect();
+    let items: Vec<(&str, &[u8])> = keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    for r in writer.batch_put(&items).await {
+        r.expect("put");
+    }
+    holder.flush();
+    indexed(&writer, &keys).await;
+    let reader = Arc::new(PoolClient::start(routed_client(&m, "reader")).await.expect("reader"));
+    mock.answer_busy(u64::MAX);
+    let resolves = mock.calls().batch_resolve;
+    let got_done = Arc::new(AtomicBool::new(false));
+    let get = {
+        let (reader, keys, got_done) = (Arc::clone(&reader), keys.clone(), Arc::clone(&got_done));
+        tokio::spawn(async move {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; 2 * PAGE as usize]; keys.len()];
+            let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+            let results = reader.batch_get(&refs, &mut slices).await;
+            got_done.store(true, Ordering::SeqCst);
+            (results, bufs)
+        })
+    };
+    // In flight: the holder has been asked and answered busy.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while mock.calls().batch_resolve == resolves {
+        assert!(tokio::time::Instant::now() < deadline, "the batch never reached its holder");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let close = {
+        let (reader, got_done) = (Arc::clone(&reader), Arc::clone(&got_done));
+        tokio::spawn(async move {
+            reader.close().await;
+            got_done.load(Ordering::SeqCst)
+        })
+    };
+    // However long the batch stays in flight, close does not return before it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!get.is_finished(), "the batch is still held in flight by its busy holder");
+    assert!(!close.is_finished(), "close returned with a batch in flight");
+    mock.answer_busy(0);
+    let (results, bufs) =
+        tokio::time::timeout(Duration::from_secs(10), get).await.expect("the batch ends").expect("get");
+    for (i, r) in results.iter().enumerate() {
+        assert_eq!(r, &Ok(values[i].len() as u64), "{}: the batch in flight completes", keys[i]);
+        assert_eq!(bufs[i], values[i], "{}", keys[i]);
+    }
+    let waited = tokio::time::timeout(Duration::from_secs(10), close).await.expect("close ends").expect("close");
+    assert!(waited, "close returned before the batch in flight had ended");
+    let mut buf = vec![0u8; 2 * PAGE as usize];
+    assert_eq!(reader.get("c-0", &mut buf).await, Err(KeyError::Closed));
+    assert_eq!(reader.put("x", b"y").await, Err(KeyError::Closed));
+    writer.close().await;
+    m.shutdown().await;
+}
+
+/// Batches started around a `close` from four tasks: every key is its bytes or `Closed`, never
+/// another error or wrong bytes. (That `close` waits for a batch in flight is the test above.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_racing_close_return_their_bytes_or_closed() {
     let m = master().await;
     let holder = PoolClient::start(config(&m, "holder", 256 * PAGE)).await.expect("holder");
     let reader = Arc::new(PoolClient::start(config(&m, "reader", 64 * PAGE)).await.expect("reader"));
