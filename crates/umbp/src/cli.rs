@@ -237,6 +237,9 @@ pub enum Command {
     /// The child node of `umbp bench` (internal)
     #[command(hide = true)]
     BenchChild(BenchChildArgs),
+    /// A client process of the chaos test (internal)
+    #[command(hide = true)]
+    ChaosClient(crate::chaos::ChaosClientArgs),
 }
 
 /// Flags of `umbp master`.

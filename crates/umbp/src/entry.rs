@@ -249,6 +249,7 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<u
             bench::serve_child(&args.master, args.capacity).await?;
             Ok(0)
         }
+        Command::ChaosClient(args) => crate::chaos::run(args).await,
     }
 }
 

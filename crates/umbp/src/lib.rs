@@ -76,6 +76,9 @@ pub mod bench_metadata;
 #[doc(hidden)]
 pub mod bench_ssd;
 #[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod chaos;
+#[cfg(feature = "cli")]
 mod cli;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
