@@ -6,6 +6,49 @@
 use proptest::prelude::*;
 use umbp_peer::fuzzing;
 
+/// Fails any single allocation over 64 MiB (the process aborts with "memory allocation of N bytes
+/// failed"): no length a peer or a drive states may size a buffer before it is checked against
+/// what actually arrived. Nothing these harnesses do legitimately needs that much at once.
+struct CappedAlloc;
+
+const ALLOC_CAP: usize = 64 << 20;
+
+// SAFETY: forwards to the system allocator unchanged, or reports failure (null) for an oversized
+// request, which every caller must already handle.
+unsafe impl std::alloc::GlobalAlloc for CappedAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        if layout.size() > ALLOC_CAP {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `alloc` is passed through.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: `ptr` came from `System` with this layout.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        if layout.size() > ALLOC_CAP {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `alloc_zeroed` is passed through.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        if new_size > ALLOC_CAP {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `realloc` is passed through.
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: CappedAlloc = CappedAlloc;
+
 /// A valid input with a few bytes overwritten, truncated or extended.
 fn mutated(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
     let edits = proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4);
@@ -63,5 +106,60 @@ proptest! {
     #[test]
     fn mutated_peer_requests(data in mutated(fuzzing::peer_seeds())) {
         let _ = fuzzing::peer_requests(&data);
+    }
+}
+
+/// Every fuzz target's seeds, by target name (`fuzz/fuzz_targets/<name>.rs`).
+fn corpus() -> Vec<(&'static str, Vec<Vec<u8>>)> {
+    vec![
+        ("tcp_frames", umbp_transfer::fuzzing::frame_seeds()),
+        ("tcp_server", umbp_transfer::fuzzing::server_seeds()),
+        ("ssd_record", umbp_ssd::fuzzing::record_seeds()),
+        ("ssd_recovery", umbp_ssd::fuzzing::segment_seeds()),
+        ("resolve_reply", umbp_proto::fuzzing::resolve_seeds()),
+        ("heartbeat_events", umbp_proto::fuzzing::event_seeds()),
+        ("master_requests", umbp_master::fuzzing::seeds()),
+        ("route_replies", fuzzing::route_seeds()),
+        ("peer_requests", fuzzing::peer_seeds()),
+    ]
+}
+
+/// `fuzz/corpus/<target>/seed-<i>` are the seeds above, byte for byte, so `cargo fuzz` starts from
+/// what the encoders make today. `UMBP_BLESS_FUZZ_CORPUS=1` rewrites them.
+#[test]
+fn the_fuzz_seed_corpus_is_what_the_encoders_make() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+    let bless = std::env::var_os("UMBP_BLESS_FUZZ_CORPUS").is_some();
+    for (target, seeds) in corpus() {
+        let dir = root.join(target);
+        let seed_files = |dir: &std::path::Path| -> Vec<(String, Vec<u8>)> {
+            let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+            let mut files: Vec<(String, Vec<u8>)> = entries
+                .filter_map(Result::ok)
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned).map(|n| (n, e.path())))
+                .filter(|(n, _)| n.starts_with("seed-"))
+                .map(|(n, p)| (n, std::fs::read(p).expect("a corpus file")))
+                .collect();
+            files.sort();
+            files
+        };
+        if bless {
+            for (name, _) in seed_files(&dir) {
+                std::fs::remove_file(dir.join(name)).expect("removing a stale seed");
+            }
+            std::fs::create_dir_all(&dir).expect("the corpus directory");
+            for (i, seed) in seeds.iter().enumerate() {
+                std::fs::write(dir.join(format!("seed-{i}")), seed).expect("writing a seed");
+            }
+        }
+        let mut want: Vec<(String, Vec<u8>)> =
+            seeds.into_iter().enumerate().map(|(i, s)| (format!("seed-{i}"), s)).collect();
+        want.sort();
+        let got = seed_files(&dir);
+        let names = |v: &[(String, Vec<u8>)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&got), names(&want), "fuzz/corpus/{target}: rerun with UMBP_BLESS_FUZZ_CORPUS=1");
+        for ((name, a), (_, b)) in got.iter().zip(&want) {
+            assert!(a == b, "fuzz/corpus/{target}/{name} is stale: rerun with UMBP_BLESS_FUZZ_CORPUS=1");
+        }
     }
 }

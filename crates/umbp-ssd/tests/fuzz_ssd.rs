@@ -7,6 +7,49 @@
 use proptest::prelude::*;
 use umbp_ssd::fuzzing;
 
+/// Fails any single allocation over 64 MiB (the process aborts with "memory allocation of N bytes
+/// failed"): no length a peer or a drive states may size a buffer before it is checked against
+/// what actually arrived. Nothing these harnesses do legitimately needs that much at once.
+struct CappedAlloc;
+
+const ALLOC_CAP: usize = 64 << 20;
+
+// SAFETY: forwards to the system allocator unchanged, or reports failure (null) for an oversized
+// request, which every caller must already handle.
+unsafe impl std::alloc::GlobalAlloc for CappedAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        if layout.size() > ALLOC_CAP {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `alloc` is passed through.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: `ptr` came from `System` with this layout.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        if layout.size() > ALLOC_CAP {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `alloc_zeroed` is passed through.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        if new_size > ALLOC_CAP {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `realloc` is passed through.
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: CappedAlloc = CappedAlloc;
+
 const BLOCK: usize = 4096;
 
 /// A valid input with a few bytes overwritten (most inside a block's header), then perhaps cut

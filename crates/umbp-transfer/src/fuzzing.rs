@@ -220,23 +220,26 @@ fn harness() -> &'static Harness {
 }
 
 /// Sends `data` to a live data server as one connection's whole stream (then half-closes it) and
-/// reads what comes back until the server closes. Properties: the server ends the connection
+/// reads what comes back until the server closes. Every 8 bytes equal to [`REGION_TAG`] are
+/// replaced with the id of the server's region first. Properties: the server ends the connection
 /// within its deadlines, closes every read lease and slot the stream opened, and then serves a
-/// well-behaved client (hello, a READ, a GET_KEY) correctly.
-pub fn server_stream(data: &[u8]) {
+/// well-behaved client (hello, a READ, a GET_KEY) correctly. Returns the bytes the server sent.
+pub fn server_stream(data: &[u8]) -> usize {
     let h = harness();
     let endpoint = h.server.endpoint().to_owned();
+    let data = with_region(data, h.region);
     let mut s = TcpStream::connect(&endpoint).expect("connect to the fuzzed server");
     s.set_read_timeout(Some(Duration::from_secs(10))).expect("read timeout");
     // The server may close early (a malformed frame): the rest of the write then fails, as it may.
-    let _ = s.write_all(data);
+    let _ = s.write_all(&data);
     let _ = s.shutdown(Shutdown::Write);
     let started = Instant::now();
     let mut sink = [0u8; 16 << 10];
+    let mut received = 0;
     loop {
         match s.read(&mut sink) {
             Ok(0) => break,
-            Ok(_) => {}
+            Ok(n) => received += n,
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
                 panic!("the server kept a half-closed connection open for {:?}", started.elapsed())
             }
@@ -249,6 +252,28 @@ pub fn server_stream(data: &[u8]) {
         std::thread::sleep(Duration::from_millis(1));
     }
     well_behaved_client(&endpoint, h.region);
+    received
+}
+
+/// Stands for the id of the fuzzed server's region in an input: region ids differ from run to run,
+/// so a saved input names this instead.
+pub const REGION_TAG: u64 = u64::from_le_bytes(*b"@region@");
+
+/// `data` with every occurrence of [`REGION_TAG`]'s bytes replaced by `region`'s.
+fn with_region(data: &[u8], region: u64) -> Vec<u8> {
+    let (tag, id) = (REGION_TAG.to_le_bytes(), region.to_le_bytes());
+    let mut out = Vec::with_capacity(data.len());
+    let mut i = 0;
+    while i < data.len() {
+        if data[i..].starts_with(&tag) {
+            out.extend_from_slice(&id);
+            i += tag.len();
+        } else {
+            out.push(data[i]);
+            i += 1;
+        }
+    }
+    out
 }
 
 fn well_behaved_client(endpoint: &str, region: u64) {
@@ -279,7 +304,7 @@ fn well_behaved_client(endpoint: &str, region: u64) {
 /// request the server takes (READ, WRITE with its payload, GET_KEY plain and shared with a settle
 /// frame, PUT_KEY plain and shared), and a hello with the wrong token.
 pub fn server_seeds() -> Vec<Vec<u8>> {
-    let region = harness().region;
+    let region = REGION_TAG;
     let hello = protocol::encode_hello(TOKEN).unwrap_or_default();
     let req = |op, flags, id, region, offset, length| Request { op, flags, id, region, offset, length }.encode();
     let key = KEY.as_bytes();
