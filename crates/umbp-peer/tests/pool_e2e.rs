@@ -100,11 +100,38 @@ async fn dedup_remove_clear_and_bad_input() {
     }
     assert_eq!(b.get("k", &mut buf).await, Err(KeyError::Miss));
 
-    // Clear: the node's keys are gone at once and writes reopen after the master's ack.
-    a.put("c1", &v).await.expect("put");
+    // Clear: the node's keys are gone at once, from its medium and from the master's index; the
+    // other node's keys stay; writes reopen after the master's ack. The master places each key on
+    // the roomier node, so keys are written until both nodes hold some.
+    let (mut on_a, mut on_b) = (Vec::new(), Vec::new());
+    for n in 0..16 {
+        if !on_a.is_empty() && !on_b.is_empty() {
+            break;
+        }
+        let key = format!("c-{n}");
+        a.put(&key, &v).await.expect("put");
+        let keys = std::slice::from_ref(&key);
+        match (a.medium().expect("m").batch_contains(keys)[0], b.medium().expect("m").batch_contains(keys)[0]) {
+            (true, false) => on_a.push(key),
+            (false, true) => on_b.push(key),
+            other => panic!("{key} is stored once: {other:?}"),
+        }
+    }
+    assert!(!on_a.is_empty() && !on_b.is_empty(), "keys on both nodes: a {on_a:?}, b {on_b:?}");
+    a.flush();
+    b.flush();
+    indexed(&a, &on_a.iter().chain(&on_b).collect::<Vec<_>>()).await;
     a.clear().await.expect("clear");
-    assert_eq!(a.medium().expect("m").owned_key_count(), 0);
-    a.put("c2", &v).await.expect("writes reopen after the clear");
+    assert_eq!(a.medium().expect("m").owned_key_count(), 0, "the cleared node holds nothing");
+    for key in &on_a {
+        assert!(!a.exists(key).await.expect("exists"), "{key} is still indexed after the clear");
+        assert_eq!(b.get(key, &mut buf).await, Err(KeyError::Miss), "{key}");
+    }
+    for key in &on_b {
+        assert_eq!(a.get(key, &mut buf).await, Ok(v.len() as u64), "{key} on the other node stays");
+        assert_eq!(buf, v);
+    }
+    a.put("c-after", &v).await.expect("writes reopen after the clear");
     a.close().await;
     b.close().await;
     m.shutdown().await;
