@@ -90,7 +90,12 @@ pub fn route_seeds() -> Vec<Vec<u8>> {
 }
 
 #[cfg(feature = "dram")]
+pub use self::keyed::{keyed_seeds, keyed_stream};
+#[cfg(feature = "dram")]
 pub use self::service::{peer_requests, peer_seeds};
+
+#[cfg(feature = "dram")]
+mod keyed;
 
 #[cfg(feature = "dram")]
 mod service {

@@ -78,6 +78,11 @@ fn every_seed_is_served() {
     // The seeds reach past validation: the service accepts every request of the sequence.
     let accepted: Vec<usize> = fuzzing::peer_seeds().iter().map(|seed| fuzzing::peer_requests(seed)).collect();
     assert_eq!(accepted, [8]);
+    let received: Vec<usize> = fuzzing::keyed_seeds().iter().map(|seed| fuzzing::keyed_stream(seed)).collect();
+    // Hello answers, replies, values and trailers: each seed reaches past the handshake (the last
+    // one's stream ends inside its value, so its reply is never sent).
+    assert!(received[..4].iter().all(|&n| n > 8 + 24), "{received:?}");
+    assert_eq!(received[0], 8 + 24 + (24 + 100 + 8) + 24, "put a, get a (value and trailer), miss");
 }
 
 proptest! {
@@ -104,6 +109,16 @@ proptest! {
     }
 
     #[test]
+    fn arbitrary_keyed_streams(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = fuzzing::keyed_stream(&data);
+    }
+
+    #[test]
+    fn mutated_keyed_streams(data in mutated(fuzzing::keyed_seeds())) {
+        let _ = fuzzing::keyed_stream(&data);
+    }
+
+    #[test]
     fn mutated_peer_requests(data in mutated(fuzzing::peer_seeds())) {
         let _ = fuzzing::peer_requests(&data);
     }
@@ -121,6 +136,7 @@ fn corpus() -> Vec<(&'static str, Vec<Vec<u8>>)> {
         ("master_requests", umbp_master::fuzzing::seeds()),
         ("route_replies", fuzzing::route_seeds()),
         ("peer_requests", fuzzing::peer_seeds()),
+        ("keyed_stream", fuzzing::keyed_seeds()),
     ]
 }
 
