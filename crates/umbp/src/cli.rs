@@ -452,7 +452,8 @@ pub struct NodeArgs {
     /// How long an allocated, uncommitted slot lives [env: UMBP_PENDING_TTL] [default: 30s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub pending_ttl: Option<Duration>,
-    /// Deadline of each peer RPC [env: UMBP_RPC_TIMEOUT] [default: 5s]
+    /// Deadline of each peer RPC, and the longest a data connection may stall before its transfers
+    /// fail [env: UMBP_RPC_TIMEOUT] [default: 5s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub rpc_timeout: Option<Duration>,
     /// How many times a key is re-routed past the nodes that failed it [env: UMBP_MAX_REROUTES]

@@ -72,6 +72,9 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
             ..Default::default()
         },
         cluster_token: config.cluster_token.clone(),
+        // A partitioned holder stalls its connections silently: fail them after the RPC deadline,
+        // not the engine's 30 s default (a read's lease ended long before).
+        io_timeout: config.rpc_timeout,
         ..TcpEngineConfig::default()
     };
     // A node that lends no medium has nothing for peers to reach: its engine serves none (no data

@@ -170,7 +170,9 @@ pub struct PoolClientConfig {
     pub max_reroutes: u32,
     /// Re-cache remote fetches locally. Default: values up to 16 MiB.
     pub recache: RecachePolicy,
-    /// Deadline of every peer RPC. Default: 5 s.
+    /// Deadline of every peer RPC, and the longest a data-plane connection may make no progress
+    /// before its transfers fail (a holder partitioned away mid-transfer: its reads are useless after
+    /// the read lease anyway). Default: 5 s.
     pub rpc_timeout: Duration,
     /// The master client's settings.
     pub master: MasterClientConfig,

@@ -202,7 +202,10 @@ pub enum KeyError {
     },
     /// A read copied for longer than the holder's read lease (`read_lease`): the pages may have been
     /// evicted and reused under it, so the bytes are not trusted. The buffer's contents are unspecified.
-    #[error("the read lease on {node} lapsed before the copy finished")]
+    #[error(
+        "the read lease on {node} lapsed before the copy finished (a link too slow for read_lease: raise \
+         read_lease on every node of the cluster, or read fewer bytes per call)"
+    )]
     LeaseExpired {
         /// The holder.
         node: String,

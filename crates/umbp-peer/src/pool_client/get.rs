@@ -322,13 +322,15 @@ impl PoolClient {
                 self.take_answers(target, asked, resolved, bufs, &mut st, &mut round);
             }
             busy.round(round.planned.iter().any(|p| p.copied));
-            let failed =
-                self.run_transfers(std::mem::take(&mut round.transfers)).instrument(phase!(phases::GET_TRANSFER)).await;
-            let ended = self.clock.now();
+            let (failed, ended_at) = self
+                .transfer_per_holder(std::mem::take(&mut round.transfers), &round.planned)
+                .instrument(phase!(phases::GET_TRANSFER))
+                .await;
             // Every copy of this round is over: its holders may reuse the pages now.
             self.release_reads(keys, &round.planned, &st).instrument(phase!(phases::GET_RELEASE)).await;
             for p in round.planned.into_iter().filter(|p| p.copied) {
                 let node = p.holder.node().to_owned();
+                let ended = ended_at.get(&node).copied().unwrap_or_else(|| self.clock.now());
                 if let Some((kind, message)) = failed.get(&(p.index as u64)) {
                     let e = KeyError::Transfer { node: node.clone(), kind: *kind, message: message.clone() };
                     st.last_error.insert(p.index, e);
@@ -363,6 +365,33 @@ impl PoolClient {
             .map(|(i, r)| r.unwrap_or_else(|| Err(st.last_error.remove(&i).unwrap_or(KeyError::Miss))))
             .collect();
         ChunkRead { results, fetched_remote, local_hits }
+    }
+
+    /// Runs a round's copies, one submit per holder, all at once, and tells when each holder's
+    /// copies ended. A key's read lease is judged by its own holder's end: one slow holder (a far or
+    /// congested link) must not make the keys of a fast one lapse, as a single submit ending with the
+    /// slowest would.
+    async fn transfer_per_holder(
+        &self,
+        transfers: Vec<TransferItem>,
+        planned: &[Planned],
+    ) -> (HashMap<u64, (FailureKind, String)>, HashMap<String, Instant>) {
+        let holder_of: HashMap<u64, &str> = planned.iter().map(|p| (p.index as u64, p.holder.node())).collect();
+        let mut by_holder: BTreeMap<&str, Vec<TransferItem>> = BTreeMap::new();
+        for t in transfers {
+            by_holder.entry(holder_of.get(&t.tag).copied().unwrap_or_default()).or_default().push(t);
+        }
+        let runs = by_holder.into_iter().map(|(node, items)| async move {
+            let failed = self.run_transfers(items).await;
+            (node.to_owned(), failed, self.clock.now())
+        });
+        let mut failed = HashMap::new();
+        let mut ended = HashMap::new();
+        for (node, f, at) in join_all(runs.collect()).await {
+            failed.extend(f);
+            ended.insert(node, at);
+        }
+        (failed, ended)
     }
 
     /// Routes `to_route` at the master (one call per distinct exclude set, concurrently) and adds

@@ -97,7 +97,7 @@ pub struct NodeSettings {
     /// TTL of an uncommitted slot.
     #[serde(with = "umbp_core::units::serde::duration")]
     pub pending_ttl: Duration,
-    /// Deadline of each peer RPC.
+    /// Deadline of each peer RPC, and of a data-plane connection's progress.
     #[serde(with = "umbp_core::units::serde::duration")]
     pub rpc_timeout: Duration,
     /// Re-routes per key.

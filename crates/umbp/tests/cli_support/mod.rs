@@ -47,8 +47,13 @@ impl Proc {
         env: &[(&str, &str)],
         ready: &str,
     ) -> Result<(Self, String), String> {
+        Self::try_spawn(dir, name, command(args, env), ready)
+    }
+
+    /// Starts `cmd` (an `umbp` command line, perhaps behind a wrapper such as `ip netns exec`) and
+    /// waits for its ready line, as [`try_start`](Self::try_start).
+    pub(crate) fn try_spawn(dir: &Path, name: &str, mut cmd: Command, ready: &str) -> Result<(Self, String), String> {
         let log = dir.join(format!("{name}.log"));
-        let mut cmd = command(args, env);
         cmd.stdout(Stdio::piped()).stderr(File::create(&log).expect("log file")).stdin(Stdio::null());
         let child = cmd.spawn().expect("spawn umbp");
         let mut proc = Self { name: name.to_owned(), child, log };
