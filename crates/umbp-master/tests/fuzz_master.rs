@@ -49,6 +49,12 @@ unsafe impl std::alloc::GlobalAlloc for CappedAlloc {
 #[global_allocator]
 static ALLOC: CappedAlloc = CappedAlloc;
 
+/// `n` cases, times `UMBP_FUZZ_SCALE` when set (e.g. 100 for a long run without nightly).
+fn cases(n: u32) -> u32 {
+    let scale = std::env::var("UMBP_FUZZ_SCALE").ok().and_then(|s| s.parse::<u32>().ok()).unwrap_or(1);
+    n.saturating_mul(scale.max(1))
+}
+
 /// A valid input with a few bytes overwritten, truncated or extended.
 fn mutated(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
     let edits = proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4);
@@ -79,7 +85,7 @@ fn every_seed_is_served() {
 
 proptest! {
     // Each case starts a master (a few milliseconds).
-    #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(300), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn arbitrary_request_sequences(data in proptest::collection::vec(any::<u8>(), 0..512)) {

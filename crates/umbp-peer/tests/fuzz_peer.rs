@@ -49,6 +49,12 @@ unsafe impl std::alloc::GlobalAlloc for CappedAlloc {
 #[global_allocator]
 static ALLOC: CappedAlloc = CappedAlloc;
 
+/// `n` cases, times `UMBP_FUZZ_SCALE` when set (e.g. 100 for a long run without nightly).
+fn cases(n: u32) -> u32 {
+    let scale = std::env::var("UMBP_FUZZ_SCALE").ok().and_then(|s| s.parse::<u32>().ok()).unwrap_or(1);
+    n.saturating_mul(scale.max(1))
+}
+
 /// A valid input with a few bytes overwritten, truncated or extended.
 fn mutated(seeds: Vec<Vec<u8>>) -> impl Strategy<Value = Vec<u8>> {
     let edits = proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4);
@@ -86,7 +92,7 @@ fn every_seed_is_served() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 5_000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(5_000), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn routing_replies_of_arbitrary_bytes(data in proptest::collection::vec(any::<u8>(), 0..256)) {
@@ -101,7 +107,7 @@ proptest! {
 
 proptest! {
     // Each case builds a medium (about a millisecond).
-    #![proptest_config(ProptestConfig { cases: 1_000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(1_000), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn arbitrary_peer_requests(data in proptest::collection::vec(any::<u8>(), 0..512)) {

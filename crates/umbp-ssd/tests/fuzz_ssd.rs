@@ -50,6 +50,12 @@ unsafe impl std::alloc::GlobalAlloc for CappedAlloc {
 #[global_allocator]
 static ALLOC: CappedAlloc = CappedAlloc;
 
+/// `n` cases, times `UMBP_FUZZ_SCALE` when set (e.g. 100 for a long run without nightly).
+fn cases(n: u32) -> u32 {
+    let scale = std::env::var("UMBP_FUZZ_SCALE").ok().and_then(|s| s.parse::<u32>().ok()).unwrap_or(1);
+    n.saturating_mul(scale.max(1))
+}
+
 const BLOCK: usize = 4096;
 
 /// A valid input with a few bytes overwritten (most inside a block's header), then perhaps cut
@@ -90,7 +96,7 @@ fn every_seed_is_valid() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 5_000, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(5_000), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn the_record_decoder_takes_arbitrary_bytes(data in proptest::collection::vec(any::<u8>(), 0..128)) {
@@ -106,7 +112,7 @@ proptest! {
 proptest! {
     // Each case is an init of a backend over a scratch directory (about 10 ms); random bytes
     // rarely pass the magic, so most cases are mutations of real segments.
-    #![proptest_config(ProptestConfig { cases: 100, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(100), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn recovery_takes_arbitrary_segments(data in proptest::collection::vec(any::<u8>(), 0..(3 * BLOCK))) {
@@ -115,7 +121,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 500, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: cases(500), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn recovery_takes_mutated_segments(data in mutated(fuzzing::segment_seeds())) {
