@@ -621,6 +621,10 @@ pub enum BenchSuite {
     /// Heartbeat ingestion and route decisions over gRPC with the index in memory, in one Redis and
     /// in three Redis shards (redis-server processes the bench starts), and Redis memory per key.
     Metadata,
+    /// A long mixed workload at pool pressure (a master and two small DRAM nodes as processes),
+    /// every process's memory, file descriptors and threads and the master's index size sampled
+    /// every minute; fails on any wrong byte read.
+    Soak,
 }
 
 /// The io engines `umbp bench ssd` measures.
@@ -657,7 +661,8 @@ pub struct BenchArgs {
     /// ssd suite: the node's io engine [default: both]
     #[arg(long, value_name = "ENGINE")]
     pub ssd_io_engine: Option<SsdEngineChoice>,
-    /// metadata suite: how long each cell is measured [default: 3s]
+    /// metadata suite: how long each cell is measured [default: 3s]; soak suite: how long the
+    /// workload runs [default: 1h]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub duration: Option<std::time::Duration>,
     /// metadata suite: keys indexed to measure Redis memory per key (0 skips it) [default: 100000]

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use crate::{
     BenchSuite, Cli, Command, FileConfig, GetArgs, KeysArgs, MasterAddress, PutArgs, SettingsError, bench,
-    bench_metadata, bench_ssd, demo, format_size, human_size, resolve_client, resolve_master, resolve_master_address,
-    resolve_max_get_size, resolve_node,
+    bench_metadata, bench_soak, bench_ssd, demo, format_size, human_size, resolve_client, resolve_master,
+    resolve_master_address, resolve_max_get_size, resolve_node,
 };
 use anyhow::{Context, anyhow, bail};
 use clap::Parser;
@@ -225,6 +225,10 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<u
             } else {
                 out(&report)?
             }
+            Ok(0)
+        }
+        Command::Bench(args) if args.suite == Some(BenchSuite::Soak) => {
+            out(&bench_soak::run(bench_soak::SoakOptions::from_args(args)).await?)?;
             Ok(0)
         }
         Command::Bench(args) if args.suite == Some(BenchSuite::Metadata) => {

@@ -74,6 +74,9 @@ pub mod bench_latency;
 pub mod bench_metadata;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
+pub mod bench_soak;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_ssd;
 #[cfg(feature = "cli")]
 #[doc(hidden)]

@@ -376,3 +376,24 @@ fn the_metadata_bench_without_redis_server_runs_the_memory_row_and_says_why() {
     assert_eq!(json.matches("\"store\":").count(), 1, "the memory row only: {json}");
     assert!(json.contains("\"memory\":null") && json.contains("cannot start redis-server"), "{json}");
 }
+
+#[test]
+fn a_short_soak_samples_every_process_and_reads_no_wrong_byte() {
+    let (code, out, err) = run_bounded(&["bench", "soak", "--duration", "4s"], Duration::from_secs(60));
+    assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains(umbp::bench_soak::SAMPLE_HEADER), "{out}");
+    let samples: Vec<&str> = out
+        .lines()
+        .filter(|l| l.strip_prefix("| ").is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit())))
+        .collect();
+    assert!(samples.len() >= 6, "a sample at the start and six over the run:\n{out}");
+    // Every process was read from /proc: no column of zeros.
+    for line in &samples {
+        let processes: Vec<&str> = line.split('|').skip(2).take(4).map(str::trim).collect();
+        // Memory may round to 0 MiB; a live process has descriptors and threads.
+        let read = |p: &&str| p.split(" / ").skip(1).all(|n| n.parse::<u64>().is_ok_and(|n| n > 0));
+        assert!(processes.len() == 4 && processes.iter().all(read), "unsampled: {line}\n{out}");
+    }
+    assert!(out.contains(", 0 wrong bytes"), "{out}");
+    assert!(out.contains("growth from "), "{out}");
+}
