@@ -26,7 +26,7 @@
 //!   once the cut heals, the same get returns every value byte-exact.
 //!
 //! Needs root (namespaces and routes). Without it the tests print why and pass, unless
-//! `UMBP_REQUIRE_NETNS=1` (set by `cargo xtask ci` where it runs as root) makes that a failure.
+//! `UMBP_REQUIRE_ROOT=1` (set by `cargo xtask ci` where it runs as root) makes that a failure.
 
 use std::path::Path;
 use std::process::Command;
@@ -206,14 +206,14 @@ impl Drop for Net {
     }
 }
 
-/// The network, or `None` with a printed reason (a failure under `UMBP_REQUIRE_NETNS=1`).
+/// The network, or `None` with a printed reason (a failure under `UMBP_REQUIRE_ROOT=1`).
 fn network(members: &[&str]) -> Option<Net> {
     match Net::create(members) {
         Ok(net) => Some(net),
         Err(why) => {
             assert!(
-                std::env::var("UMBP_REQUIRE_NETNS").map_or(true, |v| v != "1"),
-                "UMBP_REQUIRE_NETNS=1 but no network namespaces: {why}"
+                std::env::var("UMBP_REQUIRE_ROOT").map_or(true, |v| v != "1"),
+                "UMBP_REQUIRE_ROOT=1 but no network namespaces: {why}"
             );
             eprintln!("SKIPPED: network namespaces unavailable: {why}");
             None
