@@ -13,6 +13,7 @@
 //! [`LOCATE_FOR`]), it route-gets the key and logs the node that holds it (`loc`). That is how the
 //! checker knows which puts an SSD node acknowledged.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::fs::File;
 use std::io::{LineWriter, Write};
@@ -32,12 +33,13 @@ pub const MAGIC: [u8; 4] = *b"UMBC";
 const HEADER: usize = 10;
 /// The trailing hash.
 const TRAILER: usize = 8;
-/// How long an acknowledged put is route-got until the master indexes it.
-pub const LOCATE_FOR: Duration = Duration::from_secs(20);
+/// How long an acknowledged put is route-got until the master indexes it (milliseconds after its
+/// commit when the holder ships each event at once; a master restart takes a few seconds).
+pub const LOCATE_FOR: Duration = Duration::from_secs(10);
 /// How often the pending puts are route-got.
 const LOCATE_EVERY: Duration = Duration::from_millis(250);
-/// Most keys one locate round asks for.
-const LOCATE_BATCH: usize = 256;
+/// Most keys one route-get of a locate round asks for.
+const LOCATE_BATCH: usize = 512;
 
 /// `umbp chaos-client` (hidden): a chaos-test client.
 #[derive(Debug, Clone, Args)]
@@ -443,21 +445,21 @@ fn emit(log: &mut impl Write, r: Record) -> anyhow::Result<()> {
     writeln!(log, "{r}").context("writing the chaos log")
 }
 
-/// Route-gets the pending keys; logs and drops each one the master names a holder for, and drops
-/// those pending longer than [`LOCATE_FOR`]. A master that does not answer leaves them pending.
+/// Route-gets every pending key (in batches); logs and drops each one the master names a holder
+/// for, and drops those pending longer than [`LOCATE_FOR`] (evicted, or lost, before the master
+/// indexed them). A master that does not answer leaves them pending. Every pending key is asked
+/// each round: asking only the oldest would starve the new ones behind keys that never show up.
 async fn locate(client: &PoolClient, pending: &mut Vec<(String, Instant)>, log: &mut impl Write) -> anyhow::Result<()> {
     pending.retain(|(_, at)| at.elapsed() < LOCATE_FOR);
-    let n = pending.len().min(LOCATE_BATCH);
-    if n == 0 {
-        return Ok(());
-    }
-    let keys: Vec<String> = pending[..n].iter().map(|(k, _)| k.clone()).collect();
-    let Ok(hits) = client.master().batch_route_get(&keys, &[]).await else { return Ok(()) };
-    let mut found = Vec::new();
-    for (key, hit) in keys.into_iter().zip(hits) {
-        if let Some(hit) = hit {
-            emit(log, Record::Loc { t: now_ms(), key: key.clone(), node: hit.node_id })?;
-            found.push(key);
+    let keys: Vec<String> = pending.iter().map(|(k, _)| k.clone()).collect();
+    let mut found = HashSet::new();
+    for chunk in keys.chunks(LOCATE_BATCH) {
+        let Ok(hits) = client.master().batch_route_get(chunk, &[]).await else { break };
+        for (key, hit) in chunk.iter().zip(hits) {
+            if let Some(hit) = hit {
+                emit(log, Record::Loc { t: now_ms(), key: key.clone(), node: hit.node_id })?;
+                found.insert(key.clone());
+            }
         }
     }
     pending.retain(|(k, _)| !found.contains(k));
@@ -490,6 +492,53 @@ mod tests {
         // Two keys' values of one length differ beyond the key.
         let (a, b) = (make_value("chaos-c0-3", 400), make_value("chaos-c1-3", 400));
         assert_ne!(a[30..300], b[30..300]);
+    }
+
+    /// The locator asks every pending key each round: 600 keys that never show up ahead of 300
+    /// that are indexed do not hide the 300 (asking only the oldest batch starved them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_locate_round_finds_new_keys_behind_many_that_never_show_up() {
+        use umbp_master::MasterConfig;
+        use umbp_peer::pool_client::{DramConfig, Medium};
+
+        let listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let master = umbp_master::start(MasterConfig { listen, ..MasterConfig::default() }).await.expect("master");
+        let addr = master.local_addr().to_string();
+        let mut config = PoolClientConfig::new("locate-node", addr.clone()).with_medium(Medium::Dram(DramConfig {
+            capacity_bytes: 8 << 20,
+            prefault: false,
+            ..DramConfig::default()
+        }));
+        config.page_size = 4096;
+        let node = PoolClient::start(config).await.expect("node");
+        let client = PoolClient::start(PoolClientConfig::new("locate-client", addr)).await.expect("client");
+        let mut pending: Vec<(String, Instant)> = (0..600).map(|i| (format!("never-{i}"), Instant::now())).collect();
+        let real: Vec<String> = (0..300).map(|i| key_name(0, i)).collect();
+        for key in &real {
+            client.put(key, &make_value(key, 100)).await.expect("put");
+            pending.push((key.clone(), Instant::now()));
+        }
+        node.flush();
+        let mut log = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while pending.len() > 600 && Instant::now() < deadline {
+            locate(&client, &mut pending, &mut log).await.expect("locate");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let text = String::from_utf8(log).expect("utf-8 log");
+        let located: HashSet<String> = text
+            .lines()
+            .filter_map(|l| match l.parse::<Record>() {
+                Ok(Record::Loc { key, node, .. }) if node == "locate-node" => Some(key),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(located.len(), 300, "every indexed key is located");
+        assert!(real.iter().all(|k| located.contains(k)));
+        assert_eq!(pending.len(), 600, "only the keys that never show up stay pending");
+        client.close().await;
+        node.close().await;
+        master.shutdown().await;
     }
 
     #[test]

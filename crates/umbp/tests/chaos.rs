@@ -18,7 +18,10 @@
 //!
 //! `UMBP_CHAOS_SEED` replays a schedule (the faults, their order, targets and delays — not the
 //! threads' interleaving); `UMBP_CHAOS_SECS` sets how long faults are injected (default
-//! [`DEFAULT_SECS`]). The seed is printed first. See docs/reliability.md ("Chaos").
+//! [`DEFAULT_SECS`]; past about 60 s use `cargo test`, beyond nextest's 2-minute limit);
+//! `UMBP_CHAOS_KEEP=1` keeps a passing run's logs; `UMBP_CHAOS_BREAK=ssd-wipe` deletes the SSD
+//! directory before each restart (the negative control: the test must fail). The seed is printed
+//! first. See docs/reliability.md ("Chaos").
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
@@ -49,8 +52,9 @@ const HOLE_GRACE_MS: u64 = 500;
 /// How long after the faults and the clients stop the cluster has to converge. Expiry takes
 /// 2 s × 3 missed heartbeats plus a reaper pass; the rest is a full sync and the check itself.
 const CONVERGE_BOUND: Duration = Duration::from_secs(25);
-/// How long the nodes may take to register with a restarted master (a heartbeat is due every
-/// second; the master answers an unknown node's heartbeat with "register again").
+/// How long the nodes may take to be alive again after a master restart or a pause (a heartbeat
+/// is due every second; the master answers an unknown or expired node's heartbeat with "register
+/// again").
 const REJOIN_BOUND: Duration = Duration::from_secs(10);
 /// Which node stays dead at the end (so expiry and routing around it are checked).
 const LEFT_DEAD: usize = 1;
@@ -100,7 +104,7 @@ fn schedule(seed: u64, secs: u64, nodes: usize, ssd: usize) -> Vec<(u64, Fault)>
             0..35 => Fault::KillNode { node: rng.range(0, nodes as u64) as usize, down_ms: rng.range(0, 2000) },
             35..45 => Fault::KillMaster { down_ms: rng.range(0, 1500) },
             45..85 => Fault::Pause { node: Some(rng.range(0, nodes as u64) as usize), ms: rng.range(200, 8000) },
-            _ => Fault::Pause { node: None, ms: rng.range(200, 4000) },
+            _ => Fault::Pause { node: None, ms: rng.range(200, 8000) },
         };
         // A restart takes about a second and a half of its own.
         t += gap
@@ -119,13 +123,13 @@ fn schedule(seed: u64, secs: u64, nodes: usize, ssd: usize) -> Vec<(u64, Fault)>
     out
 }
 
-/// Keeps the test's directory (moved beside it, and named) when the test fails; dropped before
-/// the [`TempDir`] that removes it otherwise.
+/// Keeps the test's directory (moved beside it, and named) when the test fails, or always with
+/// `UMBP_CHAOS_KEEP=1`; dropped before the [`TempDir`] that removes it otherwise.
 struct KeepOnFailure(PathBuf);
 
 impl Drop for KeepOnFailure {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if std::thread::panicking() || std::env::var("UMBP_CHAOS_KEEP").is_ok_and(|v| v == "1") {
             let kept = self.0.with_extension("kept");
             let _ = std::fs::remove_dir_all(&kept);
             if std::fs::rename(&self.0, &kept).is_ok() {
@@ -206,7 +210,7 @@ struct Chaos {
     ssd_prev_ready: u64,
     ssd_checked: usize,
     ssd_missing: usize,
-    /// The longest wait for the nodes to register with a restarted master.
+    /// The longest wait for every node to be alive after a restart of the master or a pause.
     rejoin_max: Duration,
 }
 
@@ -311,7 +315,7 @@ impl Chaos {
                 std::thread::sleep(Duration::from_millis(down_ms));
                 self.start_master();
                 self.note("restarted master".to_owned());
-                self.until_nodes_rejoin();
+                self.until_nodes_rejoin("the master's restart");
             }
             Fault::Pause { node, ms } => {
                 let (name, pid) = match node {
@@ -323,13 +327,16 @@ impl Chaos {
                 std::thread::sleep(Duration::from_millis(ms));
                 self.signal(pid, "-CONT");
                 self.note(format!("SIGCONT {name}"));
+                // Past the expiry a paused node, or every node of a paused master's, is expired:
+                // each registers again by itself.
+                self.until_nodes_rejoin(&format!("SIGCONT {name}"));
             }
         }
     }
 
-    /// After a master restart (its index was in its memory): every node registers again, at its
-    /// current address, within [`REJOIN_BOUND`].
-    fn until_nodes_rejoin(&mut self) {
+    /// After a master restart (its index was in its memory) or a pause: every node is registered
+    /// and alive, at its current address, within [`REJOIN_BOUND`] of `after`.
+    fn until_nodes_rejoin(&mut self, after: &str) {
         let started = Instant::now();
         loop {
             let status = self.rt.block_on(self.client().master().cluster_status());
@@ -345,13 +352,13 @@ impl Chaos {
             }
             assert!(
                 started.elapsed() < REJOIN_BOUND,
-                "{}: the nodes did not register with the restarted master within {REJOIN_BOUND:?}: {status:?}",
+                "{}: the nodes were not all alive within {REJOIN_BOUND:?} of {after}: {status:?}",
                 self.replay
             );
             std::thread::sleep(Duration::from_millis(100));
         }
         self.rejoin_max = self.rejoin_max.max(started.elapsed());
-        self.note(format!("every node registered again {:?} after the master's restart", started.elapsed()));
+        self.note(format!("every node alive {:?} after {after}", started.elapsed()));
     }
 
     fn client(&self) -> &PoolClient {
@@ -749,7 +756,7 @@ fn chaos_faults_never_return_wrong_bytes_lose_ssd_puts_or_stop_convergence() {
         summary,
         "chaos summary: {replay}; {injected} faults in {secs} s; {puts} puts ({written} written), {gets} gets \
          ({hits} hits, {misses} misses, {errors} errors), 0 wrong bytes; SSD restarts checked {} keys, {} missing, \
-         all within counted evictions; nodes back with a restarted master within {:.1?}; converged {converged:.1?} after the faults; sweep read {swept} of {} keys",
+         all within counted evictions; every node alive within {:.1?} of each master restart and pause; converged {converged:.1?} after the faults; sweep read {swept} of {} keys",
         c.ssd_checked,
         c.ssd_missing,
         c.rejoin_max,
