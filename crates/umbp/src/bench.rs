@@ -768,7 +768,7 @@ async fn measure_local(
     for value in VALUE_SIZES {
         let n = batch / value;
         let bytes = n * value;
-        let data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
+        let mut data: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let what = match which {
@@ -779,6 +779,7 @@ async fn measure_local(
             Progress::new(format!("umbp bench: {what} {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
             let keys: Vec<String> = (0..n).map(|i| format!("local-{value}-{round}-{i}")).collect();
+            stamp_values(&mut data, stamp_seed(1, round));
             let items: Vec<(&str, &[u8])> = keys.iter().zip(&data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
             // The baseline right before the cell and right after it, each on a settled process; the
             // round's sample is the better of the two (a copy a neighbour interrupted is not the best).
@@ -796,14 +797,13 @@ async fn measure_local(
                 continue;
             }
             let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            poison(&mut out);
             let mut slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
             let t = Instant::now();
             let results = local.batch_get(&key_refs, &mut slices).await;
             get.push(gbps(bytes, t));
             fail("local get", &results)?;
-            if out[n / 2] != data[n / 2] {
-                return Err(BenchError::Failed("local get returned other bytes than were put".into()));
-            }
+            verify("local", &out, &data)?;
             let (after, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
             copy.push(before.max(after));
             unsettled.push(hasty);
@@ -880,8 +880,64 @@ struct Clients<'a> {
     shm: &'a PoolClient,
 }
 
-/// One batch put then batch get of `data` under `keys` through `client`, checked byte-exact on a
-/// sample; returns (put GB/s, get GB/s). The keys are removed after (read leases lapse first).
+/// The seed of a round's values: each path (`path`) and round stamps values of its own.
+fn stamp_seed(path: u64, round: usize) -> u64 {
+    (path << 32) | round as u64
+}
+
+/// Fills each value with bytes of its own, from `seed` (the path and round) and its index: a fill
+/// byte, and in every 4 KiB page a 16-byte stamp of (seed, index, page). A value read back from
+/// another key, another round or left unwritten differs from the one put, so [`verify`] can fail
+/// in every round, not only the first. Cheap (a memset and a store per page), since it runs per
+/// round beside the timed cells.
+pub(crate) fn stamp_values(values: &mut [Vec<u8>], seed: u64) {
+    for (i, value) in values.iter_mut().enumerate() {
+        // splitmix64 of the seed and index.
+        let mut z =
+            seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_add(1).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        let key = z ^ (z >> 31);
+        // Never the poison byte, so an unwritten tail shows.
+        let fill = match key as u8 {
+            POISON => !POISON,
+            b => b,
+        };
+        value.fill(fill);
+        for (page, chunk) in value.chunks_mut(4096).enumerate() {
+            let mut stamp = [0u8; 16];
+            stamp[..8].copy_from_slice(&key.to_le_bytes());
+            stamp[8..].copy_from_slice(&(page as u64).to_le_bytes());
+            let n = chunk.len().min(16);
+            chunk[..n].copy_from_slice(&stamp[..n]);
+        }
+    }
+}
+
+/// The byte of a poisoned buffer.
+const POISON: u8 = 0xA5;
+
+/// What every destination buffer holds before a get (untimed): a get that leaves a buffer or part
+/// of one unwritten fails [`verify`], whatever an earlier round or baseline copied there.
+pub(crate) fn poison(out: &mut [Vec<u8>]) {
+    for buf in out {
+        buf.fill(POISON);
+    }
+}
+
+/// Every value read back equals the one put, byte for byte (the whole batch, not a sample).
+pub(crate) fn verify(what: &str, out: &[Vec<u8>], data: &[Vec<u8>]) -> Result<(), BenchError> {
+    if out.len() != data.len() {
+        return Err(BenchError::Failed(format!("{what} get: {} buffers for {} values", out.len(), data.len())));
+    }
+    match out.iter().zip(data).position(|(o, d)| o != d) {
+        Some(i) => Err(BenchError::Failed(format!("{what} get returned other bytes than were put (value {i})"))),
+        None => Ok(()),
+    }
+}
+
+/// One batch put then batch get of `data` under `keys` through `client`, every value checked
+/// byte-exact (into destinations poisoned first); returns (put GB/s, get GB/s). The keys are removed after (read leases lapse first).
 async fn put_get_round(
     client: &PoolClient,
     keys: &[String],
@@ -889,7 +945,6 @@ async fn put_get_round(
     out: &mut [Vec<u8>],
     what: &str,
 ) -> Result<(f64, f64), BenchError> {
-    let n = data.len();
     let bytes = data.iter().map(Vec::len).sum();
     let items: Vec<(&str, &[u8])> = keys.iter().zip(data).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
     let t = Instant::now();
@@ -900,16 +955,13 @@ async fn put_get_round(
     // next heartbeat; wait for the index rather than guess.
     until_indexed(client, keys).await?;
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    poison(out);
     let mut slices: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
     let t = Instant::now();
     let results = client.batch_get(&key_refs, &mut slices).await;
     let get = gbps(bytes, t);
     fail(&format!("{what} get"), &results)?;
-    for i in [0, n / 2, n - 1] {
-        if out[i] != data[i] {
-            return Err(BenchError::Failed(format!("{what} get returned other bytes than were put")));
-        }
-    }
+    verify(what, out, data)?;
     Ok((put, get))
 }
 
@@ -923,7 +975,7 @@ async fn measure_remote(
     for value in VALUE_SIZES {
         let n = batch / value;
         let bytes = n * value;
-        let mut data: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; value]).collect();
+        let mut data: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut shm_put, mut shm_get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -932,6 +984,7 @@ async fn measure_remote(
         for round in 0..rounds {
             // TCP: the pool's data plane, then the raw sockets in the same round.
             let keys: Vec<String> = (0..n).map(|i| format!("remote-{value}-{round}-{i}")).collect();
+            stamp_values(&mut data, stamp_seed(2, round));
             let (p, g) = put_get_round(clients.tcp, &keys, &data, &mut out, "remote").await?;
             put.push(p);
             get.push(g);
@@ -943,6 +996,7 @@ async fn measure_remote(
 
             // Shared memory: the same bytes to and from the same child, between two memcpy baselines.
             let keys: Vec<String> = (0..n).map(|i| format!("same-host-{value}-{round}-{i}")).collect();
+            stamp_values(&mut data, stamp_seed(3, round));
             let (before, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
             unsettled.push(hasty);
             let over_tcp = clients.shm.transferred_bytes(TCP_ENGINE);
@@ -996,4 +1050,55 @@ async fn measure_remote(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(n: usize, len: usize, seed: u64) -> Vec<Vec<u8>> {
+        let mut values = vec![vec![0u8; len]; n];
+        stamp_values(&mut values, seed);
+        values
+    }
+
+    /// The byte check fails on every wrong copy a get could make, in any round: a value left
+    /// unwritten, another key's value, an earlier round's value, one flipped byte, a short tail.
+    #[test]
+    fn the_byte_check_fails_on_every_wrong_copy() {
+        let (n, len) = (8, 64 * 1024 + 5);
+        let data = batch(n, len, stamp_seed(1, 1));
+        let mut out = data.clone();
+        assert!(verify("t", &out, &data).is_ok());
+        poison(&mut out);
+        assert!(verify("t", &out, &data).is_err(), "an unwritten buffer");
+        let mut out = data.clone();
+        out[3].clone_from(&data[4]);
+        assert!(verify("t", &out, &data).is_err(), "another key's value");
+        let earlier = batch(n, len, stamp_seed(1, 0));
+        assert!(verify("t", &earlier, &data).is_err(), "the same key's value of an earlier round");
+        let other_path = batch(n, len, stamp_seed(2, 1));
+        assert!(verify("t", &other_path, &data).is_err(), "another path's value of the same round");
+        let mut out = data.clone();
+        out[n - 1][len / 2] ^= 1;
+        assert!(verify("t", &out, &data).is_err(), "one flipped bit");
+        let mut out = data.clone();
+        poison(&mut out[5..6]);
+        out[5][..len - 1].copy_from_slice(&data[5][..len - 1]);
+        assert!(verify("t", &out, &data).is_err(), "the last byte left unwritten");
+        assert!(verify("t", &out[..n - 1], &data).is_err(), "a buffer short");
+    }
+
+    /// Values of a batch, of two rounds and of two paths are pairwise different, and no value is
+    /// the poison.
+    #[test]
+    fn stamped_values_differ_by_key_round_and_path() {
+        let mut seen = std::collections::HashSet::new();
+        for seed in [stamp_seed(1, 0), stamp_seed(1, 1), stamp_seed(2, 0), stamp_seed(3, 0)] {
+            for v in batch(16, 4096, seed) {
+                assert!(v[16..].iter().all(|b| *b != POISON), "the fill is never the poison");
+                assert!(seen.insert(v), "a value repeats");
+            }
+        }
+    }
 }
