@@ -16,7 +16,7 @@
 //! taken after the pool first filled up (the warm-up): **flat** is the target. The run fails if any
 //! read returned other bytes than those written.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -118,6 +118,8 @@ pub struct SoakReport {
     pub duration: Duration,
     /// Every sample, the first at the start.
     pub samples: Vec<Sample>,
+    /// Why puts and reads failed (not misses): each error's text and how many times, most first.
+    pub errors: Vec<(String, u64)>,
     /// The index of the first sample after the pool first filled up (the baseline of the growth);
     /// `None` when it never did (the run was too short to press the pool): growth from the start.
     pub warm: Option<usize>,
@@ -159,6 +161,9 @@ impl fmt::Display for SoakReport {
                 "\noperations: {} puts ({} failed), {} hits compared, {} misses (evicted), {} failed reads, {} wrong bytes",
                 c.puts, c.put_errors, c.hits, c.misses, c.get_errors, c.wrong
             )?;
+        }
+        for (error, n) in &self.errors {
+            writeln!(f, "  {n} x {error}")?;
         }
         match self.warm {
             Some(w) => writeln!(f, "growth from sample {w} (after the pool first filled) to the last, last / first:")?,
@@ -309,6 +314,7 @@ async fn soak(client: &PoolClient, options: &SoakOptions, pids: [u32; 4]) -> Res
     let interval = options.interval();
     let started = Instant::now();
     let mut counts = Counts::default();
+    let mut errors: HashMap<String, u64> = HashMap::new();
     let mut samples = Vec::new();
     let mut warm = None;
     let mut recent: VecDeque<(String, usize)> = VecDeque::with_capacity(RECENT);
@@ -360,7 +366,10 @@ async fn soak(client: &PoolClient, options: &SoakOptions, pids: [u32; 4]) -> Res
                     }
                     recent.push_back((key.clone(), *len));
                 }
-                Err(_) => counts.put_errors += 1,
+                Err(e) => {
+                    counts.put_errors += 1;
+                    *errors.entry(format!("put: {e}")).or_default() += 1;
+                }
             }
         }
         if !recent.is_empty() {
@@ -381,13 +390,18 @@ async fn soak(client: &PoolClient, options: &SoakOptions, pids: [u32; 4]) -> Res
                     Ok(size) if size as usize == *len && *buf == value(key, *len) => counts.hits += 1,
                     Ok(_) => counts.wrong += 1,
                     Err(KeyError::Miss) => counts.misses += 1,
-                    Err(_) => counts.get_errors += 1,
+                    Err(e) => {
+                        counts.get_errors += 1;
+                        *errors.entry(format!("get: {e}")).or_default() += 1;
+                    }
                 }
             }
         }
         tokio::time::sleep(PACE).await;
     }
-    let report = SoakReport { duration: options.duration, samples, warm };
+    let mut errors: Vec<(String, u64)> = errors.into_iter().collect();
+    errors.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let report = SoakReport { duration: options.duration, samples, errors, warm };
     if counts.wrong > 0 {
         return Err(BenchError::Failed(format!("{} reads returned other bytes than written\n{report}", counts.wrong)));
     }
