@@ -194,13 +194,14 @@ fn run_step(step: Step, root: &Path) -> anyhow::Result<StepResult> {
             run_cargo(root, &["deny", "check", "bans", "licenses", "sources"])?;
         }
         Step::Test => {
+            let env = required_features_env();
             if cargo_subcommand_available(root, "nextest") {
-                run_cargo(root, &["nextest", "run", "--workspace", "--profile", "ci"])?;
+                run_cargo_env(root, &["nextest", "run", "--workspace", "--profile", "ci"], &env)?;
                 // nextest does not run doc tests.
                 run_cargo(root, &["test", "--workspace", "--doc"])?;
             } else {
                 println!("cargo-nextest is not installed: running `cargo test` instead");
-                run_cargo(root, &["test", "--workspace"])?;
+                run_cargo_env(root, &["test", "--workspace"], &env)?;
             }
         }
         Step::Python => {
@@ -394,18 +395,42 @@ pub fn cargo_path() -> PathBuf {
     std::env::var_os("CARGO").map_or_else(|| PathBuf::from("cargo"), PathBuf::from)
 }
 
+/// The machine features whose tests the test step forbids to skip: umbp-testkit's `require`
+/// switches, each set to `1` unless the environment already sets it. This CI machine has io_uring,
+/// transparent huge pages (`madvise`) and an open-file limit the tests can reach, so a test that
+/// would skip for lack of one (a broken probe, a lost feature) fails instead. A machine without one
+/// runs e.g. `UMBP_REQUIRE_IO_URING=0 cargo xtask ci`. Not `UMBP_REQUIRE_GPU` (no GPU here), and
+/// nothing for hugetlb pages (none are reserved here).
+pub const REQUIRED_FEATURES: [&str; 3] = ["UMBP_REQUIRE_IO_URING", "UMBP_REQUIRE_THP", "UMBP_REQUIRE_OPEN_FILES"];
+
+/// The [`REQUIRED_FEATURES`] the environment leaves unset, each set to `1`.
+fn required_features_env() -> Vec<(&'static str, String)> {
+    REQUIRED_FEATURES.iter().filter(|v| std::env::var_os(v).is_none()).map(|v| (*v, "1".to_owned())).collect()
+}
+
 /// Runs `cargo ARGS` in `root`, printing the command line first; fails naming the command.
 pub fn run_cargo(root: &Path, args: &[&str]) -> anyhow::Result<()> {
+    run_cargo_env(root, args, &[])
+}
+
+/// [`run_cargo`] with environment variables `env` set for cargo (and the tests it runs).
+fn run_cargo_env(root: &Path, args: &[&str], env: &[(&str, String)]) -> anyhow::Result<()> {
     let owned: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-    run_cargo_owned(root, &owned)
+    run_cargo_owned_env(root, &owned, env)
 }
 
 /// [`run_cargo`] with owned arguments.
 pub fn run_cargo_owned(root: &Path, args: &[String]) -> anyhow::Result<()> {
-    let line = format!("cargo {}", args.join(" "));
+    run_cargo_owned_env(root, args, &[])
+}
+
+fn run_cargo_owned_env(root: &Path, args: &[String], env: &[(&str, String)]) -> anyhow::Result<()> {
+    let vars: String = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    let line = format!("{vars}cargo {}", args.join(" "));
     println!("$ {line}");
     let status = Command::new(cargo_path())
         .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .current_dir(root)
         .status()
         .with_context(|| format!("could not start `{line}`"))?;

@@ -546,8 +546,10 @@ pub(crate) mod tests {
     #[test]
     fn normal_mappings_are_advised_for_transparent_huge_pages_unless_turned_off() {
         if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
-            eprintln!("skipped: this kernel has no transparent huge pages");
-            return;
+            return umbp_testkit::require::skip(
+                umbp_testkit::require::THP,
+                "this kernel has no transparent huge pages",
+            );
         }
         let advised = |options: HostMemoryOptions| {
             let s = source(HostMemoryOptions { prefault: false, ..options });

@@ -166,8 +166,10 @@ mod tests {
     #[test]
     fn shareable_mappings_are_advised_for_transparent_huge_pages_unless_turned_off() {
         if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
-            eprintln!("skipped: this kernel has no transparent huge pages");
-            return;
+            return umbp_testkit::require::skip(
+                umbp_testkit::require::THP,
+                "this kernel has no transparent huge pages",
+            );
         }
         let advised = |options: HostMemoryOptions| {
             let s = shareable(HostMemoryOptions { prefault: false, ..options });

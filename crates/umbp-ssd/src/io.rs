@@ -297,6 +297,9 @@ struct Ring {
     fixed: Option<(usize, usize)>,
     /// The generation of the batch in flight; the high 32 bits of every request's `user_data`.
     generation: u32,
+    /// Tests: requests pushed as fixed-buffer reads and writes.
+    #[cfg(test)]
+    fixed_requests: usize,
 }
 
 /// `user_data` of op `index` of batch `generation`.
@@ -311,7 +314,13 @@ fn untag(user_data: u64) -> (u32, usize) {
 
 impl Ring {
     fn new(io: io_uring::IoUring) -> Self {
-        Self { io, fixed: None, generation: 0 }
+        Self {
+            io,
+            fixed: None,
+            generation: 0,
+            #[cfg(test)]
+            fixed_requests: 0,
+        }
     }
 
     /// Registers `arena` as fixed buffer 0 (best effort: without it every request is vectored).
@@ -396,6 +405,10 @@ impl UringEngine {
                 }
                 _ => None,
             };
+            #[cfg(test)]
+            if single.is_some() {
+                ring.fixed_requests += 1;
+            }
             let entry = match (single, op.write) {
                 (Some((p, n)), true) => opcode::WriteFixed::new(types::Fd(op.fd), p, n, 0).offset(op.offset).build(),
                 (Some((p, n)), false) => opcode::ReadFixed::new(types::Fd(op.fd), p, n, 0).offset(op.offset).build(),
@@ -718,6 +731,8 @@ pub(crate) fn probe_direct_io(dir: &Path) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use umbp_testkit::require;
+
     use super::*;
 
     fn round_trip(engine: &dyn IoEngine) {
@@ -752,16 +767,17 @@ mod tests {
 
     #[test]
     fn io_uring_uses_the_registered_arena_for_single_segment_requests() {
-        let Ok(engine) = UringEngine::new(16, 4) else {
-            eprintln!("skipped: io_uring unavailable here");
-            return;
+        let engine = match UringEngine::new(16, 4) {
+            Ok(engine) => engine,
+            Err(e) => return require::skip(require::IO_URING, format_args!("io_uring unavailable here ({e})")),
         };
         let mut arena = AlignedBuf::zeroed(64 * 1024).expect("arena");
         let base = arena.as_mut_ptr();
         // SAFETY: `arena` outlives `engine` (declared before it is dropped at the end of the test:
         // the engine is dropped first as it is used last below).
         unsafe { engine.register_arena(base, arena.len()) };
-        let registered = engine.pool.lock().idle.iter().all(|r| r.fixed.is_some());
+        assert!(engine.pool.lock().idle.iter().all(|r| r.fixed.is_some()), "the arena is every ring's fixed buffer");
+        let fixed_requests = || engine.pool.lock().idle.iter().map(|r| r.fixed_requests).sum::<usize>();
         let dir = tempfile::tempdir().expect("tempdir");
         let file = open_segment(&dir.path().join("seg"), true, probe_direct_io(dir.path())).expect("open");
         arena.as_mut_slice()[..8192].iter_mut().enumerate().for_each(|(i, x)| *x = (i % 13) as u8);
@@ -771,13 +787,22 @@ mod tests {
         assert_eq!(ops[0].iov.len(), 1, "adjacent segments coalesce");
         engine.submit(&mut ops);
         assert!(ops[0].result.is_ok());
+        assert_eq!(fixed_requests(), 1, "the coalesced write went out as a fixed-buffer request");
         // SAFETY: as above; the read lands in the arena's second half.
         let mut ops = [unsafe { IoOp::new(&file, 0, &[(base.add(32 * 1024), 8192)], false) }];
         engine.submit(&mut ops);
         assert!(ops[0].result.is_ok());
+        assert_eq!(fixed_requests(), 2, "the read into the arena went out as a fixed-buffer request");
         let a = arena.as_slice();
         assert_eq!(&a[32 * 1024..32 * 1024 + 8192], &a[..8192]);
-        eprintln!("fixed buffers registered: {registered}");
+        // A buffer outside the arena is vectored IO.
+        let mut outside = AlignedBuf::zeroed(4096).expect("buf");
+        // SAFETY: `outside` outlives the submit.
+        let mut ops = [unsafe { IoOp::new(&file, 0, &[(outside.as_mut_ptr(), 4096)], false) }];
+        engine.submit(&mut ops);
+        assert!(ops[0].result.is_ok());
+        assert_eq!(fixed_requests(), 2, "memory outside the arena is not a fixed buffer");
+        assert_eq!(outside.as_slice(), &arena.as_slice()[..4096]);
         drop(engine);
     }
 
@@ -802,9 +827,9 @@ mod tests {
     /// middle of the next batch) is never taken for the next batch's op.
     #[test]
     fn io_uring_ignores_a_stale_completion_from_an_earlier_batch() {
-        let Ok(engine) = UringEngine::new(16, 4) else {
-            eprintln!("skipped: io_uring unavailable here");
-            return;
+        let engine = match UringEngine::new(16, 4) {
+            Ok(engine) => engine,
+            Err(e) => return require::skip(require::IO_URING, format_args!("io_uring unavailable here ({e})")),
         };
         let mut ring = engine.take_ring().expect("a ring");
         let ts = io_uring::types::Timespec::new().nsec(30_000_000);
@@ -827,9 +852,9 @@ mod tests {
     /// its requests, and the ring is not put back in the pool.
     #[test]
     fn io_uring_waits_for_requests_in_flight_when_the_ring_fails_and_drops_the_ring() {
-        let Ok(engine) = UringEngine::new(16, 4) else {
-            eprintln!("skipped: io_uring unavailable here");
-            return;
+        let engine = match UringEngine::new(16, 4) {
+            Ok(engine) => engine,
+            Err(e) => return require::skip(require::IO_URING, format_args!("io_uring unavailable here ({e})")),
         };
         // The read cannot complete before the writer writes, 150 ms after this.
         let start = std::time::Instant::now();
@@ -863,9 +888,9 @@ mod tests {
     fn concurrent_batches_never_make_more_rings_than_the_bound() {
         const BOUND: usize = 3;
         const THREADS: usize = 12;
-        let Ok(engine) = UringEngine::new(16, BOUND) else {
-            eprintln!("skipped: io_uring unavailable here");
-            return;
+        let engine = match UringEngine::new(16, BOUND) {
+            Ok(engine) => engine,
+            Err(e) => return require::skip(require::IO_URING, format_args!("io_uring unavailable here ({e})")),
         };
         let mut arena = AlignedBuf::zeroed(THREADS * 4096).expect("arena");
         let base = arena.as_mut_ptr() as usize;
@@ -912,7 +937,7 @@ mod tests {
     fn io_uring_round_trips_or_skips() {
         match UringEngine::new(64, 4) {
             Ok(engine) => round_trip(&engine),
-            Err(e) => eprintln!("skipped: io_uring unavailable here ({e})"),
+            Err(e) => require::skip(require::IO_URING, format_args!("io_uring unavailable here ({e})")),
         }
     }
 

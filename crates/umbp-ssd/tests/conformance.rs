@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig};
 use umbp_testkit::conformance::{self, Env, Subject};
+use umbp_testkit::require;
 
 const PAGE: u64 = 4096;
 const PAGES: u64 = 16;
@@ -65,8 +66,7 @@ fn ssd_backend_conforms_with_a_shareable_staging_arena() {
 #[test]
 fn ssd_backend_conforms_with_io_uring() {
     if let Err(e) = umbp_ssd::io_uring_available() {
-        eprintln!("skipped: io_uring is not available here ({e})");
-        return;
+        return require::skip(require::IO_URING, format_args!("io_uring is not available here ({e})"));
     }
     conformance::run(|env| subject(env, IoEngineKind::IoUring, false));
 }
@@ -75,8 +75,7 @@ fn ssd_backend_conforms_with_io_uring() {
 #[test]
 fn ssd_backend_conforms_with_io_uring_and_a_shareable_staging_arena() {
     if let Err(e) = umbp_ssd::io_uring_available() {
-        eprintln!("skipped: io_uring is not available here ({e})");
-        return;
+        return require::skip(require::IO_URING, format_args!("io_uring is not available here ({e})"));
     }
     conformance::run(|env| subject(env, IoEngineKind::IoUring, true));
 }

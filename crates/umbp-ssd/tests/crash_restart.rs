@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend};
 use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig};
-use umbp_testkit::LocalOnlyRegistrar;
+use umbp_testkit::{LocalOnlyRegistrar, require};
 
 const PAGE: u64 = 4096;
 /// The child's environment: the directory to write in, and the engine.
@@ -29,7 +29,10 @@ fn engines() -> Vec<IoEngineKind> {
     match umbp_ssd::io_uring_available() {
         Ok(()) => vec![IoEngineKind::Psync, IoEngineKind::IoUring],
         Err(e) => {
-            eprintln!("io_uring variant skipped: io_uring is not available here ({e})");
+            require::skip(
+                require::IO_URING,
+                format_args!("the io_uring variant: io_uring is not available here ({e})"),
+            );
             vec![IoEngineKind::Psync]
         }
     }

@@ -13,7 +13,7 @@ use umbp_core::{
     ReadRelease, ResolvedEntry, TierType, metric_names,
 };
 use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig, SsdConfigBuilder, Watermarks};
-use umbp_testkit::LocalOnlyRegistrar;
+use umbp_testkit::{LocalOnlyRegistrar, require};
 
 const PAGE: u64 = 4096;
 
@@ -36,7 +36,10 @@ fn engines() -> Vec<IoEngineKind> {
     match umbp_ssd::io_uring_available() {
         Ok(()) => vec![IoEngineKind::Psync, IoEngineKind::IoUring],
         Err(e) => {
-            eprintln!("io_uring variant skipped: io_uring is not available here ({e})");
+            require::skip(
+                require::IO_URING,
+                format_args!("the io_uring variant: io_uring is not available here ({e})"),
+            );
             vec![IoEngineKind::Psync]
         }
     }
@@ -992,8 +995,8 @@ fn a_configuration_needing_more_open_files_than_the_limit_fails_init() {
     // SAFETY: `limit` is a valid `rlimit` for the call to fill.
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
     if limit.rlim_cur == libc::RLIM_INFINITY || limit.rlim_cur > 1 << 24 {
-        eprintln!("skipped: the open-file limit ({}) is too large to reach with a test configuration", limit.rlim_cur);
-        return;
+        let why = format!("the open-file limit ({}) is too large to reach with a test configuration", limit.rlim_cur);
+        return require::skip(require::OPEN_FILES, why);
     }
     let dir = tempdir();
     let segment = 256 * 1024;

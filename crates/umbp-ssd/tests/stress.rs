@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend};
 use umbp_ssd::{IoEngineKind, SsdBackend, SsdConfig, Watermarks};
-use umbp_testkit::LocalOnlyRegistrar;
+use umbp_testkit::{LocalOnlyRegistrar, require};
 
 const PAGE: u64 = 8192;
 /// The least work a run must do to count: verified puts and reads over all threads.
@@ -176,6 +176,8 @@ fn concurrent_writers_readers_eviction_and_reclaim_never_return_wrong_bytes() {
     run(IoEngineKind::Psync);
     match umbp_ssd::io_uring_available() {
         Ok(()) => run(IoEngineKind::IoUring),
-        Err(e) => eprintln!("io_uring part skipped: io_uring is not available here ({e})"),
+        Err(e) => {
+            require::skip(require::IO_URING, format_args!("the io_uring part: io_uring is not available here ({e})"))
+        }
     }
 }

@@ -44,6 +44,7 @@
 
 mod mock;
 mod registrar;
+pub mod require;
 
 /// The conformance suite, public as a module so media call `conformance::run`.
 pub mod conformance;

@@ -131,7 +131,13 @@ fn an_ssd_node_raises_a_low_open_files_soft_limit_and_starts() {
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) }, 0);
     // 75 GiB in 256 MiB segments needs about 304 descriptors at worst.
     if hard.rlim_max < 400 {
-        eprintln!("skipped: the hard open-files limit ({}) is below what the check needs", hard.rlim_max);
+        // `UMBP_REQUIRE_OPEN_FILES=1` (umbp-testkit's `require::OPEN_FILES`): fail instead of skipping.
+        let why = format!("the hard open-files limit ({}) is below what the check needs", hard.rlim_max);
+        assert!(
+            !std::env::var("UMBP_REQUIRE_OPEN_FILES").is_ok_and(|v| v.trim() == "1"),
+            "UMBP_REQUIRE_OPEN_FILES=1 but {why}"
+        );
+        eprintln!("skipped: {why} (set UMBP_REQUIRE_OPEN_FILES=1 to fail instead)");
         return;
     }
     let dir = TempDir::new("ssd-nofile");
