@@ -37,6 +37,7 @@ use umbp_master::MasterConfig;
 use umbp_master::routing::Affinity;
 use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy};
 
+use crate::bench_breakdown::{BatchPhases, Recorder, Samples, batch_phases_table, recorded};
 pub(crate) use crate::bench_latency::latency_blocks;
 use crate::bench_latency::{LATENCY_KEY, measure_large_latency, measure_latency};
 pub use crate::bench_latency::{Latencies, Latency};
@@ -270,6 +271,8 @@ pub struct BenchReport {
     pub breakdown_routed: Option<crate::bench_breakdown::Breakdown>,
     /// `umbp get` of the latency value as a process, beside `umbp --version` ([`crate::bench_cli`]).
     pub cli_get: Option<crate::bench_cli::CliGet>,
+    /// Where the time of the remote and same-host batches went, phase by phase (`--breakdown` only).
+    pub batch_phases: Vec<BatchPhases>,
 }
 
 fn value_label(bytes: u64) -> String {
@@ -303,7 +306,7 @@ impl BenchReport {
             "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{},\"latency_routed\":{},\"put_latency\":{},\
              \"put_latency_routed\":{},\"latency_1m_shm\":{},\"latency_1m_tcp\":{},\"put_latency_1m_shm\":{},\
              \"put_latency_1m_tcp\":{},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{},\"breakdown_routed\":{},\
-             \"cli_get\":{}}}",
+             \"cli_get\":{},\"batch_phases\":[{}]}}",
             self.rounds,
             self.batch_bytes,
             rows.join(","),
@@ -319,7 +322,8 @@ impl BenchReport {
             self.baseline_warnings.iter().map(|w| format!("\"{}\"", w.replace('"', "'"))).collect::<Vec<_>>().join(","),
             self.breakdown.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
             self.breakdown_routed.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
-            self.cli_get.as_ref().map_or_else(|| "null".to_owned(), crate::bench_cli::CliGet::to_json)
+            self.cli_get.as_ref().map_or_else(|| "null".to_owned(), crate::bench_cli::CliGet::to_json),
+            self.batch_phases.iter().map(BatchPhases::to_json).collect::<Vec<_>>().join(",")
         )
     }
 }
@@ -429,6 +433,9 @@ impl fmt::Display for BenchReport {
         }
         for b in [&self.breakdown_routed, &self.breakdown].into_iter().flatten() {
             write!(f, "\n\n{b}")?;
+        }
+        if !self.batch_phases.is_empty() {
+            write!(f, "\n\n{}", batch_phases_table(&self.batch_phases))?;
         }
         for w in &self.baseline_warnings {
             write!(f, "\nwarning: {w}")?;
@@ -712,8 +719,10 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
             return Err(e);
         }
     };
+    let mut batch_phases = Vec::new();
     let result = async {
-        measure_remote(&Clients { tcp: &tcp, shm: &client }, &raw_addr, rounds, batch, &mut rows).await?;
+        let clients = Clients { tcp: &tcp, shm: &client };
+        measure_remote(&clients, &raw_addr, rounds, batch, &mut rows, &mut batch_phases).await?;
         let mut latency = measure_latency(&client, &routed, options.latency_calls).await?;
         measure_large_latency(&client, &tcp, large_latency_calls(options.latency_calls), &mut latency).await?;
         // The key the latency probe stored, got by `umbp get` processes (light clients).
@@ -746,6 +755,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
         breakdown,
         breakdown_routed,
         cli_get: Some(cli_get),
+        batch_phases,
     })
 }
 
@@ -971,8 +981,12 @@ async fn measure_remote(
     rounds: usize,
     batch: usize,
     rows: &mut Vec<BenchRow>,
+    batch_phases: &mut Vec<BatchPhases>,
 ) -> Result<(), BenchError> {
+    // Under `--breakdown`, the batches' phase spans are recorded too.
+    let recorder = Recorder::current();
     for value in VALUE_SIZES {
+        let (mut tcp_spans, mut shm_spans) = (Samples::default(), Samples::default());
         let n = batch / value;
         let bytes = n * value;
         let mut data: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
@@ -985,7 +999,8 @@ async fn measure_remote(
             // TCP: the pool's data plane, then the raw sockets in the same round.
             let keys: Vec<String> = (0..n).map(|i| format!("remote-{value}-{round}-{i}")).collect();
             stamp_values(&mut data, stamp_seed(2, round));
-            let (p, g) = put_get_round(clients.tcp, &keys, &data, &mut out, "remote").await?;
+            let round_trip = put_get_round(clients.tcp, &keys, &data, &mut out, "remote");
+            let (p, g) = recorded(recorder.as_deref(), &mut tcp_spans, round_trip).await?;
             put.push(p);
             get.push(g);
             raw_w.push(raw_rate_blocking(raw_addr, &mut data, true)?);
@@ -1001,7 +1016,8 @@ async fn measure_remote(
             unsettled.push(hasty);
             let over_tcp = clients.shm.transferred_bytes(TCP_ENGINE);
             let through_shm = clients.shm.transferred_bytes(SHM_ENGINE);
-            let (p, g) = put_get_round(clients.shm, &keys, &data, &mut out, "same-host").await?;
+            let round_trip = put_get_round(clients.shm, &keys, &data, &mut out, "same-host");
+            let (p, g) = recorded(recorder.as_deref(), &mut shm_spans, round_trip).await?;
             let (over_tcp, through_shm) = (
                 clients.shm.transferred_bytes(TCP_ENGINE) - over_tcp,
                 clients.shm.transferred_bytes(SHM_ENGINE) - through_shm,
@@ -1023,6 +1039,8 @@ async fn measure_remote(
             progress.advance(1);
         }
         progress.finish();
+        batch_phases.extend(BatchPhases::cells("remote (TCP)", value as u64, &tcp_spans));
+        batch_phases.extend(BatchPhases::cells("same host (shm)", value as u64, &shm_spans));
         let (copy_range, copy, unsettled) = (spread(&copy), median(copy), median(unsettled));
         for (op, tcp, raw, shm) in [("put", put, raw_w, shm_put), ("get", get, raw_r, shm_get)] {
             let row = |path, pool_gbps, baseline_gbps, baseline: &str, baseline_range, unsettled| BenchRow {

@@ -546,6 +546,30 @@ mod tests {
         phases::GET_RELEASE,
     ];
 
+    #[test]
+    fn a_batch_cell_sums_its_chunks_phases_per_batch() {
+        let span = |ms: u64| Sample { wall: Duration::from_millis(ms), busy: Duration::ZERO };
+        let mut s = Samples::default();
+        // Two batch gets of three chunks each; no put was recorded.
+        s.0.insert(phases::GET, vec![span(10), span(30)]);
+        s.0.insert(phases::GET_TRANSFER, vec![span(4), span(4), span(4), span(6), span(6), span(6)]);
+        s.0.insert(phases::GET_ROUTE, vec![span(1); 6]);
+        let cells = BatchPhases::cells("same host (shm)", 1 << 20, &s);
+        assert_eq!(cells.len(), 1, "a cell for the get only: {cells:?}");
+        let get = &cells[0];
+        assert_eq!((get.cell.as_str(), get.batches), ("same host (shm) get 1 MiB", 2));
+        assert_eq!(get.phases.iter().map(|p| p.name).collect::<Vec<_>>(), [phases::GET_ROUTE, phases::GET_TRANSFER]);
+        let transfer = &get.phases[1];
+        assert!((transfer.spans_per_batch - 3.0).abs() < 1e-9);
+        assert!((transfer.ms_per_batch - 15.0).abs() < 1e-6, "(12 + 18) / 2: {transfer:?}");
+        let table = batch_phases_table(&cells);
+        assert!(
+            table.contains(BATCH_PHASES_HEADER)
+                && table.contains("| same host (shm) get 1 MiB | umbp.get.transfer | 3.0 |")
+        );
+        assert!(get.to_json().starts_with("{\"cell\":\"same host (shm) get 1 MiB\",\"batches\":2,"));
+    }
+
     fn config(id: &str, master: &str, medium: Medium) -> PoolClientConfig {
         let mut c = PoolClientConfig::new(id, master).with_medium(medium);
         c.page_size = 64 << 10;
@@ -651,4 +675,118 @@ mod tests {
         assert!(keyed.get.phase(phases::GET_KEYED).is_some() && keyed.get.phase(phases::GET_RESOLVE).is_none());
         assert!(keyed.to_json().starts_with("{\"path\":\"keyed\""));
     }
+}
+
+/// Runs `fut` with `recorder` (the phase layer's, under `--breakdown`; `None` otherwise) armed, and
+/// adds what it recorded to `into`.
+pub async fn recorded<T>(recorder: Option<&Recorder>, into: &mut Samples, fut: impl Future<Output = T>) -> T {
+    let Some(recorder) = recorder else { return fut.await };
+    recorder.start();
+    let out = fut.await;
+    into.absorb(recorder.stop());
+    out
+}
+
+/// One phase of a batch cell: its chunks' spans.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchPhase {
+    /// The span name ([`phases`]).
+    pub name: &'static str,
+    /// Spans per batch (one per chunk and round of it; more with re-reads).
+    pub spans_per_batch: f64,
+    /// Median wall time of one span, µs.
+    pub p50_us: f64,
+    /// The spans' wall time summed per batch, ms: above the batch's own time where chunks overlap.
+    pub ms_per_batch: f64,
+}
+
+/// Where the time of one batch cell went (`--breakdown`): the phase spans of its chunks, beside the
+/// whole batch's time, so the next lever on a host shows (control calls or copies).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchPhases {
+    /// The cell: path, op and value size.
+    pub cell: String,
+    /// Batches recorded.
+    pub batches: usize,
+    /// The median batch, ms.
+    pub batch_p50_ms: f64,
+    /// The phases recorded, in the order they run.
+    pub phases: Vec<BatchPhase>,
+}
+
+/// The heading of the batch-phase table.
+pub const BATCH_PHASES_HEADER: &str =
+    "| cell | phase | spans per batch | span p50 µs | summed ms per batch | batch p50 ms |";
+
+impl BatchPhases {
+    /// The put and the get cell of `path` for `value_bytes` values, from the spans of their batches.
+    pub fn cells(path: &str, value_bytes: u64, samples: &Samples) -> Vec<Self> {
+        [("put", phases::PUT, &phases::PUT_PHASES[..]), ("get", phases::GET, &phases::GET_PHASES[..])]
+            .into_iter()
+            .filter_map(|(op, whole, names)| {
+                let batches = samples.0.get(whole).filter(|b| !b.is_empty())?;
+                let n = batches.len() as f64;
+                let phases = names
+                    .iter()
+                    .filter_map(|name| {
+                        let spans = samples.0.get(name).filter(|s| !s.is_empty())?;
+                        let sum: f64 = spans.iter().map(|s| s.wall.as_secs_f64() * 1e3).sum();
+                        Some(BatchPhase {
+                            name,
+                            spans_per_batch: spans.len() as f64 / n,
+                            p50_us: percentile(&micros(spans, |s| s.wall), 50),
+                            ms_per_batch: sum / n,
+                        })
+                    })
+                    .collect();
+                Some(Self {
+                    cell: format!("{path} {op} {}", human_size(value_bytes)),
+                    batches: batches.len(),
+                    batch_p50_ms: percentile(&micros(batches, |s| s.wall), 50) / 1e3,
+                    phases,
+                })
+            })
+            .collect()
+    }
+
+    /// The cell as one JSON object.
+    pub fn to_json(&self) -> String {
+        let phases: Vec<String> = self
+            .phases
+            .iter()
+            .map(|p| {
+                format!(
+                    "{{\"name\":\"{}\",\"spans_per_batch\":{:.2},\"p50_us\":{:.1},\"ms_per_batch\":{:.3}}}",
+                    p.name, p.spans_per_batch, p.p50_us, p.ms_per_batch
+                )
+            })
+            .collect();
+        format!(
+            "{{\"cell\":\"{}\",\"batches\":{},\"batch_p50_ms\":{:.3},\"phases\":[{}]}}",
+            self.cell,
+            self.batches,
+            self.batch_p50_ms,
+            phases.join(",")
+        )
+    }
+}
+
+/// The batch cells' phases as one markdown table, after a line that says how to read it.
+pub fn batch_phases_table(cells: &[BatchPhases]) -> String {
+    let mut out = String::from(
+        "Where the time of a batch goes (the remote and same-host cells; phase spans of every chunk, wall \
+         time; chunks run in a pipeline, so a phase's summed time may exceed the batch's own):\n\n",
+    );
+    out.push_str(BATCH_PHASES_HEADER);
+    out.push_str("\n|---|---|---|---|---|---|");
+    for c in cells {
+        for p in &c.phases {
+            let indent = if p.name.split('.').count() > 3 { "↳ " } else { "" };
+            out.push_str(&format!(
+                "\n| {} | {indent}{} | {:.1} | {:.0} | {:.2} | {:.2} |",
+                c.cell, p.name, p.spans_per_batch, p.p50_us, p.ms_per_batch, c.batch_p50_ms
+            ));
+        }
+    }
+    out
 }

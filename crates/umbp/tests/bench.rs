@@ -119,6 +119,7 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
         assert_eq!(json.matches(&prefix).count(), 1, "{field}: {json}");
     }
     assert!(json.contains("\"breakdown\":null,\"breakdown_routed\":null,"), "no --breakdown: {json}");
+    assert!(json.contains("\"batch_phases\":[]"), "no --breakdown, no batch phases: {json}");
     assert!(
         json.contains("\"cli_get\":{\"value_bytes\":65536,\"get\":{\"runs\":30,\"p50_ms\":")
             && json.contains("\"version\":{\"runs\":30,\"p50_ms\":"),
