@@ -95,23 +95,29 @@ impl CxlError {
 
 /// Settings of a CXL medium: the one place their names (the settings file's `[node.cxl]` keys),
 /// defaults and meaning are written.
-#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CxlConfig {
     /// The device-DAX device (`/dev/daxX.Y`), the file on a DAX-mounted filesystem, or a regular or
     /// tmpfs file standing in for them. A file shorter than the capacity is grown (and its blocks
     /// reserved). Default: none (required).
-    pub path: PathBuf,
+    pub path: Option<PathBuf>,
     /// Bytes to lend from the start of the device or file (`"1GiB"` or bytes), rounded up to the
     /// mapping alignment. Default: 1 GiB.
     #[serde(with = "umbp_core::units::serde::size")]
     pub capacity_bytes: u64,
 }
 
+impl Default for CxlConfig {
+    fn default() -> Self {
+        Self { path: None, capacity_bytes: 1 << 30 }
+    }
+}
+
 impl CxlConfig {
     /// Lends `capacity_bytes` of `path`.
     pub fn new(path: impl Into<PathBuf>, capacity_bytes: u64) -> Self {
-        Self { path: path.into(), capacity_bytes }
+        Self { path: Some(path.into()), capacity_bytes }
     }
 }
 
@@ -159,10 +165,7 @@ impl CxlPageMemorySource {
     /// filesystem is an error here and not a `SIGBUS` on a later copy. Nothing is mapped until
     /// [`allocate`](PageMemorySource::allocate).
     pub fn open(config: &CxlConfig) -> Result<Self, CxlError> {
-        let path = config.path.clone();
-        if path.as_os_str().is_empty() {
-            return Err(CxlError::NoPath);
-        }
+        let path = config.path.clone().filter(|p| !p.as_os_str().is_empty()).ok_or(CxlError::NoPath)?;
         // A missing path is created as a file; an existing one is checked before it is opened, so
         // a directory or a FIFO is named rather than failing to open (or blocking).
         let existing = match std::fs::metadata(&path) {
