@@ -1,4 +1,5 @@
-//! One connection's whole stream to a node's data server with its own keyed handler over a DRAM medium (`umbp_peer::fuzzing::keyed_stream`).
+//! One connection's whole stream to a node's data server with its own keyed handler over a DRAM
+//! medium (`umbp_peer::fuzzing::keyed_stream`).
 
 #![no_main]
 
