@@ -284,6 +284,16 @@ enum Flaw {
     /// A full medium answers busy instead of `FailedNoSpace` (takes full for busy: its writers
     /// would wait for room that only an eviction can make).
     BusyForFull,
+    /// `clear_local` is not forwarded (a decorator that forgot it).
+    ForgetsClear,
+    /// `capacity` reports the whole medium free, whatever is reserved.
+    FrozenCapacity,
+    /// `owned_key_count` is always 0.
+    CountsNoKeys,
+    /// The outbox is drained into nothing: events are lost.
+    LosesEvents,
+    /// Every resolve is a miss.
+    ResolvesNothing,
 }
 
 /// A registrar that forwards registrations and swallows deregistrations.
@@ -327,13 +337,21 @@ impl MediumBackend for Flawed {
         self.inner.shutdown();
     }
     fn capacity(&self) -> TierCapacity {
-        self.inner.capacity()
+        let c = self.inner.capacity();
+        match self.flaw {
+            Flaw::FrozenCapacity => TierCapacity { available_bytes: c.total_bytes, ..c },
+            _ => c,
+        }
     }
     fn owned_key_count(&self) -> usize {
-        self.inner.owned_key_count()
+        match self.flaw {
+            Flaw::CountsNoKeys => 0,
+            _ => self.inner.owned_key_count(),
+        }
     }
     fn drain_pending_events(&self) -> Vec<KvEvent> {
-        self.inner.drain_pending_events()
+        let events = self.inner.drain_pending_events();
+        if self.flaw == Flaw::LosesEvents { Vec::new() } else { events }
     }
     fn snapshot_owned_keys(&self) -> Vec<KvEvent> {
         self.inner.snapshot_owned_keys()
@@ -348,7 +366,9 @@ impl MediumBackend for Flawed {
         self.inner.snapshot_owned_keys_for_full_sync()
     }
     fn clear_local(&self) {
-        self.inner.clear_local();
+        if self.flaw != Flaw::ForgetsClear {
+            self.inner.clear_local();
+        }
     }
     fn clear_full_sync_acked(&self) {
         self.inner.clear_full_sync_acked();
@@ -395,6 +415,9 @@ impl MediumBackend for Flawed {
         results
     }
     fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry> {
+        if self.flaw == Flaw::ResolvesNothing {
+            return keys.iter().map(|_| ResolvedEntry::miss()).collect();
+        }
         self.inner.batch_resolve(keys, include_descs)
     }
     fn release_reads(&self, reads: &[ReadRelease]) {
@@ -698,4 +721,111 @@ fn the_background_reaper_check_fails_a_medium_that_only_claims_one() {
         }
         other => panic!("expected a failure, got {other:?}"),
     }
+}
+
+#[test]
+fn suite_fails_a_clear_that_never_reaches_the_medium() {
+    let failed = failed_checks(Flaw::ForgetsClear);
+    for check in [
+        "clear_local_drops_keys_and_gates_allocation",
+        "pre_clear_slot_cannot_commit",
+        "clear_local_releases_leased_pages_by_lease_end",
+        "clear_local_races_no_new_owned_key_before_ack",
+        "release_frees_a_cleared_keys_pages_at_once",
+    ] {
+        assert!(failed.contains(check), "{check} passed: {failed:?}");
+    }
+}
+
+#[test]
+fn suite_fails_a_capacity_that_never_moves() {
+    let failed = failed_checks(Flaw::FrozenCapacity);
+    for check in [
+        "capacity_accounting",
+        "full_medium_reports_no_space_then_recovers_after_abort",
+        "zero_size_is_failed",
+        "pending_slot_expires_after_ttl",
+    ] {
+        assert!(failed.contains(check), "{check} passed: {failed:?}");
+    }
+}
+
+#[test]
+fn suite_fails_an_owned_key_count_stuck_at_zero() {
+    let failed = failed_checks(Flaw::CountsNoKeys);
+    for check in [
+        "owned_key_count_tracks_commits_and_evicts",
+        "commit_makes_key_resolvable",
+        "concurrent_clients_keep_accounting_exact",
+    ] {
+        assert!(failed.contains(check), "{check} passed: {failed:?}");
+    }
+}
+
+#[test]
+fn suite_fails_an_outbox_drained_into_nothing() {
+    let failed = failed_checks(Flaw::LosesEvents);
+    for check in [
+        "events_follow_operation_order",
+        "snapshot_does_not_mutate_outbox",
+        "full_sync_snapshot_clears_outbox",
+        "auto_flush_fires_once_at_threshold",
+        "events_concatenate_across_media_in_one_stream",
+    ] {
+        assert!(failed.contains(check), "{check} passed: {failed:?}");
+    }
+}
+
+#[test]
+fn suite_fails_a_medium_that_resolves_nothing() {
+    let failed = failed_checks(Flaw::ResolvesNothing);
+    for check in [
+        "commit_makes_key_resolvable",
+        "batch_resolve_answers_positionally",
+        "resolve_renews_the_read_lease",
+        "release_ends_the_read_lease_at_once",
+        "multi_page_values_round_trip_bookkeeping",
+    ] {
+        assert!(failed.contains(check), "{check} passed: {failed:?}");
+    }
+}
+
+/// Which checks some negative control above proves can fail (a flaw that breaks every check for one
+/// generic reason, leaked registrations, does not count): every check but the ones pinned here,
+/// which no flawed medium fails yet. A new check joins the pinned list until a flaw fails it.
+#[test]
+fn every_check_but_the_pinned_few_is_failed_by_some_flaw() {
+    let flaws = [
+        Flaw::ReversedEvict,
+        Flaw::StrictAbort,
+        Flaw::EarlyAutoFlush,
+        Flaw::OversizeIsNoSpace,
+        Flaw::TwoStepFullSync,
+        Flaw::ForgetsRelease,
+        Flaw::BusyForFull,
+        Flaw::ForgetsClear,
+        Flaw::FrozenCapacity,
+        Flaw::CountsNoKeys,
+        Flaw::LosesEvents,
+        Flaw::ResolvesNothing,
+    ];
+    let failed: BTreeSet<&str> = flaws.into_iter().flat_map(failed_checks).collect();
+    let never: BTreeSet<&str> = conformance::checks().iter().map(|c| c.name).filter(|n| !failed.contains(n)).collect();
+    let pinned = BTreeSet::from([
+        // Lifecycle and registration: only the leaked-registrations flaw, which fails everything.
+        "before_init_publishes_nothing",
+        "init_failure_is_reported_and_retryable",
+        "init_is_idempotent_and_registers_buffers",
+        "shut_down_backend_refuses_init",
+        "shutdown_deregisters_everything_and_is_idempotent",
+        "shutdown_without_init_is_harmless",
+        "subject_meets_suite_requirements",
+        "metric_samples_follow_the_naming_rule",
+        // Proven apart (the_background_reaper_check_fails_a_medium_that_only_claims_one).
+        "background_reaper_sweeps_without_tick",
+        "an_idle_medium_never_answers_busy",
+        "empty_batches_return_empty",
+        "resolve_miss_takes_no_lease",
+    ]);
+    assert_eq!(never, pinned, "checks no flaw fails");
 }
