@@ -50,7 +50,7 @@ CONFIGURATION
 
     [node]
     node_id = \"n1\"                      # required for `umbp node`
-    medium = \"dram\"                     # or \"ssd\", \"hbm\", \"none\"
+    medium = \"dram\"                     # or \"ssd\", \"hbm\", \"cxl\", \"none\"
     page_size = \"2MiB\"
     listen = \"127.0.0.1\"                # host of the peer service and the data server
     peer_port = 0                       # 0: any free port
@@ -87,6 +87,10 @@ CONFIGURATION
     capacity_bytes = \"1GiB\"           # device memory an hbm node lends
     runtime = \"auto\"                  # or \"cuda\", \"hip\", \"cudart\", \"fake\" (host memory, for tests)
 
+    [node.cxl]
+    path = \"/dev/dax0.0\"              # a cxl node's device-DAX device or file (required for cxl)
+    capacity_bytes = \"1GiB\"           # bytes of it a cxl node lends
+
     [node.master]                       # the node's client of the master
     heartbeat_rpc_timeout = \"3s\"
     events_per_bundle = 1024
@@ -117,6 +121,7 @@ ENVIRONMENT
   UMBP_SSD_CAPACITY, UMBP_SSD_IO_ENGINE, UMBP_SSD_STAGING_PAGES, UMBP_SSD_MAX_VALUE_PAGES,
   UMBP_SSD_READ_LEASE_MS, UMBP_SSD_CREATE_DIRS, UMBP_SSD_CACHE_COMMITTED,
   UMBP_SSD_SYNC_INTERVAL (a duration or off),
+  UMBP_CXL_PATH, UMBP_CXL_CAPACITY,
   UMBP_HBM_DEVICE, UMBP_HBM_CAPACITY, UMBP_HBM_RUNTIME, UMBP_GPU_RUNTIME=none (no GPU copy engine on a
   node that does not lend HBM), UMBP_CACHE_REMOTE_FETCHES, UMBP_DRAM_READ_LEASE_MS and the
   master client's UMBP_HEARTBEAT_* / UMBP_MASTER_RPC_TIMEOUT_MS; the master's UMBP_MASTER_LISTEN and
@@ -323,6 +328,8 @@ pub enum MediumKind {
     Hbm,
     /// Local drives, staged through host DRAM.
     Ssd,
+    /// CXL or persistent memory: a device-DAX device or a file, mapped.
+    Cxl,
     /// No medium: the node only reads and writes the pool.
     None,
 }
@@ -334,6 +341,7 @@ impl MediumKind {
             Self::Dram => "dram",
             Self::Hbm => "hbm",
             Self::Ssd => "ssd",
+            Self::Cxl => "cxl",
             Self::None => "none",
         }
     }
@@ -441,6 +449,13 @@ pub struct NodeArgs {
     /// [env: UMBP_HBM_RUNTIME] [default: auto]
     #[arg(long, value_name = "RUNTIME")]
     pub hbm_runtime: Option<String>,
+    /// The device-DAX device (/dev/daxX.Y) or file a cxl node maps; a file is created or grown to
+    /// --cxl-capacity (required for cxl) [env: UMBP_CXL_PATH] [default: none]
+    #[arg(long, value_name = "PATH")]
+    pub cxl_path: Option<PathBuf>,
+    /// Bytes of the device or file a cxl node lends [env: UMBP_CXL_CAPACITY] [default: 1GiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub cxl_capacity: Option<u64>,
     /// Re-cache values fetched from other nodes: off, always, or a size cap
     /// [env: UMBP_RECACHE, UMBP_CACHE_REMOTE_FETCHES] [default: 16MiB]
     #[arg(long, value_name = "POLICY")]

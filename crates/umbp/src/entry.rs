@@ -310,6 +310,7 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
             ("ssd", format!("{} engine={} dirs={}", format_size(s.capacity_bytes), s.io_engine, s.dirs.len()))
         }
         Medium::Hbm(h) => ("hbm", format!("{} device={}", format_size(h.capacity_bytes), h.device)),
+        Medium::Cxl(c) => ("cxl", format_size(c.capacity_bytes)),
         _ => ("none", "0".to_owned()),
     };
     // An SSD node keeps one descriptor per log segment (about 16k for 4 TiB of 256 MiB segments) and

@@ -8,11 +8,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use umbp_core::MediumBackend;
-#[cfg(any(feature = "dram", feature = "hbm"))]
+#[cfg(any(feature = "dram", feature = "hbm", feature = "cxl"))]
 use umbp_core::TierType;
 use umbp_gpu::GpuRuntime;
 use umbp_metrics::InstrumentedBackend;
-#[cfg(any(feature = "dram", feature = "hbm"))]
+#[cfg(any(feature = "dram", feature = "hbm", feature = "cxl"))]
 use umbp_page::PageBackendConfig;
 #[cfg(feature = "dram")]
 use umbp_page::{HostMemoryOptions, HostPageMemorySource, PageBackend};
@@ -185,6 +185,15 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
                 .build()
                 .map_err(|e| PoolError::Config(format!("ssd medium: {e}")))?;
             (Some(Arc::from(umbp_ssd::make_ssd_backend(ssd_config))), true)
+        }
+        #[cfg(feature = "cxl")]
+        Medium::Cxl(cxl) => {
+            let backend_config = PageBackendConfig::new(TierType::Dram, config.page_size, Vec::new())
+                .with_pending_ttl(config.pending_ttl)
+                .with_read_lease_ttl(config.read_lease);
+            let backend = umbp_cxl::make_cxl_backend(cxl, backend_config)
+                .map_err(|e| PoolError::Config(format!("cxl medium: {e}")))?;
+            (Some(Arc::from(backend)), false)
         }
     };
     // Every medium is charted by its tier= with no metrics code of its own (when a /metrics

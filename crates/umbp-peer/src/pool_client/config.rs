@@ -28,6 +28,10 @@ pub enum Medium {
     /// (`umbp-ssd`).
     #[cfg(feature = "ssd")]
     Ssd(umbp_ssd::SsdSettings),
+    /// CXL or persistent memory through `PageBackend` over a shared mapping of a device-DAX device or
+    /// a file (`umbp-cxl`).
+    #[cfg(feature = "cxl")]
+    Cxl(CxlConfig),
 }
 
 impl Medium {
@@ -61,6 +65,12 @@ impl Medium {
                 s.max_value_pages,
                 s.read_lease.as_millis(),
                 s.sync_interval.map_or_else(|| "off".to_owned(), |d| d.as_millis().to_string())
+            )),
+            #[cfg(feature = "cxl")]
+            Self::Cxl(c) => Some(format!(
+                "medium=cxl capacity_bytes={} path={}",
+                c.capacity_bytes,
+                c.path.as_ref().map_or_else(|| "none".to_owned(), |p| p.display().to_string())
             )),
         }
     }
@@ -102,6 +112,10 @@ impl Default for DramConfig {
 /// Settings of an HBM medium: the HBM crate's own (device, capacity, runtime).
 #[cfg(feature = "hbm")]
 pub use umbp_hbm::HbmConfig;
+
+/// Settings of a CXL medium: the CXL crate's own (path, capacity).
+#[cfg(feature = "cxl")]
+pub use umbp_cxl::CxlConfig;
 
 /// Settings of an SSD medium: the SSD crate's own [`umbp_ssd::SsdSettings`] (the rest of
 /// `umbp_ssd::SsdConfig` keeps its defaults). The old name, kept for call sites.

@@ -57,6 +57,8 @@ use crate::peer_client::{PeerClient, PeerClientConfig, Peers};
 use crate::peer_service::{KeyedMedia, PeerServer, PeerServerConfig, PeerServerHandle, PeerService};
 pub use builder::PoolClientBuilder;
 use compose::{Composed, compose};
+#[cfg(feature = "cxl")]
+pub use config::CxlConfig;
 #[cfg(feature = "hbm")]
 pub use config::HbmConfig;
 pub use config::{DramConfig, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection};

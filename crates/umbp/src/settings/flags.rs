@@ -105,6 +105,8 @@ pub(crate) fn node(a: &NodeArgs, token: Option<&str>) -> Vec<FlagValue> {
     f.int("--hbm-device", a.hbm_device);
     f.size("--hbm-capacity", a.hbm_capacity);
     f.text("--hbm-runtime", a.hbm_runtime.as_deref());
+    f.text("--cxl-path", a.cxl_path.as_ref().map(|p| p.display()));
+    f.size("--cxl-capacity", a.cxl_capacity);
     if !a.ssd_dir.is_empty() {
         let dirs = a.ssd_dir.iter().map(|d| Value::String(d.display().to_string())).collect();
         f.0.push(("--ssd-dir", Value::Array(dirs)));

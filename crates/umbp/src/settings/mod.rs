@@ -188,6 +188,7 @@ pub fn resolve_node(
                                 --ssd-staging-pages pages of --page-size)"
             }
             MediumKind::Hbm => "an hbm node lends --hbm-capacity of device memory",
+            MediumKind::Cxl => "a cxl node lends --cxl-capacity of its --cxl-path",
             _ => "a node with medium none lends nothing",
         };
         return Err(SettingsError::Invalid {
@@ -212,6 +213,7 @@ pub fn resolve_node(
         MediumKind::Dram => Medium::Dram(n.dram),
         MediumKind::Ssd => Medium::Ssd(n.ssd),
         MediumKind::Hbm => Medium::Hbm(n.hbm),
+        MediumKind::Cxl => Medium::Cxl(n.cxl),
         MediumKind::None => Medium::None,
     };
     c.cluster_token = s.cluster_token.filter(|t| !t.is_empty());
@@ -270,6 +272,13 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
     match &c.medium {
         Medium::Dram(d) if d.capacity_bytes < c.page_size => return Err(smaller("capacity", d.capacity_bytes)),
         Medium::Hbm(h) if h.capacity_bytes < c.page_size => return Err(smaller("hbm_capacity", h.capacity_bytes)),
+        Medium::Cxl(x) if x.path.as_ref().is_none_or(|p| p.as_os_str().is_empty()) => {
+            return Err(SettingsError::Missing {
+                what: "the CXL device or file",
+                how: "pass --cxl-path PATH, set UMBP_CXL_PATH, or set node.cxl.path in the configuration file",
+            });
+        }
+        Medium::Cxl(x) if x.capacity_bytes < c.page_size => return Err(smaller("cxl_capacity", x.capacity_bytes)),
         Medium::Ssd(s) => {
             if s.dirs.is_empty() {
                 return Err(SettingsError::Missing {
@@ -292,14 +301,15 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
 }
 
 impl MediumKind {
-    /// Reads a medium name (`dram`, `hbm`, `ssd`, `none`).
+    /// Reads a medium name (`dram`, `hbm`, `ssd`, `cxl`, `none`).
     pub fn from_name(name: &str) -> Result<Self, String> {
         match name.trim().to_ascii_lowercase().as_str() {
             "dram" => Ok(Self::Dram),
             "hbm" => Ok(Self::Hbm),
             "ssd" => Ok(Self::Ssd),
+            "cxl" => Ok(Self::Cxl),
             "none" => Ok(Self::None),
-            other => Err(format!("{other:?} is not a medium: expected dram, hbm, ssd or none")),
+            other => Err(format!("{other:?} is not a medium: expected dram, hbm, ssd, cxl or none")),
         }
     }
 }

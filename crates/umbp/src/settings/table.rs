@@ -179,6 +179,9 @@ pub(crate) const TABLE: &[Row] = &[
     row("node.hbm.device", Node, "--hbm-device", &[("UMBP_HBM_DEVICE", Int)], &["node.hbm_device"]),
     row("node.hbm.capacity_bytes", Node, "--hbm-capacity", &[("UMBP_HBM_CAPACITY", Text)], &["node.hbm_capacity"]),
     row("node.hbm.runtime", Node, "--hbm-runtime", &[("UMBP_HBM_RUNTIME", Text)], &["node.hbm_runtime"]),
+    // [node.cxl]: umbp_cxl::CxlConfig.
+    row("node.cxl.path", Node, "--cxl-path", &[("UMBP_CXL_PATH", Text)], &[]),
+    row("node.cxl.capacity_bytes", Node, "--cxl-capacity", &[("UMBP_CXL_CAPACITY", Text)], &[]),
     // [node.ssd]: umbp_ssd::SsdSettings.
     row("node.ssd.dirs", Node, "--ssd-dir", &[("UMBP_SSD_DIRS", List)], &["node.ssd_dirs"]),
     row("node.ssd.capacity_bytes", Node, "--ssd-capacity", &[("UMBP_SSD_CAPACITY", Text)], &["node.ssd_capacity"]),

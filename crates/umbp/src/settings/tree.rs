@@ -8,6 +8,7 @@
 //! [node]              # the node's own settings (PoolClientConfig's)
 //! [node.dram]         # umbp_peer::pool_client::DramConfig
 //! [node.hbm]          # umbp_hbm::HbmConfig
+//! [node.cxl]          # umbp_cxl::CxlConfig
 //! [node.ssd]          # umbp_ssd::SsdSettings
 //! [node.master]       # umbp_peer::master_client::MasterClientConfig
 //! [client]
@@ -19,7 +20,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use umbp_master::MasterConfig;
 use umbp_peer::master_client::MasterClientConfig;
-use umbp_peer::pool_client::{DramConfig, HbmConfig, PoolClientConfig, RecachePolicy, SsdConfig as SsdSettings};
+use umbp_peer::pool_client::{
+    CxlConfig, DramConfig, HbmConfig, PoolClientConfig, RecachePolicy, SsdConfig as SsdSettings,
+};
 
 use crate::cli::MediumKind;
 
@@ -113,6 +116,8 @@ pub struct NodeSettings {
     pub dram: DramConfig,
     /// `[node.hbm]`.
     pub hbm: HbmConfig,
+    /// `[node.cxl]`.
+    pub cxl: CxlConfig,
     /// `[node.ssd]`.
     pub ssd: SsdSettings,
     /// `[node.master]`: the node's client of the master.
@@ -140,6 +145,7 @@ impl Default for NodeSettings {
             shared_memory: p.shared_memory,
             dram: DramConfig::default(),
             hbm: HbmConfig::default(),
+            cxl: CxlConfig::default(),
             ssd: SsdSettings::default(),
             master: p.master,
         }
