@@ -62,7 +62,9 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), 7, "{row}");
         let ratio: f64 = cells[6].parse().expect("the ratio is a number");
-        assert!(ratio.is_finite() && ratio > 0.0, "{row}");
+        // Printed to 2 decimals: a loaded machine's 0.004 (a 64 KiB same-host cell beside memcpy)
+        // prints 0.00 (seen in whole-suite runs on 2 cores).
+        assert!(ratio.is_finite() && ratio >= 0.0, "{row}");
     }
     assert!(out.contains("memcpy") && out.contains("raw TCP x4"), "{out}");
     assert!(out.contains(&format!("memcpy baseline on {} threads", memcpy_threads())), "{out}");
