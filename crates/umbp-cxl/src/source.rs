@@ -209,12 +209,16 @@ impl CxlPageMemorySource {
             }
         } else {
             let len = file.metadata().map_err(|source| CxlError::Open { path: path.clone(), source })?.size();
-            if len < limit {
-                reserve(&file, limit).map_err(|source| CxlError::Grow {
-                    path: path.clone(),
-                    capacity: limit,
-                    source,
-                })?;
+            if len < limit
+                && let Err(source) = reserve(&file, limit)
+            {
+                // A failed fallocate may keep the blocks it got before running out: give them back
+                // (remove a file this call created, cut one that existed back to its length).
+                let undo = if existing.is_none() { std::fs::remove_file(&path) } else { file.set_len(len) };
+                if let Err(e) = undo {
+                    tracing::warn!(source = NAME, path = %path.display(), error = %e, "could not undo a failed grow");
+                }
+                return Err(CxlError::Grow { path, capacity: limit, source });
             }
         }
         Ok(Self { path, file, align, limit, mapped: Mutex::new(Mapped::default()) })

@@ -63,6 +63,7 @@ fn a_directory_a_missing_parent_and_a_file_that_cannot_grow_are_clear_errors() {
     let err = CxlPageMemorySource::open(&CxlConfig::new(&huge, 1 << 50)).expect_err("cannot grow to 1 PiB");
     assert!(matches!(err, CxlError::Grow { capacity, .. } if capacity == 1 << 50), "{err}");
     assert!(err.to_string().contains("huge.img"), "names the path: {err}");
+    assert!(!huge.exists(), "the file the failed open created is removed");
 
     let err = CxlPageMemorySource::open(&CxlConfig::default()).expect_err("no path");
     assert!(matches!(err, CxlError::NoPath), "{err}");
