@@ -257,7 +257,7 @@ impl Chaos {
         let mut args = vec!["node", "--master", &self.master_addr, "--node-id", n.id, "--page-size", "64KiB"];
         args.extend(["--metrics-addr", "127.0.0.1:0"]);
         if n.ssd {
-            args.extend(["--medium", "ssd", "--ssd-dir", &ssd_dir, "--ssd-capacity", "64MiB"]);
+            args.extend(["--medium", "ssd", "--ssd-dir", &ssd_dir, "--ssd-capacity", "32MiB"]);
             args.extend(["--ssd-staging-pages", "64", "--ssd-create-dirs"]);
         } else {
             args.extend(["--medium", "dram", "--capacity", "4MiB", "--prefault", "false"]);
