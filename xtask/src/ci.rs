@@ -403,9 +403,29 @@ pub fn cargo_path() -> PathBuf {
 /// nothing for hugetlb pages (none are reserved here).
 pub const REQUIRED_FEATURES: [&str; 3] = ["UMBP_REQUIRE_IO_URING", "UMBP_REQUIRE_THP", "UMBP_REQUIRE_OPEN_FILES"];
 
-/// The [`REQUIRED_FEATURES`] the environment leaves unset, each set to `1`.
+/// The switch of the tests that need root (network namespaces for the partition tests, a process
+/// run as another user): demanded only when the test step runs as root, so a run as another user
+/// still skips them (with a printed reason) instead of failing.
+pub const REQUIRE_ROOT: &str = "UMBP_REQUIRE_ROOT";
+
+/// Whether this process runs as root (effective uid 0, from `/proc/self/status`).
+fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|ids| ids.split_whitespace().nth(1)) == Some("0")
+    })
+}
+
+/// The [`REQUIRED_FEATURES`] the environment leaves unset, each set to `1`, and [`REQUIRE_ROOT`]
+/// when running as root and the environment leaves it unset.
 fn required_features_env() -> Vec<(&'static str, String)> {
-    REQUIRED_FEATURES.iter().filter(|v| std::env::var_os(v).is_none()).map(|v| (*v, "1".to_owned())).collect()
+    let root = running_as_root().then_some(REQUIRE_ROOT);
+    REQUIRED_FEATURES
+        .iter()
+        .copied()
+        .chain(root)
+        .filter(|v| std::env::var_os(v).is_none())
+        .map(|v| (v, "1".to_owned()))
+        .collect()
 }
 
 /// Runs `cargo ARGS` in `root`, printing the command line first; fails naming the command.
@@ -453,6 +473,16 @@ fn cargo_subcommand_available(root: &Path, subcommand: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_root_switch_follows_the_effective_uid() {
+        let uid = std::process::Command::new("id").arg("-u").output().expect("id -u");
+        let root = String::from_utf8_lossy(&uid.stdout).trim() == "0";
+        assert_eq!(running_as_root(), root);
+        if std::env::var_os(REQUIRE_ROOT).is_none() {
+            assert_eq!(required_features_env().iter().any(|(v, _)| *v == REQUIRE_ROOT), root);
+        }
+    }
 
     #[test]
     fn step_names_round_trip_and_are_unique() {
