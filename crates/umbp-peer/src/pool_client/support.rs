@@ -625,23 +625,31 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn medium_calls_of_one_task_overlap_instead_of_blocking_it() {
-        // Four chunks of one batch, each with a drive-IO medium call that takes 300 ms (a write):
-        // awaited on the blocking pool they overlap; blocking the task would take 1.2 s.
+        // Four chunks of one batch, each with a drive-IO medium call: awaited on the blocking pool
+        // they overlap. Each call waits (up to 10 s) until all four are inside at once, which only
+        // happens when none blocks the task; run one after another, the first gives up and says so.
         let medium: Arc<dyn MediumBackend> =
             Arc::new(umbp_testkit::MockBackend::new(umbp_testkit::MockConfig::default()));
-        let start = std::time::Instant::now();
+        let inside = Arc::new((std::sync::Mutex::new(0usize), std::sync::Condvar::new()));
         let calls = (0..4)
             .map(|i| {
+                let inside = Arc::clone(&inside);
                 medium_call(&medium, true, move |m| {
-                    std::thread::sleep(Duration::from_millis(300));
-                    (i, m.tier())
+                    let (count, all_in) = &*inside;
+                    let mut n = count.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    *n += 1;
+                    all_in.notify_all();
+                    let (n, waited) = all_in
+                        .wait_timeout_while(n, Duration::from_secs(10), |n| *n < 4)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    drop(n);
+                    (i, !waited.timed_out(), m.tier())
                 })
             })
             .collect();
         let out = join_all(calls).await;
-        let took = start.elapsed();
-        assert_eq!(out.iter().map(|o| o.map(|(i, _)| i)).collect::<Vec<_>>(), [Some(0), Some(1), Some(2), Some(3)]);
-        assert!(took < Duration::from_millis(900), "the calls ran one after another: {took:?}");
+        assert_eq!(out.iter().map(|o| o.map(|(i, _, _)| i)).collect::<Vec<_>>(), [Some(0), Some(1), Some(2), Some(3)]);
+        assert!(out.iter().all(|o| o.is_some_and(|(_, together, _)| together)), "the calls ran one after another");
         assert_eq!(medium_call(&medium, true, |_| -> u8 { panic!("boom") }).await, None, "a panic is None");
         assert_eq!(medium_call(&medium, false, |m| m.tier()).await, Some(medium.tier()), "in place");
     }
