@@ -42,6 +42,7 @@
 //! reaper thread (`background_reaper_sweeps_without_tick`, which only that thread can pass): the
 //! suite drives time with [`ManualClock`](umbp_core::ManualClock) and each subject's reaper `tick`.
 
+pub mod fuzz;
 mod mock;
 mod registrar;
 pub mod require;
