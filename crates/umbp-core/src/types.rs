@@ -210,12 +210,23 @@ pub struct CommitRequest {
     pub slot_id: u64,
     /// The key the value is stored under (the commit-time key is the one that counts).
     pub key: String,
+    /// The writer's CRC-32C of the value, when it computed one: the medium keeps it beside the key
+    /// and hands it back on every resolve, so a reader can tell the bytes it copied are the bytes
+    /// that were put. The medium never computes nor checks it (it never reads values).
+    pub crc32c: Option<u32>,
 }
 
 impl CommitRequest {
-    /// A commit request.
+    /// A commit request without a checksum.
     pub fn new(slot_id: u64, key: impl Into<String>) -> Self {
-        Self { slot_id, key: key.into() }
+        Self { slot_id, key: key.into(), crc32c: None }
+    }
+
+    /// The same request carrying the writer's CRC-32C of the value.
+    #[must_use]
+    pub fn with_crc32c(mut self, crc32c: Option<u32>) -> Self {
+        self.crc32c = crc32c;
+        self
     }
 }
 
@@ -252,6 +263,9 @@ pub struct ResolvedEntry {
     /// The read lease this hit holds, to hand back in a [`ReadRelease`] once the copy is done; 0 on
     /// a miss, on busy, and from a medium whose leases only lapse.
     pub lease: u64,
+    /// The CRC-32C the value's writer committed with it ([`CommitRequest::crc32c`]), if any: the
+    /// reader checks the bytes it copied against it.
+    pub crc32c: Option<u32>,
 }
 
 impl ResolvedEntry {

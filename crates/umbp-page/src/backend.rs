@@ -191,6 +191,8 @@ struct Pending {
 struct Owned {
     pages: Vec<PageLocation>,
     size: u64,
+    /// The writer's checksum of the value, handed back on every resolve.
+    crc32c: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -856,7 +858,7 @@ impl MediumBackend for PageBackend {
                 results.push(CommitResult { success: true, bytes_committed });
                 continue;
             }
-            state.owned.insert(req.key.clone(), Owned { pages: slot.pages, size: slot.size });
+            state.owned.insert(req.key.clone(), Owned { pages: slot.pages, size: slot.size, crc32c: req.crc32c });
             state.push_event(KvEvent::add(req.key.clone(), tier, slot.size));
             results.push(CommitResult { success: true, bytes_committed: slot.size });
         }
@@ -897,6 +899,7 @@ impl MediumBackend for PageBackend {
                 size: owned.size,
                 page_size: config.page_size,
                 descs: Inner::descs_for_pages(published.as_deref(), &owned.pages),
+                crc32c: owned.crc32c,
                 ..ResolvedEntry::default()
             };
             entry.lease = state.leases.acquire(key, now, lease_until);

@@ -298,6 +298,7 @@ checks! {
     commit::commit_makes_key_resolvable => "a commit makes the key resolvable and queues one Add",
     commit::commit_binds_the_commit_time_key => "the commit-time key is the one stored",
     commit::commit_race_first_wins => "two commits of one key: the first wins, the second frees its pages and succeeds",
+    commit::commit_keeps_the_writers_checksum => "a checksum committed with a value comes back at every resolve; the winner's on a race",
     commit::commit_unknown_slot_fails => "commit of an unknown slot (incl. 0) fails",
     commit::commit_after_abort_fails => "commit of an aborted slot fails; slot ids are not reused",
     commit::commit_consumes_the_slot => "a slot commits once",

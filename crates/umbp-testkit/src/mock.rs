@@ -158,6 +158,7 @@ struct Pending {
 struct Owned {
     pages: Vec<u32>,
     size: u64,
+    crc32c: Option<u32>,
 }
 
 /// Everything that exists only between a successful `init` and `shutdown`.
@@ -390,7 +391,7 @@ impl MockBackend {
             return CommitResult { success: true, bytes_committed };
         }
         let size = slot.size;
-        state.owned.insert(request.key.clone(), Owned { pages: slot.pages, size });
+        state.owned.insert(request.key.clone(), Owned { pages: slot.pages, size, crc32c: request.crc32c });
         state.push(KvEvent::add(request.key.clone(), self.config.tier, size), &self.calls.auto_flushes);
         CommitResult { success: true, bytes_committed: size }
     }
@@ -636,6 +637,7 @@ impl MediumBackend for MockBackend {
                     size: owned.size,
                     page_size: self.config.page_size,
                     descs: descs.clone(),
+                    crc32c: owned.crc32c,
                     ..ResolvedEntry::default()
                 };
                 ResolvedEntry { lease: state.leases.acquire(key, now, until), ..entry }

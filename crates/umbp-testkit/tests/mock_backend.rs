@@ -294,6 +294,8 @@ enum Flaw {
     LosesEvents,
     /// Every resolve is a miss.
     ResolvesNothing,
+    /// Commits forget the writer's checksum (a medium that stores only pages and size).
+    DropsChecksums,
 }
 
 /// A registrar that forwards registrations and swallows deregistrations.
@@ -402,6 +404,10 @@ impl MediumBackend for Flawed {
         results
     }
     fn batch_commit(&self, requests: &[CommitRequest]) -> Vec<CommitResult> {
+        if self.flaw == Flaw::DropsChecksums {
+            let stripped: Vec<_> = requests.iter().map(|r| r.clone().with_crc32c(None)).collect();
+            return self.inner.batch_commit(&stripped);
+        }
         self.inner.batch_commit(requests)
     }
     fn batch_abort(&self, slot_ids: &[u64]) -> Vec<bool> {
@@ -790,6 +796,12 @@ fn suite_fails_a_medium_that_resolves_nothing() {
     }
 }
 
+#[test]
+fn suite_fails_a_medium_that_forgets_checksums() {
+    let failed = failed_checks(Flaw::DropsChecksums);
+    assert_eq!(failed, BTreeSet::from(["commit_keeps_the_writers_checksum"]), "only the checksum check");
+}
+
 /// Which checks some negative control above proves can fail (a flaw that breaks every check for one
 /// generic reason, leaked registrations, does not count): every check but the ones pinned here,
 /// which no flawed medium fails yet. A new check joins the pinned list until a flaw fails it.
@@ -808,6 +820,7 @@ fn every_check_but_the_pinned_few_is_failed_by_some_flaw() {
         Flaw::CountsNoKeys,
         Flaw::LosesEvents,
         Flaw::ResolvesNothing,
+        Flaw::DropsChecksums,
     ];
     let failed: BTreeSet<&str> = flaws.into_iter().flat_map(failed_checks).collect();
     let never: BTreeSet<&str> = conformance::checks().iter().map(|c| c.name).filter(|n| !failed.contains(n)).collect();

@@ -162,11 +162,8 @@ impl KeyedHandler for KeyedMedia {
             medium.backend.batch_abort(&[slot.id]);
             return false;
         }
-        let committed = medium
-            .backend
-            .batch_commit(&[CommitRequest { slot_id: slot.id, key: key.to_owned() }])
-            .first()
-            .is_some_and(|r| r.success);
+        let committed =
+            medium.backend.batch_commit(&[CommitRequest::new(slot.id, key)]).first().is_some_and(|r| r.success);
         if committed {
             self.service.changed();
         }

@@ -231,7 +231,7 @@ impl Dispatch {
                     continue;
                 }
                 at.push(i);
-                requests.push(CommitRequest { slot_id: slot_local(e.slot_id), key: std::mem::take(&mut e.key) });
+                requests.push(CommitRequest::new(slot_local(e.slot_id), std::mem::take(&mut e.key)));
             }
             if requests.is_empty() {
                 continue;

@@ -63,6 +63,30 @@ pub(super) fn commit_race_first_wins(fx: &Fixture<'_>) {
     assert_eq!(s.drain(), [s.add("k", ps), s.add("j", 1)], "one Add per key, none for a lost race");
 }
 
+pub(super) fn commit_keeps_the_writers_checksum(fx: &Fixture<'_>) {
+    let s = fx.live();
+    let ps = s.ps();
+    let crc = 0x8a91_36aa;
+    let with = s.alloc_ok("with", ps);
+    let without = s.alloc_ok("without", 1);
+    let c = s.backend.batch_commit(&[
+        CommitRequest::new(with.slot_id, "with").with_crc32c(Some(crc)),
+        CommitRequest::new(without.slot_id, "without"),
+    ]);
+    assert!(c.iter().all(|r| r.success), "commits with and without a checksum: {c:?}");
+    assert_eq!(s.resolve("with", false).crc32c, Some(crc), "a committed checksum comes back at resolve");
+    assert_eq!(s.resolve("with", true).crc32c, Some(crc), "and with descriptors asked for");
+    assert_eq!(s.resolve("without", false).crc32c, None, "no checksum committed, none resolved");
+    assert_eq!(s.resolve("absent", false).crc32c, None, "a miss carries no checksum");
+
+    // A lost commit race keeps the first writer's value, so it keeps the first writer's checksum.
+    let first = s.alloc_ok("race", 1);
+    let second = s.alloc_ok("race", 1);
+    assert!(s.backend.batch_commit(&[CommitRequest::new(first.slot_id, "race").with_crc32c(Some(1))])[0].success);
+    assert!(s.backend.batch_commit(&[CommitRequest::new(second.slot_id, "race").with_crc32c(Some(2))])[0].success);
+    assert_eq!(s.resolve("race", false).crc32c, Some(1), "the winner's checksum stays with the winner's bytes");
+}
+
 pub(super) fn commit_unknown_slot_fails(fx: &Fixture<'_>) {
     let s = fx.live();
     let real = s.alloc_ok("real", 1);
