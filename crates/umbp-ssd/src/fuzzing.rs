@@ -10,24 +10,29 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, MediumBackend, MemoryRegistrar};
 
-use crate::record::{self, FIXED, FLAG_TOMBSTONE, HeaderError, MAX_KEY_LEN};
+use crate::record::{self, FIXED, FLAG_TOMBSTONE, FLAG_VALUE_CRC, HeaderError, KNOWN_FLAGS, MAX_KEY_LEN};
 use crate::store::SegmentFile;
 use crate::{IoEngineKind, SsdBackend, SsdConfig};
 
 /// Decodes `data` as a record header block and as a whole record. Properties: a decoded header
-/// says only what its bytes say (it encodes back to them, reserved bytes aside), a `Short` answer
-/// asks for more than was given, and a verified record lies inside `data` and matches its CRC.
+/// says only what its bytes say (it encodes back to them, the writer's checksum field aside when
+/// its flag is clear), a `Short` answer asks for more than was given, and a verified record lies
+/// inside `data` and matches its CRC.
 pub fn record(data: &[u8]) {
     match record::decode_header(data) {
         Ok(h) => {
             let klen = h.key.len();
             assert!((1..=MAX_KEY_LEN).contains(&klen), "a key of {klen} bytes");
-            assert!(h.flags & !FLAG_TOMBSTONE == 0, "an unknown flag accepted");
+            assert!(h.flags & !KNOWN_FLAGS == 0, "an unknown flag accepted");
+            assert_eq!(h.value_crc.is_some(), h.flags & FLAG_VALUE_CRC != 0, "a writer's checksum iff its flag");
             let mut block = vec![0u8; record::header_len(klen) as usize];
-            record::encode_header_flags(&mut block, &h.key, h.value_size, h.seq, h.data_crc, h.flags);
+            let value_crc = h.value_crc.unwrap_or(0);
+            record::encode_header_flags(&mut block, &h.key, h.value_size, h.seq, h.data_crc, h.flags, value_crc);
             let (mut want, got) = (data[..FIXED + klen].to_vec(), &block[..FIXED + klen]);
-            want[36..40].fill(0);
-            assert_eq!(&want[..36], &got[..36], "a header re-encodes to its fixed fields");
+            if h.value_crc.is_none() {
+                want[36..40].fill(0);
+            }
+            assert_eq!(&want[..FIXED], &got[..FIXED], "a header re-encodes to its fixed fields");
             assert_eq!(&want[FIXED..], &got[FIXED..], "a header re-encodes to its key");
         }
         Err(HeaderError::Short { needed }) => assert!(needed > data.len(), "Short asks for {needed} of {}", data.len()),
@@ -42,19 +47,21 @@ pub fn record(data: &[u8]) {
     }
 }
 
-/// Record blocks for [`record`], made by the encoder: a value, a tombstone, a key that takes two
-/// header blocks.
+/// Record blocks for [`record`], made by the encoder: a value, a value with the writer's
+/// checksum, a tombstone, a key that takes two header blocks.
 pub fn record_seeds() -> Vec<Vec<u8>> {
     let one = |key: &str, value: &[u8], seq: u64, flags: u16| {
         let hl = record::header_len(key.len()) as usize;
         let mut buf = vec![0u8; record::record_len(key.len(), value.len() as u64) as usize];
         buf[hl..hl + value.len()].copy_from_slice(value);
         let crc = record::data_crc(key.as_bytes(), value);
-        record::encode_header_flags(&mut buf[..hl], key, value.len() as u64, seq, crc, flags);
+        let value_crc = if flags & FLAG_VALUE_CRC != 0 { crc32c::crc32c(value) } else { 0 };
+        record::encode_header_flags(&mut buf[..hl], key, value.len() as u64, seq, crc, flags, value_crc);
         buf
     };
     vec![
         one("prefix-hash-0042", &[7u8; 100], 3, 0),
+        one("prefix-hash-0043", &[8u8; 200], 6, FLAG_VALUE_CRC),
         one("evicted", &9u64.to_le_bytes(), 4, FLAG_TOMBSTONE),
         one(&"k".repeat(4100), b"long key", 5, 0),
     ]
@@ -116,7 +123,8 @@ fn arena(b: &SsdBackend) -> NonNull<u8> {
     r.local_region().expect("the arena is local memory").ptr()
 }
 
-fn get(b: &SsdBackend, key: &str) -> Option<Vec<u8>> {
+/// `key`'s value and the writer's checksum it was committed with, if it is served.
+fn get(b: &SsdBackend, key: &str) -> Option<Served> {
     let r = b.batch_resolve(&[key.to_owned()], false).remove(0);
     if !r.found {
         return None;
@@ -132,24 +140,28 @@ fn get(b: &SsdBackend, key: &str) -> Option<Vec<u8>> {
         left -= n;
     }
     b.release_reads(&[umbp_core::ReadRelease::new(key, r.lease)]);
-    Some(out)
+    Some((out, r.crc32c))
 }
 
+/// A record's value and its writer's checksum.
+type Served = (Vec<u8>, Option<u32>);
+
 /// Every record of `data` that passes both CRCs wherever it starts on a 4 KiB boundary: the
-/// values a recovery of `data` may serve, by key.
-fn candidates(data: &[u8]) -> std::collections::HashMap<String, Vec<Vec<u8>>> {
-    let mut out: std::collections::HashMap<String, Vec<Vec<u8>>> = Default::default();
+/// values (with their writer's checksums) a recovery of `data` may serve, by key.
+fn candidates(data: &[u8]) -> std::collections::HashMap<String, Vec<Served>> {
+    let mut out: std::collections::HashMap<String, Vec<Served>> = Default::default();
     for at in (0..data.len()).step_by(record::ALIGN as usize) {
         if let Some((h, body)) = record::verify_record(&data[at..]) {
-            out.entry(h.key).or_default().push(body.to_vec());
+            out.entry(h.key).or_default().push((body.to_vec(), h.value_crc));
         }
     }
     out
 }
 
 /// Recovers a backend from `data` as its one segment file. Properties: a corrupt segment never
-/// fails `init` or panics, and every key it then serves comes back with the bytes of a record of
-/// that key in `data` that passes both CRCs — never other bytes. Returns how many keys it served.
+/// fails `init` or panics, and every key it then serves comes back with the bytes and the writer's
+/// checksum of one record of that key in `data` that passes both CRCs — never other bytes, never
+/// another record's checksum. Returns how many keys it served.
 pub fn recovery(data: &[u8]) -> usize {
     let dir = ScratchDir::new();
     std::fs::write(dir.0.join(SegmentFile::segment_name(1)), data).expect("writing the segment");
@@ -160,7 +172,7 @@ pub fn recovery(data: &[u8]) -> usize {
     for (key, values) in &valid {
         if let Some(got) = get(&b, key) {
             served += 1;
-            assert!(values.contains(&got), "{key} served bytes no valid record of it holds");
+            assert!(values.contains(&got), "{key} served bytes or a checksum no valid record of it holds");
         }
     }
     assert!(b.owned_key_count() >= served, "a key served that is not owned");
@@ -168,8 +180,8 @@ pub fn recovery(data: &[u8]) -> usize {
     served
 }
 
-/// Segment files written by the backend itself: puts of several sizes, a key evicted (its
-/// tombstone) and put again with other bytes.
+/// Segment files written by the backend itself: puts of several sizes, with and without the
+/// writer's checksum, a key evicted (its tombstone) and put again with other bytes.
 pub fn segment_seeds() -> Vec<Vec<u8>> {
     let dir = ScratchDir::new();
     let b = SsdBackend::new(config(&dir.0));
@@ -187,7 +199,9 @@ pub fn segment_seeds() -> Vec<Vec<u8>> {
                 )
             };
         }
-        assert!(b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].success, "committing {key}");
+        let crc = (key != "c").then(|| crc32c::crc32c(bytes));
+        let commit = CommitRequest::new(a.slot_id, key).with_crc32c(crc);
+        assert!(b.batch_commit(&[commit])[0].success, "committing {key}");
     };
     put("a", &[1u8; 100]);
     put("b", &(0..5000u32).map(|i| i as u8).collect::<Vec<_>>());

@@ -3,16 +3,23 @@
 //! ```text
 //! ┌──────────────── header block (4 KiB multiple) ────────────────┐┌──── value (4 KiB multiple) ────┐
 //! │ magic u32 │ version u16 │ flags u16 │ key_len u32 │ header_crc │ value_size u64 │ seq u64 │     │
-//! │ data_crc u32 │ reserved u32 │ key bytes … │ zero padding       ││ value bytes … │ padding        │
+//! │ data_crc u32 │ value_crc u32 │ key bytes … │ zero padding      ││ value bytes … │ padding        │
 //! └────────────────────────────────────────────────────────────────┘└────────────────────────────────┘
 //! ```
 //!
 //! All integers are little-endian. `header_crc` is CRC-32C over the 40 header bytes (with the
 //! `header_crc` field read as 0) followed by the key: a header that passes it names a record length
 //! that can be trusted, so a scan can step over a record whose *value* is corrupt. `data_crc` is
-//! CRC-32C over the key and then the value. `seq` orders records of one key across the whole log (the
+//! CRC-32C over the key and then the value: the drive's integrity, computed and checked here.
+//! `value_crc` (bytes 36..40, reserved and zero before it had a meaning) is the *writer's* CRC-32C
+//! of the value (`CommitRequest::crc32c`), kept for the reader and never computed nor checked
+//! here; it means something only with [`FLAG_VALUE_CRC`] set, so records written before it read as
+//! having none (same format version). `seq` orders records of one key across the whole log (the
 //! highest wins at recovery). Every record starts and ends on a 4 KiB boundary, so a record can be
 //! read and written with `O_DIRECT` straight from and into staging pages.
+//!
+//! `flags`: [`FLAG_TOMBSTONE`], [`FLAG_VALUE_CRC`]; a header with any other bit set is not a
+//! record this version can interpret (invalid, like a torn one).
 
 /// Every record boundary is a multiple of this.
 pub(crate) const ALIGN: u64 = 4096;
@@ -26,6 +33,11 @@ pub(crate) const FIXED: usize = 40;
 /// key with a smaller `seq` may be recovered. Its 8-byte value is the horizon: the highest segment id
 /// that existed when the key was evicted (only those segments can hold older records of it).
 pub(crate) const FLAG_TOMBSTONE: u16 = 1;
+/// `flags` bit: the `value_crc` field holds the writer's CRC-32C of the value. Without it the
+/// field means nothing (it was reserved, written as zero, before this bit existed).
+pub(crate) const FLAG_VALUE_CRC: u16 = 2;
+/// Every `flags` bit this version knows.
+pub(crate) const KNOWN_FLAGS: u16 = FLAG_TOMBSTONE | FLAG_VALUE_CRC;
 
 /// The longest key a record may carry (keys are prefix hashes: far shorter in practice).
 pub(crate) const MAX_KEY_LEN: usize = 64 * 1024;
@@ -53,6 +65,8 @@ pub(crate) struct Header {
     pub(crate) seq: u64,
     pub(crate) data_crc: u32,
     pub(crate) flags: u16,
+    /// The writer's CRC-32C of the value: `Some` exactly when `flags` has [`FLAG_VALUE_CRC`].
+    pub(crate) value_crc: Option<u32>,
 }
 
 impl Header {
@@ -108,13 +122,30 @@ pub(crate) fn data_crc(key: &[u8], value: &[u8]) -> u32 {
 }
 
 /// Writes the header block of a record into `block` (which must be `header_len(key.len())` bytes,
-/// zeroed or not: the padding is zeroed here).
-pub(crate) fn encode_header(block: &mut [u8], key: &str, value_size: u64, seq: u64, data_crc: u32) {
-    encode_header_flags(block, key, value_size, seq, data_crc, 0);
+/// zeroed or not: the padding is zeroed here), with the writer's checksum `value_crc` if any.
+pub(crate) fn encode_header(
+    block: &mut [u8],
+    key: &str,
+    value_size: u64,
+    seq: u64,
+    data_crc: u32,
+    value_crc: Option<u32>,
+) {
+    let flags = if value_crc.is_some() { FLAG_VALUE_CRC } else { 0 };
+    encode_header_flags(block, key, value_size, seq, data_crc, flags, value_crc.unwrap_or(0));
 }
 
-/// [`encode_header`] with `flags` (see [`FLAG_TOMBSTONE`]).
-pub(crate) fn encode_header_flags(block: &mut [u8], key: &str, value_size: u64, seq: u64, data_crc: u32, flags: u16) {
+/// [`encode_header`] with `flags` and the `value_crc` field as given, whatever they say (see
+/// [`FLAG_TOMBSTONE`], [`FLAG_VALUE_CRC`]).
+pub(crate) fn encode_header_flags(
+    block: &mut [u8],
+    key: &str,
+    value_size: u64,
+    seq: u64,
+    data_crc: u32,
+    flags: u16,
+    value_crc: u32,
+) {
     debug_assert_eq!(block.len() as u64, header_len(key.len()));
     block.fill(0);
     block[0..4].copy_from_slice(&MAGIC.to_le_bytes());
@@ -124,6 +155,7 @@ pub(crate) fn encode_header_flags(block: &mut [u8], key: &str, value_size: u64, 
     block[16..24].copy_from_slice(&value_size.to_le_bytes());
     block[24..32].copy_from_slice(&seq.to_le_bytes());
     block[32..36].copy_from_slice(&data_crc.to_le_bytes());
+    block[36..40].copy_from_slice(&value_crc.to_le_bytes());
     block[FIXED..FIXED + key.len()].copy_from_slice(key.as_bytes());
     let crc = header_crc(block, key.len());
     block[12..16].copy_from_slice(&crc.to_le_bytes());
@@ -167,11 +199,19 @@ pub(crate) fn decode_header(block: &[u8]) -> Result<Header, HeaderError> {
     }
     let key = std::str::from_utf8(&block[FIXED..FIXED + key_len]).map_err(|_| HeaderError::Invalid)?.to_owned();
     let flags = u16::from_le_bytes([block[6], block[7]]);
-    if flags & !FLAG_TOMBSTONE != 0 {
+    if flags & !KNOWN_FLAGS != 0 {
         // A flag this version does not know: not a record it can interpret.
         return Err(HeaderError::Invalid);
     }
-    Ok(Header { key, value_size: u64_at(block, 16), seq: u64_at(block, 24), data_crc: u32_at(block, 32), flags })
+    let value_crc = (flags & FLAG_VALUE_CRC != 0).then(|| u32_at(block, 36));
+    Ok(Header {
+        key,
+        value_size: u64_at(block, 16),
+        seq: u64_at(block, 24),
+        data_crc: u32_at(block, 32),
+        flags,
+        value_crc,
+    })
 }
 
 #[cfg(test)]
@@ -182,11 +222,19 @@ mod tests {
     fn header_round_trips_and_rejects_any_flipped_byte() {
         let key = "prefix-hash-0042";
         let mut block = vec![0u8; header_len(key.len()) as usize];
-        encode_header(&mut block, key, 12345, 7, 0xDEAD_BEEF);
+        encode_header(&mut block, key, 12345, 7, 0xDEAD_BEEF, Some(0x8a91_36aa));
         let h = decode_header(&block).expect("valid header");
-        assert_eq!(h, Header { key: key.into(), value_size: 12345, seq: 7, data_crc: 0xDEAD_BEEF, flags: 0 });
+        let want = Header {
+            key: key.into(),
+            value_size: 12345,
+            seq: 7,
+            data_crc: 0xDEAD_BEEF,
+            flags: FLAG_VALUE_CRC,
+            value_crc: Some(0x8a91_36aa),
+        };
+        assert_eq!(h, want);
         let mut tomb = vec![0u8; header_len(key.len()) as usize];
-        encode_header_flags(&mut tomb, key, 8, 9, 1, FLAG_TOMBSTONE);
+        encode_header_flags(&mut tomb, key, 8, 9, 1, FLAG_TOMBSTONE, 0);
         assert_eq!(decode_header(&tomb).map(|h| h.flags), Ok(FLAG_TOMBSTONE));
         assert_eq!(h.record_len(), Some(4096 + 16384));
         for i in 0..FIXED + key.len() {
@@ -203,7 +251,7 @@ mod tests {
         assert_eq!(header_len(4096 - FIXED + 1), 8192);
         let key = "k".repeat(5000);
         let mut block = vec![0u8; header_len(key.len()) as usize];
-        encode_header(&mut block, &key, 1, 1, 0);
+        encode_header(&mut block, &key, 1, 1, 0, None);
         assert_eq!(decode_header(&block[..4096]), Err(HeaderError::Short { needed: 8192 }));
         assert_eq!(decode_header(&block).map(|h| h.key), Ok(key));
     }
@@ -214,14 +262,14 @@ mod tests {
         let hl = header_len(key.len()) as usize;
         let mut buf = vec![0u8; hl + 4096];
         for size in [u64::MAX, u64::MAX - 4095, 1 << 62, 8193] {
-            encode_header(&mut buf[..hl], key, size, 1, 0);
+            encode_header(&mut buf[..hl], key, size, 1, 0, None);
             let h = decode_header(&buf).expect("the header itself is valid");
             assert_eq!(h.record_len().is_none(), size > u64::MAX - 8192, "{size}: overflow detected");
             assert!(verify_record(&buf).is_none(), "{size}: a record longer than the buffer");
         }
         let value = [7u8; 100];
         buf[hl..hl + 100].copy_from_slice(&value);
-        encode_header(&mut buf[..hl], key, 100, 1, data_crc(key.as_bytes(), &value));
+        encode_header(&mut buf[..hl], key, 100, 1, data_crc(key.as_bytes(), &value), None);
         assert_eq!(verify_record(&buf).map(|(h, v)| (h.value_size, v.len())), Some((100, 100)));
     }
 
@@ -232,8 +280,73 @@ mod tests {
         for size in [0u64, 3, 8, 9, 4096] {
             let mut buf = vec![0u8; hl + 4096];
             let crc = data_crc(key.as_bytes(), &buf[hl..hl + size as usize]);
-            encode_header_flags(&mut buf[..hl], key, size, 1, crc, FLAG_TOMBSTONE);
+            encode_header_flags(&mut buf[..hl], key, size, 1, crc, FLAG_TOMBSTONE, 0);
             assert_eq!(verify_record(&buf).is_some(), size == 8, "a tombstone of {size} bytes");
+        }
+    }
+
+    /// The writer's checksum lives in the header's last fixed field, behind its flag: encoded with
+    /// one, it decodes back; without, the header reads as having none.
+    #[test]
+    fn the_writers_checksum_round_trips_behind_its_flag() {
+        let key = "k";
+        let mut block = vec![0u8; header_len(key.len()) as usize];
+        for crc in [0, 1, 0x8a91_36aa, u32::MAX] {
+            encode_header(&mut block, key, 100, 3, 5, Some(crc));
+            assert_eq!(&block[36..40], &crc.to_le_bytes(), "stored in the reserved field");
+            let h = decode_header(&block).expect("a header with FLAG_VALUE_CRC is valid");
+            assert_eq!((h.flags, h.value_crc), (FLAG_VALUE_CRC, Some(crc)));
+            assert!(h.well_formed(), "the new flag is well formed");
+        }
+        encode_header(&mut block, key, 100, 3, 5, None);
+        assert_eq!((decode_header(&block).map(|h| (h.flags, h.value_crc))), Ok((0, None)));
+        // A field written without its flag means nothing (a record from before the flag existed
+        // has zero there; any other value is ignored the same way).
+        encode_header_flags(&mut block, key, 100, 3, 5, 0, 0x1234_5678);
+        assert_eq!(decode_header(&block).map(|h| h.value_crc), Ok(None));
+        // A whole record with a checksum verifies as before (the drive's CRC is another one).
+        let hl = header_len(key.len()) as usize;
+        let mut buf = vec![0u8; hl + 4096];
+        buf[hl..hl + 100].fill(7);
+        encode_header(&mut buf[..hl], key, 100, 3, data_crc(key.as_bytes(), &[7u8; 100]), Some(9));
+        assert_eq!(verify_record(&buf).map(|(h, v)| (h.value_crc, v.len())), Some((Some(9), 100)));
+    }
+
+    /// A bit this version does not know still makes a header invalid, beside the known ones.
+    #[test]
+    fn an_unknown_flag_is_still_invalid() {
+        let key = "k";
+        let mut block = vec![0u8; header_len(key.len()) as usize];
+        for known in [0, FLAG_TOMBSTONE, FLAG_VALUE_CRC, KNOWN_FLAGS] {
+            encode_header_flags(&mut block, key, 8, 1, 0, known, 0);
+            assert!(decode_header(&block).is_ok(), "flags {known:#x} are known");
+            for bit in (0..16).map(|b| 1u16 << b).filter(|b| b & KNOWN_FLAGS == 0) {
+                encode_header_flags(&mut block, key, 8, 1, 0, known | bit, 0);
+                assert_eq!(decode_header(&block), Err(HeaderError::Invalid), "flags {:#x}", known | bit);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Any header the encoder writes decodes to exactly what it was given.
+        #[test]
+        fn headers_round_trip(
+            key in "[a-z0-9/-]{1,80}",
+            value_size in 0u64..(1 << 40),
+            seq: u64,
+            data_crc: u32,
+            value_crc: Option<u32>,
+            tombstone: bool,
+        ) {
+            let mut block = vec![0u8; header_len(key.len()) as usize];
+            let flags = if tombstone { FLAG_TOMBSTONE } else { 0 } | value_crc.map_or(0, |_| FLAG_VALUE_CRC);
+            if tombstone {
+                encode_header_flags(&mut block, &key, value_size, seq, data_crc, flags, value_crc.unwrap_or(0));
+            } else {
+                encode_header(&mut block, &key, value_size, seq, data_crc, value_crc);
+            }
+            let h = decode_header(&block).expect("an encoded header decodes");
+            proptest::prop_assert_eq!(h, Header { key, value_size, seq, data_crc, flags, value_crc });
         }
     }
 

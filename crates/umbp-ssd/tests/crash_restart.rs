@@ -9,6 +9,9 @@
 //! - `a_sigkilled_writer_loses_no_acknowledged_value`: a child process (this test binary, re-run)
 //!   writes values one after another and reports each acknowledged commit; it is SIGKILLed in the
 //!   middle of its writes, and every value it reported comes back.
+//!
+//! Every other value is committed with the writer's CRC-32C of it, and every value comes back with
+//! the checksum it was committed with (none for the rest).
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -76,12 +79,22 @@ fn len_of(i: u64) -> usize {
     1 + (i as usize * 1777) % (2 * PAGE as usize - 1)
 }
 
+/// The writer's checksum value `i` is committed with: its CRC-32C for even `i`, none for odd.
+fn crc_of(i: u64) -> Option<u32> {
+    i.is_multiple_of(2).then(|| crc32c::crc32c(&value(i, len_of(i))))
+}
+
+/// Puts value `i` under `key`, with its checksum (see [`crc_of`]).
+fn put_value(b: &SsdBackend, key: &str, i: u64) {
+    put(b, key, &value(i, len_of(i)), crc_of(i));
+}
+
 fn arena(b: &SsdBackend) -> *mut u8 {
     let r = b.buffer_ref(0).expect("a live backend publishes its arena");
     r.local_region().expect("a local region").ptr().as_ptr()
 }
 
-fn put(b: &SsdBackend, key: &str, bytes: &[u8]) {
+fn put(b: &SsdBackend, key: &str, bytes: &[u8], crc32c: Option<u32>) {
     let a = b.batch_allocate(&[AllocateRequest::new(key, bytes.len() as u64)]).remove(0);
     assert_eq!(a.outcome, AllocateOutcome::Allocated, "allocate {key}");
     for (chunk, page) in bytes.chunks(PAGE as usize).zip(&a.pages) {
@@ -94,10 +107,12 @@ fn put(b: &SsdBackend, key: &str, bytes: &[u8]) {
             )
         };
     }
-    assert!(b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].success, "commit {key}");
+    let commit = CommitRequest::new(a.slot_id, key).with_crc32c(crc32c);
+    assert!(b.batch_commit(&[commit])[0].success, "commit {key}");
 }
 
-fn get(b: &SsdBackend, key: &str) -> Option<Vec<u8>> {
+/// `key`'s bytes and the writer's checksum it came back with.
+fn get(b: &SsdBackend, key: &str) -> Option<(Vec<u8>, Option<u32>)> {
     let r = b.batch_resolve(&[key.to_owned()], false).remove(0);
     if !r.found {
         return None;
@@ -112,18 +127,19 @@ fn get(b: &SsdBackend, key: &str) -> Option<Vec<u8>> {
         });
         left -= n;
     }
-    Some(out)
+    Some((out, r.crc32c))
 }
 
-/// Reads `key` back and checks it against value `i`, letting the read's lease go first if the
-/// staging pages are all leased.
+/// Reads `key` back and checks it against value `i` and its checksum, letting the read's lease go
+/// first if the staging pages are all leased.
 fn check(b: &SsdBackend, key: &str, i: u64, what: &str) {
     let want = value(i, len_of(i));
     let start = Instant::now();
     loop {
         match get(b, key) {
-            Some(got) => {
+            Some((got, crc)) => {
                 assert!(got == want, "{what}: {key} came back with other bytes");
+                assert_eq!(crc, crc_of(i), "{what}: {key} came back with another checksum");
                 return;
             }
             None if b.stats().staging_full_rejects > 0 && start.elapsed() < Duration::from_secs(10) => {
@@ -142,7 +158,7 @@ fn a_forgotten_backend_leaves_every_committed_value_recoverable() {
         let b = live(config(dir.path(), engine));
         let n = 60u64;
         for i in 0..n {
-            put(&b, &format!("key-{i}"), &value(i, len_of(i)));
+            put_value(&b, &format!("key-{i}"), i);
         }
         // Killed: no shutdown, no final sync, no flush. The reaper thread keeps running (it ends
         // with the test process) and the directory's lock stays held, as it would by a hung node.
@@ -174,7 +190,7 @@ fn crash_child_writer() {
     let b = live(config(Path::new(&dir), engine));
     let start = Instant::now();
     for i in 0.. {
-        put(&b, &format!("key-{i}"), &value(i, len_of(i)));
+        put_value(&b, &format!("key-{i}"), i);
         println!("ACK {i}");
         // Keep going until killed (the parent kills after enough acknowledgements); never outlive
         // a parent that died first, and never shut down cleanly.

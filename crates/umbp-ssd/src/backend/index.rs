@@ -29,6 +29,9 @@ pub(super) struct Tomb {
 pub(super) struct Owned {
     pub(super) loc: Loc,
     pub(super) size: u64,
+    /// The writer's CRC-32C of the value (`CommitRequest::crc32c`), also in the record's header:
+    /// handed back on every resolve, never checked here.
+    pub(super) crc32c: Option<u32>,
 }
 
 impl Owned {

@@ -21,6 +21,8 @@ pub(super) struct Job {
     pub(super) loc: Loc,
     pub(super) header: AlignedBuf,
     pub(super) generation: u64,
+    /// The writer's CRC-32C of the value: a write puts it in the header, a read expects it there.
+    pub(super) crc32c: Option<u32>,
     pub(super) flight: Option<Arc<Flight>>,
     pub(super) outcome: JobOutcome,
     /// Another caller's write to the same segment was in flight when this one was reserved.
@@ -210,6 +212,7 @@ impl Inner {
                         if h.key == job.key
                             && h.value_size == job.size
                             && h.seq == job.loc.seq
+                            && h.value_crc == job.crc32c
                             && crc == h.data_crc =>
                     {
                         JobOutcome::Ok
@@ -357,7 +360,7 @@ impl Inner {
                 for &j in &which {
                     let job = &mut jobs[j];
                     let crc = self.crc_of(published, &job.key, &job.pages, job.size);
-                    record::encode_header(job.header.as_mut_slice(), &job.key, job.size, job.loc.seq, crc);
+                    record::encode_header(job.header.as_mut_slice(), &job.key, job.size, job.loc.seq, crc, job.crc32c);
                 }
             };
             engine.submit_split(&mut ops, split, &mut checksum);
@@ -398,7 +401,7 @@ impl Inner {
     pub(super) fn encode_headers(&self, published: &Published, jobs: &mut [Job]) {
         for job in jobs {
             let crc = self.crc_of(published, &job.key, &job.pages, job.size);
-            record::encode_header(job.header.as_mut_slice(), &job.key, job.size, job.loc.seq, crc);
+            record::encode_header(job.header.as_mut_slice(), &job.key, job.size, job.loc.seq, crc, job.crc32c);
         }
     }
 

@@ -217,20 +217,15 @@ impl Inner {
         self.counters.staging_in_use.store(state.staging_in_use(), Ordering::Relaxed);
     }
 
-    pub(super) fn entry(
-        &self,
-        published: Option<&Published>,
-        pages: Vec<PageLocation>,
-        size: u64,
-        lease: u64,
-    ) -> ResolvedEntry {
+    pub(super) fn entry(&self, published: Option<&Published>, hit: state::Hit) -> ResolvedEntry {
         ResolvedEntry {
             found: true,
-            pages,
-            size,
+            pages: hit.pages,
+            size: hit.size,
             page_size: self.config.page_size,
             descs: published.map(|p| vec![p.desc.clone()]).unwrap_or_default(),
-            lease,
+            lease: hit.lease,
+            crc32c: hit.crc32c,
             ..ResolvedEntry::default()
         }
     }

@@ -113,9 +113,9 @@ impl SsdBackend {
             let mut state = inner.state.lock();
             let generation = state.generation();
             for key in keys {
-                if let Some((pages, size, lease)) = state.hold_staged(key, now, lease_until) {
+                if let Some(hit) = state.hold_staged(key, now, lease_until) {
                     bump(&inner.counters.staged_hit);
-                    plans.push(Plan::Done(inner.entry(descs, pages, size, lease)));
+                    plans.push(Plan::Done(inner.entry(descs, hit)));
                     continue;
                 }
                 if config.single_flight
@@ -166,6 +166,7 @@ impl SsdBackend {
                     loc: owned.loc,
                     header,
                     generation,
+                    crc32c: owned.crc32c,
                     flight,
                     outcome: JobOutcome::IoError,
                     shared: false,
@@ -183,10 +184,16 @@ impl SsdBackend {
         {
             let mut state = inner.state.lock();
             for job in jobs {
-                let slot = JobSlot { pages: job.pages, size: job.size, loc: job.loc, generation: job.generation };
+                let slot = JobSlot {
+                    pages: job.pages,
+                    size: job.size,
+                    loc: job.loc,
+                    generation: job.generation,
+                    crc32c: job.crc32c,
+                };
                 let filled = state.finish_read(&job.key, job.flight.as_ref(), slot, job.outcome, now, lease_until);
                 let entry = match filled {
-                    Filled::Hit(pages, size, lease) => inner.entry(descs, pages, size, lease),
+                    Filled::Hit(hit) => inner.entry(descs, hit),
                     Filled::Miss => ResolvedEntry::miss(),
                 };
                 if let Some(f) = job.flight {

@@ -54,12 +54,13 @@ pub(super) fn lock_dir(dir: &std::path::Path) -> Result<fs::File, BackendError> 
     }
 }
 
-/// One valid record found by a scan (`horizon`: a tombstone's).
+/// One valid record found by a scan (`horizon`: a tombstone's; `crc32c`: the writer's checksum).
 pub(super) struct Found {
     key: String,
     size: u64,
     loc: Loc,
     horizon: Option<u64>,
+    crc32c: Option<u32>,
 }
 
 /// Bytes available to unprivileged users on the filesystem holding `dir` (`statvfs`).
@@ -160,7 +161,7 @@ impl SsdBackend {
         let mut seen: foldhash::HashSet<String> = foldhash::HashSet::default();
         let mut used = 0u64;
         let max_value = config.max_value_pages * config.page_size;
-        for Found { key, size, loc, horizon } in records {
+        for Found { key, size, loc, horizon, crc32c } in records {
             // Newest first: only the newest record of a key decides, a tombstone as much as a value.
             if !seen.insert(key.clone()) {
                 continue;
@@ -180,7 +181,7 @@ impl SsdBackend {
             }
             used += bytes;
             log.add_live(&loc);
-            owned.insert(key, Owned { loc, size });
+            owned.insert(key, Owned { loc, size, crc32c });
         }
         let mut owned: Vec<(String, Owned)> = owned.into_iter().collect();
         // Oldest first, so the LRU starts in write order.
@@ -278,7 +279,8 @@ impl SsdBackend {
                     h.copy_from_slice(&body[..8]);
                     u64::from_le_bytes(h)
                 });
-                out.push(Found { key: header.key, size: header.value_size, loc, horizon });
+                let crc32c = header.value_crc;
+                out.push(Found { key: header.key, size: header.value_size, loc, horizon, crc32c });
             } else {
                 bump(&c.recovery_corrupt);
                 tracing::warn!(segment = %seg.path.display(), offset, key = %header.key, "record fails its CRC; skipped");

@@ -80,6 +80,21 @@ pub(super) struct JobSlot {
     pub(super) loc: Loc,
     /// The clear generation when the job was taken.
     pub(super) generation: u64,
+    /// The writer's CRC-32C of the value (a commit's, or the owned record's for a read).
+    pub(super) crc32c: Option<u32>,
+}
+
+/// A leased copy of a value for a reader.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Hit {
+    /// The staging pages the copy lies in.
+    pub(super) pages: Vec<PageLocation>,
+    /// The value's size in bytes.
+    pub(super) size: u64,
+    /// The reader's lease on the copy.
+    pub(super) lease: u64,
+    /// The writer's CRC-32C of the value, if it committed one.
+    pub(super) crc32c: Option<u32>,
 }
 
 /// How a commit's record ended, once its write is back (see [`State::finish_commit`]).
@@ -98,8 +113,8 @@ pub(super) enum Landed {
 
 /// What a resolve's drive read leaves behind (see [`State::finish_fill`]).
 pub(super) enum Filled {
-    /// The value, leased to the reader: pages, size, lease.
-    Hit(Vec<PageLocation>, u64, u64),
+    /// The value, leased to the reader.
+    Hit(Hit),
     /// Nothing to serve.
     Miss,
 }
@@ -399,7 +414,7 @@ impl State {
     /// The record of a commit came back from the drive (`ok`: it landed at `loc`): publishes the
     /// key, or releases the slot. `cache`: keep the staging pages as a clean cached copy.
     pub(super) fn finish_commit(&mut self, key: &str, job: JobSlot, ok: bool, cache: bool) -> Landed {
-        let JobSlot { pages, size, loc, generation } = job;
+        let JobSlot { pages, size, loc, generation, crc32c } = job;
         self.log.finish_write(loc.seg);
         if !ok {
             self.abandon_commit(&pages, size);
@@ -430,7 +445,7 @@ impl State {
             self.log.kill(&t.loc);
         }
         self.tomb_pending.retain(|(k, _, _)| k != key);
-        let owned = Owned { loc, size };
+        let owned = Owned { loc, size, crc32c };
         self.overhead += owned.overhead(self.page_size);
         self.owned.insert(key.to_owned(), owned);
         self.lru.touch(key);
@@ -550,16 +565,13 @@ impl State {
 
     // ---- reads -----------------------------------------------------------------------------
 
-    /// Leases `key`'s cached copy (if any) until `until` and marks it used: pages, size, lease.
-    pub(super) fn hold_staged(
-        &mut self,
-        key: &str,
-        now: Instant,
-        until: Instant,
-    ) -> Option<(Vec<PageLocation>, u64, u64)> {
+    /// Leases `key`'s cached copy (if any) until `until` and marks it used.
+    pub(super) fn hold_staged(&mut self, key: &str, now: Instant, until: Instant) -> Option<Hit> {
         let s = self.staged.get_mut(key)?;
         let lease = s.hold(now, until, &mut self.lease_ids);
-        let hit = (s.pages.clone(), s.size, lease);
+        // A cached copy is of an owned key (dropping the key drops or defers the copy).
+        let crc32c = self.owned.get(key).and_then(|o| o.crc32c);
+        let hit = Hit { pages: s.pages.clone(), size: s.size, lease, crc32c };
         self.staged.touch(key);
         self.lru.touch(key);
         Some(hit)
@@ -604,7 +616,7 @@ impl State {
         now: Instant,
         until: Instant,
     ) -> Filled {
-        let JobSlot { pages, size, loc, generation } = job;
+        let JobSlot { pages, size, loc, generation, crc32c } = job;
         if let Some(n) = self.reading.get_mut(key) {
             *n -= 1;
             if *n == 0 {
@@ -622,13 +634,14 @@ impl State {
                 if let Some(hit) = self.hold_staged(key, now, until) {
                     // Another fill of the key landed first (single flight off): share it.
                     self.free(&pages);
-                    Filled::Hit(hit.0, hit.1, hit.2)
+                    Filled::Hit(hit)
                 } else {
                     self.lru.touch(key);
                     let mut staged = Staged::clean(pages.clone(), size);
                     let lease = staged.hold(now, until, &mut self.lease_ids);
                     self.staged.insert(key.to_owned(), staged);
-                    Filled::Hit(pages, size, lease)
+                    // `current`: the record read is the owned one, so is its checksum.
+                    Filled::Hit(Hit { pages, size, lease, crc32c })
                 }
             }
             JobOutcome::Corrupt if current => {

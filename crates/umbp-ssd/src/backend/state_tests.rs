@@ -1,7 +1,7 @@
 //! Property test of [`State`]'s byte accounting: arbitrary sequences of its methods, driven as the
 //! backend drives them (allocate, commit in two phases, abort, evict, read in two phases, release,
 //! expire, clear, tombstones, compaction), with every invariant of the `state` module checked
-//! after every step.
+//! after every step, and every hit carrying the checksum its owned record was committed with.
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,7 @@ use umbp_page::PageBitmapAllocator;
 
 use super::io_jobs::JobOutcome;
 use super::read::Flight;
-use super::state::{Filled, JobSlot, State};
+use super::state::{Filled, Hit, JobSlot, State};
 use crate::record::record_len;
 use crate::store::{DirState, Loc, Log};
 use std::sync::Arc;
@@ -74,6 +74,7 @@ struct Read {
     size: u64,
     loc: Loc,
     generation: u64,
+    crc32c: Option<u32>,
     flight: Option<Arc<Flight>>,
 }
 
@@ -99,6 +100,18 @@ fn live_state() -> State {
 
 fn key(k: u8) -> String {
     format!("k{k}")
+}
+
+/// The writer's checksum the model commits a record of `seq` with: none for some, so a hit that
+/// kept a checksum it should not (or lost one) shows.
+fn crc_of_seq(seq: u64) -> Option<u32> {
+    (!seq.is_multiple_of(3)).then_some((seq as u32).wrapping_mul(0x9E37_79B9))
+}
+
+/// A hit of `key` must hand back the checksum its owned record was committed with.
+fn check_hit(state: &State, key: &str, hit: &Hit) {
+    let owned = state.owned(key).expect("a hit is of an owned key");
+    assert_eq!(hit.crc32c, crc_of_seq(owned.loc.seq), "the hit of {key} carries its record's checksum");
 }
 
 /// Runs `ops` against a live state, checking the invariants after each.
@@ -144,7 +157,8 @@ fn run(ops: &[Op]) {
             }
             Op::FinishCommit { commit, ok, cache } if !commits.is_empty() => {
                 let c = commits.swap_remove(commit % commits.len());
-                let slot = JobSlot { pages: c.pages, size: c.size, loc: c.loc, generation: c.generation };
+                let crc32c = crc_of_seq(c.loc.seq);
+                let slot = JobSlot { pages: c.pages, size: c.size, loc: c.loc, generation: c.generation, crc32c };
                 state.finish_commit(&c.key, slot, ok, cache);
                 state.end_writing(&c.key, &c.flight);
             }
@@ -157,25 +171,29 @@ fn run(ops: &[Op]) {
             Op::Read { key: k } => {
                 let k = key(k);
                 let until = now + Duration::from_millis(150);
-                if let Some((_, _, lease)) = state.hold_staged(&k, now, until) {
-                    leases.push(ReadRelease { key: k, lease });
+                if let Some(hit) = state.hold_staged(&k, now, until) {
+                    check_hit(&state, &k, &hit);
+                    leases.push(ReadRelease { key: k, lease: hit.lease });
                 } else if state.flight_of(&k).is_none()
                     && let Some(owned) = state.owned(&k)
                     && let Some(pages) = state.take_staging(owned.size.div_ceil(PAGE), now)
                 {
                     let flight = state.start_read(&k, true);
                     let generation = state.generation();
-                    reads.push(Read { key: k, pages, size: owned.size, loc: owned.loc, generation, flight });
+                    let (size, loc, crc32c) = (owned.size, owned.loc, owned.crc32c);
+                    reads.push(Read { key: k, pages, size, loc, generation, crc32c, flight });
                 }
             }
             Op::FinishRead { read, outcome } if !reads.is_empty() => {
                 let r = reads.swap_remove(read % reads.len());
                 let outcome = [JobOutcome::Ok, JobOutcome::IoError, JobOutcome::Corrupt][outcome as usize];
                 let until = now + Duration::from_millis(150);
-                let slot = JobSlot { pages: r.pages, size: r.size, loc: r.loc, generation: r.generation };
+                let slot =
+                    JobSlot { pages: r.pages, size: r.size, loc: r.loc, generation: r.generation, crc32c: r.crc32c };
                 let filled = state.finish_read(&r.key, r.flight.as_ref(), slot, outcome, now, until);
-                if let Filled::Hit(_, _, lease) = filled {
-                    leases.push(ReadRelease { key: r.key, lease });
+                if let Filled::Hit(hit) = filled {
+                    check_hit(&state, &r.key, &hit);
+                    leases.push(ReadRelease { key: r.key, lease: hit.lease });
                 }
             }
             Op::Release { lease } if !leases.is_empty() => {

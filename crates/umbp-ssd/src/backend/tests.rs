@@ -5,7 +5,7 @@ use super::lifecycle::LOG_THREAD;
 use super::recover::segment_bytes_in;
 use super::write::shared_with_others;
 use super::*;
-use umbp_core::{Clock, ManualClock};
+use umbp_core::{Clock, ManualClock, ReadRelease};
 use umbp_testkit::LocalOnlyRegistrar;
 
 const PAGE: u64 = 4096;
@@ -35,11 +35,25 @@ fn page_ptr(b: &SsdBackend, page: &PageLocation) -> *mut u8 {
 }
 
 fn put(b: &SsdBackend, key: &str, fill: u8, len: usize) {
+    put_with(b, key, fill, len, None);
+}
+
+/// [`put`] with the writer's checksum `crc32c` (any number: the medium never checks it).
+fn put_with(b: &SsdBackend, key: &str, fill: u8, len: usize, crc32c: Option<u32>) {
     let a = b.batch_allocate(&[AllocateRequest::new(key, len as u64)]).remove(0);
     assert_eq!(a.outcome, AllocateOutcome::Allocated, "allocate {key}");
     // SAFETY: the page is the slot's, inside the arena, and `len` fits one page.
     unsafe { std::ptr::write_bytes(page_ptr(b, &a.pages[0]), fill, len) };
-    assert!(b.batch_commit(&[CommitRequest::new(a.slot_id, key)])[0].success, "commit {key}");
+    let commit = CommitRequest::new(a.slot_id, key).with_crc32c(crc32c);
+    assert!(b.batch_commit(&[commit])[0].success, "commit {key}");
+}
+
+/// `key`'s bytes and writer's checksum if it resolves (the read's lease is handed back).
+fn resolve_with_crc(b: &SsdBackend, key: &str) -> Option<(Vec<u8>, Option<u32>)> {
+    let e = b.batch_resolve(&[key.to_owned()], false).remove(0);
+    let got = e.found.then(|| (read(b, &e), e.crc32c));
+    b.release_reads(&[ReadRelease::new(key, e.lease)]);
+    got
 }
 
 fn read(b: &SsdBackend, e: &ResolvedEntry) -> Vec<u8> {
@@ -145,12 +159,61 @@ fn backend_uninit(dir: &std::path::Path, clock: &Arc<ManualClock>) -> SsdBackend
 }
 
 fn record_bytes(key: &str, value: &[u8], seq: u64, flags: u16) -> Vec<u8> {
+    record_bytes_crc(key, value, seq, flags, 0)
+}
+
+/// A record as the encoder writes it, with the header's `value_crc` field as given.
+fn record_bytes_crc(key: &str, value: &[u8], seq: u64, flags: u16, value_crc: u32) -> Vec<u8> {
     let hl = header_len(key.len()) as usize;
     let mut buf = vec![0u8; hl + record::align_up(value.len() as u64) as usize];
     buf[hl..hl + value.len()].copy_from_slice(value);
     let crc = record::data_crc(key.as_bytes(), value);
-    record::encode_header_flags(&mut buf[..hl], key, value.len() as u64, seq, crc, flags);
+    record::encode_header_flags(&mut buf[..hl], key, value.len() as u64, seq, crc, flags, value_crc);
     buf
+}
+
+/// The writer's checksum travels with the value: a cached copy, a drive read and a restart (the
+/// record's header) all hand it back, and a value committed without one has none.
+#[test]
+fn the_writers_checksum_comes_back_from_the_drive_and_after_a_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = ManualClock::new();
+    let b = Arc::new(backend(dir.path(), &clock, 8));
+    put_with(&b, "with", 0xAA, 3000, Some(0x8a91_36aa));
+    put_with(&b, "without", 0xBB, 100, None);
+    let want = |b: &SsdBackend, what: &str| {
+        assert_eq!(resolve_with_crc(b, "with"), Some((vec![0xAA; 3000], Some(0x8a91_36aa))), "{what}");
+        assert_eq!(resolve_with_crc(b, "without"), Some((vec![0xBB; 100], None)), "{what}");
+    };
+    want(&b, "cached copies");
+    assert_eq!(b.stats().device_reads, 0, "served from the copies the commits left");
+    b.drop_cached_copies();
+    want(&b, "drive reads");
+    assert_eq!(b.stats().device_reads, 2, "both read from the drive");
+    let b = restarted(b, dir.path(), &clock);
+    want(&b, "after a restart");
+    assert_eq!(b.stats().device_reads, 2, "both read from the drive after the restart");
+    want(&b, "cached copies after a restart");
+}
+
+/// A record written before the checksum flag existed (flags 0, the field zero) recovers with no
+/// checksum; beside it, one with the flag recovers with its own.
+#[test]
+fn a_record_without_the_checksum_flag_recovers_without_a_checksum() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut seg = record_bytes("old", &[1u8; 100], 1, 0);
+    seg.extend(record_bytes_crc("new", &[2u8; 200], 2, record::FLAG_VALUE_CRC, 0x0bad_cafe));
+    // Without the flag the field means nothing, whatever it holds.
+    seg.extend(record_bytes_crc("stray", &[3u8; 300], 3, 0, 0x0bad_cafe));
+    seg.resize(seg.len() + 8192, 0);
+    fs::write(dir.path().join(SegmentFile::segment_name(0)), &seg).expect("write segment");
+    let clock = ManualClock::new();
+    let b = backend(dir.path(), &clock, 4);
+    assert_eq!(b.owned_key_count(), 3, "{:?}", b.stats());
+    assert_eq!(resolve_with_crc(&b, "old"), Some((vec![1u8; 100], None)));
+    assert_eq!(resolve_with_crc(&b, "new"), Some((vec![2u8; 200], Some(0x0bad_cafe))));
+    assert_eq!(resolve_with_crc(&b, "stray"), Some((vec![3u8; 300], None)));
+    assert_eq!(b.stats().corrupt_reads, 0, "the index and the headers agree");
 }
 
 /// Hand-made segment: a value, a CRC-valid tombstone of 3 bytes (malformed: skipped, the scan
@@ -162,7 +225,7 @@ fn recovery_rejects_malformed_tombstones_and_absurd_sizes() {
     seg.extend(record_bytes("t", &[9u8; 3], 2, record::FLAG_TOMBSTONE));
     seg.extend(record_bytes("b", &[2u8; 200], 3, 0));
     let mut absurd = vec![0u8; header_len(1) as usize];
-    record::encode_header(&mut absurd, "z", u64::MAX - 1, 4, 0);
+    record::encode_header(&mut absurd, "z", u64::MAX - 1, 4, 0, None);
     seg.extend(absurd);
     seg.resize(seg.len() + 8192, 0);
     fs::write(dir.path().join(SegmentFile::segment_name(0)), &seg).expect("write segment");

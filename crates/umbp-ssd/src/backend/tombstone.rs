@@ -44,7 +44,7 @@ impl Inner {
             let value = horizon.to_le_bytes();
             buf.as_mut_slice()[hl..hl + 8].copy_from_slice(&value);
             let crc = record::data_crc(key.as_bytes(), &value);
-            record::encode_header_flags(&mut buf.as_mut_slice()[..hl], key, 8, *seq, crc, record::FLAG_TOMBSTONE);
+            record::encode_header_flags(&mut buf.as_mut_slice()[..hl], key, 8, *seq, crc, record::FLAG_TOMBSTONE, 0);
             match res.file.file() {
                 Ok(f) => {
                     let (ptr, len) = (buf.as_mut_ptr(), buf.len());

@@ -192,6 +192,7 @@ impl Inner {
                 loc: res.loc,
                 header,
                 generation,
+                crc32c: req.crc32c,
                 flight: None,
                 outcome: JobOutcome::IoError,
                 shared,
@@ -211,7 +212,13 @@ impl Inner {
         let mut written = Vec::new();
         for job in batch.jobs {
             let ok = job.outcome == JobOutcome::Ok;
-            let slot = JobSlot { pages: job.pages, size: job.size, loc: job.loc, generation: job.generation };
+            let slot = JobSlot {
+                pages: job.pages,
+                size: job.size,
+                loc: job.loc,
+                generation: job.generation,
+                crc32c: job.crc32c,
+            };
             match state.finish_commit(&job.key, slot, ok, cache) {
                 Landed::Failed | Landed::Cleared => {}
                 Landed::Superseded(bytes) => {
