@@ -185,6 +185,8 @@ pub struct Proxy {
     pub port: u16,
     pub fail: Arc<AtomicUsize>,
     pub stall: Arc<AtomicBool>,
+    /// Requests read whole (answered or not yet).
+    pub received: Arc<AtomicU64>,
     /// Requests answered 503.
     pub failed: Arc<AtomicU64>,
     /// Requests forwarded upstream.
@@ -201,20 +203,22 @@ impl Proxy {
             port,
             fail: Arc::new(AtomicUsize::new(0)),
             stall: Arc::new(AtomicBool::new(false)),
+            received: Arc::new(AtomicU64::new(0)),
             failed: Arc::new(AtomicU64::new(0)),
             forwarded: Arc::new(AtomicU64::new(0)),
             stop: Arc::new(AtomicBool::new(false)),
         };
-        let (fail, stall, failed, forwarded, stop) =
-            (p.fail.clone(), p.stall.clone(), p.failed.clone(), p.forwarded.clone(), p.stop.clone());
+        let counters =
+            Counters { received: p.received.clone(), failed: p.failed.clone(), forwarded: p.forwarded.clone() };
+        let (fail, stall, stop) = (p.fail.clone(), p.stall.clone(), p.stop.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((client, _)) => {
-                        let (fail, stall, failed, forwarded, stop) =
-                            (fail.clone(), stall.clone(), failed.clone(), forwarded.clone(), stop.clone());
+                        let (fail, stall, stop, counters) =
+                            (fail.clone(), stall.clone(), stop.clone(), counters.clone());
                         std::thread::spawn(move || {
-                            let _ = serve(client, upstream, &fail, &stall, &failed, &forwarded, &stop);
+                            let _ = serve(client, upstream, &fail, &stall, &counters, &stop);
                         });
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(2)),
@@ -236,13 +240,20 @@ impl Drop for Proxy {
     }
 }
 
+/// The proxy's counters, shared with its connection threads.
+#[derive(Clone)]
+struct Counters {
+    received: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    forwarded: Arc<AtomicU64>,
+}
+
 fn serve(
     mut client: TcpStream,
     upstream: u16,
     fail: &AtomicUsize,
     stall: &AtomicBool,
-    failed: &AtomicU64,
-    forwarded: &AtomicU64,
+    counters: &Counters,
     stop: &AtomicBool,
 ) -> std::io::Result<()> {
     client.set_nonblocking(false)?;
@@ -272,12 +283,13 @@ fn serve(
         }
         buf.extend_from_slice(&chunk[..n]);
     }
+    counters.received.fetch_add(1, Ordering::SeqCst);
     let deadline = Instant::now() + Duration::from_secs(60);
     while stall.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
     if fail.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
-        failed.fetch_add(1, Ordering::SeqCst);
+        counters.failed.fetch_add(1, Ordering::SeqCst);
         let body = "<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>";
         let r = format!(
             "HTTP/1.1 503 Service Unavailable\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -286,7 +298,7 @@ fn serve(
         client.write_all(r.as_bytes())?;
         return client.shutdown(Shutdown::Both);
     }
-    forwarded.fetch_add(1, Ordering::SeqCst);
+    counters.forwarded.fetch_add(1, Ordering::SeqCst);
     // One request per connection: ask upstream to close after answering.
     let mut new_head: String = head
         .split("\r\n")
