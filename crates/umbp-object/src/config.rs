@@ -174,7 +174,7 @@ impl ObjectConfigError {
 #[serde(default, deny_unknown_fields)]
 pub struct ObjectSettings {
     /// `s3://bucket/prefix` or `file:///dir`. Required.
-    pub url: String,
+    pub url: Option<String>,
     /// The S3 endpoint, `http://host:port` (path-style requests). Default: `AWS_ENDPOINT_URL_S3`,
     /// else `AWS_ENDPOINT_URL`.
     pub endpoint: Option<String>,
@@ -206,7 +206,7 @@ pub struct ObjectSettings {
 impl Default for ObjectSettings {
     fn default() -> Self {
         Self {
-            url: String::new(),
+            url: None,
             endpoint: None,
             capacity_bytes: 32 << 30,
             staging_pages: 128,
@@ -225,7 +225,7 @@ impl ObjectSettings {
     /// A builder with pages of `page_size` and these settings (credentials and region from the
     /// environment; every other setting at its default).
     pub fn builder(&self, page_size: u64) -> ObjectConfigBuilder {
-        let mut b = ObjectConfig::builder(&self.url)
+        let mut b = ObjectConfig::builder(self.url.as_deref().unwrap_or_default())
             .page_size(page_size)
             .capacity_bytes(self.capacity_bytes)
             .staging_pages(self.staging_pages)
@@ -242,9 +242,23 @@ impl ObjectSettings {
         b
     }
 
-    /// Checks these settings with pages of `page_size`.
+    /// Checks these settings with pages of `page_size`, the environment's part included (an S3
+    /// URL needs an endpoint and credentials).
     pub fn validate(&self, page_size: u64) -> Result<(), ObjectConfigError> {
         self.builder(page_size).build().map(drop)
+    }
+
+    /// Checks what these settings say themselves (the URL, the endpoint's form, sizes, counts,
+    /// durations) with pages of `page_size`, leaving out what the environment supplies when the
+    /// medium starts (credentials, and an endpoint from `AWS_ENDPOINT_URL*`): a command line can
+    /// be checked on a machine that holds no credentials.
+    pub fn check(&self, page_size: u64) -> Result<(), ObjectConfigError> {
+        let placeholder = Credentials { key: "check".into(), secret: "check".into(), token: None };
+        let mut b = self.builder(page_size).credentials(placeholder);
+        if self.endpoint.is_none() {
+            b = b.endpoint("http://endpoint.from.environment");
+        }
+        b.build().map(drop)
     }
 }
 
@@ -571,7 +585,14 @@ mod tests {
         let s: ObjectSettings =
             serde_json::from_str(r#"{"url": "s3://bkt/p", "capacity_bytes": "1MiB", "op_timeout": "2s"}"#)
                 .expect("settings");
+        assert_eq!(s.url.as_deref(), Some("s3://bkt/p"));
         assert_eq!((s.capacity_bytes, s.op_timeout, s.staging_pages), (1 << 20, Duration::from_secs(2), 128));
         assert!(serde_json::from_str::<ObjectSettings>(r#"{"bogus": 1}"#).is_err(), "unknown fields are refused");
+        // `check` needs no credentials and no endpoint, and still refuses what is wrong in itself.
+        s.check(4096).expect("a valid s3 url");
+        let bad = ObjectSettings { staging_pages: 0, ..s.clone() };
+        assert!(bad.check(4096).is_err_and(|e| e.to_string().contains("staging_pages")));
+        let https = ObjectSettings { endpoint: Some("https://x".into()), ..s };
+        assert!(https.check(4096).is_err_and(|e| e.to_string().contains("only http://")));
     }
 }

@@ -50,7 +50,7 @@ CONFIGURATION
 
     [node]
     node_id = \"n1\"                      # required for `umbp node`
-    medium = \"dram\"                     # or \"ssd\", \"hbm\", \"cxl\", \"none\"
+    medium = \"dram\"                     # or \"ssd\", \"hbm\", \"cxl\", \"object\", \"none\"
     page_size = \"2MiB\"
     listen = \"127.0.0.1\"                # host of the peer service and the data server
     peer_port = 0                       # 0: any free port
@@ -90,6 +90,19 @@ CONFIGURATION
     [node.cxl]
     path = \"/dev/dax0.0\"              # a cxl node's device-DAX device or file (required for cxl)
     capacity_bytes = \"1GiB\"           # bytes of it a cxl node lends
+
+    [node.object]                       # credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION
+    url = \"s3://bucket/prefix\"        # an object node's store, or \"file:///dir\" (required for object)
+    endpoint = \"http://127.0.0.1:9000\" # the S3 endpoint, path-style (default: AWS_ENDPOINT_URL_S3)
+    capacity_bytes = \"32GiB\"          # bytes of the store an object node lends
+    staging_pages = 128                 # host staging pages (uploads and reads in flight)
+    max_value_pages = 1                 # largest value, in pages (at most staging_pages)
+    read_lease = \"3s\"                 # the read lease of a staged copy
+    io_threads = 16                     # requests to the store at once
+    op_timeout = \"10s\"                # how long a commit or read waits for the store
+    retries = 4                         # retries of a 5xx, 429 or lost connection, with backoff
+    create_bucket = false               # create a missing bucket at start
+    cache_committed = true              # keep a committed value's staging pages as a clean copy
 
     [node.master]                       # the node's client of the master
     heartbeat_rpc_timeout = \"3s\"
@@ -330,6 +343,8 @@ pub enum MediumKind {
     Ssd,
     /// CXL or persistent memory: a device-DAX device or a file, mapped.
     Cxl,
+    /// An S3-compatible object store (or a local directory), staged through host DRAM.
+    Object,
     /// No medium: the node only reads and writes the pool.
     None,
 }
@@ -342,6 +357,7 @@ impl MediumKind {
             Self::Hbm => "hbm",
             Self::Ssd => "ssd",
             Self::Cxl => "cxl",
+            Self::Object => "object",
             Self::None => "none",
         }
     }
@@ -456,6 +472,48 @@ pub struct NodeArgs {
     /// Bytes of the device or file a cxl node lends [env: UMBP_CXL_CAPACITY] [default: 1GiB]
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub cxl_capacity: Option<u64>,
+    /// The store an object node lends: s3://BUCKET/PREFIX or file:///DIR (required for object;
+    /// credentials from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)
+    /// [env: UMBP_OBJECT_URL] [default: none]
+    #[arg(long, value_name = "URL")]
+    pub object_url: Option<String>,
+    /// The S3 endpoint, http://HOST:PORT, path-style (else AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL)
+    /// [env: UMBP_OBJECT_ENDPOINT] [default: none]
+    #[arg(long, value_name = "URL")]
+    pub object_endpoint: Option<String>,
+    /// Bytes of the store an object node lends [env: UMBP_OBJECT_CAPACITY] [default: 32GiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub object_capacity: Option<u64>,
+    /// Host staging pages of an object node (uploads and reads in flight)
+    /// [env: UMBP_OBJECT_STAGING_PAGES] [default: 128]
+    #[arg(long, value_name = "N")]
+    pub object_staging_pages: Option<u64>,
+    /// The largest value an object node stores, in pages (at most --object-staging-pages)
+    /// [env: UMBP_OBJECT_MAX_VALUE_PAGES] [default: 1]
+    #[arg(long, value_name = "N")]
+    pub object_max_value_pages: Option<u64>,
+    /// The read lease of an object node's staged copy [env: UMBP_OBJECT_READ_LEASE] [default: 3s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub object_read_lease: Option<Duration>,
+    /// Requests an object node sends its store at once [env: UMBP_OBJECT_IO_THREADS] [default: 16]
+    #[arg(long, value_name = "N")]
+    pub object_io_threads: Option<usize>,
+    /// How long a commit or read of an object node waits for the store, retries included
+    /// [env: UMBP_OBJECT_OP_TIMEOUT] [default: 10s]
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub object_op_timeout: Option<Duration>,
+    /// Retries of a request the store failed transiently (5xx, 429, a lost connection)
+    /// [env: UMBP_OBJECT_RETRIES] [default: 4]
+    #[arg(long, value_name = "N")]
+    pub object_retries: Option<u32>,
+    /// Create the bucket at start when it does not exist [env: UMBP_OBJECT_CREATE_BUCKET]
+    /// [default: false]
+    #[arg(long, value_name = "BOOL")]
+    pub object_create_bucket: Option<bool>,
+    /// Keep a committed value's staging pages as a clean copy until they are needed, so a read of a
+    /// value just written downloads nothing [env: UMBP_OBJECT_CACHE_COMMITTED] [default: true]
+    #[arg(long, value_name = "BOOL")]
+    pub object_cache_committed: Option<bool>,
     /// Re-cache values fetched from other nodes: off, always, or a size cap
     /// [env: UMBP_RECACHE, UMBP_CACHE_REMOTE_FETCHES] [default: 16MiB]
     #[arg(long, value_name = "POLICY")]

@@ -311,6 +311,7 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
         }
         Medium::Hbm(h) => ("hbm", format!("{} device={}", format_size(h.capacity_bytes), h.device)),
         Medium::Cxl(c) => ("cxl", format_size(c.capacity_bytes)),
+        Medium::Object(o) => ("object", format_size(o.capacity_bytes)),
         _ => ("none", "0".to_owned()),
     };
     // An SSD node keeps one descriptor per log segment (about 16k for 4 TiB of 256 MiB segments) and

@@ -195,6 +195,16 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
                 .map_err(|e| PoolError::Config(format!("cxl medium: {e}")))?;
             (Some(Arc::from(backend)), false)
         }
+        #[cfg(feature = "object")]
+        Medium::Object(object) => {
+            let object_config = object
+                .builder(config.page_size)
+                .pending_ttl(config.pending_ttl)
+                .build()
+                .map_err(|e| PoolError::Config(format!("object medium: {e}")))?;
+            // Its calls wait on the store's requests.
+            (Some(Arc::from(umbp_object::make_object_backend(object_config))), true)
+        }
     };
     // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
     // endpoint is configured; otherwise nothing would read the counters).

@@ -32,6 +32,10 @@ pub enum Medium {
     /// a file (`umbp-cxl`).
     #[cfg(feature = "cxl")]
     Cxl(CxlConfig),
+    /// An S3-compatible object store (or a local directory) through a registered host staging
+    /// arena (`umbp-object`).
+    #[cfg(feature = "object")]
+    Object(umbp_object::ObjectSettings),
 }
 
 impl Medium {
@@ -71,6 +75,15 @@ impl Medium {
                 "medium=cxl capacity_bytes={} path={}",
                 c.capacity_bytes,
                 c.path.as_ref().map_or_else(|| "none".to_owned(), |p| p.display().to_string())
+            )),
+            #[cfg(feature = "object")]
+            Self::Object(o) => Some(format!(
+                "medium=object capacity_bytes={} url={} endpoint={} staging_pages={} io_threads={}",
+                o.capacity_bytes,
+                o.url.as_deref().unwrap_or("none"),
+                o.endpoint.as_deref().unwrap_or("env"),
+                o.staging_pages,
+                o.io_threads
             )),
         }
     }
@@ -116,6 +129,10 @@ pub use umbp_hbm::HbmConfig;
 /// Settings of a CXL medium: the CXL crate's own (path, capacity).
 #[cfg(feature = "cxl")]
 pub use umbp_cxl::CxlConfig;
+
+/// Settings of an object-store medium: the object crate's own.
+#[cfg(feature = "object")]
+pub use umbp_object::ObjectSettings;
 
 /// Settings of an SSD medium: the SSD crate's own [`umbp_ssd::SsdSettings`] (the rest of
 /// `umbp_ssd::SsdConfig` keeps its defaults). The old name, kept for call sites.

@@ -61,6 +61,8 @@ use compose::{Composed, compose};
 pub use config::CxlConfig;
 #[cfg(feature = "hbm")]
 pub use config::HbmConfig;
+#[cfg(feature = "object")]
+pub use config::ObjectSettings;
 pub use config::{DramConfig, Medium, PoolClientConfig, RecachePolicy, RuntimeSelection};
 #[cfg(feature = "ssd")]
 pub use config::{IoEngineKind, SsdConfig};

@@ -107,6 +107,17 @@ pub(crate) fn node(a: &NodeArgs, token: Option<&str>) -> Vec<FlagValue> {
     f.text("--hbm-runtime", a.hbm_runtime.as_deref());
     f.text("--cxl-path", a.cxl_path.as_ref().map(|p| p.display()));
     f.size("--cxl-capacity", a.cxl_capacity);
+    f.text("--object-url", a.object_url.as_deref());
+    f.text("--object-endpoint", a.object_endpoint.as_deref());
+    f.size("--object-capacity", a.object_capacity);
+    f.int("--object-staging-pages", a.object_staging_pages);
+    f.int("--object-max-value-pages", a.object_max_value_pages);
+    f.duration("--object-read-lease", a.object_read_lease);
+    f.int("--object-io-threads", a.object_io_threads);
+    f.duration("--object-op-timeout", a.object_op_timeout);
+    f.int("--object-retries", a.object_retries);
+    f.bool("--object-create-bucket", a.object_create_bucket);
+    f.bool("--object-cache-committed", a.object_cache_committed);
     if !a.ssd_dir.is_empty() {
         let dirs = a.ssd_dir.iter().map(|d| Value::String(d.display().to_string())).collect();
         f.0.push(("--ssd-dir", Value::Array(dirs)));

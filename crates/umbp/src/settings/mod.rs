@@ -189,6 +189,7 @@ pub fn resolve_node(
             }
             MediumKind::Hbm => "an hbm node lends --hbm-capacity of device memory",
             MediumKind::Cxl => "a cxl node lends --cxl-capacity of its --cxl-path",
+            MediumKind::Object => "an object node lends --object-capacity of its --object-url",
             _ => "a node with medium none lends nothing",
         };
         return Err(SettingsError::Invalid {
@@ -214,6 +215,7 @@ pub fn resolve_node(
         MediumKind::Ssd => Medium::Ssd(n.ssd),
         MediumKind::Hbm => Medium::Hbm(n.hbm),
         MediumKind::Cxl => Medium::Cxl(n.cxl),
+        MediumKind::Object => Medium::Object(n.object),
         MediumKind::None => Medium::None,
     };
     c.cluster_token = s.cluster_token.filter(|t| !t.is_empty());
@@ -279,6 +281,17 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
             });
         }
         Medium::Cxl(x) if x.capacity_bytes < c.page_size => return Err(smaller("cxl_capacity", x.capacity_bytes)),
+        Medium::Object(o) if o.url.as_ref().is_none_or(|u| u.is_empty()) => {
+            return Err(SettingsError::Missing {
+                what: "the object store",
+                how: "pass --object-url s3://BUCKET/PREFIX (or file:///DIR), set UMBP_OBJECT_URL, or set \
+                      node.object.url in the configuration file",
+            });
+        }
+        // The medium's own rules (URL, endpoint, sizes); credentials are read when it starts.
+        Medium::Object(o) => {
+            o.check(c.page_size).map_err(|e| SettingsError::Invalid { setting: "object", reason: e.to_string() })?;
+        }
         Medium::Ssd(s) => {
             if s.dirs.is_empty() {
                 return Err(SettingsError::Missing {
@@ -301,15 +314,16 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
 }
 
 impl MediumKind {
-    /// Reads a medium name (`dram`, `hbm`, `ssd`, `cxl`, `none`).
+    /// Reads a medium name (`dram`, `hbm`, `ssd`, `cxl`, `object`, `none`).
     pub fn from_name(name: &str) -> Result<Self, String> {
         match name.trim().to_ascii_lowercase().as_str() {
             "dram" => Ok(Self::Dram),
             "hbm" => Ok(Self::Hbm),
             "ssd" => Ok(Self::Ssd),
             "cxl" => Ok(Self::Cxl),
+            "object" => Ok(Self::Object),
             "none" => Ok(Self::None),
-            other => Err(format!("{other:?} is not a medium: expected dram, hbm, ssd, cxl or none")),
+            other => Err(format!("{other:?} is not a medium: expected dram, hbm, ssd, cxl, object or none")),
         }
     }
 }

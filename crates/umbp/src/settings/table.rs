@@ -182,6 +182,18 @@ pub(crate) const TABLE: &[Row] = &[
     // [node.cxl]: umbp_cxl::CxlConfig.
     row("node.cxl.path", Node, "--cxl-path", &[("UMBP_CXL_PATH", Text)], &[]),
     row("node.cxl.capacity_bytes", Node, "--cxl-capacity", &[("UMBP_CXL_CAPACITY", Text)], &[]),
+    // [node.object]: umbp_object::ObjectSettings.
+    row("node.object.url", Node, "--object-url", &[("UMBP_OBJECT_URL", Text)], &[]),
+    row("node.object.endpoint", Node, "--object-endpoint", &[("UMBP_OBJECT_ENDPOINT", Text)], &[]),
+    row("node.object.capacity_bytes", Node, "--object-capacity", &[("UMBP_OBJECT_CAPACITY", Text)], &[]),
+    row("node.object.staging_pages", Node, "--object-staging-pages", &[("UMBP_OBJECT_STAGING_PAGES", Int)], &[]),
+    row("node.object.max_value_pages", Node, "--object-max-value-pages", &[("UMBP_OBJECT_MAX_VALUE_PAGES", Int)], &[]),
+    row("node.object.read_lease", Node, "--object-read-lease", &[("UMBP_OBJECT_READ_LEASE", Text)], &[]),
+    row("node.object.io_threads", Node, "--object-io-threads", &[("UMBP_OBJECT_IO_THREADS", Int)], &[]),
+    row("node.object.op_timeout", Node, "--object-op-timeout", &[("UMBP_OBJECT_OP_TIMEOUT", Text)], &[]),
+    row("node.object.retries", Node, "--object-retries", &[("UMBP_OBJECT_RETRIES", Int)], &[]),
+    row("node.object.create_bucket", Node, "--object-create-bucket", &[("UMBP_OBJECT_CREATE_BUCKET", Bool)], &[]),
+    row("node.object.cache_committed", Node, "--object-cache-committed", &[("UMBP_OBJECT_CACHE_COMMITTED", Bool)], &[]),
     // [node.ssd]: umbp_ssd::SsdSettings.
     row("node.ssd.dirs", Node, "--ssd-dir", &[("UMBP_SSD_DIRS", List)], &["node.ssd_dirs"]),
     row("node.ssd.capacity_bytes", Node, "--ssd-capacity", &[("UMBP_SSD_CAPACITY", Text)], &["node.ssd_capacity"]),

@@ -30,6 +30,8 @@ fn default_tree_with_every_key() -> Vec<(String, Value)> {
     s.node.metrics_addr = Some(SocketAddr::from(([127, 0, 0, 1], 1)));
     s.node.dram.numa_node = Some(0);
     s.node.cxl.path = Some("/dev/dax0.0".into());
+    s.node.object.url = Some("s3://bucket/prefix".into());
+    s.node.object.endpoint = Some("http://127.0.0.1:9000".into());
     s.master.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 1)));
     s.master.metadata = Some("redis://127.0.0.1:1/0".into());
     let tree = Table::try_from(&s).expect("the settings serialize");

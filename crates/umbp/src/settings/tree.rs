@@ -9,6 +9,7 @@
 //! [node.dram]         # umbp_peer::pool_client::DramConfig
 //! [node.hbm]          # umbp_hbm::HbmConfig
 //! [node.cxl]          # umbp_cxl::CxlConfig
+//! [node.object]       # umbp_object::ObjectSettings
 //! [node.ssd]          # umbp_ssd::SsdSettings
 //! [node.master]       # umbp_peer::master_client::MasterClientConfig
 //! [client]
@@ -21,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use umbp_master::MasterConfig;
 use umbp_peer::master_client::MasterClientConfig;
 use umbp_peer::pool_client::{
-    CxlConfig, DramConfig, HbmConfig, PoolClientConfig, RecachePolicy, SsdConfig as SsdSettings,
+    CxlConfig, DramConfig, HbmConfig, ObjectSettings, PoolClientConfig, RecachePolicy, SsdConfig as SsdSettings,
 };
 
 use crate::cli::MediumKind;
@@ -118,6 +119,8 @@ pub struct NodeSettings {
     pub hbm: HbmConfig,
     /// `[node.cxl]`.
     pub cxl: CxlConfig,
+    /// `[node.object]`.
+    pub object: ObjectSettings,
     /// `[node.ssd]`.
     pub ssd: SsdSettings,
     /// `[node.master]`: the node's client of the master.
@@ -146,6 +149,7 @@ impl Default for NodeSettings {
             dram: DramConfig::default(),
             hbm: HbmConfig::default(),
             cxl: CxlConfig::default(),
+            object: ObjectSettings::default(),
             ssd: SsdSettings::default(),
             master: p.master,
         }
