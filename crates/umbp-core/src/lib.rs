@@ -57,6 +57,7 @@
 //! medium by `umbp_testkit::conformance`.
 
 mod backend;
+mod checksum;
 mod clock;
 mod error;
 mod metrics;
@@ -68,6 +69,7 @@ mod types;
 pub mod units;
 
 pub use backend::{AutoFlushHook, MediumBackend};
+pub use checksum::value_crc32c;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BackendError, ErrorKind, RegistrationError, RegistryError};
 pub use metrics::{MetricKind, MetricSample, MetricSource, names as metric_names};

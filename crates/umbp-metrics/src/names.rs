@@ -120,6 +120,13 @@ pub const CLIENT_REROUTES_TOTAL_HELP: &str = "Keys re-routed after a failed atte
 pub const CLIENT_LEASE_LAPSES_TOTAL: &str = "umbp_client_lease_lapses_total";
 /// Help text of [`CLIENT_LEASE_LAPSES_TOTAL`].
 pub const CLIENT_LEASE_LAPSES_TOTAL_HELP: &str = "Reads discarded because the copy outlived the read lease.";
+/// Counter of reads whose bytes did not match the checksum their writer put with them (a flipped
+/// bit in a holder's memory, on its drive or on the wire): each is discarded and read elsewhere or
+/// reported a miss, never returned.
+pub const CLIENT_CHECKSUM_FAILURES_TOTAL: &str = "umbp_client_checksum_failures_total";
+/// Help text of [`CLIENT_CHECKSUM_FAILURES_TOTAL`].
+pub const CLIENT_CHECKSUM_FAILURES_TOTAL_HELP: &str =
+    "Reads discarded because their bytes did not match the checksum they were put with.";
 /// Counter of writes aborted because the slot's pending TTL was about to pass.
 pub const CLIENT_SLOT_EXPIRIES_TOTAL: &str = "umbp_client_slot_expiries_total";
 /// Help text of [`CLIENT_SLOT_EXPIRIES_TOTAL`].

@@ -340,7 +340,7 @@ mod service {
             (
                 1,
                 pb::BatchCommitSlotsRequest {
-                    entries: vec![pb::CommitSlotRequest { slot_id: slot(1), key: "a".into() }],
+                    entries: vec![pb::CommitSlotRequest { slot_id: slot(1), key: "a".into(), crc32c: Some(7) }],
                 }
                 .encode_to_vec(),
             ),

@@ -339,8 +339,10 @@ impl PeerClient {
     /// # Errors
     /// [`PeerClientError::Rpc`].
     pub async fn commit(&self, commits: &[CommitRequest]) -> Result<Vec<bool>, PeerClientError> {
-        let entries =
-            commits.iter().map(|c| pb::CommitSlotRequest { slot_id: c.slot_id, key: c.key.clone() }).collect();
+        let entries = commits
+            .iter()
+            .map(|c| pb::CommitSlotRequest { slot_id: c.slot_id, key: c.key.clone(), crc32c: c.crc32c })
+            .collect();
         let reply = self
             .grpc
             .clone()

@@ -45,7 +45,10 @@ fn every_seed_is_served() {
     // Hello answers, replies, values and trailers: each seed reaches past the handshake (the last
     // one's stream ends inside its value, so its reply is never sent).
     assert!(received[..4].iter().all(|&n| n > 8 + 24), "{received:?}");
-    assert_eq!(received[0], 8 + 24 + (24 + 100 + 8) + 24, "put a, get a (value and trailer), miss");
+    assert_eq!(received[0], 8 + 24 + (24 + 100 + 16) + 24, "put a, get a (value and trailer), miss");
+    // The checksum a put carried comes back in the trailer of the get, and in the MAPPED
+    // descriptor of the shared one: reply, value and trailer, then MAPPED with a one-range descriptor.
+    assert_eq!(received[4], 8 + 24 + (24 + 50 + 16) + (24 + 32 + 24), "put f with its checksum, get f twice");
 }
 
 proptest! {

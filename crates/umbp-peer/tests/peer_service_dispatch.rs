@@ -100,7 +100,11 @@ async fn allocate(client: &mut Client, tier: TierType, key: &str, size: u64) -> 
 }
 
 async fn commit(client: &mut Client, slot_id: u64, key: &str) -> pb::CommitSlotResponse {
-    client.commit_slot(pb::CommitSlotRequest { slot_id, key: key.into() }).await.expect("CommitSlot").into_inner()
+    client
+        .commit_slot(pb::CommitSlotRequest { slot_id, key: key.into(), crc32c: None })
+        .await
+        .expect("CommitSlot")
+        .into_inner()
 }
 
 async fn abort(client: &mut Client, slot_id: u64) -> bool {
@@ -126,6 +130,32 @@ async fn evict(client: &mut Client, keys: &[&str]) -> Vec<pb::EvictedKey> {
 }
 
 // --- the reference's PeerServiceDispatchTest -----------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_checksum_reaches_the_medium_and_every_resolve_answers_it() {
+    let mut node = Node::start().await;
+    let with = allocate(&mut node.client, TierType::Dram, "with", 10).await;
+    let without = allocate(&mut node.client, TierType::Hbm, "without", 10).await;
+    let commit = |slot_id, key: &str, crc32c| pb::CommitSlotRequest { slot_id, key: key.into(), crc32c };
+    let r = node
+        .client
+        .batch_commit_slots(pb::BatchCommitSlotsRequest {
+            entries: vec![commit(with.slot_id, "with", Some(0)), commit(without.slot_id, "without", None)],
+        })
+        .await
+        .expect("BatchCommitSlots")
+        .into_inner();
+    assert!(r.entries.iter().all(|e| e.success), "{r:?}");
+    assert_eq!(resolve(&mut node.client, "with").await.crc32c, Some(0), "a zero checksum is a checksum");
+    assert_eq!(resolve(&mut node.client, "without").await.crc32c, None);
+    let single = allocate(&mut node.client, TierType::Dram, "single", 10).await;
+    let c = node.client.commit_slot(commit(single.slot_id, "single", Some(0xdead_beef))).await.expect("CommitSlot");
+    assert!(c.into_inner().success);
+    let b = batch_resolve(&mut node.client, &["without", "missing", "single", "with"], true).await;
+    assert_eq!(b.checksummed, [false, false, true, true], "per key, across media");
+    assert_eq!(b.crc32c, [0, 0, 0xdead_beef, 0]);
+    node.server.shutdown().await;
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_routes_to_the_backend_for_its_tier() {
@@ -289,7 +319,7 @@ async fn batch_allocate_groups_by_tier_but_answers_in_request_order() {
         .iter()
         .zip(keys)
         .filter(|(e, _)| e.outcome == allocated())
-        .map(|(e, k)| pb::CommitSlotRequest { slot_id: e.slot_id, key: k.into() })
+        .map(|(e, k)| pb::CommitSlotRequest { slot_id: e.slot_id, key: k.into(), crc32c: None })
         .collect();
     let done = node.client.batch_commit_slots(pb::BatchCommitSlotsRequest { entries: commits }).await.expect("commit");
     let done = done.into_inner().entries;
@@ -306,8 +336,8 @@ async fn batch_commit_of_an_unroutable_slot_reports_false_in_place() {
     let mut node = Node::start().await;
     let good = allocate(&mut node.client, TierType::Hbm, "good", 100).await;
     let entries = vec![
-        pb::CommitSlotRequest { slot_id: 0, key: "bad".into() },
-        pb::CommitSlotRequest { slot_id: good.slot_id, key: "good".into() },
+        pb::CommitSlotRequest { slot_id: 0, key: "bad".into(), crc32c: None },
+        pb::CommitSlotRequest { slot_id: good.slot_id, key: "good".into(), crc32c: None },
     ];
     let reply = node.client.batch_commit_slots(pb::BatchCommitSlotsRequest { entries }).await.expect("commit");
     let ok: Vec<bool> = reply.into_inner().entries.iter().map(|c| c.success).collect();
@@ -583,7 +613,7 @@ async fn real_page_backends_round_trip_through_the_service() {
         .entries
         .iter()
         .zip(["d", "h"])
-        .map(|(e, k)| pb::CommitSlotRequest { slot_id: e.slot_id, key: k.into() })
+        .map(|(e, k)| pb::CommitSlotRequest { slot_id: e.slot_id, key: k.into(), crc32c: None })
         .collect();
     let c = client.batch_commit_slots(pb::BatchCommitSlotsRequest { entries: commits }).await.expect("commit");
     assert!(c.into_inner().entries.iter().all(|c| c.success));

@@ -36,16 +36,17 @@ pub fn resolve(data: &[u8]) {
     assert_eq!(decode_batch_resolve(&again).as_ref(), Ok(&d), "a decoded reply re-encodes to itself");
 }
 
-/// Valid `BatchResolveKeysResponse` bytes, made by the encoder: hits on two media with leases, a
-/// busy miss, a plain miss, host and GPU descriptors.
+/// Valid `BatchResolveKeysResponse` bytes, made by the encoder: hits on two media with leases (one
+/// with a checksum, one without), a busy miss, a plain miss, host and GPU descriptors.
 pub fn resolve_seeds() -> Vec<Vec<u8>> {
-    let hit = |backend_id, size, pages: &[(u32, u32)], lease| {
+    let hit = |backend_id, size, pages: &[(u32, u32)], lease, crc32c| {
         Some(ResolvedKey {
             tier: if backend_id == 0 { TierType::Dram } else { TierType::Ssd },
             backend_id,
             size,
             pages: pages.iter().map(|&(b, p)| PageLocation::new(b, p)).collect(),
             lease,
+            crc32c,
         })
     };
     let desc = |backend_id, buffer_index, location| BufferDesc {
@@ -55,7 +56,7 @@ pub fn resolve_seeds() -> Vec<Vec<u8>> {
         location,
         remote: Some(RemoteRegion { endpoint: "127.0.0.1:7002".into(), region_id: 5 }),
     };
-    let keys = [hit(0, 5000, &[(0, 1), (0, 7)], 11), None, None, hit(1, 10, &[(1, 0)], 0)];
+    let keys = [hit(0, 5000, &[(0, 1), (0, 7)], 11, Some(0xe306_9283)), None, None, hit(1, 10, &[(1, 0)], 0, None)];
     let descs = [desc(0, 0, MemoryLocation::Host), desc(1, 1, MemoryLocation::Gpu { device: 2 })];
     vec![
         encode_batch_resolve(&keys, &[false, true, false, false], &descs, 4096).encode_to_vec(),

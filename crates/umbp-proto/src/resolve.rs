@@ -5,9 +5,10 @@
 //! `page_index`: key `i` owns the next `page_count[i]` entries. Buffer descriptors travel once per
 //! batch, deduplicated by `(backend_id, buffer_index)`, instead of once per key.
 //!
-//! Two optional per-key arrays ride along: `busy` (the node holds the key but cannot serve it now:
-//! retry this node) and `lease_id` (the read lease a hit holds, for `ReleaseReads`). Each is sent
-//! only when some key needs it; an empty one decodes as all false / all 0.
+//! Optional per-key arrays ride along: `busy` (the node holds the key but cannot serve it now:
+//! retry this node), `lease_id` (the read lease a hit holds, for `ReleaseReads`) and the pair
+//! `checksummed` / `crc32c` (the CRC-32C a hit's writer committed with it). Each is sent only when
+//! some key needs it; an empty one decodes as all false / all 0 / no checksum.
 //!
 //! Both directions are pure functions. The decoder trusts nothing: a reply whose arrays disagree is
 //! rejected as a whole (an error, never a panic and never a page sliced from the wrong key).
@@ -30,6 +31,8 @@ pub struct ResolvedKey {
     pub pages: Vec<PageLocation>,
     /// The read lease the hit holds on that medium, to release once the copy is done (0: none).
     pub lease: u64,
+    /// The CRC-32C its writer committed with the value, for the reader to check its copy against.
+    pub crc32c: Option<u32>,
 }
 
 /// A decoded `BatchResolveKeys` reply.
@@ -75,6 +78,8 @@ pub fn encode_batch_resolve(
         backend_id: Vec::with_capacity(n),
         busy: Vec::new(),
         lease_id: Vec::new(),
+        checksummed: Vec::new(),
+        crc32c: Vec::new(),
     };
     let busy_at = |i: usize| keys[i].is_none() && busy.get(i).copied().unwrap_or(false);
     if (0..n).any(busy_at) {
@@ -82,6 +87,11 @@ pub fn encode_batch_resolve(
     }
     if keys.iter().flatten().any(|k| k.lease != 0) {
         out.lease_id = keys.iter().map(|k| k.as_ref().map_or(0, |k| k.lease)).collect();
+    }
+    if keys.iter().flatten().any(|k| k.crc32c.is_some()) {
+        let crc = |k: &Option<ResolvedKey>| k.as_ref().and_then(|k| k.crc32c);
+        out.checksummed = keys.iter().map(|k| crc(k).is_some()).collect();
+        out.crc32c = keys.iter().map(|k| crc(k).unwrap_or(0)).collect();
     }
     for key in keys {
         match key {
@@ -126,10 +136,22 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
         }
     }
     // Optional arrays: absent (empty) or one entry per key.
-    for (field, len) in [("busy", resp.busy.len()), ("lease_id", resp.lease_id.len())] {
+    for (field, len) in [
+        ("busy", resp.busy.len()),
+        ("lease_id", resp.lease_id.len()),
+        ("checksummed", resp.checksummed.len()),
+        ("crc32c", resp.crc32c.len()),
+    ] {
         if len != 0 && len != n {
             return Err(WireError::MismatchedArrays { field, len, expected: n });
         }
+    }
+    if resp.checksummed.len() != resp.crc32c.len() {
+        return Err(WireError::MismatchedArrays {
+            field: "crc32c",
+            len: resp.crc32c.len(),
+            expected: resp.checksummed.len(),
+        });
     }
     if resp.buffer_index.len() != resp.page_index.len() {
         return Err(WireError::MismatchedPageArrays {
@@ -190,7 +212,11 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
             .collect();
         at = end;
         let lease = resp.lease_id.get(i).copied().unwrap_or(0);
-        keys.push(Some(ResolvedKey { tier: tier_from_wire(resp.tier[i]), backend_id, size, pages, lease }));
+        let crc32c = match resp.checksummed.get(i) {
+            Some(true) => resp.crc32c.get(i).copied(),
+            _ => None,
+        };
+        keys.push(Some(ResolvedKey { tier: tier_from_wire(resp.tier[i]), backend_id, size, pages, lease, crc32c }));
         busy.push(false);
     }
     Ok(DecodedResolve { page_size: resp.page_size, descs, keys, busy })

@@ -13,7 +13,7 @@ const PAGE: u64 = 4096;
 
 fn hit(tier: TierType, backend_id: u32, size: u64, pages: &[(u32, u32)]) -> Option<ResolvedKey> {
     let pages = pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect();
-    Some(ResolvedKey { tier, backend_id, size, pages, lease: 0 })
+    Some(ResolvedKey { tier, backend_id, size, pages, lease: 0, crc32c: None })
 }
 
 fn desc(backend_id: u32, buffer_index: u32, location: MemoryLocation, remote: Option<u64>) -> BufferDesc {
@@ -47,6 +47,28 @@ fn sample() -> (Vec<Option<ResolvedKey>>, Vec<BufferDesc>) {
         desc(2, 0, MemoryLocation::Host, Some(13)),
     ];
     (keys, descs)
+}
+
+#[test]
+fn checksums_ride_per_key_and_only_when_some_hit_has_one() {
+    let (mut keys, descs) = sample();
+    let plain = encode_batch_resolve(&keys, &[], &descs, PAGE);
+    assert!(plain.checksummed.is_empty() && plain.crc32c.is_empty(), "no hit carries one: no arrays");
+    keys[0].as_mut().expect("a hit").crc32c = Some(0);
+    keys[3].as_mut().expect("a hit").crc32c = Some(0xffff_ffff);
+    let wire = encode_batch_resolve(&keys, &[], &descs, PAGE);
+    assert_eq!(wire.checksummed, [true, false, false, true], "per key, misses and unchecked hits false");
+    let decoded = over_the_wire(&keys, &descs, PAGE);
+    let crcs: Vec<_> = decoded.keys.iter().map(|k| k.as_ref().and_then(|k| k.crc32c)).collect();
+    assert_eq!(crcs, [Some(0), None, None, Some(0xffff_ffff)], "a zero checksum is a checksum");
+
+    let mut bad = wire.clone();
+    bad.crc32c.pop();
+    assert!(decode_batch_resolve(&bad).is_err(), "crc32c shorter than checksummed is refused");
+    let mut bad = wire;
+    bad.checksummed.push(true);
+    bad.crc32c.push(1);
+    assert!(decode_batch_resolve(&bad).is_err(), "arrays longer than the keys are refused");
 }
 
 #[test]
@@ -244,6 +266,7 @@ fn arb_key(page_size: u64) -> impl Strategy<Value = Option<ResolvedKey>> {
                 size,
                 pages: pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect(),
                 lease: 0,
+                crc32c: None,
             })
         },
     ))
@@ -269,16 +292,19 @@ fn arb_desc() -> impl Strategy<Value = BufferDesc> {
 fn arb_batch() -> impl Strategy<Value = DecodedResolve> {
     (1u64..(1 << 22)).prop_flat_map(|page_size| {
         (
-            prop::collection::vec((arb_key(page_size), any::<bool>(), any::<u64>()), 0..40),
+            prop::collection::vec(
+                (arb_key(page_size), any::<bool>(), any::<u64>(), prop::option::of(any::<u32>())),
+                0..40,
+            ),
             prop::collection::vec(arb_desc(), 0..6),
         )
             .prop_map(move |(entries, descs)| {
                 let mut keys = Vec::new();
                 let mut busy = Vec::new();
-                for (key, b, lease) in entries {
-                    // A hit is never busy; a hit may hold a lease.
+                for (key, b, lease, crc32c) in entries {
+                    // A hit is never busy; a hit may hold a lease and carry a checksum.
                     busy.push(key.is_none() && b);
-                    keys.push(key.map(|k| ResolvedKey { lease, ..k }));
+                    keys.push(key.map(|k| ResolvedKey { lease, crc32c, ..k }));
                 }
                 DecodedResolve { page_size, descs, keys, busy }
             })
@@ -296,9 +322,9 @@ fn arb_wire() -> impl Strategy<Value = pb::BatchResolveKeysResponse> {
         0usize..12,
         0u64..8,
         prop::collection::vec(0u32..5, 0..6),
-        (0usize..6, 0usize..6),
+        (0usize..6, 0usize..6, 0usize..6, 0usize..6),
     )
-        .prop_map(|(found, tier, size, backend, bi, pi, page_size, counts, (busy, leases))| {
+        .prop_map(|(found, tier, size, backend, bi, pi, page_size, counts, (busy, leases, checked, crcs))| {
             pb::BatchResolveKeysResponse {
                 descs: Vec::new(),
                 page_size,
@@ -311,6 +337,8 @@ fn arb_wire() -> impl Strategy<Value = pb::BatchResolveKeysResponse> {
                 backend_id: (0..backend as u32).map(|i| i * 3).collect(),
                 busy: (0..busy).map(|i| i % 3 == 0).collect(),
                 lease_id: (0..leases).map(|i| i as u64).collect(),
+                checksummed: (0..checked).map(|i| i % 2 == 1).collect(),
+                crc32c: (0..crcs).map(|i| i as u32 * 7).collect(),
             }
         })
 }

@@ -14,8 +14,9 @@ use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 
 use crate::shm::wire as shm;
 use crate::tcp::protocol::{
-    self, Descriptor, FLAG_SHARED, HELLO_LEN, HELLO_REPLY_LEN, HelloStatus, MAX_REQUEST_BYTES, MAX_SHARED_RANGES,
-    MAX_TOKEN_LEN, Op, REPLY_LEN, REQUEST_LEN, Reply, Request, SETTLE_LEN, Settle, Status, TRAILER_LEN, Trailer,
+    self, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, HELLO_LEN, HELLO_REPLY_LEN, HelloStatus, MAX_REQUEST_BYTES,
+    MAX_SHARED_RANGES, MAX_TOKEN_LEN, Op, REPLY_LEN, REQUEST_LEN, Reply, Request, SETTLE_LEN, Settle, Status,
+    TRAILER_LEN, Trailer,
 };
 use crate::{DataServer, DataServerConfig, KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 
@@ -68,8 +69,12 @@ pub fn frames(data: &[u8]) {
         }
         4 => {
             let Some(raw) = array::<TRAILER_LEN>(b) else { return };
-            if let Ok(t) = Trailer::decode(&raw) {
-                assert_eq!(t.encode()[..5], raw[..5], "a trailer re-encodes to its bytes");
+            if let Ok((t, crc)) = Trailer::decode(&raw) {
+                let back = t.encode(crc);
+                assert_eq!(back[..6], raw[..6], "a trailer re-encodes to its verdict and checksum flag");
+                if crc.is_some() {
+                    assert_eq!(back[8..12], raw[8..12], "and to its checksum");
+                }
             }
         }
         5 => {
@@ -83,8 +88,13 @@ pub fn frames(data: &[u8]) {
                 assert!((1..=MAX_SHARED_RANGES).contains(&d.ranges.len()), "1 to {MAX_SHARED_RANGES} ranges");
                 let sum = d.ranges.iter().try_fold(0u64, |a, r| a.checked_add(r.2));
                 assert_eq!(sum, Some(d.size), "the ranges add up to the size");
+                // Reserved bytes are ignored; so is the checksum field when the flag says none.
                 let mut expect = b.to_vec();
-                expect[20..24].fill(0);
+                expect[21..24].fill(0);
+                expect[28..32].fill(0);
+                if d.crc32c.is_none() {
+                    expect[24..28].fill(0);
+                }
                 assert_eq!(d.encode(), expect, "a descriptor re-encodes to its bytes");
             }
         }
@@ -118,14 +128,16 @@ pub fn frames(data: &[u8]) {
 pub fn frame_seeds() -> Vec<Vec<u8>> {
     let tagged = |tag: u8, bytes: &[u8]| [&[tag][..], bytes].concat();
     let request = Request { op: Op::Write, flags: 0, id: 7, region: 1, offset: 4096, length: 512 };
-    let descriptor = Descriptor { size: 30, lease_ns: 5_000_000, ranges: vec![(1, 0, 10), (1, 4096, 20)] };
+    let descriptor =
+        Descriptor { size: 30, lease_ns: 5_000_000, ranges: vec![(1, 0, 10), (1, 4096, 20)], crc32c: Some(0x1234) };
     let region = shm::RegionReply { slot: 3, offset: 4096, len: 1 << 20, epoch: 9 };
     vec![
         tagged(0, &request.encode()),
         tagged(1, &Reply { status: Status::Ok, id: 7, length: 512 }.encode()),
         tagged(2, &protocol::encode_hello(b"token").unwrap_or_default()[..HELLO_LEN]),
         tagged(3, &protocol::encode_hello_reply(HelloStatus::Ok)),
-        tagged(4, &Trailer::Lapsed.encode()),
+        tagged(4, &Trailer::Lapsed.encode(None)),
+        tagged(4, &Trailer::Intact.encode(Some(0xdead_beef))),
         tagged(5, &Settle::SendBytes.encode()),
         tagged(6, &descriptor.encode()),
         tagged(7, &shm::encode_hello(b"token").unwrap_or_default()[..shm::HELLO_LEN]),
@@ -141,6 +153,8 @@ const REGION_BYTES: usize = 64 << 10;
 /// The keyed handler's one key, and its value's place and size in the region.
 const KEY: &str = "k";
 const VALUE_BYTES: u64 = 1000;
+/// The checksum the fuzz handler says its value was put with (the server only forwards it).
+const VALUE_CRC: u32 = 0x0bad_cafe;
 /// Where keyed writes land, and the largest one given a slot.
 const SLOT_OFFSET: u64 = 8192;
 const SLOT_BYTES: u64 = 8192;
@@ -167,6 +181,7 @@ impl KeyedHandler for Handler {
                 KeyedRange { region_id: self.region, offset: 4096, len: VALUE_BYTES - 400 },
             ],
             lease,
+            crc32c: Some(VALUE_CRC),
         }
     }
 
@@ -183,7 +198,7 @@ impl KeyedHandler for Handler {
         KeyedWrite::Slot { ranges: vec![KeyedRange { region_id: self.region, offset: SLOT_OFFSET, len: size }], slot }
     }
 
-    fn close_write(&self, _key: &str, _slot: KeyedSlot, received: bool) -> bool {
+    fn close_write(&self, _key: &str, _slot: KeyedSlot, received: bool, _crc32c: Option<u32>) -> bool {
         self.open.fetch_sub(1, Ordering::SeqCst);
         received
     }
@@ -296,13 +311,13 @@ fn well_behaved_client(endpoint: &str, region: u64) {
     assert_eq!(Reply::decode(&head), Ok(Reply { status: Status::Ok, id: 2, length: VALUE_BYTES }));
     let mut value = vec![0u8; VALUE_BYTES as usize + TRAILER_LEN];
     s.read_exact(&mut value).expect("the value and its trailer");
-    let trailer: [u8; TRAILER_LEN] = array(&value[VALUE_BYTES as usize..]).expect("eight bytes");
-    assert_eq!(Trailer::decode(&trailer), Ok(Trailer::Intact));
+    let trailer: [u8; TRAILER_LEN] = array(&value[VALUE_BYTES as usize..]).expect("a whole trailer");
+    assert_eq!(Trailer::decode(&trailer), Ok((Trailer::Intact, Some(VALUE_CRC))));
 }
 
 /// Connection streams for [`server_stream`], made by the encoders: a hello, then each kind of
 /// request the server takes (READ, WRITE with its payload, GET_KEY plain and shared with a settle
-/// frame, PUT_KEY plain and shared), and a hello with the wrong token.
+/// frame, PUT_KEY plain and shared, with and without a checksum), and a hello with the wrong token.
 pub fn server_seeds() -> Vec<Vec<u8>> {
     let region = REGION_TAG;
     let hello = protocol::encode_hello(TOKEN).unwrap_or_default();
@@ -320,6 +335,12 @@ pub fn server_seeds() -> Vec<Vec<u8>> {
     let send = Settle::SendBytes.encode();
     out.push(
         [&hello[..], &req(Op::PutKey, FLAG_SHARED, 6, 1, klen, klen + 8), b"q", &size, &send, &[5u8; 32]].concat(),
+    );
+    let crc = 0x0bad_f00d_u32.to_le_bytes();
+    out.push([&hello[..], &req(Op::PutKey, FLAG_CHECKSUM, 7, 1, klen, klen + 4 + 32), b"c", &crc, &[3u8; 32]].concat());
+    out.push(
+        [&hello[..], &req(Op::PutKey, FLAG_SHARED | FLAG_CHECKSUM, 8, 1, klen, klen + 4 + 8), b"s", &crc, &size, &send]
+            .concat(),
     );
     out.push(protocol::encode_hello(b"wrong").unwrap_or_default());
     out

@@ -78,6 +78,8 @@ struct Table {
     slot_ttl: Duration,
     committed: Mutex<Vec<String>>,
     aborted: Mutex<Vec<String>>,
+    /// Checksums committed with values, handed back with them.
+    crcs: Mutex<HashMap<String, u32>>,
     open: Mutex<usize>,
     closed: Mutex<Vec<String>>,
 }
@@ -92,6 +94,7 @@ impl Table {
             slot_ttl: Duration::from_secs(10),
             committed: Mutex::new(Vec::new()),
             aborted: Mutex::new(Vec::new()),
+            crcs: Mutex::new(HashMap::new()),
             open: Mutex::new(0),
             closed: Mutex::new(Vec::new()),
         })
@@ -116,6 +119,7 @@ impl KeyedHandler for Table {
     fn open_read(&self, key: &str) -> KeyedRead {
         let until = Instant::now() + self.lease;
         let Some(&(region_id, offset, len)) = self.keys.lock().get(key) else { return KeyedRead::Miss };
+        let crc32c = self.crcs.lock().get(key).copied();
         std::thread::sleep(self.stall);
         *self.open.lock() += 1;
         // Two ranges, to check they are copied in order as one value.
@@ -127,6 +131,7 @@ impl KeyedHandler for Table {
                 KeyedRange { region_id, offset: offset + half, len: len - half },
             ],
             lease: KeyedLease { id: 1, backend_id: 0, until },
+            crc32c,
         }
     }
 
@@ -152,10 +157,13 @@ impl KeyedHandler for Table {
         }
     }
 
-    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool) -> bool {
+    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool, crc32c: Option<u32>) -> bool {
         let (k, region_id, offset, len) = self.slots.lock().2.get(&slot.id).cloned().expect("an open slot");
         assert_eq!(k, key);
         if received {
+            if let Some(crc) = crc32c {
+                self.crcs.lock().insert(key.to_owned(), crc);
+            }
             self.insert(key, region_id, offset, len);
             self.committed.lock().push(key.to_owned());
         } else {
@@ -210,7 +218,11 @@ fn a_same_host_get_copies_from_the_mapping_and_closes_the_lease() {
         file.fill(at, &value);
         table.insert(&format!("k{i}"), region, at as u64, len as u64);
         let mut buf = vec![0u8; len + 10];
-        assert_eq!(get(&c, &ep, &format!("k{i}"), &mut buf), KeyedGet::Hit(len as u64), "value of {len} bytes");
+        assert_eq!(
+            get(&c, &ep, &format!("k{i}"), &mut buf),
+            KeyedGet::Hit { size: len as u64, crc32c: None },
+            "value of {len} bytes"
+        );
         assert_eq!(&buf[..len], &value[..], "byte-exact at {len}");
     }
     let copied: u64 = [1u64, 4096, 65_536, 1 << 20, 1_000_003].iter().sum();
@@ -249,7 +261,7 @@ fn regions_without_the_shared_path_are_served_over_tcp_byte_exact() {
     table.insert("k", region, 100, value.len() as u64);
     let c = client();
     let mut buf = vec![0u8; value.len()];
-    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(value.len() as u64));
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: value.len() as u64, crc32c: None });
     assert_eq!(buf, value);
     assert_eq!(c.shared_copies(), (0, 0, 0));
 
@@ -263,7 +275,7 @@ fn regions_without_the_shared_path_are_served_over_tcp_byte_exact() {
     other.fill(0, &value);
     table.insert("k", unshared, 0, value.len() as u64);
     buf.fill(0);
-    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(value.len() as u64));
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: value.len() as u64, crc32c: None });
     assert_eq!(buf, value);
     assert_eq!(c.shared_copies(), (0, 0, 0));
     assert_eq!(shm.as_ref().map(ShmServer::connection_count), Some(1), "the client did reach the server");
@@ -281,7 +293,7 @@ fn a_region_deregistered_from_the_shared_path_is_never_read_through_its_mapping(
     table.insert("k", region, 0, old.len() as u64);
     let c = client();
     let mut buf = vec![0u8; old.len()];
-    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(old.len() as u64));
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: old.len() as u64, crc32c: None });
     assert_eq!(c.shared_copies().0, 1, "mapped once");
 
     // The holder withdraws the region from the shared path (its epoch slot is zeroed): the cached
@@ -290,14 +302,14 @@ fn a_region_deregistered_from_the_shared_path_is_never_read_through_its_mapping(
     let new = pattern(65_536, 6);
     file.fill(0, &new);
     buf.fill(0);
-    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(new.len() as u64));
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: new.len() as u64, crc32c: None });
     assert_eq!(buf, new);
     assert_eq!(c.shared_copies().0, 1, "not read through the stale mapping");
     assert_eq!(table.settled().len(), 2);
 }
 
 fn put(c: &KeyedClient, endpoint: &str, key: &str, value: &[u8]) -> KeyedPut {
-    c.put_shared(endpoint, key, 1, value).expect("an answer")
+    c.put_shared(endpoint, key, 1, value, None).expect("an answer")
 }
 
 #[test]
@@ -313,10 +325,13 @@ fn a_same_host_put_is_copied_into_the_slot_and_committed_by_the_settle() {
     for (i, len) in [1usize, 65_536, 1 << 20, 3 << 20].into_iter().enumerate() {
         let key = format!("p{i}");
         let value = pattern(len, 10 + i as u64);
-        assert_eq!(put(&c, &ep, &key, &value), KeyedPut::Written, "{len} bytes");
+        // Every other value carries a checksum: through the shared put's header and back in the
+        // MAPPED descriptor of the get.
+        let crc = (i % 2 == 0).then_some(0xabc0 + i as u32);
+        assert_eq!(c.put_shared(&ep, &key, 1, &value, crc).expect("an answer"), KeyedPut::Written, "{len} bytes");
         copied += len as u64;
         let mut buf = vec![0u8; len];
-        assert_eq!(get(&c, &ep, &key, &mut buf), KeyedGet::Hit(len as u64));
+        assert_eq!(get(&c, &ep, &key, &mut buf), KeyedGet::Hit { size: len as u64, crc32c: crc });
         assert_eq!(buf, value, "the committed bytes are the value");
     }
     assert_eq!(put(&c, &ep, "p0", b"again"), KeyedPut::Exists);
@@ -355,7 +370,7 @@ fn a_put_into_a_region_the_holder_does_not_share_sends_its_bytes() {
     assert_eq!(put(&c, srv.endpoint(), "k", &value), KeyedPut::Written);
     assert_eq!(c.shared_copies(), (0, 0, 0), "nothing through a mapping");
     let mut buf = vec![0u8; value.len()];
-    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(value.len() as u64));
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: value.len() as u64, crc32c: None });
     assert_eq!(buf, value);
     assert_eq!(*table.committed.lock(), vec!["k"]);
 }

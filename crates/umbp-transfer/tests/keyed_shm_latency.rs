@@ -42,6 +42,7 @@ impl KeyedHandler for Values {
                 size,
                 ranges: vec![KeyedRange { region_id: self.region_id, offset: 0, len: size }],
                 lease: KeyedLease { id: 0, backend_id: 0, until },
+                crc32c: None,
             },
             _ => KeyedRead::Miss,
         }
@@ -54,7 +55,7 @@ impl KeyedHandler for Values {
             slot: KeyedSlot { id: 1, backend_id: 0, until: Instant::now() + Duration::from_secs(5) },
         }
     }
-    fn close_write(&self, _key: &str, _slot: KeyedSlot, received: bool) -> bool {
+    fn close_write(&self, _key: &str, _slot: KeyedSlot, received: bool, _crc32c: Option<u32>) -> bool {
         received
     }
 }
@@ -144,7 +145,7 @@ fn keyed_get_latency_over_tcp_and_shared_memory() {
                     client.get(&endpoint, &key, ptr, size)
                 }
             };
-            assert_eq!(got.expect("an answer"), KeyedGet::Hit(size as u64));
+            assert_eq!(got.expect("an answer"), KeyedGet::Hit { size: size as u64, crc32c: None });
             t.elapsed()
         };
         for shared in [false, true] {
@@ -161,8 +162,11 @@ fn keyed_get_latency_over_tcp_and_shared_memory() {
         assert!(buf.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "byte-exact");
         let put = |shared: bool| {
             let t = Instant::now();
-            let done =
-                if shared { client.put_shared(&endpoint, &key, 1, &buf) } else { client.put(&endpoint, &key, 1, &buf) };
+            let done = if shared {
+                client.put_shared(&endpoint, &key, 1, &buf, None)
+            } else {
+                client.put(&endpoint, &key, 1, &buf, None)
+            };
             assert_eq!(done.expect("an answer"), KeyedPut::Written);
             t.elapsed()
         };

@@ -33,7 +33,7 @@ fn raise_open_files(need: u64) -> Result<(), String> {
 /// The client hello with `token`.
 fn hello_bytes(token: &str) -> Vec<u8> {
     let mut h = b"UMBP".to_vec();
-    h.extend_from_slice(&1u16.to_le_bytes());
+    h.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     h.extend_from_slice(&u16::try_from(token.len()).expect("short token").to_le_bytes());
     h.extend_from_slice(token.as_bytes());
     h
@@ -183,7 +183,7 @@ fn connect_from(from: Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {
 
 fn read_request(id: u64, region: u64, length: u64) -> Vec<u8> {
     let mut out = b"UMBP".to_vec();
-    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     out.extend_from_slice(&[1, 0]);
     for v in [id, region, 0, length] {
         out.extend_from_slice(&v.to_le_bytes());

@@ -244,7 +244,7 @@ fn unknown_and_deregistered_regions_are_refused() {
 fn request(op: u8, id: u64, region: u64, offset: u64, length: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(40);
     out.extend_from_slice(b"UMBP");
-    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     out.push(op);
     out.push(0);
     for v in [id, region, offset, length] {
@@ -256,7 +256,7 @@ fn request(op: u8, id: u64, region: u64, offset: u64, length: u64) -> Vec<u8> {
 fn hello(stream: &mut TcpStream, token: &[u8]) -> u8 {
     let mut h = Vec::new();
     h.extend_from_slice(b"UMBP");
-    h.extend_from_slice(&1u16.to_le_bytes());
+    h.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     h.extend_from_slice(&(token.len() as u16).to_le_bytes());
     h.extend_from_slice(token);
     stream.write_all(&h).expect("hello");

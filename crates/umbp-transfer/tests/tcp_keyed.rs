@@ -38,6 +38,8 @@ struct TableState {
     slots: HashMap<u64, (String, u64, u64)>,
     committed: Vec<String>,
     aborted: Vec<String>,
+    /// The checksums committed with values (forwarded to readers as a medium does).
+    crcs: HashMap<String, u32>,
 }
 
 impl Table {
@@ -69,6 +71,7 @@ impl KeyedHandler for Table {
             size: len,
             ranges,
             lease: KeyedLease { id: 7, backend_id: 0, until: Instant::now() + self.lease },
+            crc32c: s.crcs.get(key).copied(),
         }
     }
 
@@ -97,11 +100,14 @@ impl KeyedHandler for Table {
         }
     }
 
-    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool) -> bool {
+    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool, crc32c: Option<u32>) -> bool {
         let mut s = self.state.lock();
         let (k, offset, size) = s.slots.remove(&slot.id).expect("a slot closes once");
         assert_eq!(k, key);
         if received {
+            if let Some(crc) = crc32c {
+                s.crcs.insert(k.clone(), crc);
+            }
             s.keys.insert(k, (offset, size));
             s.committed.push(key.to_owned());
         } else {
@@ -127,6 +133,29 @@ fn get(c: &KeyedClient, endpoint: &str, key: &str, buf: &mut [u8]) -> KeyedGet {
 }
 
 #[test]
+fn a_put_checksum_is_committed_with_the_value_and_comes_back_with_every_get() {
+    let mut memory = HostBuf::zeroed(1 << 20);
+    let srv = server();
+    let r = memory.register(&srv);
+    let table = Table::new(&r, Duration::from_secs(10));
+    srv.set_keyed_handler(Some(Arc::clone(&table) as Arc<dyn KeyedHandler>));
+    let c = client();
+    let ep = srv.endpoint().to_owned();
+    let value = pattern(70_001, 3);
+    // The checksum field is any u32, 0 included: the flag, not the value, says one is present.
+    for (key, crc) in [("with", Some(0x1edc_6f41)), ("zero", Some(0)), ("without", None)] {
+        assert_eq!(c.put(&ep, key, 1, &value, crc).expect("answer"), KeyedPut::Written, "{key}");
+        let mut buf = vec![0u8; value.len()];
+        assert_eq!(get(&c, &ep, key, &mut buf), KeyedGet::Hit { size: value.len() as u64, crc32c: crc }, "{key}");
+        assert_eq!(buf, value, "{key}: the bytes after the checksum field are the value");
+    }
+    let s = table.state.lock();
+    assert_eq!(s.crcs.get("with"), Some(&0x1edc_6f41), "the holder was handed the writer's checksum");
+    assert_eq!(s.crcs.get("zero"), Some(&0));
+    assert!(!s.crcs.contains_key("without"), "no checksum sent, none committed");
+}
+
+#[test]
 fn gets_and_puts_round_trip_byte_exact_with_every_answer() {
     let mut memory = HostBuf::zeroed(4 << 20);
     let srv = server();
@@ -137,11 +166,11 @@ fn gets_and_puts_round_trip_byte_exact_with_every_answer() {
     let ep = srv.endpoint().to_owned();
 
     let value = pattern(100_003, 1);
-    assert_eq!(c.put(&ep, "k1", 1, &value).expect("answer"), KeyedPut::Written);
-    assert_eq!(c.put(&ep, "k1", 1, &value).expect("answer"), KeyedPut::Exists);
-    assert_eq!(c.put(&ep, "big", 1, &vec![0u8; (1 << 20) + 1]).expect("answer"), KeyedPut::NoSpace);
+    assert_eq!(c.put(&ep, "k1", 1, &value, None).expect("answer"), KeyedPut::Written);
+    assert_eq!(c.put(&ep, "k1", 1, &value, None).expect("answer"), KeyedPut::Exists);
+    assert_eq!(c.put(&ep, "big", 1, &vec![0u8; (1 << 20) + 1], None).expect("answer"), KeyedPut::NoSpace);
     let mut buf = vec![0u8; 200_000];
-    assert_eq!(get(&c, &ep, "k1", &mut buf), KeyedGet::Hit(100_003));
+    assert_eq!(get(&c, &ep, "k1", &mut buf), KeyedGet::Hit { size: 100_003, crc32c: None });
     assert_eq!(&buf[..100_003], &value[..]);
     assert_eq!(get(&c, &ep, "nope", &mut buf), KeyedGet::Miss);
     assert_eq!(get(&c, &ep, "k1", &mut buf[..100]), KeyedGet::TooSmall(100_003));
@@ -157,7 +186,7 @@ fn gets_and_puts_round_trip_byte_exact_with_every_answer() {
     // SAFETY: `buf` outlives the call.
     let empty = unsafe { c.get(&ep, "", ptr, buf.len()) };
     assert!(matches!(empty, Err(umbp_transfer::KeyedError::BadKey { len: 0, .. })), "{empty:?}");
-    let long = c.put(&ep, &"x".repeat(9000), 1, b"v");
+    let long = c.put(&ep, &"x".repeat(9000), 1, b"v", None);
     assert!(matches!(long, Err(umbp_transfer::KeyedError::BadKey { len: 9000, .. })), "{long:?}");
 }
 
@@ -167,7 +196,7 @@ fn a_server_without_a_handler_answers_unsupported() {
     let c = client();
     let mut buf = [0u8; 16];
     assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Unsupported);
-    assert_eq!(c.put(srv.endpoint(), "k", 1, b"value").expect("answer"), KeyedPut::Unsupported);
+    assert_eq!(c.put(srv.endpoint(), "k", 1, b"value", None).expect("answer"), KeyedPut::Unsupported);
     // The connection stayed in sync (the put's payload was discarded): it serves the next request.
     assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Unsupported);
 }
@@ -177,7 +206,7 @@ fn raw_get(endpoint: &str, key: &str, cap: u64) -> TcpStream {
     let mut s = TcpStream::connect(endpoint).expect("connect");
     let mut hello = Vec::new();
     hello.extend_from_slice(b"UMBP");
-    hello.extend_from_slice(&1u16.to_le_bytes());
+    hello.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     hello.extend_from_slice(&0u16.to_le_bytes());
     s.write_all(&hello).expect("hello");
     let mut answer = [0u8; 8];
@@ -185,7 +214,7 @@ fn raw_get(endpoint: &str, key: &str, cap: u64) -> TcpStream {
     assert_eq!(answer[6], 0, "authenticated");
     let mut head = Vec::new();
     head.extend_from_slice(b"UMBP");
-    head.extend_from_slice(&1u16.to_le_bytes());
+    head.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     head.push(3); // GET_KEY
     head.push(0);
     head.extend_from_slice(&42u64.to_le_bytes());
@@ -229,7 +258,7 @@ fn a_send_that_outlives_the_read_lease_is_marked_lapsed_and_its_lease_closed() {
     let c = client();
     let mut buf = vec![0u8; VALUE];
     table.state.lock().keys.insert("fast".into(), (0, 1 << 20));
-    assert_eq!(get(&c, srv.endpoint(), "fast", &mut buf), KeyedGet::Hit(1 << 20));
+    assert_eq!(get(&c, srv.endpoint(), "fast", &mut buf), KeyedGet::Hit { size: 1 << 20, crc32c: None });
     let lapsed = Table::new(&r, Duration::ZERO);
     lapsed.insert("k", 0, 4096);
     srv.set_keyed_handler(Some(lapsed as Arc<dyn KeyedHandler>));
@@ -244,11 +273,11 @@ fn a_put_cut_off_mid_value_is_aborted_never_committed() {
     let table = Table::new(&r, Duration::from_secs(10));
     srv.set_keyed_handler(Some(Arc::clone(&table) as Arc<dyn KeyedHandler>));
     let mut s = TcpStream::connect(srv.endpoint()).expect("connect");
-    s.write_all(b"UMBP\x01\x00\x00\x00").expect("hello");
+    s.write_all(b"UMBP\x02\x00\x00\x00").expect("hello");
     let mut answer = [0u8; 8];
     s.read_exact(&mut answer).expect("hello answer");
     let mut head = Vec::new();
-    head.extend_from_slice(b"UMBP\x01\x00");
+    head.extend_from_slice(b"UMBP\x02\x00");
     head.push(4); // PUT_KEY
     head.push(0);
     head.extend_from_slice(&1u64.to_le_bytes());
@@ -280,11 +309,11 @@ fn a_get_after_the_server_closed_the_pooled_connection_succeeds() {
     srv.set_keyed_handler(Some(Arc::clone(&table) as Arc<dyn KeyedHandler>));
     let c = client();
     let mut buf = vec![0u8; 1 << 16];
-    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(1 << 16));
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: 1 << 16, crc32c: None });
     // The server closes the idle connection; the next get takes a fresh one.
     std::thread::sleep(Duration::from_millis(600));
     buf.fill(0);
-    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit(1 << 16));
+    assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: 1 << 16, crc32c: None });
     assert_eq!(&buf[..], memory.bytes());
 }
 

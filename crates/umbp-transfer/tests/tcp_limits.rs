@@ -20,9 +20,13 @@ fn kinds(failures: &[TransferFailure]) -> Vec<FailureKind> {
     failures.iter().map(|f| f.kind).collect()
 }
 
+/// The protocol version the server speaks (written out here, not taken from the crate, so a
+/// version change shows in this test).
+const VERSION: u16 = 2;
+
 fn request(op: u8, id: u64, region: u64, offset: u64, length: u64) -> Vec<u8> {
     let mut out = b"UMBP".to_vec();
-    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&[op, 0]);
     for v in [id, region, offset, length] {
         out.extend_from_slice(&v.to_le_bytes());
@@ -82,7 +86,7 @@ fn a_trickling_write_cannot_hold_deregister() {
     let server = server(DataServerConfig { io_timeout: Duration::from_secs(1), ..DataServerConfig::default() });
     let r = region.register(&server);
     let id = r.remote().expect("remote").region_id;
-    let (mut s, status) = hello(&server.local_addr().to_string(), 1);
+    let (mut s, status) = hello(&server.local_addr().to_string(), VERSION);
     assert_eq!(status, 0);
     s.write_all(&request(2, 1, id, 0, 1024)).expect("header");
     s.write_all(&[7u8; 8]).expect("first bytes");
@@ -109,7 +113,8 @@ fn fake_server(status: u8, every: Duration) -> (String, std::thread::JoinHandle<
             return;
         }
         let mut answer = b"UMBP".to_vec();
-        answer.extend_from_slice(&[1, 0, status, 0]);
+        answer.extend_from_slice(&VERSION.to_le_bytes());
+        answer.extend_from_slice(&[status, 0]);
         if s.write_all(&answer).is_err() || status != 0 {
             return;
         }
@@ -178,14 +183,14 @@ fn a_busy_server_is_reported_as_busy() {
     let addr = server.local_addr().to_string();
     let mut busy = false;
     for attempt in 1..=20u32 {
-        let (mut first, status) = hello(&addr, 1);
+        let (mut first, status) = hello(&addr, VERSION);
         assert_eq!(status, 0);
         // A WRITE whose payload never finishes keeps the first connection busy.
         first.write_all(&request(2, 1, id, 0, 1024)).expect("header");
         first.write_all(&[1u8; 16]).expect("some payload");
         // Give its thread time to start reading the request (more on each attempt).
         std::thread::sleep(Duration::from_millis(20) * attempt);
-        let (_second, status) = hello(&addr, 1);
+        let (_second, status) = hello(&addr, VERSION);
         if status == 3 {
             busy = true;
             break;
@@ -204,9 +209,9 @@ fn an_idle_connection_makes_room_for_a_new_peer() {
     let b = TcpEngine::new(TcpEngineConfig { server: config, ..fast_config() }).expect("server engine");
     let remote_ref = remote.register(&b);
     // Two authenticated connections that never send a request fill the server.
-    let (mut oldest, status) = hello(b.endpoint(), 1);
+    let (mut oldest, status) = hello(b.endpoint(), VERSION);
     assert_eq!(status, 0);
-    let (_newer, status) = hello(b.endpoint(), 1);
+    let (_newer, status) = hello(b.endpoint(), VERSION);
     assert_eq!(status, 0);
     let a = TcpEngine::new(TcpEngineConfig { connections_per_peer: 1, ..fast_config() }).expect("client");
     let local_ref = local.register(&a);
@@ -225,8 +230,10 @@ fn an_idle_connection_makes_room_for_a_new_peer() {
 #[test]
 fn a_version_mismatch_is_a_protocol_failure() {
     let server = server(DataServerConfig::default());
-    let (_s, status) = hello(&server.local_addr().to_string(), 2);
-    assert_eq!(status, 2, "BAD_VERSION");
+    let (_s, status) = hello(&server.local_addr().to_string(), VERSION - 1);
+    assert_eq!(status, 2, "BAD_VERSION to an older client");
+    let (_s, status) = hello(&server.local_addr().to_string(), VERSION + 1);
+    assert_eq!(status, 2, "BAD_VERSION to a newer client");
     let (endpoint, fake) = fake_server(2, Duration::from_millis(1));
     let mut local = HostBuf::zeroed(4096);
     let a = engine();
@@ -252,7 +259,7 @@ fn silent_sockets_do_not_lock_out_a_good_peer() {
     let pacers: Vec<_> = (0..2)
         .map(|_| {
             let s = TcpStream::connect(b.endpoint()).expect("connect");
-            trickle(s, hello_bytes(1), Duration::from_millis(150))
+            trickle(s, hello_bytes(VERSION), Duration::from_millis(150))
         })
         .collect();
     std::thread::sleep(Duration::from_millis(50));
@@ -281,7 +288,7 @@ fn silent_sockets_do_not_lock_out_a_good_peer() {
 fn idle_connections_are_closed_on_both_sides() {
     let server_config = DataServerConfig { idle_timeout: Duration::from_millis(300), ..DataServerConfig::default() };
     let server = server(server_config);
-    let (mut s, status) = hello(&server.local_addr().to_string(), 1);
+    let (mut s, status) = hello(&server.local_addr().to_string(), VERSION);
     assert_eq!(status, 0);
     assert!(closed_within(&mut s, Duration::from_secs(3)), "the server closes an idle connection");
 
@@ -310,7 +317,7 @@ fn a_stream_of_large_writes_is_acknowledged_as_it_lands() {
     let server = server(DataServerConfig::default());
     let r = region.register(&server);
     let id = r.remote().expect("remote").region_id;
-    let (mut s, status) = hello(&server.local_addr().to_string(), 1);
+    let (mut s, status) = hello(&server.local_addr().to_string(), VERSION);
     assert_eq!(status, 0);
     let payload = pattern(LEN, 5);
     let mut burst = request(2, 1, id, 0, LEN as u64);
@@ -503,7 +510,8 @@ fn closing_server(payload: Vec<u8>) -> (String, std::thread::JoinHandle<usize>) 
             return 0;
         }
         let mut answer = b"UMBP".to_vec();
-        answer.extend_from_slice(&[1, 0, 0, 0]);
+        answer.extend_from_slice(&VERSION.to_le_bytes());
+        answer.extend_from_slice(&[0, 0]);
         if s.write_all(&answer).is_err() {
             return 0;
         }
@@ -514,7 +522,8 @@ fn closing_server(payload: Vec<u8>) -> (String, std::thread::JoinHandle<usize>) 
                 break;
             }
             let mut reply = b"UMBP".to_vec();
-            reply.extend_from_slice(&[1, 0, 0, 0]);
+            reply.extend_from_slice(&VERSION.to_le_bytes());
+            reply.extend_from_slice(&[0, 0]);
             reply.extend_from_slice(&head[8..16]);
             reply.extend_from_slice(&head[32..40]);
             let len = u64::from_le_bytes(head[32..40].try_into().expect("8 bytes")) as usize;

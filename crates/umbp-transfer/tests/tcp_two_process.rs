@@ -284,7 +284,7 @@ fn server_closes_after(endpoint: &str, handshake: bool, bytes: &[u8]) -> bool {
     s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
     if handshake {
         let mut hello = b"UMBP".to_vec();
-        hello.extend_from_slice(&1u16.to_le_bytes());
+        hello.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
         hello.extend_from_slice(&0u16.to_le_bytes());
         s.write_all(&hello).expect("hello");
         let mut answer = [0u8; 8];

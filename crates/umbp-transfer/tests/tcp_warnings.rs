@@ -81,7 +81,7 @@ fn lines() -> Vec<Line> {
 
 fn hello_bytes(token: &str) -> Vec<u8> {
     let mut h = b"UMBP".to_vec();
-    h.extend_from_slice(&1u16.to_le_bytes());
+    h.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     h.extend_from_slice(&u16::try_from(token.len()).expect("short token").to_le_bytes());
     h.extend_from_slice(token.as_bytes());
     h

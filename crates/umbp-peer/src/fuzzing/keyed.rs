@@ -54,14 +54,14 @@ fn harness() -> &'static Harness {
 
 fn hello() -> Vec<u8> {
     let mut out = b"UMBP".to_vec();
-    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     out.extend_from_slice(&0u16.to_le_bytes());
     out
 }
 
 fn request(op: u8, flags: u8, id: u64, region: u64, offset: u64, length: u64) -> Vec<u8> {
     let mut out = b"UMBP".to_vec();
-    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&2u16.to_le_bytes()); // protocol version 2
     out.extend_from_slice(&[op, flags]);
     for v in [id, region, offset, length] {
         out.extend_from_slice(&v.to_le_bytes());
@@ -73,6 +73,19 @@ fn put(id: u64, key: &str, value: &[u8]) -> Vec<u8> {
     let tier = u64::from(TierType::Dram.wire());
     let len = (key.len() + value.len()) as u64;
     [request(PUT_KEY, 0, id, tier, key.len() as u64, len), key.as_bytes().to_vec(), value.to_vec()].concat()
+}
+
+/// A PUT_KEY carrying the value's checksum (flag 2) between the key and the value.
+fn put_checked(id: u64, key: &str, crc: u32, value: &[u8]) -> Vec<u8> {
+    let tier = u64::from(TierType::Dram.wire());
+    let len = (key.len() + 4 + value.len()) as u64;
+    [
+        request(PUT_KEY, 2, id, tier, key.len() as u64, len),
+        key.as_bytes().to_vec(),
+        crc.to_le_bytes().to_vec(),
+        value.to_vec(),
+    ]
+    .concat()
 }
 
 fn get(id: u64, key: &str, flags: u8) -> Vec<u8> {
@@ -163,6 +176,8 @@ pub fn keyed_seeds() -> Vec<Vec<u8>> {
         [hello(), put(1, "b", &value(10_000)), put(2, "b", &value(10)), get(3, "b", FLAG_SHARED), settle(1)].concat(),
         [hello(), put(1, "c", &value(3)), get(2, "c", FLAG_SHARED), settle(0)].concat(),
         [hello(), shared_put(1, "d", 300), settle(1), value(300), get(2, "d", 0)].concat(),
+        [hello(), put_checked(1, "f", 0x1edc_6f41, &value(50)), get(2, "f", 0), get(3, "f", FLAG_SHARED), settle(0)]
+            .concat(),
         // Claims a value larger than the medium; the stream ends after a few of its bytes.
         [hello(), request(PUT_KEY, 0, 1, tier, 1, PAGE * PAGES + 2), b"e".to_vec(), value(16)].concat(),
     ]

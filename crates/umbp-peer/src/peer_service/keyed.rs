@@ -105,7 +105,7 @@ impl KeyedHandler for KeyedMedia {
             }
             let lease = KeyedLease { id: entry.lease, backend_id: medium.id, until: start + self.read_lease };
             return match ranges(medium.backend.as_ref(), &entry.pages, entry.page_size, entry.size) {
-                Some(ranges) => KeyedRead::Hit { size: entry.size, ranges, lease },
+                Some(ranges) => KeyedRead::Hit { size: entry.size, ranges, lease, crc32c: entry.crc32c },
                 None => {
                     // Device memory (no host registration) or a layout the pages cannot hold: the
                     // routed path serves it (and judges it).
@@ -156,14 +156,14 @@ impl KeyedHandler for KeyedMedia {
         }
     }
 
-    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool) -> bool {
+    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool, crc32c: Option<u32>) -> bool {
         let Some(medium) = self.medium(slot.backend_id) else { return false };
         if !received {
             medium.backend.batch_abort(&[slot.id]);
             return false;
         }
-        let committed =
-            medium.backend.batch_commit(&[CommitRequest::new(slot.id, key)]).first().is_some_and(|r| r.success);
+        let commit = CommitRequest::new(slot.id, key).with_crc32c(crc32c);
+        let committed = medium.backend.batch_commit(&[commit]).first().is_some_and(|r| r.success);
         if committed {
             self.service.changed();
         }

@@ -231,7 +231,8 @@ impl Dispatch {
                     continue;
                 }
                 at.push(i);
-                requests.push(CommitRequest::new(slot_local(e.slot_id), std::mem::take(&mut e.key)));
+                requests
+                    .push(CommitRequest::new(slot_local(e.slot_id), std::mem::take(&mut e.key)).with_crc32c(e.crc32c));
             }
             if requests.is_empty() {
                 continue;
@@ -292,6 +293,7 @@ impl Dispatch {
                 tier: tier_to_wire(medium.tier),
                 busy: false,
                 lease_id: entry.lease,
+                crc32c: entry.crc32c,
             };
         }
         pb::ResolveKeyResponse { busy, ..Default::default() }
@@ -330,6 +332,7 @@ impl Dispatch {
                             size: entry.size,
                             pages: entry.pages,
                             lease: entry.lease,
+                            crc32c: entry.crc32c,
                         });
                     }
                     Some(entry) if entry.busy => {

@@ -239,6 +239,14 @@ pub struct PoolClientConfig {
     /// (falling back to TCP for any pair the path cannot take). Off: no memory file, no socket,
     /// every byte over TCP. Default: true.
     pub shared_memory: bool,
+    /// Whether values carry an **end-to-end checksum**: a put computes the value's CRC-32C
+    /// (hardware-assisted) and the holder stores it with the value; a get checks the bytes it
+    /// copied against it, and bytes that do not match (a flipped bit in a holder's memory, on its
+    /// drive or on the wire) are discarded, counted (`umbp_client_checksum_failures_total`), logged,
+    /// and read from another holder or reported a miss — never returned. A value put without one
+    /// (this setting off at its writer) is not checked; neither is a buffer in device memory, which
+    /// the CPU cannot read. Off: no checksum computed or checked. Default: true.
+    pub checksums: bool,
 }
 
 // Manual `Debug`: the cluster token must never reach a log line.
@@ -265,6 +273,7 @@ impl std::fmt::Debug for PoolClientConfig {
             .field("register_client", &self.register_client)
             .field("keyed_requests", &self.keyed_requests)
             .field("shared_memory", &self.shared_memory)
+            .field("checksums", &self.checksums)
             .finish()
     }
 }
@@ -293,6 +302,7 @@ impl PoolClientConfig {
             register_client: false,
             keyed_requests: true,
             shared_memory: true,
+            checksums: true,
         }
     }
 

@@ -157,11 +157,17 @@ impl PoolClient {
             })
         });
         let got = match got {
-            Ok(KeyedGet::Hit(_)) if self.clock.now() > sent + self.config.read_lease => Ok(KeyedGet::Lapsed),
+            Ok(KeyedGet::Hit { .. }) if self.clock.now() > sent + self.config.read_lease => Ok(KeyedGet::Lapsed),
             other => other,
         };
         match got {
-            Ok(KeyedGet::Hit(size)) => {
+            Ok(KeyedGet::Hit { size, crc32c }) if !self.copy_is_intact(key, &node, buf, size, crc32c) => {
+                // Corrupt bytes at that holder (or on the way): the routed path reads the key
+                // elsewhere, or reports a miss (it checks again, and leaves that holder out).
+                self.locations.forget(key);
+                None
+            }
+            Ok(KeyedGet::Hit { size, .. }) => {
                 if cached {
                     self.hint(key);
                 }
@@ -213,6 +219,7 @@ impl PoolClient {
             Ok(_) | Err(_) => return None,
         };
         let keyed = Arc::clone(&self.keyed);
+        let crc32c = self.value_checksum(value);
         // A large value for a holder on this host is copied into the slot through the client's
         // mapping (`KeyedClient::put_shared`); off with the shared path.
         let shared = self.config.shared_memory;
@@ -223,9 +230,9 @@ impl PoolClient {
                 // (checked above); only read, until this blocking call returns.
                 let bytes = unsafe { std::slice::from_raw_parts(value.ptr.as_ptr().cast_const(), value.len) };
                 if shared {
-                    keyed.put_shared(&endpoint, key, u64::from(tier.wire()), bytes)
+                    keyed.put_shared(&endpoint, key, u64::from(tier.wire()), bytes, crc32c)
                 } else {
-                    keyed.put(&endpoint, key, u64::from(tier.wire()), bytes)
+                    keyed.put(&endpoint, key, u64::from(tier.wire()), bytes, crc32c)
                 }
             })
         });

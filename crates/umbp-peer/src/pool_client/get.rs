@@ -155,6 +155,8 @@ struct Planned {
     /// A remote holder's data endpoint (from its descriptors), remembered as the key's location
     /// once the read succeeded, so the next single get of the key is one keyed exchange.
     endpoint: Option<Arc<str>>,
+    /// The checksum its writer put with the value: the copy is checked against it.
+    crc32c: Option<u32>,
 }
 
 /// What one round of a chunk plans: the copies to submit and the reads they belong to.
@@ -343,6 +345,10 @@ impl PoolClient {
                     StatCounters::add(&self.stats.lease_lapses, 1);
                     st.exclude[p.index].remove(&node);
                     st.last_error.insert(p.index, KeyError::LeaseExpired { node });
+                } else if !self.copy_is_intact(keys[p.index], &node, bufs[p.index], p.size, p.crc32c) {
+                    // Corrupt bytes at that holder (or on the way): never returned. The key is read
+                    // from another holder if the master knows one, else it is a miss.
+                    st.last_error.insert(p.index, KeyError::Miss);
                 } else {
                     st.results[p.index] = Some(Ok(p.size));
                     if !p.holder.is_here() {
@@ -524,6 +530,7 @@ impl PoolClient {
                         backend_id: hit.backend_id,
                         copied: true,
                         endpoint,
+                        crc32c: hit.crc32c,
                     };
                     self.plan_get(plan, &hit, bufs[*i], st, round);
                 }

@@ -56,6 +56,8 @@ pub(super) struct Hit {
     pub(super) lease: u64,
     /// The medium that serves the key (0 on this node: its one medium).
     pub(super) backend_id: u32,
+    /// The checksum its writer put with the value, to check the copy against.
+    pub(super) crc32c: Option<u32>,
 }
 
 /// A holder's answer for one key.
@@ -232,6 +234,7 @@ impl Holder {
                             page_size: r.page_size,
                             lease: r.lease,
                             backend_id: 0,
+                            crc32c: r.crc32c,
                         }),
                         _ => Answer::Miss,
                     })
@@ -265,6 +268,7 @@ impl Holder {
                                 page_size: decoded.page_size,
                                 lease: k.lease,
                                 backend_id: k.backend_id,
+                                crc32c: k.crc32c,
                             })
                         }
                         None if busy => Answer::Busy,

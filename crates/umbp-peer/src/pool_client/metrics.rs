@@ -23,6 +23,12 @@ impl MetricSource for ClientMetrics {
                 s.lease_lapses,
             ),
             MetricSample::counter(
+                names::CLIENT_CHECKSUM_FAILURES_TOTAL,
+                names::CLIENT_CHECKSUM_FAILURES_TOTAL_HELP,
+                vec![],
+                s.checksum_failures,
+            ),
+            MetricSample::counter(
                 names::CLIENT_SLOT_EXPIRIES_TOTAL,
                 names::CLIENT_SLOT_EXPIRIES_TOTAL_HELP,
                 vec![],

@@ -23,6 +23,7 @@
 //! connection, and a peer that cannot be reached is left out of routes for 2 s.
 
 mod builder;
+mod checksum;
 mod compose;
 mod config;
 mod error;
@@ -100,6 +101,9 @@ pub struct PoolClientStats {
     pub keyed_gets: u64,
     /// Single-key puts written in one keyed exchange with the holder (no allocate or commit RPC).
     pub keyed_puts: u64,
+    /// Reads whose bytes did not match the checksum they were put with: discarded, never returned
+    /// (the key was read from another holder or reported a miss).
+    pub checksum_failures: u64,
 }
 
 /// How long a node that could not be reached is left out of every route.

@@ -518,7 +518,10 @@ impl PoolClient {
         let Some(holder) = holder else { return vec![Err(KeyError::Failed("no holder".into())); list.len()] };
         let node = holder.node();
         let refused = || KeyError::Refused { node: node.to_owned(), message: "commit refused".into() };
-        let commits: Vec<CommitRequest> = list.iter().map(|(i, id)| CommitRequest::new(*id, items[*i].0)).collect();
+        let commits: Vec<CommitRequest> = list
+            .iter()
+            .map(|(i, id)| CommitRequest::new(*id, items[*i].0).with_crc32c(self.value_checksum(items[*i].1)))
+            .collect();
         match holder.commit(commits).await {
             Ok(done) => done.into_iter().map(|ok| if ok { Ok(()) } else { Err(refused()) }).collect(),
             Err(e) => vec![Err(e); list.len()],

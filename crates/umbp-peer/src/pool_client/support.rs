@@ -351,6 +351,7 @@ pub(super) struct StatCounters {
     pub(super) recache_stored: AtomicU64,
     pub(super) keyed_gets: AtomicU64,
     pub(super) keyed_puts: AtomicU64,
+    pub(super) checksum_failures: AtomicU64,
 }
 
 impl StatCounters {
@@ -369,6 +370,7 @@ impl StatCounters {
             recache_stored: get(&self.recache_stored),
             keyed_gets: get(&self.keyed_gets),
             keyed_puts: get(&self.keyed_puts),
+            checksum_failures: get(&self.checksum_failures),
         }
     }
 }

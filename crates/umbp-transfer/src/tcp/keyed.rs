@@ -70,6 +70,8 @@ pub enum KeyedRead {
         ranges: Vec<KeyedRange>,
         /// The lease to close once the bytes are sent.
         lease: KeyedLease,
+        /// The CRC-32C its writer put with the value, sent on for the reader to check.
+        crc32c: Option<u32>,
     },
     /// Not held here.
     Miss,
@@ -114,9 +116,9 @@ pub trait KeyedHandler: Send + Sync {
     fn close_read(&self, key: &str, lease: KeyedLease);
     /// Reserves a slot of `size` bytes for `key` on the medium of `tier` (`TierType` as a number).
     fn open_write(&self, key: &str, tier: u64, size: u64) -> KeyedWrite;
-    /// Commits the slot when `received` (the whole value arrived in time), else aborts it. Returns
-    /// whether it was committed.
-    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool) -> bool;
+    /// Commits the slot when `received` (the whole value arrived in time), with the writer's
+    /// CRC-32C of the value when it sent one, else aborts it. Returns whether it was committed.
+    fn close_write(&self, key: &str, slot: KeyedSlot, received: bool, crc32c: Option<u32>) -> bool;
 }
 
 impl std::fmt::Debug for dyn KeyedHandler {

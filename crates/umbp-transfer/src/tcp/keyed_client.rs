@@ -27,7 +27,8 @@ use parking_lot::Mutex;
 
 use super::io::{configure, dial, idle_and_open};
 use super::protocol::{
-    self, Descriptor, FLAG_SHARED, MAX_KEY_LEN, Op, REPLY_LEN, Reply, Request, Settle, Status, TRAILER_LEN, Trailer,
+    self, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, MAX_KEY_LEN, Op, REPLY_LEN, Reply, Request, Settle, Status,
+    TRAILER_LEN, Trailer,
 };
 use crate::engine::FailureKind;
 use crate::shm::SharedReads;
@@ -82,8 +83,14 @@ impl Default for KeyedClientConfig {
 /// What a keyed get found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyedGet {
-    /// The value (this many bytes) is in the destination.
-    Hit(u64),
+    /// The value is in the destination.
+    Hit {
+        /// The value's size.
+        size: u64,
+        /// The CRC-32C its writer put with the value, for the caller to check the destination's
+        /// bytes against (this client never reads them).
+        crc32c: Option<u32>,
+    },
     /// The holder does not hold the key.
     Miss,
     /// The holder holds it but cannot serve it now: ask again shortly.
@@ -315,19 +322,28 @@ impl KeyedClient {
     ///
     /// # Errors
     /// As [`put`](Self::put).
-    pub fn put_shared(&self, endpoint: &str, key: &str, tier: u64, value: &[u8]) -> Result<KeyedPut, KeyedError> {
+    pub fn put_shared(
+        &self,
+        endpoint: &str,
+        key: &str,
+        tier: u64,
+        value: &[u8],
+        crc32c: Option<u32>,
+    ) -> Result<KeyedPut, KeyedError> {
         check_key(key)?;
         if value.len() < SHARED_PUT_MIN
             || value.len() as u64 > protocol::MAX_REQUEST_BYTES
             || !self.shared.usable(endpoint)
         {
-            return self.put(endpoint, key, tier, value);
+            return self.put(endpoint, key, tier, value, crc32c);
         }
+        let (checksum_flag, crc) = checksum_field(crc32c);
+        let crc = crc.as_ref().map_or(&[][..], |b| &b[..]);
         let answer = self.exchange(endpoint, false, |stream, id| {
-            let length = key.len() as u64 + 8;
-            let head =
-                Request { op: Op::PutKey, flags: FLAG_SHARED, id, region: tier, offset: key.len() as u64, length };
-            send(stream, &head.encode(), &[key.as_bytes(), &(value.len() as u64).to_le_bytes()])?;
+            let length = key.len() as u64 + crc.len() as u64 + 8;
+            let flags = FLAG_SHARED | checksum_flag;
+            let head = Request { op: Op::PutKey, flags, id, region: tier, offset: key.len() as u64, length };
+            send(stream, &head.encode(), &[key.as_bytes(), crc, &(value.len() as u64).to_le_bytes()])?;
             let reply = read_reply(stream, id)?;
             match reply.status {
                 Status::Mapped => {}
@@ -369,7 +385,7 @@ impl KeyedClient {
             Ok(None) => {
                 // A server older than the flag: ask it the old way (and not the new one for a while).
                 self.shared.remember(endpoint);
-                self.put(endpoint, key, tier, value)
+                self.put(endpoint, key, tier, value, crc32c)
             }
             Err(e) => {
                 if e.is_unreachable() {
@@ -420,7 +436,7 @@ impl KeyedClient {
                 // The lease's bound: from before the request left (see `SharedReads`).
                 let intact = sent.elapsed() <= Duration::from_nanos(descriptor.lease_ns);
                 write_frame(stream, &Settle::Done.encode())?;
-                Ok(Some(if intact { KeyedGet::Hit(size) } else { KeyedGet::Lapsed }))
+                Ok(Some(if intact { KeyedGet::Hit { size, crc32c: descriptor.crc32c } } else { KeyedGet::Lapsed }))
             }
             Err(error) => {
                 tracing::debug!(peer = endpoint, %error, "keyed get: no copy from the mapping; asking for the bytes");
@@ -441,9 +457,18 @@ impl KeyedClient {
     /// # Errors
     /// See [`KeyedError`]; a connection that broke mid-exchange leaves unknown whether the holder
     /// committed the value.
-    pub fn put(&self, endpoint: &str, key: &str, tier: u64, value: &[u8]) -> Result<KeyedPut, KeyedError> {
+    pub fn put(
+        &self,
+        endpoint: &str,
+        key: &str,
+        tier: u64,
+        value: &[u8],
+        crc32c: Option<u32>,
+    ) -> Result<KeyedPut, KeyedError> {
         check_key(key)?;
-        let length = key.len() as u64 + value.len() as u64;
+        let (flags, crc) = checksum_field(crc32c);
+        let crc = crc.as_ref().map_or(&[][..], |b| &b[..]);
+        let length = key.len() as u64 + crc.len() as u64 + value.len() as u64;
         if length > protocol::MAX_REQUEST_BYTES {
             return Err(KeyedError::Protocol {
                 endpoint: endpoint.to_owned(),
@@ -451,8 +476,8 @@ impl KeyedClient {
             });
         }
         self.exchange(endpoint, false, |stream, id| {
-            let head = Request { op: Op::PutKey, flags: 0, id, region: tier, offset: key.len() as u64, length };
-            send(stream, &head.encode(), &[key.as_bytes(), value])?;
+            let head = Request { op: Op::PutKey, flags, id, region: tier, offset: key.len() as u64, length };
+            send(stream, &head.encode(), &[key.as_bytes(), crc, value])?;
             put_answer(read_reply(stream, id)?)
         })
     }
@@ -600,6 +625,12 @@ fn read_reply(stream: &mut TcpStream, id: u64) -> Result<Reply, ExchangeError> {
     Ok(reply)
 }
 
+/// A PUT_KEY's checksum field: the flag to set, and the bytes that follow the key (none without
+/// a checksum).
+fn checksum_field(crc32c: Option<u32>) -> (u8, Option<[u8; 4]>) {
+    (if crc32c.is_some() { FLAG_CHECKSUM } else { 0 }, crc32c.map(u32::to_le_bytes))
+}
+
 /// Reads a GET_KEY reply: the value straight into `dst`, then its trailer.
 ///
 /// # Safety
@@ -639,8 +670,8 @@ unsafe fn read_get_body(
             let mut trailer = [0u8; TRAILER_LEN];
             stream.read_exact(&mut trailer).map_err(mid)?;
             match Trailer::decode(&trailer).map_err(|e| protocol_error(format!("bad trailer: {e}")))? {
-                Trailer::Intact => Ok(KeyedGet::Hit(reply.length)),
-                Trailer::Lapsed => Ok(KeyedGet::Lapsed),
+                (Trailer::Intact, crc32c) => Ok(KeyedGet::Hit { size: reply.length, crc32c }),
+                (Trailer::Lapsed, _) => Ok(KeyedGet::Lapsed),
             }
         }
         Status::TooSmall => Ok(KeyedGet::TooSmall(reply.length)),

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use super::super::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 use super::super::protocol::{
-    Descriptor, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES, MAX_SHARED_RANGES, Reply, Request, SETTLE_LEN,
-    Settle, Status, Trailer,
+    CHECKSUM_LEN, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES,
+    MAX_SHARED_RANGES, Reply, Request, SETTLE_LEN, Settle, Status, Trailer,
 };
 use super::{End, RegionGuard, ServerConn, bump, write_all_vectored_until};
 
@@ -31,6 +31,8 @@ struct OpenWrite<'h> {
     key: &'h str,
     slot: KeyedSlot,
     settled: bool,
+    /// The writer's checksum of the value, committed with it.
+    crc32c: Option<u32>,
 }
 
 impl OpenWrite<'_> {
@@ -38,14 +40,14 @@ impl OpenWrite<'_> {
     fn commit(mut self) -> bool {
         self.settled = true;
         let received = Instant::now() <= self.slot.until;
-        self.handler.close_write(self.key, self.slot, received) && received
+        self.handler.close_write(self.key, self.slot, received, self.crc32c) && received
     }
 }
 
 impl Drop for OpenWrite<'_> {
     fn drop(&mut self) {
         if !self.settled {
-            self.handler.close_write(self.key, self.slot, false);
+            self.handler.close_write(self.key, self.slot, false, None);
         }
     }
 }
@@ -99,8 +101,8 @@ impl ServerConn<'_> {
             (_, None) => return self.send_alone(&answer(Status::Unsupported, 0)).map(|()| Status::Unsupported),
             _ => return self.send_alone(&answer(Status::BadRequest, 0)).map(|()| Status::BadRequest),
         };
-        let (size, ranges, lease) = match handler.open_read(key) {
-            KeyedRead::Hit { size, ranges, lease } => (size, ranges, lease),
+        let (size, ranges, lease, crc32c) = match handler.open_read(key) {
+            KeyedRead::Hit { size, ranges, lease, crc32c } => (size, ranges, lease, crc32c),
             other => {
                 let status = match other {
                     KeyedRead::Miss => Status::Miss,
@@ -124,9 +126,13 @@ impl ServerConn<'_> {
             // The client copies from its own mappings: the regions' epochs (not our guards) tell it
             // when one goes away, so nothing here blocks a deregistration while it copies.
             drop(guarded);
-            let descriptor =
-                Descriptor { size, lease_ns, ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect() }
-                    .encode();
+            let descriptor = Descriptor {
+                size,
+                lease_ns,
+                ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
+                crc32c,
+            }
+            .encode();
             let head = answer(Status::Mapped, descriptor.len() as u64);
             let deadline = Instant::now() + self.shared.config.io_timeout;
             write_all_vectored_until(
@@ -151,9 +157,9 @@ impl ServerConn<'_> {
                 drop(open);
                 return self.send_alone(&answer(Status::Unsupported, 0)).map(|()| Status::Unsupported);
             };
-            return self.send_value(r.id, size, guarded, open);
+            return self.send_value(r.id, size, guarded, open, crc32c);
         }
-        self.send_value(r.id, size, guarded, open)
+        self.send_value(r.id, size, guarded, open, crc32c)
     }
 
     /// Sends a keyed read's value from `guarded` with its trailer (judging `open`'s lease when the
@@ -164,6 +170,7 @@ impl ServerConn<'_> {
         size: u64,
         guarded: Vec<(RegionGuard, *mut u8, usize)>,
         open: OpenRead<'_>,
+        crc32c: Option<u32>,
     ) -> Result<Status, End> {
         let head = Reply { status: Status::Ok, id, length: size }.encode();
         let mut slices = Vec::with_capacity(guarded.len() + 1);
@@ -184,7 +191,7 @@ impl ServerConn<'_> {
         drop(slices);
         drop(guarded);
         drop(open);
-        self.send_alone(&trailer.encode())?;
+        self.send_alone(&trailer.encode(crc32c))?;
         Ok(if trailer == Trailer::Intact { Status::Ok } else { Status::Failed })
     }
 
@@ -204,21 +211,33 @@ impl ServerConn<'_> {
         }
         let mut key = vec![0u8; key_len as usize];
         self.reader.read_exact_into(&mut key)?;
-        if r.flags == FLAG_SHARED && r.length - key_len == 8 {
-            return self.put_key_shared(&r, &key);
+        let mut rest = r.length - key_len;
+        let crc32c = if r.flags & FLAG_CHECKSUM != 0 {
+            if rest < CHECKSUM_LEN {
+                return Err(End::Malformed(FrameError::TooLong(r.length)));
+            }
+            let mut crc = [0u8; CHECKSUM_LEN as usize];
+            self.reader.read_exact_into(&mut crc)?;
+            rest -= CHECKSUM_LEN;
+            Some(u32::from_le_bytes(crc))
+        } else {
+            None
+        };
+        if r.flags & !FLAG_CHECKSUM == FLAG_SHARED && rest == 8 {
+            return self.put_key_shared(&r, &key, crc32c);
         }
-        let size = r.length - key_len;
-        let status = self.serve_put_key(&r, &key, size)?;
+        let size = rest;
+        let status = self.serve_put_key(&r, &key, size, crc32c)?;
         self.replies.payload_bytes += usize::try_from(size).unwrap_or(usize::MAX);
         self.queue(Reply { status, id: r.id, length: 0 }, None);
         bump(&self.shared.metrics.requests[status as usize]);
         Ok(())
     }
 
-    fn serve_put_key(&mut self, r: &Request, key: &[u8], size: u64) -> Result<Status, End> {
+    fn serve_put_key(&mut self, r: &Request, key: &[u8], size: u64, crc32c: Option<u32>) -> Result<Status, End> {
         let handler = self.keyed_handler();
         let (key, handler) = match (std::str::from_utf8(key), handler) {
-            (Ok(key), Some(handler)) if r.flags == 0 && !key.is_empty() => (key, handler),
+            (Ok(key), Some(handler)) if r.flags & !FLAG_CHECKSUM == 0 && !key.is_empty() => (key, handler),
             (_, None) => return self.discard(size).map(|()| Status::Unsupported),
             _ => return self.discard(size).map(|()| Status::BadRequest),
         };
@@ -235,7 +254,7 @@ impl ServerConn<'_> {
                 return self.discard(size).map(|()| status);
             }
         };
-        let open = OpenWrite { handler: handler.as_ref(), key, slot, settled: false };
+        let open = OpenWrite { handler: handler.as_ref(), key, slot, settled: false, crc32c };
         let Some(guarded) = self.guard_ranges(&ranges, size) else {
             drop(open);
             return self.discard(size).map(|()| Status::Unsupported);
@@ -255,7 +274,7 @@ impl ServerConn<'_> {
 
     /// PUT_KEY with [`FLAG_SHARED`]: the value's size follows the key (8 bytes), the value does not;
     /// the answer is written now (the client waits for it before it copies).
-    fn put_key_shared(&mut self, r: &Request, key: &[u8]) -> Result<(), End> {
+    fn put_key_shared(&mut self, r: &Request, key: &[u8], crc32c: Option<u32>) -> Result<(), End> {
         let mut size = [0u8; 8];
         self.reader.read_exact_into(&mut size)?;
         let size = u64::from_le_bytes(size);
@@ -264,7 +283,7 @@ impl ServerConn<'_> {
         }
         // Everything queued goes out first, in order.
         self.flush()?;
-        let status = self.serve_put_key_shared(r, key, size)?;
+        let status = self.serve_put_key_shared(r, key, size, crc32c)?;
         self.send_alone(&Reply { status, id: r.id, length: 0 }.encode())?;
         bump(&self.shared.metrics.requests[status as usize]);
         Ok(())
@@ -275,7 +294,7 @@ impl ServerConn<'_> {
     /// arrived before the slot's end — every byte the client wrote was written before it sent the
     /// settle, so this server's clock alone judges it; `SendBytes` receives the value the TCP way.
     /// Any other end aborts the slot (`OpenWrite`'s drop).
-    fn serve_put_key_shared(&mut self, r: &Request, key: &[u8], size: u64) -> Result<Status, End> {
+    fn serve_put_key_shared(&mut self, r: &Request, key: &[u8], size: u64, crc32c: Option<u32>) -> Result<Status, End> {
         let received = Instant::now();
         let handler = self.keyed_handler();
         let (key, handler) = match (std::str::from_utf8(key), handler) {
@@ -291,7 +310,7 @@ impl ServerConn<'_> {
             KeyedWrite::Failed => return Ok(Status::Failed),
             KeyedWrite::Unsupported => return Ok(Status::Unsupported),
         };
-        let open = OpenWrite { handler: handler.as_ref(), key, slot, settled: false };
+        let open = OpenWrite { handler: handler.as_ref(), key, slot, settled: false, crc32c };
         let slot_ns = u64::try_from(slot.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
         if self.guard_ranges(&ranges, size).is_none()
             || ranges.is_empty()
@@ -305,6 +324,7 @@ impl ServerConn<'_> {
             size,
             lease_ns: slot_ns,
             ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
+            crc32c: None,
         }
         .encode();
         let head = Reply { status: Status::Mapped, id: r.id, length: descriptor.len() as u64 }.encode();

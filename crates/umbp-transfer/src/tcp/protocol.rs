@@ -2,7 +2,8 @@
 //!
 //! Every integer is little-endian. Every frame starts with the magic `"UMBP"` (the bytes
 //! `55 4d 42 50`, read as the little-endian `u32` `0x504d_4255`) and the protocol version
-//! ([`VERSION`], currently 1).
+//! ([`VERSION`], currently 2: version 2 added the value checksum to the keyed ops' trailer,
+//! descriptor and PUT_KEY).
 //!
 //! # Handshake
 //! The client speaks first, once per connection:
@@ -47,13 +48,17 @@
 //!
 //! - **GET_KEY** (op 3): `region_id` 0, `offset` the most bytes the client can take, `length` the
 //!   key's length (at most [`MAX_KEY_LEN`]); the key's bytes (UTF-8) follow. Reply `OK` with
-//!   `length` = the value's size, the value, then an 8-byte **trailer** (magic, a verdict byte:
-//!   0 = intact, 1 = lapsed — the send outlived the holder's read lease and the bytes must be
-//!   discarded —, three zero bytes). `TOO_SMALL` carries the value's size in `length` and no
+//!   `length` = the value's size, the value, then a 16-byte **trailer**: magic, a verdict byte
+//!   (0 = intact, 1 = lapsed — the send outlived the holder's read lease and the bytes must be
+//!   discarded), a checksum byte (1 = the next field holds the CRC-32C its writer put with the
+//!   value, 0 = none), two zero bytes, the CRC-32C (`u32`, 0 when none), four zero bytes. The
+//!   client checks the bytes it received against that checksum. `TOO_SMALL` carries the value's size in `length` and no
 //!   payload; `MISS`, `BUSY`, `BAD_REQUEST` (not UTF-8) and `UNSUPPORTED` carry nothing.
 //! - **PUT_KEY** (op 4): `region_id` the tier (`TierType` as a number), `offset` the key's length
 //!   (at most [`MAX_KEY_LEN`]), `length` key and value together; the key, then the value follow —
-//!   always in full, as a WRITE's payload. Reply `OK` (written and committed), `EXISTS`,
+//!   always in full, as a WRITE's payload. With [`FLAG_CHECKSUM`] in `flags`, the key is followed
+//!   by the value's CRC-32C (4 bytes, counted in `length`), which the holder stores with the value.
+//!   Reply `OK` (written and committed), `EXISTS`,
 //!   `NO_SPACE`, `BUSY`, `FAILED`, `BAD_REQUEST` or `UNSUPPORTED`, with no payload.
 //!
 //! A server without a keyed handler answers `UNSUPPORTED`; a server older than these ops closes
@@ -69,8 +74,11 @@
 //! | 0..8   | size      | the value's size                                                 |
 //! | 8..16  | lease_ns  | nanoseconds from when the server **received** the request to the end of its read lease |
 //! | 16..20 | count     | ranges that follow, 1 to [`MAX_SHARED_RANGES`]                   |
-//! | 20..24 | reserved  | 0                                                                |
-//! | 24..   | ranges    | `count` × (region_id `u64`, offset `u64`, len `u64`), in value order, lens adding up to `size` |
+//! | 20     | checksum  | 1: `crc32c` holds the value's checksum (GET_KEY only), 0: none   |
+//! | 21..24 | reserved  | 0                                                                |
+//! | 24..28 | crc32c    | the CRC-32C its writer put with the value (0 when none)           |
+//! | 28..32 | reserved  | 0                                                                |
+//! | 32..   | ranges    | `count` × (region_id `u64`, offset `u64`, len `u64`), in value order, lens adding up to `size` |
 //!
 //! — and keeps the read lease open. The client copies the ranges from its mappings of the
 //! holder's regions and then sends an 8-byte **settle** frame (magic, a verdict byte, three zero
@@ -148,7 +156,7 @@
 /// The frame magic: the bytes `"UMBP"`.
 pub(crate) const MAGIC: u32 = u32::from_le_bytes(*b"UMBP");
 /// The protocol version this build speaks.
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 /// Bytes of the fixed part of the client hello (the token follows).
 pub(crate) const HELLO_LEN: usize = 8;
 /// Bytes of the server's answer to a hello.
@@ -163,14 +171,18 @@ pub(crate) const REPLY_LEN: usize = 24;
 /// closes the connection.
 pub(crate) const MAX_KEY_LEN: u64 = 8 << 10;
 /// Bytes of the trailer that ends a successful GET_KEY payload.
-pub(crate) const TRAILER_LEN: usize = 8;
+pub(crate) const TRAILER_LEN: usize = 16;
 /// GET_KEY `flags` bit: the client can copy the value from shared mappings of this server's
 /// regions, so a `MAPPED` answer (a descriptor instead of the bytes) is welcome.
 pub(crate) const FLAG_SHARED: u8 = 1;
+/// PUT_KEY `flags` bit: the value's CRC-32C (4 bytes) follows the key.
+pub(crate) const FLAG_CHECKSUM: u8 = 2;
+/// Bytes of the checksum a PUT_KEY with [`FLAG_CHECKSUM`] carries after its key.
+pub(crate) const CHECKSUM_LEN: u64 = 4;
 /// The most ranges a `MAPPED` descriptor names; a value in more pieces is sent as bytes.
 pub(crate) const MAX_SHARED_RANGES: usize = 1024;
 /// Bytes of a `MAPPED` descriptor's fixed part.
-pub(crate) const DESCRIPTOR_HEAD_LEN: usize = 24;
+pub(crate) const DESCRIPTOR_HEAD_LEN: usize = 32;
 /// Bytes of one range of a `MAPPED` descriptor.
 pub(crate) const DESCRIPTOR_RANGE_LEN: usize = 24;
 /// Bytes of the settle frame a client sends after a `MAPPED` answer.
@@ -509,25 +521,35 @@ pub(crate) enum Trailer {
 }
 
 impl Trailer {
-    /// The 8 trailer bytes: the magic, the verdict, three reserved zero bytes.
-    pub(crate) fn encode(self) -> [u8; TRAILER_LEN] {
+    /// The 16 trailer bytes: the magic, the verdict, whether a checksum follows, two zero bytes,
+    /// the value's CRC-32C (0 when none), four zero bytes.
+    pub(crate) fn encode(self, crc32c: Option<u32>) -> [u8; TRAILER_LEN] {
         let mut out = [0u8; TRAILER_LEN];
         out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
         out[4] = self as u8;
+        out[5] = u8::from(crc32c.is_some());
+        out[8..12].copy_from_slice(&crc32c.unwrap_or(0).to_le_bytes());
         out
     }
 
-    /// Parses a trailer; an error means the connection is out of sync.
-    pub(crate) fn decode(b: &[u8; TRAILER_LEN]) -> Result<Self, FrameError> {
+    /// Parses a trailer into its verdict and the value's checksum; an error means the connection
+    /// is out of sync.
+    pub(crate) fn decode(b: &[u8; TRAILER_LEN]) -> Result<(Self, Option<u32>), FrameError> {
         let magic = u32_at(b, 0);
         if magic != MAGIC {
             return Err(FrameError::BadMagic(magic));
         }
-        match b[4] {
-            0 => Ok(Self::Intact),
-            1 => Ok(Self::Lapsed),
-            v => Err(FrameError::BadStatus(v)),
-        }
+        let verdict = match b[4] {
+            0 => Self::Intact,
+            1 => Self::Lapsed,
+            v => return Err(FrameError::BadStatus(v)),
+        };
+        let crc32c = match b[5] {
+            0 => None,
+            1 => Some(u32_at(b, 8)),
+            v => return Err(FrameError::BadStatus(v)),
+        };
+        Ok((verdict, crc32c))
     }
 }
 
@@ -541,6 +563,8 @@ pub(crate) struct Descriptor {
     pub(crate) lease_ns: u64,
     /// (region id, offset, len), in value order.
     pub(crate) ranges: Vec<(u64, u64, u64)>,
+    /// The CRC-32C its writer put with the value (a GET_KEY's answer only).
+    pub(crate) crc32c: Option<u32>,
 }
 
 impl Descriptor {
@@ -550,6 +574,8 @@ impl Descriptor {
         out.extend_from_slice(&self.size.to_le_bytes());
         out.extend_from_slice(&self.lease_ns.to_le_bytes());
         out.extend_from_slice(&u32::try_from(self.ranges.len()).unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(&[u8::from(self.crc32c.is_some()), 0, 0, 0]);
+        out.extend_from_slice(&self.crc32c.unwrap_or(0).to_le_bytes());
         out.extend_from_slice(&[0u8; 4]);
         for (region, offset, len) in &self.ranges {
             out.extend_from_slice(&region.to_le_bytes());
@@ -573,6 +599,11 @@ impl Descriptor {
         let size = u64_at(b, 0);
         let lease_ns = u64_at(b, 8);
         let count = u32_at(b, 16) as usize;
+        let crc32c = match b[20] {
+            0 => None,
+            1 => Some(u32_at(b, 24)),
+            v => return Err(FrameError::BadStatus(v)),
+        };
         if count == 0 || b.len() != DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * count {
             return Err(FrameError::TooLong(b.len() as u64));
         }
@@ -589,7 +620,7 @@ impl Descriptor {
         if total != size {
             return Err(FrameError::TooLong(total));
         }
-        Ok(Self { size, lease_ns, ranges })
+        Ok(Self { size, lease_ns, ranges, crc32c })
     }
 }
 
@@ -657,9 +688,15 @@ mod tests {
     #[test]
     fn trailers_round_trip_and_reject_garbage() {
         for t in [Trailer::Intact, Trailer::Lapsed] {
-            assert_eq!(Trailer::decode(&t.encode()), Ok(t));
+            for crc in [None, Some(0), Some(0xdead_beef)] {
+                assert_eq!(Trailer::decode(&t.encode(crc)), Ok((t, crc)));
+            }
         }
-        let mut b = Trailer::Intact.encode();
+        let mut b = Trailer::Intact.encode(Some(7));
+        b[5] = 2;
+        assert_eq!(Trailer::decode(&b), Err(FrameError::BadStatus(2)), "a checksum byte beyond 0/1");
+        b[5] = 0;
+        assert_eq!(Trailer::decode(&b), Ok((Trailer::Intact, None)), "no checksum: its field is ignored");
         b[4] = 2;
         assert_eq!(Trailer::decode(&b), Err(FrameError::BadStatus(2)));
         b[0] = 0;
@@ -668,16 +705,21 @@ mod tests {
 
     #[test]
     fn descriptors_and_settles_round_trip_and_reject_garbage() {
-        let d = Descriptor { size: 30, lease_ns: 5_000_000, ranges: vec![(7, 0, 10), (7, 4096, 20)] };
+        let d = Descriptor { size: 30, lease_ns: 5_000_000, ranges: vec![(7, 0, 10), (7, 4096, 20)], crc32c: None };
         assert_eq!(Descriptor::decode(&d.encode()), Ok(d.clone()));
+        let with = Descriptor { crc32c: Some(0x0102_0304), ..d.clone() };
+        assert_eq!(Descriptor::decode(&with.encode()), Ok(with.clone()), "a checksum round-trips");
+        let mut b = with.encode();
+        b[20] = 3;
+        assert_eq!(Descriptor::decode(&b), Err(FrameError::BadStatus(3)), "a checksum byte beyond 0/1");
         let mut b = d.encode();
         b[0] = 31;
         assert!(Descriptor::decode(&b).is_err(), "ranges must add up to the size");
         let b = d.encode();
         assert!(Descriptor::decode(&b[..b.len() - 1]).is_err(), "the count must match the length");
-        let empty = Descriptor { size: 0, lease_ns: 1, ranges: Vec::new() };
+        let empty = Descriptor { size: 0, lease_ns: 1, ranges: Vec::new(), crc32c: None };
         assert!(Descriptor::decode(&empty.encode()).is_err(), "at least one range");
-        let over = Descriptor { size: u64::MAX, lease_ns: 1, ranges: vec![(1, 0, u64::MAX), (1, 0, 1)] };
+        let over = Descriptor { size: u64::MAX, lease_ns: 1, ranges: vec![(1, 0, u64::MAX), (1, 0, 1)], crc32c: None };
         assert!(Descriptor::decode(&over.encode()).is_err(), "checked sums");
         for s in [Settle::Done, Settle::SendBytes] {
             assert_eq!(Settle::decode(&s.encode()), Ok(s));
