@@ -63,6 +63,7 @@ CONFIGURATION
     bounce = \"64MiB\"                    # staging for caller memory that is not registered
     metrics_addr = \"127.0.0.1:9092\"   # serve Prometheus /metrics here (default: none)
     shared_memory = true                # same-host peers copy through mappings of the memory
+    checksums = true                    # a CRC-32C with every value, checked on every read
 
     [node.dram]
     capacity_bytes = \"4GiB\"
@@ -545,6 +546,11 @@ pub struct NodeArgs {
     /// [default: true]
     #[arg(long, value_name = "BOOL")]
     pub shared_memory: Option<bool>,
+    /// Put a CRC-32C with every value and check every read against it: a value whose bytes changed
+    /// in a holder's memory, on its drive or on the wire is discarded (a miss, counted in
+    /// umbp_client_checksum_failures_total), never returned [env: UMBP_CHECKSUMS] [default: true]
+    #[arg(long, value_name = "BOOL")]
+    pub checksums: Option<bool>,
     /// The master client's settings.
     #[command(flatten)]
     pub master_client: MasterClientArgs,

@@ -210,6 +210,7 @@ pub fn resolve_node(
     c.bounce_bytes = n.bounce;
     c.metrics_listen = n.metrics_addr;
     c.shared_memory = n.shared_memory;
+    c.checksums = n.checksums;
     c.medium = match n.medium {
         MediumKind::Dram => Medium::Dram(n.dram),
         MediumKind::Ssd => Medium::Ssd(n.ssd),
@@ -241,6 +242,7 @@ pub fn resolve_client(
     c.max_reroutes = s.node.max_reroutes;
     c.bounce_bytes = s.node.bounce;
     c.shared_memory = s.node.shared_memory;
+    c.checksums = s.node.checksums;
     c.recache = RecachePolicy::Off;
     c.cluster_token = s.cluster_token.filter(|t| !t.is_empty());
     c.master = s.node.master;

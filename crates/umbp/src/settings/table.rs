@@ -163,6 +163,7 @@ pub(crate) const TABLE: &[Row] = &[
     row("node.bounce", Node, "--bounce", &[("UMBP_BOUNCE", Text)], &[]),
     row("node.metrics_addr", Node, "--metrics-addr", &[("UMBP_NODE_METRICS_ADDR", Text)], &[]),
     row("node.shared_memory", Node, "--shared-memory", &[("UMBP_SHARED_MEMORY", Bool)], &[]),
+    row("node.checksums", Node, "--checksums", &[("UMBP_CHECKSUMS", Bool)], &[]),
     // [node.dram]: umbp_peer::pool_client::DramConfig.
     row("node.dram.capacity_bytes", Node, "--capacity", &[("UMBP_CAPACITY", Text)], &["node.capacity"]),
     row("node.dram.prefault", Node, "--prefault", &[("UMBP_DRAM_PREFAULT", Bool)], &["node.prefault"]),

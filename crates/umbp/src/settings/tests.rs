@@ -242,6 +242,21 @@ fn a_variable_of_the_flags_stem_beats_the_references_name_and_flags_beat_both() 
 }
 
 #[test]
+fn checksums_are_on_by_default_and_off_by_flag_variable_or_file() {
+    let none = env(&[]);
+    let on = resolve_node(&FileConfig::default(), &none, &node_args(&["--node-id", "n"]), None).expect("defaults");
+    assert!(on.checksums, "on by default");
+    let off = node_args(&["--node-id", "n", "--checksums", "false"]);
+    assert!(!resolve_node(&FileConfig::default(), &none, &off, None).expect("flag").checksums, "--checksums false");
+    let by_env = env(&[("UMBP_CHECKSUMS", "false")]);
+    let c = resolve_node(&FileConfig::default(), &by_env, &node_args(&["--node-id", "n"]), None).expect("env");
+    assert!(!c.checksums, "UMBP_CHECKSUMS=false");
+    let file = FileConfig::parse("[node]\nchecksums = false\n", Path::new("t")).expect("a file");
+    let c = resolve_node(&file, &none, &node_args(&["--node-id", "n"]), None).expect("file");
+    assert!(!c.checksums, "[node] checksums = false");
+}
+
+#[test]
 fn settings_errors_say_what_to_do_next() {
     let missing =
         SettingsError::ReadFile { path: "/x".into(), source: std::io::Error::from(std::io::ErrorKind::NotFound) };

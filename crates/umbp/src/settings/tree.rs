@@ -113,6 +113,8 @@ pub struct NodeSettings {
     pub metrics_addr: Option<SocketAddr>,
     /// The same-host shared-memory path.
     pub shared_memory: bool,
+    /// End-to-end value checksums (computed at put, checked at get).
+    pub checksums: bool,
     /// `[node.dram]`.
     pub dram: DramConfig,
     /// `[node.hbm]`.
@@ -146,6 +148,7 @@ impl Default for NodeSettings {
             bounce: p.bounce_bytes,
             metrics_addr: p.metrics_listen,
             shared_memory: p.shared_memory,
+            checksums: p.checksums,
             dram: DramConfig::default(),
             hbm: HbmConfig::default(),
             cxl: CxlConfig::default(),
