@@ -134,7 +134,10 @@ impl Raw {
         let bucket = Bucket::new(url, UrlStyle::Path, bucket.to_owned(), "us-east-1").expect("bucket");
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(10)))
+            .timeout_global(Some(Duration::from_secs(60)))
+            // Kept alive for as many threads as a bench runs, as the medium's own client does.
+            .max_idle_connections(64)
+            .max_idle_connections_per_host(64)
             .build()
             .new_agent();
         Self { bucket, creds: rusty_s3::Credentials::new("testing", "testing"), agent }
