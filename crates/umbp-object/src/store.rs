@@ -67,6 +67,17 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// The request was never sent: the medium is shutting down, or the caller's deadline passed
+    /// while it waited for a worker.
+    #[error("{op} {name}: not sent ({why})")]
+    Skipped {
+        /// The request.
+        op: &'static str,
+        /// The object.
+        name: String,
+        /// Why not.
+        why: &'static str,
+    },
     /// A listing the store sent could not be read.
     #[error("list {prefix:?}: the store's answer is not a ListObjectsV2 result: {why}")]
     Listing {
@@ -86,7 +97,7 @@ impl StoreError {
                 **source,
                 ureq::Error::Io(_) | ureq::Error::Timeout(_) | ureq::Error::ConnectionFailed | ureq::Error::Protocol(_)
             ),
-            Self::NotFound { .. } | Self::Io { .. } | Self::Listing { .. } => false,
+            Self::NotFound { .. } | Self::Io { .. } | Self::Listing { .. } | Self::Skipped { .. } => false,
         }
     }
 
@@ -97,6 +108,7 @@ impl StoreError {
             _ if self.is_transient() => ErrorKind::Unavailable,
             Self::Status { status: 401 | 403 | 404, .. } => ErrorKind::InvalidInput,
             Self::Status { .. } | Self::Io { .. } | Self::Transport { .. } => ErrorKind::Unavailable,
+            Self::Skipped { .. } => ErrorKind::Closed,
             Self::Listing { .. } => ErrorKind::Internal,
         }
     }

@@ -6,6 +6,7 @@
 //! up (the batch's `abandoned` flag, set under the same lock), so a commit answered failed never
 //! becomes a key later.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -36,6 +37,17 @@ struct Download {
     seq: u64,
     pages: Vec<PageLocation>,
     flight: u64,
+}
+
+/// How a download ended.
+enum Fetched {
+    /// The value is in the pages, checked.
+    Filled,
+    /// The store no longer has the value, or holds damaged bytes for it: the key is gone.
+    Lost(String),
+    /// The store could not be asked (unreachable, failing past the retries, stopping): the key
+    /// stays, this read misses.
+    Failed,
 }
 
 /// What the commits of one batch share with their jobs.
@@ -81,13 +93,29 @@ impl Arena {
 
 impl Inner {
     /// `batch_commit`: takes the slots, uploads them on the workers, waits up to `op_timeout`.
+    /// Commits of one key inside the batch go in waves, in request order, so the first one wins as
+    /// it would one batch after another (the later ones then find the key owned).
     pub(super) fn commit(self: &Arc<Self>, requests: &[CommitRequest]) -> Vec<CommitResult> {
-        let now = self.config.clock.now();
         let mut results = vec![FAILED; requests.len()];
+        let mut todo: Vec<usize> = (0..requests.len()).collect();
+        while !todo.is_empty() {
+            let mut seen = HashSet::new();
+            let (wave, later): (Vec<usize>, Vec<usize>) =
+                todo.into_iter().partition(|&i| seen.insert(requests[i].key.as_str()));
+            self.commit_wave(requests, &wave, &mut results);
+            todo = later;
+        }
+        results
+    }
+
+    /// Commits `requests[i]` for every `i` of `wave` (no key twice), filling `results`.
+    fn commit_wave(self: &Arc<Self>, requests: &[CommitRequest], wave: &[usize], results: &mut [CommitResult]) {
+        let now = self.config.clock.now();
         let mut uploads = Vec::new();
         {
             let mut state = self.state.lock();
-            for (index, r) in requests.iter().enumerate() {
+            for &index in wave {
+                let r = &requests[index];
                 let Some(slot) = state.pending.remove(&r.slot_id) else { continue };
                 let stale = slot.generation != state.generation || slot.deadline <= now;
                 if stale || r.key.len() > MAX_KEY_LEN {
@@ -116,7 +144,7 @@ impl Inner {
             }
         }
         if uploads.is_empty() {
-            return results;
+            return;
         }
         let (tx, rx) = crossbeam_channel::unbounded();
         let batch = Arc::new(Batch { results: tx, abandoned: AtomicBool::new(false) });
@@ -153,7 +181,6 @@ impl Inner {
                 "object store uploads outlasted op_timeout; their commits answer failed"
             );
         }
-        results
     }
 
     /// A worker's upload: the object's bytes out of the slot's pages, the PUT, the outcome.
@@ -171,9 +198,10 @@ impl Inner {
                 drop(value);
                 store.put(&name, &body, deadline)
             }
-            _ => Err(StoreError::NotFound {
-                op: "put (not attempted: stopping or past its deadline)",
+            _ => Err(StoreError::Skipped {
+                op: "put",
                 name: name.clone(),
+                why: "stopping, or past the commit's deadline",
             }),
         };
         let mut dead = Vec::new();
@@ -301,7 +329,7 @@ impl Inner {
     fn run_download(self: &Arc<Self>, d: Download, deadline: Instant) {
         let name = self.name_of(&d.key, d.seq);
         let limit = record::object_len(d.key.len(), d.size);
-        let outcome: Result<(), String> = match (self.store(), self.published()) {
+        let outcome = match (self.store(), self.published()) {
             (Some(store), Some(p)) if !self.stopping.load(Ordering::Acquire) && Instant::now() < deadline => {
                 match store.get(&name, limit, deadline) {
                     Ok(bytes) => match record::check_object(&bytes, &d.key, d.seq) {
@@ -309,33 +337,32 @@ impl Inner {
                             // SAFETY: the pages are this download's (its filling copy's) until it
                             // publishes below; the arena outlives the workers.
                             unsafe { p.arena.write(&d.pages, value, self.config.page_size) };
-                            Ok(())
+                            Fetched::Filled
                         }
-                        Err(e) => Err(format!("corrupt object {name}: {e}")),
+                        Err(e) => Fetched::Lost(format!("damaged object {name}: {e}")),
                     },
-                    Err(StoreError::NotFound { .. }) => Err(format!("object {name} is gone from the store")),
+                    Err(StoreError::NotFound { .. }) => Fetched::Lost(format!("object {name} is gone from the store")),
                     Err(e) => {
                         tracing::warn!(key = %d.key, error = %e, "object download failed; the key answers a miss");
-                        Err(String::new())
+                        Fetched::Failed
                     }
                 }
             }
-            _ => Err(String::new()),
+            _ => Fetched::Failed,
         };
         let mut state = self.state.lock();
         let ours = state.copies.get(&d.key).is_some_and(|c| c.flight == d.flight && c.filling);
         if !ours {
             // A clear or shutdown dropped the copy meanwhile: its pages were left to us.
             state.free_pages(&d.pages);
-        } else if outcome.is_ok() {
+        } else if let Fetched::Filled = outcome {
             if let Some(c) = state.copies.get_mut(&d.key) {
                 c.filling = false;
             }
         } else {
             let _ = state.copies.remove(&d.key);
             state.free_pages(&d.pages);
-            let lost = outcome.as_ref().err().filter(|why| !why.is_empty());
-            if let Some(why) = lost
+            if let Fetched::Lost(why) = outcome
                 && state.owned.get(&d.key).is_some_and(|o| o.seq == d.seq)
             {
                 // The store lost the value or it is damaged: the key is gone, and the master is told.

@@ -36,7 +36,7 @@ pub(super) struct Owned {
 /// A staged copy of an owned key's value in staging pages: filling (its download in flight), or
 /// filled, leased while readers copy out of it and a clean cache entry after.
 #[derive(Debug)]
-pub(super) struct Copy {
+pub(super) struct Staged {
     pub(super) pages: Vec<PageLocation>,
     pub(super) size: u64,
     /// The download that fills it: the copy's identity.
@@ -51,7 +51,7 @@ pub(super) struct Copy {
     touched: u64,
 }
 
-impl Copy {
+impl Staged {
     fn leased(&self, now: Instant) -> bool {
         self.until.is_some_and(|t| t > now)
     }
@@ -86,7 +86,7 @@ pub(super) struct State {
     staging: Option<PageBitmapAllocator>,
     pub(super) pending: HashMap<u64, Pending>,
     pub(super) owned: HashMap<String, Owned>,
-    pub(super) copies: HashMap<String, Copy>,
+    pub(super) copies: HashMap<String, Staged>,
     deferred: Vec<Deferred>,
     used: u64,
     total: u64,
@@ -218,7 +218,7 @@ impl State {
     /// started it).
     pub(super) fn start_copy(&mut self, key: &str, pages: Vec<PageLocation>, size: u64, flight: u64) {
         let copy =
-            Copy { pages, size, flight, filling: true, waiters: 1, lease: 0, readers: 0, until: None, touched: 0 };
+            Staged { pages, size, flight, filling: true, waiters: 1, lease: 0, readers: 0, until: None, touched: 0 };
         self.copies.insert(key.to_owned(), copy);
     }
 
@@ -227,7 +227,7 @@ impl State {
     pub(super) fn cache_copy(&mut self, key: &str, pages: Vec<PageLocation>, size: u64) {
         self.tick += 1;
         self.next_flight += 1;
-        let copy = Copy {
+        let copy = Staged {
             pages,
             size,
             flight: self.next_flight,
