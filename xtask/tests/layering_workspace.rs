@@ -160,7 +160,7 @@ fn an_optional_edge_is_not_hidden_by_a_dev_edge_to_the_same_crate() {
 
 /// The media of this workspace that must be checked as backends. Deleting `layer = "backend"` from
 /// one of their manifests silently exempts it from the check, so that fails here.
-const OUR_BACKENDS: &[&str] = &["umbp-page"];
+const OUR_BACKENDS: &[&str] = &["umbp-page", "umbp-object"];
 
 #[test]
 fn this_workspace_passes_and_checks_every_medium_as_a_backend() {
