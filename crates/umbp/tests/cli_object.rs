@@ -3,7 +3,8 @@
 //! the errors that name them, and a real round trip against `moto_server` (an S3 stand-in the test
 //! starts on a loopback port): an object node process, a value put by one `umbp put` process and
 //! read back byte-exact by another `umbp get` process, then the node SIGKILLed and a new one on the
-//! same prefix serving the value again from the store (restart recovery). Without `moto_server`
+//! same prefix serving the value again from the store (restart recovery), its read charted under
+//! `tier="SSD"` by the generic series (the medium has no metrics code). Without `moto_server`
 //! (on `PATH` or at `UMBP_MOTO_SERVER`) the round trip skips with a printed reason, or fails under
 //! `UMBP_REQUIRE_MOTO=1`.
 
@@ -204,10 +205,31 @@ fn a_value_put_by_one_process_is_read_byte_exact_by_another_from_an_object_node(
     // The node dies; a new one on the same prefix re-indexes the store and serves the value again
     // (downloaded: the new process has no copy of it).
     node.kill9();
-    let (_node, ready) = Proc::try_start(&dir.0, "o1-again", &args, &aws, "node o1").unwrap_or_else(|e| panic!("{e}"));
+    let with_metrics: Vec<&str> = args.iter().copied().chain(["--metrics-addr", "127.0.0.1:0"]).collect();
+    let (_node, ready) =
+        Proc::try_start(&dir.0, "o1-again", &with_metrics, &aws, "node o1").unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(field(&ready, "medium"), "object", "{ready}");
     let again = dir.0.join("v.again");
     let (code, err) = umbp(&["get", "--master", &master, "object-key", again.to_str().expect("utf-8")]);
     assert_eq!(code, 0, "get after the node's restart: {err}");
     assert!(std::fs::read(&again).expect("output") == v, "the value read back after the restart differs");
+
+    // Charted with no metrics code of its own: the generic series, under the tier it reports.
+    let text = scrape(field(&ready, "metrics"));
+    let resolves = text.lines().find(|l| {
+        l.starts_with("umbp_backend_ops_total{") && l.contains("tier=\"SSD\"") && l.contains("op=\"resolve\"")
+    });
+    assert!(resolves.is_some(), "no resolve series under tier=\"SSD\":\n{text}");
+}
+
+/// The body of `GET /metrics` at `addr`.
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect(addr).expect("connect to /metrics");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("send");
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).expect("read");
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    reply
 }
