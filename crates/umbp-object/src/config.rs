@@ -191,7 +191,8 @@ pub struct ObjectSettings {
     /// Requests to the store at once (the worker threads). Default: 16.
     pub io_threads: usize,
     /// How long a commit or a resolve waits for its store requests (retries included) before it
-    /// answers failed or busy. Default: 10 s.
+    /// answers failed or busy: below the peers' RPC deadline (5 s by default), so a slow store is a
+    /// failed commit the writer hears about, not a timed-out RPC. Default: 4 s.
     #[serde(with = "umbp_core::units::serde::duration")]
     pub op_timeout: Duration,
     /// Retries of a request the store failed transiently (5xx, 429, a lost connection). Default: 4.
@@ -213,7 +214,7 @@ impl Default for ObjectSettings {
             max_value_pages: 1,
             read_lease: Duration::from_secs(3),
             io_threads: 16,
-            op_timeout: Duration::from_secs(10),
+            op_timeout: Duration::from_secs(4),
             retries: 4,
             create_bucket: false,
             cache_committed: true,
@@ -286,6 +287,7 @@ pub struct ObjectConfig {
     pub(crate) create_bucket: bool,
     pub(crate) cache_committed: bool,
     pub(crate) recover: bool,
+    pub(crate) recover_timeout: Duration,
     pub(crate) clock: Arc<dyn Clock>,
 }
 
@@ -308,13 +310,14 @@ impl ObjectConfig {
             reaper_interval: Duration::from_millis(100),
             io_threads: s.io_threads,
             op_timeout: s.op_timeout,
-            request_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(3),
             retries: s.retries,
             backoff: Duration::from_millis(20),
             backoff_max: Duration::from_secs(1),
             create_bucket: s.create_bucket,
             cache_committed: s.cache_committed,
             recover: true,
+            recover_timeout: Duration::from_secs(600),
             clock: SystemClock::shared(),
         }
     }
@@ -369,6 +372,7 @@ pub struct ObjectConfigBuilder {
     create_bucket: bool,
     cache_committed: bool,
     recover: bool,
+    recover_timeout: Duration,
     clock: Arc<dyn Clock>,
 }
 
@@ -396,9 +400,9 @@ impl ObjectConfigBuilder {
         reaper_interval: Duration,
         /// Store requests at once (worker threads). Default: 16.
         io_threads: usize,
-        /// How long a commit or resolve waits for its requests, retries included. Default: 10 s.
+        /// How long a commit or resolve waits for its requests, retries included. Default: 4 s.
         op_timeout: Duration,
-        /// One request's limit (connect to last byte). Default: 5 s.
+        /// One request's limit (connect to last byte). Default: 3 s.
         request_timeout: Duration,
         /// Retries of a transient failure. Default: 4.
         retries: u32,
@@ -413,6 +417,9 @@ impl ObjectConfigBuilder {
         /// Re-index what the prefix holds at `init`. Default: true (off: start empty, and leave
         /// what is there alone).
         recover: bool,
+        /// How long `init` may take to list the prefix and check the objects' heads (each request
+        /// still bounded by `request_timeout`). Default: 10 min.
+        recover_timeout: Duration,
         /// Where TTLs and leases read the time. Default: the system clock.
         clock: Arc<dyn Clock>,
     }
@@ -525,6 +532,7 @@ impl ObjectConfigBuilder {
             create_bucket: self.create_bucket,
             cache_committed: self.cache_committed,
             recover: self.recover,
+            recover_timeout: self.recover_timeout,
             clock: self.clock,
         })
     }

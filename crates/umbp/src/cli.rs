@@ -100,7 +100,7 @@ CONFIGURATION
     max_value_pages = 1                 # largest value, in pages (at most staging_pages)
     read_lease = \"3s\"                 # the read lease of a staged copy
     io_threads = 16                     # requests to the store at once
-    op_timeout = \"10s\"                # how long a commit or read waits for the store
+    op_timeout = \"4s\"                 # how long a commit or read waits for the store
     retries = 4                         # retries of a 5xx, 429 or lost connection, with backoff
     create_bucket = false               # create a missing bucket at start
     cache_committed = true              # keep a committed value's staging pages as a clean copy
@@ -500,7 +500,7 @@ pub struct NodeArgs {
     #[arg(long, value_name = "N")]
     pub object_io_threads: Option<usize>,
     /// How long a commit or read of an object node waits for the store, retries included
-    /// [env: UMBP_OBJECT_OP_TIMEOUT] [default: 10s]
+    /// [env: UMBP_OBJECT_OP_TIMEOUT] [default: 4s]
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub object_op_timeout: Option<Duration>,
     /// Retries of a request the store failed transiently (5xx, 429, a lost connection)

@@ -192,7 +192,8 @@ type Recovered = (Vec<(String, Owned)>, u64, Vec<String>);
 /// objects.
 fn recover(config: &ObjectConfig, store: &Arc<dyn Store>, pool: &Pool) -> Result<Recovered, BackendError> {
     let prefix = config.url.prefix();
-    let deadline = Instant::now() + config.op_timeout;
+    // Its own deadline: a large prefix takes many requests, each bounded by `request_timeout`.
+    let deadline = Instant::now() + config.recover_timeout.max(config.op_timeout);
     let listed = store.list(prefix, deadline).map_err(|e| store_error(&format!("listing {}", config.url), e))?;
     let mut newest: HashMap<String, (u64, String, u64)> = HashMap::new();
     let mut stale = Vec::new();
