@@ -444,16 +444,16 @@ impl fmt::Display for BenchReport {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
 
-fn gbps(bytes: usize, since: Instant) -> f64 {
+pub(crate) fn gbps(bytes: usize, since: Instant) -> f64 {
     bytes as f64 / since.elapsed().as_secs_f64() / 1e9
 }
 
-fn node_config(id: &str, master: &str, medium: Medium) -> PoolClientConfig {
+pub(crate) fn node_config(id: &str, master: &str, medium: Medium) -> PoolClientConfig {
     let mut c = PoolClientConfig::new(id, master).with_medium(medium);
     c.page_size = PAGE_SIZE;
     c.recache = RecachePolicy::Off;
@@ -464,7 +464,7 @@ fn dram(bytes: u64) -> Medium {
     Medium::Dram(DramConfig { capacity_bytes: bytes, prefault: true, ..DramConfig::default() })
 }
 
-async fn start_node(config: PoolClientConfig) -> Result<PoolClient, BenchError> {
+pub(crate) async fn start_node(config: PoolClientConfig) -> Result<PoolClient, BenchError> {
     let node = config.node_id.clone();
     PoolClient::start(config).await.map_err(|source| BenchError::Node { node, source })
 }
@@ -586,9 +586,44 @@ fn raw_rate_blocking(addr: &str, values: &mut [Vec<u8>], write: bool) -> Result<
         .map_err(|e| BenchError::Failed(format!("raw stream to the child: {e}")))
 }
 
+/// Starts `program bench-child` lending `capacity` bytes of DRAM to `master`; returns its guard and
+/// the address of its raw sink/source once it serves.
+pub(crate) async fn start_child(
+    program: &std::path::Path,
+    master: &str,
+    capacity: u64,
+) -> Result<(ChildGuard, String), BenchError> {
+    let mut child = ChildGuard(
+        Command::new(program)
+            .args(["bench-child", "--master", master, "--capacity", &capacity.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| BenchError::Child(format!("spawning {}: {e}", program.display())))?,
+    );
+    let stdout = child.0.stdout.take().ok_or_else(|| BenchError::Child("no stdout".into()))?;
+    let raw_addr = tokio::time::timeout(
+        WAIT,
+        tokio::task::spawn_blocking(move || {
+            for line in BufReader::new(stdout).lines() {
+                let line = line.map_err(|e| BenchError::Child(format!("reading its output: {e}")))?;
+                if let Some(addr) = line.strip_prefix(READY_PREFIX) {
+                    return Ok(addr.to_owned());
+                }
+            }
+            Err(BenchError::Child("it exited before it was ready".into()))
+        }),
+    )
+    .await
+    .map_err(|_| BenchError::Child(format!("not ready within {WAIT:?}")))?
+    .map_err(|e| BenchError::Child(e.to_string()))??;
+    Ok((child, raw_addr))
+}
+
 /// Stops the child when dropped: closes its stdin (it leaves the cluster and exits), kills it if it
 /// is still there after two seconds, and reaps it.
-struct ChildGuard(Child);
+pub(crate) struct ChildGuard(Child);
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
@@ -602,7 +637,7 @@ impl Drop for ChildGuard {
     }
 }
 
-fn fail(what: &str, results: &[Result<impl Sized, impl fmt::Display>]) -> Result<(), BenchError> {
+pub(crate) fn fail(what: &str, results: &[Result<impl Sized, impl fmt::Display>]) -> Result<(), BenchError> {
     match results.iter().find_map(|r| r.as_ref().err()) {
         Some(e) => Err(BenchError::Failed(format!("{what}: {e}"))),
         None => Ok(()),
@@ -629,7 +664,7 @@ async fn run_validated(options: BenchOptions) -> Result<BenchReport, BenchError>
 }
 
 /// An in-process master on 127.0.0.1 with the given put affinity.
-async fn bench_master(affinity: Affinity) -> Result<umbp_master::MasterHandle, BenchError> {
+pub(crate) async fn bench_master(affinity: Affinity) -> Result<umbp_master::MasterHandle, BenchError> {
     Ok(umbp_master::start(MasterConfig {
         listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
         // Heartbeats every second, so small batches (fewer keys than the auto-flush threshold) are
@@ -670,31 +705,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
         Some(p) => p.clone(),
         None => std::env::current_exe().map_err(|e| BenchError::Child(format!("finding this executable: {e}")))?,
     };
-    let mut child = ChildGuard(
-        Command::new(&program)
-            .args(["bench-child", "--master", master, "--capacity", &options.child_capacity().to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| BenchError::Child(format!("spawning {}: {e}", program.display())))?,
-    );
-    let stdout = child.0.stdout.take().ok_or_else(|| BenchError::Child("no stdout".into()))?;
-    let raw_addr = tokio::time::timeout(
-        WAIT,
-        tokio::task::spawn_blocking(move || {
-            for line in BufReader::new(stdout).lines() {
-                let line = line.map_err(|e| BenchError::Child(format!("reading its output: {e}")))?;
-                if let Some(addr) = line.strip_prefix(READY_PREFIX) {
-                    return Ok(addr.to_owned());
-                }
-            }
-            Err(BenchError::Child("it exited before it was ready".into()))
-        }),
-    )
-    .await
-    .map_err(|_| BenchError::Child(format!("not ready within {WAIT:?}")))?
-    .map_err(|e| BenchError::Child(e.to_string()))??;
+    let (child, raw_addr) = start_child(&program, master, options.child_capacity()).await?;
 
     let client = start_node(node_config("bench-client", master, Medium::None)).await?;
     // The same client on the routed path, for the single-call probes.

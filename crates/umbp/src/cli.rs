@@ -704,6 +704,10 @@ pub enum BenchSuite {
     /// every process's memory, file descriptors and threads and the master's index size sampled
     /// every minute; fails on any wrong byte read.
     Soak,
+    /// What the end-to-end checksum costs: batch put and get of 64 KiB and 1 MiB values with
+    /// checksums on and off, over TCP and through shared memory, to and from a node in a child
+    /// process, rounds interleaved.
+    Checksum,
 }
 
 /// The io engines `umbp bench ssd` measures.

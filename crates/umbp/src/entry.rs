@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use crate::{
     BenchSuite, Cli, Command, FileConfig, GetArgs, KeysArgs, MasterAddress, PutArgs, SettingsError, bench,
-    bench_metadata, bench_soak, bench_ssd, demo, format_size, human_size, resolve_client, resolve_master,
-    resolve_master_address, resolve_max_get_size, resolve_node,
+    bench_checksum, bench_metadata, bench_soak, bench_ssd, demo, format_size, human_size, resolve_client,
+    resolve_master, resolve_master_address, resolve_max_get_size, resolve_node,
 };
 use anyhow::{Context, anyhow, bail};
 use clap::Parser;
@@ -220,6 +220,15 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<u
         }
         Command::Bench(args) if args.suite == Some(BenchSuite::Ssd) => {
             let report = bench_ssd::run(bench_ssd::SsdBenchOptions::from_args(args)?).await?;
+            if args.json {
+                out(report.to_json())?
+            } else {
+                out(&report)?
+            }
+            Ok(0)
+        }
+        Command::Bench(args) if args.suite == Some(BenchSuite::Checksum) => {
+            let report = bench_checksum::run(bench_checksum::ChecksumOptions::from_args(args)).await?;
             if args.json {
                 out(report.to_json())?
             } else {

@@ -65,6 +65,9 @@ pub mod bench;
 pub mod bench_breakdown;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
+pub mod bench_checksum;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_cli;
 #[cfg(feature = "cli")]
 #[doc(hidden)]

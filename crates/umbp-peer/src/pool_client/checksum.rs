@@ -6,7 +6,7 @@
 
 use umbp_core::{RateLimited, value_crc32c};
 
-use super::support::{CallerBuf, StatCounters, blocking};
+use super::support::{CallerBuf, StatCounters, blocking, join_all, offload};
 use super::*;
 
 /// One warning line per window: a corrupt holder would otherwise log every read.
@@ -16,8 +16,68 @@ static MISMATCH: RateLimited = RateLimited::every(RateLimited::WINDOW);
 /// at several GB/s, so below this it costs less than the hand-off.
 const OFF_WORKER_BYTES: usize = 1 << 20;
 
+/// Threads of the blocking pool one batch's checksums are spread over, at most.
+const MAX_SUM_THREADS: usize = 4;
+
 fn crc_of(bytes: &[u8]) -> u32 {
     if bytes.len() >= OFF_WORKER_BYTES { blocking(|| value_crc32c(bytes)) } else { value_crc32c(bytes) }
+}
+
+/// A host buffer of the running call, as an address the blocking pool may read: the [`Offloaded`]
+/// that reads it waits for the work when dropped, so the buffer outlives every read.
+///
+/// [`Offloaded`]: super::support::Offloaded
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    addr: usize,
+    len: usize,
+}
+
+impl Span {
+    /// # Safety
+    /// `addr..addr + len` is host memory valid for reads and not written while the checksum runs.
+    unsafe fn crc(self) -> u32 {
+        // SAFETY: this function's contract.
+        value_crc32c(unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) })
+    }
+}
+
+/// The CRC-32C of each span, in order: inline for a small batch (less than the hand-off costs),
+/// else on up to [`MAX_SUM_THREADS`] threads of the blocking pool, awaited without holding the
+/// async worker, so the batch's other chunks move meanwhile.
+///
+/// # Safety
+/// Every span is host memory valid for reads, and not written, until the returned future resolves
+/// or is dropped (a dropped one waits for the work).
+async unsafe fn crcs_of(spans: Vec<Span>) -> Vec<u32> {
+    let total: usize = spans.iter().map(|s| s.len).sum();
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get).min(MAX_SUM_THREADS);
+    if total < OFF_WORKER_BYTES || threads < 2 || spans.len() < 2 {
+        // SAFETY: this function's contract.
+        return blocking(|| spans.iter().map(|s| unsafe { s.crc() }).collect());
+    }
+    // Contiguous groups of about equal bytes, one per thread.
+    let share = total.div_ceil(threads);
+    let mut groups: Vec<Vec<Span>> = vec![Vec::new()];
+    let mut filled = 0;
+    for span in spans {
+        if filled >= share {
+            groups.push(Vec::new());
+            filled = 0;
+        }
+        filled += span.len;
+        if let Some(group) = groups.last_mut() {
+            group.push(span);
+        }
+    }
+    // SAFETY: this function's contract; each `Offloaded` waits for its work when dropped.
+    let runs = groups.into_iter().map(|g| offload(move || g.iter().map(|s| unsafe { s.crc() }).collect::<Vec<u32>>()));
+    let mut out = Vec::new();
+    for sums in join_all(runs.collect()).await {
+        // A panicked sum (it cannot panic) would leave the batch short: its keys then fail their check.
+        out.extend(sums.unwrap_or_default());
+    }
+    out
 }
 
 impl PoolClient {
@@ -32,6 +92,65 @@ impl PoolClient {
         // above); only read, before this returns.
         let bytes = unsafe { std::slice::from_raw_parts(value.ptr.as_ptr().cast_const(), value.len) };
         Some(crc_of(bytes))
+    }
+
+    /// The CRC-32C of each put value (see [`value_checksum`](Self::value_checksum)), the batch's
+    /// bytes summed on several threads.
+    pub(super) async fn value_checksums(&self, values: &[CallerBuf]) -> Vec<Option<u32>> {
+        if !self.config.checksums {
+            return vec![None; values.len()];
+        }
+        let summed: Vec<bool> = values.iter().map(|v| v.len > 0 && !self.in_device_registration(*v)).collect();
+        let spans: Vec<Span> = values
+            .iter()
+            .zip(&summed)
+            .filter(|(_, s)| **s)
+            .map(|(v, _)| Span { addr: v.ptr.as_ptr() as usize, len: v.len })
+            .collect();
+        let n = spans.len();
+        // SAFETY: caller buffers of the running call, in host memory (checked above), which its
+        // contract keeps valid and unwritten until it returns; awaited here.
+        let mut crcs = unsafe { crcs_of(spans) }.await.into_iter();
+        let out: Vec<Option<u32>> = summed.iter().map(|s| if *s { crcs.next() } else { None }).collect();
+        if out.iter().flatten().count() != n {
+            // Cannot happen (a sum never panics); a put without its checksum is still a valid put.
+            return out.into_iter().map(|_| None).collect();
+        }
+        out
+    }
+
+    /// [`copy_is_intact`](Self::copy_is_intact) for a round's copies at once: `(key, node, buf,
+    /// size, expected)` each, the bytes summed on several threads.
+    pub(super) async fn copies_are_intact(&self, copies: &[(&str, &str, CallerBuf, u64, Option<u32>)]) -> Vec<bool> {
+        let checked: Vec<bool> = copies
+            .iter()
+            .map(|(_, _, buf, _, expected)| {
+                self.config.checksums && expected.is_some() && !self.in_device_registration(*buf)
+            })
+            .collect();
+        let spans: Vec<Span> = copies
+            .iter()
+            .zip(&checked)
+            .filter(|(_, c)| **c)
+            .map(|((_, _, buf, size, _), _)| Span {
+                addr: buf.ptr.as_ptr() as usize,
+                len: usize::try_from(*size).unwrap_or(usize::MAX).min(buf.len),
+            })
+            .collect();
+        // SAFETY: caller buffers of the running call, host memory (checked above), whose first
+        // `len` bytes this round's copies wrote and nothing writes now; awaited here.
+        let mut crcs = unsafe { crcs_of(spans) }.await.into_iter();
+        copies
+            .iter()
+            .zip(checked)
+            .map(|((key, node, _, size, expected), c)| match (c, expected) {
+                (true, Some(expected)) => {
+                    let got = crcs.next();
+                    got == Some(*expected) || self.mismatch(key, node, *size, *expected, got.unwrap_or(!*expected))
+                }
+                _ => true,
+            })
+            .collect()
     }
 
     /// Whether the `size` bytes a get copied from `node` into `buf` are the value its writer put,
@@ -54,9 +173,11 @@ impl PoolClient {
         // first `len <= buf.len` bytes the copy just wrote; only read, before this returns.
         let bytes = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().cast_const(), len) };
         let got = crc_of(bytes);
-        if got == expected {
-            return true;
-        }
+        got == expected || self.mismatch(key, node, size, expected, got)
+    }
+
+    /// Counts and logs a read whose bytes do not match their checksum; false (the copy is not intact).
+    fn mismatch(&self, key: &str, node: &str, size: u64, expected: u32, got: u32) -> bool {
         StatCounters::add(&self.stats.checksum_failures, 1);
         if let Some(held_back) = MISMATCH.check() {
             tracing::warn!(

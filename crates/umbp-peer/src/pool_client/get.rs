@@ -330,6 +330,18 @@ impl PoolClient {
                 .await;
             // Every copy of this round is over: its holders may reuse the pages now.
             self.release_reads(keys, &round.planned, &st).instrument(phase!(phases::GET_RELEASE)).await;
+            // The copies that arrived in time are checked against their values' checksums, all at
+            // once (on several threads for a large round).
+            let ended_of = |p: &Planned| ended_at.get(p.holder.node()).copied().unwrap_or_else(|| self.clock.now());
+            let arrived: Vec<&Planned> = round
+                .planned
+                .iter()
+                .filter(|p| p.copied && !failed.contains_key(&(p.index as u64)) && ended_of(p) <= p.lease_end)
+                .collect();
+            let copies: Vec<_> =
+                arrived.iter().map(|p| (keys[p.index], p.holder.node(), bufs[p.index], p.size, p.crc32c)).collect();
+            let intact: HashMap<usize, bool> =
+                arrived.iter().map(|p| p.index).zip(self.copies_are_intact(&copies).await).collect();
             for p in round.planned.into_iter().filter(|p| p.copied) {
                 let node = p.holder.node().to_owned();
                 let ended = ended_at.get(&node).copied().unwrap_or_else(|| self.clock.now());
@@ -345,7 +357,7 @@ impl PoolClient {
                     StatCounters::add(&self.stats.lease_lapses, 1);
                     st.exclude[p.index].remove(&node);
                     st.last_error.insert(p.index, KeyError::LeaseExpired { node });
-                } else if !self.copy_is_intact(keys[p.index], &node, bufs[p.index], p.size, p.crc32c) {
+                } else if !intact.get(&p.index).copied().unwrap_or(true) {
                     // Corrupt bytes at that holder (or on the way): never returned. The key is read
                     // from another holder if the master knows one, else it is a miss.
                     st.last_error.insert(p.index, KeyError::Miss);

@@ -426,8 +426,14 @@ impl PoolClient {
                 }
             }
         }
-        // 2. One submit for every group (the local copies complete in submit), then wait.
-        let failed = self.run_transfers(transfers).instrument(phase!(phases::PUT_TRANSFER)).await;
+        // 2. One submit for every group (the local copies complete in submit), then wait; the
+        // values' checksums are summed meanwhile (off the async worker for a large round).
+        let values: Vec<CallerBuf> = planned.iter().map(|(_, i, _, _)| items[*i].1).collect();
+        let (failed, sums) = tokio::join!(
+            self.run_transfers(transfers).instrument(phase!(phases::PUT_TRANSFER)),
+            self.value_checksums(&values)
+        );
+        let crc32c: HashMap<usize, Option<u32>> = planned.iter().map(|(_, i, _, _)| *i).zip(sums).collect();
         let ended = self.clock.now();
         let mut commits: BTreeMap<usize, Vec<(usize, u64)>> = BTreeMap::new();
         for (g, i, slot_id, deadline) in planned {
@@ -449,10 +455,11 @@ impl PoolClient {
         // 3. Commit the survivors on every node at once.
         let commits: Vec<(usize, Vec<(usize, u64)>)> = commits.into_iter().collect();
         // Only groups that allocated planned a copy: each has its holder.
-        let replies =
-            join_all(commits.iter().map(|(g, list)| self.commit_group(items, holders[*g].as_ref(), list)).collect())
-                .instrument(phase!(phases::PUT_COMMIT))
-                .await;
+        let replies = join_all(
+            commits.iter().map(|(g, list)| self.commit_group(items, holders[*g].as_ref(), list, &crc32c)).collect(),
+        )
+        .instrument(phase!(phases::PUT_COMMIT))
+        .await;
         for ((g, list), reply) in commits.iter().zip(replies) {
             let node = groups[*g].node.as_str();
             for ((i, slot_id), ok) in list.iter().zip(reply) {
@@ -514,13 +521,14 @@ impl PoolClient {
         items: &[(&str, CallerBuf)],
         holder: Option<&Holder>,
         list: &[(usize, u64)],
+        crc32c: &HashMap<usize, Option<u32>>,
     ) -> Vec<Result<(), KeyError>> {
         let Some(holder) = holder else { return vec![Err(KeyError::Failed("no holder".into())); list.len()] };
         let node = holder.node();
         let refused = || KeyError::Refused { node: node.to_owned(), message: "commit refused".into() };
         let commits: Vec<CommitRequest> = list
             .iter()
-            .map(|(i, id)| CommitRequest::new(*id, items[*i].0).with_crc32c(self.value_checksum(items[*i].1)))
+            .map(|(i, id)| CommitRequest::new(*id, items[*i].0).with_crc32c(crc32c.get(i).copied().flatten()))
             .collect();
         match holder.commit(commits).await {
             Ok(done) => done.into_iter().map(|ok| if ok { Ok(()) } else { Err(refused()) }).collect(),
