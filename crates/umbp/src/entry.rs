@@ -313,15 +313,17 @@ async fn run_node(config: umbp_peer::pool_client::PoolClientConfig) -> anyhow::R
         );
     }
     let (id, master) = (config.node_id.clone(), config.master_address.clone());
-    let (medium, capacity) = match &config.medium {
-        Medium::Dram(d) => ("dram", format_size(d.capacity_bytes)),
-        Medium::Ssd(s) => {
-            ("ssd", format!("{} engine={} dirs={}", format_size(s.capacity_bytes), s.io_engine, s.dirs.len()))
-        }
-        Medium::Hbm(h) => ("hbm", format!("{} device={}", format_size(h.capacity_bytes), h.device)),
-        Medium::Cxl(c) => ("cxl", format_size(c.capacity_bytes)),
-        Medium::Object(o) => ("object", format_size(o.capacity_bytes)),
-        _ => ("none", "0".to_owned()),
+    // The name and the capacity come from the medium itself (every medium has both); a few add a
+    // detail here.
+    let medium = config.medium.name();
+    let detail = match &config.medium {
+        Medium::Ssd(s) => format!(" engine={} dirs={}", s.io_engine, s.dirs.len()),
+        Medium::Hbm(h) => format!(" device={}", h.device),
+        _ => String::new(),
+    };
+    let capacity = match &config.medium {
+        Medium::None => "0".to_owned(),
+        m => format!("{}{detail}", format_size(m.capacity_bytes())),
     };
     // An SSD node keeps one descriptor per log segment (about 16k for 4 TiB of 256 MiB segments) and
     // refuses to start when the soft limit cannot cover its worst case; the data server holds up to a

@@ -39,6 +39,42 @@ pub enum Medium {
 }
 
 impl Medium {
+    /// The medium's name as the command line and the settings file spell it (`dram`, `object`, …;
+    /// `none` for a client-only node). Every medium has its arm here, checked by the compiler, so a
+    /// new one cannot be left out of the lines that name it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::None => "none",
+            #[cfg(feature = "dram")]
+            Self::Dram(_) => "dram",
+            #[cfg(feature = "hbm")]
+            Self::Hbm(_) => "hbm",
+            #[cfg(feature = "ssd")]
+            Self::Ssd(_) => "ssd",
+            #[cfg(feature = "cxl")]
+            Self::Cxl(_) => "cxl",
+            #[cfg(feature = "object")]
+            Self::Object(_) => "object",
+        }
+    }
+
+    /// The bytes the medium lends (0 for a client-only node).
+    pub fn capacity_bytes(&self) -> u64 {
+        match self {
+            Self::None => 0,
+            #[cfg(feature = "dram")]
+            Self::Dram(d) => d.capacity_bytes,
+            #[cfg(feature = "hbm")]
+            Self::Hbm(h) => h.capacity_bytes,
+            #[cfg(feature = "ssd")]
+            Self::Ssd(s) => s.capacity_bytes,
+            #[cfg(feature = "cxl")]
+            Self::Cxl(c) => c.capacity_bytes,
+            #[cfg(feature = "object")]
+            Self::Object(o) => o.capacity_bytes,
+        }
+    }
+
     /// The medium's settings as `key=value` pairs for a log line (`medium=dram capacity_bytes=…`);
     /// `None` for a client-only node.
     pub fn summary(&self) -> Option<String> {

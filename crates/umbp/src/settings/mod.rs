@@ -316,16 +316,17 @@ fn check_node(c: &PoolClientConfig) -> Result<(), SettingsError> {
 }
 
 impl MediumKind {
-    /// Reads a medium name (`dram`, `hbm`, `ssd`, `cxl`, `object`, `none`).
+    /// Reads a medium name (`dram`, `hbm`, `ssd`, `cxl`, `object`, `none`): any variant's
+    /// [`as_str`](Self::as_str), so a new medium is named in one place.
     pub fn from_name(name: &str) -> Result<Self, String> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "dram" => Ok(Self::Dram),
-            "hbm" => Ok(Self::Hbm),
-            "ssd" => Ok(Self::Ssd),
-            "cxl" => Ok(Self::Cxl),
-            "object" => Ok(Self::Object),
-            "none" => Ok(Self::None),
-            other => Err(format!("{other:?} is not a medium: expected dram, hbm, ssd, cxl, object or none")),
+        use clap::ValueEnum as _;
+        let name = name.trim().to_ascii_lowercase();
+        let all = Self::value_variants();
+        if let Some(m) = all.iter().find(|m| m.as_str() == name) {
+            return Ok(*m);
         }
+        let names: Vec<&str> = all.iter().map(|m| m.as_str()).collect();
+        let (last, rest) = names.split_last().map_or(("", &[][..]), |(l, r)| (*l, r));
+        Err(format!("{name:?} is not a medium: expected {} or {last}", rest.join(", ")))
     }
 }
