@@ -1,5 +1,7 @@
-//! The end-to-end value checksum: CRC-32C (Castagnoli), with the CPU's instruction where it has one
-//! (SSE 4.2 on x86-64, the CRC extension on AArch64).
+//! The end-to-end value checksum: CRC-32C (Castagnoli), folded with carry-less multiplies
+//! (`crc-fast`: VPCLMULQDQ with AVX-512 where the CPU has it, PCLMULQDQ or the AArch64 PMULL
+//! otherwise, a table without either). On this project's VM it sums 61–84 GB/s from cache and
+//! ~15 GB/s from DRAM, against 15–21 and ~11 for the SSE 4.2 `crc32` loop.
 //!
 //! A writer computes it over the value at put, the medium keeps it beside the key
 //! ([`CommitRequest::crc32c`](crate::CommitRequest::crc32c)), and a reader checks the bytes it
@@ -8,7 +10,8 @@
 
 /// The CRC-32C of `value`.
 pub fn value_crc32c(value: &[u8]) -> u32 {
-    crc32c::crc32c(value)
+    // CRC-32/ISCSI is CRC-32C; its 32-bit value comes back widened to u64.
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, value) as u32
 }
 
 #[cfg(test)]
@@ -21,5 +24,11 @@ mod tests {
         assert_eq!(value_crc32c(b"123456789"), 0xe306_9283);
         assert_eq!(value_crc32c(&[]), 0);
         assert_ne!(value_crc32c(&[0]), value_crc32c(&[1]), "one flipped bit changes it");
+        // The same function as the SSE 4.2 instruction's (the SSD record's CRC), at every length
+        // around the folding loops' block sizes.
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        for len in (0..300).chain([511, 512, 513, 1023, 1024, 1025, 4095, 4096, 4097, 5000]) {
+            assert_eq!(value_crc32c(&data[..len]), crc32c::crc32c(&data[..len]), "length {len}");
+        }
     }
 }

@@ -16,8 +16,9 @@ static MISMATCH: RateLimited = RateLimited::every(RateLimited::WINDOW);
 /// at several GB/s, so below this it costs less than the hand-off.
 const OFF_WORKER_BYTES: usize = 1 << 20;
 
-/// Threads of the blocking pool one batch's checksums are spread over, at most.
-const MAX_SUM_THREADS: usize = 4;
+/// Threads of the blocking pool one batch's checksums are spread over, at most (one core sums
+/// about 10 GB/s, so a 16-core host's copies need most of its cores to keep up).
+const MAX_SUM_THREADS: usize = 16;
 
 fn crc_of(bytes: &[u8]) -> u32 {
     if bytes.len() >= OFF_WORKER_BYTES { blocking(|| value_crc32c(bytes)) } else { value_crc32c(bytes) }
