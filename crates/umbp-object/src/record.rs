@@ -143,7 +143,8 @@ pub(crate) fn check_object<'a>(bytes: &'a [u8], key: &str, seq: u64) -> Result<(
 
 /// Bytes an object of a `key_len`-byte key and a `value_len`-byte value takes.
 pub(crate) fn object_len(key_len: usize, value_len: u64) -> u64 {
-    (HEADER_LEN + key_len) as u64 + value_len
+    // Saturating: `value_len` may come from a damaged header.
+    ((HEADER_LEN + key_len) as u64).saturating_add(value_len)
 }
 
 /// An object's name, parsed: the key and the commit's seq.
@@ -171,7 +172,9 @@ impl Name {
     pub(crate) fn parse(prefix: &str, name: &str) -> Option<Self> {
         let rest = name.strip_prefix(prefix)?;
         let (hex, seq) = rest.rsplit_once('.')?;
-        if seq.len() != 16 || hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 2 * MAX_KEY_LEN {
+        let lower_hex = |t: &str| t.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c));
+        // Exactly the form `render` writes, so a name parses back to one object only.
+        if seq.len() != 16 || !lower_hex(seq) || hex.is_empty() || hex.len() % 2 != 0 || hex.len() > 2 * MAX_KEY_LEN {
             return None;
         }
         let seq = u64::from_str_radix(seq, 16).ok()?;
@@ -197,6 +200,8 @@ const HEX: &[u8; 16] = b"0123456789abcdef";
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn object(key: &str, value: &[u8], seq: u64) -> Vec<u8> {
@@ -241,9 +246,55 @@ mod tests {
             "p/6.0000000000000001",
             "p/zz.0000000000000001",
             "p/.0000000000000001",
+            "p/6b.000000000000000A",
+            "p/6b.+00000000000000a",
+            "p/6B.0000000000000001",
         ] {
             assert_eq!(Name::parse("p/", foreign), None, "{foreign}");
         }
         assert!(Name::render("", &"k".repeat(MAX_KEY_LEN), u64::MAX).len() + MAX_PREFIX_LEN <= 1024);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2_000, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// What a store hands back is untrusted: any bytes decode to an error or a head, never a
+        /// panic, and a damaged object of this medium is an error or the very value it holds.
+        #[test]
+        fn any_bytes_decode_without_panicking(data in proptest::collection::vec(any::<u8>(), 0..160)) {
+            let _ = decode_head(&data);
+            let _ = check_object(&data, "k", 1);
+            if let Ok((h, key)) = decode_head(&data) {
+                prop_assert_eq!(h.key_len as usize, key.len());
+                let _ = object_len(key.len(), h.value_len);
+            }
+        }
+
+        #[test]
+        fn a_mutated_object_is_an_error_or_its_own_value(
+            value in proptest::collection::vec(any::<u8>(), 0..64),
+            edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4),
+            cut in any::<usize>(),
+        ) {
+            let mut o = encode_head("key", value.len() as u64, 9, crc32c::crc32c(&value), None);
+            o.extend_from_slice(&value);
+            for (at, byte) in edits {
+                let i = at % o.len();
+                o[i] = byte;
+            }
+            if cut % 3 == 0 {
+                o.truncate(cut % (o.len() + 1));
+            }
+            if let Ok((got, _)) = check_object(&o, "key", 9) {
+                prop_assert_eq!(got, value.as_slice(), "a damaged object passed with other bytes");
+            }
+        }
+
+        #[test]
+        fn any_name_parses_without_panicking(name in ".{0,80}") {
+            if let Some(n) = Name::parse("p/", &name) {
+                prop_assert_eq!(Name::render("p/", &n.key, n.seq), name);
+            }
+        }
     }
 }
