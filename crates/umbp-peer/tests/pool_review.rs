@@ -313,22 +313,45 @@ async fn a_copy_that_outlives_the_read_lease_is_never_a_hit() {
     m.shutdown().await;
 }
 
+/// A clock that moves a minute every time it is read: every slot is past its pending TTL (30 s) by
+/// the time its writer looks again, however fast the machine.
+#[derive(Debug)]
+struct MinutePerRead(Arc<umbp_core::ManualClock>);
+
+impl umbp_core::Clock for MinutePerRead {
+    fn now(&self) -> std::time::Instant {
+        self.0.advance(Duration::from_secs(60));
+        self.0.now()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slot_past_its_ttl_is_aborted_not_committed() {
     let m = master().await;
-    let mut hc = config(&m, "holder", 8192 * PAGE);
-    hc.pending_ttl = Duration::from_millis(1);
-    let holder = PoolClient::start(hc).await.expect("holder");
+    let holder = PoolClient::start(config(&m, "holder", 64 * PAGE)).await.expect("holder");
+    // Routed only: the writer judges its slot by its own (injected) clock — the keyed path's holder
+    // judges by the wall clock, tested in umbp-transfer's keyed tests.
     let mut wc = client_config(&m, "writer");
     wc.max_reroutes = 0;
-    let writer = PoolClient::start(wc).await.expect("writer");
-    // 16 MiB cannot cross loopback within the slot's TTL (minus its margin): the keyed put's
-    // holder aborts it, and the routed path that follows never commits it either.
-    let v = value(6, 16 << 20);
+    wc.keyed_requests = false;
+    let writer = PoolClient::builder_from(wc)
+        .clock(Arc::new(MinutePerRead(umbp_core::ManualClock::new())))
+        .start()
+        .await
+        .expect("writer");
+    let v = value(6, 3 * PAGE as usize);
     let r = writer.put("slow", &v).await;
     assert_eq!(r, Err(KeyError::SlotExpired { node: "holder".into() }));
     assert!(writer.stats().slot_expiries >= 1);
-    assert_eq!(holder.medium().expect("m").owned_key_count(), 0, "nothing committed");
+    let medium = holder.medium().expect("m");
+    assert_eq!(medium.owned_key_count(), 0, "nothing committed");
+    // The writer's guard aborted its slot: the holder's pages are all free again, long before the
+    // holder's own 30 s reaper would have freed them.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while medium.capacity().available_bytes != medium.capacity().total_bytes {
+        assert!(tokio::time::Instant::now() < deadline, "the expired slot was never aborted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     writer.close().await;
     holder.close().await;
     m.shutdown().await;
