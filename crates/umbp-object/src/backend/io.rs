@@ -188,14 +188,16 @@ impl Inner {
         let name = self.name_of(&up.key, up.seq);
         let outcome = match (self.store(), self.published()) {
             (Some(store), Some(p)) if !self.stopping.load(Ordering::Acquire) && Instant::now() < deadline => {
-                let ps = self.config.page_size;
-                let mut value = Vec::with_capacity(up.size as usize);
+                // The value goes straight after room for the head, which is written once its CRC
+                // is known: one copy out of the pages.
+                let head_len = head_len(up.key.len()) as usize;
+                let mut body = Vec::with_capacity(head_len + up.size as usize);
+                body.resize(head_len, 0);
                 // SAFETY: the pages are this upload's (taken from its slot under the lock) until
                 // it gives them back below; the arena outlives the workers.
-                unsafe { p.arena.read(&up.pages, up.size, ps, &mut value) };
-                let mut body = record::encode_head(&up.key, up.size, up.seq, crc32c::crc32c(&value), up.crc32c);
-                body.extend_from_slice(&value);
-                drop(value);
+                unsafe { p.arena.read(&up.pages, up.size, self.config.page_size, &mut body) };
+                let crc = crc32c::crc32c(&body[head_len..]);
+                body[..head_len].copy_from_slice(&record::encode_head(&up.key, up.size, up.seq, crc, up.crc32c));
                 store.put(&name, &body, deadline)
             }
             _ => Err(StoreError::Skipped {
