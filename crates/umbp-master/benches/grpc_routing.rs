@@ -104,7 +104,7 @@ fn main() {
                 .register_client(v1::RegisterClientRequest {
                     node_id: node_id.clone(),
                     node_address: "127.0.0.1".into(),
-                    tier_capacities: vec![v1::TierCapacity { tier: v1::TierType::TierDram as i32, total_bytes: 1 << 40, available_bytes: 1 << 40 }],
+                    tier_capacities: vec![v1::TierCapacity { tier: v1::TierType::TierDram as i32, total_bytes: 1 << 40, available_bytes: 1 << 40, page_size: 0 }],
                     peer_address: format!("127.0.0.1:{}", 20000 + n),
                     data_endpoint: String::new(),
                     tags: vec![],

@@ -192,7 +192,7 @@ async fn send(c: &mut UmbpMasterClient<Channel>, which: u8, bytes: &[u8]) -> boo
 /// of held and missing keys, unregister.
 pub fn seeds() -> Vec<Vec<u8>> {
     let dram = umbp_proto::convert::tier_to_wire(umbp_core::TierType::Dram);
-    let caps = vec![pb::TierCapacity { tier: dram, total_bytes: 1 << 30, available_bytes: 1 << 29 }];
+    let caps = vec![pb::TierCapacity { tier: dram, total_bytes: 1 << 30, available_bytes: 1 << 29, page_size: 0 }];
     let register = pb::RegisterClientRequest {
         node_id: "n1".into(),
         node_address: "127.0.0.1".into(),

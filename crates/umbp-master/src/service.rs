@@ -32,7 +32,7 @@ fn caps_from_wire(caps: &[v1::TierCapacity]) -> Vec<TierCap> {
     caps.iter()
         .map(|c| {
             let (tier, cap) = capacity_from_wire(c);
-            TierCap::new(tier, cap.total_bytes, cap.available_bytes)
+            TierCap::new(tier, cap.total_bytes, cap.available_bytes).with_page_size(c.page_size)
         })
         .filter(|c| c.tier != TierType::Unknown)
         .collect()
@@ -49,7 +49,8 @@ fn grants_local_puts(config: &MasterConfig, caps: &[v1::TierCapacity]) -> bool {
 fn caps_to_wire(caps: &[TierCap]) -> Vec<v1::TierCapacity> {
     caps.iter()
         .map(|c| {
-            capacity_to_wire(c.tier, TierCapacity { total_bytes: c.total_bytes, available_bytes: c.available_bytes })
+            let cap = TierCapacity { total_bytes: c.total_bytes, available_bytes: c.available_bytes };
+            capacity_to_wire(c.tier, cap, c.page_size)
         })
         .collect()
 }

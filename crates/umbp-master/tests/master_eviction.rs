@@ -147,7 +147,7 @@ async fn node_with_keys(
     total: u64,
     available: u64,
 ) {
-    let caps = vec![v1::TierCapacity { tier: DRAM, total_bytes: total, available_bytes: available }];
+    let caps = vec![v1::TierCapacity { tier: DRAM, total_bytes: total, available_bytes: available, page_size: 0 }];
     c.register_client(v1::RegisterClientRequest {
         node_id: node.into(),
         node_address: "127.0.0.1".into(),
@@ -227,7 +227,7 @@ async fn protected_keys_are_refunded_and_skipped_in_the_next_rounds() {
     // The peer sent no REMOVEs (it is a fake) and reports the old pressure again: the next round must
     // spend its budget neither on the protected keys nor on the ones already evicted (their REMOVEs
     // are on the way), but on the next-oldest.
-    let caps = vec![v1::TierCapacity { tier: DRAM, total_bytes: 1000, available_bytes: 50 }];
+    let caps = vec![v1::TierCapacity { tier: DRAM, total_bytes: 1000, available_bytes: 50, page_size: 0 }];
     c.heartbeat(v1::HeartbeatRequest { node_id: "n1".into(), tier_capacities: caps, ..Default::default() })
         .await
         .expect("keepalive");

@@ -31,7 +31,7 @@ async fn master(config: MasterConfig) -> (MasterHandle, UmbpMasterClient<Channel
 }
 
 fn caps(total: u64, available: u64) -> Vec<v1::TierCapacity> {
-    vec![v1::TierCapacity { tier: DRAM, total_bytes: total, available_bytes: available }]
+    vec![v1::TierCapacity { tier: DRAM, total_bytes: total, available_bytes: available, page_size: 0 }]
 }
 
 fn registration(node: &str, peer: &str) -> v1::RegisterClientRequest {

@@ -151,7 +151,12 @@ async fn two_masters_over_three_redis_shards_share_one_index_spread_over_them() 
     let (first, mut c) = master(&urls).await;
     let (second, mut d) = master(&urls).await;
     c.register_client(v1::RegisterClientRequest {
-        tier_capacities: vec![v1::TierCapacity { tier: DRAM, total_bytes: 1 << 30, available_bytes: 1 << 30 }],
+        tier_capacities: vec![v1::TierCapacity {
+            tier: DRAM,
+            total_bytes: 1 << 30,
+            available_bytes: 1 << 30,
+            page_size: 0,
+        }],
         ..register_request("n1")
     })
     .await

@@ -28,7 +28,7 @@ fn storage(node: &str, incarnation: u64) -> v1::RegisterClientRequest {
     v1::RegisterClientRequest {
         node_id: node.into(),
         node_address: "127.0.0.1".into(),
-        tier_capacities: vec![v1::TierCapacity { tier: DRAM, total_bytes: GIB, available_bytes: GIB }],
+        tier_capacities: vec![v1::TierCapacity { tier: DRAM, total_bytes: GIB, available_bytes: GIB, page_size: 0 }],
         peer_address: format!("127.0.0.1:{}", 7000 + incarnation % 1000),
         data_endpoint: "127.0.0.1:1".into(),
         tags: vec![],

@@ -60,7 +60,12 @@ async fn joins_are_one_info_line_for_nodes_and_debug_for_clients_and_repeats_are
     c.register_client(v1::RegisterClientRequest {
         node_id: "store-1".into(),
         node_address: "127.0.0.1".into(),
-        tier_capacities: vec![v1::TierCapacity { tier: dram, total_bytes: 1 << 30, available_bytes: 1 << 29 }],
+        tier_capacities: vec![v1::TierCapacity {
+            tier: dram,
+            total_bytes: 1 << 30,
+            available_bytes: 1 << 29,
+            page_size: 0,
+        }],
         peer_address: "127.0.0.1:7001".into(),
         data_endpoint: "127.0.0.1:7002".into(),
         tags: vec![],

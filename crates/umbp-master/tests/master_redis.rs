@@ -29,7 +29,7 @@ fn registration(node: &str, peer: &str) -> v1::RegisterClientRequest {
     v1::RegisterClientRequest {
         node_id: node.into(),
         node_address: "127.0.0.1".into(),
-        tier_capacities: vec![v1::TierCapacity { tier: DRAM, total_bytes: GIB, available_bytes: GIB }],
+        tier_capacities: vec![v1::TierCapacity { tier: DRAM, total_bytes: GIB, available_bytes: GIB, page_size: 0 }],
         peer_address: peer.into(),
         data_endpoint: format!("{peer}0"),
         tags: Vec::new(),
@@ -45,7 +45,12 @@ fn heartbeat(node: &str, seq: u64, keys: &[String], size: u64) -> v1::HeartbeatR
     v1::HeartbeatRequest {
         node_id: node.into(),
         bundles: vec![v1::EventBundle { seq, events }],
-        tier_capacities: vec![v1::TierCapacity { tier: DRAM, total_bytes: GIB, available_bytes: GIB / 2 }],
+        tier_capacities: vec![v1::TierCapacity {
+            tier: DRAM,
+            total_bytes: GIB,
+            available_bytes: GIB / 2,
+            page_size: 0,
+        }],
         ..Default::default()
     }
 }

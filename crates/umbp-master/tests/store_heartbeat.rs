@@ -13,7 +13,7 @@ mod store_support;
 
 use store_support::*;
 use umbp_core::{KvEvent, TierType};
-use umbp_master::store::{HeartbeatOutcome, MetadataStore, TierCap};
+use umbp_master::store::{HeartbeatOutcome, MetadataStore, RegisterOutcome, Registration, TierCap};
 
 /// Owned keys (store_support's `keys`, kept unused here so its dead-code expectation holds).
 fn owned(list: &[&str]) -> Vec<String> {
@@ -124,6 +124,27 @@ fn keepalive_refreshes_caps_and_liveness_and_acks_last_applied(kind: Kind) {
     assert_eq!(rec.caps, new_caps, "§7.3 fix: keepalives refresh capacity");
     assert_eq!((rec.last_heartbeat_ms, rec.last_applied_seq), (500, 1));
     assert_eq!(locs(&store, "k"), vec![dram("a", 1)]);
+}
+
+fn page_sizes_round_trip_through_register_keepalive_and_credit(kind: Kind) {
+    let store = kind.one();
+    let paged = vec![
+        TierCap::new(TierType::Dram, 1 << 30, 1 << 29).with_page_size(2 << 20),
+        TierCap::new(TierType::Ssd, 1 << 40, 1 << 20).with_page_size(64 << 10),
+        TierCap::new(TierType::Hbm, 10, 5),
+    ];
+    let reg = Registration { tier_capacities: paged.clone(), ..registration("a") };
+    assert_eq!(store.register(reg, 0, STALE).unwrap(), RegisterOutcome::Registered);
+    assert_eq!(store.get_node("a").unwrap().unwrap().caps, paged, "eviction charges whole pages of these");
+    assert_eq!(store.list_alive().unwrap()[0].caps, paged, "the evictor's view");
+    // Crediting freed pages changes the room, never the page size.
+    store.credit_capacity("a", TierType::Ssd, 64 << 10).unwrap();
+    let credited = store.get_node("a").unwrap().unwrap().caps;
+    assert_eq!(credited[1], TierCap::new(TierType::Ssd, 1 << 40, (1 << 20) + (64 << 10)).with_page_size(64 << 10));
+    // The node's next report wins, its page sizes included.
+    let report = vec![TierCap::new(TierType::Dram, 1 << 30, 7).with_page_size(4096)];
+    assert_eq!(keepalive(&store, "a", 500, report.clone()), HeartbeatOutcome::Applied { acked_seq: 0 });
+    assert_eq!(store.get_node("a").unwrap().unwrap().caps, report);
 }
 
 fn liveness_never_moves_backwards(kind: Kind) {
@@ -345,6 +366,7 @@ contract!(
     seq_gap_keeps_liveness_and_caps_but_not_seq_or_events,
     resent_applied_delta_is_reacked_without_reapplying,
     keepalive_refreshes_caps_and_liveness_and_acks_last_applied,
+    page_sizes_round_trip_through_register_keepalive_and_credit,
     liveness_never_moves_backwards,
     full_sync_replaces_the_nodes_locations_only,
     empty_full_sync_clears_the_node,

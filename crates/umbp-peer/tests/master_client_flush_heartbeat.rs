@@ -265,6 +265,7 @@ async fn an_empty_outbox_sends_keepalives_with_capacity() {
             assert!(hb.bundles.is_empty() && !hb.is_full_sync, "keepalive");
             assert_eq!(hb.tier_capacities.len(), 1, "capacity rides on keepalives");
             assert_eq!(hb.tier_capacities[0].total_bytes, 64 * PAGE);
+            assert_eq!(hb.tier_capacities[0].page_size, PAGE, "and the page size");
         }
     }
     assert!(client.stats().keepalives_sent >= 2);

@@ -49,6 +49,7 @@ async fn register_sends_the_full_record_and_adopts_the_interval() {
         assert_eq!(r.tier_capacities.len(), 1);
         assert_eq!(r.tier_capacities[0].tier, pb::TierType::TierDram as i32);
         assert_eq!(r.tier_capacities[0].total_bytes, 64 * PAGE);
+        assert_eq!(r.tier_capacities[0].page_size, PAGE, "the master charges victims whole pages");
     }
     let stats = client.stats();
     assert_eq!(stats.heartbeat_interval, Duration::from_millis(1234));

@@ -184,6 +184,7 @@ async fn cluster_status_is_decoded() {
                 tier: pb::TierType::TierDram as i32,
                 total_bytes: 100,
                 available_bytes: 40,
+                page_size: 0,
             }],
             key_count: 7,
             last_heartbeat_age_ms: 1500,
@@ -214,7 +215,12 @@ async fn cluster_status_tells_storage_nodes_from_clients() {
         node_id: id.into(),
         status: pb::NodeStatus::Alive as i32,
         tier_capacities: if caps {
-            vec![pb::TierCapacity { tier: pb::TierType::TierDram as i32, total_bytes: 1, available_bytes: 1 }]
+            vec![pb::TierCapacity {
+                tier: pb::TierType::TierDram as i32,
+                total_bytes: 1,
+                available_bytes: 1,
+                page_size: 0,
+            }]
         } else {
             Vec::new()
         },

@@ -250,9 +250,15 @@ impl TryFrom<v1::KvEvent> for KvEvent {
     }
 }
 
-/// One tier's capacity on the wire.
-pub fn capacity_to_wire(tier: TierType, cap: TierCapacity) -> v1::TierCapacity {
-    v1::TierCapacity { tier: tier_to_wire(tier), total_bytes: cap.total_bytes, available_bytes: cap.available_bytes }
+/// One tier's capacity on the wire, with the medium's page size (0: unknown), which the master needs
+/// to charge a key the pages it occupies rather than its byte length.
+pub fn capacity_to_wire(tier: TierType, cap: TierCapacity, page_size: u64) -> v1::TierCapacity {
+    v1::TierCapacity {
+        tier: tier_to_wire(tier),
+        total_bytes: cap.total_bytes,
+        available_bytes: cap.available_bytes,
+        page_size,
+    }
 }
 
 /// One tier's capacity from the wire (an unknown tier reads as [`TierType::Unknown`]: the caller

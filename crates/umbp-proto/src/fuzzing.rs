@@ -96,6 +96,7 @@ pub fn event_seeds() -> Vec<Vec<u8>> {
             tier: tier_to_wire(TierType::Dram),
             total_bytes: 1 << 30,
             available_bytes: 1 << 29,
+            page_size: 2 << 20,
         }],
         ..Default::default()
     };

@@ -79,7 +79,7 @@ fn an_unknown_event_kind_and_an_empty_key_are_refused() {
 
 #[test]
 fn an_unknown_capacity_tier_reads_as_unknown() {
-    let cap = v1::TierCapacity { tier: 42, total_bytes: 10, available_bytes: 4 };
+    let cap = v1::TierCapacity { tier: 42, total_bytes: 10, available_bytes: 4, page_size: 0 };
     assert_eq!(capacity_from_wire(&cap), (TierType::Unknown, TierCapacity { total_bytes: 10, available_bytes: 4 }));
 }
 
@@ -147,10 +147,13 @@ proptest! {
     }
 
     #[test]
-    fn capacities_round_trip_through_bytes(tier in tier(), total_bytes in any::<u64>(), available_bytes in any::<u64>()) {
+    fn capacities_round_trip_through_bytes(
+        tier in tier(), total_bytes in any::<u64>(), available_bytes in any::<u64>(), page_size in any::<u64>()
+    ) {
         let cap = TierCapacity { total_bytes, available_bytes };
-        let wire = through_bytes(&capacity_to_wire(tier, cap));
+        let wire = through_bytes(&capacity_to_wire(tier, cap, page_size));
         prop_assert_eq!(capacity_from_wire(&wire), (tier, cap));
+        prop_assert_eq!(wire.page_size, page_size);
     }
 
     #[test]

@@ -80,6 +80,16 @@ fn an_unknown_enum_value_still_decodes() {
 }
 
 #[test]
+fn the_capacity_page_size_is_field_4_and_an_older_report_reads_as_unknown() {
+    let cap = v1::TierCapacity { page_size: 65_536, ..Default::default() };
+    // field 4 (varint) 65536.
+    assert_eq!(cap.encode_to_vec(), vec![0x20, 0x80, 0x80, 0x04]);
+    // An older node's report (fields 1-3 only) decodes with page size 0: unknown.
+    let old = v1::TierCapacity::decode([0x08, 2, 0x10, 100, 0x18, 50].as_slice()).expect("decodes");
+    assert_eq!((old.total_bytes, old.available_bytes, old.page_size), (100, 50, 0));
+}
+
+#[test]
 fn the_read_release_and_busy_field_numbers_are_pinned() {
     let r = v1::BatchResolveKeysResponse { busy: vec![true], lease_id: vec![7], ..Default::default() };
     // field 10 (packed bool) [1], field 11 (packed varint) [7].

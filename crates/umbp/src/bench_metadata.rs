@@ -391,7 +391,12 @@ fn node_id(i: usize) -> String {
 }
 
 fn dram(total: u64) -> Vec<v1::TierCapacity> {
-    vec![v1::TierCapacity { tier: v1::TierType::TierDram as i32, total_bytes: total, available_bytes: total }]
+    vec![v1::TierCapacity {
+        tier: v1::TierType::TierDram as i32,
+        total_bytes: total,
+        available_bytes: total,
+        page_size: 0,
+    }]
 }
 
 /// A gRPC error as a bench failure.

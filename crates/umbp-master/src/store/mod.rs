@@ -76,12 +76,21 @@ pub struct TierCap {
     pub total_bytes: u64,
     /// Bytes free at the report.
     pub available_bytes: u64,
+    /// The medium's page size; 0 if the node did not say (an older node). The medium allocates whole
+    /// pages, so a key occupies its size rounded up to whole pages of the total.
+    pub page_size: u64,
 }
 
 impl TierCap {
-    /// The capacity of `tier`: `available_bytes` free of `total_bytes`.
+    /// The capacity of `tier`: `available_bytes` free of `total_bytes`, page size unknown.
     pub const fn new(tier: TierType, total_bytes: u64, available_bytes: u64) -> Self {
-        Self { tier, total_bytes, available_bytes }
+        Self { tier, total_bytes, available_bytes, page_size: 0 }
+    }
+
+    /// The same capacity on a medium of `page_size`-byte pages.
+    #[must_use]
+    pub const fn with_page_size(self, page_size: u64) -> Self {
+        Self { page_size, ..self }
     }
 }
 

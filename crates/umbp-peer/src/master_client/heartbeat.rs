@@ -189,7 +189,7 @@ impl Inner {
             let tier = backend.tier();
             let cap = backend.capacity();
             if cap.total_bytes > 0 {
-                caps.push(umbp_proto::convert::capacity_to_wire(tier, cap));
+                caps.push(umbp_proto::convert::capacity_to_wire(tier, cap, backend.page_size()));
             }
             counts.push(pb::TierKvCount {
                 tier: umbp_proto::convert::tier_to_wire(tier),

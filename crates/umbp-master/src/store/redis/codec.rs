@@ -35,14 +35,17 @@ pub(super) fn decode_tags(mut s: &str) -> Result<Vec<String>, StoreError> {
     Ok(tags)
 }
 
-/// Capacities as `tier:total:available` joined by `,`.
+/// Capacities as `tier:total:available:page` joined by `,`.
 pub(super) fn encode_caps(caps: &[TierCap]) -> String {
-    let parts: Vec<String> =
-        caps.iter().map(|c| format!("{}:{}:{}", c.tier.wire(), c.total_bytes, c.available_bytes)).collect();
+    let parts: Vec<String> = caps
+        .iter()
+        .map(|c| format!("{}:{}:{}:{}", c.tier.wire(), c.total_bytes, c.available_bytes, c.page_size))
+        .collect();
     parts.join(",")
 }
 
-/// The inverse of [`encode_caps`].
+/// The inverse of [`encode_caps`]. A record an older master wrote has no page field
+/// (`tier:total:available`): its page size reads as 0, unknown.
 pub(super) fn decode_caps(s: &str) -> Result<Vec<TierCap>, StoreError> {
     if s.is_empty() {
         return Ok(Vec::new());
@@ -54,7 +57,12 @@ pub(super) fn decode_caps(s: &str) -> Result<Vec<TierCap>, StoreError> {
                 it.next().and_then(|v| v.parse().ok()).ok_or_else(|| corrupt("capacity"))
             };
             let tier = u32::try_from(next()?).map_err(|_| corrupt("tier"))?;
-            Ok(TierCap::new(TierType::from_wire(tier), next()?, next()?))
+            let cap = TierCap::new(TierType::from_wire(tier), next()?, next()?);
+            let page_size = match it.next() {
+                None => 0,
+                Some(v) => v.parse().map_err(|_| corrupt("page size"))?,
+            };
+            Ok(cap.with_page_size(page_size))
         })
         .collect()
 }
@@ -156,10 +164,14 @@ mod tests {
     fn tags_and_caps_round_trip() {
         let tags = vec!["role=a".to_owned(), String::new(), "x:3:,|y".to_owned()];
         assert_eq!(decode_tags(&encode_tags(&tags)).ok(), Some(tags));
-        let caps = vec![TierCap::new(TierType::Dram, u64::MAX, 7), TierCap::new(TierType::Ssd, 0, 0)];
+        let caps =
+            vec![TierCap::new(TierType::Dram, u64::MAX, 7).with_page_size(2 << 20), TierCap::new(TierType::Ssd, 0, 0)];
         assert_eq!(decode_caps(&encode_caps(&caps)).ok(), Some(caps));
         assert_eq!(decode_caps("").ok(), Some(Vec::new()));
         assert!(decode_caps("2:x:1").is_err());
+        assert!(decode_caps("2:10:1:x").is_err());
+        // An older master's record (no page field): page size unknown.
+        assert_eq!(decode_caps("2:10:1").ok(), Some(vec![TierCap::new(TierType::Dram, 10, 1)]));
         assert!(decode_tags("9:ab").is_err());
     }
 
