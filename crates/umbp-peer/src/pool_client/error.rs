@@ -171,6 +171,13 @@ pub enum KeyError {
     /// `batch_get` was given fewer buffers than keys: this key has none.
     #[error("no buffer for this key")]
     NoBuffer,
+    /// A ranged call's ranges for this key cannot be served: none, an empty or overlapping one, or
+    /// one past the value's end; fix the ranges.
+    #[error("bad ranges: {message}")]
+    BadRanges {
+        /// What is wrong with them.
+        message: String,
+    },
     /// A node could not be reached, or its RPC failed or answered malformed data.
     #[error("{node} unreachable: {message}")]
     Unreachable {
@@ -239,7 +246,8 @@ impl KeyError {
             | Self::Refused { .. }
             | Self::Miss
             | Self::BufferTooSmall { .. }
-            | Self::NoBuffer => ErrorKind::InvalidInput,
+            | Self::NoBuffer
+            | Self::BadRanges { .. } => ErrorKind::InvalidInput,
             Self::NoSpace { .. }
             | Self::Busy { .. }
             | Self::Transfer { .. }

@@ -33,6 +33,7 @@ use tracing::Instrument;
 
 use super::holder::{Answer, Hit, Holder, unreachable};
 use super::phases::{self, phase};
+use super::ranged::{Dest, range_items};
 use super::support::{
     BatchProgress, BusyWait, PageLayout, chunk_by_bytes, join_all, pipelined, refuses_connections, route_by_exclude_set,
 };
@@ -206,6 +207,18 @@ impl PoolClient {
 
     /// The get path over caller buffers (slices or raw ranges).
     async fn get_bufs(&self, keys: &[&str], targets: &[CallerBuf]) -> Vec<Result<u64, KeyError>> {
+        let dests: Vec<Dest<'_>> = targets.iter().map(|b| Dest::Whole(*b)).collect();
+        self.get_dests(keys, &dests, &[]).await
+    }
+
+    /// The get path over destinations (whole values or ranges); `failed[i]`, when there, is key
+    /// `i`'s result already (a bad request found on entry: nothing is read for it).
+    pub(super) async fn get_dests(
+        &self,
+        keys: &[&str],
+        targets: &[Dest<'_>],
+        failed: &[Option<Result<u64, KeyError>>],
+    ) -> Vec<Result<u64, KeyError>> {
         let bufs = targets;
         let gate = self.gate.read().await;
         if *gate {
@@ -213,7 +226,7 @@ impl PoolClient {
         }
         // One key: one keyed exchange with its holder when the client knows (or is told) where it
         // is; anything unusual falls back to the routed path below.
-        if let ([key], [buf]) = (keys, bufs)
+        if let ([key], [Dest::Whole(buf)]) = (keys, bufs)
             && let Some(result) = self.get_fast(key, *buf).await
         {
             return vec![result];
@@ -225,17 +238,19 @@ impl PoolClient {
                 results[i] = Some(Err(KeyError::EmptyKey));
             } else if i >= bufs.len() {
                 results[i] = Some(Err(KeyError::NoBuffer));
+            } else if let Some(Some(r)) = failed.get(i) {
+                results[i] = Some(r.clone());
             }
         }
         let valid: Vec<usize> = (0..n).filter(|i| results[*i].is_none()).collect();
         // Chunks run as a pipeline: one chunk's route and resolve overlap another's transfer. A
-        // buffer's length stands for its value's size.
-        let chunks = chunk_by_bytes(valid, |i| targets[i].len as u64);
+        // destination's length stands for its value's size.
+        let chunks = chunk_by_bytes(valid, |i| targets[i].bytes());
         let progress = BatchProgress::new();
         let progress = &progress;
         let outcomes = pipelined(&chunks, |chunk| {
             let chunk_keys: Vec<&str> = chunk.iter().map(|i| keys[*i]).collect();
-            let chunk_targets: Vec<CallerBuf> = chunk.iter().map(|i| targets[*i]).collect();
+            let chunk_targets: Vec<Dest<'_>> = chunk.iter().map(|i| targets[*i]).collect();
             async move { self.get_chunk(&chunk_keys, &chunk_targets, progress).await }
         })
         .await;
@@ -258,7 +273,7 @@ impl PoolClient {
     /// and a bounded wait for holders that answer busy ([`BUSY_WAIT`](super::support::BUSY_WAIT)).
     /// Each round: route → resolve on every holder concurrently → one submit → keep the copies that
     /// ended inside their lease → release.
-    async fn get_chunk(&self, keys: &[&str], bufs: &[CallerBuf], progress: &BatchProgress) -> ChunkRead {
+    async fn get_chunk(&self, keys: &[&str], bufs: &[Dest<'_>], progress: &BatchProgress) -> ChunkRead {
         let n = keys.len();
         let mut st = ChunkState::new(n);
         let mut fetched_remote: Vec<usize> = Vec::new();
@@ -338,10 +353,19 @@ impl PoolClient {
                 .iter()
                 .filter(|p| p.copied && !failed.contains_key(&(p.index as u64)) && ended_of(p) <= p.lease_end)
                 .collect();
-            let copies: Vec<_> =
-                arrived.iter().map(|p| (keys[p.index], p.holder.node(), bufs[p.index], p.size, p.crc32c)).collect();
-            let intact: HashMap<usize, bool> =
-                arrived.iter().map(|p| p.index).zip(self.copies_are_intact(&copies).await).collect();
+            // A ranged read cannot be checked against the whole value's sum: no expected sum, and
+            // its buffer is not read.
+            let copies: Vec<_> = arrived
+                .iter()
+                .filter_map(|p| {
+                    let dest = bufs[p.index];
+                    let expected = dest.whole().and(p.crc32c);
+                    Some((keys[p.index], p.holder.node(), dest.any_buf()?, p.size, expected))
+                })
+                .collect();
+            let checked: Vec<usize> =
+                arrived.iter().filter(|p| bufs[p.index].any_buf().is_some()).map(|p| p.index).collect();
+            let intact: HashMap<usize, bool> = checked.into_iter().zip(self.copies_are_intact(&copies).await).collect();
             for p in round.planned.into_iter().filter(|p| p.copied) {
                 let node = p.holder.node().to_owned();
                 let ended = ended_at.get(&node).copied().unwrap_or_else(|| self.clock.now());
@@ -494,7 +518,7 @@ impl PoolClient {
         target: &Target,
         asked: &[(usize, Asked)],
         resolved: Resolved,
-        bufs: &[CallerBuf],
+        bufs: &[Dest<'_>],
         st: &mut ChunkState,
         round: &mut Round,
     ) {
@@ -551,8 +575,26 @@ impl PoolClient {
     }
 
     /// Plans one hit's copy into the caller's buffer.
-    fn plan_get(&self, plan: Planned, hit: &Hit, buf: CallerBuf, st: &mut ChunkState, round: &mut Round) {
+    fn plan_get(&self, plan: Planned, hit: &Hit, dest: Dest<'_>, st: &mut ChunkState, round: &mut Round) {
         let (i, size) = (plan.index, plan.size);
+        let buf = match dest {
+            Dest::Whole(buf) => buf,
+            Dest::Ranges(ranges) => {
+                let layout = PageLayout { pages: &hit.pages, refs: &hit.refs, page_size: hit.page_size };
+                match range_items(ranges, size, layout, i as u64, |b| self.caller_ref(b)) {
+                    Ok(items) => {
+                        round.transfers.extend(items);
+                        round.planned.push(plan);
+                    }
+                    Err(message) => {
+                        st.results[i] = Some(Err(KeyError::BadRanges { message }));
+                        // Kept (uncopied) only so that its lease is released with the round's.
+                        round.planned.push(Planned { copied: false, ..plan });
+                    }
+                }
+                return;
+            }
+        };
         if (buf.len as u64) < size {
             st.results[i] = Some(Err(KeyError::BufferTooSmall { needed: size, got: buf.len as u64 }));
             // Kept (uncopied) only so that its lease is released with the round's.
@@ -614,7 +656,7 @@ impl PoolClient {
     fn queue_recache(
         &self,
         keys: &[&str],
-        bufs: &[CallerBuf],
+        bufs: &[Dest<'_>],
         results: &[Option<Result<u64, KeyError>>],
         fetched: &[usize],
     ) {
@@ -627,8 +669,8 @@ impl PoolClient {
         };
         for i in fetched {
             let Some(Some(Ok(size))) = results.get(*i) else { continue };
-            let Some(buf) = bufs.get(*i).filter(|b| *size as usize <= b.len) else { continue };
-            if !admit(*size) || self.in_device_registration(*buf) {
+            let Some(buf) = bufs.get(*i).and_then(|d| d.whole()).filter(|b| *size as usize <= b.len) else { continue };
+            if !admit(*size) || self.in_device_registration(buf) {
                 continue;
             }
             let Ok(permit) = tx.try_reserve() else {

@@ -33,6 +33,7 @@ mod holder;
 mod metrics;
 pub mod phases;
 mod put;
+mod ranged;
 mod support;
 
 use std::collections::{BTreeMap, HashMap};

@@ -1,0 +1,109 @@
+//! Ranged gets (`PoolClient::batch_get_ranges`, issue 21): parts of stored values into buffers of
+//! their own, byte-exact, over TCP (only the requested bytes cross it), through the shared
+//! mapping and from the node's own medium; bad ranges fail their key alone.
+
+use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig};
+
+mod pool_support;
+
+use pool_support::{PAGE, config, indexed, master, value};
+
+fn light(master: &umbp_master::MasterHandle, id: &str, shared_memory: bool) -> PoolClientConfig {
+    let mut c = PoolClientConfig::new(id, master.local_addr().to_string());
+    c.bounce_bytes = 1 << 20;
+    c.shared_memory = shared_memory;
+    c
+}
+
+/// Reads `parts` (`(offset, len)`) of `key` through `client`; the value's size and the parts.
+async fn read_parts(client: &PoolClient, key: &str, parts: &[(u64, usize)]) -> (Result<u64, KeyError>, Vec<Vec<u8>>) {
+    let mut bufs: Vec<Vec<u8>> = parts.iter().map(|(_, len)| vec![0xEE; *len]).collect();
+    let mut lists = vec![bufs.iter_mut().zip(parts).map(|(b, (off, _))| (b.as_mut_slice(), *off)).collect::<Vec<_>>()];
+    let r = client.batch_get_ranges(&[key], &mut lists).await.remove(0);
+    drop(lists);
+    (r, bufs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ranges_of_a_value_read_byte_exact_on_every_path_and_only_they_cross_tcp() {
+    let m = master().await;
+    let holder = PoolClient::start(config(&m, "holder", 256 * PAGE)).await.expect("holder");
+    let tcp = PoolClient::start(light(&m, "tcp", false)).await.expect("reader");
+    let shm = PoolClient::start(light(&m, "shm", true)).await.expect("reader");
+    let size = 3 * PAGE as usize + 123;
+    let v = value(21, size);
+    tcp.put("v", &v).await.expect("put");
+    indexed(&tcp, &["v"]).await;
+    // Across a page boundary, a whole middle page and more, the last byte, out of order.
+    let parts = [(PAGE - 96, 100), (size as u64 - 1, 1), (PAGE + 4, PAGE as usize + 10), (0, 3)];
+    for (who, client) in [("tcp", &tcp), ("shm", &shm), ("the holder itself", &holder)] {
+        let before = client.transferred_bytes("TcpEngine");
+        let (r, bufs) = read_parts(client, "v", &parts).await;
+        assert_eq!(r, Ok(size as u64), "{who}: the value's size");
+        for ((off, len), b) in parts.iter().zip(&bufs) {
+            assert_eq!(b.as_slice(), &v[*off as usize..*off as usize + len], "{who}: {len} bytes at {off}");
+        }
+        let moved = client.transferred_bytes("TcpEngine") - before;
+        let wanted: u64 = parts.iter().map(|(_, len)| *len as u64).sum();
+        if who == "tcp" {
+            assert_eq!(moved, wanted, "over TCP only the requested bytes, not the value's {size}");
+        } else {
+            assert_eq!(moved, 0, "{who}: nothing over TCP");
+        }
+    }
+    // Eight ranges tiling the value read the same bytes as one whole get.
+    let eighth = size / 8;
+    let tiling: Vec<(u64, usize)> =
+        (0..8).map(|i| ((i * eighth) as u64, if i == 7 { size - 7 * eighth } else { eighth })).collect();
+    let (r, bufs) = read_parts(&tcp, "v", &tiling).await;
+    assert_eq!(r, Ok(size as u64));
+    assert_eq!(bufs.concat(), v, "the eight parts are the value");
+    for n in [&tcp, &shm, &holder] {
+        n.close().await;
+    }
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_ranges_fail_their_key_alone() {
+    let m = master().await;
+    let holder = PoolClient::start(config(&m, "holder", 64 * PAGE)).await.expect("holder");
+    let reader = PoolClient::start(light(&m, "reader", false)).await.expect("reader");
+    let size = PAGE as usize + 10;
+    let v = value(22, size);
+    reader.put("k", &v).await.expect("put");
+    indexed(&reader, &["k"]).await;
+    let (mut a, mut b, mut c, mut d, mut e) = (vec![0u8; 8], vec![0u8; 8], vec![0u8; 8], vec![0u8; 20], vec![0u8; 8]);
+    let mut lists = vec![
+        vec![(a.as_mut_slice(), 0), (b.as_mut_slice(), 4)], // overlapping
+        vec![(c.as_mut_slice(), size as u64 - 4)],          // past the end
+        vec![],                                             // none
+        vec![(d.as_mut_slice(), 100)],                      // good
+        vec![(e.as_mut_slice(), 0)],                        // a missing key
+    ];
+    let keys = ["k", "k", "k", "k", "absent", "no-list"];
+    let r = reader.batch_get_ranges(&keys, &mut lists).await;
+    drop(lists);
+    let kinds: Vec<&str> = r
+        .iter()
+        .map(|r| match r {
+            Ok(_) => "ok",
+            Err(KeyError::BadRanges { .. }) => "bad",
+            Err(KeyError::Miss) => "miss",
+            Err(KeyError::NoBuffer) => "no buffer",
+            Err(_) => "other",
+        })
+        .collect();
+    assert_eq!(kinds, ["bad", "bad", "bad", "ok", "miss", "no buffer"], "{r:?}");
+    assert!(r[0].as_ref().unwrap_err().to_string().contains("overlap"), "{:?}", r[0]);
+    assert!(r[1].as_ref().unwrap_err().to_string().contains("past the value"), "{:?}", r[1]);
+    assert_eq!(r[3], Ok(size as u64));
+    assert_eq!(d.as_slice(), &v[100..120]);
+    // Every read lease was released (the good key's, and those of the keys refused after their
+    // resolve): the holder frees the value at once when it is removed.
+    let freed = reader.remove(&["k"]).await.expect("remove");
+    assert_eq!(freed, [size as u64], "a lease left behind would keep the value (0 freed)");
+    reader.close().await;
+    holder.close().await;
+    m.shutdown().await;
+}
