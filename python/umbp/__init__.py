@@ -2,11 +2,17 @@
 
 Two deployments:
 
-* ``Client.local(capacity_bytes=...)`` -- an embedded pool: a master and one DRAM node inside this
+* ``Client.local(capacity_bytes=...)`` -- an embedded pool: a master and one node inside this
   process, nothing else to start. Values live as long as the client.
 * ``Client.connect(master, node_id=...)`` -- this process becomes a node of a running pool
-  (``umbp master`` somewhere, other nodes beside it). It may lend DRAM (``lend_bytes``) or nothing,
-  and reads every node's keys over the data plane.
+  (``umbp master`` somewhere, other nodes beside it). It may lend memory (``lend_bytes``) or
+  nothing, and reads every node's keys over the data plane.
+
+Either lends one medium, as ``umbp node --medium`` does: ``medium="dram"`` (the default),
+``"ssd"`` (``ssd_dirs``), ``"cxl"`` (``cxl_path``), ``"object"`` (``object_url``,
+``object_endpoint``), ``"hbm"`` or ``"none"``; ``medium_options`` holds any other setting of the
+medium under its settings-file key (``{"staging_pages": 64, "io_engine": "io_uring"}``). Bad
+settings raise :class:`ConfigError`, an ``InvalidInputError`` and a ``ValueError``.
 
 Values are write-once: a second put of a key succeeds and keeps the stored bytes. Every call that
 waits on I/O releases the GIL. Errors raise subclasses of :class:`umbp.Error`.
@@ -14,11 +20,13 @@ waits on I/O releases the GIL. Errors raise subclasses of :class:`umbp.Error`.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Sequence
+import os
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 from . import _umbp
 from ._umbp import (
     ClosedError,
+    ConfigError,
     Error,
     InternalError,
     InvalidInputError,
@@ -33,6 +41,7 @@ __all__ = [
     "BatchError",
     "Client",
     "ClosedError",
+    "ConfigError",
     "Error",
     "InternalError",
     "InvalidInputError",
@@ -90,6 +99,28 @@ def _raise_batch(op: str, keys: Sequence[str], detailed: list, miss_ok: bool) ->
     return results
 
 
+def _medium_settings(
+    ssd_dirs: Any, cxl_path: Any, object_url: Any, object_endpoint: Any, options: Optional[Dict[str, Any]]
+) -> Dict[str, Any]:
+    """The medium's settings for the native pool: ``options`` plus the keyword ones that were given
+    (the native side maps each to its medium's key, refusing one of another medium)."""
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"medium_options must be a dict, not {type(options).__name__}")
+    settings = dict(options or {})
+    for name, value in (
+        ("ssd_dirs", ssd_dirs),
+        ("cxl_path", cxl_path),
+        ("object_url", object_url),
+        ("object_endpoint", object_endpoint),
+    ):
+        if value is None:
+            continue
+        if name in settings:
+            raise ConfigError(f"{name} given both as a keyword and in medium_options")
+        settings[name] = value
+    return settings
+
+
 class Client:
     """A handle on a umbp pool; a context manager that closes it on exit.
 
@@ -104,9 +135,25 @@ class Client:
         self._pool = pool
 
     @classmethod
-    def local(cls, capacity_bytes: int = 1 << 30, *, page_size: int = 64 << 10, prefault: bool = False) -> "Client":
-        """An embedded pool: a master and one node lending ``capacity_bytes`` of DRAM, in this process."""
-        return cls(Pool.local(int(capacity_bytes), int(page_size), bool(prefault)))
+    def local(
+        cls,
+        capacity_bytes: int = 1 << 30,
+        *,
+        page_size: int = 64 << 10,
+        prefault: bool = False,
+        medium: str = "dram",
+        ssd_dirs: Union[None, str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]] = None,
+        cxl_path: Union[None, str, "os.PathLike[str]"] = None,
+        object_url: Optional[str] = None,
+        object_endpoint: Optional[str] = None,
+        medium_options: Optional[Dict[str, Any]] = None,
+    ) -> "Client":
+        """An embedded pool: a master and one node lending ``capacity_bytes`` of ``medium``, in this process.
+
+        ``prefault`` touches DRAM at start-up (other media ignore it). See the module's docstring
+        for the media and their settings."""
+        settings = _medium_settings(ssd_dirs, cxl_path, object_url, object_endpoint, medium_options)
+        return cls(Pool.local(int(capacity_bytes), int(page_size), bool(prefault), str(medium), settings))
 
     @classmethod
     def connect(
@@ -122,12 +169,19 @@ class Client:
         peer_port: int = 0,
         staging_bytes: int = 64 << 20,
         recache_bytes: Optional[int] = 16 << 20,
+        medium: Optional[str] = None,
+        ssd_dirs: Union[None, str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]] = None,
+        cxl_path: Union[None, str, "os.PathLike[str]"] = None,
+        object_url: Optional[str] = None,
+        object_endpoint: Optional[str] = None,
+        medium_options: Optional[Dict[str, Any]] = None,
     ) -> "Client":
         """Joins the pool whose master listens at ``master`` (``host:port``) as node ``node_id``.
 
-        ``lend_bytes`` of DRAM are lent to the pool (0: a client-only node); ``node_address`` is the
-        host other nodes reach this one at; ports 0 pick free ones; values fetched from other nodes
-        up to ``recache_bytes`` are kept locally too (``None``: never).
+        ``lend_bytes`` of ``medium`` are lent to the pool (default medium: DRAM, or none when
+        ``lend_bytes`` is 0: a client-only node); ``node_address`` is the host other nodes reach
+        this one at; ports 0 pick free ones; values fetched from other nodes up to
+        ``recache_bytes`` are kept locally too (``None``: never).
         """
         return cls(
             Pool.node(
@@ -141,6 +195,9 @@ class Client:
                 int(peer_port),
                 int(staging_bytes),
                 None if recache_bytes is None else int(recache_bytes),
+                False,
+                None if medium is None else str(medium),
+                _medium_settings(ssd_dirs, cxl_path, object_url, object_endpoint, medium_options),
             )
         )
 

@@ -1,6 +1,6 @@
 """Type stubs of the native module ``umbp._umbp`` (built from crates/umbp-py)."""
 
-from typing import Any, List, Optional, Sequence, final, overload
+from typing import Any, Dict, List, Optional, Sequence, final, overload
 
 __version__: str
 
@@ -32,6 +32,10 @@ class InternalError(Error):
 class NotFoundError(Error):
     """The key is not in the pool."""
 
+class ConfigError(InvalidInputError, ValueError):
+    """A node's settings are invalid (an unknown medium, a required setting missing, a setting of
+    the wrong type or of another medium): an InvalidInputError and a ValueError."""
+
 @final
 class Pool:
     """One node of a umbp pool in this process. Every I/O call releases the GIL.
@@ -40,8 +44,14 @@ class Pool:
     ``(kind, message)`` tuple (``KIND_*``)."""
 
     @staticmethod
-    def local(capacity_bytes: int, page_size: int = 65536, prefault: bool = False) -> "Pool":
-        """An embedded master and one DRAM node of ``capacity_bytes``, in this process."""
+    def local(
+        capacity_bytes: int,
+        page_size: int = 65536,
+        prefault: bool = False,
+        medium: str = "dram",
+        medium_settings: Optional[Dict[str, Any]] = None,
+    ) -> "Pool":
+        """An embedded master and one node lending ``capacity_bytes`` of ``medium``, in this process."""
     @staticmethod
     def node(
         master_address: str,
@@ -55,6 +65,8 @@ class Pool:
         bounce_bytes: int = 67108864,
         recache_bytes: Optional[int] = None,
         prefault: bool = False,
+        medium: Optional[str] = None,
+        medium_settings: Optional[Dict[str, Any]] = None,
     ) -> "Pool":
         """Joins the pool whose master is at ``master_address``."""
     @property

@@ -5,8 +5,10 @@
 //! `umbp.Client` raises the matching exception where a single answer is asked for.
 
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 use umbp_core::ErrorKind;
 use umbp_peer::pool_client::{KeyError, PoolError};
 
@@ -28,6 +30,33 @@ create_exception!(_umbp, UnavailableError, Error, "The master or a peer cannot b
 create_exception!(_umbp, ClosedError, Error, "The client was closed: open a new one.");
 create_exception!(_umbp, InternalError, Error, "A bug or a broken invariant: report it.");
 create_exception!(_umbp, NotFoundError, Error, "The key is not in the pool.");
+
+/// What `ConfigError` says of itself.
+const CONFIG_ERROR_DOC: &str = "A node's settings are invalid (an unknown medium, a required setting missing, a setting of \
+     the wrong type or of another medium): an InvalidInputError and a ValueError.";
+
+/// `ConfigError(InvalidInputError, ValueError)`: made at run time because an exception class with
+/// two bases cannot be declared with `create_exception!`.
+fn config_error_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    TYPE.get_or_try_init(py, || {
+        let bases = PyTuple::new(py, [py.get_type::<InvalidInputError>(), py.get_type::<PyValueError>()])?;
+        let attrs = PyDict::new(py);
+        attrs.set_item("__doc__", CONFIG_ERROR_DOC)?;
+        attrs.set_item("__module__", "umbp._umbp")?;
+        let ty = py.get_type::<PyType>().call1(("ConfigError", bases, attrs))?;
+        Ok(ty.cast_into::<PyType>()?.unbind())
+    })
+    .map(|t| t.bind(py))
+}
+
+/// A `ConfigError` carrying `message` (the error of making the class, should that fail).
+pub(crate) fn config_error(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    match config_error_type(py) {
+        Ok(ty) => PyErr::from_type(ty.clone(), message.into()),
+        Err(e) => e,
+    }
+}
 
 /// Kind code of [`ErrorKind::InvalidInput`].
 pub(crate) const INVALID_INPUT: u8 = 0;
@@ -52,6 +81,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("InternalError", py.get_type::<InternalError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
+    m.add("ConfigError", config_error_type(py)?)?;
     m.add("KIND_INVALID_INPUT", INVALID_INPUT)?;
     m.add("KIND_RETRY", RETRY)?;
     m.add("KIND_UNAVAILABLE", UNAVAILABLE)?;
@@ -123,9 +153,9 @@ pub(crate) fn pool_kind(e: &PoolError) -> u8 {
     }
 }
 
-/// The exception of a node that could not start, stop, clear or register, with the error's whole
-/// source chain in the message (a bind error names the port only in its source).
-pub(crate) fn pool_error(context: &str, e: &PoolError) -> PyErr {
+/// The message of a node's error: `context`, the error, and its whole source chain (a bind error
+/// names the port only in its source).
+pub(crate) fn pool_message(context: &str, e: &PoolError) -> String {
     let mut message = format!("{context}: {e}");
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {
@@ -136,5 +166,17 @@ pub(crate) fn pool_error(context: &str, e: &PoolError) -> PyErr {
         }
         source = s.source();
     }
-    exception(pool_kind(e), message)
+    message
+}
+
+/// The exception of a node that could not start, stop, clear or register, with the error's whole
+/// source chain in the message.
+pub(crate) fn pool_error(context: &str, e: &PoolError) -> PyErr {
+    exception(pool_kind(e), pool_message(context, e))
+}
+
+/// The exception of a node that could not start: what the caller must fix (bad settings, a medium
+/// that refused them, a port in use) is a `ConfigError`, the rest as [`pool_error`].
+pub(crate) fn start_error(py: Python<'_>, kind: u8, message: String) -> PyErr {
+    if kind == INVALID_INPUT { config_error(py, message) } else { exception(kind, message) }
 }

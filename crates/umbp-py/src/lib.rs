@@ -28,6 +28,7 @@
 
 mod buffer;
 mod errors;
+mod medium;
 mod memcheck;
 mod pool;
 

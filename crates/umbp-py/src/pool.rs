@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use umbp_master::{MasterConfig, MasterHandle};
-use umbp_peer::pool_client::{DramConfig, KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_peer::pool_client::{KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
 
 use crate::buffer::View;
 use crate::errors::{self, INVALID_INPUT};
+use crate::medium::{self, MediumRequest};
 use crate::memcheck::range_mapped;
 use crate::runtime;
 
@@ -231,10 +232,31 @@ impl Pool {
 #[pymethods]
 impl Pool {
     /// Starts a local pool: an embedded master on 127.0.0.1 and one node lending `capacity_bytes` of
-    /// DRAM in pages of `page_size` bytes, all in this process.
+    /// `medium` (`dram`, `ssd`, `cxl`, `object`, `hbm`; `medium_settings` holds its settings, as
+    /// `umbp node` reads them) in pages of `page_size` bytes, all in this process.
     #[staticmethod]
-    #[pyo3(signature = (capacity_bytes, page_size = 64 << 10, prefault = false))]
-    fn local(py: Python<'_>, capacity_bytes: u64, page_size: u64, prefault: bool) -> PyResult<Self> {
+    #[pyo3(signature = (capacity_bytes, page_size = 64 << 10, prefault = false, medium = "dram".to_owned(),
+        medium_settings = None))]
+    fn local(
+        py: Python<'_>,
+        capacity_bytes: u64,
+        page_size: u64,
+        prefault: bool,
+        medium: String,
+        medium_settings: Option<Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let request = MediumRequest {
+            name: &medium,
+            capacity: capacity_bytes,
+            capacity_arg: "capacity_bytes",
+            page_size,
+            prefault,
+            settings: medium_settings.as_ref(),
+        };
+        let medium = medium::build(py, &request)?;
+        if medium == Medium::None {
+            return Err(errors::config_error(py, "a local pool needs a medium: its one node holds every value"));
+        }
         let rt = runtime()?;
         let (client, master) = py
             .detach(move || {
@@ -245,20 +267,20 @@ impl Pool {
                     })
                     .await
                     .map_err(|e| (errors::INTERNAL, format!("starting the embedded master: {e}")))?;
-                    let mut config = PoolClientConfig::new("local", master.local_addr().to_string())
-                        .with_medium(Medium::Dram(DramConfig { capacity_bytes, prefault, ..DramConfig::default() }));
+                    let mut config =
+                        PoolClientConfig::new("local", master.local_addr().to_string()).with_medium(medium);
                     config.page_size = page_size;
                     config.recache = RecachePolicy::Off;
                     match PoolClient::start(config).await {
                         Ok(c) => Ok((c, master)),
                         Err(e) => {
                             master.shutdown().await;
-                            Err((errors::kind_code(umbp_core::ErrorKind::InvalidInput), e.to_string()))
+                            Err((errors::pool_kind(&e), errors::pool_message("starting the local pool", &e)))
                         }
                     }
                 })
             })
-            .map_err(|(k, m)| errors::exception(k, format!("starting the local pool: {m}")))?;
+            .map_err(|(k, m)| errors::start_error(py, k, m))?;
         let master_address = master.local_addr().to_string();
         Ok(Self {
             inner: Arc::new(Inner {
@@ -273,12 +295,13 @@ impl Pool {
     }
 
     /// Joins the pool whose master is at `master_address` as node `node_id`, reachable at
-    /// `node_address`, lending `lend_bytes` of DRAM (0: none). `data_port` / `peer_port` 0 pick free
-    /// ports; `recache_bytes` re-caches remote values up to that size locally (None: never).
+    /// `node_address`, lending `lend_bytes` of `medium` (default: DRAM, or nothing when `lend_bytes`
+    /// is 0; `medium_settings` as for `local`). `data_port` / `peer_port` 0 pick free ports;
+    /// `recache_bytes` re-caches remote values up to that size locally (None: never).
     #[staticmethod]
     #[pyo3(signature = (master_address, node_id, node_address = "127.0.0.1".to_owned(), lend_bytes = 0,
         page_size = 2 << 20, data_host = None, data_port = 0, peer_port = 0, bounce_bytes = 64 << 20,
-        recache_bytes = None, prefault = false))]
+        recache_bytes = None, prefault = false, medium = None, medium_settings = None))]
     #[expect(clippy::too_many_arguments, reason = "a Python keyword-argument constructor")]
     fn node(
         py: Python<'_>,
@@ -293,6 +316,8 @@ impl Pool {
         bounce_bytes: u64,
         recache_bytes: Option<u64>,
         prefault: bool,
+        medium: Option<String>,
+        medium_settings: Option<Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let node_ip = resolve_ip(&node_address)?;
         let data_ip = match &data_host {
@@ -303,18 +328,25 @@ impl Pool {
         config.node_address = node_address;
         config.peer_listen = SocketAddr::new(node_ip, peer_port);
         config.data_listen = SocketAddr::new(data_ip, data_port);
-        if lend_bytes > 0 {
-            config.medium = Medium::Dram(DramConfig { capacity_bytes: lend_bytes, prefault, ..DramConfig::default() });
-        }
         if page_size > 0 {
             config.page_size = page_size;
         }
+        let default_medium = if lend_bytes > 0 { "dram" } else { "none" };
+        let request = MediumRequest {
+            name: medium.as_deref().unwrap_or(default_medium),
+            capacity: lend_bytes,
+            capacity_arg: "lend_bytes",
+            page_size: config.page_size,
+            prefault,
+            settings: medium_settings.as_ref(),
+        };
+        config.medium = medium::build(py, &request)?;
         config.bounce_bytes = bounce_bytes;
         config.recache = recache_bytes.map_or(RecachePolicy::Off, RecachePolicy::UpTo);
         let rt = runtime()?;
-        let client = py
-            .detach(move || rt.block_on(PoolClient::start(config)))
-            .map_err(|e| errors::pool_error("joining the pool", &e))?;
+        let client = py.detach(move || rt.block_on(PoolClient::start(config))).map_err(|e| {
+            errors::start_error(py, errors::pool_kind(&e), errors::pool_message("joining the pool", &e))
+        })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 client: Arc::new(client),
