@@ -13,12 +13,13 @@
 //! largest unplaced key (the requester's own first under `local` affinity), it evicts least recently
 //! used, unleased keys — at least the bytes the unplaced keys need, and enough to bring the medium
 //! back to the low watermark, as a round would, so the next puts find room without another eviction
-//! — by `EvictKey` to the peer, awaits the answer, and credits the bytes the peer confirmed freed to
-//! the node's recorded capacity (the next heartbeat's report replaces the figure). Then the route is
-//! computed again. Bounded: at most [`MAX_ROOM_SLOTS`] media per call, each under the `EvictKey`
-//! deadline, and the whole of it (the wait for the evictor included) within [`ON_DEMAND_BUDGET`]. No stampede: the evictor is one lock shared with the background round, and a put that
-//! waited for it routes again first, so concurrent writers that all found the pool full trigger one
-//! eviction, not one each. Keys a peer confirmed evicted are skipped by the next rounds until their
+//! — by `EvictKey` to the peer, awaits the answer, and credits what the peer confirmed freed to the
+//! node's recorded capacity, page-rounded per key like the budget (the next heartbeat's report
+//! replaces the figure). Then the route is computed again. Bounded: at most [`MAX_ROOM_SLOTS`] media
+//! per call, each under the `EvictKey` deadline, and the whole of it (the wait for the evictor
+//! included) within [`ON_DEMAND_BUDGET`]. No stampede: the evictor is one lock shared with the
+//! background round, and a put that waited for it routes again first, so concurrent writers that all
+//! found the pool full trigger one eviction, not one each. Keys a peer confirmed evicted are skipped by the next rounds until their
 //! `REMOVE` reaches the index, like keys it refused.
 
 use std::collections::HashMap;
@@ -35,7 +36,7 @@ use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
 
 use crate::config::MasterConfig;
 use crate::routing::{
-    Bucket, Candidate, EvictionCandidate, PPM, TierSlot, VictimPicker, parts_per_million, plan_eviction,
+    Bucket, Candidate, EvictionCandidate, PPM, TierSlot, VictimPicker, charged_bytes, parts_per_million, plan_eviction,
 };
 use crate::service::now_ms;
 use crate::store::{MetadataStore, StoreError};
@@ -85,8 +86,12 @@ pub struct EvictionReport {
     pub pressure: bool,
     /// Keys sent in `EvictKey` requests, in the order they were sent.
     pub requested: Vec<String>,
-    /// Bytes the peers reported freed.
+    /// Bytes the peers reported freed (the values' lengths).
     pub bytes_freed: u64,
+    /// Capacity the media got back: each freed key's pages (see
+    /// [`charged_bytes`](crate::routing::charged_bytes)), the unit of the budgets and of the
+    /// capacity credited to the nodes' records.
+    pub capacity_freed: u64,
     /// Keys the peers refused (0 bytes freed).
     pub refused: Vec<String>,
     /// `EvictKey` requests that failed or timed out.
@@ -163,7 +168,7 @@ impl Evictor {
             .map(|n| Candidate {
                 node_id: n.node_id.clone(),
                 peer_address: n.peer_address.clone(),
-                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+                tiers: n.caps.iter().map(TierSlot::from).collect(),
             })
             .collect();
         let eviction = &self.config.eviction;
@@ -196,7 +201,7 @@ impl Evictor {
             .map(|n| Candidate {
                 node_id: n.node_id.clone(),
                 peer_address: n.peer_address.clone(),
-                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+                tiers: n.caps.iter().map(TierSlot::from).collect(),
             })
             .collect();
         let eviction = &self.config.eviction;
@@ -239,7 +244,7 @@ impl Evictor {
             .map(|n| Candidate {
                 node_id: n.node_id.clone(),
                 peer_address: n.peer_address.clone(),
-                tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+                tiers: n.caps.iter().map(TierSlot::from).collect(),
             })
             .collect();
         // Media that could hold the largest key at all, the requester's first (when its own puts go
@@ -247,7 +252,7 @@ impl Evictor {
         let mut slots: Vec<(&Candidate, TierSlot)> = candidates
             .iter()
             .flat_map(|c| c.tiers.iter().map(move |t| (c, *t)))
-            .filter(|(_, t)| t.tier != TierType::Unknown && t.total_bytes >= largest)
+            .filter(|(_, t)| t.tier != TierType::Unknown && t.total_bytes >= charged_bytes(largest, t.page_size))
             .collect();
         slots.sort_by_key(|(c, t)| {
             (!(prefer_requester && *c.node_id == *requester), std::cmp::Reverse(t.available_bytes))
@@ -260,21 +265,27 @@ impl Evictor {
         let low = parts_per_million(self.config.eviction.low_watermark);
         let mut needed = needed;
         for (candidate, slot) in slots.into_iter().take(MAX_ROOM_SLOTS) {
-            let shortfall = needed.max(largest).saturating_sub(slot.available_bytes);
+            // In the medium's unit, like the budget (the sum rounded as one value: a lower bound of
+            // the keys' pages; the low watermark's budget is the larger whenever a key found no room).
+            let shortfall = charged_bytes(needed.max(largest), slot.page_size).saturating_sub(slot.available_bytes);
             if shortfall == 0 {
                 break;
             }
             let used = u128::from(slot.total_bytes.saturating_sub(slot.available_bytes));
             let to_low =
                 u64::try_from(used.saturating_sub(u128::from(slot.total_bytes) * low / PPM)).unwrap_or(u64::MAX);
-            let bucket =
-                Bucket { node_id: candidate.node_id.clone(), tier: slot.tier, budget_bytes: shortfall.max(to_low) };
-            let before = report.bytes_freed;
+            let bucket = Bucket {
+                node_id: candidate.node_id.clone(),
+                tier: slot.tier,
+                budget_bytes: shortfall.max(to_low),
+                page_size: slot.page_size,
+            };
+            let before = report.capacity_freed;
             self.evict_buckets(std::slice::from_ref(&bucket), &candidates, &mut report).await;
             if report.stopped {
                 break;
             }
-            let freed = report.bytes_freed - before;
+            let freed = report.capacity_freed - before;
             tracing::debug!(node = %bucket.node_id, tier = %bucket.tier, budget = bucket.budget_bytes, freed, "on-demand eviction");
             if freed >= shortfall {
                 break;
@@ -385,8 +396,13 @@ impl Evictor {
                         let got = freed.get(&victim.key).copied().unwrap_or(0);
                         report.bytes_freed += got;
                         self.stats.bytes_freed.fetch_add(got, Relaxed);
+                        // The victim's charge not freed goes back to its bucket (all of it for a
+                        // protected key: the round continues down the list); the pages freed are
+                        // credited, in the unit the node reports its capacity in.
+                        let returned = picker.settle(&victim, got);
+                        report.capacity_freed += returned;
                         if got > 0 {
-                            *credit.entry(victim.tier).or_insert(0) += got.min(victim.size);
+                            *credit.entry(victim.tier).or_insert(0) += returned;
                             // Gone from the peer; its REMOVE reaches the index with the node's next
                             // heartbeat. Until then no round may pick it again.
                             self.refused
@@ -395,9 +411,7 @@ impl Evictor {
                                 .insert(victim.key.clone(), self.round + PROTECTED_SKIP_ROUNDS);
                         }
                         if got == 0 {
-                            // Protected (or already gone): its bytes go back, the round continues down
-                            // the list, and the next rounds leave it out.
-                            picker.refund(&victim.node_id, victim.tier, victim.size);
+                            // Protected (or already gone): the next rounds leave it out.
                             self.stats.refused.fetch_add(1, Relaxed);
                             if !report.refused.contains(&victim.key) {
                                 report.refused.push(victim.key.clone());
@@ -406,8 +420,6 @@ impl Evictor {
                                 .entry(victim.node_id.clone())
                                 .or_default()
                                 .insert(victim.key.clone(), self.round + PROTECTED_SKIP_ROUNDS);
-                        } else if got < victim.size {
-                            picker.refund(&victim.node_id, victim.tier, victim.size - got);
                         }
                     }
                     // Routing sees the room now, not at the node's next heartbeat.

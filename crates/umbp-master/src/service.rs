@@ -265,7 +265,7 @@ impl MasterService {
                 Candidate {
                     node_id: n.node_id,
                     peer_address: n.peer_address,
-                    tiers: n.caps.iter().map(|c| TierSlot::new(c.tier, c.total_bytes, c.available_bytes)).collect(),
+                    tiers: n.caps.iter().map(TierSlot::from).collect(),
                 }
             })
             .collect();

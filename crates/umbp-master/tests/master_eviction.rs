@@ -17,14 +17,21 @@ use umbp_proto::v1::umbp_peer_server::{UmbpPeer, UmbpPeerServer};
 
 const DRAM: i32 = v1::TierType::TierDram as i32;
 
-/// A peer that records every `EvictKey` request; frees each key's 100 bytes unless protected; can
-/// answer late or never.
-#[derive(Debug, Default, Clone)]
+/// A peer that records every `EvictKey` request; frees each key's `value_bytes` (100 by default)
+/// unless protected; can answer late or never.
+#[derive(Debug, Clone)]
 struct FakePeer {
     requests: Arc<Mutex<Vec<Vec<String>>>>,
     protect: Arc<HashSet<String>>,
     delay: Duration,
     hang: bool,
+    value_bytes: u64,
+}
+
+impl Default for FakePeer {
+    fn default() -> Self {
+        Self { requests: Arc::default(), protect: Arc::default(), delay: Duration::ZERO, hang: false, value_bytes: 100 }
+    }
 }
 
 impl FakePeer {
@@ -96,7 +103,7 @@ impl UmbpPeer for FakePeer {
         let evicted = keys
             .into_iter()
             .map(|key| {
-                let bytes_freed = if self.protect.contains(&key) { 0 } else { 100 };
+                let bytes_freed = if self.protect.contains(&key) { 0 } else { self.value_bytes };
                 v1::EvictedKey { key, bytes_freed }
             })
             .collect();
@@ -147,7 +154,20 @@ async fn node_with_keys(
     total: u64,
     available: u64,
 ) {
-    let caps = vec![v1::TierCapacity { tier: DRAM, total_bytes: total, available_bytes: available, page_size: 0 }];
+    let cap = v1::TierCapacity { tier: DRAM, total_bytes: total, available_bytes: available, page_size: 0 };
+    node_with_cap(c, node, peer, keys, size, cap).await;
+}
+
+/// Registers `node` at `peer` holding `keys` (`size` bytes each) on the DRAM medium `cap`.
+async fn node_with_cap(
+    c: &mut UmbpMasterClient<Channel>,
+    node: &str,
+    peer: &str,
+    keys: &[String],
+    size: u64,
+    cap: v1::TierCapacity,
+) {
+    let caps = vec![cap];
     c.register_client(v1::RegisterClientRequest {
         node_id: node.into(),
         node_address: "127.0.0.1".into(),
@@ -403,4 +423,89 @@ async fn a_put_is_answered_even_when_the_peer_hangs_in_an_on_demand_eviction() {
     assert_eq!(peer.requests.lock().len(), 1, "the eviction was tried");
     server.abort();
     drop(m);
+}
+
+/// The chaos run's SSD medium: 64 KiB pages, values of 24 KiB (one page each).
+const PAGE: u64 = 64 << 10;
+const VALUE: u64 = 24 << 10;
+
+/// `node`'s medium of 1000 pages holding `held` one-page keys (`prefix`0…), with the free pages it
+/// reports.
+async fn paged_node(
+    c: &mut UmbpMasterClient<Channel>,
+    node: &str,
+    peer: &str,
+    prefix: &str,
+    held: usize,
+    free_pages: u64,
+) {
+    let cap =
+        v1::TierCapacity { tier: DRAM, total_bytes: 1000 * PAGE, available_bytes: free_pages * PAGE, page_size: PAGE };
+    node_with_cap(c, node, peer, &keys(prefix, held), VALUE, cap).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+}
+
+#[tokio::test]
+async fn a_round_on_a_paged_medium_evicts_the_pages_it_needs_not_page_over_value_times_more() {
+    let peer = FakePeer { value_bytes: VALUE, ..FakePeer::default() };
+    let (addr, server) = serve(peer.clone()).await;
+    let (m, mut c) = master(config(Duration::from_secs(1))).await;
+    // 950 of 1000 pages used (95 %): back to 70 % is 250 pages, 250 keys. Charging each key its 24 KiB
+    // instead of its page evicted ceil(250 × 64 / 24) = 667.
+    paged_node(&mut c, "n1", &addr, "k", 950, 50).await;
+    let report = m.run_eviction_round().await;
+    let evicted = report.requested.len();
+    assert!((250..=251).contains(&evicted), "{evicted} keys evicted for 250 pages");
+    assert_eq!(report.bytes_freed, evicted as u64 * VALUE, "the peer reports value bytes");
+    assert_eq!(report.capacity_freed, evicted as u64 * PAGE, "the medium got pages back");
+    // The credit is in pages too: the node's record shows the 300 free pages at once (crediting the
+    // value bytes would show about 144) until its next report.
+    let status = c.get_cluster_status(v1::GetClusterStatusRequest {}).await.expect("status").into_inner();
+    let cap = &status.nodes[0].tier_capacities[0];
+    assert_eq!((cap.available_bytes, cap.page_size), ((50 + evicted as u64) * PAGE, PAGE));
+    assert!(!m.run_eviction_round().await.pressure);
+    m.shutdown().await;
+    server.abort();
+}
+
+#[tokio::test]
+async fn an_on_demand_eviction_on_a_paged_medium_evicts_the_pages_it_needs() {
+    let peer = FakePeer { value_bytes: VALUE, ..FakePeer::default() };
+    let (addr, server) = serve(peer.clone()).await;
+    let (m, mut c) = master(config(Duration::from_secs(1))).await;
+    // Full: a put finds no room, and the on-demand eviction goes down to the low watermark, 300
+    // pages (it evicted 800 keys when it spent value bytes).
+    paged_node(&mut c, "n1", &addr, "k", 1000, 0).await;
+    let entry = route_put(&mut c, "new", VALUE).await;
+    assert_eq!(entry.outcome, v1::RoutePutOutcome::RoutePutRouted as i32, "{entry:?}");
+    let evicted = peer.asked().len();
+    assert!((300..=301).contains(&evicted), "{evicted} keys evicted for 300 pages");
+    assert_eq!(m.stats().on_demand_evictions, 1);
+    m.shutdown().await;
+    server.abort();
+}
+
+#[tokio::test]
+async fn an_on_demand_eviction_stops_at_the_medium_whose_freed_pages_cover_the_key() {
+    let (first, second) = (
+        FakePeer { value_bytes: VALUE, ..FakePeer::default() },
+        FakePeer { value_bytes: VALUE, ..FakePeer::default() },
+    );
+    let (first_addr, first_server) = serve(first.clone()).await;
+    let (second_addr, second_server) = serve(second.clone()).await;
+    let (m, mut c) = master(config(Duration::from_secs(1))).await;
+    paged_node(&mut c, "n1", &first_addr, "a", 1000, 0).await;
+    paged_node(&mut c, "n2", &second_addr, "b", 1000, 0).await;
+    // A 400-page key: more than the low watermark's 300 pages, so one medium frees 400 pages (400 keys,
+    // 150 pages' worth of value bytes). Judged by the value bytes, the first medium would fall short
+    // and the second would be evicted as well.
+    let entry = route_put(&mut c, "big", 400 * PAGE).await;
+    assert_eq!(entry.outcome, v1::RoutePutOutcome::RoutePutRouted as i32, "{entry:?}");
+    // (The route takes that medium past the high watermark again, so a relief eviction of 300 more
+    // keys may follow there; never on the other medium.)
+    let asked = [first.asked().len(), second.asked().len()];
+    assert!(asked.contains(&0) && asked.iter().any(|&n| n >= 400), "keys evicted per node: {asked:?}");
+    m.shutdown().await;
+    first_server.abort();
+    second_server.abort();
 }

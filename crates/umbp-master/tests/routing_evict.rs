@@ -4,9 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use proptest::prelude::*;
 use umbp_core::TierType;
 use umbp_master::routing::{
-    Bucket, Candidate, EvictionCandidate, EvictionConfig, RoutingConfigError, TierSlot, plan_eviction, select_victims,
+    Bucket, Candidate, EvictionCandidate, EvictionConfig, RoutingConfigError, TierSlot, VictimPicker, charged_bytes,
+    plan_eviction, select_victims,
 };
 
 fn candidate(key: &str, node: &str, tier: TierType, size: u64, last_accessed_ms: u64) -> EvictionCandidate {
@@ -14,7 +16,7 @@ fn candidate(key: &str, node: &str, tier: TierType, size: u64, last_accessed_ms:
 }
 
 fn bucket(node: &str, tier: TierType, budget_bytes: u64) -> Bucket {
-    Bucket { node_id: Arc::from(node), tier, budget_bytes }
+    Bucket { node_id: Arc::from(node), tier, budget_bytes, page_size: 0 }
 }
 
 fn victims_of(victims: &std::collections::HashMap<Arc<str>, Vec<String>>, node: &str) -> Vec<String> {
@@ -169,6 +171,84 @@ fn plan_then_select_frees_the_oldest_keys_of_the_pressured_medium() {
         .collect();
     let victims = select_victims(candidates, &buckets);
     assert_eq!(victims_of(&victims, "n1"), ["d0", "d1", "d2"]);
+}
+
+// ---- page-rounded charging ----
+
+const KIB: u64 = 1 << 10;
+
+#[test]
+fn a_key_is_charged_its_whole_pages() {
+    assert_eq!(charged_bytes(24 * KIB, 64 * KIB), 64 * KIB);
+    assert_eq!(charged_bytes(64 * KIB, 64 * KIB), 64 * KIB);
+    assert_eq!(charged_bytes(64 * KIB + 1, 64 * KIB), 128 * KIB);
+    assert_eq!(charged_bytes(0, 64 * KIB), 0);
+    assert_eq!(charged_bytes(24 * KIB, 0), 24 * KIB, "page size unknown: the value size");
+    assert_eq!(charged_bytes(u64::MAX, 2 << 20), u64::MAX, "saturates");
+}
+
+#[test]
+fn a_paged_round_takes_the_keys_whose_pages_cover_the_budget() {
+    // 64 pages of 64 KiB, 60 used (93.75 %): the budget is 60 pages − floor(0.7 × 4 MiB) = 996 148
+    // bytes, 15.2 pages. Each 24 KiB key holds one page: 16 keys, not the 41 its byte size would take.
+    let paged = slot(TierType::Ssd, 64 * 64 * KIB, 4 * 64 * KIB).with_page_size(64 * KIB);
+    let buckets = plan_eviction(&[(Arc::<str>::from("n1"), vec![paged])], 0.9, 0.7);
+    assert_eq!(buckets, [Bucket { page_size: 64 * KIB, ..bucket("n1", TierType::Ssd, 996_148) }]);
+    let candidates: Vec<_> = (0..60).map(|i| candidate(&format!("k{i}"), "n1", TierType::Ssd, 24 * KIB, i)).collect();
+    assert_eq!(victims_of(&select_victims(candidates.clone(), &buckets), "n1").len(), 16);
+    // The same medium from a node that does not report its page size: charged as before.
+    let unknown = [bucket("n1", TierType::Ssd, 996_148)];
+    assert_eq!(victims_of(&select_victims(candidates, &unknown), "n1").len(), 41);
+}
+
+#[test]
+fn settling_refunds_the_pages_not_freed_and_returns_the_pages_freed() {
+    let page = 64 * KIB;
+    let buckets = [Bucket { page_size: page, ..bucket("n1", TierType::Dram, page) }];
+    let candidates = vec![
+        candidate("a", "n1", TierType::Dram, 24 * KIB, 1),
+        candidate("b", "n1", TierType::Dram, 24 * KIB, 2),
+        candidate("c", "n1", TierType::Dram, 24 * KIB, 3),
+    ];
+    let mut picker = VictimPicker::new(candidates, &buckets);
+    let first = picker.take(|_| false);
+    assert_eq!(first.len(), 1, "one page of budget, one page per key");
+    // Protected: nothing freed, its page goes back and the next key is taken.
+    assert_eq!(picker.settle(&first[0], 0), 0);
+    let second = picker.take(|_| false);
+    assert_eq!(second.iter().map(|c| c.key.as_str()).collect::<Vec<_>>(), ["b"]);
+    // Freed: the peer reports the value's bytes; the medium got its page back, and nothing is refunded.
+    assert_eq!(picker.settle(&second[0], 24 * KIB), page);
+    assert!(!picker.has_more());
+}
+
+proptest! {
+    /// With page size P (0: unknown), a round takes the shortest oldest-first prefix whose charges
+    /// cover the budget: every key but the last was still needed.
+    #[test]
+    fn a_round_takes_exactly_the_keys_whose_charges_cover_the_budget(
+        page in prop_oneof![Just(0u64), 1u64..=(4 << 20)],
+        sizes in proptest::collection::vec(1u64..=(8 << 20), 1..64),
+        budget in 1u64..=(256 << 20),
+    ) {
+        let candidates: Vec<_> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &size)| candidate(&format!("k{i}"), "n1", TierType::Dram, size, i as u64))
+            .collect();
+        let buckets = [Bucket { page_size: page, ..bucket("n1", TierType::Dram, budget) }];
+        let taken = victims_of(&select_victims(candidates, &buckets), "n1");
+        // The medium's unit, worked out here rather than by the function under test.
+        let charges: Vec<u64> = sizes.iter().map(|&size| if page == 0 { size } else { size.div_ceil(page) * page }).collect();
+        let mut covered = 0u64;
+        let mut expected = 0;
+        while expected < charges.len() && covered < budget {
+            covered += charges[expected];
+            expected += 1;
+        }
+        prop_assert_eq!(taken.len(), expected);
+        prop_assert_eq!(taken, (0..expected).map(|i| format!("k{i}")).collect::<Vec<_>>());
+    }
 }
 
 // ---- EvictionConfig ----

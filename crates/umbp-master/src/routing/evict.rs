@@ -4,6 +4,12 @@
 //! and changes no state of its own. A key the peer protects (leased or pinned) frees 0 bytes and stays
 //! indexed; its bytes go back to its bucket's budget so the round continues with the next-oldest keys
 //! ([`VictimPicker`]), and the manager leaves it out of the next few rounds.
+//!
+//! # Units
+//! A medium reports its capacity in what it allocates, whole pages, while the index records each
+//! key's byte length. Budgets and spending are both in the capacity's unit: a victim is charged its
+//! page-rounded size ([`charged_bytes`]); spending byte lengths against a page budget evicted about
+//! page/value times the keys needed (2.7 times with 64 KiB pages and 24 KiB values).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -93,6 +99,13 @@ impl NodeTiers for (Arc<str>, Vec<TierSlot>) {
     }
 }
 
+/// What a key of `size` bytes occupies on a medium of `page_size`-byte pages: its size rounded up to
+/// whole pages, in which the medium counts its capacity. A page size of 0 (unknown: a node older than
+/// the field) charges the size itself.
+pub const fn charged_bytes(size: u64, page_size: u64) -> u64 {
+    if page_size == 0 { size } else { size.div_ceil(page_size).saturating_mul(page_size) }
+}
+
 /// Bytes to free on one (node, tier).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Bucket {
@@ -100,8 +113,10 @@ pub struct Bucket {
     pub node_id: Arc<str>,
     /// The medium under pressure.
     pub tier: TierType,
-    /// Bytes to free to come back to the low watermark.
+    /// Bytes to free to come back to the low watermark, in the medium's capacity unit (whole pages).
     pub budget_bytes: u64,
+    /// The medium's page size (0: unknown); each victim spends its [`charged_bytes`].
+    pub page_size: u64,
 }
 
 /// A key the store offers for eviction: unleased, with its location and last access.
@@ -113,7 +128,8 @@ pub struct EvictionCandidate {
     pub node_id: Arc<str>,
     /// The medium holding this copy.
     pub tier: TierType,
-    /// Bytes the copy occupies.
+    /// The value's byte length, as indexed; the medium holds it in whole pages, so a victim spends
+    /// [`charged_bytes`] of its bucket's budget.
     pub size: u64,
     /// When a get last routed to the key (ms on the master's clock); smaller is older.
     pub last_accessed_ms: u64,
@@ -146,7 +162,12 @@ pub fn plan_eviction<N: NodeTiers>(nodes: &[N], high: f64, low: f64) -> Vec<Buck
             // `budget <= used <= total`, so it always fits back into u64.
             let budget_bytes = u64::try_from(budget).unwrap_or(u64::MAX);
             if budget_bytes > 0 {
-                buckets.push(Bucket { node_id: node.node_id().clone(), tier: slot.tier, budget_bytes });
+                buckets.push(Bucket {
+                    node_id: node.node_id().clone(),
+                    tier: slot.tier,
+                    budget_bytes,
+                    page_size: slot.page_size,
+                });
             }
         }
     }
@@ -164,9 +185,10 @@ pub(crate) fn parts_per_million(fraction: f64) -> u128 {
 /// Least recently used victims, grouped by node, each node's keys oldest first.
 ///
 /// Candidates are sorted oldest first (stable, so equal stamps keep the store's order); a candidate
-/// is taken while its own (node, tier) budget is still positive, and its size is subtracted from that
-/// budget only, so buckets are independent. The last victim of a bucket may overshoot the budget: a
-/// key cannot be half evicted. Candidates of a (node, tier) without a bucket are never taken.
+/// is taken while its own (node, tier) budget is still positive, and its page-rounded size
+/// ([`charged_bytes`]) is subtracted from that budget only, so buckets are independent. The last
+/// victim of a bucket may overshoot the budget: a key cannot be half evicted. Candidates of a
+/// (node, tier) without a bucket are never taken.
 ///
 /// This is one pass of a [`VictimPicker`]; the eviction manager uses the picker itself, so that
 /// bytes a victim did not free go back to its bucket and the round continues down the list.
@@ -182,22 +204,30 @@ pub fn select_victims(candidates: Vec<EvictionCandidate>, buckets: &[Bucket]) ->
 ///
 /// A peer frees 0 bytes for a key it protects (leased or pinned). Without feedback those keys would
 /// use up their bucket's budget on every round while nothing is freed. The manager therefore
-/// [`refund`](Self::refund)s the bytes a victim did not free and calls [`take`](Self::take) again,
-/// which continues with the next-oldest candidates not taken yet.
+/// [`settle`](Self::settle)s each victim with what its peer freed (the pages not freed go back to the
+/// budget) and calls [`take`](Self::take) again, which continues with the next-oldest candidates not
+/// taken yet.
 #[derive(Debug, Clone)]
 pub struct VictimPicker {
     /// Not yet taken, oldest first (stable).
     remaining: Vec<EvictionCandidate>,
-    budgets: foldhash::HashMap<(Arc<str>, TierType), u64>,
+    budgets: foldhash::HashMap<(Arc<str>, TierType), Budget>,
+}
+
+/// What is left of one bucket's budget, and the page size its victims are charged in.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    left: u64,
+    page_size: u64,
 }
 
 impl VictimPicker {
     /// A picker over `candidates` (any order) for the positive budgets of `buckets`.
     pub fn new(mut candidates: Vec<EvictionCandidate>, buckets: &[Bucket]) -> Self {
-        let budgets: foldhash::HashMap<(Arc<str>, TierType), u64> = buckets
+        let budgets: foldhash::HashMap<(Arc<str>, TierType), Budget> = buckets
             .iter()
             .filter(|bucket| bucket.budget_bytes > 0)
-            .map(|bucket| ((bucket.node_id.clone(), bucket.tier), bucket.budget_bytes))
+            .map(|b| ((b.node_id.clone(), b.tier), Budget { left: b.budget_bytes, page_size: b.page_size }))
             .collect();
         candidates.retain(|c| budgets.contains_key(&(c.node_id.clone(), c.tier)));
         candidates.sort_by_key(|candidate| candidate.last_accessed_ms);
@@ -205,7 +235,7 @@ impl VictimPicker {
     }
 
     /// The next victims, oldest first: each remaining candidate whose bucket still has budget is taken
-    /// and its size spent. A candidate for which `skip` answers true (e.g. a key its peer protected in
+    /// and its page-rounded size ([`charged_bytes`]) spent. A candidate for which `skip` answers true (e.g. a key its peer protected in
     /// a recent round) is dropped for the rest of the round without spending budget. Untaken
     /// candidates of exhausted buckets stay for a later call after a [`refund`](Self::refund).
     pub fn take(&mut self, mut skip: impl FnMut(&EvictionCandidate) -> bool) -> Vec<EvictionCandidate> {
@@ -213,28 +243,42 @@ impl VictimPicker {
         let budgets = &mut self.budgets;
         self.remaining.retain(|candidate| {
             let Some(budget) = budgets.get_mut(&(candidate.node_id.clone(), candidate.tier)) else { return false };
-            if *budget == 0 {
+            if budget.left == 0 {
                 return true;
             }
             if skip(candidate) {
                 return false;
             }
-            *budget = budget.saturating_sub(candidate.size);
+            budget.left = budget.left.saturating_sub(charged_bytes(candidate.size, budget.page_size));
             taken.push(candidate.clone());
             false
         });
         taken
     }
 
-    /// Gives `bytes` back to the (node, tier) budget: a victim freed less than its size.
+    /// Gives `bytes` (in the capacity's unit) back to the (node, tier) budget.
     pub fn refund(&mut self, node_id: &Arc<str>, tier: TierType, bytes: u64) {
         if let Some(budget) = self.budgets.get_mut(&(node_id.clone(), tier)) {
-            *budget = budget.saturating_add(bytes);
+            budget.left = budget.left.saturating_add(bytes);
         }
+    }
+
+    /// Accounts a taken victim whose peer reported `freed` bytes (its value's length, or 0 for a key
+    /// it protected): refunds the part of its charge that was not freed, and returns the capacity the
+    /// medium got back — the page-rounded `freed`, at most the victim's charge — for the caller to
+    /// credit to the node's recorded capacity.
+    pub fn settle(&mut self, victim: &EvictionCandidate, freed: u64) -> u64 {
+        let page_size = self.budgets.get(&(victim.node_id.clone(), victim.tier)).map_or(0, |b| b.page_size);
+        let charge = charged_bytes(victim.size, page_size);
+        let returned = charged_bytes(freed.min(victim.size), page_size);
+        if returned < charge {
+            self.refund(&victim.node_id, victim.tier, charge - returned);
+        }
+        returned
     }
 
     /// Whether another [`take`](Self::take) could return anything.
     pub fn has_more(&self) -> bool {
-        self.remaining.iter().any(|c| self.budgets.get(&(c.node_id.clone(), c.tier)).is_some_and(|budget| *budget > 0))
+        self.remaining.iter().any(|c| self.budgets.get(&(c.node_id.clone(), c.tier)).is_some_and(|b| b.left > 0))
     }
 }

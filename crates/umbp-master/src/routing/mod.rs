@@ -61,7 +61,9 @@ mod types;
 
 pub use config::{Affinity, GetAlgo, PutStrategyConfig, SelectAlgo};
 pub use error::RoutingConfigError;
-pub use evict::{Bucket, EvictionCandidate, EvictionConfig, NodeTiers, VictimPicker, plan_eviction, select_victims};
+pub use evict::{
+    Bucket, EvictionCandidate, EvictionConfig, NodeTiers, VictimPicker, charged_bytes, plan_eviction, select_victims,
+};
 pub(crate) use evict::{PPM, parts_per_million};
 pub use get::{Replica, ReplicaNode, RouteGetStrategy};
 pub use put::RoutePutStrategy;

@@ -13,12 +13,21 @@ pub struct TierSlot {
     pub total_bytes: u64,
     /// Bytes free at the last report.
     pub available_bytes: u64,
+    /// The medium's page size, 0 if unknown: eviction charges a victim its page-rounded size, the
+    /// unit `total_bytes` and `available_bytes` count in (see [`charged_bytes`](super::charged_bytes)).
+    pub page_size: u64,
 }
 
 impl TierSlot {
-    /// A slot with `total_bytes` of which `available_bytes` are free.
+    /// A slot with `total_bytes` of which `available_bytes` are free, page size unknown.
     pub const fn new(tier: TierType, total_bytes: u64, available_bytes: u64) -> Self {
-        Self { tier, total_bytes, available_bytes }
+        Self { tier, total_bytes, available_bytes, page_size: 0 }
+    }
+
+    /// The same slot on a medium of `page_size`-byte pages.
+    #[must_use]
+    pub const fn with_page_size(self, page_size: u64) -> Self {
+        Self { page_size, ..self }
     }
 }
 

@@ -77,7 +77,8 @@ pub struct TierCap {
     /// Bytes free at the report.
     pub available_bytes: u64,
     /// The medium's page size; 0 if the node did not say (an older node). The medium allocates whole
-    /// pages, so a key occupies its size rounded up to whole pages of the total.
+    /// pages, so eviction charges a key its page-rounded size (see
+    /// [`charged_bytes`](crate::routing::charged_bytes)).
     pub page_size: u64,
 }
 
@@ -91,6 +92,12 @@ impl TierCap {
     #[must_use]
     pub const fn with_page_size(self, page_size: u64) -> Self {
         Self { page_size, ..self }
+    }
+}
+
+impl From<&TierCap> for crate::routing::TierSlot {
+    fn from(cap: &TierCap) -> Self {
+        Self::new(cap.tier, cap.total_bytes, cap.available_bytes).with_page_size(cap.page_size)
     }
 }
 
