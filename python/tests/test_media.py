@@ -79,6 +79,14 @@ def test_an_ssd_node_takes_one_directory_as_a_str(tmp_path):
         assert c.get("one") == b"1" * 1000
 
 
+def test_an_hbm_node_on_the_fake_runtime():
+    """HBM through the same path (the fake runtime serves host memory: no GPU here)."""
+    with umbp.Client.local(8 << 20, medium="hbm", medium_options={"runtime": "fake"}) as c:
+        round_trip(c, count=4)
+    with pytest.raises(umbp.ConfigError, match=r'unknown GPU runtime "nope"'):
+        umbp.Client.local(8 << 20, medium="hbm", medium_options={"runtime": "nope"})
+
+
 def test_dram_stays_the_default():
     with umbp.Client.local(4 << 20, medium_options={"transparent_hugepages": False}) as c:
         c.put("d", b"dram")
