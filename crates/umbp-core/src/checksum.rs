@@ -14,6 +14,16 @@ pub fn value_crc32c(value: &[u8]) -> u32 {
     crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, value) as u32
 }
 
+/// The CRC-32C of the value made of `parts` in order (a value assembled from ranges): the same
+/// sum as [`value_crc32c`] of their concatenation.
+pub fn value_crc32c_of_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for part in parts {
+        digest.update(part);
+    }
+    digest.finalize() as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -24,6 +34,11 @@ mod tests {
         assert_eq!(value_crc32c(b"123456789"), 0xe306_9283);
         assert_eq!(value_crc32c(&[]), 0);
         assert_ne!(value_crc32c(&[0]), value_crc32c(&[1]), "one flipped bit changes it");
+        let whole: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let (a, rest) = whole.split_at(3);
+        let (b, c) = rest.split_at(4093);
+        assert_eq!(value_crc32c_of_parts([a, b, c]), value_crc32c(&whole), "parts sum as their concatenation");
+        assert_eq!(value_crc32c_of_parts([&whole[..]]), value_crc32c(&whole));
         // The same function as the SSE 4.2 instruction's (the SSD record's CRC), at every length
         // around the folding loops' block sizes.
         let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 + i / 13) as u8).collect();

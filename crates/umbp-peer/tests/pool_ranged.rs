@@ -2,7 +2,8 @@
 //! their own, byte-exact, over TCP (only the requested bytes cross it), through the shared
 //! mapping and from the node's own medium; bad ranges fail their key alone.
 
-use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig};
+use umbp_core::{ReadRelease, value_crc32c};
+use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig, PutOutcome};
 
 mod pool_support;
 
@@ -104,6 +105,70 @@ async fn bad_ranges_fail_their_key_alone() {
     let freed = reader.remove(&["k"]).await.expect("remove");
     assert_eq!(freed, [size as u64], "a lease left behind would keep the value (0 freed)");
     reader.close().await;
+    holder.close().await;
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_value_put_from_ranges_is_the_ranges_assembled_and_checksummed_whole() {
+    let m = master().await;
+    let holder = PoolClient::start(config(&m, "holder", 256 * PAGE)).await.expect("holder");
+    let tcp = PoolClient::start(light(&m, "tcp", false)).await.expect("writer");
+    let shm = PoolClient::start(light(&m, "shm", true)).await.expect("writer");
+    let size = 3 * PAGE as usize + 77;
+    for (n, (who, writer)) in [("tcp", &tcp), ("shm", &shm), ("the holder itself", &holder)].into_iter().enumerate() {
+        let v = value(30 + n, size);
+        // Three parts from three buffers, given out of order, cutting pages anywhere.
+        let (head, rest) = v.split_at(PAGE as usize - 5);
+        let (middle, tail) = rest.split_at(PAGE as usize + 11);
+        let parts = vec![(tail, (head.len() + middle.len()) as u64), (head, 0), (middle, head.len() as u64)];
+        let key = format!("assembled-{n}");
+        let r = writer.batch_put_ranges(&[(key.as_str(), size as u64, parts.clone())]).await;
+        assert_eq!(r, vec![Ok(PutOutcome::Written)], "{who}");
+        indexed(writer, &[key.as_str()]).await;
+        let mut buf = vec![0u8; size];
+        assert_eq!(tcp.get(&key, &mut buf).await, Ok(size as u64), "{who}: a whole get, checked");
+        assert_eq!(buf, v, "{who}: the value is the parts assembled");
+        let medium = holder.medium().expect("medium");
+        let e = medium.batch_resolve(&[key.clone()], false).remove(0);
+        medium.release_reads(&[ReadRelease::new(key.as_str(), e.lease)]);
+        assert_eq!(e.crc32c, Some(value_crc32c(&v)), "{who}: the checksum is the assembled value's");
+        // Written once: the same key again is already present.
+        let again = writer.batch_put_ranges(&[(key.as_str(), size as u64, parts)]).await;
+        assert_eq!(again, vec![Ok(PutOutcome::AlreadyPresent)], "{who}");
+    }
+    for n in [&tcp, &shm, &holder] {
+        n.close().await;
+    }
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn parts_that_do_not_tile_their_value_write_nothing() {
+    let m = master().await;
+    let holder = PoolClient::start(config(&m, "holder", 64 * PAGE)).await.expect("holder");
+    let writer = PoolClient::start(light(&m, "writer", false)).await.expect("writer");
+    let v = value(40, 100);
+    let items: Vec<(&str, u64, Vec<(&[u8], u64)>)> = vec![
+        ("gap", 100, vec![(&v[..40], 0), (&v[50..], 50)]),
+        ("overlap", 100, vec![(&v[..60], 0), (&v[50..], 50)]),
+        ("short", 120, vec![(&v[..], 0)]),
+        ("long", 80, vec![(&v[..], 0)]),
+        ("none", 100, vec![]),
+        ("good", 100, vec![(&v[30..], 30), (&v[..30], 0)]),
+    ];
+    let r = writer.batch_put_ranges(&items).await;
+    for (i, (key, _, _)) in items.iter().enumerate().take(5) {
+        assert!(matches!(r[i], Err(KeyError::BadRanges { .. })), "{key}: {:?}", r[i]);
+    }
+    assert_eq!(r[5], Ok(PutOutcome::Written));
+    let medium = holder.medium().expect("medium");
+    assert_eq!(medium.owned_key_count(), 1, "only the good value was written");
+    assert_eq!(
+        medium.batch_contains(&items.iter().map(|(k, _, _)| (*k).to_owned()).collect::<Vec<_>>()),
+        [false, false, false, false, false, true]
+    );
+    writer.close().await;
     holder.close().await;
     m.shutdown().await;
 }

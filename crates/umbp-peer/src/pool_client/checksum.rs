@@ -4,8 +4,9 @@
 //! flip anywhere between the writer's buffer and the reader's — the holder's memory, its drive, the
 //! wire, a mapping — is caught.
 
-use umbp_core::{RateLimited, value_crc32c};
+use umbp_core::{RateLimited, value_crc32c, value_crc32c_of_parts};
 
+use super::ranged::Src;
 use super::support::{CallerBuf, StatCounters, blocking, join_all, offload};
 use super::*;
 
@@ -39,7 +40,41 @@ impl Span {
     /// `addr..addr + len` is host memory valid for reads and not written while the checksum runs.
     unsafe fn crc(self) -> u32 {
         // SAFETY: this function's contract.
-        value_crc32c(unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) })
+        value_crc32c(unsafe { self.bytes() })
+    }
+
+    /// # Safety
+    /// As [`crc`](Self::crc); the slice lives no longer than that contract.
+    unsafe fn bytes<'a>(self) -> &'a [u8] {
+        // SAFETY: this function's contract.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+/// One value to sum: one span, or the spans of its parts in value order.
+#[derive(Debug, Clone)]
+enum Summed {
+    One(Span),
+    Parts(Vec<Span>),
+}
+
+impl Summed {
+    fn len(&self) -> usize {
+        match self {
+            Self::One(s) => s.len,
+            Self::Parts(p) => p.iter().map(|s| s.len).sum(),
+        }
+    }
+
+    /// # Safety
+    /// As [`Span::crc`], for every span.
+    unsafe fn crc(&self) -> u32 {
+        match self {
+            // SAFETY: this function's contract.
+            Self::One(s) => unsafe { s.crc() },
+            // SAFETY: this function's contract.
+            Self::Parts(p) => value_crc32c_of_parts(p.iter().map(|s| unsafe { s.bytes() })),
+        }
     }
 }
 
@@ -50,8 +85,8 @@ impl Span {
 /// # Safety
 /// Every span is host memory valid for reads, and not written, until the returned future resolves
 /// or is dropped (a dropped one waits for the work).
-async unsafe fn crcs_of(spans: Vec<Span>) -> Vec<u32> {
-    let total: usize = spans.iter().map(|s| s.len).sum();
+async unsafe fn crcs_of(spans: Vec<Summed>) -> Vec<u32> {
+    let total: usize = spans.iter().map(Summed::len).sum();
     let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get).min(MAX_SUM_THREADS);
     if total < OFF_WORKER_BYTES || threads < 2 || spans.len() < 2 {
         // SAFETY: this function's contract.
@@ -59,14 +94,14 @@ async unsafe fn crcs_of(spans: Vec<Span>) -> Vec<u32> {
     }
     // Contiguous groups of about equal bytes, one per thread.
     let share = total.div_ceil(threads);
-    let mut groups: Vec<Vec<Span>> = vec![Vec::new()];
+    let mut groups: Vec<Vec<Summed>> = vec![Vec::new()];
     let mut filled = 0;
     for span in spans {
         if filled >= share {
             groups.push(Vec::new());
             filled = 0;
         }
-        filled += span.len;
+        filled += span.len();
         if let Some(group) = groups.last_mut() {
             group.push(span);
         }
@@ -97,16 +132,22 @@ impl PoolClient {
 
     /// The CRC-32C of each put value (see [`value_checksum`](Self::value_checksum)), the batch's
     /// bytes summed on several threads.
-    pub(super) async fn value_checksums(&self, values: &[CallerBuf]) -> Vec<Option<u32>> {
+    pub(super) async fn value_checksums(&self, values: &[Src<'_>]) -> Vec<Option<u32>> {
         if !self.config.checksums {
             return vec![None; values.len()];
         }
-        let summed: Vec<bool> = values.iter().map(|v| v.len > 0 && !self.in_device_registration(*v)).collect();
-        let spans: Vec<Span> = values
+        let span = |b: &CallerBuf| Span { addr: b.ptr.as_ptr() as usize, len: b.len };
+        // Every part in host memory, or none summed.
+        let summed: Vec<bool> =
+            values.iter().map(|v| v.size() > 0 && v.parts().iter().all(|b| !self.in_device_registration(*b))).collect();
+        let spans: Vec<Summed> = values
             .iter()
             .zip(&summed)
             .filter(|(_, s)| **s)
-            .map(|(v, _)| Span { addr: v.ptr.as_ptr() as usize, len: v.len })
+            .map(|(v, _)| match v {
+                Src::Whole(b) => Summed::One(span(b)),
+                Src::Ranges { .. } => Summed::Parts(v.parts().iter().map(span).collect()),
+            })
             .collect();
         let n = spans.len();
         // SAFETY: caller buffers of the running call, in host memory (checked above), which its
@@ -129,13 +170,15 @@ impl PoolClient {
                 self.config.checksums && expected.is_some() && !self.in_device_registration(*buf)
             })
             .collect();
-        let spans: Vec<Span> = copies
+        let spans: Vec<Summed> = copies
             .iter()
             .zip(&checked)
             .filter(|(_, c)| **c)
-            .map(|((_, _, buf, size, _), _)| Span {
-                addr: buf.ptr.as_ptr() as usize,
-                len: usize::try_from(*size).unwrap_or(usize::MAX).min(buf.len),
+            .map(|((_, _, buf, size, _), _)| {
+                Summed::One(Span {
+                    addr: buf.ptr.as_ptr() as usize,
+                    len: usize::try_from(*size).unwrap_or(usize::MAX).min(buf.len),
+                })
             })
             .collect();
         // SAFETY: caller buffers of the running call, host memory (checked above), whose first

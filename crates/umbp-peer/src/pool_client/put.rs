@@ -31,6 +31,7 @@ use tracing::Instrument;
 
 use super::holder::{Allocation, Holder};
 use super::phases::{self, phase};
+use super::ranged::{Src, range_put_items};
 use super::support::{
     BatchProgress, BusyWait, PageLayout, SlotGuard, chunk_by_bytes, join_all, pipelined, route_by_exclude_set,
 };
@@ -136,8 +137,8 @@ impl PoolClient {
     /// [`batch_put`](Self::batch_put), telling per item whether its bytes were written or the key was
     /// already present.
     pub async fn batch_put_outcomes(&self, items: &[(&str, &[u8])]) -> Vec<Result<PutOutcome, KeyError>> {
-        let bufs: Vec<(&str, CallerBuf)> = items.iter().map(|(k, v)| (*k, CallerBuf::of(v))).collect();
-        self.put_bufs(&bufs).instrument(phase!(phases::PUT)).await
+        let bufs: Vec<(&str, Src<'_>)> = items.iter().map(|(k, v)| (*k, Src::Whole(CallerBuf::of(v)))).collect();
+        self.put_srcs(&bufs, &[]).instrument(phase!(phases::PUT)).await
     }
 
     /// Writes every `(key, value)`; one result per item, in order. A key the pool already holds counts
@@ -160,20 +161,25 @@ impl PoolClient {
     /// completes or is dropped, and that registration is not undone before then. (Host memory that
     /// is not registered is accepted too, as by `batch_put`, if it is valid host memory.)
     pub async unsafe fn batch_put_raw(&self, items: &[(&str, NonNull<u8>, usize)]) -> Vec<Result<(), KeyError>> {
-        let bufs: Vec<(&str, CallerBuf)> =
-            items.iter().map(|(k, ptr, len)| (*k, CallerBuf { ptr: *ptr, len: *len })).collect();
-        self.put_bufs(&bufs).instrument(phase!(phases::PUT)).await.into_iter().map(|r| r.map(|_| ())).collect()
+        let bufs: Vec<(&str, Src<'_>)> =
+            items.iter().map(|(k, ptr, len)| (*k, Src::Whole(CallerBuf { ptr: *ptr, len: *len }))).collect();
+        self.put_srcs(&bufs, &[]).instrument(phase!(phases::PUT)).await.into_iter().map(|r| r.map(|_| ())).collect()
     }
 
-    /// The put path over caller buffers (slices or raw ranges).
-    async fn put_bufs(&self, items: &[(&str, CallerBuf)]) -> Vec<Result<PutOutcome, KeyError>> {
+    /// The put path over sources (whole buffers or ranges); `failed[i]`, when there, is item `i`'s
+    /// result already (a bad request found on entry: nothing is written for it).
+    pub(super) async fn put_srcs(
+        &self,
+        items: &[(&str, Src<'_>)],
+        failed: &[Option<Result<PutOutcome, KeyError>>],
+    ) -> Vec<Result<PutOutcome, KeyError>> {
         let gate = self.gate.read().await;
         if *gate {
             return vec![Err(KeyError::Closed); items.len()];
         }
         // One key from a client that lends no medium: a route call and one keyed exchange with the
         // holder; anything unusual falls back to the routed path below.
-        if let [(key, value)] = items
+        if let [(key, Src::Whole(value))] = items
             && let Some(result) = self.put_fast(key, *value).await
         {
             return vec![result];
@@ -185,7 +191,9 @@ impl PoolClient {
         for (i, (key, value)) in items.iter().enumerate() {
             if key.is_empty() {
                 results[i] = Some(Err(KeyError::EmptyKey));
-            } else if value.len == 0 {
+            } else if let Some(Some(r)) = failed.get(i) {
+                results[i] = Some(r.clone());
+            } else if value.size() == 0 {
                 results[i] = Some(Err(KeyError::EmptyValue));
             } else if let Some(first) = first_of.get(key) {
                 repeat_of[i] = Some(*first);
@@ -195,7 +203,7 @@ impl PoolClient {
         }
         let unique: Vec<usize> = (0..n).filter(|i| results[*i].is_none() && repeat_of[*i].is_none()).collect();
         // Chunks run as a pipeline: one chunk's route and allocate overlap another's transfer.
-        let chunks = chunk_by_bytes(unique, |i| items[i].1.len as u64);
+        let chunks = chunk_by_bytes(unique, |i| items[i].1.size());
         let progress = BatchProgress::new();
         let states = pipelined(&chunks, |chunk| self.put_chunk(items, chunk, &progress)).await;
         for (chunk, mut st) in chunks.iter().zip(states) {
@@ -219,7 +227,7 @@ impl PoolClient {
     /// Writes one chunk of distinct, valid keys (`chunk` holds their indexes in `items`): route,
     /// allocate, transfer, commit, with bounded re-routes, and a bounded wait for nodes that answer
     /// busy (see the module docs).
-    async fn put_chunk(&self, items: &[(&str, CallerBuf)], chunk: &[usize], progress: &BatchProgress) -> PutState {
+    async fn put_chunk(&self, items: &[(&str, Src<'_>)], chunk: &[usize], progress: &BatchProgress) -> PutState {
         let mut st = PutState::default();
         let mut guard = SlotGuard::default();
         // A granted local round comes on top of the routed ones: a key the medium refuses still
@@ -297,7 +305,7 @@ impl PoolClient {
 
     /// Turns `NoSpace` into `TooLarge` for values larger than every medium's total capacity (one
     /// cluster-status call, only when some key found no space).
-    async fn tell_too_large(&self, items: &[(&str, CallerBuf)], results: &mut [Option<Result<PutOutcome, KeyError>>]) {
+    async fn tell_too_large(&self, items: &[(&str, Src<'_>)], results: &mut [Option<Result<PutOutcome, KeyError>>]) {
         if !results.iter().any(|r| matches!(r, Some(Err(KeyError::NoSpace { .. })))) {
             return;
         }
@@ -305,7 +313,7 @@ impl PoolClient {
         let largest =
             status.nodes.iter().flat_map(|n| n.tier_capacities.iter().map(|(_, c)| c.total_bytes)).max().unwrap_or(0);
         for (r, (_, value)) in results.iter_mut().zip(items) {
-            let size = value.len as u64;
+            let size = value.size();
             if matches!(r, Some(Err(KeyError::NoSpace { .. }))) && size > largest {
                 *r = Some(Err(KeyError::TooLarge { size, largest }));
             }
@@ -314,7 +322,7 @@ impl PoolClient {
 
     /// Routes `pending` at the master, one call per distinct exclude set (concurrently), and groups
     /// the routed keys by node and tier.
-    async fn route_puts(&self, items: &[(&str, CallerBuf)], pending: &[usize], st: &mut PutState) -> Vec<Group> {
+    async fn route_puts(&self, items: &[(&str, Src<'_>)], pending: &[usize], st: &mut PutState) -> Vec<Group> {
         let unreachable = self.recently_unreachable();
         let routed = route_by_exclude_set(
             pending,
@@ -322,7 +330,7 @@ impl PoolClient {
             &unreachable,
             move |set, indexes| async move {
                 let keys: Vec<String> = indexes.iter().map(|i| items[*i].0.to_owned()).collect();
-                let sizes: Vec<u64> = indexes.iter().map(|i| items[*i].1.len as u64).collect();
+                let sizes: Vec<u64> = indexes.iter().map(|i| items[*i].1.size()).collect();
                 self.master.batch_route_put(&keys, &sizes, &set).await
             },
         )
@@ -337,7 +345,7 @@ impl PoolClient {
                     st.results.insert(i, Ok(PutOutcome::AlreadyPresent));
                 }
                 Ok(RoutePutDecision::Unavailable) => {
-                    let size = items[i].1.len as u64;
+                    let size = items[i].1.size();
                     let e = st.last_error.remove(&i).unwrap_or(KeyError::NoSpace { size });
                     st.results.insert(i, Err(e));
                 }
@@ -353,7 +361,7 @@ impl PoolClient {
     /// pages come back to the node by the round's end, committed or aborted).
     async fn put_round(
         &self,
-        items: &[(&str, CallerBuf)],
+        items: &[(&str, Src<'_>)],
         groups: &[Group],
         guard: &mut SlotGuard,
         st: &mut PutState,
@@ -391,7 +399,7 @@ impl PoolClient {
                     Alloc::Exists => {
                         st.results.insert(*i, Ok(PutOutcome::AlreadyPresent));
                     }
-                    Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.len as u64 }),
+                    Alloc::NoSpace => st.retry_elsewhere(*i, node, KeyError::NoSpace { size: value.size() }),
                     Alloc::Busy => st.busy(*i, group),
                     Alloc::Refused => st.retry_elsewhere(
                         *i,
@@ -405,9 +413,17 @@ impl PoolClient {
                             st.last_error.insert(*i, KeyError::SlotExpired { node: node.to_owned() });
                             continue;
                         }
-                        let (src, base) = self.caller_ref(value);
                         let layout = PageLayout { pages: &pages, refs: &refs, page_size };
-                        match page_items(&src, base, value.len as u64, layout, *i as u64, true) {
+                        let planned_items = match value {
+                            Src::Whole(buf) => {
+                                let (src, base) = self.caller_ref(buf);
+                                page_items(&src, base, value.size(), layout, *i as u64, true)
+                            }
+                            Src::Ranges { size, parts } => {
+                                range_put_items(parts, size, layout, *i as u64, |b| self.caller_ref(b))
+                            }
+                        };
+                        match planned_items {
                             Ok(p) => {
                                 transfers.extend(p);
                                 planned.push((g, *i, slot_id, deadline));
@@ -428,7 +444,7 @@ impl PoolClient {
         }
         // 2. One submit for every group (the local copies complete in submit), then wait; the
         // values' checksums are summed meanwhile (off the async worker for a large round).
-        let values: Vec<CallerBuf> = planned.iter().map(|(_, i, _, _)| items[*i].1).collect();
+        let values: Vec<Src<'_>> = planned.iter().map(|(_, i, _, _)| items[*i].1).collect();
         let (failed, sums) = tokio::join!(
             self.run_transfers(transfers).instrument(phase!(phases::PUT_TRANSFER)),
             self.value_checksums(&values)
@@ -476,14 +492,10 @@ impl PoolClient {
     }
 
     /// Allocates a group's keys on its node: the holder and one outcome per key.
-    async fn allocate_group(
-        &self,
-        items: &[(&str, CallerBuf)],
-        group: &Group,
-    ) -> Result<(Holder, Vec<Alloc>), KeyError> {
+    async fn allocate_group(&self, items: &[(&str, Src<'_>)], group: &Group) -> Result<(Holder, Vec<Alloc>), KeyError> {
         let holder = self.holder(&group.node, &group.peer).await?;
         let requests: Vec<AllocateRequest> =
-            group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.len as u64)).collect();
+            group.indexes.iter().map(|i| AllocateRequest::new(items[*i].0, items[*i].1.size())).collect();
         let start = self.clock.now();
         // The tier the master routed to: the peer service dispatches on it.
         let allocations = holder.allocate(&self.directory, group.tier, requests).await?;
@@ -518,7 +530,7 @@ impl PoolClient {
     /// Commits `(key index, slot)` pairs on `holder`; one result per pair.
     async fn commit_group(
         &self,
-        items: &[(&str, CallerBuf)],
+        items: &[(&str, Src<'_>)],
         holder: Option<&Holder>,
         list: &[(usize, u64)],
         crc32c: &HashMap<usize, Option<u32>>,

@@ -1,4 +1,11 @@
-//! Ranged gets: parts of a stored value, each into a buffer of its own (issue 21).
+//! Ranged gets and puts: parts of a stored value, each into (or from) a buffer of its own
+//! (issue 21).
+//!
+//! A ranged put assembles one value of a stated size from ranges of several buffers — `(buffer,
+//! value offset)` pairs that tile `[0, size)` exactly — through the routed put path: the slot is
+//! allocated for the whole value, each range is copied into the pages it covers, and the value is
+//! published by the one commit, so no reader ever sees a part of it. Its checksum is summed over
+//! the ranges in value order (the same sum as of the assembled value).
 //!
 //! A ranged get names, per key, a set of `(buffer, value offset)` ranges — disjoint, each inside
 //! the value — and reads exactly those bytes: the routed get path as for a whole value (route,
@@ -54,6 +61,83 @@ impl Dest<'_> {
             Self::Ranges(ranges) => ranges.first().map(|(b, _)| *b),
         }
     }
+}
+
+/// Where a put's bytes come from, per key: one buffer holding the whole value, or ranges of
+/// buffers that tile a value of `size` bytes.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Src<'r> {
+    /// The whole value.
+    Whole(CallerBuf),
+    /// `(buffer, value offset)` pairs tiling `[0, size)` (checked on entry).
+    Ranges {
+        /// The value's size.
+        size: u64,
+        /// The parts.
+        parts: &'r [(CallerBuf, u64)],
+    },
+}
+
+impl Src<'_> {
+    /// The value's size.
+    pub(super) fn size(&self) -> u64 {
+        match self {
+            Self::Whole(buf) => buf.len as u64,
+            Self::Ranges { size, .. } => *size,
+        }
+    }
+
+    /// The buffers, in value order.
+    pub(super) fn parts(&self) -> Vec<CallerBuf> {
+        match self {
+            Self::Whole(buf) => vec![*buf],
+            Self::Ranges { parts, .. } => {
+                let mut sorted: Vec<(CallerBuf, u64)> = parts.to_vec();
+                sorted.sort_unstable_by_key(|(_, offset)| *offset);
+                sorted.into_iter().map(|(b, _)| b).collect()
+            }
+        }
+    }
+}
+
+/// Why a put's ranges cannot assemble a value of `size` bytes: they must tile `[0, size)` exactly
+/// (no gap, no overlap, nothing past the end), and `size` must not be 0.
+pub(super) fn check_tiling(parts: &[(CallerBuf, u64)], size: u64) -> Result<(), String> {
+    if size == 0 {
+        return Err("a value of 0 bytes".into());
+    }
+    check_ranges(parts)?;
+    let mut spans: Vec<(u64, u64)> = parts.iter().map(|(b, o)| (*o, *o + b.len as u64)).collect();
+    spans.sort_unstable();
+    let mut at = 0;
+    for (start, end) in spans {
+        if start != at {
+            return Err(format!("no range covers [{at}, {start})"));
+        }
+        at = end;
+    }
+    match at.cmp(&size) {
+        std::cmp::Ordering::Less => Err(format!("no range covers [{at}, {size})")),
+        std::cmp::Ordering::Greater => Err(format!("the ranges end at {at}, past the value's {size} bytes")),
+        std::cmp::Ordering::Equal => Ok(()),
+    }
+}
+
+/// One transfer item per (range, page) overlap from each range's buffer into the slot's pages;
+/// the mirror of [`range_items`] (same checks).
+pub(super) fn range_put_items(
+    parts: &[(CallerBuf, u64)],
+    size: u64,
+    layout: PageLayout<'_>,
+    tag: u64,
+    place: impl FnMut(CallerBuf) -> (TransferRef, u64),
+) -> Result<Vec<TransferItem>, String> {
+    let mut items = range_items(parts, size, layout, tag, place)?;
+    for t in &mut items {
+        std::mem::swap(&mut t.src, &mut t.dst);
+        std::mem::swap(&mut t.src_offset, &mut t.dst_offset);
+    }
+    Ok(items)
 }
 
 /// Why a key's ranges cannot be read, before any call: none, an empty one, an offset past
@@ -168,6 +252,53 @@ impl PoolClient {
     }
 }
 
+impl PoolClient {
+    /// Writes values assembled from ranges: `items[i]` is `(key, value size, parts)`, each part a
+    /// `(buffer, value offset)` pair, the parts tiling `[0, size)` exactly. The value is published
+    /// whole by one commit (no reader sees a part); one result per item, as
+    /// [`batch_put_outcomes`](Self::batch_put_outcomes). A key whose parts do not tile its size fails
+    /// with [`KeyError::BadRanges`] and nothing is written for it.
+    pub async fn batch_put_ranges(
+        &self,
+        items: &[(&str, u64, Vec<(&[u8], u64)>)],
+    ) -> Vec<Result<PutOutcome, KeyError>> {
+        let lists: Vec<Vec<(CallerBuf, u64)>> =
+            items.iter().map(|(_, _, parts)| parts.iter().map(|(b, o)| (CallerBuf::of(b), *o)).collect()).collect();
+        self.put_range_lists(items.iter().map(|(k, size, _)| (*k, *size)).collect(), &lists).await
+    }
+
+    /// [`batch_put_ranges`](Self::batch_put_ranges) from raw parts `(ptr, len, value offset)`, as
+    /// [`batch_put_raw`](Self::batch_put_raw) is to [`batch_put`](Self::batch_put).
+    ///
+    /// # Safety
+    /// As [`batch_put_raw`](Self::batch_put_raw), for every part of every item.
+    pub async unsafe fn batch_put_ranges_raw(
+        &self,
+        items: &[(&str, u64, Vec<(NonNull<u8>, usize, u64)>)],
+    ) -> Vec<Result<PutOutcome, KeyError>> {
+        let lists: Vec<Vec<(CallerBuf, u64)>> = items
+            .iter()
+            .map(|(_, _, parts)| parts.iter().map(|(ptr, len, o)| (CallerBuf { ptr: *ptr, len: *len }, *o)).collect())
+            .collect();
+        self.put_range_lists(items.iter().map(|(k, size, _)| (*k, *size)).collect(), &lists).await
+    }
+
+    async fn put_range_lists(
+        &self,
+        keys: Vec<(&str, u64)>,
+        lists: &[Vec<(CallerBuf, u64)>],
+    ) -> Vec<Result<PutOutcome, KeyError>> {
+        let failed: Vec<Option<Result<PutOutcome, KeyError>>> = keys
+            .iter()
+            .zip(lists)
+            .map(|((_, size), l)| check_tiling(l, *size).err().map(|message| Err(KeyError::BadRanges { message })))
+            .collect();
+        let items: Vec<(&str, Src<'_>)> =
+            keys.iter().zip(lists).map(|((k, size), parts)| (*k, Src::Ranges { size: *size, parts })).collect();
+        self.put_srcs(&items, &failed).instrument(phase!(phases::PUT)).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,6 +306,17 @@ mod tests {
     fn buf(len: usize) -> CallerBuf {
         // Never dereferenced by these tests.
         CallerBuf { ptr: NonNull::dangling(), len }
+    }
+
+    #[test]
+    fn put_ranges_must_tile_the_value() {
+        assert!(check_tiling(&[(buf(4), 4), (buf(4), 0)], 8).is_ok());
+        assert!(check_tiling(&[(buf(8), 0)], 8).is_ok());
+        assert!(check_tiling(&[(buf(4), 0), (buf(3), 5)], 8).unwrap_err().contains("[4, 5)"), "a gap");
+        assert!(check_tiling(&[(buf(4), 0)], 8).unwrap_err().contains("[4, 8)"), "short");
+        assert!(check_tiling(&[(buf(9), 0)], 8).unwrap_err().contains("past"), "long");
+        assert!(check_tiling(&[(buf(4), 0), (buf(4), 2)], 6).unwrap_err().contains("overlap"));
+        assert!(check_tiling(&[], 0).is_err() && check_tiling(&[(buf(1), 0)], 0).is_err(), "empty value");
     }
 
     #[test]
