@@ -13,7 +13,7 @@ use umbp_proto::v1::umbp_master_server::UmbpMaster;
 
 use crate::config::MasterConfig;
 use crate::evictor::{Evictor, ON_DEMAND_BUDGET};
-use crate::routing::{Affinity, Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot};
+use crate::routing::{Affinity, Candidate, PutDecision, RouteGetStrategy, RoutePutStrategy, TierSlot, charged_bytes};
 use crate::store::{
     HeartbeatApply, HeartbeatKind, HeartbeatOutcome, MetadataStore, NodeStatus, RegisterOutcome, Registration,
     StoreError, TierCap,
@@ -278,7 +278,7 @@ impl MasterService {
         keys: &[String],
         sizes: &[u64],
         exclude: &[String],
-    ) -> Result<Vec<v1::RoutePutEntry>, Status> {
+    ) -> Result<RoutedPuts, Status> {
         if keys.len() != sizes.len() {
             return Err(Status::invalid_argument(format!(
                 "{} keys but {} block sizes: the arrays must be parallel",
@@ -317,7 +317,18 @@ impl MasterService {
                 };
             }
         }
-        Ok(decisions
+        // What each routed key takes of its medium: its page-rounded size, the unit the node reports.
+        let pages: HashMap<(&str, TierType), u64> =
+            candidates.iter().flat_map(|c| c.tiers.iter().map(move |t| ((&*c.node_id, t.tier), t.page_size))).collect();
+        let charges = decisions
+            .iter()
+            .zip(sizes)
+            .map(|(d, &size)| match d {
+                PutDecision::Routed(p) => charged_bytes(size, pages.get(&(&*p.node_id, p.tier)).copied().unwrap_or(0)),
+                PutDecision::AlreadyExists | PutDecision::Unavailable => 0,
+            })
+            .collect();
+        let entries = decisions
             .into_iter()
             .map(|d| match d {
                 PutDecision::Routed(p) => v1::RoutePutEntry {
@@ -333,7 +344,8 @@ impl MasterService {
                 },
                 PutDecision::Unavailable => v1::RoutePutEntry::default(),
             })
-            .collect())
+            .collect();
+        Ok(RoutedPuts { entries, charges })
     }
 
     /// [`route_put_batch`](Self::route_put_batch), making room when keys found none: evicts least
@@ -347,10 +359,10 @@ impl MasterService {
         exclude: &[String],
     ) -> Result<Vec<v1::RoutePutEntry>, Status> {
         self.stats.route_put_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
-        let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
-        if unplaced(&entries, keys, sizes).0 == 0 {
-            self.reserve(&entries, sizes)?;
-            return Ok(entries);
+        let routed = self.route_put_batch(requester, keys, sizes, exclude)?;
+        if unplaced(&routed.entries, keys, sizes).0 == 0 {
+            self.reserve(&routed)?;
+            return Ok(routed.entries);
         }
         self.make_room_and_route(requester, keys, sizes, exclude).await
     }
@@ -368,38 +380,38 @@ impl MasterService {
         // against a slow peer may hold it) and the eviction itself share ON_DEMAND_BUDGET.
         let deadline = tokio::time::Instant::now() + ON_DEMAND_BUDGET;
         let Ok(mut evictor) = tokio::time::timeout_at(deadline, self.evictor.lock()).await else {
-            let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
-            self.reserve(&entries, sizes)?;
-            return Ok(entries);
+            let routed = self.route_put_batch(requester, keys, sizes, exclude)?;
+            self.reserve(&routed)?;
+            return Ok(routed.entries);
         };
         // Another put may have made room while this one waited for the evictor.
-        let entries = self.route_put_batch(requester, keys, sizes, exclude)?;
-        let (needed, largest) = unplaced(&entries, keys, sizes);
-        let entries = if needed == 0 {
-            entries
+        let routed = self.route_put_batch(requester, keys, sizes, exclude)?;
+        let (needed, largest) = unplaced(&routed.entries, keys, sizes);
+        let routed = if needed == 0 {
+            routed
         } else {
             let prefer_requester = self.config.route_put_affinity == Affinity::Local;
             let evicting = evictor.make_room(requester, prefer_requester, needed, largest, exclude);
             match tokio::time::timeout_at(deadline, evicting).await {
-                Ok(report) if report.bytes_freed == 0 => entries,
+                Ok(report) if report.bytes_freed == 0 => routed,
                 // Freed something (or ran out of time, having perhaps freed some): route again.
                 _ => self.route_put_batch(requester, keys, sizes, exclude)?,
             }
         };
         // Reserved before the next waiter routes, so it does not place the same room.
-        self.reserve(&entries, sizes)?;
-        Ok(entries)
+        self.reserve(&routed)?;
+        Ok(routed.entries)
     }
 
-    /// Debits the routed bytes from the nodes' recorded capacity (projected capacity across calls):
-    /// without it, concurrent writers routed between two heartbeats of a node would all be sent to
-    /// the same free bytes, and all but the first would be refused by the peer. The node's next
-    /// heartbeat replaces the figure with its real one.
-    fn reserve(&self, entries: &[v1::RoutePutEntry], sizes: &[u64]) -> Result<(), Status> {
+    /// Debits the routed keys' pages from the nodes' recorded capacity (projected capacity across
+    /// calls): without it, concurrent writers routed between two heartbeats of a node would all be
+    /// sent to the same free bytes, and all but the first would be refused by the peer. The node's
+    /// next heartbeat replaces the figure with its real one.
+    fn reserve(&self, routed: &RoutedPuts) -> Result<(), Status> {
         let mut debits: HashMap<(String, i32), u64> = HashMap::new();
-        for (entry, &size) in entries.iter().zip(sizes) {
+        for (entry, &charge) in routed.entries.iter().zip(&routed.charges) {
             if entry.outcome == v1::RoutePutOutcome::RoutePutRouted as i32 {
-                *debits.entry((entry.node_id.clone(), entry.tier)).or_insert(0) += size;
+                *debits.entry((entry.node_id.clone(), entry.tier)).or_insert(0) += charge;
             }
         }
         if debits.is_empty() {
@@ -671,6 +683,13 @@ impl UmbpMaster for MasterService {
 /// a trigger).
 fn at_or_above(total: u64, available: u64, high: f64) -> bool {
     total > 0 && (total.saturating_sub(available) as f64) >= high * total as f64
+}
+
+/// A put route's answer, with what each routed key takes of its medium (its page-rounded size; 0
+/// for a key not routed) for [`MasterService::reserve`].
+struct RoutedPuts {
+    entries: Vec<v1::RoutePutEntry>,
+    charges: Vec<u64>,
 }
 
 /// Bytes the unplaced keys of a put route need in all, and the largest of them (a repeated key counts

@@ -509,3 +509,24 @@ async fn an_on_demand_eviction_stops_at_the_medium_whose_freed_pages_cover_the_k
     first_server.abort();
     second_server.abort();
 }
+
+#[tokio::test]
+async fn a_routed_put_reserves_its_pages() {
+    let peer = FakePeer { value_bytes: VALUE, ..FakePeer::default() };
+    let (addr, server) = serve(peer.clone()).await;
+    let (m, mut c) = master(config(Duration::from_secs(1))).await;
+    // 101 free pages of 1000: just below the high watermark.
+    paged_node(&mut c, "n1", &addr, "k", 899, 101).await;
+    let entry = route_put(&mut c, "new", VALUE).await;
+    assert_eq!(entry.outcome, v1::RoutePutOutcome::RoutePutRouted as i32, "{entry:?}");
+    // The route reserved the key's page (debiting its 24 KiB would leave 100.6 pages and no pressure):
+    // the medium is at the high watermark, and a relief eviction brings it back to the low one.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while peer.asked().len() < 200 {
+        assert!(Instant::now() < deadline, "no relief eviction: {} keys asked", peer.asked().len());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(peer.asked().len(), 200, "900 pages used, 700 kept");
+    m.shutdown().await;
+    server.abort();
+}

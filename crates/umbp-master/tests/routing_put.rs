@@ -517,3 +517,41 @@ fn config_defaults_to_most_available_none() {
     assert_eq!(RoutePutStrategy::default().config(), config);
     assert_eq!(PutStrategyConfig::new(SelectAlgo::Random, Affinity::Same).to_string(), "random/same");
 }
+
+// ---- page-rounded room ----
+
+#[test]
+fn a_key_takes_its_whole_pages_of_the_projected_room() {
+    const PAGE: u64 = 64 << 10;
+    let paged = |page_size| {
+        vec![Candidate::new(
+            "n1",
+            "n1-addr",
+            vec![TierSlot::new(TierType::Dram, 64 * PAGE, 3 * PAGE).with_page_size(page_size)],
+        )]
+    };
+    // Three free pages hold three 24 KiB values, one a page; by bytes they would seem to hold eight.
+    for algo in [SelectAlgo::MostAvailable, SelectAlgo::Random] {
+        let s = strategy(algo, Affinity::None);
+        let routed = |page_size| {
+            route_new(&s, "req", &[24 << 10; 5], &paged(page_size))
+                .iter()
+                .filter(|d| matches!(d, PutDecision::Routed(_)))
+                .count()
+        };
+        assert_eq!(routed(PAGE), 3, "{algo:?}");
+        assert_eq!(routed(0), 5, "{algo:?}: page size unknown, the bytes as before");
+    }
+    // A key of two pages and a byte takes three: it fits in three free pages, not in two and a half.
+    let s = strategy(SelectAlgo::MostAvailable, Affinity::None);
+    assert!(matches!(route_one(&s, &paged(PAGE), 2 * PAGE + 1), PutDecision::Routed(_)));
+    let half = |page_size| {
+        vec![Candidate::new(
+            "n1",
+            "n1-addr",
+            vec![TierSlot::new(TierType::Dram, 64 * PAGE, 2 * PAGE + PAGE / 2).with_page_size(page_size)],
+        )]
+    };
+    assert_eq!(route_one(&s, &half(PAGE), 2 * PAGE + 1), PutDecision::Unavailable);
+    assert!(matches!(route_one(&s, &half(0), 2 * PAGE + 1), PutDecision::Routed(_)));
+}

@@ -5,6 +5,7 @@ use rand::Rng;
 use umbp_core::TierType;
 
 use super::config::{Affinity, PutStrategyConfig, SelectAlgo};
+use super::evict::charged_bytes;
 use super::types::{Candidate, PutDecision, PutPlacement};
 
 /// Decides where each key of a put batch is written.
@@ -15,13 +16,14 @@ use super::types::{Candidate, PutDecision, PutPlacement};
 ///
 /// # Algorithm (per batch)
 /// - **Eligible** media are the (node, tier) slots of non-excluded candidates whose projected free
-///   bytes are at least the key's size; a node's slots are visited in ascending tier order, which
-///   only matters for ties.
+///   bytes are at least the key's size rounded up to the medium's pages ([`charged_bytes`]: media
+///   report capacity in whole pages); a node's slots are visited in ascending tier order, which only
+///   matters for ties.
 /// - **SelectByAlgo(size, preferred)**: a preferred node that fits the key anywhere wins with its
 ///   roomiest medium; otherwise `most_available` takes the roomiest eligible slot (the first listed
 ///   wins a tie) and `random` draws one weighted by free bytes.
-/// - **Projected capacity**: each routed key's size is subtracted from its slot in the copy, so later
-///   keys of the same batch see the reservation. The caller's candidates are never modified.
+/// - **Projected capacity**: each routed key's page-rounded size is subtracted from its slot in the
+///   copy, so later keys of the same batch see the reservation. The caller's candidates are never modified.
 /// - Per key: `exists` → [`PutDecision::AlreadyExists`] (no capacity used); size 0 or no eligible
 ///   slot → [`PutDecision::Unavailable`]; otherwise the affinity decides:
 ///   - `none`: SelectByAlgo;
@@ -148,8 +150,21 @@ struct Slot {
     node: u32,
     tier: TierType,
     available: u64,
+    /// The medium's page size (0: unknown): a key takes its page-rounded size of `available`.
+    page_size: u64,
     /// The node's slots, so an anchor can be found from any of them without a second table.
     group: Group,
+}
+
+impl Slot {
+    /// What a key of `size` bytes takes of this medium: whole pages, the unit it reports.
+    const fn charge(&self, size: u64) -> u64 {
+        charged_bytes(size, self.page_size)
+    }
+
+    const fn fits(&self, size: u64) -> bool {
+        self.available >= self.charge(size)
+    }
 }
 
 /// The batch-local copy of the capacities: the non-excluded slots, grouped per node, each node's
@@ -177,6 +192,7 @@ impl<'a> Projection<'a> {
                 node,
                 tier: t.tier,
                 available: t.available_bytes,
+                page_size: t.page_size,
                 group: Group { start, end: start },
             }));
             let Ok(end) = u32::try_from(slots.len()) else {
@@ -205,7 +221,7 @@ impl<'a> Projection<'a> {
     }
 
     fn fits(&self, slot: usize, size: u64) -> bool {
-        self.slots[slot].available >= size
+        self.slots[slot].fits(size)
     }
 
     /// SelectByAlgo: the preferred node's roomiest fitting slot, else the configured algorithm over
@@ -225,12 +241,12 @@ impl<'a> Projection<'a> {
         }
     }
 
-    /// Reserves `size` bytes on `slot` and returns the placement.
+    /// Reserves a key of `size` bytes (its pages) on `slot` and returns the placement.
     fn take(&mut self, slot: usize, size: u64) -> PutDecision {
         let entry = &mut self.slots[slot];
         // Selection only returns slots that fit, so this never underflows; if it ever did, refusing
         // the key is safer than over-committing a peer.
-        let Some(left) = entry.available.checked_sub(size) else {
+        let Some(left) = entry.available.checked_sub(entry.charge(size)) else {
             tracing::error!(slot, size, available = entry.available, "projected capacity underflow");
             return PutDecision::Unavailable;
         };
@@ -250,7 +266,7 @@ fn roomiest(slots: &[Slot], size: u64) -> Option<usize> {
     let mut best = None;
     let mut best_available = 0;
     for (index, slot) in slots.iter().enumerate() {
-        if slot.available >= size && slot.available > best_available {
+        if slot.fits(size) && slot.available > best_available {
             best = Some(index);
             best_available = slot.available;
         }
@@ -261,7 +277,7 @@ fn roomiest(slots: &[Slot], size: u64) -> Option<usize> {
 /// A fitting slot drawn with probability proportional to its free bytes. The sum is taken in `u128`
 /// so a cluster of many large media cannot overflow it.
 fn weighted<R: Rng + ?Sized>(slots: &[Slot], size: u64, rng: &mut R) -> Option<usize> {
-    let total: u128 = slots.iter().filter(|slot| slot.available >= size).map(|slot| u128::from(slot.available)).sum();
+    let total: u128 = slots.iter().filter(|slot| slot.fits(size)).map(|slot| u128::from(slot.available)).sum();
     if total == 0 {
         return None;
     }
@@ -271,7 +287,7 @@ fn weighted<R: Rng + ?Sized>(slots: &[Slot], size: u64, rng: &mut R) -> Option<u
     };
     let mut last = None;
     for (index, slot) in slots.iter().enumerate() {
-        if slot.available < size {
+        if !slot.fits(size) {
             continue;
         }
         let weight = u128::from(slot.available);
