@@ -3,7 +3,7 @@
 //! mapping and from the node's own medium; bad ranges fail their key alone.
 
 use umbp_core::{ReadRelease, value_crc32c};
-use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig, PutOutcome};
+use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig, PutOutcome, PutParts};
 
 mod pool_support;
 
@@ -130,7 +130,7 @@ async fn a_value_put_from_ranges_is_the_ranges_assembled_and_checksummed_whole()
         assert_eq!(tcp.get(&key, &mut buf).await, Ok(size as u64), "{who}: a whole get, checked");
         assert_eq!(buf, v, "{who}: the value is the parts assembled");
         let medium = holder.medium().expect("medium");
-        let e = medium.batch_resolve(&[key.clone()], false).remove(0);
+        let e = medium.batch_resolve(std::slice::from_ref(&key), false).remove(0);
         medium.release_reads(&[ReadRelease::new(key.as_str(), e.lease)]);
         assert_eq!(e.crc32c, Some(value_crc32c(&v)), "{who}: the checksum is the assembled value's");
         // Written once: the same key again is already present.
@@ -149,7 +149,7 @@ async fn parts_that_do_not_tile_their_value_write_nothing() {
     let holder = PoolClient::start(config(&m, "holder", 64 * PAGE)).await.expect("holder");
     let writer = PoolClient::start(light(&m, "writer", false)).await.expect("writer");
     let v = value(40, 100);
-    let items: Vec<(&str, u64, Vec<(&[u8], u64)>)> = vec![
+    let items: Vec<(&str, u64, PutParts<'_>)> = vec![
         ("gap", 100, vec![(&v[..40], 0), (&v[50..], 50)]),
         ("overlap", 100, vec![(&v[..60], 0), (&v[50..], 50)]),
         ("short", 120, vec![(&v[..], 0)]),

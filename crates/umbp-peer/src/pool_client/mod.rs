@@ -34,6 +34,7 @@ mod metrics;
 pub mod phases;
 mod put;
 mod ranged;
+pub use ranged::{PutParts, RawParts};
 mod support;
 
 use std::collections::{BTreeMap, HashMap};

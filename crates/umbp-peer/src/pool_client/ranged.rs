@@ -232,11 +232,7 @@ impl PoolClient {
     /// # Safety
     /// As [`batch_get_raw`](Self::batch_get_raw), for every range of every key: no two ranges
     /// overlap in memory, of one key or of several.
-    pub async unsafe fn batch_get_ranges_raw(
-        &self,
-        keys: &[&str],
-        ranges: &[Vec<(NonNull<u8>, usize, u64)>],
-    ) -> Vec<Result<u64, KeyError>> {
+    pub async unsafe fn batch_get_ranges_raw(&self, keys: &[&str], ranges: &[RawParts]) -> Vec<Result<u64, KeyError>> {
         let lists: Vec<Vec<(CallerBuf, u64)>> = ranges
             .iter()
             .map(|list| list.iter().map(|(ptr, len, o)| (CallerBuf { ptr: *ptr, len: *len }, *o)).collect())
@@ -252,16 +248,19 @@ impl PoolClient {
     }
 }
 
+/// The parts of one ranged put: `(bytes, value offset)` pairs.
+pub type PutParts<'a> = Vec<(&'a [u8], u64)>;
+
+/// The raw parts of one ranged call: `(pointer, length, value offset)` triples.
+pub type RawParts = Vec<(NonNull<u8>, usize, u64)>;
+
 impl PoolClient {
     /// Writes values assembled from ranges: `items[i]` is `(key, value size, parts)`, each part a
     /// `(buffer, value offset)` pair, the parts tiling `[0, size)` exactly. The value is published
     /// whole by one commit (no reader sees a part); one result per item, as
     /// [`batch_put_outcomes`](Self::batch_put_outcomes). A key whose parts do not tile its size fails
     /// with [`KeyError::BadRanges`] and nothing is written for it.
-    pub async fn batch_put_ranges(
-        &self,
-        items: &[(&str, u64, Vec<(&[u8], u64)>)],
-    ) -> Vec<Result<PutOutcome, KeyError>> {
+    pub async fn batch_put_ranges(&self, items: &[(&str, u64, PutParts<'_>)]) -> Vec<Result<PutOutcome, KeyError>> {
         let lists: Vec<Vec<(CallerBuf, u64)>> =
             items.iter().map(|(_, _, parts)| parts.iter().map(|(b, o)| (CallerBuf::of(b), *o)).collect()).collect();
         self.put_range_lists(items.iter().map(|(k, size, _)| (*k, *size)).collect(), &lists).await
@@ -274,7 +273,7 @@ impl PoolClient {
     /// As [`batch_put_raw`](Self::batch_put_raw), for every part of every item.
     pub async unsafe fn batch_put_ranges_raw(
         &self,
-        items: &[(&str, u64, Vec<(NonNull<u8>, usize, u64)>)],
+        items: &[(&str, u64, RawParts)],
     ) -> Vec<Result<PutOutcome, KeyError>> {
         let lists: Vec<Vec<(CallerBuf, u64)>> = items
             .iter()
