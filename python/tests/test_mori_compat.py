@@ -57,7 +57,7 @@ def test_enums():
 def test_client_methods():
     c = local_client()
     assert c.get_deployment_mode() == mu.UMBPDeploymentMode.Local and not c.is_distributed()
-    assert c.supports_ranged_io() is False
+    assert c.supports_ranged_io() is True
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros_like(src)
     p, q = src.ctypes.data, dst.ctypes.data
@@ -82,6 +82,44 @@ def test_client_methods():
     c.close()
     assert c.put_from_ptr("a", p, 16) is False
     assert c.clear() is False
+
+
+def test_ranged_io_moves_parts_of_values():
+    c = local_client()
+    src = np.arange(10_000, dtype=np.uint32).view(np.uint8)  # 40 000 distinct-ish bytes
+    size = src.nbytes
+    p = src.ctypes.data
+    # One value assembled from three ranges given out of order, another from one.
+    cuts = [(25_000, size - 25_000), (0, 9_999), (9_999, 15_001)]
+    ok = c.batch_put_ranges_from_ptr(
+        ["v", "w"],
+        [size, 100],
+        [[p + off for off, _ in cuts], [p]],
+        [[n for _, n in cuts], [100]],
+        [[off for off, _ in cuts], [0]],
+    )
+    assert ok == [True, True]
+    whole = np.zeros_like(src)
+    assert c.get_into_ptr("v", whole.ctypes.data, size) is True and (whole == src).all()
+    # Two ranges of "v" into two buffers, one range of "w", a missing key.
+    a, b, d = np.zeros(300, np.uint8), np.zeros(7, np.uint8), np.zeros(10, np.uint8)
+    got = c.batch_get_ranges_into_ptr(
+        ["v", "w", "zz"],
+        [[a.ctypes.data, b.ctypes.data], [d.ctypes.data], [d.ctypes.data]],
+        [[300, 7], [10], [10]],
+        [[4_000, size - 7], [90], [0]],
+    )
+    assert got == [True, True, False]
+    assert (a == src[4_000:4_300]).all() and (b == src[size - 7:]).all() and (d == src[90:100]).all()
+    # Ranges that do not tile, overlap or overrun fail their key alone; ragged lists: all False.
+    assert c.batch_put_ranges_from_ptr(["gap", "ok"], [100, 8], [[p, p + 60], [p]], [[50, 40], [8]],
+                                       [[0, 60], [0]]) == [False, True]
+    assert c.batch_get_ranges_into_ptr(["v"], [[a.ctypes.data, b.ctypes.data]], [[300, 7]], [[0, 100]]) == [False]
+    assert c.batch_get_ranges_into_ptr(["w"], [[d.ctypes.data]], [[10]], [[95]]) == [False]
+    assert c.batch_get_ranges_into_ptr(["v", "w"], [[a.ctypes.data]], [[300]], [[0]]) == [False, False]
+    assert c.batch_put_ranges_from_ptr(["x"], [8], [[p]], [[8, 8]], [[0]]) == [False]
+    assert not c.exists("gap") and not c.exists("x") and c.exists("ok")
+    c.close()
 
 
 def test_bad_input_answers_all_false():

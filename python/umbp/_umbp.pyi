@@ -89,6 +89,25 @@ class Pool:
     def get_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> List[bool]: ...
     @overload
     def get_ptrs(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], detail: bool) -> List[Any]: ...
+    def get_ranges_ptrs(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+        detail: bool = False,
+    ) -> List[Any]:
+        """Reads ranges of each key's value (disjoint, inside the value) into their pointers."""
+    def put_ranges_ptrs(
+        self,
+        keys: Sequence[str],
+        object_sizes: Sequence[int],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        offsets: Sequence[Sequence[int]],
+        detail: bool = False,
+    ) -> List[Any]:
+        """Writes values assembled from ranges that tile them; each published whole."""
     def put_buffers(self, keys: Sequence[str], values: Sequence[Any], detail: bool = True) -> List[Any]:
         """Puts objects exporting the buffer protocol, without copying them first."""
     def get_into_buffers(self, keys: Sequence[str], buffers: Sequence[Any], detail: bool = True) -> List[Any]:

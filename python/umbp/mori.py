@@ -501,8 +501,40 @@ class UMBPClient:
             return False
 
     def supports_ranged_io(self) -> bool:
-        """False: ranged multi-buffer I/O does not exist yet (SGLang's direct linker needs it)."""
-        return False
+        """True: :meth:`batch_get_ranges_into_ptr` and :meth:`batch_put_ranges_from_ptr` move only
+        the ranges' bytes (SGLang's direct linker asks before it starts)."""
+        return True
+
+    def batch_get_ranges_into_ptr(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        src_offsets: Sequence[Sequence[int]],
+    ) -> List[bool]:
+        """Reads ranges of each key's value: ``sizes[i][j]`` bytes from offset ``src_offsets[i][j]``
+        into ``ptrs[i][j]``; a key's ranges must be disjoint and inside its value (they need not
+        cover it). Ragged lists: all False."""
+        try:
+            return self._pool.get_ranges_ptrs(keys, ptrs, sizes, src_offsets)
+        except _MALFORMED:
+            return [False] * _len(keys)
+
+    def batch_put_ranges_from_ptr(
+        self,
+        keys: Sequence[str],
+        object_sizes: Sequence[int],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        dst_offsets: Sequence[Sequence[int]],
+    ) -> List[bool]:
+        """Writes each key's value of ``object_sizes[i]`` bytes assembled from ranges: ``sizes[i][j]``
+        bytes at ``ptrs[i][j]`` go to offset ``dst_offsets[i][j]``; a key's ranges must tile its
+        value exactly. The value is published whole. Ragged lists: all False."""
+        try:
+            return self._pool.put_ranges_ptrs(keys, object_sizes, ptrs, sizes, dst_offsets)
+        except _MALFORMED:
+            return [False] * _len(keys)
 
     # The external-KV index (cache-aware scheduling) does not exist in this pool: the calls answer
     # "not done", which the store logs and carries on from.

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use umbp_master::{MasterConfig, MasterHandle};
-use umbp_peer::pool_client::{KeyError, Medium, PoolClient, PoolClientConfig, RecachePolicy};
+use umbp_peer::pool_client::{KeyError, Medium, PoolClient, PoolClientConfig, RawParts, RecachePolicy};
 
 use crate::buffer::View;
 use crate::errors::{self, INVALID_INPUT};
@@ -89,6 +89,49 @@ fn check_batch(keys: &[String], ptrs: &[usize], sizes: &[usize]) -> PyResult<()>
             ptrs.len(),
             sizes.len()
         )));
+    }
+    Ok(())
+}
+
+/// A key's ranges as Python gave them: `(address, length, value offset)`.
+type AddrParts = Vec<(usize, usize, u64)>;
+
+/// A key's ranges as the pool client takes them (a zero pointer only reaches it with its key
+/// already failed by the memory check, or with length 0, which the client refuses).
+fn raw_parts(list: &[(usize, usize, u64)]) -> RawParts {
+    list.iter()
+        .map(|(ptr, len, off)| (NonNull::new(*ptr as *mut u8).unwrap_or(NonNull::dangling()), *len, *off))
+        .collect()
+}
+
+/// Checks a ranged batch's shape: one list of pointers, sizes and offsets per key (and one object
+/// size per key for a put), each key's three lists of one length.
+fn check_ranged_batch(
+    keys: &[String],
+    object_sizes: Option<&[u64]>,
+    ptrs: &[Vec<usize>],
+    sizes: &[Vec<usize>],
+    offsets: &[Vec<u64>],
+) -> PyResult<()> {
+    let n = keys.len();
+    if ptrs.len() != n || sizes.len() != n || offsets.len() != n || object_sizes.is_some_and(|s| s.len() != n) {
+        return Err(errors::InvalidInputError::new_err(format!(
+            "ragged batch: {n} keys, {} pointer lists, {} size lists, {} offset lists{}",
+            ptrs.len(),
+            sizes.len(),
+            offsets.len(),
+            object_sizes.map_or(String::new(), |s| format!(", {} object sizes", s.len()))
+        )));
+    }
+    for (i, ((p, s), o)) in ptrs.iter().zip(sizes).zip(offsets).enumerate() {
+        if p.len() != s.len() || p.len() != o.len() {
+            return Err(errors::InvalidInputError::new_err(format!(
+                "ragged ranges of key {i}: {} pointers, {} sizes, {} offsets",
+                p.len(),
+                s.len(),
+                o.len()
+            )));
+        }
     }
     Ok(())
 }
@@ -223,6 +266,77 @@ impl Pool {
             let out = rt.block_on(unsafe { client.batch_get_raw(&ks, &bufs) });
             for (i, r) in idx.into_iter().zip(out) {
                 results[i] = Some(key_result(r, |n| n));
+            }
+            results.into_iter().map(|r| r.unwrap_or(Err((errors::INTERNAL, "no result".into())))).collect()
+        }))
+    }
+
+    /// Each key's ranges `(ptr, len, value offset)`, and the keys whose ranges are not all mapped
+    /// memory (their error).
+    fn ranged_lists(
+        &self,
+        ptrs: &[Vec<usize>],
+        sizes: &[Vec<usize>],
+        offsets: &[Vec<u64>],
+    ) -> (Vec<AddrParts>, Vec<Option<(u8, String)>>) {
+        let mut lists = Vec::with_capacity(ptrs.len());
+        let mut failed = Vec::with_capacity(ptrs.len());
+        for ((p, s), o) in ptrs.iter().zip(sizes).zip(offsets) {
+            failed.push(self.check_ranges(p, s).into_iter().flatten().next());
+            lists.push(p.iter().zip(s).zip(o).map(|((ptr, len), off)| (*ptr, *len, *off)).collect());
+        }
+        (lists, failed)
+    }
+
+    fn get_ranges_raw(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        ptrs: Vec<Vec<usize>>,
+        sizes: Vec<Vec<usize>>,
+        offsets: Vec<Vec<u64>>,
+    ) -> PyResult<Vec<KeyResult>> {
+        let inner = self.open()?;
+        let (lists, failed) = self.ranged_lists(&ptrs, &sizes, &offsets);
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        Ok(py.detach(move || {
+            let mut results: Vec<Option<KeyResult>> = failed.into_iter().map(|c| c.map(Err)).collect();
+            let idx: Vec<usize> = (0..keys.len()).filter(|i| results[*i].is_none()).collect();
+            let ks: Vec<&str> = idx.iter().map(|&i| keys[i].as_str()).collect();
+            let ls: Vec<RawParts> = idx.iter().map(|&i| raw_parts(&lists[i])).collect();
+            // SAFETY: as in `get_raw`: mapped or registered memory the caller keeps alive and does
+            // not touch during the call, no two ranges overlapping (its contract).
+            let out = rt.block_on(unsafe { client.batch_get_ranges_raw(&ks, &ls) });
+            for (i, r) in idx.into_iter().zip(out) {
+                results[i] = Some(key_result(r, |n| n));
+            }
+            results.into_iter().map(|r| r.unwrap_or(Err((errors::INTERNAL, "no result".into())))).collect()
+        }))
+    }
+
+    fn put_ranges_raw(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        object_sizes: Vec<u64>,
+        ptrs: Vec<Vec<usize>>,
+        sizes: Vec<Vec<usize>>,
+        offsets: Vec<Vec<u64>>,
+    ) -> PyResult<Vec<KeyResult>> {
+        let inner = self.open()?;
+        let (lists, failed) = self.ranged_lists(&ptrs, &sizes, &offsets);
+        let client = Arc::clone(&inner.client);
+        let rt = runtime()?;
+        Ok(py.detach(move || {
+            let mut results: Vec<Option<KeyResult>> = failed.into_iter().map(|c| c.map(Err)).collect();
+            let idx: Vec<usize> = (0..keys.len()).filter(|i| results[*i].is_none()).collect();
+            let items: Vec<(&str, u64, RawParts)> =
+                idx.iter().map(|&i| (keys[i].as_str(), object_sizes[i], raw_parts(&lists[i]))).collect();
+            // SAFETY: as in `put_raw`.
+            let out = rt.block_on(unsafe { client.batch_put_ranges_raw(&items) });
+            for (i, r) in idx.into_iter().zip(out) {
+                results[i] = Some(key_result(r, |_| 1));
             }
             results.into_iter().map(|r| r.unwrap_or(Err((errors::INTERNAL, "no result".into())))).collect()
         }))
@@ -424,6 +538,46 @@ impl Pool {
     ) -> PyResult<Bound<'py, PyList>> {
         check_batch(&keys, &ptrs, &sizes)?;
         let results = self.get_raw(py, keys, ptrs, sizes)?;
+        results_list(py, &results, detail)
+    }
+
+    /// Reads ranges of each key's value: `ptrs[i][j]` receives `sizes[i][j]` bytes of `keys[i]`'s
+    /// value from offset `offsets[i][j]`. A key's ranges must be non-empty, disjoint and inside the
+    /// value (they need not cover it), else that key fails; `detail=True` reports each value's size.
+    /// Ragged lists raise `InvalidInputError`.
+    #[pyo3(signature = (keys, ptrs, sizes, offsets, detail = false))]
+    fn get_ranges_ptrs<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        ptrs: Vec<Vec<usize>>,
+        sizes: Vec<Vec<usize>>,
+        offsets: Vec<Vec<u64>>,
+        detail: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        check_ranged_batch(&keys, None, &ptrs, &sizes, &offsets)?;
+        let results = self.get_ranges_raw(py, keys, ptrs, sizes, offsets)?;
+        results_list(py, &results, detail)
+    }
+
+    /// Writes each key's value of `object_sizes[i]` bytes assembled from ranges: `sizes[i][j]` bytes
+    /// at `ptrs[i][j]` go to offset `offsets[i][j]`; a key's ranges must tile its value exactly, else
+    /// that key fails and nothing is written for it. The value is published whole (no reader sees a
+    /// part). Ragged lists raise `InvalidInputError`.
+    #[pyo3(signature = (keys, object_sizes, ptrs, sizes, offsets, detail = false))]
+    #[expect(clippy::too_many_arguments, reason = "the Python signature: keys, sizes and three range lists")]
+    fn put_ranges_ptrs<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        object_sizes: Vec<u64>,
+        ptrs: Vec<Vec<usize>>,
+        sizes: Vec<Vec<usize>>,
+        offsets: Vec<Vec<u64>>,
+        detail: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        check_ranged_batch(&keys, Some(&object_sizes), &ptrs, &sizes, &offsets)?;
+        let results = self.put_ranges_raw(py, keys, object_sizes, ptrs, sizes, offsets)?;
         results_list(py, &results, detail)
     }
 
