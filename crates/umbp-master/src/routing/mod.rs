@@ -50,7 +50,9 @@
 //!
 //! # Eviction ([`plan_eviction`], [`select_victims`])
 //! Every (node, tier) whose use reached the high watermark gets a byte budget that brings it back to
-//! the low watermark; victims are taken least recently used first until each budget is spent.
+//! the low watermark; victims are taken least recently used first until each budget is spent, each
+//! charged its size rounded up to the medium's pages ([`charged_bytes`]), the unit media count their
+//! capacity in. Put routing charges a key the same way.
 
 mod config;
 mod error;
