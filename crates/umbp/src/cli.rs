@@ -708,6 +708,9 @@ pub enum BenchSuite {
     /// checksums on and off, over TCP and through shared memory, to and from a node in a child
     /// process, rounds interleaved.
     Checksum,
+    /// A 1 MiB value read as 8 ranges into 8 buffers against one whole-value get of the same bytes,
+    /// over TCP and through shared memory, from a node in a child process, rounds interleaved.
+    Ranged,
 }
 
 /// The io engines `umbp bench ssd` measures.

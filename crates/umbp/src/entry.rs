@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::{
     BenchSuite, Cli, Command, FileConfig, GetArgs, KeysArgs, MasterAddress, PutArgs, SettingsError, bench,
-    bench_checksum, bench_metadata, bench_soak, bench_ssd, demo, format_size, human_size, resolve_client,
+    bench_checksum, bench_metadata, bench_ranged, bench_soak, bench_ssd, demo, format_size, human_size, resolve_client,
     resolve_master, resolve_master_address, resolve_max_get_size, resolve_node,
 };
 use anyhow::{Context, anyhow, bail};
@@ -220,6 +220,15 @@ async fn run(cli: Cli, env: &dyn Fn(&str) -> Option<String>) -> anyhow::Result<u
         }
         Command::Bench(args) if args.suite == Some(BenchSuite::Ssd) => {
             let report = bench_ssd::run(bench_ssd::SsdBenchOptions::from_args(args)?).await?;
+            if args.json {
+                out(report.to_json())?
+            } else {
+                out(&report)?
+            }
+            Ok(0)
+        }
+        Command::Bench(args) if args.suite == Some(BenchSuite::Ranged) => {
+            let report = bench_ranged::run(bench_ranged::RangedOptions::from_args(args)).await?;
             if args.json {
                 out(report.to_json())?
             } else {

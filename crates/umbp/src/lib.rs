@@ -77,6 +77,9 @@ pub mod bench_latency;
 pub mod bench_metadata;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
+pub mod bench_ranged;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_soak;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
