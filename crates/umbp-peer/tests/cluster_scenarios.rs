@@ -329,7 +329,10 @@ async fn a_100k_key_full_sync_arrives_in_chunks_and_matches_the_peer_exactly() {
     converge(&master, &[&a], Duration::from_secs(30)).await;
     let stats = a.client.stats();
     assert!(stats.full_sync_chunks_sent >= 7, "100k keys in chunks of 16k: {} chunks", stats.full_sync_chunks_sent);
-    assert_eq!(stats.full_syncs_completed, 1);
+    // At least one: on a loaded machine a chunk can outlive the 500 ms heartbeat deadline after the
+    // master applied it, and the node then syncs again (correctly); the claim here is the chunking
+    // and the exact index, not the count (seen 2 here once, at load 5.5).
+    assert!(stats.full_syncs_completed >= 1, "{stats:?}");
     assert_eq!(master.store().node_key_count("node-a").expect("count"), 100_000);
     a.client.shutdown().await.expect("shutdown");
     master.shutdown().await;
@@ -369,7 +372,8 @@ async fn writes_committed_during_a_chunked_full_sync_are_not_lost() {
     // Registering already synced the 100k keys (before `register` returned). The master then loses
     // the node's state, so the heartbeat loop syncs them all again, in chunks, while writes go on.
     let before = a.client.stats();
-    assert_eq!(before.full_syncs_completed, 1, "the first full sync ran inside register()");
+    // At least one (a loaded machine may sync twice, see above): the first ran inside register().
+    assert!(before.full_syncs_completed >= 1, "the first full sync ran inside register(): {before:?}");
     rebuild_node_record(&master, "node-a");
 
     // Writes race the sync: batches committed while its chunks are in flight.
