@@ -137,18 +137,21 @@ impl PoolClient {
             return vec![None; values.len()];
         }
         let span = |b: &CallerBuf| Span { addr: b.ptr.as_ptr() as usize, len: b.len };
-        // Every part in host memory, or none summed.
-        let summed: Vec<bool> =
-            values.iter().map(|v| v.size() > 0 && v.parts().iter().all(|b| !self.in_device_registration(*b))).collect();
-        let spans: Vec<Summed> = values
+        // Every part in host memory, or none summed; each value's parts listed once.
+        let host = |b: &CallerBuf| !self.in_device_registration(*b);
+        let spans: Vec<Option<Summed>> = values
             .iter()
-            .zip(&summed)
-            .filter(|(_, s)| **s)
-            .map(|(v, _)| match v {
-                Src::Whole(b) => Summed::One(span(b)),
-                Src::Ranges { .. } => Summed::Parts(v.parts().iter().map(span).collect()),
+            .map(|v| match v {
+                _ if v.size() == 0 => None,
+                Src::Whole(b) => host(b).then(|| Summed::One(span(b))),
+                Src::Ranges { .. } => {
+                    let parts = v.parts();
+                    parts.iter().all(host).then(|| Summed::Parts(parts.iter().map(span).collect()))
+                }
             })
             .collect();
+        let summed: Vec<bool> = spans.iter().map(Option::is_some).collect();
+        let spans: Vec<Summed> = spans.into_iter().flatten().collect();
         let n = spans.len();
         // SAFETY: caller buffers of the running call, in host memory (checked above), which its
         // contract keeps valid and unwritten until it returns; awaited here.

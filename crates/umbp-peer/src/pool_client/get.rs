@@ -353,18 +353,14 @@ impl PoolClient {
                 .iter()
                 .filter(|p| p.copied && !failed.contains_key(&(p.index as u64)) && ended_of(p) <= p.lease_end)
                 .collect();
-            // A ranged read cannot be checked against the whole value's sum: no expected sum, and
-            // its buffer is not read.
-            let copies: Vec<_> = arrived
+            // A ranged read cannot be checked against the whole value's sum: it is not asked.
+            let (checked, copies): (Vec<usize>, Vec<_>) = arrived
                 .iter()
                 .filter_map(|p| {
-                    let dest = bufs[p.index];
-                    let expected = dest.whole().and(p.crc32c);
-                    Some((keys[p.index], p.holder.node(), dest.any_buf()?, p.size, expected))
+                    let buf = bufs[p.index].whole()?;
+                    Some((p.index, (keys[p.index], p.holder.node(), buf, p.size, p.crc32c)))
                 })
-                .collect();
-            let checked: Vec<usize> =
-                arrived.iter().filter(|p| bufs[p.index].any_buf().is_some()).map(|p| p.index).collect();
+                .unzip();
             let intact: HashMap<usize, bool> = checked.into_iter().zip(self.copies_are_intact(&copies).await).collect();
             for p in round.planned.into_iter().filter(|p| p.copied) {
                 let node = p.holder.node().to_owned();

@@ -53,14 +53,6 @@ impl Dest<'_> {
             Self::Ranges(_) => None,
         }
     }
-
-    /// A buffer of the destination, to name in a check that will not read it.
-    pub(super) fn any_buf(&self) -> Option<CallerBuf> {
-        match self {
-            Self::Whole(buf) => Some(*buf),
-            Self::Ranges(ranges) => ranges.first().map(|(b, _)| *b),
-        }
-    }
 }
 
 /// Where a put's bytes come from, per key: one buffer holding the whole value, or ranges of
