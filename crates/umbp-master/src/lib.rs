@@ -101,6 +101,7 @@
 
 mod config;
 mod evictor;
+mod external;
 #[doc(hidden)]
 pub mod fuzzing;
 mod lease;

@@ -89,6 +89,18 @@ impl MetricSource for ClusterMetrics {
                 &e.refused,
             ),
             counter(names::MASTER_EVICTED_BYTES_TOTAL, names::MASTER_EVICTED_BYTES_TOTAL_HELP, vec![], &e.bytes_freed),
+            counter(
+                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL,
+                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP,
+                vec![label("result", "recorded")],
+                &s.external.reports_recorded,
+            ),
+            counter(
+                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL,
+                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP,
+                vec![label("result", "rejected_not_alive")],
+                &s.external.reports_rejected_not_alive,
+            ),
         ]);
         // The store is in memory (or a shared store answering for it); a failing call costs this
         // sample its cluster gauges, never the process.

@@ -77,6 +77,10 @@ pub struct MasterStats {
     pub evict_refused: u64,
     /// On-demand evictions: put routes that found no room and evicted before answering.
     pub on_demand_evictions: u64,
+    /// External KV block reports recorded.
+    pub external_reports_recorded: u64,
+    /// External KV block reports ignored: their node was not a live registered node.
+    pub external_reports_rejected_not_alive: u64,
 }
 
 /// A running master. Dropping it without [`shutdown`](Self::shutdown) aborts its tasks.
@@ -138,6 +142,8 @@ impl MasterHandle {
             evict_bytes_freed: self.eviction.bytes_freed.load(Relaxed),
             evict_refused: self.eviction.refused.load(Relaxed),
             on_demand_evictions: self.eviction.on_demand.load(Relaxed),
+            external_reports_recorded: self.stats.external.reports_recorded.load(Relaxed),
+            external_reports_rejected_not_alive: self.stats.external.reports_rejected_not_alive.load(Relaxed),
         }
     }
 

@@ -96,7 +96,9 @@ fn store_status(e: StoreError) -> Status {
 }
 
 /// Runs a store call on the blocking pool.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, StoreError> + Send + 'static) -> Result<T, Status> {
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, Status> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Status::internal(format!("store task failed: {e}")))?
@@ -227,6 +229,7 @@ pub(crate) struct ServiceStats {
     pub(crate) reacked: AtomicU64,
     pub(crate) route_put_keys: AtomicU64,
     pub(crate) route_get_keys: AtomicU64,
+    pub(crate) external: crate::external::ExternalStats,
 }
 
 /// `node_id → data endpoint` of the put candidates, beside them (a route put's reply names it).
@@ -676,6 +679,41 @@ impl UmbpMaster for MasterService {
         let retention_ms = u64::try_from(self.config.expired_retention.as_millis()).unwrap_or(u64::MAX);
         // Per-node key counts are O(1), but the total sums every shard: off the async workers.
         blocking(move || cluster_status(&*store, retention_ms)).await.map(Response::new)
+    }
+
+    async fn report_external_kv_blocks(
+        &self,
+        request: Request<v1::ReportExternalKvBlocksRequest>,
+    ) -> Result<Response<v1::ReportExternalKvBlocksResponse>, Status> {
+        self.report_external(request.into_inner()).await.map(Response::new)
+    }
+
+    async fn revoke_external_kv_blocks(
+        &self,
+        request: Request<v1::RevokeExternalKvBlocksRequest>,
+    ) -> Result<Response<v1::RevokeExternalKvBlocksResponse>, Status> {
+        self.revoke_external(request.into_inner()).await.map(Response::new)
+    }
+
+    async fn revoke_all_external_kv_blocks_at_tier(
+        &self,
+        request: Request<v1::RevokeAllExternalKvBlocksAtTierRequest>,
+    ) -> Result<Response<v1::RevokeAllExternalKvBlocksAtTierResponse>, Status> {
+        self.revoke_all_external(request.into_inner()).await.map(Response::new)
+    }
+
+    async fn match_external_kv(
+        &self,
+        request: Request<v1::MatchExternalKvRequest>,
+    ) -> Result<Response<v1::MatchExternalKvResponse>, Status> {
+        self.match_external(request.into_inner()).await.map(Response::new)
+    }
+
+    async fn get_external_kv_hit_counts(
+        &self,
+        request: Request<v1::GetExternalKvHitCountsRequest>,
+    ) -> Result<Response<v1::GetExternalKvHitCountsResponse>, Status> {
+        self.external_hit_counts(request.into_inner()).await.map(Response::new)
     }
 }
 

@@ -10,8 +10,8 @@ use tonic::transport::Channel;
 use tonic::{Code, Request};
 use umbp_core::TierType;
 use umbp_master::store::{
-    EvictionCandidate, HeartbeatApply, HeartbeatOutcome, InMemoryStore, Location, MetadataStore, NodeRecord, PeerView,
-    RegisterOutcome, Registration, StoreError,
+    EvictionCandidate, ExternalKvMatch, ExternalReport, HeartbeatApply, HeartbeatOutcome, InMemoryStore, Location,
+    MetadataStore, NodeRecord, PeerView, RegisterOutcome, Registration, StoreError,
 };
 use umbp_master::{MasterConfig, MasterHandle, TOKEN_METADATA};
 use umbp_proto::v1;
@@ -518,6 +518,26 @@ impl MetadataStore for GhostLocations {
     }
     fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
         self.0.node_key_count(node_id)
+    }
+    fn report_external_kv(
+        &self,
+        node_id: &str,
+        hashes: &[String],
+        tier: TierType,
+    ) -> Result<ExternalReport, StoreError> {
+        self.0.report_external_kv(node_id, hashes, tier)
+    }
+    fn revoke_external_kv(&self, node_id: &str, hashes: &[String], tier: TierType) -> Result<(), StoreError> {
+        self.0.revoke_external_kv(node_id, hashes, tier)
+    }
+    fn revoke_all_external_kv_at_tier(&self, node_id: &str, tier: TierType) -> Result<(), StoreError> {
+        self.0.revoke_all_external_kv_at_tier(node_id, tier)
+    }
+    fn match_external_kv(&self, hashes: &[String], count_as_hit: bool) -> Result<Vec<ExternalKvMatch>, StoreError> {
+        self.0.match_external_kv(hashes, count_as_hit)
+    }
+    fn external_kv_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
+        self.0.external_kv_hit_counts(hashes)
     }
     fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
         self.0.acquire_lease(name, holder, now_ms, ttl_ms)

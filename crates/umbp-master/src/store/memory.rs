@@ -42,9 +42,10 @@ use foldhash::{HashMap, HashSet};
 use parking_lot::{Mutex, RwLock};
 use umbp_core::{KvEvent, KvEventKind, TierType};
 
+use super::external::{self, ExternalIndex};
 use super::{
-    EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, Location, MetadataStore, NodeRecord,
-    NodeStatus, PeerView, RegisterOutcome, Registration, StoreError, TierCap,
+    EvictionCandidate, ExternalKvMatch, ExternalReport, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, Location,
+    MetadataStore, NodeRecord, NodeStatus, PeerView, RegisterOutcome, Registration, StoreError, TierCap,
 };
 
 /// Block shards of [`InMemoryStore::new`] (the reference's `UMBP_MASTER_INDEX_SHARDS` default).
@@ -373,6 +374,8 @@ pub struct InMemoryStore {
     node_locks: Box<[Mutex<()>]>,
     /// `lease name → (holder, until_ms)` (see [`MetadataStore::acquire_lease`]).
     leases: Mutex<StdHashMap<String, (String, u64)>>,
+    /// The external KV index; a node's records change under its node lock.
+    external: ExternalIndex,
 }
 
 impl fmt::Debug for InMemoryStore {
@@ -415,6 +418,7 @@ impl InMemoryStore {
             meta: RwLock::new(HashMap::default()),
             node_locks: (0..NODE_STRIPES).map(|_| Mutex::new(())).collect(),
             leases: Mutex::new(StdHashMap::new()),
+            external: ExternalIndex::default(),
         }
     }
 
@@ -453,7 +457,9 @@ impl InMemoryStore {
         &self.node_locks[stripe % NODE_STRIPES]
     }
 
+    /// Drops every location and external record of the node (its node lock is held).
     fn wipe_node_everywhere(&self, node_id: &str) {
+        self.external.wipe_node(node_id);
         for shard in self.shards.iter() {
             let mut map = shard.0.write();
             if map.by_node.contains_key(node_id) {
@@ -938,6 +944,47 @@ impl MetadataStore for InMemoryStore {
         Ok(self.meta.read().get(node_id).map_or(0, |state| {
             if state.record.status == NodeStatus::Alive { state.handle.key_count.load(Ordering::Relaxed) } else { 0 }
         }))
+    }
+
+    fn report_external_kv(
+        &self,
+        node_id: &str,
+        hashes: &[String],
+        tier: TierType,
+    ) -> Result<ExternalReport, StoreError> {
+        external::check_node_tier(node_id, tier)?;
+        external::check_hashes(hashes, true)?;
+        // Under the node lock: an expiry or re-registration wipes the node's records under it too, so
+        // a report that passed the liveness check cannot land after the wipe.
+        let _node = self.node_lock(node_id).lock();
+        if !self.meta.read().get(node_id).is_some_and(|state| state.record.status == NodeStatus::Alive) {
+            return Ok(ExternalReport::NodeNotAlive);
+        }
+        self.external.report(node_id, hashes, tier);
+        Ok(ExternalReport::Recorded)
+    }
+
+    fn revoke_external_kv(&self, node_id: &str, hashes: &[String], tier: TierType) -> Result<(), StoreError> {
+        external::check_node_tier(node_id, tier)?;
+        external::check_hashes(hashes, true)?;
+        self.external.revoke(node_id, hashes, tier);
+        Ok(())
+    }
+
+    fn revoke_all_external_kv_at_tier(&self, node_id: &str, tier: TierType) -> Result<(), StoreError> {
+        external::check_node_tier(node_id, tier)?;
+        self.external.revoke_all_at_tier(node_id, tier);
+        Ok(())
+    }
+
+    fn match_external_kv(&self, hashes: &[String], count_as_hit: bool) -> Result<Vec<ExternalKvMatch>, StoreError> {
+        external::check_hashes(hashes, false)?;
+        Ok(self.external.matches(hashes, count_as_hit))
+    }
+
+    fn external_kv_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
+        external::check_hashes(hashes, false)?;
+        Ok(self.external.hit_counts(hashes))
     }
 
     fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {

@@ -52,6 +52,7 @@
 //! reserved for invalid arguments and for a backend that failed; [`InMemoryStore`] only ever returns
 //! the former, [`RedisStore`] also a retryable [`StoreError::Backend`] while Redis is unreachable.
 
+mod external;
 mod memory;
 mod redis;
 mod sharded;
@@ -63,6 +64,7 @@ use std::sync::Arc;
 
 use umbp_core::{KvEvent, TierType};
 
+pub use external::{ExternalKvMatch, ExternalReport, MAX_EXTERNAL_KV_HASH_BYTES, MAX_EXTERNAL_KV_HASHES};
 pub use memory::{DEFAULT_SHARDS, InMemoryStore, KeyStats, MAX_SHARDS};
 pub use redis::{DEFAULT_PREFIX, RedisStore, RedisTimeouts};
 pub use sharded::{ShardedStore, shard_of};
@@ -544,6 +546,49 @@ pub trait MetadataStore: Send + Sync + fmt::Debug {
     /// Backend failures.
     fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError>;
 
+    /// Records that `node_id` holds the KV blocks `hashes` at `tier` outside the pool (the external
+    /// KV index, see `external`'s docs; additive: a block already recorded stays). Records nothing
+    /// for a node that is not ALIVE ([`ExternalReport::NodeNotAlive`]). A node's records go with its
+    /// locations: at expiry, unregister and registration.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidArgument`] for an empty node id or hash list, a hash outside 1 to
+    /// [`MAX_EXTERNAL_KV_HASH_BYTES`] bytes, more than [`MAX_EXTERNAL_KV_HASHES`] hashes, or
+    /// [`TierType::Unknown`]; backend failures.
+    fn report_external_kv(
+        &self,
+        node_id: &str,
+        hashes: &[String],
+        tier: TierType,
+    ) -> Result<ExternalReport, StoreError>;
+
+    /// Drops the records `(hash, node_id, tier)` of `hashes`; no liveness check, absent ones ignored.
+    ///
+    /// # Errors
+    /// As [`report_external_kv`](Self::report_external_kv); backend failures.
+    fn revoke_external_kv(&self, node_id: &str, hashes: &[String], tier: TierType) -> Result<(), StoreError>;
+
+    /// Drops every record of `node_id` at `tier`; no liveness check.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidArgument`] for an empty node id or [`TierType::Unknown`]; backend failures.
+    fn revoke_all_external_kv_at_tier(&self, node_id: &str, tier: TierType) -> Result<(), StoreError>;
+
+    /// Per node that holds any of `hashes` (sorted by node id), the hashes it holds by tier. With
+    /// `count_as_hit`, every distinct matched hash's hit counter goes up by one (once per call,
+    /// however many nodes and tiers hold it). An empty list matches nothing.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidArgument`] for a bad hash or too many; backend failures.
+    fn match_external_kv(&self, hashes: &[String], count_as_hit: bool) -> Result<Vec<ExternalKvMatch>, StoreError>;
+
+    /// `(hash, hit count)` for each distinct hash of `hashes` whose count is above 0, in request order.
+    /// A hash's counter lives as long as any node holds the hash.
+    ///
+    /// # Errors
+    /// As [`match_external_kv`](Self::match_external_kv); backend failures.
+    fn external_kv_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError>;
+
     /// Takes the lease `name` for `holder` (a token unique to one master process), or renews it if
     /// `holder` already has it, for `ttl_ms` from now. Returns whether `holder` holds it afterwards:
     /// `false` while another holder's lease runs. The lease lapses by itself `ttl_ms` after its last
@@ -667,6 +712,26 @@ mod tests {
         }
         fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
             Ok(0)
+        }
+        fn report_external_kv(
+            &self,
+            node_id: &str,
+            h: &[String],
+            tier: TierType,
+        ) -> Result<ExternalReport, StoreError> {
+            Ok(ExternalReport::NodeNotAlive)
+        }
+        fn revoke_external_kv(&self, node_id: &str, h: &[String], tier: TierType) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn revoke_all_external_kv_at_tier(&self, node_id: &str, tier: TierType) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn match_external_kv(&self, h: &[String], count: bool) -> Result<Vec<ExternalKvMatch>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn external_kv_hit_counts(&self, h: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
+            Ok(Vec::new())
         }
         fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
             Ok(true)

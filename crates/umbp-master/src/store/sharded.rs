@@ -33,8 +33,8 @@ use std::sync::Arc;
 use umbp_core::TierType;
 
 use super::{
-    EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, Location, MetadataStore, NodeRecord, PeerView,
-    RegisterOutcome, Registration, StoreError, TierCap,
+    EvictionCandidate, ExternalKvMatch, ExternalReport, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, Location,
+    MetadataStore, NodeRecord, PeerView, RegisterOutcome, Registration, StoreError, TierCap,
 };
 
 /// The shard of `key` among `n`: FNV-1a (64 bit) of its bytes, modulo `n`. Fixed forever: every
@@ -306,6 +306,77 @@ impl MetadataStore for ShardedStore {
             total = total.saturating_add(shard.node_key_count(node_id)?);
         }
         Ok(total)
+    }
+
+    fn report_external_kv(
+        &self,
+        node_id: &str,
+        hashes: &[String],
+        tier: TierType,
+    ) -> Result<ExternalReport, StoreError> {
+        super::external::check_node_tier(node_id, tier)?;
+        super::external::check_hashes(hashes, true)?;
+        // Each hash's records live in the shard of the hash; each shard checks the node's liveness
+        // in its own copy of the record (membership writes reach every shard).
+        let mut outcome = ExternalReport::Recorded;
+        for (shard, idx) in self.group(hashes.iter().map(String::as_str)) {
+            let part: Vec<String> = idx.iter().map(|&i| hashes[i].clone()).collect();
+            if self.shards[shard].report_external_kv(node_id, &part, tier)? == ExternalReport::NodeNotAlive {
+                outcome = ExternalReport::NodeNotAlive;
+            }
+        }
+        Ok(outcome)
+    }
+
+    fn revoke_external_kv(&self, node_id: &str, hashes: &[String], tier: TierType) -> Result<(), StoreError> {
+        super::external::check_node_tier(node_id, tier)?;
+        super::external::check_hashes(hashes, true)?;
+        for (shard, idx) in self.group(hashes.iter().map(String::as_str)) {
+            let part: Vec<String> = idx.iter().map(|&i| hashes[i].clone()).collect();
+            self.shards[shard].revoke_external_kv(node_id, &part, tier)?;
+        }
+        Ok(())
+    }
+
+    fn revoke_all_external_kv_at_tier(&self, node_id: &str, tier: TierType) -> Result<(), StoreError> {
+        for shard in &self.shards {
+            shard.revoke_all_external_kv_at_tier(node_id, tier)?;
+        }
+        Ok(())
+    }
+
+    fn match_external_kv(&self, hashes: &[String], count_as_hit: bool) -> Result<Vec<ExternalKvMatch>, StoreError> {
+        super::external::check_hashes(hashes, false)?;
+        let wanted = super::external::distinct(hashes);
+        let position: HashMap<&str, usize> = wanted.iter().enumerate().map(|(i, h)| (*h, i)).collect();
+        let mut hits: Vec<(usize, Arc<str>, TierType)> = Vec::new();
+        for (shard, idx) in self.group(wanted.iter().copied()) {
+            let part: Vec<String> = idx.iter().map(|&i| wanted[i].to_owned()).collect();
+            for m in self.shards[shard].match_external_kv(&part, count_as_hit)? {
+                for (tier, found) in m.hashes_by_tier {
+                    for hash in found {
+                        if let Some(&i) = position.get(hash.as_str()) {
+                            hits.push((i, Arc::clone(&m.node_id), tier));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(super::external::group_matches(&wanted, hits.iter().map(|(i, node, tier)| (*i, &**node, *tier))))
+    }
+
+    fn external_kv_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
+        super::external::check_hashes(hashes, false)?;
+        let wanted = super::external::distinct(hashes);
+        let mut counts: Vec<Option<u64>> = vec![None; wanted.len()];
+        for (shard, idx) in self.group(wanted.iter().copied()) {
+            let part: Vec<String> = idx.iter().map(|&i| wanted[i].to_owned()).collect();
+            let found: HashMap<String, u64> = self.shards[shard].external_kv_hit_counts(&part)?.into_iter().collect();
+            for i in idx {
+                counts[i] = found.get(wanted[i]).copied();
+            }
+        }
+        Ok(wanted.iter().zip(counts).filter_map(|(h, c)| c.map(|c| ((*h).to_owned(), c))).collect())
     }
 
     fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {

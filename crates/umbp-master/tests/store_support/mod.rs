@@ -13,9 +13,9 @@ use std::sync::Arc;
 pub(crate) use redis_server::RedisServer;
 use umbp_core::{KvEvent, TierType};
 use umbp_master::store::{
-    EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, InMemoryStore, KeyStats, Location,
-    MetadataStore, NodeRecord, PeerView, RedisStore, RedisTimeouts, RegisterOutcome, Registration, ShardedStore,
-    StoreError, TierCap, shard_of,
+    EvictionCandidate, ExternalKvMatch, ExternalReport, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, InMemoryStore,
+    KeyStats, Location, MetadataStore, NodeRecord, PeerView, RedisStore, RedisTimeouts, RegisterOutcome, Registration,
+    ShardedStore, StoreError, TierCap, shard_of,
 };
 
 /// Which store a contract test runs against.
@@ -171,6 +171,26 @@ impl MetadataStore for Subject {
     }
     fn node_key_count(&self, node_id: &str) -> Result<u64, StoreError> {
         self.store().node_key_count(node_id)
+    }
+    fn report_external_kv(
+        &self,
+        node_id: &str,
+        hashes: &[String],
+        tier: TierType,
+    ) -> Result<ExternalReport, StoreError> {
+        self.store().report_external_kv(node_id, hashes, tier)
+    }
+    fn revoke_external_kv(&self, node_id: &str, hashes: &[String], tier: TierType) -> Result<(), StoreError> {
+        self.store().revoke_external_kv(node_id, hashes, tier)
+    }
+    fn revoke_all_external_kv_at_tier(&self, node_id: &str, tier: TierType) -> Result<(), StoreError> {
+        self.store().revoke_all_external_kv_at_tier(node_id, tier)
+    }
+    fn match_external_kv(&self, hashes: &[String], count_as_hit: bool) -> Result<Vec<ExternalKvMatch>, StoreError> {
+        self.store().match_external_kv(hashes, count_as_hit)
+    }
+    fn external_kv_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
+        self.store().external_kv_hit_counts(hashes)
     }
     fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {
         self.store().acquire_lease(name, holder, now_ms, ttl_ms)

@@ -453,6 +453,42 @@ impl UmbpMaster for FakeService {
         self.maybe_hang().await;
         Ok(Response::new(self.cluster_reply.lock().clone()))
     }
+
+    // The external KV index is tested against the real master (`master_client_external.rs`).
+    async fn report_external_kv_blocks(
+        &self,
+        _: Request<pb::ReportExternalKvBlocksRequest>,
+    ) -> Result<Response<pb::ReportExternalKvBlocksResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn revoke_external_kv_blocks(
+        &self,
+        _: Request<pb::RevokeExternalKvBlocksRequest>,
+    ) -> Result<Response<pb::RevokeExternalKvBlocksResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn revoke_all_external_kv_blocks_at_tier(
+        &self,
+        _: Request<pb::RevokeAllExternalKvBlocksAtTierRequest>,
+    ) -> Result<Response<pb::RevokeAllExternalKvBlocksAtTierResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn match_external_kv(
+        &self,
+        _: Request<pb::MatchExternalKvRequest>,
+    ) -> Result<Response<pb::MatchExternalKvResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
+
+    async fn get_external_kv_hit_counts(
+        &self,
+        _: Request<pb::GetExternalKvHitCountsRequest>,
+    ) -> Result<Response<pb::GetExternalKvHitCountsResponse>, Status> {
+        Err(Status::unimplemented("not in the fake"))
+    }
 }
 
 /// A running fake master.

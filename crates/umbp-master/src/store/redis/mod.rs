@@ -19,6 +19,7 @@
 //! | `{P}:nk:<node>` | hash | the node's reverse index: `key →` how many tiers it holds the key on (`HLEN` = the node's key count) |
 //! | `{P}:k:<key>` | hash | the entry: `<tier>\|<node> → <size>\|<sync tag>` per replica, and `!` → `<lease until>\|<last access>\|<access count>` (the route-get stamps, one field so that a route-get writes them in one `HSET`; written with the entry's first replica) |
 //! | `{P}:keys` | string | the number of entries (distinct keys) |
+//! | `{P}:x:<hash>`, `{P}:xn:<tier>:<node>` | hash, set | the external KV index (see [`external`]) |
 //! | `{P}:lease:<name>` | string | the holder's token of a master lease (`duties`: the reaper and eviction rounds), with a TTL on Redis's clock |
 //!
 //! Numbers are decimal strings; tags are `len:tag` runs and capacities `tier:total:available`
@@ -53,6 +54,7 @@
 
 mod codec;
 mod conn;
+mod external;
 mod keys;
 mod scripts;
 
@@ -68,8 +70,8 @@ use conn::Pool;
 pub use conn::RedisTimeouts;
 
 use super::{
-    EvictionCandidate, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, KeyStats, Location, MetadataStore, NodeRecord,
-    NodeStatus, PeerView, RegisterOutcome, Registration, StoreError, TierCap,
+    EvictionCandidate, ExternalKvMatch, ExternalReport, HeartbeatApply, HeartbeatKind, HeartbeatOutcome, KeyStats,
+    Location, MetadataStore, NodeRecord, NodeStatus, PeerView, RegisterOutcome, Registration, StoreError, TierCap,
 };
 
 /// The key prefix of [`RedisStore::connect`].
@@ -443,6 +445,31 @@ impl MetadataStore for RedisStore {
                 .query(con)
         })?;
         Ok(if status.as_deref() == Some("A") { count } else { 0 })
+    }
+
+    fn report_external_kv(
+        &self,
+        node_id: &str,
+        hashes: &[String],
+        tier: TierType,
+    ) -> Result<ExternalReport, StoreError> {
+        self.x_report(node_id, hashes, tier)
+    }
+
+    fn revoke_external_kv(&self, node_id: &str, hashes: &[String], tier: TierType) -> Result<(), StoreError> {
+        self.x_revoke(node_id, hashes, tier)
+    }
+
+    fn revoke_all_external_kv_at_tier(&self, node_id: &str, tier: TierType) -> Result<(), StoreError> {
+        self.x_revoke_all(node_id, tier)
+    }
+
+    fn match_external_kv(&self, hashes: &[String], count_as_hit: bool) -> Result<Vec<ExternalKvMatch>, StoreError> {
+        self.x_match(hashes, count_as_hit)
+    }
+
+    fn external_kv_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
+        self.x_hit_counts(hashes)
     }
 
     fn acquire_lease(&self, name: &str, holder: &str, _now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {

@@ -107,8 +107,25 @@ local function nk_flush(nk)
   chunked('HDEL', nk, del)
   nk_delta, nk_order, nk_base = {{}}, {{}}, {{}}
 end
--- Drops every replica of the node and its reverse index.
+-- The external KV index (`external.rs`): `x:<hash>` holds a field `<tier>|<node>` per holder and
+-- the hit count under HITS; `xn:<tier>:<node>` is the set of the node's hashes at the tier. A hash
+-- goes with its last holder, its hit count with it.
+local HITS = '!'
+local function xdrop(xk, field)
+  if redis.call('HDEL', xk, field) == 1 and redis.call('HLEN', xk) == 1 and redis.call('HEXISTS', xk, HITS) == 1 then
+    redis.call('DEL', xk)
+  end
+end
+-- Drops every external record of the node at tier `t`.
+local function xwipe_tier(id, t)
+  local xs = base .. 'xn:' .. t .. ':' .. id
+  local field = t .. '|' .. id
+  for _, h in ipairs(redis.call('SMEMBERS', xs)) do xdrop(base .. 'x:' .. h, field) end
+  redis.call('DEL', xs)
+end
+-- Drops every replica of the node, its reverse index and its external records.
 local function wipe(id)
+  for _, t in ipairs(TIERS) do xwipe_tier(id, t) end
   local nk = base .. 'nk:' .. id
   local fields = {{}}
   for i, t in ipairs(TIERS) do fields[i] = t .. '|' .. id end
@@ -189,7 +206,7 @@ end
     )
 }
 
-fn script(body: &str) -> Script {
+pub(super) fn script(body: &str) -> Script {
     Script::new(&format!("{}{body}", prelude()))
 }
 
@@ -560,8 +577,12 @@ return 0
 });
 
 /// Every script, for loading them all when a connection is made.
-pub(super) fn all() -> [&'static Script; 12] {
+pub(super) fn all() -> [&'static Script; 16] {
     [
+        &super::external::REPORT,
+        &super::external::REVOKE,
+        &super::external::REVOKE_ALL,
+        &super::external::MATCH,
         &REGISTER,
         &UNREGISTER,
         &HEARTBEAT,
