@@ -1,0 +1,140 @@
+//! The five external-KV-index RPCs of the `UMBPMaster` service (issue 21, item 2): validate, call
+//! the store on the blocking pool, encode. The contract is the store's (`store::MetadataStore`'s
+//! `*_external_kv*` methods); this module adds the wire shapes, the per-call limits with their
+//! numbers in the error, and the counter of reports ignored because their node is not alive.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tonic::Status;
+use umbp_core::TierType;
+use umbp_proto::v1;
+
+use crate::service::{MasterService, tier_from_wire, tier_to_wire};
+use crate::store::{ExternalReport, MAX_EXTERNAL_KV_HASHES, MetadataStore, StoreError};
+
+/// Metric of external KV reports, by `result` (`recorded`, `rejected_not_alive`).
+pub(crate) const MASTER_EXTERNAL_KV_REPORTS_TOTAL: &str = "umbp_master_external_kv_reports_total";
+/// Help text of [`MASTER_EXTERNAL_KV_REPORTS_TOTAL`].
+pub(crate) const MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP: &str =
+    "External KV block reports, by result (rejected_not_alive: the node was not a live registered node).";
+
+/// Counters of the external index calls.
+#[derive(Debug, Default)]
+pub(crate) struct ExternalStats {
+    pub(crate) reports_recorded: AtomicU64,
+    pub(crate) reports_rejected_not_alive: AtomicU64,
+}
+
+/// Refuses a call of more hashes than one call takes, naming the limit (the store would refuse it
+/// too, with a fixed message).
+fn check_len(hashes: &[String]) -> Result<(), Status> {
+    if hashes.len() > MAX_EXTERNAL_KV_HASHES {
+        return Err(Status::invalid_argument(format!(
+            "{} hashes in one call; at most {MAX_EXTERNAL_KV_HASHES}: split the request",
+            hashes.len()
+        )));
+    }
+    Ok(())
+}
+
+fn node_and_tier(node_id: &str, tier: i32) -> Result<TierType, Status> {
+    if node_id.is_empty() {
+        return Err(Status::invalid_argument("node_id must not be empty"));
+    }
+    match tier_from_wire(tier) {
+        TierType::Unknown => Err(Status::invalid_argument(format!("tier {tier} is not HBM, DRAM or SSD"))),
+        t => Ok(t),
+    }
+}
+
+/// Runs a store call off the async workers (a Redis store blocks on its round trip).
+async fn on_store<T: Send + 'static>(
+    store: &Arc<dyn MetadataStore>,
+    f: impl FnOnce(&dyn MetadataStore) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, Status> {
+    let store = Arc::clone(store);
+    crate::service::blocking(move || f(&*store)).await
+}
+
+impl MasterService {
+    pub(crate) async fn report_external(
+        &self,
+        r: v1::ReportExternalKvBlocksRequest,
+    ) -> Result<v1::ReportExternalKvBlocksResponse, Status> {
+        let tier = node_and_tier(&r.node_id, r.tier)?;
+        check_len(&r.hashes)?;
+        let node_id = r.node_id.clone();
+        let outcome = on_store(&self.store, move |s| s.report_external_kv(&r.node_id, &r.hashes, tier)).await?;
+        let recorded = outcome == ExternalReport::Recorded;
+        if recorded {
+            self.stats.external.reports_recorded.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.external.reports_rejected_not_alive.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(node = %node_id, "external KV report of a node that is not alive ignored");
+        }
+        Ok(v1::ReportExternalKvBlocksResponse { recorded })
+    }
+
+    pub(crate) async fn revoke_external(
+        &self,
+        r: v1::RevokeExternalKvBlocksRequest,
+    ) -> Result<v1::RevokeExternalKvBlocksResponse, Status> {
+        let tier = node_and_tier(&r.node_id, r.tier)?;
+        check_len(&r.hashes)?;
+        on_store(&self.store, move |s| s.revoke_external_kv(&r.node_id, &r.hashes, tier)).await?;
+        Ok(v1::RevokeExternalKvBlocksResponse {})
+    }
+
+    pub(crate) async fn revoke_all_external(
+        &self,
+        r: v1::RevokeAllExternalKvBlocksAtTierRequest,
+    ) -> Result<v1::RevokeAllExternalKvBlocksAtTierResponse, Status> {
+        let tier = node_and_tier(&r.node_id, r.tier)?;
+        on_store(&self.store, move |s| s.revoke_all_external_kv_at_tier(&r.node_id, tier)).await?;
+        Ok(v1::RevokeAllExternalKvBlocksAtTierResponse {})
+    }
+
+    pub(crate) async fn match_external(
+        &self,
+        r: v1::MatchExternalKvRequest,
+    ) -> Result<v1::MatchExternalKvResponse, Status> {
+        check_len(&r.hashes)?;
+        if r.hashes.is_empty() {
+            return Ok(v1::MatchExternalKvResponse::default());
+        }
+        let (matches, view) = on_store(&self.store, move |s| {
+            let matches = s.match_external_kv(&r.hashes, r.count_as_hit)?;
+            let view = if matches.is_empty() { Default::default() } else { s.alive_peer_view()? };
+            Ok((matches, view))
+        })
+        .await?;
+        let matches = matches
+            .into_iter()
+            .map(|m| v1::ExternalKvNodeMatch {
+                peer_address: view.get(&m.node_id).map(|p| p.peer_address.to_string()).unwrap_or_default(),
+                node_id: m.node_id.to_string(),
+                hashes_by_tier: m
+                    .hashes_by_tier
+                    .into_iter()
+                    .map(|(tier, hashes)| v1::TierHashes { tier: tier_to_wire(tier), hashes })
+                    .collect(),
+            })
+            .collect();
+        Ok(v1::MatchExternalKvResponse { matches })
+    }
+
+    pub(crate) async fn external_hit_counts(
+        &self,
+        r: v1::GetExternalKvHitCountsRequest,
+    ) -> Result<v1::GetExternalKvHitCountsResponse, Status> {
+        check_len(&r.hashes)?;
+        if r.hashes.is_empty() {
+            return Ok(v1::GetExternalKvHitCountsResponse::default());
+        }
+        let counts = on_store(&self.store, move |s| s.external_kv_hit_counts(&r.hashes)).await?;
+        let entries =
+            counts.into_iter().map(|(hash, hit_count_total)| v1::HitCountEntry { hash, hit_count_total }).collect();
+        Ok(v1::GetExternalKvHitCountsResponse { entries })
+    }
+}
