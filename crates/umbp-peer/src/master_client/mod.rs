@@ -63,6 +63,7 @@
 
 mod config;
 mod error;
+mod external;
 mod heartbeat;
 mod masters;
 mod types;
@@ -86,6 +87,7 @@ use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
 
 pub use config::{ConfigError, MasterClientConfig};
 pub use error::MasterClientError;
+pub use external::ExternalKvNodeMatch;
 pub use masters::parse_master_addresses;
 pub use types::{
     ClusterStatus, MasterClientStats, NodeLiveness, NodeRegistration, NodeRole, NodeStatusReport, RouteGetHit,
