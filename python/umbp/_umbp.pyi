@@ -122,6 +122,43 @@ class Pool:
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
+@final
+class UMBPExternalKvNodeMatch:
+    """One node that holds some of the hashes a ``match_external_kv`` asked for."""
+
+    node_id: str
+    peer_address: str
+    @property
+    def hashes_by_tier(self) -> Dict[int, List[str]]:
+        """``{tier: [hash, ...]}``, fastest tier first (a ``UMBPTierType`` key finds its int)."""
+    def matched_hash_count(self) -> int:
+        """Distinct hashes matched (a hash on two tiers counts once)."""
+
+@final
+class UMBPExternalKvHitCountEntry:
+    """How often counted matches found one hash."""
+
+    hash: str
+    hit_count_total: int
+
+@final
+class UMBPMasterClient:
+    """The master's control plane for schedulers and sidecars: no medium, no heartbeat thread.
+    Hashes are ``str`` or ``int``; tiers ``int``, ``UMBPTierType`` or a name."""
+
+    def __init__(self, master_address: str, node_id: str = "", node_address: str = "") -> None: ...
+    @property
+    def node_id(self) -> str: ...
+    def register_self(self, tier_capacities: Optional[Dict[Any, Any]] = None) -> None: ...
+    def unregister_self(self) -> None: ...
+    def is_registered(self) -> bool: ...
+    def report_external_kv_blocks(self, node_id: str, hashes: Sequence[Any], tier: Any) -> bool:
+        """Additive; ``False`` when ``node_id`` is not a live registered node (ignored)."""
+    def revoke_external_kv_blocks(self, node_id: str, hashes: Sequence[Any], tier: Any) -> None: ...
+    def revoke_all_external_kv_blocks_at_tier(self, node_id: str, tier: Any) -> None: ...
+    def match_external_kv(self, hashes: Sequence[Any], count_as_hit: bool = False) -> List[UMBPExternalKvNodeMatch]: ...
+    def get_external_kv_hit_counts(self, hashes: Sequence[Any]) -> List[UMBPExternalKvHitCountEntry]: ...
+
 def cli_main(argv: Sequence[str]) -> int:
     """Run the ``umbp`` command line with ``argv`` (the program name first) and return its exit status;
     the GIL is released while it runs. ``python -m umbp`` calls it."""

@@ -28,6 +28,7 @@
 
 mod buffer;
 mod errors;
+mod master_client;
 mod medium;
 mod memcheck;
 mod pool;
@@ -69,6 +70,9 @@ fn cli_main(py: Python<'_>, argv: Vec<String>) -> u8 {
 #[pymodule]
 fn _umbp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pool::Pool>()?;
+    m.add_class::<master_client::PyMasterClient>()?;
+    m.add_class::<master_client::NodeMatch>()?;
+    m.add_class::<master_client::HitCountEntry>()?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -1,0 +1,95 @@
+"""The external KV index from Python (issue 21, item 2): a scheduler-side script registers two
+engine nodes through ``UMBPMasterClient``, reports the KV blocks each holds outside the pool, and
+``match_external_kv`` routes a prompt's prefix to the node that holds it."""
+
+from __future__ import annotations
+
+import pytest
+
+from umbp._umbp import InvalidInputError, UMBPMasterClient
+from umbp.mori import UMBPTierType
+
+GiB = 1 << 30
+
+
+def prefix_hashes(n: int, salt: str = "") -> list:
+    """SGLang-style block hashes: hex digests, one per page of the prompt."""
+    import hashlib
+
+    return [hashlib.sha256(f"{salt}page-{i}".encode()).hexdigest() for i in range(n)]
+
+
+def route(matches, prompt) -> tuple:
+    """The node holding the longest run of the prompt's leading blocks, and its length."""
+    best = ("", 0)
+    for m in matches:
+        held = {h for hashes in m.hashes_by_tier.values() for h in hashes}
+        run = 0
+        for h in prompt:
+            if h not in held:
+                break
+            run += 1
+        if run > best[1]:
+            best = (m.node_id, run)
+    return best
+
+
+def test_a_scheduler_routes_a_prefix_to_the_node_that_holds_it(master):
+    engine_a = UMBPMasterClient(master, node_id="engine-a", node_address="127.0.0.1")
+    engine_b = UMBPMasterClient(master, node_id="engine-b", node_address="127.0.0.1")
+    engine_a.register_self({UMBPTierType.HBM: (GiB, GiB)})
+    engine_b.register_self()
+    assert engine_a.is_registered() and engine_b.is_registered()
+
+    prompt = prefix_hashes(16)
+    # engine-a served this prompt before: its first 12 pages are in its HBM, 4 mirrored to DRAM.
+    assert engine_a.report_external_kv_blocks("engine-a", prompt[:12], UMBPTierType.HBM)
+    assert engine_a.report_external_kv_blocks("engine-a", prompt[:4], UMBPTierType.DRAM)
+    # engine-b holds a shorter run of it, and another prompt.
+    assert engine_b.report_external_kv_blocks("engine-b", prompt[:3], "dram")
+    assert engine_b.report_external_kv_blocks("engine-b", prefix_hashes(8, salt="other"), 2)
+
+    scheduler = UMBPMasterClient(master)
+    matches = scheduler.match_external_kv(prompt, count_as_hit=True)
+    assert [m.node_id for m in matches] == ["engine-a", "engine-b"]
+    a = matches[0]
+    assert list(a.hashes_by_tier) == [UMBPTierType.HBM, UMBPTierType.DRAM], "fastest tier first"
+    assert a.hashes_by_tier[UMBPTierType.HBM] == prompt[:12]
+    assert a.hashes_by_tier[UMBPTierType.DRAM] == prompt[:4]
+    assert a.matched_hash_count() == 12, "a page on HBM and DRAM counts once"
+    assert route(matches, prompt) == ("engine-a", 12)
+
+    counts = {e.hash: e.hit_count_total for e in scheduler.get_external_kv_hit_counts(prompt)}
+    assert counts == {h: 1 for h in prompt[:12]}, "one hit per matched page, none for misses"
+
+    # engine-a's HBM is evicted, its DRAM mirror (4 pages) stays: still longer than engine-b's 3.
+    engine_a.revoke_all_external_kv_blocks_at_tier("engine-a", UMBPTierType.HBM)
+    assert route(scheduler.match_external_kv(prompt), prompt) == ("engine-a", 4)
+    engine_a.revoke_external_kv_blocks("engine-a", prompt[:2], UMBPTierType.DRAM)
+    assert route(scheduler.match_external_kv(prompt), prompt) == ("engine-b", 3)
+
+    # A node that leaves takes its blocks along; reports for it are then ignored.
+    engine_b.unregister_self()
+    assert route(scheduler.match_external_kv(prompt), prompt) == ("", 0)
+    assert scheduler.report_external_kv_blocks("engine-b", prompt, UMBPTierType.HBM) is False
+    assert scheduler.match_external_kv([]) == []
+
+
+def test_int_hashes_and_bad_input(master):
+    node = UMBPMasterClient(master, node_id="ints")
+    node.register_self()
+    assert node.report_external_kv_blocks("ints", [1, 2, 3], UMBPTierType.SSD)
+    [m] = node.match_external_kv(["1", 2, 99])
+    assert m.hashes_by_tier == {int(UMBPTierType.SSD): ["1", "2"]}, "an int names the block of its digits"
+    with pytest.raises(InvalidInputError):
+        node.report_external_kv_blocks("ints", [], UMBPTierType.HBM)
+    with pytest.raises(InvalidInputError):
+        node.report_external_kv_blocks("", ["h"], UMBPTierType.HBM)
+    with pytest.raises(InvalidInputError):
+        node.report_external_kv_blocks("ints", ["h"], UMBPTierType.Unknown)
+    with pytest.raises(InvalidInputError):
+        node.report_external_kv_blocks("ints", [1.5], UMBPTierType.HBM)
+    with pytest.raises(InvalidInputError, match="16384"):
+        node.match_external_kv([str(i) for i in range(16385)])
+    with pytest.raises(InvalidInputError):
+        UMBPMasterClient(master).unregister_self()
