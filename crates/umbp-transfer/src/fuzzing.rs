@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 
 use crate::shm::wire as shm;
+use crate::tcp::batch_wire::{self, BatchAnswer, BatchEntry};
 use crate::tcp::protocol::{
     self, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, HELLO_LEN, HELLO_REPLY_LEN, HelloStatus, MAX_REQUEST_BYTES,
     MAX_SHARED_RANGES, MAX_TOKEN_LEN, Op, REPLY_LEN, REQUEST_LEN, Reply, Request, SETTLE_LEN, Settle, Status,
@@ -21,7 +22,7 @@ use crate::tcp::protocol::{
 use crate::{DataServer, DataServerConfig, KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 
 /// Which decoder [`frames`] runs: the first byte, modulo this.
-const DECODERS: u8 = 10;
+const DECODERS: u8 = 12;
 
 fn array<const N: usize>(b: &[u8]) -> Option<[u8; N]> {
     b.get(..N).and_then(|b| b.try_into().ok())
@@ -112,13 +113,35 @@ pub fn frames(data: &[u8]) {
                 assert_eq!(shm::encode_request(id), raw, "a request re-encodes to its bytes");
             }
         }
-        _ => {
+        9 => {
             let Some(raw) = array::<{ shm::REGION_REPLY_LEN }>(b) else { return };
             let (status, r) = shm::decode_region_reply(&raw);
             if let Some(s) = shm::Status::from_byte(status) {
                 let mut expect = raw;
                 expect[1..4].fill(0);
                 assert_eq!(shm::encode_region_reply(s, r), expect, "a region reply re-encodes to its bytes");
+            }
+        }
+        10 => {
+            // A GET_KEYS request body; its key count is the first byte.
+            let Some((&count, body)) = b.split_first() else { return };
+            if let Ok(entries) = batch_wire::decode_request(body, u64::from(count)) {
+                assert_eq!(entries.len(), usize::from(count), "one entry per key");
+                assert!(entries.iter().all(|e| !e.key.is_empty()), "no empty key");
+                assert_eq!(batch_wire::encode_request(&entries), body, "a request body re-encodes to its bytes");
+            }
+        }
+        _ => {
+            // A GET_KEYS reply body answering as many keys as its first byte says.
+            let Some((&count, body)) = b.split_first() else { return };
+            if let Ok(answers) = batch_wire::decode_reply(body, usize::from(count)) {
+                assert_eq!(answers.len(), usize::from(count), "one answer per key");
+                // Reserved bytes aside, an answer says what its bytes say: re-encoded, it decodes alike.
+                let mut again = Vec::new();
+                for a in &answers {
+                    batch_wire::encode_answer(&mut again, a);
+                }
+                assert_eq!(batch_wire::decode_reply(&again, answers.len()).ok(), Some(answers), "answers kept");
             }
         }
     }
@@ -131,6 +154,16 @@ pub fn frame_seeds() -> Vec<Vec<u8>> {
     let descriptor =
         Descriptor { size: 30, lease_ns: 5_000_000, ranges: vec![(1, 0, 10), (1, 4096, 20)], crc32c: Some(0x1234) };
     let region = shm::RegionReply { slot: 3, offset: 4096, len: 1 << 20, epoch: 9 };
+    let batch = batch_wire::encode_request(&[BatchEntry { key: "a", cap: 64 }, BatchEntry { key: "bc", cap: 1 << 20 }]);
+    let mut answers = Vec::new();
+    for a in [
+        BatchAnswer::Mapped(descriptor.clone()),
+        BatchAnswer::TooSmall(4096),
+        BatchAnswer::Other(Status::Miss),
+        BatchAnswer::Other(Status::Busy),
+    ] {
+        batch_wire::encode_answer(&mut answers, &a);
+    }
     vec![
         tagged(0, &request.encode()),
         tagged(1, &Reply { status: Status::Ok, id: 7, length: 512 }.encode()),
@@ -143,6 +176,8 @@ pub fn frame_seeds() -> Vec<Vec<u8>> {
         tagged(7, &shm::encode_hello(b"token").unwrap_or_default()[..shm::HELLO_LEN]),
         tagged(8, &shm::encode_request(42)),
         tagged(9, &shm::encode_region_reply(shm::Status::Ok, region)),
+        [&[10u8, 2][..], &batch].concat(),
+        [&[11u8, 4][..], &answers].concat(),
     ]
 }
 
@@ -317,7 +352,8 @@ fn well_behaved_client(endpoint: &str, region: u64) {
 
 /// Connection streams for [`server_stream`], made by the encoders: a hello, then each kind of
 /// request the server takes (READ, WRITE with its payload, GET_KEY plain and shared with a settle
-/// frame, PUT_KEY plain and shared, with and without a checksum), and a hello with the wrong token.
+/// frame, PUT_KEY plain and shared, with and without a checksum, GET_KEYS with a settle frame), and
+/// a hello with the wrong token.
 pub fn server_seeds() -> Vec<Vec<u8>> {
     let region = REGION_TAG;
     let hello = protocol::encode_hello(TOKEN).unwrap_or_default();
@@ -342,6 +378,8 @@ pub fn server_seeds() -> Vec<Vec<u8>> {
         [&hello[..], &req(Op::PutKey, FLAG_SHARED | FLAG_CHECKSUM, 8, 1, klen, klen + 4 + 8), b"s", &crc, &size, &send]
             .concat(),
     );
+    let batch = batch_wire::encode_request(&[BatchEntry { key: KEY, cap: 4096 }, BatchEntry { key: "x", cap: 8 }]);
+    out.push([&hello[..], &req(Op::GetKeys, FLAG_SHARED, 9, 0, 2, batch.len() as u64), &batch, &settle].concat());
     out.push(protocol::encode_hello(b"wrong").unwrap_or_default());
     out
 }

@@ -23,8 +23,8 @@ use tcp_support::pattern;
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
-    DataServer, DataServerConfig, KeyedClient, KeyedClientConfig, KeyedGet, KeyedHandler, KeyedLease, KeyedPut,
-    KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
+    DataServer, DataServerConfig, KeyedBatchItem, KeyedClient, KeyedClientConfig, KeyedGet, KeyedHandler, KeyedLease,
+    KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
 };
 
 const LEN: usize = 16 << 20;
@@ -373,4 +373,128 @@ fn a_put_into_a_region_the_holder_does_not_share_sends_its_bytes() {
     assert_eq!(get(&c, srv.endpoint(), "k", &mut buf), KeyedGet::Hit { size: value.len() as u64, crc32c: None });
     assert_eq!(buf, value);
     assert_eq!(*table.committed.lock(), vec!["k"]);
+}
+
+/// One GET_KEYS of `keys` into `bufs`.
+fn get_batch(c: &KeyedClient, endpoint: &str, keys: &[&str], bufs: &mut [Vec<u8>]) -> Vec<KeyedGet> {
+    let items: Vec<KeyedBatchItem<'_>> = keys
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(key, buf)| KeyedBatchItem {
+            key,
+            dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
+            cap: buf.len(),
+        })
+        .collect();
+    // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
+    unsafe { c.get_shared_batch(endpoint, &items) }.expect("an answer")
+}
+
+#[test]
+fn a_same_host_batch_get_copies_every_value_and_ends_every_lease() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, region) = holder(&file, &table, true);
+    let ep = srv.endpoint().to_owned();
+    let lens = [1usize, 4096, 65_536, 1 << 20, 1_000_003];
+    let mut values = Vec::new();
+    for (i, len) in lens.into_iter().enumerate() {
+        let value = pattern(len, i as u64 + 11);
+        let at = i * (2 << 20) + 3;
+        file.fill(at, &value);
+        table.insert(&format!("k{i}"), region, at as u64, len as u64);
+        values.push(value);
+    }
+    let keys = ["k0", "k1", "nope", "k2", "k3", "k4", "k3"];
+    let mut bufs: Vec<Vec<u8>> = keys
+        .iter()
+        .enumerate()
+        // The last one is too small for k3's value.
+        .map(|(j, _)| vec![0u8; if j == 6 { 10 } else { 1 << 20 | 7 }])
+        .collect();
+    let c = client();
+    let got = get_batch(&c, &ep, &keys, &mut bufs);
+    let hit = |len: usize| KeyedGet::Hit { size: len as u64, crc32c: None };
+    assert_eq!(
+        got,
+        vec![
+            hit(1),
+            hit(4096),
+            KeyedGet::Miss,
+            hit(65_536),
+            hit(1 << 20),
+            hit(1_000_003),
+            KeyedGet::TooSmall(1 << 20)
+        ],
+        "a hit per stored key, in request order; a miss and a too-small answered in place"
+    );
+    for (j, i) in [(0usize, 0usize), (1, 1), (3, 2), (4, 3), (5, 4)] {
+        assert_eq!(&bufs[j][..lens[i]], &values[i][..], "key k{i} byte-exact");
+    }
+    let copied: u64 = [1u64, 4096, 65_536, 1 << 20, 1_000_003].iter().sum();
+    assert_eq!(c.shared_copies(), (5, 0, copied), "every byte came through the mapping, in one exchange");
+    assert_eq!(table.settled().len(), 6, "every lease the batch opened was ended (the too-small one at once)");
+}
+
+#[test]
+fn a_batch_whose_leases_end_before_the_copy_is_lapsed_never_a_hit() {
+    let file = SealedFile::new();
+    // Each lease (2 ms from its resolve) is over before the answer leaves (a 20 ms stall per key).
+    let table = Table::new(Duration::from_millis(2), Duration::from_millis(20));
+    let (srv, _shm, region) = holder(&file, &table, true);
+    file.fill(0, &pattern(65_536, 3));
+    table.insert("a", region, 0, 65_536);
+    table.insert("b", region, 0, 65_536);
+    let c = client();
+    let mut bufs = vec![vec![0u8; 65_536], vec![0u8; 65_536]];
+    assert_eq!(get_batch(&c, srv.endpoint(), &["a", "b"], &mut bufs), vec![KeyedGet::Lapsed, KeyedGet::Lapsed]);
+    assert_eq!(table.settled().len(), 2);
+}
+
+#[test]
+fn a_batch_to_a_holder_without_the_shared_path_is_left_to_the_routed_path() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _none, region) = holder(&file, &table, false);
+    file.fill(0, &pattern(4096, 5));
+    table.insert("k", region, 0, 4096);
+    let c = client();
+    let mut bufs = vec![vec![0u8; 4096]];
+    assert_eq!(get_batch(&c, srv.endpoint(), &["k"], &mut bufs), vec![KeyedGet::Unsupported]);
+    assert!(bufs[0].iter().all(|b| *b == 0), "nothing was read");
+    assert_eq!(table.settled().len(), 0, "no lease was taken: the holder was never asked");
+
+    // A region the holder does not share: that key is left to the routed path, its lease ended.
+    let other = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, region) = holder(&file, &table, true);
+    let unshared = srv.register_memory(other.region()).expect("registered").remote().expect("remote").region_id;
+    other.fill(0, &pattern(4096, 6));
+    table.insert("unshared", unshared, 0, 4096);
+    table.insert("shared", region, 0, 4096);
+    let mut bufs = vec![vec![0u8; 4096], vec![0u8; 4096]];
+    assert_eq!(
+        get_batch(&c, srv.endpoint(), &["unshared", "shared"], &mut bufs),
+        vec![KeyedGet::Unsupported, KeyedGet::Hit { size: 4096, crc32c: None }]
+    );
+    assert_eq!(bufs[1], pattern(4096, 5));
+    assert_eq!(table.settled().len(), 2);
+}
+
+#[test]
+fn a_batch_refuses_bad_keys_and_too_many_keys() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let c = client();
+    let mut bufs = [vec![0u8; 8]];
+    let items = [KeyedBatchItem { key: "", dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"), cap: 8 }];
+    // SAFETY: the buffer outlives the call.
+    assert!(unsafe { c.get_shared_batch(srv.endpoint(), &items) }.is_err(), "an empty key");
+    let many: Vec<KeyedBatchItem<'_>> = (0..=KeyedClient::MAX_BATCH_KEYS)
+        .map(|_| KeyedBatchItem { key: "k", dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"), cap: 0 })
+        .collect();
+    // SAFETY: as above (nothing is written: the call is refused before it is sent).
+    assert!(unsafe { c.get_shared_batch(srv.endpoint(), &many) }.is_err(), "too many keys");
+    assert_eq!(table.settled().len(), 0);
 }

@@ -33,6 +33,9 @@ use super::protocol::{
 use crate::engine::FailureKind;
 use crate::shm::SharedReads;
 
+mod batch;
+pub use self::batch::KeyedBatchItem;
+
 /// The smallest value [`KeyedClient::put_shared`] copies through a mapping. Measured with a holder
 /// in another process on a 2-core VM (`tests/keyed_shm_latency.rs`, p50): 64 KiB 12.6 µs over TCP
 /// against 15.0 µs shared (the extra round trip), 1 MiB 233 µs against 57 µs; the two meet near
@@ -191,6 +194,8 @@ pub struct KeyedClient {
     next_id: AtomicU64,
     /// Mappings of same-host holders' regions, for [`get_shared`](Self::get_shared).
     shared: SharedReads,
+    /// Holders asked no GET_KEYS until then (see `batch`).
+    batchless: Mutex<HashMap<String, Instant>>,
 }
 
 impl std::fmt::Debug for KeyedClient {
@@ -209,7 +214,14 @@ impl KeyedClient {
         let hello = protocol::encode_hello(token)
             .map_err(|e| KeyedError::Protocol { endpoint: String::new(), message: format!("cluster token: {e}") })?;
         let shared = SharedReads::new(token, config.io_timeout);
-        Ok(Self { config, hello, idle: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), shared })
+        Ok(Self {
+            config,
+            hello,
+            idle: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            shared,
+            batchless: Mutex::new(HashMap::new()),
+        })
     }
 
     /// As [`new`](Self::new), with [`get_shared`](Self::get_shared) and

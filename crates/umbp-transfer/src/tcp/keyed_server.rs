@@ -5,6 +5,7 @@ use std::io::IoSlice;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::super::batch_wire::{self, BatchAnswer};
 use super::super::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 use super::super::protocol::{
     CHECKSUM_LEN, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES,
@@ -160,6 +161,85 @@ impl ServerConn<'_> {
             return self.send_value(r.id, size, guarded, open, crc32c);
         }
         self.send_value(r.id, size, guarded, open, crc32c)
+    }
+
+    /// GET_KEYS: resolve every key, answer each with a `MAPPED` descriptor (or why not) in one
+    /// reply, and keep the leases open until the client's settle frame (see
+    /// [`batch_wire`](super::super::batch_wire)). Only a client that can map this server's regions
+    /// asks it; a server with no keyed handler answers `UNSUPPORTED` for the whole request.
+    pub(super) fn get_keys(&mut self, r: Request) -> Result<(), End> {
+        if r.length > batch_wire::max_request_body() || r.flags != FLAG_SHARED || r.region != 0 {
+            return Err(End::Malformed(FrameError::TooLong(r.length)));
+        }
+        let mut body = vec![0u8; r.length as usize];
+        self.reader.read_exact_into(&mut body)?;
+        let entries = batch_wire::decode_request(&body, r.offset).map_err(End::Malformed)?;
+        // This reply is written now, not queued: everything queued goes out first, in order.
+        self.flush()?;
+        let Some(handler) = self.keyed_handler() else {
+            self.send_alone(&Reply { status: Status::Unsupported, id: r.id, length: 0 }.encode())?;
+            bump(&self.shared.metrics.requests[Status::Unsupported as usize]);
+            return Ok(());
+        };
+        // Before the first resolve: each descriptor states its lease from here, so the client's
+        // bound (from before it sent the request) is never later than a lease's end.
+        let received = Instant::now();
+        let mut open: Vec<OpenRead<'_>> = Vec::new();
+        let mut reply = Vec::new();
+        for e in &entries {
+            let answer = match handler.open_read(e.key) {
+                KeyedRead::Hit { size, ranges, lease, crc32c } => {
+                    let read = OpenRead { handler: handler.as_ref(), key: e.key, lease };
+                    let lease_ns =
+                        u64::try_from(lease.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
+                    if size > e.cap {
+                        BatchAnswer::TooSmall(size)
+                    } else if lease_ns == 0
+                        || ranges.is_empty()
+                        || ranges.len() > MAX_SHARED_RANGES
+                        || self.guard_ranges(&ranges, size).is_none()
+                    {
+                        // Not host memory of this server (device memory, a region going away), or
+                        // a lease already over: the routed path serves it.
+                        BatchAnswer::Other(Status::Unsupported)
+                    } else {
+                        open.push(read);
+                        BatchAnswer::Mapped(Descriptor {
+                            size,
+                            lease_ns,
+                            ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
+                            crc32c,
+                        })
+                    }
+                }
+                KeyedRead::Miss => BatchAnswer::Other(Status::Miss),
+                KeyedRead::Busy => BatchAnswer::Other(Status::Busy),
+                _ => BatchAnswer::Other(Status::Unsupported),
+            };
+            batch_wire::encode_answer(&mut reply, &answer);
+        }
+        let head = Reply { status: Status::Ok, id: r.id, length: reply.len() as u64 }.encode();
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        write_all_vectored_until(
+            &mut self.writer,
+            &mut [IoSlice::new(&head), IoSlice::new(&reply)],
+            deadline,
+            &mut self.write_clock,
+        )?;
+        bump(&self.shared.metrics.requests[Status::Mapped as usize]);
+        if open.is_empty() {
+            return Ok(());
+        }
+        // The leases stay open until the client settles (or the connection ends: dropping `open`
+        // closes them on every path).
+        self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
+        let mut settle = [0u8; SETTLE_LEN];
+        self.reader.read_exact_into(&mut settle)?;
+        match Settle::decode(&settle).map_err(End::Malformed)? {
+            Settle::Done => Ok(()),
+            // A batch is never served as bytes: the client reads what it cannot map the routed way.
+            Settle::SendBytes => Err(End::Malformed(FrameError::BadStatus(Settle::SendBytes as u8))),
+        }
     }
 
     /// Sends a keyed read's value from `guarded` with its trailer (judging `open`'s lease when the

@@ -41,6 +41,7 @@
 //! Clients resend a request lost with a connection the server closed, once, on a fresh one. Every
 //! per-connection warning is rate-limited per kind, with the count suppressed.
 
+pub(crate) mod batch_wire;
 mod client;
 mod conns;
 mod error;
@@ -66,7 +67,7 @@ pub use self::error::TcpStartError;
 /// The constant-time token comparison, shared with the shared-memory handshake.
 pub(crate) use self::io::tokens_equal;
 pub use self::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
-pub use self::keyed_client::{KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut};
+pub use self::keyed_client::{KeyedBatchItem, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut};
 use self::protocol::{MAX_REQUEST_BYTES, Op};
 use self::regions::LocalSide;
 pub use self::server::{DataServer, DataServerConfig};

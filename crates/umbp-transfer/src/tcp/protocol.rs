@@ -204,6 +204,9 @@ pub(crate) enum Op {
     /// A keyed write: the holder allocates a slot for a key, receives its value and commits it, in
     /// one exchange (see [`keyed`](super::keyed)).
     PutKey = 4,
+    /// A batched keyed read for a holder on this host: the holder resolves many keys and answers
+    /// each with where its value lies in shared memory (see [`batch_wire`](super::batch_wire)).
+    GetKeys = 5,
 }
 
 impl Op {
@@ -213,6 +216,7 @@ impl Op {
             2 => Some(Self::Write),
             3 => Some(Self::GetKey),
             4 => Some(Self::PutKey),
+            5 => Some(Self::GetKeys),
             _ => None,
         }
     }

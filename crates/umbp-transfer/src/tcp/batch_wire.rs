@@ -1,0 +1,194 @@
+//! The bytes of GET_KEYS, the batched keyed read for holders on this host (see
+//! [`keyed`](super::keyed)): one request names many keys, one reply answers each of them with a
+//! `MAPPED` descriptor (or why not), and one settle frame ends every read lease the reply opened.
+//!
+//! Request (after the 40-byte header: `op` GET_KEYS, `flags` [`FLAG_SHARED`](super::protocol::FLAG_SHARED),
+//! `offset` the key count, `length` the body's bytes), per key: the destination's capacity (u64),
+//! the key's length (u32), the key. Reply (after a 24-byte header with status `OK`; `length` the
+//! body's bytes), per key in request order: a status byte (a [`Status`]), three zero bytes, the
+//! entry's length (u32) and the entry — a [`Descriptor`] for `MAPPED`, the value's size (u64) for
+//! `TOO_SMALL`, nothing otherwise. When at least one entry is `MAPPED`, the client copies from its
+//! mappings and sends one `Done` settle frame; the server keeps every lease it answered open until
+//! then (or until the connection ends).
+//!
+//! Every length is bounded before anything is allocated: a decoder error means a broken peer, and
+//! the connection is closed.
+
+use super::protocol::{Descriptor, FrameError, MAX_KEY_LEN, Status};
+
+/// The most keys one GET_KEYS may name.
+pub(crate) const MAX_BATCH_KEYS: usize = 1024;
+/// Bytes of one request entry's fixed part (capacity, key length).
+const ENTRY_HEAD_LEN: usize = 12;
+/// Bytes of one answer's fixed part (status, reserved, length).
+const ANSWER_HEAD_LEN: usize = 8;
+
+/// The longest GET_KEYS request body.
+pub(crate) const fn max_request_body() -> u64 {
+    (MAX_BATCH_KEYS as u64) * (ENTRY_HEAD_LEN as u64 + MAX_KEY_LEN)
+}
+
+/// The longest GET_KEYS reply body.
+pub(crate) const fn max_reply_body() -> u64 {
+    (MAX_BATCH_KEYS as u64) * (ANSWER_HEAD_LEN + Descriptor::max_len()) as u64
+}
+
+/// One key of a GET_KEYS request: the key and how many bytes its destination takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BatchEntry<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) cap: u64,
+}
+
+/// The request body for `entries` (1 to [`MAX_BATCH_KEYS`] keys of at most
+/// [`MAX_KEY_LEN`] bytes each: the caller checks).
+pub(crate) fn encode_request(entries: &[BatchEntry<'_>]) -> Vec<u8> {
+    let len: usize = entries.iter().map(|e| ENTRY_HEAD_LEN + e.key.len()).sum();
+    let mut out = Vec::with_capacity(len);
+    for e in entries {
+        out.extend_from_slice(&e.cap.to_le_bytes());
+        out.extend_from_slice(&u32::try_from(e.key.len()).unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(e.key.as_bytes());
+    }
+    out
+}
+
+/// Parses a request body of `count` keys. Keys must be non-empty UTF-8 of at most
+/// [`MAX_KEY_LEN`] bytes and the body must end exactly after the last.
+pub(crate) fn decode_request(body: &[u8], count: u64) -> Result<Vec<BatchEntry<'_>>, FrameError> {
+    let count =
+        usize::try_from(count).ok().filter(|c| (1..=MAX_BATCH_KEYS).contains(c)).ok_or(FrameError::TooLong(count))?;
+    let mut entries = Vec::with_capacity(count);
+    let mut at = 0usize;
+    for _ in 0..count {
+        let head = body.get(at..at + ENTRY_HEAD_LEN).ok_or(FrameError::TooLong(body.len() as u64))?;
+        let cap = u64::from_le_bytes(head[0..8].try_into().map_err(|_| FrameError::TooLong(0))?);
+        let key_len = u32::from_le_bytes(head[8..12].try_into().map_err(|_| FrameError::TooLong(0))?) as usize;
+        if key_len == 0 || key_len as u64 > MAX_KEY_LEN {
+            return Err(FrameError::TooLong(key_len as u64));
+        }
+        at += ENTRY_HEAD_LEN;
+        let key = body.get(at..at + key_len).ok_or(FrameError::TooLong(body.len() as u64))?;
+        let key = std::str::from_utf8(key).map_err(|_| FrameError::BadStatus(0))?;
+        at += key_len;
+        entries.push(BatchEntry { key, cap });
+    }
+    if at != body.len() {
+        return Err(FrameError::TooLong(body.len() as u64));
+    }
+    Ok(entries)
+}
+
+/// One key's answer in a GET_KEYS reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BatchAnswer {
+    /// Where the value lies and how long its read lease lasts.
+    Mapped(Descriptor),
+    /// The value (this many bytes) is larger than the stated capacity.
+    TooSmall(u64),
+    /// Any other status with no entry: `Miss`, `Busy`, `Unsupported`.
+    Other(Status),
+}
+
+/// Appends one answer to a reply body.
+pub(crate) fn encode_answer(out: &mut Vec<u8>, answer: &BatchAnswer) {
+    let (status, entry) = match answer {
+        BatchAnswer::Mapped(d) => (Status::Mapped, d.encode()),
+        BatchAnswer::TooSmall(size) => (Status::TooSmall, size.to_le_bytes().to_vec()),
+        BatchAnswer::Other(s) => (*s, Vec::new()),
+    };
+    out.extend_from_slice(&[status as u8, 0, 0, 0]);
+    out.extend_from_slice(&u32::try_from(entry.len()).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(&entry);
+}
+
+/// Parses a reply body that answers `count` keys, exactly.
+pub(crate) fn decode_reply(body: &[u8], count: usize) -> Result<Vec<BatchAnswer>, FrameError> {
+    let mut answers = Vec::with_capacity(count.min(MAX_BATCH_KEYS));
+    let mut at = 0usize;
+    for _ in 0..count {
+        let head = body.get(at..at + ANSWER_HEAD_LEN).ok_or(FrameError::TooLong(body.len() as u64))?;
+        let status = Status::ALL.get(usize::from(head[0])).copied().ok_or(FrameError::BadStatus(head[0]))?;
+        let len = u32::from_le_bytes(head[4..8].try_into().map_err(|_| FrameError::TooLong(0))?) as usize;
+        at += ANSWER_HEAD_LEN;
+        let entry = body.get(at..at + len).ok_or(FrameError::TooLong(len as u64))?;
+        at += len;
+        answers.push(match (status, len) {
+            (Status::Mapped, _) => BatchAnswer::Mapped(Descriptor::decode(entry)?),
+            (Status::TooSmall, 8) => {
+                BatchAnswer::TooSmall(u64::from_le_bytes(entry.try_into().map_err(|_| FrameError::TooLong(8))?))
+            }
+            (Status::Miss | Status::Busy | Status::Unsupported, 0) => BatchAnswer::Other(status),
+            _ => return Err(FrameError::BadStatus(status as u8)),
+        });
+    }
+    if at != body.len() {
+        return Err(FrameError::TooLong(body.len() as u64));
+    }
+    Ok(answers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn descriptor() -> Descriptor {
+        Descriptor { size: 10, lease_ns: 5, ranges: vec![(1, 0, 4), (2, 8, 6)], crc32c: Some(7) }
+    }
+
+    #[test]
+    fn a_request_round_trips_and_must_end_exactly() {
+        let entries = vec![BatchEntry { key: "a", cap: 1 }, BatchEntry { key: "bcd", cap: u64::MAX }];
+        let body = encode_request(&entries);
+        assert_eq!(decode_request(&body, 2).unwrap(), entries);
+        assert!(decode_request(&body, 1).is_err(), "bytes left over");
+        assert!(decode_request(&body, 3).is_err(), "a key missing");
+        assert!(decode_request(&body, 0).is_err(), "no keys");
+        assert!(decode_request(&body[..body.len() - 1], 2).is_err(), "a key cut short");
+    }
+
+    #[test]
+    fn a_request_refuses_empty_long_and_non_utf8_keys() {
+        let mut body = encode_request(&[BatchEntry { key: "k", cap: 1 }]);
+        body[8..12].copy_from_slice(&0u32.to_le_bytes());
+        assert!(decode_request(&body[..12], 1).is_err(), "empty key");
+        body[8..12].copy_from_slice(&(MAX_KEY_LEN as u32 + 1).to_le_bytes());
+        assert!(decode_request(&body, 1).is_err(), "key too long");
+        let mut bad = encode_request(&[BatchEntry { key: "k", cap: 1 }]);
+        bad[12] = 0xff;
+        assert!(decode_request(&bad, 1).is_err(), "not UTF-8");
+        assert!(decode_request(&[], MAX_BATCH_KEYS as u64 + 1).is_err(), "too many keys");
+    }
+
+    #[test]
+    fn a_reply_round_trips_every_answer_kind() {
+        let answers = vec![
+            BatchAnswer::Mapped(descriptor()),
+            BatchAnswer::TooSmall(99),
+            BatchAnswer::Other(Status::Miss),
+            BatchAnswer::Other(Status::Busy),
+            BatchAnswer::Other(Status::Unsupported),
+        ];
+        let mut body = Vec::new();
+        for a in &answers {
+            encode_answer(&mut body, a);
+        }
+        assert_eq!(decode_reply(&body, answers.len()).unwrap(), answers);
+        assert!(decode_reply(&body, answers.len() - 1).is_err(), "bytes left over");
+        assert!(decode_reply(&body, answers.len() + 1).is_err(), "an answer missing");
+    }
+
+    #[test]
+    fn a_reply_refuses_statuses_that_are_no_answer() {
+        for status in [Status::Ok, Status::Exists, Status::Failed] {
+            let mut body = Vec::new();
+            encode_answer(&mut body, &BatchAnswer::Other(status));
+            assert!(decode_reply(&body, 1).is_err(), "{status:?}");
+        }
+        let mut body = Vec::new();
+        encode_answer(&mut body, &BatchAnswer::Other(Status::Miss));
+        body[4] = 1;
+        body.push(0);
+        assert!(decode_reply(&body, 1).is_err(), "a miss with an entry");
+    }
+}
