@@ -417,15 +417,7 @@ fn a_same_host_batch_get_copies_every_value_and_ends_every_lease() {
     let hit = |len: usize| KeyedGet::Hit { size: len as u64, crc32c: None };
     assert_eq!(
         got,
-        vec![
-            hit(1),
-            hit(4096),
-            KeyedGet::Miss,
-            hit(65_536),
-            hit(1 << 20),
-            hit(1_000_003),
-            KeyedGet::TooSmall(1 << 20)
-        ],
+        vec![hit(1), hit(4096), KeyedGet::Miss, hit(65_536), hit(1 << 20), hit(1_000_003), KeyedGet::TooSmall(1 << 20)],
         "a hit per stored key, in request order; a miss and a too-small answered in place"
     );
     for (j, i) in [(0usize, 0usize), (1, 1), (3, 2), (4, 3), (5, 4)] {
