@@ -47,16 +47,28 @@ async fn batches_between_nodes_of_one_host_take_the_shared_path() {
     let (keys, values) = (make_keys("shm", 24), make_values(24));
     put_all(&light, &keys, &values).await;
     indexed(&light, &keys).await;
+    let put_bytes = light.transferred_bytes(SHM);
     get_all(&light, &keys, &values).await;
     let total: u64 = values.iter().map(|v| v.len() as u64).sum();
     assert_eq!(light.transferred_bytes(TCP), 0, "the TCP engine moved no bytes");
     assert!(light.transferred_bytes(SHM) >= 2 * total, "puts and gets through the mappings");
+    // The batch get asked each holder once per chunk (GET_KEYS) instead of resolving over RPC and
+    // copying on the engine: every key was a keyed read, each byte copied once.
+    assert_eq!(light.stats().keyed_gets, 24, "every key read in a batched same-host exchange");
+    assert_eq!(light.transferred_bytes(SHM), put_bytes + total, "each value copied once, from the mapping");
 
     // A node reading keys the other holds: its own keys are in-process copies, the rest shared.
+    // The first batch takes the routed path (a node looks at its own medium first) and remembers
+    // where it found the other's keys; the second reads those in batched exchanges.
     get_all(&a, &keys, &values).await;
     get_all(&b, &keys, &values).await;
     assert_eq!((a.transferred_bytes(TCP), b.transferred_bytes(TCP)), (0, 0));
     assert!(a.transferred_bytes(SHM) > 0 && b.transferred_bytes(SHM) > 0, "both nodes hold some keys");
+    let remembered = a.stats().keyed_gets;
+    get_all(&a, &keys, &values).await;
+    let batched = a.stats().keyed_gets - remembered;
+    assert!(batched > 0 && batched < 24, "a's second batch read b's keys ({batched}) in batched exchanges");
+    assert_eq!(a.transferred_bytes(TCP), 0);
 
     // A holder that closes deregisters its regions: readers get misses or errors, never wrong bytes.
     b.close().await;

@@ -68,7 +68,7 @@ pub(super) struct Locations {
 }
 
 impl Locations {
-    fn get(&self, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
+    pub(super) fn get(&self, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
         let map = self.map.lock();
         let l = map.get(key).filter(|l| l.until > now)?;
         Some((Arc::clone(&l.node), Arc::clone(&l.endpoint)))

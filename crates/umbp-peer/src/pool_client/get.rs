@@ -31,6 +31,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use tracing::Instrument;
 
+use super::batch_keyed::Prerouted;
 use super::holder::{Answer, Hit, Holder, unreachable};
 use super::phases::{self, phase};
 use super::ranged::{Dest, range_items};
@@ -242,16 +243,21 @@ impl PoolClient {
                 results[i] = Some(r.clone());
             }
         }
+        // Keys held on this host: one exchange per holder chunk (`batch_keyed.rs`); the rest, with
+        // any routes asked for them there, take the routed path.
+        let prerouted = self.get_same_host(keys, targets, &mut results).await;
         let valid: Vec<usize> = (0..n).filter(|i| results[*i].is_none()).collect();
         // Chunks run as a pipeline: one chunk's route and resolve overlap another's transfer. A
         // destination's length stands for its value's size.
         let chunks = chunk_by_bytes(valid, |i| targets[i].bytes());
         let progress = BatchProgress::new();
         let progress = &progress;
+        let prerouted = &prerouted;
         let outcomes = pipelined(&chunks, |chunk| {
             let chunk_keys: Vec<&str> = chunk.iter().map(|i| keys[*i]).collect();
             let chunk_targets: Vec<Dest<'_>> = chunk.iter().map(|i| targets[*i]).collect();
-            async move { self.get_chunk(&chunk_keys, &chunk_targets, progress).await }
+            let routes: Prerouted = chunk.iter().map(|i| prerouted[*i].clone()).collect();
+            async move { self.get_chunk(&chunk_keys, &chunk_targets, routes, progress).await }
         })
         .await;
         let mut fetched_remote: Vec<usize> = Vec::new();
@@ -273,7 +279,15 @@ impl PoolClient {
     /// and a bounded wait for holders that answer busy ([`BUSY_WAIT`](super::support::BUSY_WAIT)).
     /// Each round: route → resolve on every holder concurrently → one submit → keep the copies that
     /// ended inside their lease → release.
-    async fn get_chunk(&self, keys: &[&str], bufs: &[Dest<'_>], progress: &BatchProgress) -> ChunkRead {
+    /// `routes[j]`, when there, is the master's route for `keys[j]`, asked for already: round 0
+    /// uses it instead of routing the key again.
+    async fn get_chunk(
+        &self,
+        keys: &[&str],
+        bufs: &[Dest<'_>],
+        mut routes: Prerouted,
+        progress: &BatchProgress,
+    ) -> ChunkRead {
         let n = keys.len();
         let mut st = ChunkState::new(n);
         let mut fetched_remote: Vec<usize> = Vec::new();
@@ -323,9 +337,13 @@ impl PoolClient {
             let mut groups: BTreeMap<Target, Vec<(usize, Asked)>> = BTreeMap::new();
             let mut to_route: Vec<usize> = Vec::new();
             for i in pending {
-                match st.retry[i].take() {
-                    Some(target) => groups.entry(target).or_default().push((i, Asked::Routed)),
-                    None => to_route.push(i),
+                match (st.retry[i].take(), routes.get_mut(i).and_then(Option::take)) {
+                    (Some(target), _) => groups.entry(target).or_default().push((i, Asked::Routed)),
+                    (None, Some(h)) if h.node_id != here.node => {
+                        let target = Target { node: h.node_id, peer: h.peer_address };
+                        groups.entry(target).or_default().push((i, Asked::Routed));
+                    }
+                    (None, _) => to_route.push(i),
                 }
             }
             self.route_gets(keys, &to_route, &here, &mut st, &mut groups).instrument(phase!(phases::GET_ROUTE)).await;

@@ -22,6 +22,7 @@
 //! same address publishes new handles); a failed transfer forgets the peer's descriptors and
 //! connection, and a peer that cannot be reached is left out of routes for 2 s.
 
+mod batch_keyed;
 mod builder;
 mod checksum;
 mod compose;
@@ -99,7 +100,8 @@ pub struct PoolClientStats {
     pub recache_dropped: u64,
     /// Re-cache jobs that stored the value locally.
     pub recache_stored: u64,
-    /// Single-key gets served in one keyed exchange with the holder (no routed resolve).
+    /// Keys read in a keyed exchange with their holder (no routed resolve): single-key gets, and
+    /// batch gets from holders on this host (one exchange per holder chunk).
     pub keyed_gets: u64,
     /// Single-key puts written in one keyed exchange with the holder (no allocate or commit RPC).
     pub keyed_puts: u64,
