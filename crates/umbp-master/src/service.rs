@@ -84,7 +84,7 @@ pub(crate) fn caps_for_log(caps: &[TierCap]) -> String {
 static STORE_FAILED: RateLimited = RateLimited::every(RateLimited::WINDOW);
 static EVENTS_SKIPPED: RateLimited = RateLimited::every(RateLimited::WINDOW);
 
-fn store_status(e: StoreError) -> Status {
+pub(crate) fn store_status(e: StoreError) -> Status {
     // The master never crashes on a store failure: the caller retries, or another replica answers.
     if let Some(held_back) = STORE_FAILED.check() {
         tracing::warn!(error = %e, held_back, "metadata store call failed");

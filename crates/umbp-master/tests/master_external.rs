@@ -51,10 +51,13 @@ async fn matched(
 ) -> Vec<(String, String, Vec<(i32, Vec<String>)>)> {
     let request = v1::MatchExternalKvRequest { hashes: owned(hashes), count_as_hit };
     let reply = c.match_external_kv(request).await.expect("match").into_inner();
+    let named = |idx: Vec<u32>| idx.into_iter().map(|i| hashes[i as usize].to_owned()).collect();
     reply
         .matches
         .into_iter()
-        .map(|m| (m.node_id, m.peer_address, m.hashes_by_tier.into_iter().map(|t| (t.tier, t.hashes)).collect()))
+        .map(|m| {
+            (m.node_id, m.peer_address, m.hashes_by_tier.into_iter().map(|t| (t.tier, named(t.hash_indexes))).collect())
+        })
         .collect()
 }
 

@@ -19,12 +19,20 @@ use umbp_master::store::{ExternalReport, MAX_EXTERNAL_KV_HASHES, MetadataStore, 
 /// `node → [(tier, hashes)]` of a match, as plain values.
 type Matched = Vec<(String, Vec<(TierType, Vec<String>)>)>;
 
+/// A match, its request indexes read back as the hashes they name.
 fn matched(store: &dyn MetadataStore, hashes: &[&str], count: bool) -> Matched {
     store
         .match_external_kv(&keys(hashes), count)
         .unwrap()
         .into_iter()
-        .map(|m| (m.node_id.to_string(), m.hashes_by_tier))
+        .map(|m| {
+            let tiers = m
+                .hashes_by_tier
+                .into_iter()
+                .map(|(tier, idx)| (tier, idx.into_iter().map(|i| hashes[i as usize].to_owned()).collect()))
+                .collect();
+            (m.node_id.to_string(), tiers)
+        })
         .collect()
 }
 
@@ -51,6 +59,10 @@ fn a_match_answers_per_node_by_tier_in_request_order(kind: Kind) {
     assert_eq!(report(&store, "a", &["h2", "h1"], Hbm), ExternalReport::Recorded);
     let got = matched(&store, &["h3", "h1", "h2", "nope", "h1"], false);
     assert_eq!(got, vec![node("a", &[(Hbm, &["h1", "h2"]), (Dram, &["h1"])]), node("b", &[(Ssd, &["h3", "h2"])])]);
+    // On the wire of the store: request indexes, a repeated hash named by its first occurrence.
+    let raw = store.match_external_kv(&keys(&["h3", "h1", "h2", "nope", "h1"]), false).unwrap();
+    assert_eq!(raw[0].hashes_by_tier, vec![(Hbm, vec![1, 2]), (Dram, vec![1])]);
+    assert_eq!(raw[1].hashes_by_tier, vec![(Ssd, vec![0, 2])]);
     let m = store.match_external_kv(&keys(&["h1", "h2"]), false).unwrap();
     assert_eq!(m[0].matched_hash_count(), 2, "a hash on two tiers counts once");
     assert!(matched(&store, &["nope"], false).is_empty());

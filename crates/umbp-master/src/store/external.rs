@@ -49,17 +49,20 @@ pub enum ExternalReport {
 pub struct ExternalKvMatch {
     /// The holding node.
     pub node_id: Arc<str>,
-    /// The matched hashes by tier: tiers in ascending order (fastest first), each with its hashes in
-    /// request order; a hash on two tiers is in both. No tier is empty.
-    pub hashes_by_tier: Vec<(TierType, Vec<String>)>,
+    /// The matched hashes by tier, as indexes into the request's hashes (a repeated hash is named by
+    /// its first occurrence): tiers in ascending order (fastest first), indexes ascending; a hash on
+    /// two tiers is in both. No tier is empty. Indexes, not strings: the caller has the strings,
+    /// and a match of 1,024 hashes would otherwise copy each matched one per holder and tier.
+    pub hashes_by_tier: Vec<(TierType, Vec<u32>)>,
 }
 
 impl ExternalKvMatch {
     /// Distinct hashes matched on this node (a hash on two tiers counts once).
     pub fn matched_hash_count(&self) -> usize {
-        let distinct: HashSet<&str> =
-            self.hashes_by_tier.iter().flat_map(|(_, hashes)| hashes.iter().map(String::as_str)).collect();
-        distinct.len()
+        let mut all: Vec<u32> = self.hashes_by_tier.iter().flat_map(|(_, idx)| idx.iter().copied()).collect();
+        all.sort_unstable();
+        all.dedup();
+        all.len()
     }
 }
 
@@ -89,18 +92,20 @@ pub(crate) fn check_node_tier(node_id: &str, tier: TierType) -> Result<(), Store
     Ok(())
 }
 
-/// The request's hashes without repeats, in first-seen order (a match counts each hash once).
-pub(crate) fn distinct(hashes: &[String]) -> Vec<&str> {
-    let mut seen: HashSet<&str> = HashSet::default();
-    hashes.iter().map(String::as_str).filter(|h| seen.insert(h)).collect()
+/// The request's hashes without repeats, in first-seen order, each with its request index (a match
+/// counts each hash once).
+pub(crate) fn distinct(hashes: &[String]) -> Vec<(u32, &str)> {
+    if hashes.len() <= 1 {
+        return hashes.iter().map(String::as_str).map(|h| (0, h)).collect();
+    }
+    let mut seen: HashSet<&str> = HashSet::with_capacity_and_hasher(hashes.len(), Default::default());
+    // Lossless: a call takes at most MAX_EXTERNAL_KV_HASHES hashes.
+    hashes.iter().enumerate().filter(|(_, h)| seen.insert(h.as_str())).map(|(i, h)| (i as u32, h.as_str())).collect()
 }
 
-/// Builds the per-node answer from `(hash index, node, tier)` hits, hashes in request order.
-pub(crate) fn group_matches<'a>(
-    hashes: &[&str],
-    hits: impl IntoIterator<Item = (usize, &'a str, TierType)>,
-) -> Vec<ExternalKvMatch> {
-    let mut by_node: StdHashMap<&str, Vec<(TierType, usize)>> = StdHashMap::new();
+/// Builds the per-node answer from `(request index, node, tier)` hits.
+pub(crate) fn group_matches<'a>(hits: impl IntoIterator<Item = (u32, &'a str, TierType)>) -> Vec<ExternalKvMatch> {
+    let mut by_node: HashMap<&str, Vec<(TierType, u32)>> = HashMap::default();
     for (index, node, tier) in hits {
         by_node.entry(node).or_default().push((tier, index));
     }
@@ -109,12 +114,11 @@ pub(crate) fn group_matches<'a>(
         .map(|(node, mut found)| {
             found.sort_unstable();
             found.dedup();
-            let mut hashes_by_tier: Vec<(TierType, Vec<String>)> = Vec::new();
+            let mut hashes_by_tier: Vec<(TierType, Vec<u32>)> = Vec::new();
             for (tier, index) in found {
-                let hash = hashes.get(index).map_or_else(String::new, |h| (*h).to_owned());
                 match hashes_by_tier.last_mut() {
-                    Some((t, list)) if *t == tier => list.push(hash),
-                    _ => hashes_by_tier.push((tier, vec![hash])),
+                    Some((t, list)) if *t == tier => list.push(index),
+                    _ => hashes_by_tier.push((tier, vec![index])),
                 }
             }
             ExternalKvMatch { node_id: Arc::from(node), hashes_by_tier }
@@ -221,15 +225,15 @@ impl ExternalIndex {
     pub(crate) fn matches(&self, hashes: &[String], count_as_hit: bool) -> Vec<ExternalKvMatch> {
         let wanted = distinct(hashes);
         let maps = self.maps.read();
-        let mut hits: Vec<(usize, &str, TierType)> = Vec::new();
-        for (index, hash) in wanted.iter().enumerate() {
-            let Some(entry) = maps.by_hash.get(*hash) else { continue };
+        let mut hits: Vec<(u32, &str, TierType)> = Vec::with_capacity(wanted.len());
+        for (index, hash) in wanted {
+            let Some(entry) = maps.by_hash.get(hash) else { continue };
             if count_as_hit {
                 entry.hits.fetch_add(1, Ordering::Relaxed);
             }
             hits.extend(entry.holders.iter().map(|(node, tier)| (index, &**node, *tier)));
         }
-        group_matches(&wanted, hits)
+        group_matches(hits)
     }
 
     /// `(hash, count)` for each distinct requested hash whose count is above 0, in request order.
@@ -237,7 +241,7 @@ impl ExternalIndex {
         let maps = self.maps.read();
         distinct(hashes)
             .into_iter()
-            .filter_map(|hash| {
+            .filter_map(|(_, hash)| {
                 let count = maps.by_hash.get(hash)?.hits.load(Ordering::Relaxed);
                 (count > 0).then(|| (hash.to_owned(), count))
             })

@@ -348,35 +348,35 @@ impl MetadataStore for ShardedStore {
     fn match_external_kv(&self, hashes: &[String], count_as_hit: bool) -> Result<Vec<ExternalKvMatch>, StoreError> {
         super::external::check_hashes(hashes, false)?;
         let wanted = super::external::distinct(hashes);
-        let position: HashMap<&str, usize> = wanted.iter().enumerate().map(|(i, h)| (*h, i)).collect();
-        let mut hits: Vec<(usize, Arc<str>, TierType)> = Vec::new();
-        for (shard, idx) in self.group(wanted.iter().copied()) {
-            let part: Vec<String> = idx.iter().map(|&i| wanted[i].to_owned()).collect();
+        let mut hits: Vec<(u32, Arc<str>, TierType)> = Vec::new();
+        for (shard, idx) in self.group(wanted.iter().map(|(_, h)| *h)) {
+            let part: Vec<String> = idx.iter().map(|&i| wanted[i].1.to_owned()).collect();
             for m in self.shards[shard].match_external_kv(&part, count_as_hit)? {
                 for (tier, found) in m.hashes_by_tier {
-                    for hash in found {
-                        if let Some(&i) = position.get(hash.as_str()) {
-                            hits.push((i, Arc::clone(&m.node_id), tier));
+                    // The shard's indexes are into `part`; map them back to the request's.
+                    for local in found {
+                        if let Some(&(index, _)) = idx.get(local as usize).and_then(|&i| wanted.get(i)) {
+                            hits.push((index, Arc::clone(&m.node_id), tier));
                         }
                     }
                 }
             }
         }
-        Ok(super::external::group_matches(&wanted, hits.iter().map(|(i, node, tier)| (*i, &**node, *tier))))
+        Ok(super::external::group_matches(hits.iter().map(|(i, node, tier)| (*i, &**node, *tier))))
     }
 
     fn external_kv_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
         super::external::check_hashes(hashes, false)?;
         let wanted = super::external::distinct(hashes);
         let mut counts: Vec<Option<u64>> = vec![None; wanted.len()];
-        for (shard, idx) in self.group(wanted.iter().copied()) {
-            let part: Vec<String> = idx.iter().map(|&i| wanted[i].to_owned()).collect();
+        for (shard, idx) in self.group(wanted.iter().map(|(_, h)| *h)) {
+            let part: Vec<String> = idx.iter().map(|&i| wanted[i].1.to_owned()).collect();
             let found: HashMap<String, u64> = self.shards[shard].external_kv_hit_counts(&part)?.into_iter().collect();
             for i in idx {
-                counts[i] = found.get(wanted[i]).copied();
+                counts[i] = found.get(wanted[i].1).copied();
             }
         }
-        Ok(wanted.iter().zip(counts).filter_map(|(h, c)| c.map(|c| ((*h).to_owned(), c))).collect())
+        Ok(wanted.iter().zip(counts).filter_map(|((_, h), c)| c.map(|c| ((*h).to_owned(), c))).collect())
     }
 
     fn acquire_lease(&self, name: &str, holder: &str, now_ms: u64, ttl_ms: u64) -> Result<bool, StoreError> {

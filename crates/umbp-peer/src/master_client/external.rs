@@ -171,15 +171,29 @@ impl MasterClient {
                 c.match_external_kv(r).await
             })
             .await?;
-        Ok(reply
+        let named = |indexes: Vec<u32>| -> Result<Vec<String>, MasterClientError> {
+            indexes
+                .into_iter()
+                .map(|i| {
+                    hashes.get(i as usize).cloned().ok_or(MasterClientError::MalformedReply {
+                        rpc: "MatchExternalKv",
+                        reason: format!("hash index {i} of a {}-hash request", hashes.len()),
+                    })
+                })
+                .collect()
+        };
+        reply
             .matches
             .into_iter()
-            .map(|m| ExternalKvNodeMatch {
-                node_id: m.node_id,
-                peer_address: m.peer_address,
-                hashes_by_tier: m.hashes_by_tier.into_iter().map(|t| (tier_from_wire(t.tier), t.hashes)).collect(),
+            .map(|m| {
+                let hashes_by_tier = m
+                    .hashes_by_tier
+                    .into_iter()
+                    .map(|t| Ok((tier_from_wire(t.tier), named(t.hash_indexes)?)))
+                    .collect::<Result<_, MasterClientError>>()?;
+                Ok(ExternalKvNodeMatch { node_id: m.node_id, peer_address: m.peer_address, hashes_by_tier })
             })
-            .collect())
+            .collect()
     }
 
     /// `(hash, hit count)` for each distinct hash of `hashes` a counted match found while some node

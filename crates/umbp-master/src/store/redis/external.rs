@@ -136,7 +136,7 @@ impl RedisStore {
         }
         let reply: Vec<Vec<String>> = self.invoke(&MATCH, |inv| {
             inv.arg(if count_as_hit { "1" } else { "0" });
-            for hash in &wanted {
+            for (_, hash) in &wanted {
                 inv.arg(*hash);
             }
         })?;
@@ -144,14 +144,14 @@ impl RedisStore {
             return Err(codec::corrupt("external match reply length"));
         }
         let mut hits = Vec::new();
-        for (index, fields) in reply.iter().enumerate() {
+        for ((index, _), fields) in wanted.iter().zip(&reply) {
             for field in fields.iter().filter(|f| f.as_str() != HITS) {
                 let (tier, node) = field.split_once('|').ok_or_else(|| codec::corrupt("external record field"))?;
                 let tier = tier.parse::<u32>().map(TierType::from_wire).map_err(|_| codec::corrupt("external tier"))?;
-                hits.push((index, node, tier));
+                hits.push((*index, node, tier));
             }
         }
-        Ok(external::group_matches(&wanted, hits))
+        Ok(external::group_matches(hits))
     }
 
     pub(super) fn x_hit_counts(&self, hashes: &[String]) -> Result<Vec<(String, u64)>, StoreError> {
@@ -162,7 +162,7 @@ impl RedisStore {
         }
         let counts: Vec<Option<u64>> = self.pool.with(|con| {
             let mut pipe = redis::pipe();
-            for hash in &wanted {
+            for (_, hash) in &wanted {
                 pipe.cmd("HGET").arg(self.entry_key(hash)).arg(HITS);
             }
             pipe.query(con)
@@ -170,7 +170,7 @@ impl RedisStore {
         Ok(wanted
             .into_iter()
             .zip(counts)
-            .filter_map(|(h, c)| c.filter(|&c| c > 0).map(|c| (h.to_owned(), c)))
+            .filter_map(|((_, h), c)| c.filter(|&c| c > 0).map(|c| (h.to_owned(), c)))
             .collect())
     }
 }
