@@ -138,3 +138,75 @@ impl MasterService {
         Ok(v1::GetExternalKvHitCountsResponse { entries })
     }
 }
+
+static EXTERNAL_SKIPPED: umbp_core::RateLimited = umbp_core::RateLimited::every(umbp_core::RateLimited::WINDOW);
+
+/// The external KV changes of one heartbeat, by the seq of the bundle each rides with.
+#[derive(Default)]
+pub(crate) struct HeartbeatExternal {
+    by_seq: std::collections::HashMap<u64, Vec<v1::ExternalKvEvent>>,
+}
+
+impl HeartbeatExternal {
+    /// Takes the request's external bundles out of it.
+    pub(crate) fn take(r: &mut v1::HeartbeatRequest) -> Self {
+        let mut by_seq: std::collections::HashMap<u64, Vec<v1::ExternalKvEvent>> = Default::default();
+        for bundle in std::mem::take(&mut r.external_bundles) {
+            by_seq.entry(bundle.seq).or_default().extend(bundle.events);
+        }
+        Self { by_seq }
+    }
+
+    /// Applies the changes that ride with the bundle `seq`, which the store just applied (or had
+    /// applied before: the changes are idempotent, and a bundle re-sent after a lost ack must not
+    /// lose them). An event the store refuses as invalid (tier unknown, a bad hash, too many) is
+    /// skipped and counted, never failing the heartbeat: the node would re-send it forever.
+    pub(crate) fn apply(
+        &mut self,
+        store: &dyn MetadataStore,
+        stats: &crate::service::ServiceStats,
+        node_id: &str,
+        seq: u64,
+    ) -> Result<(), Status> {
+        let Some(events) = self.by_seq.remove(&seq) else { return Ok(()) };
+        let mut skipped = 0u64;
+        for event in events {
+            let tier = tier_from_wire(event.tier);
+            let result = match v1::ExternalKvOp::try_from(event.op) {
+                Ok(v1::ExternalKvOp::ExternalKvReport) => {
+                    store.report_external_kv(node_id, &event.hashes, tier).map(|o| {
+                        if o == ExternalReport::Recorded {
+                            stats.external.reports_recorded.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            stats.external.reports_rejected_not_alive.fetch_add(1, Ordering::Relaxed);
+                        }
+                    })
+                }
+                Ok(v1::ExternalKvOp::ExternalKvRevoke) => store.revoke_external_kv(node_id, &event.hashes, tier),
+                Ok(v1::ExternalKvOp::ExternalKvRevokeAllAtTier) => store.revoke_all_external_kv_at_tier(node_id, tier),
+                Err(_) => Err(StoreError::InvalidArgument { reason: "unknown external KV op" }),
+            };
+            match result {
+                Ok(()) => {}
+                Err(StoreError::InvalidArgument { .. }) => skipped += 1,
+                Err(e) => return Err(crate::service::store_status(e)),
+            }
+        }
+        if skipped > 0 {
+            stats.events_skipped.fetch_add(skipped, Ordering::Relaxed);
+            if let Some(held_back) = EXTERNAL_SKIPPED.check() {
+                tracing::warn!(node = %node_id, skipped, held_back, "dropped invalid external KV events of a heartbeat");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Drops every external record of the node (the accepted first chunk of a full sync that carries an
+/// external set: revokes lost with the deltas it replaces must not linger).
+pub(crate) fn clear_node(store: &dyn MetadataStore, node_id: &str) -> Result<(), Status> {
+    for tier in TierType::ALL {
+        store.revoke_all_external_kv_at_tier(node_id, tier).map_err(crate::service::store_status)?;
+    }
+    Ok(())
+}

@@ -109,8 +109,9 @@ pub(crate) async fn blocking<T: Send + 'static>(
 fn apply_heartbeat_request(
     store: &dyn MetadataStore,
     stats: &ServiceStats,
-    r: v1::HeartbeatRequest,
+    mut r: v1::HeartbeatRequest,
 ) -> Result<v1::HeartbeatResponse, Status> {
+    let mut external = crate::external::HeartbeatExternal::take(&mut r);
     let caps = caps_from_wire(&r.tier_capacities);
     let now = now_ms();
     let incarnation = r.incarnation;
@@ -134,6 +135,7 @@ fn apply_heartbeat_request(
         let events: Vec<KvEvent> =
             r.bundles.into_iter().flat_map(|b| events_from_wire(b.events, &mut skipped)).collect();
         let n = events.len() as u64;
+        let first_with_external = r.external_full_sync && r.full_sync_chunk == 0;
         let kind = HeartbeatKind::FullSyncChunk {
             baseline_seq: r.delta_seq_baseline,
             chunk_index: r.full_sync_chunk,
@@ -155,6 +157,9 @@ fn apply_heartbeat_request(
             }
             HeartbeatOutcome::Applied { acked_seq } => {
                 stats.events_applied.fetch_add(n, Ordering::Relaxed);
+                if first_with_external {
+                    crate::external::clear_node(store, &r.node_id)?;
+                }
                 alive(acked_seq, false)
             }
         }
@@ -194,10 +199,12 @@ fn apply_heartbeat_request(
                 HeartbeatOutcome::AlreadyApplied { acked_seq } => {
                     // A re-send after a lost ack: acknowledge again, never punish with a full sync.
                     stats.reacked.fetch_add(1, Ordering::Relaxed);
+                    external.apply(store, stats, &r.node_id, bundle.seq)?;
                     acked = acked_seq;
                 }
                 HeartbeatOutcome::Applied { acked_seq } => {
                     stats.events_applied.fetch_add(n, Ordering::Relaxed);
+                    external.apply(store, stats, &r.node_id, bundle.seq)?;
                     acked = acked_seq;
                 }
             }

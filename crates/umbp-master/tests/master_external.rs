@@ -172,3 +172,67 @@ async fn a_silent_nodes_records_expire_with_it() {
     assert!(!report(&mut c, "gpu-a", &["p0"], HBM).await, "an expired node's report is ignored");
     m.shutdown().await;
 }
+
+fn ext(op: v1::ExternalKvOp, tier: i32, hashes: &[&str]) -> v1::ExternalKvEvent {
+    v1::ExternalKvEvent { op: op as i32, tier, hashes: owned(hashes) }
+}
+
+/// A heartbeat of delta bundles `seqs` (no key events) carrying `external` under the first.
+fn external_delta(node: &str, seqs: &[u64], external: Vec<v1::ExternalKvEvent>) -> v1::HeartbeatRequest {
+    v1::HeartbeatRequest {
+        node_id: node.into(),
+        bundles: seqs.iter().map(|&seq| v1::EventBundle { seq, events: vec![] }).collect(),
+        external_bundles: vec![v1::ExternalKvBundle { seq: seqs[0], events: external }],
+        ..Default::default()
+    }
+}
+
+fn sync(node: &str, baseline: u64, external_full_sync: bool) -> v1::HeartbeatRequest {
+    v1::HeartbeatRequest {
+        node_id: node.into(),
+        is_full_sync: true,
+        delta_seq_baseline: baseline,
+        full_sync_final: true,
+        external_full_sync,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn external_changes_ride_heartbeat_bundles_under_their_seq() {
+    use v1::ExternalKvOp::{ExternalKvReport as Report, ExternalKvRevoke as Revoke};
+    let (m, mut c) = master(config()).await;
+    register(&mut c, "node", "").await;
+    let hb = external_delta(
+        "node",
+        &[1],
+        vec![
+            ext(Report, HBM, &["p0", "p1"]),
+            ext(Report, DRAM, &["p0"]),
+            ext(Report, v1::TierType::TierUnknown as i32, &["bad"]),
+        ],
+    );
+    let reply = c.heartbeat(hb.clone()).await.expect("hb").into_inner();
+    assert_eq!((reply.acked_seq, reply.request_full_sync), (1, false));
+    assert_eq!(
+        matched(&mut c, &["p0", "p1", "bad"], false).await,
+        vec![("node".into(), String::new(), vec![(HBM, owned(&["p0", "p1"])), (DRAM, owned(&["p0"]))])]
+    );
+    assert_eq!(m.stats().events_skipped, 1, "an invalid external event is skipped, not an error");
+    // A re-send after a lost ack is re-acknowledged; its changes are idempotent.
+    assert_eq!(c.heartbeat(hb).await.expect("hb").into_inner().acked_seq, 1);
+    let revoke = external_delta("node", &[2], vec![ext(Revoke, HBM, &["p1"])]);
+    assert_eq!(c.heartbeat(revoke).await.expect("hb").into_inner().acked_seq, 2);
+    assert_eq!(matched(&mut c, &["p1"], false).await, vec![]);
+    // A gap applies nothing: the changes come again after the full sync.
+    let gap = external_delta("node", &[9], vec![ext(Report, HBM, &["gap"])]);
+    assert!(c.heartbeat(gap).await.expect("hb").into_inner().request_full_sync);
+    assert!(matched(&mut c, &["gap"], false).await.is_empty());
+    // A full sync that says nothing of an external set leaves the records (a light client's, say).
+    assert_eq!(c.heartbeat(sync("node", 10, false)).await.expect("sync").into_inner().acked_seq, 10);
+    assert_eq!(matched(&mut c, &["p0"], false).await.len(), 1);
+    // One that carries an external set drops them: the node reports its set again in deltas.
+    assert_eq!(c.heartbeat(sync("node", 11, true)).await.expect("sync").into_inner().acked_seq, 11);
+    assert!(matched(&mut c, &["p0"], false).await.is_empty());
+    m.shutdown().await;
+}
