@@ -55,6 +55,8 @@ pub(super) struct HbState {
     /// The last heartbeat RPC failed (no answer): a pending full sync first probes the master with a
     /// keepalive instead of snapshotting every key for a master that is down.
     pub(super) master_unreachable: bool,
+    /// The node's external KV set and its queued changes (`external_outbox.rs`).
+    pub(super) external: super::external_outbox::ExternalOutbox,
 }
 
 impl std::fmt::Debug for HbState {
@@ -89,6 +91,7 @@ impl HbState {
             full_sync_pending: false,
             clear_pending: false,
             master_unreachable: false,
+            external: Default::default(),
         }
     }
 
@@ -111,6 +114,7 @@ impl HbState {
     fn drop_outbox(&mut self) {
         self.outbox.clear();
         self.outbox_events = 0;
+        self.external.drop_queued();
     }
 
     /// The master forgot the node: re-register, then full sync.
@@ -322,6 +326,7 @@ impl Inner {
             bump(&self.stats.outbox_overflows, 1);
             return self.pending_full_sync_locked().await;
         }
+        self.bundle_external();
 
         let mut request = self.keepalive_request();
         let budget = self.config.max_request_bytes.saturating_sub(request.encoded_len());
@@ -329,12 +334,15 @@ impl Inner {
             let st = self.state.lock();
             let mut bytes = 0usize;
             for bundle in st.outbox.iter().filter(|b| b.seq > st.acked).take(self.config.max_bundles_per_rpc) {
-                let len = wire::bundle_len(bundle);
+                let len = wire::bundle_len(bundle) + st.external.bundle_len(bundle.seq);
                 if !request.bundles.is_empty() && bytes + len > budget {
                     break;
                 }
                 bytes += len;
                 request.bundles.push(bundle.clone());
+                if let Some(external) = st.external.bundle(bundle.seq) {
+                    request.external_bundles.push(external.clone());
+                }
             }
         }
         bump(&self.stats.heartbeats_sent, 1);
@@ -486,6 +494,8 @@ impl Inner {
                 st.outbox_events = st.outbox_events.saturating_sub(bundle.events.len());
             }
         }
+        let acked = st.acked;
+        st.external.acked(acked);
         let backlog = !st.outbox.is_empty();
         Ok(if backlog && progress { Next::Now } else { Next::Wait })
     }
@@ -497,17 +507,18 @@ impl Inner {
     /// next tick, which starts again from chunk 0 with a fresh snapshot and a fresh baseline.
     pub(super) async fn full_sync_locked(&self) -> Result<Next, MasterClientError> {
         let snapshot = snapshot_all_backends_for_full_sync(self.registry.entries().map(|(_, b)| b));
-        let baseline = {
+        let (baseline, external_full_sync) = {
             let mut st = self.state.lock();
             // The snapshot is authoritative: every queued delta is in it (or was undone).
             st.drop_outbox();
             st.full_sync_pending = true;
-            st.take_baseline()
+            (st.take_baseline(), st.external.in_use())
         };
         bump(&self.stats.full_syncs_started, 1);
         let template = pb::HeartbeatRequest {
             is_full_sync: true,
             delta_seq_baseline: baseline,
+            external_full_sync,
             // The largest values, so the budget holds for every chunk.
             full_sync_chunk: u32::MAX,
             full_sync_final: true,
@@ -572,11 +583,12 @@ impl Inner {
             }
             chunk_index = chunk_index.saturating_add(1);
         }
-        let reopen = {
+        let (reopen, replay) = {
             let mut st = self.state.lock();
             st.acked = baseline;
             st.full_sync_pending = false;
-            std::mem::take(&mut st.clear_pending)
+            // The master dropped the node's external records at chunk 0: report the set again.
+            (std::mem::take(&mut st.clear_pending), st.external.replay())
         };
         if reopen {
             self.reopen_writes();
@@ -584,7 +596,7 @@ impl Inner {
         bump(&self.stats.full_syncs_completed, 1);
         let chunks = u64::from(chunk_index) + 1;
         tracing::info!(node = %self.node.node_id, events = total, chunks, baseline, "full sync acknowledged");
-        Ok(Next::Wait)
+        Ok(if replay { Next::Now } else { Next::Wait })
     }
 
     fn reopen_writes(&self) {
@@ -664,10 +676,14 @@ impl Inner {
         if self.state.lock().needs_register {
             self.register_locked(true).await?;
         }
-        let baseline = self.state.lock().take_baseline();
+        let (baseline, external_full_sync) = {
+            let mut st = self.state.lock();
+            (st.take_baseline(), st.external.in_use())
+        };
         let request = pb::HeartbeatRequest {
             is_full_sync: true,
             delta_seq_baseline: baseline,
+            external_full_sync,
             full_sync_chunk: 0,
             full_sync_final: true,
             ..self.keepalive_request()
@@ -708,11 +724,15 @@ impl Inner {
                 reason: format!("the master acknowledged seq {}, not the clear's baseline {baseline}", reply.acked_seq),
             });
         }
-        {
+        let replay = {
             let mut st = self.state.lock();
             st.acked = baseline;
             st.full_sync_pending = false;
             st.clear_pending = false;
+            st.external.replay()
+        };
+        if replay && self.running.load(Ordering::Acquire) {
+            self.wake.notify_one();
         }
         self.reopen_writes();
         bump(&self.stats.full_syncs_completed, 1);

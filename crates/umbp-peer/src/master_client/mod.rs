@@ -64,6 +64,7 @@
 mod config;
 mod error;
 mod external;
+mod external_outbox;
 mod heartbeat;
 mod masters;
 mod types;

@@ -28,6 +28,7 @@ mod checksum;
 mod compose;
 mod config;
 mod error;
+mod external;
 mod fast;
 mod get;
 mod holder;
