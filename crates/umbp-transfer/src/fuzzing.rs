@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 
 use crate::shm::wire as shm;
-use crate::tcp::batch_wire::{self, BatchAnswer, BatchEntry};
+use crate::tcp::batch_wire::{self, BatchAnswer, BatchEntry, PutEntry};
 use crate::tcp::protocol::{
     self, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, HELLO_LEN, HELLO_REPLY_LEN, HelloStatus, MAX_REQUEST_BYTES,
     MAX_SHARED_RANGES, MAX_TOKEN_LEN, Op, REPLY_LEN, REQUEST_LEN, Reply, Request, SETTLE_LEN, Settle, Status,
@@ -22,7 +22,7 @@ use crate::tcp::protocol::{
 use crate::{DataServer, DataServerConfig, KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 
 /// Which decoder [`frames`] runs: the first byte, modulo this.
-const DECODERS: u8 = 12;
+const DECODERS: u8 = 13;
 
 fn array<const N: usize>(b: &[u8]) -> Option<[u8; N]> {
     b.get(..N).and_then(|b| b.try_into().ok())
@@ -131,8 +131,19 @@ pub fn frames(data: &[u8]) {
                 assert_eq!(batch_wire::encode_request(&entries), body, "a request body re-encodes to its bytes");
             }
         }
+        12 => {
+            // A PUT_KEYS request body; its key count is the first byte.
+            let Some((&count, body)) = b.split_first() else { return };
+            if let Ok(entries) = batch_wire::decode_put_request(body, u64::from(count)) {
+                assert_eq!(entries.len(), usize::from(count), "one entry per key");
+                assert!(entries.iter().all(|e| !e.key.is_empty() && e.size > 0), "no empty key or value");
+                // Reserved bytes and an unflagged checksum aside, it re-encodes to its bytes.
+                let again = batch_wire::encode_put_request(&entries);
+                assert_eq!(batch_wire::decode_put_request(&again, u64::from(count)).ok(), Some(entries), "kept");
+            }
+        }
         _ => {
-            // A GET_KEYS reply body answering as many keys as its first byte says.
+            // A GET_KEYS or PUT_KEYS reply body answering as many keys as its first byte says.
             let Some((&count, body)) = b.split_first() else { return };
             if let Ok(answers) = batch_wire::decode_reply(body, usize::from(count)) {
                 assert_eq!(answers.len(), usize::from(count), "one answer per key");
@@ -155,6 +166,10 @@ pub fn frame_seeds() -> Vec<Vec<u8>> {
         Descriptor { size: 30, lease_ns: 5_000_000, ranges: vec![(1, 0, 10), (1, 4096, 20)], crc32c: Some(0x1234) };
     let region = shm::RegionReply { slot: 3, offset: 4096, len: 1 << 20, epoch: 9 };
     let batch = batch_wire::encode_request(&[BatchEntry { key: "a", cap: 64 }, BatchEntry { key: "bc", cap: 1 << 20 }]);
+    let put_batch = batch_wire::encode_put_request(&[
+        PutEntry { key: "a", size: 64, crc32c: Some(0x0bad_cafe) },
+        PutEntry { key: "bc", size: 1 << 20, crc32c: None },
+    ]);
     let mut answers = Vec::new();
     for a in [
         BatchAnswer::Mapped(descriptor.clone()),
@@ -178,6 +193,7 @@ pub fn frame_seeds() -> Vec<Vec<u8>> {
         tagged(9, &shm::encode_region_reply(shm::Status::Ok, region)),
         [&[10u8, 2][..], &batch].concat(),
         [&[11u8, 4][..], &answers].concat(),
+        [&[12u8, 2][..], &put_batch].concat(),
     ]
 }
 
@@ -352,8 +368,8 @@ fn well_behaved_client(endpoint: &str, region: u64) {
 
 /// Connection streams for [`server_stream`], made by the encoders: a hello, then each kind of
 /// request the server takes (READ, WRITE with its payload, GET_KEY plain and shared with a settle
-/// frame, PUT_KEY plain and shared, with and without a checksum, GET_KEYS with a settle frame), and
-/// a hello with the wrong token.
+/// frame, PUT_KEY plain and shared, with and without a checksum, GET_KEYS and PUT_KEYS with their
+/// settle frames), and a hello with the wrong token.
 pub fn server_seeds() -> Vec<Vec<u8>> {
     let region = REGION_TAG;
     let hello = protocol::encode_hello(TOKEN).unwrap_or_default();
@@ -381,5 +397,8 @@ pub fn server_seeds() -> Vec<Vec<u8>> {
     let batch = batch_wire::encode_request(&[BatchEntry { key: KEY, cap: 4096 }, BatchEntry { key: "x", cap: 8 }]);
     out.push([&hello[..], &req(Op::GetKeys, FLAG_SHARED, 9, 0, 2, batch.len() as u64), &batch, &settle].concat());
     out.push(protocol::encode_hello(b"wrong").unwrap_or_default());
+    // PUT_KEYS of one key: its slot answered, the copy skipped (flag 0, so the slot is aborted).
+    let put = batch_wire::encode_put_request(&[PutEntry { key: "n", size: 32, crc32c: None }]);
+    out.push([&hello[..], &req(Op::PutKeys, FLAG_SHARED, 10, 1, 1, put.len() as u64), &put, &settle, &[0u8]].concat());
     out
 }

@@ -23,8 +23,8 @@ use tcp_support::pattern;
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
-    DataServer, DataServerConfig, KeyedBatchItem, KeyedClient, KeyedClientConfig, KeyedGet, KeyedHandler, KeyedLease,
-    KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
+    DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedGet,
+    KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
 };
 
 const LEN: usize = 16 << 20;
@@ -489,4 +489,75 @@ fn a_batch_refuses_bad_keys_and_too_many_keys() {
     // SAFETY: as above (nothing is written: the call is refused before it is sent).
     assert!(unsafe { c.get_shared_batch(srv.endpoint(), &many) }.is_err(), "too many keys");
     assert_eq!(table.settled().len(), 0);
+}
+
+/// One PUT_KEYS of `(key, value, crc)` to tier 1.
+fn put_batch(c: &KeyedClient, endpoint: &str, items: &[(&str, &[u8], Option<u32>)]) -> Vec<KeyedPut> {
+    let batch: Vec<KeyedBatchPut<'_>> =
+        items.iter().map(|(key, value, crc32c)| KeyedBatchPut { key, value, crc32c: *crc32c }).collect();
+    c.put_shared_batch(endpoint, 1, &batch).expect("an answer")
+}
+
+#[test]
+fn a_same_host_batch_put_commits_every_value_copied_into_its_slot() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, region) = holder(&file, &table, true);
+    let ep = srv.endpoint().to_owned();
+    file.fill(0, b"old");
+    table.insert("present", region, 0, 3);
+    let values: Vec<Vec<u8>> =
+        [1usize, 4096, 1 << 20, 3 << 20].iter().enumerate().map(|(i, len)| pattern(*len, 20 + i as u64)).collect();
+    let keys = ["b0", "b1", "b2", "b3"];
+    let crcs = [Some(0x1111), None, Some(0x3333), None];
+    let mut items: Vec<(&str, &[u8], Option<u32>)> =
+        keys.iter().zip(&values).zip(crcs).map(|((k, v), c)| (*k, v.as_slice(), c)).collect();
+    items.insert(2, ("present", b"new".as_slice(), None));
+    let c = client();
+    assert_eq!(
+        put_batch(&c, &ep, &items),
+        vec![KeyedPut::Written, KeyedPut::Written, KeyedPut::Exists, KeyedPut::Written, KeyedPut::Written]
+    );
+    let total: u64 = values.iter().map(|v| v.len() as u64).sum();
+    assert_eq!(c.shared_copies(), (0, 4, total), "every value copied into its slot through the mapping");
+    assert_eq!(*table.committed.lock(), vec!["b0", "b1", "b2", "b3"], "committed in one settle");
+    assert!(table.aborted.lock().is_empty());
+    // The committed bytes, with their checksums, read back in one GET_KEYS.
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let got = get_batch(&c, &ep, &keys, &mut bufs);
+    for (((g, v), buf), crc) in got.iter().zip(&values).zip(&bufs).zip(crcs) {
+        assert_eq!(*g, KeyedGet::Hit { size: v.len() as u64, crc32c: crc });
+        assert_eq!(buf, v, "byte-exact");
+    }
+    assert_eq!(table.settled().len(), 4);
+}
+
+#[test]
+fn a_batch_put_settled_after_its_slots_ended_commits_none() {
+    let file = SealedFile::new();
+    // Each slot lasts 2 ms; each allocation stalls 20 ms, so every slot ends before the settle.
+    let mut table = Table::new(Duration::from_secs(10), Duration::from_millis(20));
+    Arc::get_mut(&mut table).expect("unshared").slot_ttl = Duration::from_millis(2);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let c = client();
+    let (a, b) = (pattern(4096, 1), pattern(1 << 20, 2));
+    assert_eq!(
+        put_batch(&c, srv.endpoint(), &[("a", &a, None), ("b", &b, None)]),
+        vec![KeyedPut::Failed, KeyedPut::Failed]
+    );
+    assert!(table.committed.lock().is_empty(), "nothing committed after its slot ended");
+    assert_eq!(*table.aborted.lock(), vec!["a", "b"]);
+}
+
+#[test]
+fn a_batch_put_to_a_holder_without_the_shared_path_allocates_nothing() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _none, _) = holder(&file, &table, false);
+    let c = client();
+    let v = pattern(4096, 3);
+    assert_eq!(put_batch(&c, srv.endpoint(), &[("k", &v, None)]), vec![KeyedPut::Unsupported]);
+    assert!(table.committed.lock().is_empty() && table.aborted.lock().is_empty(), "never asked");
+    let empty = [KeyedBatchPut { key: "e", value: &[], crc32c: None }];
+    assert!(c.put_shared_batch(srv.endpoint(), 1, &empty).is_err(), "an empty value is refused");
 }

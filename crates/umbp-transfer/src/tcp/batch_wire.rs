@@ -11,10 +11,18 @@
 //! mappings and sends one `Done` settle frame; the server keeps every lease it answered open until
 //! then (or until the connection ends).
 //!
+//! PUT_KEYS, the batched keyed write, has the same shape: per key, the value's size (u64), a
+//! checksum flag byte, three zero bytes, the CRC-32C (u32) and the key's length (u32), then the key;
+//! `region` is the tier. Its first reply answers each key with a `MAPPED` descriptor of the slot
+//! the holder allocated (or `EXISTS`, `NO_SPACE`, `BUSY`, `FAILED`, `UNSUPPORTED`); when any slot
+//! was allocated the client copies the values into them and sends a `Done` settle frame followed
+//! by one byte per key (1: copied, commit it; 0: abort it), and the holder answers with a second
+//! reply of one status byte per key (`OK`: committed; `FAILED`: aborted or too late).
+//!
 //! Every length is bounded before anything is allocated: a decoder error means a broken peer, and
 //! the connection is closed.
 
-use super::protocol::{Descriptor, FrameError, MAX_KEY_LEN, Status};
+use super::protocol::{Descriptor, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES, Status};
 
 /// The most keys one GET_KEYS may name.
 pub(crate) const MAX_BATCH_KEYS: usize = 1024;
@@ -22,13 +30,21 @@ pub(crate) const MAX_BATCH_KEYS: usize = 1024;
 const ENTRY_HEAD_LEN: usize = 12;
 /// Bytes of one answer's fixed part (status, reserved, length).
 const ANSWER_HEAD_LEN: usize = 8;
+/// Bytes of one PUT_KEYS request entry's fixed part (size, checksum flag, reserved, checksum, key
+/// length).
+const PUT_ENTRY_HEAD_LEN: usize = 20;
 
 /// The longest GET_KEYS request body.
 pub(crate) const fn max_request_body() -> u64 {
     (MAX_BATCH_KEYS as u64) * (ENTRY_HEAD_LEN as u64 + MAX_KEY_LEN)
 }
 
-/// The longest GET_KEYS reply body.
+/// The longest PUT_KEYS request body.
+pub(crate) const fn max_put_request_body() -> u64 {
+    (MAX_BATCH_KEYS as u64) * (PUT_ENTRY_HEAD_LEN as u64 + MAX_KEY_LEN)
+}
+
+/// The longest GET_KEYS or PUT_KEYS reply body.
 pub(crate) const fn max_reply_body() -> u64 {
     (MAX_BATCH_KEYS as u64) * (ANSWER_HEAD_LEN + Descriptor::max_len()) as u64
 }
@@ -79,6 +95,60 @@ pub(crate) fn decode_request(body: &[u8], count: u64) -> Result<Vec<BatchEntry<'
     Ok(entries)
 }
 
+/// One key of a PUT_KEYS request: the key, its value's size and checksum.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PutEntry<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) size: u64,
+    pub(crate) crc32c: Option<u32>,
+}
+
+/// The PUT_KEYS request body for `entries` (bounds as [`encode_request`]).
+pub(crate) fn encode_put_request(entries: &[PutEntry<'_>]) -> Vec<u8> {
+    let len: usize = entries.iter().map(|e| PUT_ENTRY_HEAD_LEN + e.key.len()).sum();
+    let mut out = Vec::with_capacity(len);
+    for e in entries {
+        out.extend_from_slice(&e.size.to_le_bytes());
+        out.extend_from_slice(&[u8::from(e.crc32c.is_some()), 0, 0, 0]);
+        out.extend_from_slice(&e.crc32c.unwrap_or(0).to_le_bytes());
+        out.extend_from_slice(&u32::try_from(e.key.len()).unwrap_or(u32::MAX).to_le_bytes());
+        out.extend_from_slice(e.key.as_bytes());
+    }
+    out
+}
+
+/// Parses a PUT_KEYS request body of `count` keys (rules as [`decode_request`]; a value is 1 byte
+/// or more, the checksum flag 0 or 1).
+pub(crate) fn decode_put_request(body: &[u8], count: u64) -> Result<Vec<PutEntry<'_>>, FrameError> {
+    let count =
+        usize::try_from(count).ok().filter(|c| (1..=MAX_BATCH_KEYS).contains(c)).ok_or(FrameError::TooLong(count))?;
+    let mut entries = Vec::with_capacity(count);
+    let mut at = 0usize;
+    for _ in 0..count {
+        let head = body.get(at..at + PUT_ENTRY_HEAD_LEN).ok_or(FrameError::TooLong(body.len() as u64))?;
+        let size = u64::from_le_bytes(head[0..8].try_into().map_err(|_| FrameError::TooLong(0))?);
+        let crc = u32::from_le_bytes(head[12..16].try_into().map_err(|_| FrameError::TooLong(0))?);
+        let crc32c = match head[8] {
+            0 => None,
+            1 => Some(crc),
+            v => return Err(FrameError::BadStatus(v)),
+        };
+        let key_len = u32::from_le_bytes(head[16..20].try_into().map_err(|_| FrameError::TooLong(0))?) as usize;
+        if key_len == 0 || key_len as u64 > MAX_KEY_LEN || size == 0 || size > MAX_REQUEST_BYTES {
+            return Err(FrameError::TooLong(key_len as u64));
+        }
+        at += PUT_ENTRY_HEAD_LEN;
+        let key = body.get(at..at + key_len).ok_or(FrameError::TooLong(body.len() as u64))?;
+        let key = std::str::from_utf8(key).map_err(|_| FrameError::BadStatus(0))?;
+        at += key_len;
+        entries.push(PutEntry { key, size, crc32c });
+    }
+    if at != body.len() {
+        return Err(FrameError::TooLong(body.len() as u64));
+    }
+    Ok(entries)
+}
+
 /// One key's answer in a GET_KEYS reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum BatchAnswer {
@@ -86,7 +156,8 @@ pub(crate) enum BatchAnswer {
     Mapped(Descriptor),
     /// The value (this many bytes) is larger than the stated capacity.
     TooSmall(u64),
-    /// Any other status with no entry: `Miss`, `Busy`, `Unsupported`.
+    /// Any other status with no entry: `Miss`, `Busy`, `Unsupported` (GET_KEYS); `Exists`,
+    /// `NoSpace`, `Busy`, `Failed`, `Unsupported` (PUT_KEYS).
     Other(Status),
 }
 
@@ -118,7 +189,10 @@ pub(crate) fn decode_reply(body: &[u8], count: usize) -> Result<Vec<BatchAnswer>
             (Status::TooSmall, 8) => {
                 BatchAnswer::TooSmall(u64::from_le_bytes(entry.try_into().map_err(|_| FrameError::TooLong(8))?))
             }
-            (Status::Miss | Status::Busy | Status::Unsupported, 0) => BatchAnswer::Other(status),
+            (
+                Status::Miss | Status::Busy | Status::Unsupported | Status::Exists | Status::NoSpace | Status::Failed,
+                0,
+            ) => BatchAnswer::Other(status),
             _ => return Err(FrameError::BadStatus(status as u8)),
         });
     }
@@ -180,7 +254,7 @@ mod tests {
 
     #[test]
     fn a_reply_refuses_statuses_that_are_no_answer() {
-        for status in [Status::Ok, Status::Exists, Status::Failed] {
+        for status in [Status::Ok, Status::BadRequest, Status::UnknownRegion] {
             let mut body = Vec::new();
             encode_answer(&mut body, &BatchAnswer::Other(status));
             assert!(decode_reply(&body, 1).is_err(), "{status:?}");
@@ -190,5 +264,22 @@ mod tests {
         body[4] = 1;
         body.push(0);
         assert!(decode_reply(&body, 1).is_err(), "a miss with an entry");
+    }
+
+    #[test]
+    fn a_put_request_round_trips_and_refuses_what_is_no_value() {
+        let entries = vec![
+            PutEntry { key: "a", size: 1, crc32c: Some(0xdead_beef) },
+            PutEntry { key: "bcd", size: 1 << 20, crc32c: None },
+        ];
+        let body = encode_put_request(&entries);
+        assert_eq!(decode_put_request(&body, 2).unwrap(), entries);
+        assert!(decode_put_request(&body, 1).is_err(), "bytes left over");
+        assert!(decode_put_request(&body, 3).is_err(), "a key missing");
+        let mut empty = encode_put_request(&[PutEntry { key: "k", size: 0, crc32c: None }]);
+        assert!(decode_put_request(&empty, 1).is_err(), "an empty value");
+        empty[0] = 1;
+        empty[8] = 2;
+        assert!(decode_put_request(&empty, 1).is_err(), "a checksum flag that is neither 0 nor 1");
     }
 }

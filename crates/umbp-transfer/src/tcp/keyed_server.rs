@@ -242,6 +242,110 @@ impl ServerConn<'_> {
         }
     }
 
+    /// PUT_KEYS: allocate a slot per key, answer each with a `MAPPED` descriptor of its slot (or
+    /// why not) in one reply, then take the client's settle frame and per-key flags, commit each
+    /// slot it copied if the settle arrived before the slot's end (every byte the client wrote was
+    /// written before it sent the settle, so this server's clock alone judges it), abort the rest,
+    /// and answer one status byte per key (see [`batch_wire`](super::super::batch_wire)).
+    pub(super) fn put_keys(&mut self, r: Request) -> Result<(), End> {
+        if r.length > batch_wire::max_put_request_body() || r.flags != FLAG_SHARED {
+            return Err(End::Malformed(FrameError::TooLong(r.length)));
+        }
+        let mut body = vec![0u8; r.length as usize];
+        self.reader.read_exact_into(&mut body)?;
+        let entries = batch_wire::decode_put_request(&body, r.offset).map_err(End::Malformed)?;
+        self.flush()?;
+        let Some(handler) = self.keyed_handler() else {
+            self.send_alone(&Reply { status: Status::Unsupported, id: r.id, length: 0 }.encode())?;
+            bump(&self.shared.metrics.requests[Status::Unsupported as usize]);
+            return Ok(());
+        };
+        let received = Instant::now();
+        // One slot per key that got one (`None`: answered otherwise).
+        let mut open: Vec<Option<OpenWrite<'_>>> = Vec::with_capacity(entries.len());
+        let mut reply = Vec::new();
+        for e in &entries {
+            let (answer, slot) = match handler.open_write(e.key, r.region, e.size) {
+                KeyedWrite::Slot { ranges, slot } => {
+                    let write =
+                        OpenWrite { handler: handler.as_ref(), key: e.key, slot, settled: false, crc32c: e.crc32c };
+                    let slot_ns =
+                        u64::try_from(slot.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
+                    if slot_ns == 0
+                        || ranges.is_empty()
+                        || ranges.len() > MAX_SHARED_RANGES
+                        || self.guard_ranges(&ranges, e.size).is_none()
+                    {
+                        // Dropping `write` aborts the slot.
+                        (BatchAnswer::Other(Status::Unsupported), None)
+                    } else {
+                        let descriptor = Descriptor {
+                            size: e.size,
+                            lease_ns: slot_ns,
+                            ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
+                            crc32c: None,
+                        };
+                        (BatchAnswer::Mapped(descriptor), Some(write))
+                    }
+                }
+                KeyedWrite::Exists => (BatchAnswer::Other(Status::Exists), None),
+                KeyedWrite::NoSpace => (BatchAnswer::Other(Status::NoSpace), None),
+                KeyedWrite::Busy => (BatchAnswer::Other(Status::Busy), None),
+                KeyedWrite::Failed => (BatchAnswer::Other(Status::Failed), None),
+                KeyedWrite::Unsupported => (BatchAnswer::Other(Status::Unsupported), None),
+            };
+            batch_wire::encode_answer(&mut reply, &answer);
+            open.push(slot);
+        }
+        let head = Reply { status: Status::Ok, id: r.id, length: reply.len() as u64 }.encode();
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        write_all_vectored_until(
+            &mut self.writer,
+            &mut [IoSlice::new(&head), IoSlice::new(&reply)],
+            deadline,
+            &mut self.write_clock,
+        )?;
+        if open.iter().all(Option::is_none) {
+            bump(&self.shared.metrics.requests[Status::Mapped as usize]);
+            return Ok(());
+        }
+        // Every slot stays open until the client settles (or the connection ends: dropping `open`
+        // aborts them on every path).
+        self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
+        let mut settle = [0u8; SETTLE_LEN];
+        self.reader.read_exact_into(&mut settle)?;
+        if Settle::decode(&settle).map_err(End::Malformed)? != Settle::Done {
+            return Err(End::Malformed(FrameError::BadStatus(Settle::SendBytes as u8)));
+        }
+        let mut copied = vec![0u8; entries.len()];
+        self.reader.read_exact_into(&mut copied)?;
+        let mut statuses = Vec::with_capacity(entries.len());
+        for (slot, flag) in open.into_iter().zip(&copied) {
+            statuses.push(match (slot, flag) {
+                (Some(write), 1) => {
+                    if write.commit() {
+                        Status::Ok
+                    } else {
+                        Status::Failed
+                    }
+                }
+                (Some(_aborted), 0) => Status::Failed,
+                (Some(_), _) => return Err(End::Malformed(FrameError::BadStatus(*flag))),
+                (None, _) => Status::Failed,
+            } as u8);
+        }
+        let head = Reply { status: Status::Ok, id: r.id, length: statuses.len() as u64 }.encode();
+        let deadline = Instant::now() + self.shared.config.io_timeout;
+        write_all_vectored_until(
+            &mut self.writer,
+            &mut [IoSlice::new(&head), IoSlice::new(&statuses)],
+            deadline,
+            &mut self.write_clock,
+        )?;
+        bump(&self.shared.metrics.requests[Status::Mapped as usize]);
+        Ok(())
+    }
+
     /// Sends a keyed read's value from `guarded` with its trailer (judging `open`'s lease when the
     /// last byte left region memory), then closes the lease.
     fn send_value(

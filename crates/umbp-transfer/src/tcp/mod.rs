@@ -67,7 +67,9 @@ pub use self::error::TcpStartError;
 /// The constant-time token comparison, shared with the shared-memory handshake.
 pub(crate) use self::io::tokens_equal;
 pub use self::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
-pub use self::keyed_client::{KeyedBatchItem, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut};
+pub use self::keyed_client::{
+    KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut,
+};
 use self::protocol::{MAX_REQUEST_BYTES, Op};
 use self::regions::LocalSide;
 pub use self::server::{DataServer, DataServerConfig};

@@ -207,6 +207,10 @@ pub(crate) enum Op {
     /// A batched keyed read for a holder on this host: the holder resolves many keys and answers
     /// each with where its value lies in shared memory (see [`batch_wire`](super::batch_wire)).
     GetKeys = 5,
+    /// A batched keyed write for a holder on this host: the holder allocates a slot per key, the
+    /// client copies the values into them through its mappings, the holder commits them (see
+    /// [`batch_wire`](super::batch_wire)).
+    PutKeys = 6,
 }
 
 impl Op {
@@ -217,6 +221,7 @@ impl Op {
             3 => Some(Self::GetKey),
             4 => Some(Self::PutKey),
             5 => Some(Self::GetKeys),
+            6 => Some(Self::PutKeys),
             _ => None,
         }
     }

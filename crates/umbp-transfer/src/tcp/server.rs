@@ -706,6 +706,7 @@ impl ServerConn<'_> {
             Op::GetKey => return self.get_key(r),
             Op::PutKey => return self.put_key(r),
             Op::GetKeys => return self.get_keys(r),
+            Op::PutKeys => return self.put_keys(r),
         };
         let resolved = self.resolve(&r);
         let device = resolved.as_ref().ok().and_then(|(guard, _, _)| guard.region().location().device());

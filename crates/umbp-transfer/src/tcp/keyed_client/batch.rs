@@ -1,13 +1,13 @@
-//! [`KeyedClient::get_shared_batch`]: many keys of one holder on this host in one GET_KEYS
-//! exchange (see `batch_wire`), their bytes copied from this process's mappings of the holder's
-//! regions.
+//! [`KeyedClient::get_shared_batch`] and [`KeyedClient::put_shared_batch`]: many keys of one
+//! holder on this host in one GET_KEYS or PUT_KEYS exchange (see `batch_wire`), their bytes copied
+//! from (or into) this process's mappings of the holder's regions.
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-use super::super::batch_wire::{self, BatchAnswer, BatchEntry};
+use super::super::batch_wire::{self, BatchAnswer, BatchEntry, PutEntry};
 use super::{
-    ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, Op, Request, Settle, Status, check_key,
+    ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, KeyedPut, Op, Request, Settle, Status, check_key,
     protocol_error, read_reply, send, write_frame,
 };
 
@@ -24,6 +24,17 @@ pub struct KeyedBatchItem<'a> {
     pub dst: NonNull<u8>,
     /// The destination's bytes.
     pub cap: usize,
+}
+
+/// One value of [`KeyedClient::put_shared_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct KeyedBatchPut<'a> {
+    /// The key.
+    pub key: &'a str,
+    /// The value (1 byte or more).
+    pub value: &'a [u8],
+    /// Its CRC-32C, stored with it.
+    pub crc32c: Option<u32>,
 }
 
 impl KeyedClient {
@@ -90,6 +101,146 @@ impl KeyedClient {
                 self.shared.forget(endpoint);
             }
         })
+    }
+
+    /// Writes `items` to tier `tier` of the holder at `endpoint`, **on this host**, in one
+    /// exchange: the holder allocates a slot per key and answers where each lies in its shared
+    /// memory; the client copies the values in through its own mappings and tells the holder which
+    /// it copied; the holder commits those (if told before the slot's end) and answers each. One
+    /// answer per item, in order: `Written`, `Exists`, `NoSpace`, `Busy`, `Failed` (not committed:
+    /// a copy that could not be made, or a slot that ended first), or `Unsupported` (the whole
+    /// batch, for a holder without a shared path here or one that serves no batches).
+    ///
+    /// # Errors
+    /// A bad key or an empty value, or [`KeyedError`]'s connection failures; whether the holder
+    /// committed any value is then unknown (a PUT is never resent), and the holder is asked no
+    /// batch for a while.
+    pub fn put_shared_batch(
+        &self,
+        endpoint: &str,
+        tier: u64,
+        items: &[KeyedBatchPut<'_>],
+    ) -> Result<Vec<KeyedPut>, KeyedError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let bad = |message: String| KeyedError::Protocol { endpoint: endpoint.to_owned(), message };
+        if items.len() > Self::MAX_BATCH_KEYS {
+            return Err(bad(format!("a batch of {} keys (at most {})", items.len(), Self::MAX_BATCH_KEYS)));
+        }
+        for item in items {
+            check_key(item.key)?;
+            if item.value.is_empty() || item.value.len() as u64 > super::protocol::MAX_REQUEST_BYTES {
+                return Err(bad(format!("a value of {} bytes for {}", item.value.len(), item.key)));
+            }
+        }
+        if self.batchless(endpoint) || !self.shared.usable(endpoint) {
+            return Ok(vec![KeyedPut::Unsupported; items.len()]);
+        }
+        let entries: Vec<PutEntry<'_>> =
+            items.iter().map(|i| PutEntry { key: i.key, size: i.value.len() as u64, crc32c: i.crc32c }).collect();
+        let body = batch_wire::encode_put_request(&entries);
+        let answer = self.exchange(endpoint, false, |stream, id| {
+            let head = Request {
+                op: Op::PutKeys,
+                flags: FLAG_SHARED,
+                id,
+                region: tier,
+                offset: items.len() as u64,
+                length: body.len() as u64,
+            };
+            send(stream, &head.encode(), &[&body])?;
+            self.finish_put_batch(stream, endpoint, id, items)
+        });
+        answer.inspect_err(|e| {
+            tracing::debug!(peer = endpoint, error = %e, "PUT_KEYS failed; no batches to this holder for a while");
+            self.batchless.lock().insert(endpoint.to_owned(), Instant::now() + BATCHLESS_FOR);
+            if e.is_unreachable() {
+                self.shared.forget(endpoint);
+            }
+        })
+    }
+
+    /// Reads a PUT_KEYS reply, copies every value into its slot, settles with the per-key flags
+    /// and reads the holder's verdicts.
+    fn finish_put_batch(
+        &self,
+        stream: &mut std::net::TcpStream,
+        endpoint: &str,
+        id: u64,
+        items: &[KeyedBatchPut<'_>],
+    ) -> Result<Vec<KeyedPut>, ExchangeError> {
+        use std::io::Read as _;
+        let mid = |source| ExchangeError::Io { source, before_reply: false };
+        let reply = read_reply(stream, id)?;
+        match reply.status {
+            Status::Ok => {}
+            Status::Unsupported if reply.length == 0 => return Ok(vec![KeyedPut::Unsupported; items.len()]),
+            other => return Err(protocol_error(format!("unexpected PUT_KEYS status {}", other.as_str()))),
+        }
+        if reply.length > batch_wire::max_reply_body() {
+            return Err(protocol_error(format!("a PUT_KEYS reply of {} bytes", reply.length)));
+        }
+        let mut body = vec![0u8; reply.length as usize];
+        stream.read_exact(&mut body).map_err(mid)?;
+        let answers = batch_wire::decode_reply(&body, items.len())
+            .map_err(|e| protocol_error(format!("bad PUT_KEYS reply: {e}")))?;
+        let mut out = Vec::with_capacity(items.len());
+        let mut copied = vec![0u8; items.len()];
+        let mut slots = false;
+        for ((item, answer), flag) in items.iter().zip(answers).zip(copied.iter_mut()) {
+            out.push(match answer {
+                BatchAnswer::Mapped(d) => {
+                    slots = true;
+                    if d.size != item.value.len() as u64 {
+                        return Err(protocol_error(format!(
+                            "a slot of {} bytes for a value of {}",
+                            d.size,
+                            item.value.len()
+                        )));
+                    }
+                    match self.shared.copy_in(endpoint, &d.ranges, item.value) {
+                        Ok(_) => {
+                            *flag = 1;
+                            // The holder's verdict follows.
+                            KeyedPut::Written
+                        }
+                        Err(error) => {
+                            tracing::debug!(peer = endpoint, %error, key = item.key, "no copy into the mapping");
+                            KeyedPut::Failed
+                        }
+                    }
+                }
+                BatchAnswer::Other(Status::Exists) => KeyedPut::Exists,
+                BatchAnswer::Other(Status::NoSpace) => KeyedPut::NoSpace,
+                BatchAnswer::Other(Status::Busy) => KeyedPut::Busy,
+                BatchAnswer::Other(Status::Failed) => KeyedPut::Failed,
+                BatchAnswer::Other(_) | BatchAnswer::TooSmall(_) => KeyedPut::Unsupported,
+            });
+        }
+        if !slots {
+            return Ok(out);
+        }
+        super::super::io::write_all_vectored(
+            stream,
+            &mut [std::io::IoSlice::new(&Settle::Done.encode()), std::io::IoSlice::new(&copied)],
+        )
+        .map_err(mid)?;
+        let verdict = read_reply(stream, id).map_err(|e| match e {
+            ExchangeError::Io { source, .. } => mid(source),
+            other => other,
+        })?;
+        if verdict.status != Status::Ok || verdict.length != items.len() as u64 {
+            return Err(protocol_error(format!("a PUT_KEYS verdict of {} bytes", verdict.length)));
+        }
+        let mut statuses = vec![0u8; items.len()];
+        stream.read_exact(&mut statuses).map_err(mid)?;
+        for ((put, flag), status) in out.iter_mut().zip(&copied).zip(statuses) {
+            if *flag == 1 && status != Status::Ok as u8 {
+                *put = KeyedPut::Failed;
+            }
+        }
+        Ok(out)
     }
 
     /// Whether `endpoint` is asked no batch now.
