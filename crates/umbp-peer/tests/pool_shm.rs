@@ -47,6 +47,9 @@ async fn batches_between_nodes_of_one_host_take_the_shared_path() {
     let (keys, values) = (make_keys("shm", 24), make_values(24));
     put_all(&light, &keys, &values).await;
     indexed(&light, &keys).await;
+    // The batch put was routed once and written to each holder in one exchange per chunk
+    // (PUT_KEYS), which also told the client where each key lies.
+    assert_eq!(light.stats().keyed_puts, 24, "every key written in a batched same-host exchange");
     let put_bytes = light.transferred_bytes(SHM);
     get_all(&light, &keys, &values).await;
     let total: u64 = values.iter().map(|v| v.len() as u64).sum();

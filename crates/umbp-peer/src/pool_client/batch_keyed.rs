@@ -1,4 +1,4 @@
-//! Batch gets from holders on this host in one exchange per holder chunk (issue 17).
+//! Batch gets and puts with holders on this host in one exchange per holder chunk (issue 17).
 //!
 //! The routed path pays, per pipelined chunk, a route call to the master, a resolve RPC to each
 //! holder and a release RPC — each a gRPC round trip of ~150–250 µs on a 16-core host, while the
@@ -19,17 +19,25 @@
 //!   elsewhere or without the path, a value it cannot map, a corrupt copy, a failed exchange — goes
 //!   on to the routed path, which keeps all of its rules. A too-small buffer is that key's error.
 //! - **No re-cache**: a value read from a holder on this host is already in this host's memory.
+//!
+//! **Puts** from a client that lends no medium do the same: one route call per [`ROUTE_KEYS`] keys
+//! (the master's placement and cross-node dedup are kept), then one PUT_KEYS per same-host holder
+//! chunk (`KeyedClient::put_shared_batch`): the holder allocates every slot, the client copies the
+//! values in through its mappings, the holder commits what arrived before each slot's end. A key
+//! written so is remembered as located there (a later get of it skips the master). Every other key
+//! — routed to another host, refused, failed — takes the routed path; a routed-elsewhere or busy
+//! key keeps its route there (no second route call), a refused one is routed afresh.
 
 use std::collections::BTreeMap;
 
 use tracing::Instrument;
-use umbp_transfer::{KeyedBatchItem, KeyedClient, KeyedGet};
+use umbp_transfer::{KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedGet, KeyedPut};
 
 use super::phases::{self, phase};
-use super::ranged::Dest;
+use super::ranged::{Dest, Src};
 use super::support::{PIPELINE_CHUNK_BYTES, StatCounters, offload, pipelined};
 use super::*;
-use crate::master_client::RouteGetHit;
+use crate::master_client::{RouteGetHit, RoutePutDecision};
 
 /// Keys per route call for the keys a light client has no location for.
 const ROUTE_KEYS: usize = 4096;
@@ -45,6 +53,13 @@ struct Planned {
 /// The master's routes for keys routed here and left to the routed path (by batch index), which
 /// then uses them instead of routing those keys again.
 pub(super) type Prerouted = Vec<Option<RouteGetHit>>;
+
+/// The master's placements for keys a same-host put left to the routed path (by batch index):
+/// `(node, peer address, tier)`.
+pub(super) type PutRoutes = Vec<Option<(String, String, TierType)>>;
+
+/// A put holder: its node, data endpoint, peer address and tier.
+type PutHolder = (String, String, String, TierType);
 
 /// A holder: its node and its data endpoint.
 type HolderId = (Arc<str>, Arc<str>);
@@ -224,5 +239,144 @@ impl PoolClient {
                 prerouted[*i] = Some(hit);
             }
         }
+    }
+
+    /// Writes what it can of a batch's distinct keys (`unique`) to holders on this host (see the
+    /// module docs), setting `results[i]` for each key it settled; the keys it leaves `None` take
+    /// the routed path, with the placements it asked the master for (see [`PutRoutes`]).
+    pub(super) async fn put_same_host(
+        &self,
+        items: &[(&str, Src<'_>)],
+        unique: &[usize],
+        results: &mut [Option<Result<PutOutcome, KeyError>>],
+    ) -> PutRoutes {
+        let mut routes: PutRoutes = vec![None; items.len()];
+        if !self.config.keyed_requests || !self.config.shared_memory || self.medium.is_some() {
+            return routes;
+        }
+        let candidates: Vec<usize> = unique
+            .iter()
+            .copied()
+            .filter(|i| matches!(items[*i].1, Src::Whole(b) if b.len > 0 && !self.in_device_registration(b)))
+            .collect();
+        if candidates.is_empty() {
+            return routes;
+        }
+        let unreachable = self.recently_unreachable();
+        let mut by_holder: BTreeMap<PutHolder, Vec<usize>> = BTreeMap::new();
+        for part in candidates.chunks(ROUTE_KEYS) {
+            let keys: Vec<String> = part.iter().map(|i| items[*i].0.to_owned()).collect();
+            let sizes: Vec<u64> = part.iter().map(|i| items[*i].1.size()).collect();
+            let routed =
+                self.master.batch_route_put(&keys, &sizes, &unreachable).instrument(phase!(phases::PUT_ROUTE)).await;
+            let Ok(decisions) = routed else { return routes };
+            for (i, decision) in part.iter().zip(decisions) {
+                match decision {
+                    RoutePutDecision::AlreadyExists => results[*i] = Some(Ok(PutOutcome::AlreadyPresent)),
+                    RoutePutDecision::Routed { node_id, tier, peer_address, data_endpoint } => {
+                        routes[*i] = Some((node_id.clone(), peer_address.clone(), tier));
+                        if !data_endpoint.is_empty() && node_id != self.config.node_id {
+                            by_holder.entry((node_id, data_endpoint, peer_address, tier)).or_default().push(*i);
+                        }
+                    }
+                    // No room: the routed path makes room.
+                    RoutePutDecision::Unavailable => {}
+                }
+            }
+        }
+        let mut chunks: Vec<(PutHolder, Vec<usize>)> = Vec::new();
+        for (holder, indexes) in by_holder {
+            let mut chunk = Vec::new();
+            let mut bytes = 0u64;
+            for i in indexes {
+                bytes += items[i].1.size();
+                chunk.push(i);
+                if bytes >= PIPELINE_CHUNK_BYTES || chunk.len() == KeyedClient::MAX_BATCH_KEYS {
+                    chunks.push((holder.clone(), std::mem::take(&mut chunk)));
+                    bytes = 0;
+                }
+            }
+            if !chunk.is_empty() {
+                chunks.push((holder, chunk));
+            }
+        }
+        if chunks.is_empty() {
+            return routes;
+        }
+        let order: Vec<Vec<usize>> = (0..chunks.len()).map(|c| vec![c]).collect();
+        let chunks = &chunks;
+        let answers = pipelined(&order, |c| async move {
+            let ((node, endpoint, _, tier), indexes) = &chunks[c[0]];
+            let srcs: Vec<Src<'_>> = indexes.iter().map(|i| items[*i].1).collect();
+            let crcs = self.value_checksums(&srcs).await;
+            let values: Vec<(String, CallerBuf, Option<u32>)> = indexes
+                .iter()
+                .zip(crcs)
+                .filter_map(|(i, crc)| match items[*i].1 {
+                    Src::Whole(b) => Some((items[*i].0.to_owned(), b, crc)),
+                    Src::Ranges { .. } => None,
+                })
+                .collect();
+            let keyed = Arc::clone(&self.keyed);
+            let at = endpoint.clone();
+            let wire_tier = u64::from(tier.wire());
+            let got = offload(move || {
+                let batch: Vec<KeyedBatchPut<'_>> = values
+                    .iter()
+                    .map(|(key, buf, crc32c)| KeyedBatchPut {
+                        key,
+                        // SAFETY: a caller buffer of this call (a slice it borrows, or a raw range
+                        // its contract keeps valid and unwritten until the call returns), host
+                        // memory (checked above); only read, and the offloaded work is waited for
+                        // even if the call is dropped (`Offloaded`).
+                        value: unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().cast_const(), buf.len) },
+                        crc32c: *crc32c,
+                    })
+                    .collect();
+                keyed.put_shared_batch(&at, wire_tier, &batch)
+            })
+            .await;
+            (node, endpoint, got)
+        })
+        .instrument(phase!(phases::PUT_KEYED))
+        .await;
+        let now = self.clock.now();
+        for ((_, indexes), (node, endpoint, got)) in chunks.iter().zip(answers) {
+            let answers = match got {
+                Some(Ok(answers)) if answers.len() == indexes.len() => answers,
+                Some(Err(e)) => {
+                    // Whether the holder committed any of them is unknown: the routed path finds
+                    // out (a committed key is answered as present).
+                    tracing::debug!(node = %node, error = %e, "batched same-host put failed; taking the routed path");
+                    if e.is_unreachable() {
+                        self.locations.forget_node(node);
+                        self.keyed.forget(endpoint);
+                        self.sweep_shared_memory();
+                    }
+                    for i in indexes {
+                        routes[*i] = None;
+                    }
+                    continue;
+                }
+                _ => continue,
+            };
+            let mut written = 0u64;
+            for (i, answer) in indexes.iter().zip(answers) {
+                match answer {
+                    KeyedPut::Written => {
+                        results[*i] = Some(Ok(PutOutcome::Written));
+                        self.locations.insert(items[*i].0, node, endpoint, now);
+                        written += 1;
+                    }
+                    KeyedPut::Exists => results[*i] = Some(Ok(PutOutcome::AlreadyPresent)),
+                    // The routed path asks the same node (it waits for a busy one).
+                    KeyedPut::Busy | KeyedPut::Unsupported => {}
+                    // Routed afresh.
+                    KeyedPut::NoSpace | KeyedPut::Failed => routes[*i] = None,
+                }
+            }
+            StatCounters::add(&self.stats.keyed_puts, written);
+        }
+        routes
     }
 }

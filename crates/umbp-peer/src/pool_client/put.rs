@@ -29,6 +29,7 @@ use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
 
 use tracing::Instrument;
 
+use super::batch_keyed::PutRoutes;
 use super::holder::{Allocation, Holder};
 use super::phases::{self, phase};
 use super::ranged::{Src, range_put_items};
@@ -113,6 +114,21 @@ fn busy_groups(st: &mut PutState, retry: Vec<usize>) -> Vec<Group> {
         }
     }
     by_target.into_iter().map(|((node, peer, tier), indexes)| Group { node, peer, tier, indexes }).collect()
+}
+
+/// Splits `fresh` into groups of the keys with a placement in `routes` (by node, peer and tier)
+/// and the keys without one.
+fn prerouted_groups(routes: &PutRoutes, fresh: Vec<usize>) -> (Vec<Group>, Vec<usize>) {
+    let mut by_target: BTreeMap<(String, String, TierType), Vec<usize>> = BTreeMap::new();
+    let mut unplaced = Vec::new();
+    for i in fresh {
+        match routes.get(i).and_then(Option::as_ref) {
+            Some(target) => by_target.entry(target.clone()).or_default().push(i),
+            None => unplaced.push(i),
+        }
+    }
+    let groups = by_target.into_iter().map(|((node, peer, tier), indexes)| Group { node, peer, tier, indexes });
+    (groups.collect(), unplaced)
 }
 
 /// When a slot allocated at `start` with a TTL of `ttl` stops being safe to write (a margin of a
@@ -202,10 +218,15 @@ impl PoolClient {
             }
         }
         let unique: Vec<usize> = (0..n).filter(|i| results[*i].is_none() && repeat_of[*i].is_none()).collect();
+        // Keys placed on holders of this host: one exchange per holder chunk (`batch_keyed.rs`);
+        // the rest, with the placements asked for them there, take the routed path.
+        let routes = self.put_same_host(items, &unique, &mut results).await;
+        let unique: Vec<usize> = unique.into_iter().filter(|i| results[*i].is_none()).collect();
         // Chunks run as a pipeline: one chunk's route and allocate overlap another's transfer.
         let chunks = chunk_by_bytes(unique, |i| items[i].1.size());
         let progress = BatchProgress::new();
-        let states = pipelined(&chunks, |chunk| self.put_chunk(items, chunk, &progress)).await;
+        let routes = &routes;
+        let states = pipelined(&chunks, |chunk| self.put_chunk(items, chunk, routes, &progress)).await;
         for (chunk, mut st) in chunks.iter().zip(states) {
             for i in chunk {
                 results[*i] = Some(st.outcome(*i));
@@ -227,7 +248,15 @@ impl PoolClient {
     /// Writes one chunk of distinct, valid keys (`chunk` holds their indexes in `items`): route,
     /// allocate, transfer, commit, with bounded re-routes, and a bounded wait for nodes that answer
     /// busy (see the module docs).
-    async fn put_chunk(&self, items: &[(&str, Src<'_>)], chunk: &[usize], progress: &BatchProgress) -> PutState {
+    /// `routes[i]`, when there, is the master's placement for item `i`, asked for already: the
+    /// first routed round uses it instead of routing the key again.
+    async fn put_chunk(
+        &self,
+        items: &[(&str, Src<'_>)],
+        chunk: &[usize],
+        routes: &PutRoutes,
+        progress: &BatchProgress,
+    ) -> PutState {
         let mut st = PutState::default();
         let mut guard = SlotGuard::default();
         // A granted local round comes on top of the routed ones: a key the medium refuses still
@@ -256,6 +285,16 @@ impl PoolClient {
                     }
                     groups = match granted_tier {
                         Some(tier) if attempt == 0 => vec![self.local_group(tier, fresh)],
+                        _ if attempt == 0 => {
+                            // Placements asked for already (by the same-host pass) are used once.
+                            let (placed, unplaced) = prerouted_groups(routes, fresh);
+                            let mut groups = placed;
+                            if !unplaced.is_empty() {
+                                let routed = self.route_puts(items, &unplaced, &mut st);
+                                groups.extend(routed.instrument(phase!(phases::PUT_ROUTE)).await);
+                            }
+                            groups
+                        }
                         _ => self.route_puts(items, &fresh, &mut st).instrument(phase!(phases::PUT_ROUTE)).await,
                     };
                     attempt += 1;
