@@ -100,6 +100,27 @@
 //! a PUT_KEY's would). Then the ordinary final reply (`OK`, `FAILED`, `UNSUPPORTED`, ...). A server
 //! older than the flag reads the 8 bytes as the value, discards them and answers `BAD_REQUEST`.
 //!
+//! ## Batches over shared memory
+//! Two more ops carry many keys of one holder **on this host** in one exchange, `flags`
+//! [`FLAG_SHARED`] always, `offset` the key count (1 to 1,024), `length` the body's bytes (bodies
+//! in [`batch_wire`](super::batch_wire)):
+//!
+//! - **GET_KEYS** (op 5): per key its destination's capacity and the key. Reply `OK` whose
+//!   payload answers every key in order: a `MAPPED` descriptor (as above), `TOO_SMALL` with the
+//!   size, `MISS`, `BUSY` or `UNSUPPORTED`. If any key was `MAPPED`, the client copies those from
+//!   its mappings and sends one `Done` settle frame, which closes every lease the reply opened. A
+//!   batch is never served as bytes: what the client cannot map it reads the routed way.
+//! - **PUT_KEYS** (op 6): `region_id` the tier; per key the value's size, its checksum and the key.
+//!   Reply `OK` answering every key: a `MAPPED` descriptor of the slot allocated for it (`lease_ns`
+//!   to the slot's end), `EXISTS`, `NO_SPACE`, `BUSY`, `FAILED` or `UNSUPPORTED`. If any slot was
+//!   allocated, the client copies the values into their slots and sends a `Done` settle frame
+//!   followed by one byte per key (1: copied, commit it; 0: abort it); the server commits each
+//!   copied slot if the settle arrived before the slot's end and answers a second `OK` reply whose
+//!   payload is one status byte per key (`OK` committed, `FAILED` not).
+//!
+//! A server older than these ops closes the connection at the unknown op; the client then asks
+//! that holder no batch for 30 s.
+//!
 //! # Replies (server → client), 24 bytes
 //!
 //! | bytes  | field      | meaning                                            |
