@@ -6,9 +6,10 @@
 //!
 //! A **cut** between two hosts is a blackhole route to each other on both sides: packets are
 //! dropped silently, so connections stall as on a real partition (nothing answers "refused"). A
-//! **slow link** is a token-bucket rate limit (`tc qdisc … tbf`) on a host's egress. This kernel
-//! has no `sch_netem` ("Specified qdisc kind is unknown"), so delay and loss cannot be injected here;
-//! the slow link is what stretches a transfer long enough to cut it in the middle.
+//! **slow link** is a token-bucket rate limit (`tc qdisc … tbf`) on a host's egress. **Loss** is an
+//! nftables rule dropping a random share of a port's packets (`numgen random`). This kernel has no
+//! `sch_netem` ("Specified qdisc kind is unknown"), so delay cannot be injected here; the slow link
+//! is what stretches a transfer long enough to cut it in the middle.
 //!
 //! What is expected, and asserted:
 //!
@@ -24,9 +25,14 @@
 //!   (the deadline of peer calls and of a data connection's progress), a failure for the keys that
 //!   holder served (a transfer error or a miss, never other bytes), and the keys of the other holder;
 //!   once the cut heals, the same get returns every value byte-exact.
+//! - **5% loss on the data plane** (every node's data port, both ways): TCP retransmits what was
+//!   dropped, so batch puts and gets of values on both nodes complete and read byte-exact; a copy
+//!   the retransmissions stretch past its read lease is discarded and read again, never returned.
+//!   No key may end in wrong bytes, and all must be read within a bound.
 //!
-//! Needs root (namespaces and routes). Without it the tests print why and pass, unless
-//! `UMBP_REQUIRE_ROOT=1` (set by `cargo xtask ci` where it runs as root) makes that a failure.
+//! Needs root (namespaces and routes) and, for loss, `nft` (Debian's `nftables`). Without them the
+//! tests print why and pass, unless `UMBP_REQUIRE_ROOT=1` (set by `cargo xtask ci` where it runs as
+//! root) makes that a failure.
 
 use std::path::Path;
 use std::process::Command;
@@ -177,6 +183,42 @@ impl Net {
     /// Lifts [`slow`](Self::slow).
     fn unslow(&self, member: &str) -> Result<(), String> {
         tool("ip", &["netns", "exec", &self.ns(member), "tc", "qdisc", "del", "dev", "eth0", "root"])
+    }
+
+    /// Drops `percent`% of the TCP packets to and from `port` in `member`'s namespace, at random
+    /// (nftables' `numgen random`: this kernel has no `sch_netem`), counting what it dropped.
+    fn lossy(&self, member: &str, port: u16, percent: u8) -> Result<(), String> {
+        let ns = self.ns(member);
+        let nft = |args: &[&str]| {
+            let mut all = vec!["netns", "exec", ns.as_str(), "nft"];
+            all.extend_from_slice(args);
+            tool("ip", &all)
+        };
+        nft(&["add", "table", "inet", "umbploss"])?;
+        let (port, limit) = (port.to_string(), percent.to_string());
+        for (chain, hook, dir) in [("in", "input", "dport"), ("out", "output", "sport")] {
+            nft(&["add", "chain", "inet", "umbploss", chain, &format!("{{ type filter hook {hook} priority 0; }}")])?;
+            nft(&[
+                "add", "rule", "inet", "umbploss", chain, "tcp", dir, &port, "numgen", "random", "mod", "100", "<",
+                &limit, "counter", "drop",
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// Packets [`lossy`](Self::lossy) dropped in `member`'s namespace so far.
+    fn dropped(&self, member: &str) -> u64 {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns(member), "nft", "list", "table", "inet", "umbploss"])
+            .output();
+        let text = out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+        let words: Vec<&str> = text.split_whitespace().collect();
+        words.windows(2).filter(|w| w[0] == "packets").filter_map(|w| w[1].parse::<u64>().ok()).sum()
+    }
+
+    /// Lifts [`lossy`](Self::lossy).
+    fn lossless(&self, member: &str) -> Result<(), String> {
+        tool("ip", &["netns", "exec", &self.ns(member), "nft", "delete", "table", "inet", "umbploss"])
     }
 
     /// `umbp ARGS…` inside `member`'s namespace, with a clean `UMBP_*` environment.
@@ -431,6 +473,80 @@ async fn a_client_cut_off_from_a_holder_mid_batch_fails_cleanly_and_reads_after_
         }
         assert!(Instant::now() < deadline, "after the heal: {results:?}");
         tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_percent_loss_on_the_data_plane_slows_batches_but_loses_no_byte() {
+    let Some(net) = network(&MEMBERS) else { return };
+    if Command::new("nft").arg("--version").output().is_err() {
+        assert!(
+            std::env::var("UMBP_REQUIRE_ROOT").map_or(true, |v| v != "1"),
+            "UMBP_REQUIRE_ROOT=1 but no `nft` (install nftables)"
+        );
+        eprintln!("SKIPPED: no `nft` to drop packets with");
+        return;
+    }
+    let dir = TempDir::new("partition-loss");
+    let (_procs, master) = start_cluster(&net, &dir.0);
+    let mut config = PoolClientConfig::new("partition-lossy", master.clone());
+    config.rpc_timeout = Duration::from_secs(2);
+    let client = PoolClient::start(config).await.expect("client");
+
+    const LEN: usize = 256 << 10;
+    let first: Vec<String> = (0..16).map(|i| format!("loss-a-{i}")).collect();
+    for k in &first {
+        client.put(k, &value(k, LEN)).await.unwrap_or_else(|e| panic!("put {k}: {e}"));
+    }
+    let placed = indexed(&client, &first).await;
+    assert!(placed.iter().any(|h| h.as_deref() == Some("n1")) && placed.iter().any(|h| h.as_deref() == Some("n2")));
+    // Each node's data port, from the master's routes.
+    let routes = client.master().batch_route_get(&first, &[]).await.expect("route");
+    let mut ports = std::collections::BTreeMap::new();
+    for hit in routes.into_iter().flatten() {
+        let port = hit.data_endpoint.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).expect("a data port");
+        ports.insert(hit.node_id, port);
+    }
+    for (node, port) in &ports {
+        net.lossy(node, *port, 5).expect("nft");
+    }
+
+    // Under loss: a batch put of new keys, then batch gets of every key, until all are read.
+    let second: Vec<String> = (0..16).map(|i| format!("loss-b-{i}")).collect();
+    let values: Vec<Vec<u8>> = second.iter().map(|k| value(k, LEN)).collect();
+    let pairs: Vec<(&str, &[u8])> = second.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+    let started = Instant::now();
+    let mut put_rounds = 0;
+    let mut pending: Vec<(&str, &[u8])> = pairs.clone();
+    while !pending.is_empty() {
+        put_rounds += 1;
+        let results = client.batch_put(&pending).await;
+        pending = pending.into_iter().zip(results).filter(|(_, r)| r.is_err()).map(|(p, _)| p).collect();
+        assert!(started.elapsed() < Duration::from_secs(60), "puts under 5% loss never all landed: {pending:?}");
+    }
+    let all: Vec<String> = first.iter().chain(&second).cloned().collect();
+    assert!(indexed(&client, &all).await.iter().all(Option::is_some), "every key indexed");
+    let mut get_rounds = 0;
+    loop {
+        get_rounds += 1;
+        let (results, bufs) = get_all(&client, &all, LEN).await;
+        assert_hits_exact(&all, &results, &bufs, LEN);
+        if results.iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(90), "gets under 5% loss never all read: {results:?}");
+    }
+    let dropped: u64 = ports.keys().map(|node| net.dropped(node)).sum();
+    assert!(dropped > 0, "the loss rule dropped no packet: nothing was tested");
+    eprintln!(
+        "5% loss: {dropped} packets dropped; {} keys put in {put_rounds} round(s), {} read byte-exact in {get_rounds} round(s), {:?}",
+        second.len(),
+        all.len(),
+        started.elapsed()
+    );
+    for node in ports.keys() {
+        net.lossless(node).expect("nft off");
     }
     client.close().await;
 }
