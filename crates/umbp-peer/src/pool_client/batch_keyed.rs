@@ -6,7 +6,8 @@
 //! (its shared-memory server answers), a batch get instead sends each holder one GET_KEYS per
 //! chunk (`umbp_transfer`'s `KeyedClient::get_shared_batch`): the holder resolves every key under
 //! its read lease and answers where the values lie in its shared memory, the client copies them
-//! from its own mappings and ends every lease with one settle frame, all on one connection.
+//! from its own mappings and ends every lease with one settle frame, all on one connection. The
+//! chunks are spread over the cores ([`Spread`]), each copied on its own thread.
 //!
 //! - **Where the keys are**: the client's location cache (as the single-key path); a client that
 //!   lends no medium asks the master once for the keys it has no location for (one route call per
@@ -35,12 +36,33 @@ use umbp_transfer::{KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedGet, KeyedP
 
 use super::phases::{self, phase};
 use super::ranged::{Dest, Src};
-use super::support::{PIPELINE_CHUNK_BYTES, StatCounters, offload, pipelined};
+use super::support::{PIPELINE_CHUNK_BYTES, PIPELINE_DEPTH, StatCounters, offload, pipelined_with};
 use super::*;
 use crate::master_client::{RouteGetHit, RoutePutDecision};
 
 /// Keys per route call for the keys a light client has no location for.
 const ROUTE_KEYS: usize = 4096;
+/// The smallest chunk a same-host batch is cut into (see [`Spread`]).
+const MIN_CHUNK_BYTES: u64 = 1 << 20;
+
+/// How a same-host batch is cut and run. Each chunk's exchange copies on its own blocking thread,
+/// so the copies of a batch run on as many threads as it has chunks in flight: the routed path's
+/// six chunks of 8 MiB use at most six cores, while memory bandwidth on a many-core host takes
+/// more. So a batch is cut into one chunk per core (at least 1 MiB, at most 8 MiB each) and runs
+/// that many at once (at least six): a 64 MiB batch on 16 cores is 16 chunks of 4 MiB copied on
+/// 16 threads, each chunk one exchange of a few tens of µs.
+struct Spread {
+    chunk_bytes: u64,
+    depth: usize,
+}
+
+impl Spread {
+    fn for_batch(total_bytes: u64) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let chunk_bytes = (total_bytes / cores as u64).clamp(MIN_CHUNK_BYTES, PIPELINE_CHUNK_BYTES);
+        Self { chunk_bytes, depth: cores.max(PIPELINE_DEPTH) }
+    }
+}
 
 /// One key to read over GET_KEYS: its index in the batch, its destination, and whether its
 /// location came from the cache (then the master hears of the read in a hint).
@@ -104,8 +126,10 @@ impl PoolClient {
         if by_holder.is_empty() {
             return prerouted;
         }
-        // Chunks of at most PIPELINE_CHUNK_BYTES and MAX_BATCH_KEYS keys, each one GET_KEYS, up to
-        // PIPELINE_DEPTH in flight (each copies on its own blocking thread).
+        // Chunks of at most MAX_BATCH_KEYS keys, each one GET_KEYS, spread over the cores (see
+        // `Spread`).
+        let total: u64 = by_holder.values().flatten().map(|p| p.buf.len as u64).sum();
+        let spread = Spread::for_batch(total);
         let mut chunks: Vec<(HolderId, Vec<Planned>)> = Vec::new();
         for (holder, planned) in by_holder {
             let mut chunk: Vec<Planned> = Vec::new();
@@ -113,7 +137,7 @@ impl PoolClient {
             for p in planned {
                 bytes += p.buf.len as u64;
                 chunk.push(p);
-                if bytes >= PIPELINE_CHUNK_BYTES || chunk.len() == KeyedClient::MAX_BATCH_KEYS {
+                if bytes >= spread.chunk_bytes || chunk.len() == KeyedClient::MAX_BATCH_KEYS {
                     chunks.push((holder.clone(), std::mem::take(&mut chunk)));
                     bytes = 0;
                 }
@@ -124,7 +148,7 @@ impl PoolClient {
         }
         let order: Vec<Vec<usize>> = (0..chunks.len()).map(|c| vec![c]).collect();
         let chunks = &chunks;
-        let answers = pipelined(&order, |c| async move {
+        let answers = pipelined_with(spread.depth, &order, |c| async move {
             let ((node, endpoint), planned) = &chunks[c[0]];
             let items: Vec<(String, CallerBuf)> = planned.iter().map(|p| (keys[p.index].to_owned(), p.buf)).collect();
             let keyed = Arc::clone(&self.keyed);
@@ -284,6 +308,8 @@ impl PoolClient {
                 }
             }
         }
+        let total: u64 = by_holder.values().flatten().map(|i| items[*i].1.size()).sum();
+        let spread = Spread::for_batch(total);
         let mut chunks: Vec<(PutHolder, Vec<usize>)> = Vec::new();
         for (holder, indexes) in by_holder {
             let mut chunk = Vec::new();
@@ -291,7 +317,7 @@ impl PoolClient {
             for i in indexes {
                 bytes += items[i].1.size();
                 chunk.push(i);
-                if bytes >= PIPELINE_CHUNK_BYTES || chunk.len() == KeyedClient::MAX_BATCH_KEYS {
+                if bytes >= spread.chunk_bytes || chunk.len() == KeyedClient::MAX_BATCH_KEYS {
                     chunks.push((holder.clone(), std::mem::take(&mut chunk)));
                     bytes = 0;
                 }
@@ -305,7 +331,7 @@ impl PoolClient {
         }
         let order: Vec<Vec<usize>> = (0..chunks.len()).map(|c| vec![c]).collect();
         let chunks = &chunks;
-        let answers = pipelined(&order, |c| async move {
+        let answers = pipelined_with(spread.depth, &order, |c| async move {
             let ((node, endpoint, _, tier), indexes) = &chunks[c[0]];
             let srcs: Vec<Src<'_>> = indexes.iter().map(|i| items[*i].1).collect();
             let crcs = self.value_checksums(&srcs).await;

@@ -185,7 +185,19 @@ pub(super) async fn pipelined<'a, T, Fut>(chunks: &'a [Vec<usize>], f: impl Fn(&
 where
     Fut: Future<Output = T>,
 {
-    let permits = tokio::sync::Semaphore::new(PIPELINE_DEPTH);
+    pipelined_with(PIPELINE_DEPTH, chunks, f).await
+}
+
+/// [`pipelined`] with at most `depth` chunks at once.
+pub(super) async fn pipelined_with<'a, T, Fut>(
+    depth: usize,
+    chunks: &'a [Vec<usize>],
+    f: impl Fn(&'a [usize]) -> Fut,
+) -> Vec<T>
+where
+    Fut: Future<Output = T>,
+{
+    let permits = tokio::sync::Semaphore::new(depth.max(1));
     let (permits, f) = (&permits, &f);
     join_all(
         chunks
