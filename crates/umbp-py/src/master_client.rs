@@ -178,7 +178,10 @@ impl PyMasterClient {
 
     /// Registers this node with the master (as a node that lends no pool medium), so reports under
     /// its id are recorded. `tier_capacities` (`{tier: (total, available)}`) is accepted for the
-    /// reference's signature; the pool routes nothing to this node, so no capacity is recorded.
+    /// reference's signature; the pool routes nothing to this node, so no capacity is recorded. This
+    /// client sends no heartbeat: the master expires the record after its expiry (30 s by default)
+    /// and drops the blocks reported under the id with it; a long-lived node reports through its own
+    /// heartbeat instead (`PoolClient::report_external_kv_blocks`).
     #[pyo3(signature = (tier_capacities = None))]
     fn register_self(&self, py: Python<'_>, tier_capacities: Option<Bound<'_, PyAny>>) -> PyResult<()> {
         drop(tier_capacities);
