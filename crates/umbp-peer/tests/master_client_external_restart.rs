@@ -1,13 +1,15 @@
 //! The node-side external KV path against a real master on 127.0.0.1: changes queued with the
 //! two-argument forms travel in the heartbeat's bundles, a restarted master gets the node's whole
-//! external set back by the node's full sync (a revoke queued while it was down included), and the
-//! `PoolClient` forms of a node that lends DRAM reach a scheduler's match. Every wait is bounded.
+//! external set back by the node's full sync (a revoke queued while it was down included), so does
+//! a master whose Redis (or one shard of a sharded index) restarted empty, and the `PoolClient`
+//! forms of a node that lends DRAM reach a scheduler's match. Every wait is bounded.
 
 #[expect(dead_code, reason = "this binary uses only the node settings of the pool helpers")]
 mod pool_support;
 
-use std::net::SocketAddr;
-use std::time::Duration;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use umbp_core::TierType::{self, Dram, Hbm, Ssd};
 use umbp_master::{MasterConfig, MasterHandle};
@@ -129,4 +131,81 @@ async fn a_pool_node_reports_through_its_heartbeat_and_a_light_client_is_refused
     light.close().await;
     node.close().await;
     master.shutdown().await;
+}
+
+/// A `redis-server` on a loopback port, persistence off, killed on drop. A missing binary fails.
+struct Redis {
+    child: Child,
+    port: u16,
+}
+
+impl Redis {
+    fn start_on(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is needed (apt-get install redis-server)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Self { child, port }
+    }
+
+    fn start() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+        Self::start_on(port)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A node on a master over `shards` Redis processes restarts shard `restart` empty: the node's
+/// heartbeat is answered UNKNOWN, it registers again, full-syncs and reports its set again.
+async fn an_index_in_redis_is_rebuilt_after_a_restart(shards: usize, restart: usize) {
+    let mut redis: Vec<Redis> = (0..shards).map(|_| Redis::start()).collect();
+    let urls = redis.iter().map(Redis::url).collect::<Vec<_>>().join(",");
+    let config = MasterConfig { metadata: Some(urls), ..master_config("127.0.0.1:0".parse().expect("addr")) };
+    let master = umbp_master::start(config).await.expect("master on redis");
+    let addr = master.local_addr();
+    let node = light(addr, "engine").await;
+    node.register().await.expect("register");
+    node.start_heartbeat().expect("heartbeat");
+    let held = hashes("p", 0..64);
+    node.queue_external_kv_report(&held, Hbm).expect("report");
+    node.queue_external_kv_revoke(&held[60..], Hbm).expect("revoke");
+    let want = vec![("engine".to_owned(), vec![(Hbm, held[..60].to_vec())])];
+    until_matched(addr, &held, &want).await;
+
+    // The old process dies before the new one binds its port (persistence off: it starts empty).
+    let old = redis.remove(restart);
+    let port = old.port;
+    drop(old);
+    redis.insert(restart, Redis::start_on(port));
+    until_matched(addr, &held, &want).await;
+    assert!(node.stats().re_registrations >= 1, "{:?}", node.stats());
+    node.shutdown().await.expect("shutdown");
+    master.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_redis_restart_the_index_is_rebuilt_from_the_node() {
+    an_index_in_redis_is_rebuilt_after_a_restart(1, 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_one_shard_of_a_sharded_index_restarts_the_node_heals_it() {
+    an_index_in_redis_is_rebuilt_after_a_restart(3, 2).await;
 }
