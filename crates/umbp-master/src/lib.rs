@@ -33,7 +33,9 @@
 //!
 //! # Owns
 //! The metadata store ([`store`]), the routing strategies ([`routing`]), the eviction manager, the
-//! registry reaper, the `UMBPMaster` gRPC service, and the cluster series it serves on Prometheus
+//! registry reaper, the external KV index (records of KV blocks nodes hold outside the pool, which a
+//! scheduler matches to route a prompt; `docs/design/external-kv-index.md`), the `UMBPMaster` gRPC
+//! service, and the cluster series it serves on Prometheus
 //! `/metrics` when [`MasterConfig::metrics_listen`] is set (names in `umbp_metrics::names`).
 //!
 //! # Node incarnations

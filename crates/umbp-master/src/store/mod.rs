@@ -44,6 +44,10 @@
 //!   view in place (plus what its chunks added, which the next completed sync sweeps). Every accepted
 //!   heartbeat of an ALIVE node — keepalive, gap and re-ack included — refreshes its liveness and its
 //!   reported capacity.
+//! - **The external KV index** (`report_external_kv` and the rest; the `external` module): advisory
+//!   `(hash, node, tier)` records of blocks a node holds outside the pool, apart from the key index.
+//!   A report of a node that is not ALIVE records nothing; registration, unregister and expiry drop
+//!   the node's records in the same step as its locations.
 //! - **Reads** see only ALIVE nodes' locations. The route-get read also grants a lease and stamps the
 //!   access time of every key it found, which is what eviction's LRU order and lease skip read.
 //!
