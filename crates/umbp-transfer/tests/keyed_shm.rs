@@ -384,6 +384,7 @@ fn get_batch(c: &KeyedClient, endpoint: &str, keys: &[&str], bufs: &mut [Vec<u8>
             key,
             dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
             cap: buf.len(),
+            verify: false,
         })
         .collect();
     // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
@@ -480,11 +481,17 @@ fn a_batch_refuses_bad_keys_and_too_many_keys() {
     let (srv, _shm, _) = holder(&file, &table, true);
     let c = client();
     let mut bufs = [vec![0u8; 8]];
-    let items = [KeyedBatchItem { key: "", dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"), cap: 8 }];
+    let items =
+        [KeyedBatchItem { key: "", dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"), cap: 8, verify: false }];
     // SAFETY: the buffer outlives the call.
     assert!(unsafe { c.get_shared_batch(srv.endpoint(), &items) }.is_err(), "an empty key");
     let many: Vec<KeyedBatchItem<'_>> = (0..=KeyedClient::MAX_BATCH_KEYS)
-        .map(|_| KeyedBatchItem { key: "k", dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"), cap: 0 })
+        .map(|_| KeyedBatchItem {
+            key: "k",
+            dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"),
+            cap: 0,
+            verify: false,
+        })
         .collect();
     // SAFETY: as above (nothing is written: the call is refused before it is sent).
     assert!(unsafe { c.get_shared_batch(srv.endpoint(), &many) }.is_err(), "too many keys");
@@ -560,4 +567,44 @@ fn a_batch_put_to_a_holder_without_the_shared_path_allocates_nothing() {
     assert!(table.committed.lock().is_empty() && table.aborted.lock().is_empty(), "never asked");
     let empty = [KeyedBatchPut { key: "e", value: &[], crc32c: None }];
     assert!(c.put_shared_batch(srv.endpoint(), 1, &empty).is_err(), "an empty value is refused");
+}
+
+#[test]
+fn a_verified_batch_get_reports_a_copy_that_does_not_match_its_checksum() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let c = client();
+    let (good, bad) = (pattern(1 << 20, 31), pattern(65_536, 32));
+    let crc = |v: &[u8]| Some(umbp_core::value_crc32c(v));
+    let written = put_batch(&c, srv.endpoint(), &[("good", &good, crc(&good)), ("bad", &bad, crc(&bad))]);
+    assert_eq!(written, vec![KeyedPut::Written, KeyedPut::Written]);
+    // One bit of "bad" flips in the holder's memory after the put.
+    let (_, region, offset, _) = table.slots.lock().2.values().find(|s| s.0 == "bad").cloned().expect("its slot");
+    assert_eq!(region, table.slots.lock().0);
+    let mut byte = [0u8; 1];
+    // SAFETY: inside the live mapping; nothing reads it concurrently.
+    unsafe { ptr::copy_nonoverlapping(file.base.as_ptr().add(offset as usize + 100), byte.as_mut_ptr(), 1) };
+    file.fill(offset as usize + 100, &[byte[0] ^ 0x10]);
+    let mut bufs = [vec![0u8; good.len()], vec![0u8; bad.len()]];
+    let items: Vec<KeyedBatchItem<'_>> = ["good", "bad"]
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(key, buf)| KeyedBatchItem {
+            key,
+            dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
+            cap: buf.len(),
+            verify: true,
+        })
+        .collect();
+    // SAFETY: every buffer is borrowed for the whole call; distinct vectors never overlap.
+    let got = unsafe { c.get_shared_batch(srv.endpoint(), &items) }.expect("an answer");
+    let expected = umbp_core::value_crc32c(&bad);
+    assert_eq!(got[0], KeyedGet::Hit { size: good.len() as u64, crc32c: crc(&good) });
+    assert!(matches!(got[1], KeyedGet::Corrupt { expected: e, got: g } if e == expected && g != e), "{:?}", got[1]);
+    assert_eq!(bufs[0], good);
+    // The control: unverified, the same copy is a hit with the flipped bit in it.
+    let got = get_batch(&c, srv.endpoint(), &["bad"], &mut bufs[1..]);
+    assert_eq!(got, vec![KeyedGet::Hit { size: bad.len() as u64, crc32c: Some(expected) }]);
+    assert_eq!(bufs[1].iter().zip(&bad).filter(|(a, b)| a != b).count(), 1, "exactly one byte differs");
 }

@@ -151,12 +151,15 @@ impl PoolClient {
         let answers = pipelined_with(spread.depth, &order, |c| async move {
             let ((node, endpoint), planned) = &chunks[c[0]];
             let items: Vec<(String, CallerBuf)> = planned.iter().map(|p| (keys[p.index].to_owned(), p.buf)).collect();
+            // Each copy is checked right after it, on its chunk's thread, while its bytes are in
+            // the cache (every destination here is host memory).
+            let verify = self.config.checksums;
             let keyed = Arc::clone(&self.keyed);
             let at = endpoint.to_string();
             let sent = self.clock.now();
             let got = offload(move || {
                 let batch: Vec<KeyedBatchItem<'_>> =
-                    items.iter().map(|(key, buf)| KeyedBatchItem { key, dst: buf.ptr, cap: buf.len }).collect();
+                    items.iter().map(|(key, buf)| KeyedBatchItem { key, dst: buf.ptr, cap: buf.len, verify }).collect();
                 // SAFETY: each destination is a caller buffer of this call (a slice it borrows
                 // exclusively, or a raw range its contract keeps valid and unshared), host memory
                 // (device registrations were left out above), no two overlapping (the batch
@@ -171,7 +174,6 @@ impl PoolClient {
         })
         .instrument(phase!(phases::GET_KEYED))
         .await;
-        let mut copies = Vec::new();
         let mut hits = Vec::new();
         for ((_, planned), (node, endpoint, got, late)) in chunks.iter().zip(answers) {
             let answers = match got {
@@ -193,9 +195,14 @@ impl PoolClient {
                     KeyedGet::Hit { .. } if late => {
                         StatCounters::add(&self.stats.lease_lapses, 1);
                     }
-                    KeyedGet::Hit { size, crc32c } => {
-                        copies.push((key, node.clone(), p.buf, size, crc32c));
-                        hits.push((p, node.clone(), endpoint.clone(), size));
+                    // Checked already (`verify`).
+                    KeyedGet::Hit { size, .. } => hits.push((p, node.clone(), endpoint.clone(), size)),
+                    KeyedGet::Corrupt { expected, got } => {
+                        // Corrupt bytes at that holder: counted, never returned; the routed path
+                        // reads the key elsewhere, or reports a miss.
+                        self.mismatch(key, node, p.buf.len as u64, expected, got);
+                        self.locations.forget(key);
+                        prerouted[p.index] = None;
                     }
                     KeyedGet::TooSmall(size) => {
                         results[p.index] = Some(Err(KeyError::BufferTooSmall { needed: size, got: p.buf.len as u64 }));
@@ -210,21 +217,11 @@ impl PoolClient {
                 }
             }
         }
-        let checked: Vec<(&str, &str, CallerBuf, u64, Option<u32>)> =
-            copies.iter().map(|(k, n, b, s, c)| (*k, &**n, *b, *s, *c)).collect();
-        let intact = self.copies_are_intact(&checked).await;
         let now = self.clock.now();
         let mut hinted = Vec::new();
         let mut read = 0u64;
-        for ((p, node, endpoint, size), intact) in hits.into_iter().zip(intact) {
+        for (p, node, endpoint, size) in hits {
             let key = keys[p.index];
-            if !intact {
-                // Corrupt bytes at that holder: the routed path reads the key elsewhere, or
-                // reports a miss.
-                self.locations.forget(key);
-                prerouted[p.index] = None;
-                continue;
-            }
             results[p.index] = Some(Ok(size));
             prerouted[p.index] = None;
             read += 1;

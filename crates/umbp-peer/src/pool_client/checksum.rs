@@ -224,7 +224,7 @@ impl PoolClient {
     }
 
     /// Counts and logs a read whose bytes do not match their checksum; false (the copy is not intact).
-    fn mismatch(&self, key: &str, node: &str, size: u64, expected: u32, got: u32) -> bool {
+    pub(super) fn mismatch(&self, key: &str, node: &str, size: u64, expected: u32, got: u32) -> bool {
         StatCounters::add(&self.stats.checksum_failures, 1);
         if let Some(held_back) = MISMATCH.check() {
             tracing::warn!(

@@ -104,6 +104,14 @@ pub enum KeyedGet {
     Lapsed,
     /// The holder serves no keyed reads of this key: take the routed path.
     Unsupported,
+    /// The copied bytes do not match the checksum the writer put with the value (only for a batch
+    /// item that asked to be verified): the destination's bytes are not the value.
+    Corrupt {
+        /// The writer's checksum.
+        expected: u32,
+        /// The copy's.
+        got: u32,
+    },
 }
 
 /// What a keyed put did.

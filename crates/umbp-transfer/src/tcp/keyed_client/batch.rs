@@ -24,6 +24,10 @@ pub struct KeyedBatchItem<'a> {
     pub dst: NonNull<u8>,
     /// The destination's bytes.
     pub cap: usize,
+    /// Check the copy against the checksum its writer put with the value right after the copy,
+    /// while its bytes are still in the cache (a value put without one is not checked): a mismatch
+    /// is [`KeyedGet::Corrupt`].
+    pub verify: bool,
 }
 
 /// One value of [`KeyedClient::put_shared_batch`].
@@ -300,7 +304,22 @@ impl KeyedClient {
                     match unsafe { self.shared.copy(endpoint, &d.ranges, item.dst) } {
                         // Judged when this key's copy ended (see `SharedReads`).
                         Ok(size) if sent.elapsed() <= Duration::from_nanos(d.lease_ns) => {
-                            KeyedGet::Hit { size, crc32c: d.crc32c }
+                            match d.crc32c.filter(|_| item.verify) {
+                                Some(expected) => {
+                                    // SAFETY: the copy just wrote `size <= cap` bytes at `dst`,
+                                    // ours alone during the call; only read.
+                                    let copied = unsafe {
+                                        std::slice::from_raw_parts(item.dst.as_ptr().cast_const(), size as usize)
+                                    };
+                                    let got = umbp_core::value_crc32c(copied);
+                                    if got == expected {
+                                        KeyedGet::Hit { size, crc32c: d.crc32c }
+                                    } else {
+                                        KeyedGet::Corrupt { expected, got }
+                                    }
+                                }
+                                None => KeyedGet::Hit { size, crc32c: d.crc32c },
+                            }
                         }
                         Ok(_) => KeyedGet::Lapsed,
                         Err(error) => {
