@@ -93,3 +93,66 @@ def test_int_hashes_and_bad_input(master):
         node.match_external_kv([str(i) for i in range(16385)])
     with pytest.raises(InvalidInputError):
         UMBPMasterClient(master).unregister_self()
+
+
+def _engine(master: str, node_id: str):
+    """An engine rank as SGLang makes one: a distributed ``mori.umbp`` client lending 16 MiB."""
+    import umbp.mori as mu
+
+    cfg = mu.UMBPConfig()
+    cfg.dram.capacity_bytes = 16 << 20
+    cfg.dram.prefault = False
+    d = mu.UMBPDistributedConfig()
+    d.master_config.master_address = master
+    d.master_config.node_id = node_id
+    d.master_config.node_address = "127.0.0.1"
+    d.dram_page_size = 64 << 10
+    cfg.distributed = d
+    return mu.UMBPClient(cfg)
+
+
+def _until(predicate, timeout: float = 10.0):
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        value = predicate()
+        if value or time.time() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def test_engines_report_through_their_heartbeat_and_a_scheduler_routes(master):
+    """The two-argument forms on each engine's own client ride its heartbeat (no RPC per block);
+    the scheduler's match then routes a prompt to the engine holding the longest prefix."""
+    import umbp.mori as mu
+
+    a, b = _engine(master, "rank-a"), _engine(master, "rank-b")
+    try:
+        prompt = prefix_hashes(10, salt="hb")
+        assert a.report_external_kv_blocks(prompt[:8], mu.UMBPTierType.HBM)
+        assert b.report_external_kv_blocks(prompt[:5], mu.UMBPTierType.HBM)
+        assert b.report_external_kv_blocks(prompt[:6], "dram")
+        scheduler = mu.UMBPMasterClient(master)
+        assert mu.UMBPMasterClient is UMBPMasterClient, "mori.umbp exports the master client"
+
+        def routed():
+            m = scheduler.match_external_kv(prompt)
+            return route(m, prompt) if len(m) == 2 else None
+
+        assert _until(lambda: routed() == ("rank-a", 8)), routed()
+        # The engine's own client can ask too.
+        assert [m.node_id for m in b.match_external_kv(prompt)] == ["rank-a", "rank-b"]
+        # rank-a's HBM is wiped: rank-b's six DRAM pages win.
+        assert a.revoke_all_external_kv_blocks_at_tier(mu.UMBPTierType.HBM)
+        assert _until(lambda: routed() is None and route(scheduler.match_external_kv(prompt), prompt) == ("rank-b", 6))
+        assert b.revoke_external_kv_blocks(prompt[:6], mu.UMBPTierType.DRAM)
+        assert _until(lambda: route(scheduler.match_external_kv(prompt), prompt) == ("rank-b", 5))
+        # Bad input answers False, never raises.
+        assert a.report_external_kv_blocks([], mu.UMBPTierType.HBM) is False
+        assert a.report_external_kv_blocks(prompt, "nvme") is False
+    finally:
+        a.close()
+        b.close()
+    # Engines that leave take their blocks along.
+    assert _until(lambda: scheduler.match_external_kv(prompt) == [], timeout=15.0)

@@ -75,8 +75,10 @@ def test_client_methods():
     assert c.register_memory(p, src.nbytes) is False  # overlap: refused, not raised
     assert c.deregister_memory(p) is True
     assert c.register_memory(p, src.nbytes, None, 0) is False  # device memory: not supported
-    assert c.report_external_kv_blocks(["h"], mu.UMBPTierType.DRAM) is False
-    assert c.revoke_all_external_kv_blocks_at_tier(mu.UMBPTierType.HBM) is False
+    # The local pool is a node of its own in-process master: its external blocks are indexed there.
+    assert c.report_external_kv_blocks(["h"], mu.UMBPTierType.DRAM) is True
+    assert c.revoke_all_external_kv_blocks_at_tier(mu.UMBPTierType.HBM) is True
+    assert c.report_external_kv_blocks([], mu.UMBPTierType.DRAM) is False  # bad input: False
     assert c.clear() is True
     assert c.batch_exists(["a", "b"]) == [False, False]
     c.close()

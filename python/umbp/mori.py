@@ -22,7 +22,7 @@ import os
 from typing import Any, List, Optional, Sequence
 
 from . import _umbp
-from ._umbp import Error, Pool
+from ._umbp import Error, Pool, UMBPMasterClient
 
 __all__ = [
     "CacheRemoteAdmission",
@@ -42,6 +42,7 @@ __all__ = [
     "UMBPIoBackend",
     "UMBPIoConfig",
     "UMBPIoEngineConfig",
+    "UMBPMasterClient",
     "UMBPMasterClientConfig",
     "UMBPMedium",
     "UMBPRole",
@@ -536,23 +537,40 @@ class UMBPClient:
         except _MALFORMED:
             return [False] * _len(keys)
 
-    # The external-KV index (cache-aware scheduling) does not exist in this pool: the calls answer
-    # "not done", which the store logs and carries on from.
-    def report_external_kv_blocks(self, hashes: Sequence[str], tier: Any) -> bool:
-        """Not supported: False."""
-        return False
+    # The external KV index (blocks this engine holds outside the pool, for cache-aware routing):
+    # the changes ride this node's heartbeat; matching asks the master.
+    def report_external_kv_blocks(self, hashes: Sequence[Any], tier: Any) -> bool:
+        """This node holds ``hashes`` at ``tier`` outside the pool: queued for its next heartbeat
+        (True), or False for bad input or a client that lends no memory (not a registered node)."""
+        try:
+            self._pool.report_external_kv_blocks(list(hashes), tier)
+            return True
+        except _MALFORMED:
+            return False
 
-    def revoke_external_kv_blocks(self, hashes: Sequence[str], tier: Any) -> bool:
-        """Not supported: False."""
-        return False
+    def revoke_external_kv_blocks(self, hashes: Sequence[Any], tier: Any) -> bool:
+        """This node no longer holds ``hashes`` at ``tier``: queued (True), or False."""
+        try:
+            self._pool.revoke_external_kv_blocks(list(hashes), tier)
+            return True
+        except _MALFORMED:
+            return False
 
     def revoke_all_external_kv_blocks_at_tier(self, tier: Any) -> bool:
-        """Not supported: False."""
-        return False
+        """Every block this node holds at ``tier`` goes: queued (True), or False."""
+        try:
+            self._pool.revoke_all_external_kv_blocks_at_tier(tier)
+            return True
+        except _MALFORMED:
+            return False
 
-    def match_external_kv(self, hashes: Sequence[str], count_as_hit: bool = False) -> list:
-        """Not supported: no matches."""
-        return []
+    def match_external_kv(self, hashes: Sequence[Any], count_as_hit: bool = False) -> list:
+        """The nodes holding any of ``hashes`` outside the pool (``UMBPExternalKvNodeMatch``: node id,
+        ``hashes_by_tier``), sorted by node id; [] on bad input or an unreachable master."""
+        try:
+            return self._pool.match_external_kv(list(hashes), count_as_hit)
+        except _MALFORMED:
+            return []
 
     def close(self) -> None:
         """Leaves the pool (not in mori's API; dropping the client does the same)."""

@@ -13,12 +13,6 @@ use umbp_proto::v1;
 use crate::service::{MasterService, store_status, tier_from_wire, tier_to_wire};
 use crate::store::{ExternalReport, MAX_EXTERNAL_KV_HASHES, MetadataStore, StoreError};
 
-/// Metric of external KV reports, by `result` (`recorded`, `rejected_not_alive`).
-pub(crate) const MASTER_EXTERNAL_KV_REPORTS_TOTAL: &str = "umbp_master_external_kv_reports_total";
-/// Help text of [`MASTER_EXTERNAL_KV_REPORTS_TOTAL`].
-pub(crate) const MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP: &str =
-    "External KV block reports, by result (rejected_not_alive: the node was not a live registered node).";
-
 /// Counters of the external index calls.
 #[derive(Debug, Default)]
 pub(crate) struct ExternalStats {

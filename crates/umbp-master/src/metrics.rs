@@ -90,14 +90,14 @@ impl MetricSource for ClusterMetrics {
             ),
             counter(names::MASTER_EVICTED_BYTES_TOTAL, names::MASTER_EVICTED_BYTES_TOTAL_HELP, vec![], &e.bytes_freed),
             counter(
-                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL,
-                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP,
+                names::MASTER_EXTERNAL_KV_REPORTS_TOTAL,
+                names::MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP,
                 vec![label("result", "recorded")],
                 &s.external.reports_recorded,
             ),
             counter(
-                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL,
-                crate::external::MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP,
+                names::MASTER_EXTERNAL_KV_REPORTS_TOTAL,
+                names::MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP,
                 vec![label("result", "rejected_not_alive")],
                 &s.external.reports_rejected_not_alive,
             ),

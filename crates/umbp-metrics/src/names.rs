@@ -92,6 +92,11 @@ pub const MASTER_EVICTION_KEYS_TOTAL_HELP: &str =
 pub const MASTER_EVICTED_BYTES_TOTAL: &str = "umbp_master_evicted_bytes_total";
 /// Help text of [`MASTER_EVICTED_BYTES_TOTAL`].
 pub const MASTER_EVICTED_BYTES_TOTAL_HELP: &str = "Bytes the peers reported freed by master-driven eviction.";
+/// Counter of external KV block reports by `result=` (`recorded`, `rejected_not_alive`).
+pub const MASTER_EXTERNAL_KV_REPORTS_TOTAL: &str = "umbp_master_external_kv_reports_total";
+/// Help text of [`MASTER_EXTERNAL_KV_REPORTS_TOTAL`].
+pub const MASTER_EXTERNAL_KV_REPORTS_TOTAL_HELP: &str =
+    "External KV block reports, by result (rejected_not_alive: the node was not a live registered node).";
 
 /// The slot-lifecycle operations [`InstrumentedBackend`](crate::InstrumentedBackend) counts, as
 /// their `op=` label values. `resolve` is a read (its bytes are read bandwidth); `lookup` is an

@@ -41,7 +41,7 @@ fn invalid(message: impl Into<String>) -> PyErr {
 }
 
 /// The hashes as strings: a `str` as is, an `int` as its decimal digits.
-fn hashes_of(hashes: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
+pub(crate) fn hashes_of(hashes: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
     hashes
         .iter()
         .map(|h| {
@@ -57,7 +57,7 @@ fn hashes_of(hashes: &[Bound<'_, PyAny>]) -> PyResult<Vec<String>> {
 }
 
 /// A tier from an int, a `UMBPTierType` member or a name (`"HBM"`, `"dram"`, …).
-fn tier_of(tier: &Bound<'_, PyAny>) -> PyResult<TierType> {
+pub(crate) fn tier_of(tier: &Bound<'_, PyAny>) -> PyResult<TierType> {
     let parsed = if let Ok(n) = tier.extract::<u32>() {
         TierType::from_wire(n)
     } else if let Ok(name) = tier.extract::<String>() {
@@ -69,6 +69,12 @@ fn tier_of(tier: &Bound<'_, PyAny>) -> PyResult<TierType> {
         return Err(invalid(format!("tier {tier} is not HBM (1), DRAM (2) or SSD (3)")));
     }
     Ok(parsed)
+}
+
+impl From<ExternalKvNodeMatch> for NodeMatch {
+    fn from(m: ExternalKvNodeMatch) -> Self {
+        Self { node_id: m.node_id, peer_address: m.peer_address, tiers: m.hashes_by_tier }
+    }
 }
 
 /// One node that holds some of the hashes a `match_external_kv` asked for.

@@ -15,6 +15,7 @@ use umbp_peer::pool_client::{KeyError, Medium, PoolClient, PoolClientConfig, Raw
 
 use crate::buffer::View;
 use crate::errors::{self, INVALID_INPUT};
+use crate::master_client;
 use crate::medium::{self, MediumRequest};
 use crate::memcheck::range_mapped;
 use crate::runtime;
@@ -722,6 +723,58 @@ impl Pool {
             let kind = if e.is_retryable() { errors::UNAVAILABLE } else { errors::INTERNAL };
             errors::exception(kind, format!("flush: {e}"))
         })
+    }
+
+    /// This node holds the KV blocks `hashes` (str or int) at `tier` outside the pool (an engine's
+    /// GPU or pinned memory): queued for its next heartbeat, which is woken now, and shipped again
+    /// after every full sync (a restarted master rebuilds the index from its nodes). Raises
+    /// `InvalidInputError` for empty hashes or a bad tier, or on a client that lends no memory (it
+    /// is not a registered node).
+    fn report_external_kv_blocks(&self, hashes: Vec<Bound<'_, PyAny>>, tier: Bound<'_, PyAny>) -> PyResult<()> {
+        let (hashes, tier) = (master_client::hashes_of(&hashes)?, master_client::tier_of(&tier)?);
+        self.open()?
+            .client
+            .report_external_kv_blocks(&hashes, tier)
+            .map_err(|e| errors::pool_error("report_external_kv_blocks", &e))
+    }
+
+    /// This node no longer holds `hashes` at `tier` (queued as `report_external_kv_blocks`).
+    fn revoke_external_kv_blocks(&self, hashes: Vec<Bound<'_, PyAny>>, tier: Bound<'_, PyAny>) -> PyResult<()> {
+        let (hashes, tier) = (master_client::hashes_of(&hashes)?, master_client::tier_of(&tier)?);
+        self.open()?
+            .client
+            .revoke_external_kv_blocks(&hashes, tier)
+            .map_err(|e| errors::pool_error("revoke_external_kv_blocks", &e))
+    }
+
+    /// Every block this node holds at `tier` goes (queued as `report_external_kv_blocks`).
+    fn revoke_all_external_kv_blocks_at_tier(&self, tier: Bound<'_, PyAny>) -> PyResult<()> {
+        let tier = master_client::tier_of(&tier)?;
+        self.open()?
+            .client
+            .revoke_all_external_kv_blocks_at_tier(tier)
+            .map_err(|e| errors::pool_error("revoke_all_external_kv_blocks_at_tier", &e))
+    }
+
+    /// The nodes holding any of `hashes` outside the pool, as `UMBPMasterClient.match_external_kv`
+    /// answers (asked of this client's master).
+    #[pyo3(signature = (hashes, count_as_hit = false))]
+    fn match_external_kv(
+        &self,
+        py: Python<'_>,
+        hashes: Vec<Bound<'_, PyAny>>,
+        count_as_hit: bool,
+    ) -> PyResult<Vec<master_client::NodeMatch>> {
+        let hashes = master_client::hashes_of(&hashes)?;
+        let client = Arc::clone(&self.open()?.client);
+        let rt = runtime()?;
+        let matches = py
+            .detach(move || rt.block_on(async move { client.master().match_external_kv(&hashes, count_as_hit).await }))
+            .map_err(|e| {
+                let kind = if e.is_retryable() { errors::UNAVAILABLE } else { errors::kind_code(e.kind()) };
+                errors::exception(kind, format!("match_external_kv: {e}"))
+            })?;
+        Ok(matches.into_iter().map(Into::into).collect())
     }
 
     /// Leaves the pool (a local pool also stops its master). Idempotent; later calls raise
