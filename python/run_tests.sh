@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Python suite from a machine with only a Rust toolchain and CPython (3.9+; CI uses 3.11):
-# makes a venv under target/, installs maturin, pytest and numpy from PyPI, builds and installs the
+# makes a venv under target/, installs maturin, pytest and numpy (and msgspec, pyzmq and pydantic,
+# which SGLang's KV event module imports) from PyPI, builds and installs the
 # umbp wheel and the mori.umbp compatibility package, and runs pytest (the distributed tests start
 # their master with `python -m umbp master`, the command line built into the wheel; SGLang's wheel
 # is downloaded by the tests into target/sglang-cache).
@@ -26,7 +27,8 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 step "build tools and test dependencies"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" pytest numpy wheel "setuptools>=61"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.7,<2" pytest numpy wheel "setuptools>=61" \
+    msgspec pyzmq pydantic
 
 step "umbp wheel (profile $PROFILE) and mori-compat"
 PATH="$VENV/bin:$PATH" MATURIN_PEP517_ARGS="--profile $PROFILE" \

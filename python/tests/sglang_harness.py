@@ -24,6 +24,7 @@ NEEDED = (
     "sglang/srt/mem_cache/storage/umbp/umbp_store.py",
     "sglang/srt/mem_cache/storage/umbp/umbp_host_allocator.py",
     "sglang/srt/mem_cache/storage/umbp/umbp_direct_linker.py",
+    "sglang/srt/disaggregation/kv_events.py",
 )
 
 
@@ -101,6 +102,30 @@ def install_stubs(sglang_dir: Path) -> None:
 
     pool_host.HostKVCache = HostKVCache
     sys.modules["sglang.srt.mem_cache.memory_pool_host"] = pool_host
+
+
+def import_kv_events(sglang_dir: Path):
+    """SGLang's ``kv_events`` module (the KV cache events and their ``KVEventBatch`` wire format),
+    unmodified. It imports two modules only its publisher side uses (``runtime_context``, whose
+    import pulls in the whole server-args tree, and ``utils.network``); they are stubbed with the
+    two names it takes, which raise if anything calls them."""
+    install_stubs(sglang_dir)
+    import importlib
+
+    def unused(*_a, **_k):
+        raise RuntimeError("stub: the KV event publisher is not run here")
+
+    runtime = types.ModuleType("sglang.srt.runtime_context")
+    runtime.get_parallel = unused
+    sys.modules.setdefault("sglang.srt.runtime_context", runtime)
+    network = types.ModuleType("sglang.srt.utils.network")
+    network.NetworkAddress = type("NetworkAddress", (), {"parse": staticmethod(unused)})
+    sys.modules.setdefault("sglang.srt.utils.network", network)
+    if "sglang.srt.utils" not in sys.modules:
+        utils = types.ModuleType("sglang.srt.utils")
+        utils.__path__ = []
+        sys.modules["sglang.srt.utils"] = utils
+    return importlib.import_module("sglang.srt.disaggregation.kv_events")
 
 
 def import_store(sglang_dir: Path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+import sglang_harness
+from conftest import free_port
 from umbp._umbp import InvalidInputError, UMBPMasterClient
 from umbp.mori import UMBPTierType
 
@@ -156,3 +158,82 @@ def test_engines_report_through_their_heartbeat_and_a_scheduler_routes(master):
         b.close()
     # Engines that leave take their blocks along.
     assert _until(lambda: scheduler.match_external_kv(prompt) == [], timeout=15.0)
+
+
+@pytest.fixture(scope="module")
+def kv_events():
+    """SGLang's ``umbp_store`` (its ``KVEventsSubscriber``) and ``kv_events`` modules, unmodified."""
+    import os
+
+    try:
+        d = sglang_harness.fetch_sglang()
+    except sglang_harness.Unavailable as e:
+        if os.environ.get("UMBP_REQUIRE_SGLANG"):
+            raise
+        pytest.skip(str(e))
+    store, _ = sglang_harness.import_store(d)
+    return store, sglang_harness.import_kv_events(d)
+
+
+def test_sglangs_kv_event_subscriber_reports_an_engines_blocks(master, kv_events):
+    """SGLang's own ``KVEventsSubscriber`` thread, fed SGLang's ``KVEventBatch`` wire format over a
+    real ZMQ socket (as its engine publishes them), reports, revokes and clears this engine's blocks
+    through our ``mori.umbp`` client; a scheduler's match sees each change."""
+    import time
+
+    import msgspec
+    import zmq
+
+    store, ev = kv_events
+    engine = _engine(master, "rank-events")
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    subscriber = store.KVEventsSubscriber(engine, endpoint=f"tcp://127.0.0.1:{port}", topic="", poll_timeout_ms=20)
+    subscriber.start()
+    scheduler = UMBPMasterClient(master)
+    encoder = msgspec.msgpack.Encoder()
+    seq = [0]
+
+    def publish(*events):
+        # The publisher's frames: topic, sequence number, the msgpack batch.
+        seq[0] += 1
+        batch = ev.KVEventBatch(ts=time.time(), events=list(events))
+        pub.send_multipart([b"", seq[0].to_bytes(8, "big"), encoder.encode(batch)])
+
+    def held(hashes):
+        """``{tier: [hash, ...]}`` the master holds for this engine."""
+        for m in scheduler.match_external_kv(hashes):
+            if m.node_id == "rank-events":
+                return m.hashes_by_tier
+        return {}
+
+    def until_held(events, hashes, expected, timeout=10.0):
+        # PUB/SUB drops what is sent before the subscription arrives: publish again until seen
+        # (each change is idempotent).
+        deadline = time.time() + timeout
+        while held(hashes) != expected:
+            assert time.time() < deadline, f"after {events}: {held(hashes)}"
+            publish(*events)
+            time.sleep(0.1)
+
+    blocks = [1001, 1002, -1003, 2**62]
+    names = [str(h) for h in blocks]
+    try:
+        gpu = ev.StorageMedium.GPU.value
+        cpu = ev.StorageMedium.CPU.value
+        stored = ev.BlockStored(
+            block_hashes=blocks, parent_block_hash=None, token_ids=[1, 2, 3], block_size=16, lora_id=None, medium=gpu
+        )
+        until_held([stored], names, {UMBPTierType.HBM: names})
+        mirrored = ev.BlockStored(
+            block_hashes=blocks[:2], parent_block_hash=None, token_ids=[1], block_size=16, lora_id=None, medium=cpu
+        )
+        until_held([mirrored], names, {UMBPTierType.HBM: names, UMBPTierType.DRAM: names[:2]})
+        removed = ev.BlockRemoved(block_hashes=blocks[1:3], medium=gpu)
+        until_held([removed], names, {UMBPTierType.HBM: [names[0], names[3]], UMBPTierType.DRAM: names[:2]})
+        until_held([ev.AllBlocksCleared()], names, {})
+    finally:
+        subscriber.stop()
+        pub.close(linger=0)
+        engine.close()
