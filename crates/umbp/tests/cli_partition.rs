@@ -7,9 +7,11 @@
 //! A **cut** between two hosts is a blackhole route to each other on both sides: packets are
 //! dropped silently, so connections stall as on a real partition (nothing answers "refused"). A
 //! **slow link** is a token-bucket rate limit (`tc qdisc … tbf`) on a host's egress. **Loss** is an
-//! nftables rule dropping a random share of a port's packets (`numgen random`). This kernel has no
-//! `sch_netem` ("Specified qdisc kind is unknown"), so delay cannot be injected here; the slow link
-//! is what stretches a transfer long enough to cut it in the middle.
+//! nftables rule dropping a random share of a port's packets (`numgen random`). **Delay** is a relay
+//! in the holder's namespace that holds every chunk back 100 ms each way, new connections to the
+//! data port redirected through it by nftables (a stream-level 200 ms round trip, as toxiproxy
+//! injects it). This kernel has no `sch_netem` ("Specified qdisc kind is unknown"), hence these; the
+//! slow link is what stretches a transfer long enough to cut it in the middle.
 //!
 //! What is expected, and asserted:
 //!
@@ -29,14 +31,21 @@
 //!   dropped, so batch puts and gets of values on both nodes complete and read byte-exact; a copy
 //!   the retransmissions stretch past its read lease is discarded and read again, never returned.
 //!   No key may end in wrong bytes, and all must be read within a bound.
+//! - **200 ms of delay on the data plane** (one node's data port): a single keyed get pays two
+//!   delayed round trips (the handshake, then the request and the value) — at least 200 ms — and
+//!   still ends inside the 500 ms read lease, so it is a hit; a batch get of keys on both nodes
+//!   reads every value byte-exact within a bound (a copy that outlived its lease would be read
+//!   again, never returned), and the slow node's values went through the relay.
 //!
 //! Needs root (namespaces and routes) and, for loss, `nft` (Debian's `nftables`). Without them the
 //! tests print why and pass, unless `UMBP_REQUIRE_ROOT=1` (set by `cargo xtask ci` where it runs as
 //! root) makes that a failure.
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig};
@@ -221,6 +230,37 @@ impl Net {
         tool("ip", &["netns", "exec", &self.ns(member), "nft", "delete", "table", "inet", "umbploss"])
     }
 
+    /// Sends new TCP connections from `from_ip` to `port` in `member`'s namespace to `to_port` there
+    /// instead (an nftables `redirect`), counting them.
+    fn redirect(&self, member: &str, from_ip: &str, port: u16, to_port: u16) -> Result<(), String> {
+        let ns = self.ns(member);
+        let nft = |args: &[&str]| {
+            let mut all = vec!["netns", "exec", ns.as_str(), "nft"];
+            all.extend_from_slice(args);
+            tool("ip", &all)
+        };
+        nft(&["add", "table", "ip", "umbpdelay"])?;
+        nft(&["add", "chain", "ip", "umbpdelay", "pre", "{ type nat hook prerouting priority -100; }"])?;
+        let (port, to) = (port.to_string(), format!(":{to_port}"));
+        nft(&[
+            "add",
+            "rule",
+            "ip",
+            "umbpdelay",
+            "pre",
+            "ip",
+            "saddr",
+            from_ip,
+            "tcp",
+            "dport",
+            &port,
+            "counter",
+            "redirect",
+            "to",
+            &to,
+        ])
+    }
+
     /// `umbp ARGS…` inside `member`'s namespace, with a clean `UMBP_*` environment.
     fn umbp(&self, member: &str, args: &[&str]) -> Command {
         let mut cmd = Command::new("ip");
@@ -261,6 +301,98 @@ fn network(members: &[&str]) -> Option<Net> {
             None
         }
     }
+}
+
+/// A TCP relay inside a namespace: connections to its port there are forwarded to `target`, every
+/// chunk held back `delay` in each direction — a link of `2 × delay` round trip (what `tc netem
+/// delay` would give, which this kernel lacks). Threads end when their connections do; the
+/// listener when `stop` is set.
+struct DelayRelay {
+    port: u16,
+    stop: Arc<AtomicBool>,
+    /// Bytes relayed, both ways.
+    relayed: Arc<AtomicU64>,
+}
+
+impl DelayRelay {
+    fn start(netns: &str, target: SocketAddr, delay: Duration) -> Result<Self, String> {
+        let path = format!("/var/run/netns/{netns}");
+        let file = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let relayed = Arc::new(AtomicU64::new(0));
+        let (stop2, relayed2) = (Arc::clone(&stop), Arc::clone(&relayed));
+        std::thread::spawn(move || {
+            // SAFETY: `file` is an open namespace file; setns only changes this thread's namespace.
+            if unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) } != 0 {
+                let _ = tx.send(Err(format!("setns: {}", std::io::Error::last_os_error())));
+                return;
+            }
+            let listener = match std::net::TcpListener::bind("0.0.0.0:0").and_then(|l| {
+                l.set_nonblocking(true)?;
+                Ok(l)
+            }) {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = tx.send(Err(format!("bind: {e}")));
+                    return;
+                }
+            };
+            let _ = tx.send(listener.local_addr().map(|a| a.port()).map_err(|e| e.to_string()));
+            while !stop2.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((client, _)) => {
+                        // Made in this thread: inside the namespace, so not redirected again.
+                        let Ok(server) = std::net::TcpStream::connect(target) else { continue };
+                        let _ = client.set_nonblocking(false);
+                        for (from, to) in [(client.try_clone(), server.try_clone()), (Ok(server), Ok(client))] {
+                            if let (Ok(from), Ok(to)) = (from, to) {
+                                relay_one_way(from, to, delay, Arc::clone(&relayed2));
+                            }
+                        }
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        let port = rx.recv_timeout(Duration::from_secs(5)).map_err(|e| e.to_string())??;
+        Ok(Self { port, stop, relayed })
+    }
+}
+
+impl Drop for DelayRelay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Copies `from` to `to`, each chunk written `delay` after it was read (in order).
+fn relay_one_way(mut from: std::net::TcpStream, mut to: std::net::TcpStream, delay: Duration, relayed: Arc<AtomicU64>) {
+    use std::io::{Read, Write};
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 256 << 10];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if tx.send((Instant::now() + delay, buf[..n].to_vec())).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        while let Ok((due, chunk)) = rx.recv() {
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            if to.write_all(&chunk).is_err() {
+                return;
+            }
+            relayed.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        }
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    });
 }
 
 const MASTER: usize = 0;
@@ -549,4 +681,81 @@ async fn five_percent_loss_on_the_data_plane_slows_batches_but_loses_no_byte() {
         net.lossless(node).expect("nft off");
     }
     client.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_ms_of_delay_on_the_data_plane_slows_reads_but_never_returns_other_bytes() {
+    let Some(net) = network(&MEMBERS) else { return };
+    if Command::new("nft").arg("--version").output().is_err() {
+        assert!(
+            std::env::var("UMBP_REQUIRE_ROOT").map_or(true, |v| v != "1"),
+            "UMBP_REQUIRE_ROOT=1 but no `nft` (install nftables)"
+        );
+        eprintln!("SKIPPED: no `nft` to redirect packets with");
+        return;
+    }
+    let dir = TempDir::new("partition-delay");
+    let (_procs, master) = start_cluster(&net, &dir.0);
+    let writer =
+        PoolClient::start(PoolClientConfig::new("partition-delay-writer", master.clone())).await.expect("client");
+    const LEN: usize = 256 << 10;
+    let keys: Vec<String> = (0..16).map(|i| format!("delay-{i}")).collect();
+    for k in &keys {
+        writer.put(k, &value(k, LEN)).await.unwrap_or_else(|e| panic!("put {k}: {e}"));
+    }
+    let placed = indexed(&writer, &keys).await;
+    let on_n1: Vec<String> =
+        keys.iter().zip(&placed).filter(|(_, h)| h.as_deref() == Some("n1")).map(|(k, _)| k.clone()).collect();
+    assert!(!on_n1.is_empty() && on_n1.len() < keys.len(), "keys on both nodes: {placed:?}");
+    writer.close().await;
+    // n1's data port, and a relay in its namespace that holds every chunk back 100 ms each way;
+    // new connections from the test's address to the data port go through it.
+    let routes = holders_with_endpoints(&master, &on_n1[..1]).await;
+    let endpoint: SocketAddr = routes[0].parse().expect("a data endpoint");
+    let relay = DelayRelay::start(&net.ns("n1"), endpoint, Duration::from_millis(100)).expect("relay");
+    net.redirect("n1", &net.root_ip(), endpoint.port(), relay.port).expect("nft redirect");
+
+    // A fresh reader: every data connection it makes to n1 is new, so it goes through the relay.
+    let reader =
+        PoolClient::start(PoolClientConfig::new("partition-delay-reader", master.clone())).await.expect("client");
+    // One key on n1: one keyed exchange (hello, then the request and the value): at least two
+    // delayed round trips, inside the 500 ms read lease, so a hit with the exact bytes.
+    let started = Instant::now();
+    let mut one = vec![0u8; LEN];
+    let got = reader.get(&on_n1[0], &mut one).await;
+    let single = started.elapsed();
+    assert_eq!(got, Ok(LEN as u64), "a single get over a 200 ms link");
+    assert!(one == value(&on_n1[0], LEN), "byte-exact");
+    assert!(single >= Duration::from_millis(200), "the link was not slow: {single:?}");
+    // The whole batch: hits are exact; a copy that outlives its lease is read again, never returned;
+    // every key is read within a bound.
+    let started = Instant::now();
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        let (results, bufs) = get_all(&reader, &keys, LEN).await;
+        assert_hits_exact(&keys, &results, &bufs, LEN);
+        if results.iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "over a 200 ms link: {results:?}");
+    }
+    let relayed = relay.relayed.load(Ordering::Relaxed);
+    assert!(relayed >= (on_n1.len() * LEN) as u64, "n1's values went through the delaying relay ({relayed} bytes)");
+    eprintln!(
+        "200 ms RTT on n1's data plane: one get {single:?}; {} keys ({} on n1) read byte-exact in {rounds} round(s), {:?}; {relayed} bytes relayed",
+        keys.len(),
+        on_n1.len(),
+        started.elapsed()
+    );
+    reader.close().await;
+}
+
+/// Each key's holder's data endpoint, asked of the master by a light client.
+async fn holders_with_endpoints(master: &str, keys: &[String]) -> Vec<String> {
+    let client =
+        PoolClient::start(PoolClientConfig::new("partition-delay-router", master.to_owned())).await.expect("client");
+    let routes = client.master().batch_route_get(keys, &[]).await.expect("route");
+    client.close().await;
+    routes.into_iter().map(|r| r.map(|h| h.data_endpoint).unwrap_or_default()).collect()
 }
