@@ -168,19 +168,12 @@ impl ServerConn<'_> {
     /// [`batch_wire`](super::super::batch_wire)). Only a client that can map this server's regions
     /// asks it; a server with no keyed handler answers `UNSUPPORTED` for the whole request.
     pub(super) fn get_keys(&mut self, r: Request) -> Result<(), End> {
-        if r.length > batch_wire::max_request_body() || r.flags != FLAG_SHARED || r.region != 0 {
-            return Err(End::Malformed(FrameError::TooLong(r.length)));
+        if r.region != 0 {
+            return Err(End::Malformed(FrameError::TooLong(r.region)));
         }
-        let mut body = vec![0u8; r.length as usize];
-        self.reader.read_exact_into(&mut body)?;
+        let body = self.batch_body(&r, batch_wire::max_request_body())?;
         let entries = batch_wire::decode_request(&body, r.offset).map_err(End::Malformed)?;
-        // This reply is written now, not queued: everything queued goes out first, in order.
-        self.flush()?;
-        let Some(handler) = self.keyed_handler() else {
-            self.send_alone(&Reply { status: Status::Unsupported, id: r.id, length: 0 }.encode())?;
-            bump(&self.shared.metrics.requests[Status::Unsupported as usize]);
-            return Ok(());
-        };
+        let Some(handler) = self.batch_handler(r.id)? else { return Ok(()) };
         // Before the first resolve: each descriptor states its lease from here, so the client's
         // bound (from before it sent the request) is never later than a lease's end.
         let received = Instant::now();
@@ -218,28 +211,14 @@ impl ServerConn<'_> {
             };
             batch_wire::encode_answer(&mut reply, &answer);
         }
-        let head = Reply { status: Status::Ok, id: r.id, length: reply.len() as u64 }.encode();
-        let deadline = Instant::now() + self.shared.config.io_timeout;
-        write_all_vectored_until(
-            &mut self.writer,
-            &mut [IoSlice::new(&head), IoSlice::new(&reply)],
-            deadline,
-            &mut self.write_clock,
-        )?;
+        self.send_ok_with(r.id, &reply)?;
         bump(&self.shared.metrics.requests[Status::Mapped as usize]);
         if open.is_empty() {
             return Ok(());
         }
         // The leases stay open until the client settles (or the connection ends: dropping `open`
         // closes them on every path).
-        self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
-        let mut settle = [0u8; SETTLE_LEN];
-        self.reader.read_exact_into(&mut settle)?;
-        match Settle::decode(&settle).map_err(End::Malformed)? {
-            Settle::Done => Ok(()),
-            // A batch is never served as bytes: the client reads what it cannot map the routed way.
-            Settle::SendBytes => Err(End::Malformed(FrameError::BadStatus(Settle::SendBytes as u8))),
-        }
+        self.read_done_settle()
     }
 
     /// PUT_KEYS: allocate a slot per key, answer each with a `MAPPED` descriptor of its slot (or
@@ -248,18 +227,9 @@ impl ServerConn<'_> {
     /// written before it sent the settle, so this server's clock alone judges it), abort the rest,
     /// and answer one status byte per key (see [`batch_wire`](super::super::batch_wire)).
     pub(super) fn put_keys(&mut self, r: Request) -> Result<(), End> {
-        if r.length > batch_wire::max_put_request_body() || r.flags != FLAG_SHARED {
-            return Err(End::Malformed(FrameError::TooLong(r.length)));
-        }
-        let mut body = vec![0u8; r.length as usize];
-        self.reader.read_exact_into(&mut body)?;
+        let body = self.batch_body(&r, batch_wire::max_put_request_body())?;
         let entries = batch_wire::decode_put_request(&body, r.offset).map_err(End::Malformed)?;
-        self.flush()?;
-        let Some(handler) = self.keyed_handler() else {
-            self.send_alone(&Reply { status: Status::Unsupported, id: r.id, length: 0 }.encode())?;
-            bump(&self.shared.metrics.requests[Status::Unsupported as usize]);
-            return Ok(());
-        };
+        let Some(handler) = self.batch_handler(r.id)? else { return Ok(()) };
         let received = Instant::now();
         // One slot per key that got one (`None`: answered otherwise).
         let mut open: Vec<Option<OpenWrite<'_>>> = Vec::with_capacity(entries.len());
@@ -297,26 +267,14 @@ impl ServerConn<'_> {
             batch_wire::encode_answer(&mut reply, &answer);
             open.push(slot);
         }
-        let head = Reply { status: Status::Ok, id: r.id, length: reply.len() as u64 }.encode();
-        let deadline = Instant::now() + self.shared.config.io_timeout;
-        write_all_vectored_until(
-            &mut self.writer,
-            &mut [IoSlice::new(&head), IoSlice::new(&reply)],
-            deadline,
-            &mut self.write_clock,
-        )?;
+        self.send_ok_with(r.id, &reply)?;
         if open.iter().all(Option::is_none) {
             bump(&self.shared.metrics.requests[Status::Mapped as usize]);
             return Ok(());
         }
         // Every slot stays open until the client settles (or the connection ends: dropping `open`
         // aborts them on every path).
-        self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
-        let mut settle = [0u8; SETTLE_LEN];
-        self.reader.read_exact_into(&mut settle)?;
-        if Settle::decode(&settle).map_err(End::Malformed)? != Settle::Done {
-            return Err(End::Malformed(FrameError::BadStatus(Settle::SendBytes as u8)));
-        }
+        self.read_done_settle()?;
         let mut copied = vec![0u8; entries.len()];
         self.reader.read_exact_into(&mut copied)?;
         let mut statuses = Vec::with_capacity(entries.len());
@@ -334,16 +292,56 @@ impl ServerConn<'_> {
                 (None, _) => Status::Failed,
             } as u8);
         }
-        let head = Reply { status: Status::Ok, id: r.id, length: statuses.len() as u64 }.encode();
+        self.send_ok_with(r.id, &statuses)?;
+        bump(&self.shared.metrics.requests[Status::Mapped as usize]);
+        Ok(())
+    }
+
+    /// A GET_KEYS or PUT_KEYS request's body (at most `max` bytes; `flags` must be [`FLAG_SHARED`]).
+    fn batch_body(&mut self, r: &Request, max: u64) -> Result<Vec<u8>, End> {
+        if r.length > max || r.flags != FLAG_SHARED {
+            return Err(End::Malformed(FrameError::TooLong(r.length)));
+        }
+        let mut body = vec![0u8; r.length as usize];
+        self.reader.read_exact_into(&mut body)?;
+        Ok(body)
+    }
+
+    /// The keyed handler for a batch, after everything queued went out (a batch's replies are
+    /// written now, in order); without one, the whole request is answered `UNSUPPORTED`: `None`.
+    fn batch_handler(&mut self, id: u64) -> Result<Option<Arc<dyn KeyedHandler>>, End> {
+        self.flush()?;
+        let handler = self.keyed_handler();
+        if handler.is_none() {
+            self.send_alone(&Reply { status: Status::Unsupported, id, length: 0 }.encode())?;
+            bump(&self.shared.metrics.requests[Status::Unsupported as usize]);
+        }
+        Ok(handler)
+    }
+
+    /// Writes an `OK` reply carrying `payload`, within one IO timeout.
+    fn send_ok_with(&mut self, id: u64, payload: &[u8]) -> Result<(), End> {
+        let head = Reply { status: Status::Ok, id, length: payload.len() as u64 }.encode();
         let deadline = Instant::now() + self.shared.config.io_timeout;
         write_all_vectored_until(
             &mut self.writer,
-            &mut [IoSlice::new(&head), IoSlice::new(&statuses)],
+            &mut [IoSlice::new(&head), IoSlice::new(payload)],
             deadline,
             &mut self.write_clock,
         )?;
-        bump(&self.shared.metrics.requests[Status::Mapped as usize]);
         Ok(())
+    }
+
+    /// Waits (within one IO timeout) for a batch's settle frame, which must be `Done`: a batch is
+    /// never served as bytes (the client reads what it cannot map the routed way).
+    fn read_done_settle(&mut self) -> Result<(), End> {
+        self.reader.set_deadline(Some(Instant::now() + self.shared.config.io_timeout));
+        let mut settle = [0u8; SETTLE_LEN];
+        self.reader.read_exact_into(&mut settle)?;
+        match Settle::decode(&settle).map_err(End::Malformed)? {
+            Settle::Done => Ok(()),
+            Settle::SendBytes => Err(End::Malformed(FrameError::BadStatus(Settle::SendBytes as u8))),
+        }
     }
 
     /// Sends a keyed read's value from `guarded` with its trailer (judging `open`'s lease when the
