@@ -50,14 +50,20 @@ async fn every_put_path_stores_the_values_checksum_and_off_stores_none() {
     let plain = PoolClient::start(light(&m, "plain", |c| c.checksums = false)).await.expect("writer");
     let tcp = PoolClient::start(light(&m, "tcp", |c| c.shared_memory = false)).await.expect("writer");
     let values: Vec<Vec<u8>> = (0..6).map(|i| value(i, 3 * PAGE as usize + 17 * i)).collect();
-    // Single puts are keyed (a large one through the shared mapping, a small one as bytes), batches
-    // routed (allocate, transfer, commit), a holder's own put goes to its medium.
+    // Single puts are keyed (a large one through the shared mapping, a small one as bytes); a light
+    // client's batch to a holder on this host is one PUT_KEYS, summed on its chunk's thread; a
+    // batch without the shared path is routed (allocate, transfer, commit); a holder's own put
+    // goes to its medium.
     writer.put("keyed", &values[0]).await.expect("keyed put");
     let big = value(9, 256 << 10);
     writer.put("keyed-shared", &big).await.expect("keyed put through the mapping");
     tcp.put("keyed-tcp", &values[1]).await.expect("keyed put over TCP");
     let r = writer.batch_put(&[("routed-a", &values[2]), ("routed-b", &values[3])]).await;
     assert_eq!(r, vec![Ok(()), Ok(())]);
+    assert_eq!(writer.stats().keyed_puts, 4, "the batch went as one PUT_KEYS (after two single keyed puts)");
+    let r = tcp.batch_put(&[("routed-tcp", &values[1]), ("routed-tcp-2", &values[0])]).await;
+    assert_eq!(r, vec![Ok(()), Ok(())]);
+    assert_eq!(tcp.stats().keyed_puts, 1, "without the shared path the batch was routed");
     holder.put("local", &values[4]).await.expect("local put");
     plain.put("unchecked", &values[5]).await.expect("put without a checksum");
     for (key, v) in [
@@ -66,6 +72,8 @@ async fn every_put_path_stores_the_values_checksum_and_off_stores_none() {
         ("keyed-tcp", &values[1]),
         ("routed-a", &values[2]),
         ("routed-b", &values[3]),
+        ("routed-tcp", &values[1]),
+        ("routed-tcp-2", &values[0]),
         ("local", &values[4]),
     ] {
         assert_eq!(stored_crc(&holder, key), Some(value_crc32c(v)), "{key}: the writer's checksum is stored");

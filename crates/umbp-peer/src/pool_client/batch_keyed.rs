@@ -330,30 +330,30 @@ impl PoolClient {
         let chunks = &chunks;
         let answers = pipelined_with(spread.depth, &order, |c| async move {
             let ((node, endpoint, _, tier), indexes) = &chunks[c[0]];
-            let srcs: Vec<Src<'_>> = indexes.iter().map(|i| items[*i].1).collect();
-            let crcs = self.value_checksums(&srcs).await;
-            let values: Vec<(String, CallerBuf, Option<u32>)> = indexes
+            let values: Vec<(String, CallerBuf)> = indexes
                 .iter()
-                .zip(crcs)
-                .filter_map(|(i, crc)| match items[*i].1 {
-                    Src::Whole(b) => Some((items[*i].0.to_owned(), b, crc)),
+                .filter_map(|i| match items[*i].1 {
+                    Src::Whole(b) => Some((items[*i].0.to_owned(), b)),
                     Src::Ranges { .. } => None,
                 })
                 .collect();
             let keyed = Arc::clone(&self.keyed);
             let at = endpoint.clone();
             let wire_tier = u64::from(tier.wire());
+            // Each chunk sums its own values on its own thread (the chunks run at once, one per
+            // core), not on extra blocking tasks per chunk.
+            let checksums = self.config.checksums;
             let got = offload(move || {
                 let batch: Vec<KeyedBatchPut<'_>> = values
                     .iter()
-                    .map(|(key, buf, crc32c)| KeyedBatchPut {
-                        key,
+                    .map(|(key, buf)| {
                         // SAFETY: a caller buffer of this call (a slice it borrows, or a raw range
                         // its contract keeps valid and unwritten until the call returns), host
                         // memory (checked above); only read, and the offloaded work is waited for
                         // even if the call is dropped (`Offloaded`).
-                        value: unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().cast_const(), buf.len) },
-                        crc32c: *crc32c,
+                        let value = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().cast_const(), buf.len) };
+                        let crc32c = checksums.then(|| umbp_core::value_crc32c(value));
+                        KeyedBatchPut { key, value, crc32c }
                     })
                     .collect();
                 keyed.put_shared_batch(&at, wire_tier, &batch)
