@@ -52,12 +52,21 @@ enum Fetched {
 
 /// What the commits of one batch share with their jobs.
 struct Batch {
-    results: Sender<(usize, CommitResult)>,
+    results: Sender<(usize, Uploaded)>,
     /// Set (under the state lock) when the caller stopped waiting.
     abandoned: AtomicBool,
 }
 
 const FAILED: CommitResult = CommitResult { success: false, bytes_committed: 0 };
+
+/// What a worker hands back for one upload of a commit batch.
+enum Uploaded {
+    /// The upload failed (already cleaned up): the commit answers failed.
+    Failed,
+    /// The object is in the store, not yet published: the committing thread publishes it (or
+    /// deletes it), in request order, so the batch's `Add` events follow its commit order.
+    Stored { upload: Upload, name: String },
+}
 
 impl Arena {
     /// The bytes of `pages` holding a `size`-byte value, in value order.
@@ -158,10 +167,15 @@ impl Inner {
                 outstanding -= 1;
             }
         }
+        let mut stored: Vec<(Upload, String)> = Vec::new();
+        let mut take = |i: usize, u: Uploaded, results: &mut [CommitResult]| match u {
+            Uploaded::Failed => results[i] = FAILED,
+            Uploaded::Stored { upload, name } => stored.push((upload, name)),
+        };
         while outstanding > 0 {
             match rx.recv_deadline(deadline) {
-                Ok((i, r)) => {
-                    results[i] = r;
+                Ok((i, u)) => {
+                    take(i, u, results);
                     outstanding -= 1;
                 }
                 Err(_) => break,
@@ -172,15 +186,53 @@ impl Inner {
                 let _state = self.state.lock();
                 batch.abandoned.store(true, Ordering::Relaxed);
             }
-            // Jobs that published before the flag was set sent their results first.
-            while let Ok((i, r)) = rx.try_recv() {
-                results[i] = r;
+            // Jobs that finished before the flag was set sent their uploads first.
+            while let Ok((i, u)) = rx.try_recv() {
+                take(i, u, results);
             }
             tracing::warn!(
                 timeout = ?self.config.op_timeout,
                 "object store uploads outlasted op_timeout; their commits answer failed"
             );
         }
+        self.publish(stored, results);
+    }
+
+    /// Publishes the stored objects of one commit wave in request order (the `Add` events follow
+    /// the commit order), under one lock: each becomes its key's value, unless the state moved on
+    /// (a reset, a stop) or another commit of the key published first — then its object goes.
+    fn publish(self: &Arc<Self>, mut stored: Vec<(Upload, String)>, results: &mut [CommitResult]) {
+        stored.sort_by_key(|(up, _)| up.index);
+        let mut dead = Vec::new();
+        {
+            let mut state = self.state.lock();
+            for (up, name) in stored {
+                let result = if up.generation != state.generation || !state.is_live() {
+                    state.unreserve(up.size);
+                    state.free_pages(&up.pages);
+                    dead.push(name);
+                    FAILED
+                } else if let Some(o) = state.owned.get(&up.key) {
+                    // Another commit of the key published first: it stays, ours goes.
+                    let size = o.size;
+                    state.unreserve(up.size);
+                    state.free_pages(&up.pages);
+                    dead.push(name);
+                    CommitResult { success: true, bytes_committed: size }
+                } else {
+                    state.owned.insert(up.key.clone(), Owned { size: up.size, seq: up.seq, crc32c: up.crc32c });
+                    state.push_event(KvEvent::add(up.key.clone(), TIER, up.size));
+                    if self.config.cache_committed {
+                        state.cache_copy(&up.key, up.pages, up.size);
+                    } else {
+                        state.free_pages(&up.pages);
+                    }
+                    CommitResult { success: true, bytes_committed: up.size }
+                };
+                results[up.index] = result;
+            }
+        }
+        self.delete_later(dead);
     }
 
     /// A worker's upload: the object's bytes out of the slot's pages, the PUT, the outcome.
@@ -209,47 +261,26 @@ impl Inner {
         let mut dead = Vec::new();
         {
             let mut state = self.state.lock();
-            let mut pages = Some(up.pages);
-            let result = match outcome {
+            let index = up.index;
+            let handed = match outcome {
                 Err(e) => {
                     tracing::warn!(key = %up.key, error = %e, "object upload failed; the commit answers failed");
                     state.unreserve(up.size);
-                    FAILED
+                    state.free_pages(&up.pages);
+                    Uploaded::Failed
                 }
-                Ok(())
-                    if batch.abandoned.load(Ordering::Relaxed)
-                        || up.generation != state.generation
-                        || !state.is_live() =>
-                {
+                Ok(()) if batch.abandoned.load(Ordering::Relaxed) => {
+                    // The caller stopped waiting: nobody publishes it.
                     state.unreserve(up.size);
+                    state.free_pages(&up.pages);
                     dead.push(name);
-                    FAILED
+                    Uploaded::Failed
                 }
-                Ok(()) => match state.owned.get(&up.key) {
-                    Some(o) => {
-                        // Another commit of the key published first: it stays, ours goes.
-                        let size = o.size;
-                        state.unreserve(up.size);
-                        dead.push(name);
-                        CommitResult { success: true, bytes_committed: size }
-                    }
-                    None => {
-                        state.owned.insert(up.key.clone(), Owned { size: up.size, seq: up.seq, crc32c: up.crc32c });
-                        state.push_event(KvEvent::add(up.key.clone(), TIER, up.size));
-                        if self.config.cache_committed
-                            && let Some(p) = pages.take()
-                        {
-                            state.cache_copy(&up.key, p, up.size);
-                        }
-                        CommitResult { success: true, bytes_committed: up.size }
-                    }
-                },
+                // The committing thread publishes it, in request order (`publish`).
+                Ok(()) => Uploaded::Stored { upload: up, name },
             };
-            if let Some(p) = pages {
-                state.free_pages(&p);
-            }
-            // Sent under the lock, so a caller that gives up after it finds the result queued.
-            let _ = batch.results.send((up.index, result));
+            // Sent under the lock, so a caller that gives up after it finds the upload queued.
+            let _ = batch.results.send((index, handed));
         }
         self.delete_later(dead);
     }
