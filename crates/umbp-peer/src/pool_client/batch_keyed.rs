@@ -58,7 +58,9 @@ struct Spread {
 
 impl Spread {
     fn for_batch(total_bytes: u64) -> Self {
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        // Asked once per process: on Linux it reads the cgroup's CPU quota from files.
+        static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
         let chunk_bytes = (total_bytes / cores as u64).clamp(MIN_CHUNK_BYTES, PIPELINE_CHUNK_BYTES);
         Self { chunk_bytes, depth: cores.max(PIPELINE_DEPTH) }
     }
@@ -105,12 +107,13 @@ impl PoolClient {
         let now = self.clock.now();
         let mut by_holder = ByHolder::new();
         let mut unplaced: Vec<(usize, CallerBuf)> = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
+        let located = self.locations.get_many(keys, now);
+        for (i, location) in located.into_iter().enumerate() {
             let Some(buf) = targets.get(i).and_then(Dest::whole) else { continue };
             if results[i].is_some() || self.in_device_registration(buf) {
                 continue;
             }
-            match self.locations.get(key, now) {
+            match location {
                 Some((node, endpoint)) => {
                     by_holder.entry((node, endpoint)).or_default().push(Planned { index: i, buf, cached: true });
                 }

@@ -68,8 +68,17 @@ pub(super) struct Locations {
 }
 
 impl Locations {
-    pub(super) fn get(&self, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
+    fn get(&self, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
+        Self::live(&self.map.lock(), key, now)
+    }
+
+    /// [`get`](Self::get) of every key, under one lock (a batch's lookups).
+    pub(super) fn get_many(&self, keys: &[&str], now: Instant) -> Vec<Option<(Arc<str>, Arc<str>)>> {
         let map = self.map.lock();
+        keys.iter().map(|key| Self::live(&map, key, now)).collect()
+    }
+
+    fn live(map: &HashMap<String, Location>, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
         let l = map.get(key).filter(|l| l.until > now)?;
         Some((Arc::clone(&l.node), Arc::clone(&l.endpoint)))
     }
