@@ -377,6 +377,17 @@ fn a_put_into_a_region_the_holder_does_not_share_sends_its_bytes() {
 
 /// One GET_KEYS of `keys` into `bufs`.
 fn get_batch(c: &KeyedClient, endpoint: &str, keys: &[&str], bufs: &mut [Vec<u8>]) -> Vec<KeyedGet> {
+    get_batch_verified(c, endpoint, keys, bufs, false)
+}
+
+/// One GET_KEYS of `keys` into `bufs`, each copy checked against its checksum when `verify`.
+fn get_batch_verified(
+    c: &KeyedClient,
+    endpoint: &str,
+    keys: &[&str],
+    bufs: &mut [Vec<u8>],
+    verify: bool,
+) -> Vec<KeyedGet> {
     let items: Vec<KeyedBatchItem<'_>> = keys
         .iter()
         .zip(bufs.iter_mut())
@@ -384,7 +395,7 @@ fn get_batch(c: &KeyedClient, endpoint: &str, keys: &[&str], bufs: &mut [Vec<u8>
             key,
             dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
             cap: buf.len(),
-            verify: false,
+            verify,
         })
         .collect();
     // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
@@ -587,18 +598,7 @@ fn a_verified_batch_get_reports_a_copy_that_does_not_match_its_checksum() {
     unsafe { ptr::copy_nonoverlapping(file.base.as_ptr().add(offset as usize + 100), byte.as_mut_ptr(), 1) };
     file.fill(offset as usize + 100, &[byte[0] ^ 0x10]);
     let mut bufs = [vec![0u8; good.len()], vec![0u8; bad.len()]];
-    let items: Vec<KeyedBatchItem<'_>> = ["good", "bad"]
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(key, buf)| KeyedBatchItem {
-            key,
-            dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
-            cap: buf.len(),
-            verify: true,
-        })
-        .collect();
-    // SAFETY: every buffer is borrowed for the whole call; distinct vectors never overlap.
-    let got = unsafe { c.get_shared_batch(srv.endpoint(), &items) }.expect("an answer");
+    let got = get_batch_verified(&c, srv.endpoint(), &["good", "bad"], &mut bufs, true);
     let expected = umbp_core::value_crc32c(&bad);
     assert_eq!(got[0], KeyedGet::Hit { size: good.len() as u64, crc32c: crc(&good) });
     assert!(matches!(got[1], KeyedGet::Corrupt { expected: e, got: g } if e == expected && g != e), "{:?}", got[1]);
