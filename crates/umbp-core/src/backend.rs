@@ -138,6 +138,31 @@ pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
     /// answers take no lease. One entry per key, in request order.
     fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry>;
 
+    /// [`batch_resolve`](Self::batch_resolve) for readers that want only parts of each value:
+    /// `ranges[i]` lists the `(offset, length)` byte ranges of `keys[i]`'s value the reader will
+    /// copy (empty, or missing when `ranges` is shorter: the whole value). One entry per key, in
+    /// request order, with the same hits, misses, busy answers and leases as `batch_resolve`.
+    ///
+    /// A hit may be **partial** ([`ResolvedEntry::partial`]): its pages hold value pages
+    /// `first_page .. first_page + pages.len()`, covering every asked range, and only the asked
+    /// ranges' bytes in them are the value's. A staged medium (SSD) answers partially so that it
+    /// reads and stages only the blocks the ranges cover; a
+    /// partial hit is a reader's own copy under its own lease (released by
+    /// [`release_reads`](Self::release_reads) or expiry like any hit) and never a cached whole
+    /// value for later reads. A whole-value hit is always a correct answer too.
+    ///
+    /// The default resolves whole values: right for media whose pages are the value's home
+    /// (memory), where serving a part costs nothing more than serving the whole.
+    fn batch_resolve_ranges(
+        &self,
+        keys: &[String],
+        ranges: &[Vec<(u64, u64)>],
+        include_descs: bool,
+    ) -> Vec<ResolvedEntry> {
+        let _ = ranges;
+        self.batch_resolve(keys, include_descs)
+    }
+
     /// The reader finished copying these hits: each removes one reader from the lease it names, and
     /// a lease whose last reader is gone ends now (its key may be evicted, a staged copy's pages
     /// reused) instead of at its expiry. Call it once per hit, after the copy completed (or failed):

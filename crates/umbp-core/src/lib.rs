@@ -82,5 +82,5 @@ pub use transfer_ref::{LocalRegion, MemoryLocation, MemoryRegistrar, RemoteRegio
 pub use types::{
     AllocateOutcome, AllocateRequest, AllocateResult, BufferDesc, CommitRequest, CommitResult, EvictResult, KvEvent,
     KvEventKind, MAX_BACKENDS_PER_PEER, PageLocation, ReadLease, ReadLeases, ReadRelease, ResolvedEntry, TierCapacity,
-    TierType,
+    TierType, covering_pages, covering_span,
 };

@@ -266,6 +266,13 @@ pub struct ResolvedEntry {
     /// The CRC-32C the value's writer committed with it ([`CommitRequest::crc32c`]), if any: the
     /// reader checks the bytes it copied against it.
     pub crc32c: Option<u32>,
+    /// A **partial** hit, answered only to
+    /// [`batch_resolve_ranges`](crate::MediumBackend::batch_resolve_ranges): its pages hold value
+    /// pages `first_page .. first_page + pages.len()`, and in them only the bytes of the asked
+    /// ranges are the value's (the medium read no more). Copy nothing else out of it.
+    pub partial: bool,
+    /// The value page `pages[0]` holds: 0 for a whole value (see [`partial`](Self::partial)).
+    pub first_page: u64,
 }
 
 impl ResolvedEntry {
@@ -274,10 +281,46 @@ impl ResolvedEntry {
         Self::default()
     }
 
+    /// Whether a hit's pages hold the whole value (not partial, from its first byte, enough of
+    /// them for its size); `false` for a partial hit and for a miss.
+    pub fn is_whole(&self) -> bool {
+        self.found
+            && !self.partial
+            && self.first_page == 0
+            && self.page_size != 0
+            && self.pages.len() as u64 >= self.size.div_ceil(self.page_size)
+    }
+
     /// Busy: the key is here, but cannot be served now; retry this medium shortly.
     pub fn busy() -> Self {
         Self { busy: true, ..Self::default() }
     }
+}
+
+/// The value pages that a set of `(offset, length)` byte ranges of a value of `size` bytes touch,
+/// in pages of `page_size` bytes: `(first page, page count)` of the union span of the ranges,
+/// clipped to the value. `None` when no range touches the value (none given, all empty or past its
+/// end) or `page_size` is 0: read the whole value then.
+pub fn covering_pages(ranges: &[(u64, u64)], size: u64, page_size: u64) -> Option<(u64, u64)> {
+    if page_size == 0 {
+        return None;
+    }
+    let (lo, hi) = covering_span(ranges, size)?;
+    Some((lo / page_size, hi.div_ceil(page_size) - lo / page_size))
+}
+
+/// The byte span `[start, end)` from the first byte to the last that a set of `(offset, length)`
+/// ranges of a value of `size` bytes touch, clipped to the value; `None` when no range touches it.
+pub fn covering_span(ranges: &[(u64, u64)], size: u64) -> Option<(u64, u64)> {
+    let (mut lo, mut hi) = (u64::MAX, 0u64);
+    for &(offset, len) in ranges {
+        let end = offset.saturating_add(len).min(size);
+        if offset < end {
+            lo = lo.min(offset);
+            hi = hi.max(end);
+        }
+    }
+    (lo < hi).then_some((lo, hi))
 }
 
 /// A reader is done copying one hit: the read it held on `key` under lease `lease` (the hit's
@@ -504,6 +547,33 @@ mod tests {
         let b = ResolvedEntry::busy();
         assert!(b.busy && !b.found && b.pages.is_empty() && b.lease == 0);
         assert_ne!(b, ResolvedEntry::miss());
+    }
+
+    #[test]
+    fn covering_pages_spans_the_union_of_the_ranges_inside_the_value() {
+        assert_eq!(covering_pages(&[(100, 10)], 10_000, 4096), Some((0, 1)));
+        assert_eq!(covering_pages(&[(4096, 1)], 10_000, 4096), Some((1, 1)));
+        assert_eq!(covering_pages(&[(9000, 8), (4000, 100)], 10_000, 4096), Some((0, 3)), "a span, any order");
+        assert_eq!(covering_pages(&[(4095, 2)], 10_000, 4096), Some((0, 2)), "a range across a page edge");
+        assert_eq!(covering_pages(&[(9000, 5000)], 10_000, 4096), Some((2, 1)), "clipped to the value");
+        assert_eq!(covering_pages(&[(10_000, 5)], 10_000, 4096), None, "past the end");
+        assert_eq!(covering_pages(&[(7, 0)], 10_000, 4096), None, "empty");
+        assert_eq!(covering_pages(&[], 10_000, 4096), None);
+        assert_eq!(covering_pages(&[(0, 1)], 10_000, 0), None);
+        assert_eq!(covering_pages(&[(u64::MAX, 9)], 10_000, 4096), None, "no overflow");
+        assert_eq!(covering_span(&[(9000, 8), (4000, 100)], 10_000), Some((4000, 9008)));
+        assert_eq!(covering_span(&[(9990, 100)], 10_000), Some((9990, 10_000)));
+    }
+
+    #[test]
+    fn a_whole_entry_holds_every_page_from_the_first() {
+        let pages = vec![PageLocation::new(0, 4), PageLocation::new(0, 1)];
+        let whole = ResolvedEntry { found: true, pages, size: 5000, page_size: 4096, ..ResolvedEntry::default() };
+        assert!(whole.is_whole());
+        assert!(!ResolvedEntry { first_page: 1, ..whole.clone() }.is_whole());
+        assert!(!ResolvedEntry { partial: true, ..whole.clone() }.is_whole(), "all pages, some bytes");
+        assert!(!ResolvedEntry { size: 9000, ..whole.clone() }.is_whole(), "too few pages");
+        assert!(!ResolvedEntry::miss().is_whole());
     }
 
     #[test]

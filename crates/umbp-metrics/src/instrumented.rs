@@ -470,6 +470,29 @@ impl MediumBackend for InstrumentedBackend {
         )
     }
 
+    fn batch_resolve_ranges(
+        &self,
+        keys: &[String],
+        ranges: &[Vec<(u64, u64)>],
+        include_descs: bool,
+    ) -> Vec<ResolvedEntry> {
+        // Counted as resolves: the same answers, served partially or not.
+        self.measure(
+            Op::Resolve,
+            keys.len(),
+            || self.inner.batch_resolve_ranges(keys, ranges, include_descs),
+            |results, t| {
+                for r in results {
+                    match (r.found, r.busy) {
+                        (true, _) => t.add(Status::Ok, r.size),
+                        (false, true) => t.add(Status::NoSpace, 0),
+                        (false, false) => t.add(Status::Miss, 0),
+                    }
+                }
+            },
+        )
+    }
+
     fn release_reads(&self, reads: &[ReadRelease]) {
         // Not a slot-lifecycle op of its own: a release only ends leases early.
         self.inner.release_reads(reads);
