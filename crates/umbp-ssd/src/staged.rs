@@ -106,8 +106,10 @@ impl LeaseIds {
     }
 }
 
-/// Staging pages of a key dropped (cleared, evicted, corrupt) while a reader held them: freed at
-/// the lease's end, or as soon as the lease's last reader releases it.
+/// Staging pages under a read lease that no staged copy owns: those of a key dropped (cleared,
+/// evicted, corrupt) while a reader held them, or a partial read's (a reader's own copy of some
+/// pages of a value, never a cached copy). Freed at the lease's end, or as soon as the lease's
+/// last reader releases it.
 #[derive(Debug)]
 pub(crate) struct Deferred {
     pub(crate) pages: Vec<PageLocation>,
@@ -127,6 +129,16 @@ impl Deferred {
             }
             None => Err(staged.pages),
         }
+    }
+
+    /// A partial read's `pages` of `key`, held for its one reader under `lease` until `until`.
+    pub(crate) fn leased(key: &str, pages: Vec<PageLocation>, until: Instant, lease: u64) -> Self {
+        Self { pages, until, key: key.to_owned(), lease, readers: 1 }
+    }
+
+    /// Whether these are `pages` of `key` held under the live lease `lease` at `now`.
+    pub(crate) fn holds(&self, key: &str, lease: u64, pages: &[PageLocation], now: Instant) -> bool {
+        lease != 0 && self.lease == lease && self.key == key && self.until > now && self.pages == pages
     }
 
     /// Removes one reader of `lease` on `key`; true when that was the last (free the pages now).

@@ -29,6 +29,8 @@ pub(super) struct Counters {
     pub(super) segment_sync: AtomicU64,
     pub(super) segment_sync_error: AtomicU64,
     pub(super) staging_in_use: AtomicU64,
+    pub(super) partial_read: AtomicU64,
+    pub(super) partial_read_avoided_bytes: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64) {
@@ -80,6 +82,12 @@ pub struct SsdStats {
     pub tombstones: u64,
     /// Segment `fdatasync`s done by the periodic sync (and [`SsdBackend::sync`]).
     pub segment_syncs: u64,
+    /// Bytes read from the drives for resolves (headers and values, whole or partial).
+    pub device_read_bytes: u64,
+    /// Partial reads: ranged resolves that staged only the pages their ranges cover.
+    pub partial_reads: u64,
+    /// Drive bytes the partial reads did not read (their records' bytes beyond what they read).
+    pub partial_read_avoided_bytes: u64,
 }
 
 impl SsdBackend {
@@ -112,6 +120,9 @@ impl SsdBackend {
             staging_pages_in_use: l(&c.staging_in_use),
             tombstones,
             segment_syncs: l(&c.segment_sync),
+            device_read_bytes: l(&c.device_read_bytes),
+            partial_reads: l(&c.partial_read),
+            partial_read_avoided_bytes: l(&c.partial_read_avoided_bytes),
         }
     }
 }
@@ -120,7 +131,7 @@ impl MetricSource for SsdBackend {
     fn sample_metrics(&self) -> Vec<MetricSample> {
         let c = &self.inner.counters;
         let mut out = Vec::new();
-        let events: [(&str, &AtomicU64); 21] = [
+        let events: [(&str, &AtomicU64); 22] = [
             ("device_read_ok", &c.device_read_ok),
             ("device_read_error", &c.device_read_error),
             ("device_read_corrupt", &c.device_read_corrupt),
@@ -142,6 +153,7 @@ impl MetricSource for SsdBackend {
             ("recovery_torn_tail", &c.recovery_torn_tail),
             ("segment_sync", &c.segment_sync),
             ("segment_sync_error", &c.segment_sync_error),
+            ("partial_read", &c.partial_read),
         ];
         for (event, v) in events {
             let v = v.load(Ordering::Relaxed);
@@ -154,7 +166,11 @@ impl MetricSource for SsdBackend {
                 ));
             }
         }
-        for (event, v) in [("device_read", &c.device_read_bytes), ("device_write", &c.device_write_bytes)] {
+        for (event, v) in [
+            ("device_read", &c.device_read_bytes),
+            ("device_write", &c.device_write_bytes),
+            ("partial_read_avoided", &c.partial_read_avoided_bytes),
+        ] {
             let v = v.load(Ordering::Relaxed);
             if v > 0 {
                 out.push(MetricSample::counter(

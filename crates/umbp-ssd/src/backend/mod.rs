@@ -24,6 +24,7 @@
 //! | `recover` | opening the directories and scanning the log at `init` |
 //! | `write` | allocate (admission, eviction to make room), commit, abort |
 //! | `read` | resolve with single flight, re-validation, read releases |
+//! | `ranged` | ranged resolves: only the pages the ranges cover read and staged, as the reader's own copy |
 //! | `io_jobs` | the drive IO of read and write jobs, no lock held |
 //! | `reclaim` | the log thread's pass, segment deletion, compaction |
 //! | `tombstone` | writing evictions' tombstones and putting them in force |
@@ -65,6 +66,9 @@ mod index;
 mod io_jobs;
 mod lifecycle;
 mod metrics;
+mod ranged;
+#[cfg(test)]
+mod ranged_tests;
 mod read;
 mod reclaim;
 mod recover;
@@ -312,6 +316,18 @@ impl MediumBackend for SsdBackend {
             return Vec::new();
         }
         self.resolve(keys, include_descs)
+    }
+
+    fn batch_resolve_ranges(
+        &self,
+        keys: &[String],
+        ranges: &[Vec<(u64, u64)>],
+        include_descs: bool,
+    ) -> Vec<ResolvedEntry> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        self.resolve_ranges(keys, ranges, include_descs)
     }
 
     fn batch_contains(&self, keys: &[String]) -> Vec<bool> {

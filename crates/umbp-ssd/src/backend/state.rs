@@ -39,8 +39,9 @@ pub(super) struct State {
     owned: KeyIndex<Owned>,
     lru: Lru,
     staged: StagedMap,
-    /// Staging pages of keys dropped while a reader held them: freed at lease end, or when the
-    /// lease's last reader releases it.
+    /// Staging pages under a read lease that no staged copy owns (a key dropped while a reader
+    /// held its copy, or a partial read's pages): freed at lease end, or when the lease's last
+    /// reader releases it.
     deferred: Vec<Deferred>,
     lease_ids: LeaseIds,
     flights: HashMap<String, Arc<Flight>>,
@@ -617,12 +618,7 @@ impl State {
         until: Instant,
     ) -> Filled {
         let JobSlot { pages, size, loc, generation, crc32c } = job;
-        if let Some(n) = self.reading.get_mut(key) {
-            *n -= 1;
-            if *n == 0 {
-                self.reading.remove(key);
-            }
-        }
+        self.end_read(key);
         if let Some(f) = flight
             && self.flights.get(key).is_some_and(|g| Arc::ptr_eq(f, g))
         {
@@ -658,9 +654,68 @@ impl State {
         }
     }
 
+    /// One drive read of `key` (a [`start_read`](Self::start_read)) is over.
+    fn end_read(&mut self, key: &str) {
+        if let Some(n) = self.reading.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                self.reading.remove(key);
+            }
+        }
+    }
+
+    /// A partial drive read of `key` (some of its value's pages, into `job.pages` from
+    /// [`take_staging`](Self::take_staging), started by [`start_read`](Self::start_read) without a
+    /// flight) came back with `outcome`. The pages become the reader's own copy under a fresh lease
+    /// until `until` (returned): held like a dropped key's deferred pages, freed when the lease's
+    /// reader releases it or at its end, and never a staged copy of the key (a later whole read
+    /// must not find a part). A corrupt header drops the key as [`finish_read`](Self::finish_read)
+    /// does; anything else gives the pages back (`None`: a miss).
+    pub(super) fn finish_partial(
+        &mut self,
+        key: &str,
+        job: JobSlot,
+        outcome: JobOutcome,
+        now: Instant,
+        until: Instant,
+    ) -> Option<u64> {
+        let JobSlot { pages, loc, generation, .. } = job;
+        self.end_read(key);
+        let current = self.generation == generation && self.owned.get(key).is_some_and(|o| o.loc.seq == loc.seq);
+        match outcome {
+            JobOutcome::Ok if current => {
+                let lease = self.lease_ids.next();
+                self.lru.touch(key);
+                self.deferred.push(Deferred::leased(key, pages, until, lease));
+                Some(lease)
+            }
+            JobOutcome::Corrupt if current => {
+                self.free(&pages);
+                if self.drop_owned(key, now).is_some() {
+                    self.push_event(KvEvent::remove(key.to_owned(), TierType::Ssd));
+                }
+                None
+            }
+            _ => {
+                self.free(&pages);
+                None
+            }
+        }
+    }
+
     /// Checks a hit of `key` again just before it goes to the reader (see `Inner::revalidate`):
     /// renews its lease from `now`, or turns it into a busy or a miss.
     pub(super) fn revalidate(&mut self, key: &str, entry: &mut ResolvedEntry, now: Instant, until: Instant) {
+        if !entry.is_whole() {
+            // A partial copy: the reader's own pages, held while its lease lives.
+            let held = self.deferred.iter_mut().find(|d| d.holds(key, entry.lease, &entry.pages, now));
+            match held {
+                Some(d) => d.until = d.until.max(until),
+                None if self.owned.contains_key(key) => *entry = ResolvedEntry::busy(),
+                None => *entry = ResolvedEntry::miss(),
+            }
+            return;
+        }
         match self.staged.get_mut(key) {
             Some(s) if s.pages == entry.pages && s.size == entry.size => {
                 if s.holds(entry.lease, now) {

@@ -1,7 +1,8 @@
 //! Property test of [`State`]'s byte accounting: arbitrary sequences of its methods, driven as the
 //! backend drives them (allocate, commit in two phases, abort, evict, read in two phases, release,
-//! expire, clear, tombstones, compaction), with every invariant of the `state` module checked
-//! after every step, and every hit carrying the checksum its owned record was committed with.
+//! expire, clear, tombstones, compaction, partial reads), with every invariant of the `state`
+//! module checked after every step, every hit carrying the checksum its owned record was committed
+//! with, and no partial read ever becoming a staged copy.
 
 use std::time::{Duration, Instant};
 
@@ -31,6 +32,8 @@ enum Op {
     EvictDownTo { target: u64 },
     Read { key: u8 },
     FinishRead { read: usize, outcome: u8 },
+    ReadPart { key: u8, pages: u64 },
+    FinishPart { read: usize, outcome: u8 },
     Release { lease: usize },
     Advance { ms: u64 },
     Clear,
@@ -49,6 +52,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..=CAPACITY).prop_map(|target| Op::EvictDownTo { target }),
         2 => (0..KEYS).prop_map(|key| Op::Read { key }),
         2 => (any::<usize>(), 0..3u8).prop_map(|(read, outcome)| Op::FinishRead { read, outcome }),
+        2 => (0..KEYS, 1..=4u64).prop_map(|(key, pages)| Op::ReadPart { key, pages }),
+        2 => (any::<usize>(), 0..3u8).prop_map(|(read, outcome)| Op::FinishPart { read, outcome }),
         1 => any::<usize>().prop_map(|lease| Op::Release { lease }),
         1 => (0..200u64).prop_map(|ms| Op::Advance { ms }),
         1 => Just(Op::Clear),
@@ -121,6 +126,7 @@ fn run(ops: &[Op]) {
     let mut now = start;
     let (mut slots, mut commits, mut reads, mut leases) =
         (Vec::new(), Vec::<Commit>::new(), Vec::<Read>::new(), Vec::new());
+    let mut parts = Vec::<Read>::new();
     let mut next_slot = 1;
     for (step, op) in ops.iter().enumerate() {
         match op.clone() {
@@ -196,6 +202,36 @@ fn run(ops: &[Op]) {
                     leases.push(ReadRelease { key: r.key, lease: hit.lease });
                 }
             }
+            Op::ReadPart { key: k, pages } => {
+                // As the backend: a cached copy is served whole; otherwise some of the value's
+                // pages are staged for this reader alone (no flight).
+                let k = key(k);
+                let until = now + Duration::from_millis(150);
+                if let Some(hit) = state.hold_staged(&k, now, until) {
+                    check_hit(&state, &k, &hit);
+                    leases.push(ReadRelease { key: k, lease: hit.lease });
+                } else if let Some(owned) = state.owned(&k)
+                    && let Some(pages) = state.take_staging(pages.min(owned.size.div_ceil(PAGE)), now)
+                {
+                    assert!(state.start_read(&k, false).is_none(), "a partial read leads no flight");
+                    let generation = state.generation();
+                    let (size, loc, crc32c) = (owned.size, owned.loc, owned.crc32c);
+                    parts.push(Read { key: k, pages, size, loc, generation, crc32c, flight: None });
+                }
+            }
+            Op::FinishPart { read, outcome } if !parts.is_empty() => {
+                let r = parts.swap_remove(read % parts.len());
+                let outcome = [JobOutcome::Ok, JobOutcome::IoError, JobOutcome::Corrupt][outcome as usize];
+                let until = now + Duration::from_millis(150);
+                let staged_before = state.staged().contains_key(&r.key);
+                let slot =
+                    JobSlot { pages: r.pages, size: r.size, loc: r.loc, generation: r.generation, crc32c: r.crc32c };
+                if let Some(lease) = state.finish_partial(&r.key, slot, outcome, now, until) {
+                    leases.push(ReadRelease { key: r.key.clone(), lease });
+                }
+                let staged_after = state.staged().contains_key(&r.key);
+                assert!(staged_after == staged_before || !staged_after, "a partial read became a staged copy");
+            }
             Op::Release { lease } if !leases.is_empty() => {
                 let r = leases.swap_remove(lease % leases.len());
                 state.release_read(&r, now);
@@ -239,7 +275,7 @@ fn run(ops: &[Op]) {
             _ => {}
         }
         let in_flight: Vec<(Vec<PageLocation>, u64)> = commits.iter().map(|c| (c.pages.clone(), c.size)).collect();
-        let out: u64 = reads.iter().map(|r| r.pages.len() as u64).sum();
+        let out: u64 = reads.iter().chain(&parts).map(|r| r.pages.len() as u64).sum();
         let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| state.check(&in_flight, out)));
         if let Err(e) = checked {
             panic!("after step {step} ({op:?}) of {ops:?}: {:?}", e.downcast_ref::<String>());
@@ -273,6 +309,12 @@ fn state_accounting_holds_through_a_put_read_evict_clear_cycle() {
         Op::Read { key: 1 },
         Op::FinishRead { read: 0, outcome: 0 },
         Op::Release { lease: 0 },
+        Op::ReadPart { key: 0, pages: 1 },
+        Op::FinishPart { read: 0, outcome: 0 },
+        Op::Release { lease: 0 },
+        Op::ReadPart { key: 0, pages: 1 },
+        Op::FinishPart { read: 0, outcome: 0 },
+        Op::Advance { ms: 200 },
         Op::Evict { key: 1 },
         Op::FlushTombstones { ok: true },
         Op::Compact,
