@@ -46,6 +46,7 @@ mod events;
 mod evict;
 mod fixture;
 mod lifecycle;
+mod ranged;
 mod release;
 
 use fixture::Fixture;
@@ -338,4 +339,5 @@ checks! {
     release::release_frees_a_cleared_keys_pages_at_once => "a key cleared under a reader gives its pages back at the release",
     release::an_idle_medium_never_answers_busy => "a miss is never busy; an idle medium serves what it owns",
     release::an_existence_check_holds_no_lease => "batch_contains answers ownership and leaves no lease behind",
+    ranged::ranged_resolve_holds_every_asked_byte => "a ranged resolve's hit, whole or partial, holds every asked byte; a later whole resolve is whole",
 }
