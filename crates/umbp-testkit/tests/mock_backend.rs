@@ -311,6 +311,9 @@ enum Flaw {
     SwallowsInitErrors,
     /// `shutdown` without an `init` panics (a node that failed to start would crash on cleanup).
     PanicsOnShutdownWithoutInit,
+    /// A ranged resolve answers a part that starts one page later than its pages do (an
+    /// off-by-one in a staged medium's partial read: the reader copies the wrong bytes).
+    ShiftsRangedParts,
 }
 
 /// A registrar that forwards registrations and swallows deregistrations.
@@ -459,6 +462,24 @@ impl MediumBackend for Flawed {
         if self.flaw == Flaw::BusyForMissing {
             for e in entries.iter_mut().filter(|e| !e.found) {
                 *e = ResolvedEntry::busy();
+            }
+        }
+        entries
+    }
+    fn batch_resolve_ranges(
+        &self,
+        keys: &[String],
+        ranges: &[Vec<(u64, u64)>],
+        include_descs: bool,
+    ) -> Vec<ResolvedEntry> {
+        let mut entries = self.batch_resolve(keys, include_descs);
+        if self.flaw == Flaw::ShiftsRangedParts {
+            for (e, r) in entries.iter_mut().zip(ranges) {
+                if e.found && !r.is_empty() && e.pages.len() > 1 {
+                    e.pages.pop();
+                    e.partial = true;
+                    e.first_page = 1;
+                }
             }
         }
         entries
@@ -863,6 +884,12 @@ fn suite_fails_each_lifecycle_and_answer_shape_flaw() {
 }
 
 #[test]
+fn suite_fails_a_ranged_part_that_names_the_wrong_pages() {
+    let failed = failed_checks(Flaw::ShiftsRangedParts);
+    assert_eq!(failed, BTreeSet::from(["ranged_resolve_holds_every_asked_byte"]), "only the ranged check");
+}
+
+#[test]
 fn suite_fails_a_medium_that_forgets_checksums() {
     let failed = failed_checks(Flaw::DropsChecksums);
     assert_eq!(failed, BTreeSet::from(["commit_keeps_the_writers_checksum"]), "only the checksum check");
@@ -894,6 +921,7 @@ fn every_check_but_the_pinned_few_is_failed_by_some_flaw() {
         Flaw::PublishesEarly,
         Flaw::SwallowsInitErrors,
         Flaw::PanicsOnShutdownWithoutInit,
+        Flaw::ShiftsRangedParts,
     ];
     let failed: BTreeSet<&str> = flaws.into_iter().flat_map(failed_checks).collect();
     let never: BTreeSet<&str> = conformance::checks().iter().map(|c| c.name).filter(|n| !failed.contains(n)).collect();

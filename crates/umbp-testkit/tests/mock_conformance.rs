@@ -52,7 +52,7 @@ fn every_check_has_a_distinct_name_and_a_contract() {
     let checks = conformance::checks();
     // Pinned: a check that disappears (or a new one) shows here, not as a silently shorter suite.
     // A new check also joins mock_backend.rs's negative-control coverage list.
-    assert_eq!(checks.len(), 61, "the suite has {} checks", checks.len());
+    assert_eq!(checks.len(), 62, "the suite has {} checks", checks.len());
     let mut names: Vec<_> = checks.iter().map(|c| c.name).collect();
     names.sort_unstable();
     names.dedup();
