@@ -118,7 +118,7 @@ async fn resolve(client: &mut Client, key: &str) -> pb::ResolveKeyResponse {
 async fn batch_resolve(client: &mut Client, keys: &[&str], omit_descs: bool) -> pb::BatchResolveKeysResponse {
     let keys = keys.iter().map(|k| k.to_string()).collect();
     client
-        .batch_resolve_keys(pb::BatchResolveKeysRequest { keys, omit_descs })
+        .batch_resolve_keys(pb::BatchResolveKeysRequest { keys, omit_descs, ..Default::default() })
         .await
         .expect("BatchResolveKeys")
         .into_inner()

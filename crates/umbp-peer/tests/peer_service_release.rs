@@ -58,7 +58,7 @@ fn put(backend: &MockBackend, key: &str) {
 async fn batch_resolve(client: &mut Client, keys: &[&str]) -> umbp_peer::peer_service::DecodedResolve {
     let keys = keys.iter().map(|k| k.to_string()).collect();
     let reply = client
-        .batch_resolve_keys(pb::BatchResolveKeysRequest { keys, omit_descs: true })
+        .batch_resolve_keys(pb::BatchResolveKeysRequest { keys, omit_descs: true, ..Default::default() })
         .await
         .expect("BatchResolveKeys")
         .into_inner();

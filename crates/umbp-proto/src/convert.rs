@@ -96,6 +96,15 @@ pub enum WireError {
         /// Position of the key in the request.
         key_index: usize,
     },
+    /// A partial hit's pages are not inside its value (or it is a miss, or names a first page
+    /// while whole): a reader would copy pages the value does not have.
+    #[error("malformed resolve reply: key {key_index} is a bad partial hit ({reason})")]
+    BadPartial {
+        /// Position of the key in the request.
+        key_index: usize,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
 }
 
 impl WireError {

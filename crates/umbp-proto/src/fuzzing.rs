@@ -27,7 +27,16 @@ pub fn resolve(data: &[u8]) {
         assert!(!d.busy[i], "key {i}: a hit reported busy");
         assert!(resp.found[i], "key {i}: a miss decoded as a hit");
         assert_eq!(k.pages.len() as u64, u64::from(resp.page_count[i]), "key {i}: its page count");
-        assert!(k.pages.len() as u64 * d.page_size >= k.size, "key {i}: pages too few for its size");
+        if k.partial {
+            let value_pages = k.size.div_ceil(d.page_size);
+            assert!(
+                !k.pages.is_empty() && k.first_page + k.pages.len() as u64 <= value_pages,
+                "key {i}: a part past the value"
+            );
+        } else {
+            assert_eq!(k.first_page, 0, "key {i}: a whole hit from a later page");
+            assert!(k.pages.len() as u64 * d.page_size >= k.size, "key {i}: pages too few for its size");
+        }
         flat.extend(k.pages.iter().map(|p| (p.buffer_index, p.page_index)));
     }
     let wire: Vec<(u32, u32)> = resp.buffer_index.iter().copied().zip(resp.page_index.iter().copied()).collect();
@@ -47,6 +56,8 @@ pub fn resolve_seeds() -> Vec<Vec<u8>> {
             pages: pages.iter().map(|&(b, p)| PageLocation::new(b, p)).collect(),
             lease,
             crc32c,
+            partial: false,
+            first_page: 0,
         })
     };
     let desc = |backend_id, buffer_index, location| BufferDesc {
@@ -58,9 +69,12 @@ pub fn resolve_seeds() -> Vec<Vec<u8>> {
     };
     let keys = [hit(0, 5000, &[(0, 1), (0, 7)], 11, Some(0xe306_9283)), None, None, hit(1, 10, &[(1, 0)], 0, None)];
     let descs = [desc(0, 0, MemoryLocation::Host), desc(1, 1, MemoryLocation::Gpu { device: 2 })];
+    // A partial hit (pages 1 and 2 of a 4-page value) beside a whole one.
+    let part = hit(1, 4 * 4096, &[(1, 3), (1, 8)], 12, None).map(|k| ResolvedKey { partial: true, first_page: 1, ..k });
     vec![
         encode_batch_resolve(&keys, &[false, true, false, false], &descs, 4096).encode_to_vec(),
         encode_batch_resolve(&keys[..2], &[], &[], 4096).encode_to_vec(),
+        encode_batch_resolve(&[keys[0].clone(), part], &[], &descs, 4096).encode_to_vec(),
     ]
 }
 

@@ -10,6 +10,10 @@
 //! `checksummed` / `crc32c` (the CRC-32C a hit's writer committed with it). Each is sent only when
 //! some key needs it; an empty one decodes as all false / all 0 / no checksum.
 //!
+//! A hit of a key asked with byte ranges may be **partial**: the pair `partial` / `first_page`
+//! (sent only when some hit is) says that its pages hold value pages `first_page ..` and only the
+//! asked bytes in them. A whole hit's pages cover its size; a partial hit's lie inside the value.
+//!
 //! Both directions are pure functions. The decoder trusts nothing: a reply whose arrays disagree is
 //! rejected as a whole (an error, never a panic and never a page sliced from the wrong key).
 
@@ -33,6 +37,11 @@ pub struct ResolvedKey {
     pub lease: u64,
     /// The CRC-32C its writer committed with the value, for the reader to check its copy against.
     pub crc32c: Option<u32>,
+    /// Only the asked ranges' bytes are in the pages, which hold value pages `first_page ..
+    /// first_page + pages.len()` (see `umbp_core::ResolvedEntry::partial`).
+    pub partial: bool,
+    /// The value page `pages[0]` holds (0 unless `partial`).
+    pub first_page: u64,
 }
 
 /// A decoded `BatchResolveKeys` reply.
@@ -80,6 +89,8 @@ pub fn encode_batch_resolve(
         lease_id: Vec::new(),
         checksummed: Vec::new(),
         crc32c: Vec::new(),
+        partial: Vec::new(),
+        first_page: Vec::new(),
     };
     let busy_at = |i: usize| keys[i].is_none() && busy.get(i).copied().unwrap_or(false);
     if (0..n).any(busy_at) {
@@ -92,6 +103,11 @@ pub fn encode_batch_resolve(
         let crc = |k: &Option<ResolvedKey>| k.as_ref().and_then(|k| k.crc32c);
         out.checksummed = keys.iter().map(|k| crc(k).is_some()).collect();
         out.crc32c = keys.iter().map(|k| crc(k).unwrap_or(0)).collect();
+    }
+    if keys.iter().flatten().any(|k| k.partial) {
+        let part = |k: &Option<ResolvedKey>| k.as_ref().filter(|k| k.partial).map(|k| k.first_page);
+        out.partial = keys.iter().map(|k| part(k).is_some()).collect();
+        out.first_page = keys.iter().map(|k| part(k).unwrap_or(0)).collect();
     }
     for key in keys {
         match key {
@@ -121,8 +137,9 @@ pub fn encode_batch_resolve(
 /// # Errors
 /// Any inconsistency fails the whole batch: a per-key array whose length differs from `found`'s,
 /// flattened arrays of different lengths, page counts that do not sum to the flattened length, a miss
-/// with pages, a hit whose pages cannot hold its size, a backend id ≥ `MAX_BACKENDS_PER_PEER`, or a
-/// descriptor of an unknown memory kind.
+/// with pages, a whole hit whose pages cannot hold its size, a partial hit with no pages or pages
+/// past its value (or a partial miss, or a first page for a whole hit), a backend id ≥
+/// `MAX_BACKENDS_PER_PEER`, or a descriptor of an unknown memory kind.
 pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<DecodedResolve, WireError> {
     let n = resp.found.len();
     for (field, len) in [
@@ -141,6 +158,8 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
         ("lease_id", resp.lease_id.len()),
         ("checksummed", resp.checksummed.len()),
         ("crc32c", resp.crc32c.len()),
+        ("partial", resp.partial.len()),
+        ("first_page", resp.first_page.len()),
     ] {
         if len != 0 && len != n {
             return Err(WireError::MismatchedArrays { field, len, expected: n });
@@ -151,6 +170,13 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
             field: "crc32c",
             len: resp.crc32c.len(),
             expected: resp.checksummed.len(),
+        });
+    }
+    if resp.partial.len() != resp.first_page.len() {
+        return Err(WireError::MismatchedArrays {
+            field: "first_page",
+            len: resp.first_page.len(),
+            expected: resp.partial.len(),
         });
     }
     if resp.buffer_index.len() != resp.page_index.len() {
@@ -181,9 +207,14 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
         // arrays (counts sum to their length), so no access can panic.
         let count = resp.page_count[i];
         let busy_i = resp.busy.get(i).copied().unwrap_or(false);
+        let partial = resp.partial.get(i).copied().unwrap_or(false);
+        let first_page = resp.first_page.get(i).copied().unwrap_or(0);
         if !resp.found[i] {
             if count != 0 {
                 return Err(WireError::PagesForMiss { key_index: i, page_count: count });
+            }
+            if partial {
+                return Err(WireError::BadPartial { key_index: i, reason: "a miss" });
             }
             keys.push(None);
             busy.push(busy_i);
@@ -195,7 +226,15 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
         let size = resp.size[i];
         let backend_id = resp.backend_id[i];
         check_backend_id(backend_id)?;
-        if u64::from(count).saturating_mul(resp.page_size) < size {
+        if partial {
+            // Inside the value: at least one page, none past its last.
+            let value_pages = if resp.page_size == 0 { 0 } else { size.div_ceil(resp.page_size) };
+            if count == 0 || first_page.checked_add(u64::from(count)).is_none_or(|end| end > value_pages) {
+                return Err(WireError::BadPartial { key_index: i, reason: "pages outside the value" });
+            }
+        } else if first_page != 0 {
+            return Err(WireError::BadPartial { key_index: i, reason: "a first page for a whole hit" });
+        } else if u64::from(count).saturating_mul(resp.page_size) < size {
             return Err(WireError::PagesDoNotCoverSize {
                 key_index: i,
                 size,
@@ -216,7 +255,8 @@ pub fn decode_batch_resolve(resp: &pb::BatchResolveKeysResponse) -> Result<Decod
             Some(true) => resp.crc32c.get(i).copied(),
             _ => None,
         };
-        keys.push(Some(ResolvedKey { tier: tier_from_wire(resp.tier[i]), backend_id, size, pages, lease, crc32c }));
+        let tier = tier_from_wire(resp.tier[i]);
+        keys.push(Some(ResolvedKey { tier, backend_id, size, pages, lease, crc32c, partial, first_page }));
         busy.push(false);
     }
     Ok(DecodedResolve { page_size: resp.page_size, descs, keys, busy })
@@ -228,4 +268,48 @@ fn check_backend_id(backend_id: u32) -> Result<(), WireError> {
     } else {
         Err(WireError::BackendIdOutOfRange { backend_id })
     }
+}
+
+/// Puts per-key byte ranges on a `BatchResolveKeys` request: `ranges[i]` are `(offset, length)`
+/// pairs of key `i`'s value (empty, or missing when `ranges` is shorter: the whole value). Nothing
+/// is added when no key has ranges, so the request is what an older client sends.
+pub fn encode_request_ranges(request: &mut pb::BatchResolveKeysRequest, ranges: &[Vec<(u64, u64)>]) {
+    let n = request.keys.len();
+    if !ranges.iter().take(n).any(|r| !r.is_empty()) {
+        return;
+    }
+    let of = |i: usize| ranges.get(i).map_or(&[][..], Vec::as_slice);
+    request.range_count = (0..n).map(|i| u32::try_from(of(i).len()).unwrap_or(u32::MAX)).collect();
+    for i in 0..n {
+        request.range_offset.extend(of(i).iter().map(|r| r.0));
+        request.range_length.extend(of(i).iter().map(|r| r.1));
+    }
+}
+
+/// The per-key byte ranges of a `BatchResolveKeys` request: one list per key (empty: the whole
+/// value), or no lists at all when the request has none. Ranges whose arrays disagree with the
+/// keys (a count per key, counts summing to the pairs) read as none: a whole value is always a
+/// correct answer, so a malformed hint costs only the bytes it would have saved.
+pub fn decode_request_ranges(request: &pb::BatchResolveKeysRequest) -> Vec<Vec<(u64, u64)>> {
+    let n = request.keys.len();
+    let pairs = request.range_offset.len();
+    let declared: u64 = request.range_count.iter().map(|c| u64::from(*c)).sum();
+    if request.range_count.len() != n
+        || request.range_length.len() != pairs
+        || usize::try_from(declared).ok() != Some(pairs)
+    {
+        return Vec::new();
+    }
+    let mut at = 0usize;
+    request
+        .range_count
+        .iter()
+        .map(|c| {
+            // The counts sum to `pairs` (checked above): every run lies inside the arrays.
+            let end = at + *c as usize;
+            let run = request.range_offset[at..end].iter().copied().zip(request.range_length[at..end].iter().copied());
+            at = end;
+            run.collect()
+        })
+        .collect()
 }

@@ -6,14 +6,17 @@ use prost::Message;
 use umbp_core::{BufferDesc, MemoryLocation, PageLocation, RemoteRegion, TierType};
 use umbp_proto::WireError as CodecError;
 use umbp_proto::convert::tier_to_wire;
-use umbp_proto::resolve::{DecodedResolve, ResolvedKey, decode_batch_resolve, encode_batch_resolve};
+use umbp_proto::resolve::{
+    DecodedResolve, ResolvedKey, decode_batch_resolve, decode_request_ranges, encode_batch_resolve,
+    encode_request_ranges,
+};
 use umbp_proto::v1 as pb;
 
 const PAGE: u64 = 4096;
 
 fn hit(tier: TierType, backend_id: u32, size: u64, pages: &[(u32, u32)]) -> Option<ResolvedKey> {
     let pages = pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect();
-    Some(ResolvedKey { tier, backend_id, size, pages, lease: 0, crc32c: None })
+    Some(ResolvedKey { tier, backend_id, size, pages, lease: 0, crc32c: None, partial: false, first_page: 0 })
 }
 
 fn desc(backend_id: u32, buffer_index: u32, location: MemoryLocation, remote: Option<u64>) -> BufferDesc {
@@ -267,6 +270,8 @@ fn arb_key(page_size: u64) -> impl Strategy<Value = Option<ResolvedKey>> {
                 pages: pages.iter().map(|(b, p)| PageLocation::new(*b, *p)).collect(),
                 lease: 0,
                 crc32c: None,
+                partial: false,
+                first_page: 0,
             })
         },
     ))
@@ -302,9 +307,19 @@ fn arb_batch() -> impl Strategy<Value = DecodedResolve> {
                 let mut keys = Vec::new();
                 let mut busy = Vec::new();
                 for (key, b, lease, crc32c) in entries {
-                    // A hit is never busy; a hit may hold a lease and carry a checksum.
+                    // A hit is never busy; a hit may hold a lease and carry a checksum. Some
+                    // hits with pages are partial: their value grown by up to 2 pages before
+                    // them (and to reach into their last page), which they start after.
                     busy.push(key.is_none() && b);
-                    keys.push(key.map(|k| ResolvedKey { lease, crc32c, ..k }));
+                    keys.push(key.map(|k| {
+                        let n = k.pages.len() as u64;
+                        if !(b && n > 0) {
+                            return ResolvedKey { lease, crc32c, ..k };
+                        }
+                        let first_page = lease % 3;
+                        let size = k.size.max((n - 1) * page_size + 1) + first_page * page_size;
+                        ResolvedKey { lease, crc32c, partial: true, first_page, size, ..k }
+                    }));
                 }
                 DecodedResolve { page_size, descs, keys, busy }
             })
@@ -323,24 +338,30 @@ fn arb_wire() -> impl Strategy<Value = pb::BatchResolveKeysResponse> {
         0u64..8,
         prop::collection::vec(0u32..5, 0..6),
         (0usize..6, 0usize..6, 0usize..6, 0usize..6),
+        (0usize..6, prop::collection::vec(0u64..4, 0..6)),
     )
-        .prop_map(|(found, tier, size, backend, bi, pi, page_size, counts, (busy, leases, checked, crcs))| {
-            pb::BatchResolveKeysResponse {
-                descs: Vec::new(),
-                page_size,
-                found: (0..found).map(|i| i % 2 == 0).collect(),
-                tier: (0..tier).map(|i| i as i32 - 1).collect(),
-                size: (0..size).map(|i| i as u64 * 3).collect(),
-                page_count: counts,
-                buffer_index: (0..bi as u32).collect(),
-                page_index: (0..pi as u32).collect(),
-                backend_id: (0..backend as u32).map(|i| i * 3).collect(),
-                busy: (0..busy).map(|i| i % 3 == 0).collect(),
-                lease_id: (0..leases).map(|i| i as u64).collect(),
-                checksummed: (0..checked).map(|i| i % 2 == 1).collect(),
-                crc32c: (0..crcs).map(|i| i as u32 * 7).collect(),
-            }
-        })
+        .prop_map(
+            |(found, tier, size, backend, bi, pi, page_size, counts, (busy, leases, checked, crcs), parts)| {
+                let (partial, first_page) = parts;
+                pb::BatchResolveKeysResponse {
+                    descs: Vec::new(),
+                    page_size,
+                    found: (0..found).map(|i| i % 2 == 0).collect(),
+                    tier: (0..tier).map(|i| i as i32 - 1).collect(),
+                    size: (0..size).map(|i| i as u64 * 3).collect(),
+                    page_count: counts,
+                    buffer_index: (0..bi as u32).collect(),
+                    page_index: (0..pi as u32).collect(),
+                    backend_id: (0..backend as u32).map(|i| i * 3).collect(),
+                    busy: (0..busy).map(|i| i % 3 == 0).collect(),
+                    lease_id: (0..leases).map(|i| i as u64).collect(),
+                    checksummed: (0..checked).map(|i| i % 2 == 1).collect(),
+                    crc32c: (0..crcs).map(|i| i as u32 * 7).collect(),
+                    partial: (0..partial).map(|i| i % 2 == 0).collect(),
+                    first_page,
+                }
+            },
+        )
 }
 
 proptest! {
@@ -387,4 +408,71 @@ fn busy_and_leases_travel_only_when_needed_and_round_trip() {
     let mut short = wire;
     short.lease_id = vec![1];
     assert!(matches!(decode_batch_resolve(&short), Err(CodecError::MismatchedArrays { field: "lease_id", .. })));
+}
+
+#[test]
+fn partial_hits_travel_only_when_needed_and_round_trip() {
+    // A value of 5 pages, of which a partial hit holds pages 2 and 3.
+    let part =
+        hit(TierType::Ssd, 1, 5 * PAGE, &[(0, 9), (0, 4)]).map(|k| ResolvedKey { partial: true, first_page: 2, ..k });
+    let keys = vec![hit(TierType::Dram, 0, 5, &[(0, 1)]), part, None];
+    let wire = encode_batch_resolve(&keys, &[], &[], PAGE);
+    assert_eq!((wire.partial.as_slice(), wire.first_page.as_slice()), (&[false, true, false][..], &[0, 2, 0][..]));
+    assert_eq!(decode_batch_resolve(&wire).expect("decode").keys, keys);
+    // No partial hit: neither array is sent (what an older node sends, decoded as whole).
+    let whole = encode_batch_resolve(&keys[..1], &[], &[], PAGE);
+    assert!(whole.partial.is_empty() && whole.first_page.is_empty());
+    let bad = |edit: &dyn Fn(&mut pb::BatchResolveKeysResponse)| {
+        let mut w = wire.clone();
+        edit(&mut w);
+        decode_batch_resolve(&w)
+    };
+    let reason = |r: Result<DecodedResolve, CodecError>| match r {
+        Err(CodecError::BadPartial { key_index, reason }) => (key_index, reason),
+        other => panic!("expected a bad partial, got {other:?}"),
+    };
+    assert_eq!(reason(bad(&|w| w.first_page[1] = 4)), (1, "pages outside the value"), "pages 4..6 of 5");
+    assert_eq!(reason(bad(&|w| w.first_page[1] = u64::MAX)), (1, "pages outside the value"), "no overflow");
+    assert_eq!(reason(bad(&|w| w.partial[2] = true)), (2, "a miss"));
+    assert_eq!(reason(bad(&|w| w.first_page[0] = 1)), (0, "a first page for a whole hit"));
+    assert!(matches!(
+        bad(&|w| w.first_page.truncate(2)),
+        Err(CodecError::MismatchedArrays { field: "first_page", .. })
+    ));
+    // A part with no pages is refused: a hit with nothing to read.
+    let empty = hit(TierType::Ssd, 1, 5 * PAGE, &[]).map(|k| ResolvedKey { partial: true, first_page: 1, ..k });
+    let w = encode_batch_resolve(&[empty], &[], &[], PAGE);
+    assert_eq!(reason(decode_batch_resolve(&w)), (0, "pages outside the value"));
+}
+
+#[test]
+fn request_ranges_round_trip_and_malformed_ones_read_as_none() {
+    let request = |keys: &[&str]| pb::BatchResolveKeysRequest {
+        keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+        ..Default::default()
+    };
+    let mut r = request(&["a", "b", "c"]);
+    let ranges = vec![vec![(5, 10), (100, 1)], Vec::new(), vec![(0, 7)]];
+    encode_request_ranges(&mut r, &ranges);
+    assert_eq!(r.range_count, [2, 0, 1]);
+    assert_eq!(decode_request_ranges(&r), ranges);
+    // No ranges: nothing sent (an older client's request), and nothing decoded.
+    let mut plain = request(&["a", "b"]);
+    encode_request_ranges(&mut plain, &[Vec::new()]);
+    assert!(plain.range_count.is_empty() && plain.range_offset.is_empty());
+    assert!(decode_request_ranges(&plain).is_empty());
+    // Fewer lists than keys: the rest are whole.
+    let mut short = request(&["a", "b"]);
+    encode_request_ranges(&mut short, &[vec![(1, 2)]]);
+    assert_eq!(decode_request_ranges(&short), [vec![(1, 2)], Vec::new()]);
+    for edit in [
+        |r: &mut pb::BatchResolveKeysRequest| r.range_count.push(0),
+        |r: &mut pb::BatchResolveKeysRequest| r.range_count[0] = 3,
+        |r: &mut pb::BatchResolveKeysRequest| r.range_length.truncate(2),
+        |r: &mut pb::BatchResolveKeysRequest| r.range_count[0] = u32::MAX,
+    ] {
+        let mut bad = r.clone();
+        edit(&mut bad);
+        assert!(decode_request_ranges(&bad).is_empty(), "{bad:?}");
+    }
 }
