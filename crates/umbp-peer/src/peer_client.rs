@@ -16,7 +16,7 @@ use tonic::transport::{Channel, Endpoint};
 use umbp_core::{AllocateRequest, AllocateResult, BufferDesc, CommitRequest, ErrorKind, PageLocation, TierType};
 use umbp_proto::WireError;
 use umbp_proto::convert::{outcome_from_wire, tier_to_wire};
-use umbp_proto::resolve::{DecodedResolve, decode_batch_resolve};
+use umbp_proto::resolve::{DecodedResolve, decode_batch_resolve, encode_request_ranges};
 use umbp_proto::token::{InvalidToken, TokenInjector};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_client::UmbpPeerClient;
@@ -377,11 +377,29 @@ impl PeerClient {
     /// # Errors
     /// [`PeerClientError::Rpc`], [`PeerClientError::Malformed`] or [`PeerClientError::Mismatch`].
     pub async fn resolve(&self, keys: Vec<String>, omit_descs: bool) -> Result<DecodedResolve, PeerClientError> {
+        self.resolve_ranges(keys, &[], omit_descs).await
+    }
+
+    /// [`resolve`](Self::resolve) for a reader that copies only `ranges[i]` (`(offset, length)`
+    /// pairs; empty or missing: the whole value) of key `i`: the node may answer partial hits
+    /// (`ResolvedKey::partial`), which hold only those bytes. A node that predates ranges answers
+    /// whole values, which serve as well.
+    ///
+    /// # Errors
+    /// As [`resolve`](Self::resolve).
+    pub async fn resolve_ranges(
+        &self,
+        keys: Vec<String>,
+        ranges: &[Vec<(u64, u64)>],
+        omit_descs: bool,
+    ) -> Result<DecodedResolve, PeerClientError> {
         let asked = keys.len();
+        let mut request = pb::BatchResolveKeysRequest { keys, omit_descs, ..Default::default() };
+        encode_request_ranges(&mut request, ranges);
         let reply = self
             .grpc
             .clone()
-            .batch_resolve_keys(self.request(pb::BatchResolveKeysRequest { keys, omit_descs }))
+            .batch_resolve_keys(self.request(request))
             .await
             .map_err(|e| self.failed("resolve", e))?
             .into_inner();
@@ -389,6 +407,12 @@ impl PeerClient {
             decode_batch_resolve(&reply).map_err(|source| PeerClientError::Malformed { rpc: "resolve", source })?;
         if decoded.keys.len() != asked {
             return Err(PeerClientError::Mismatch { what: "keys", got: decoded.keys.len(), asked });
+        }
+        // A part of a value the reader asked for whole would leave it with bytes it never read.
+        let whole = |i: usize| ranges.get(i).is_none_or(Vec::is_empty);
+        if let Some(i) = (0..asked).find(|i| whole(*i) && decoded.keys[*i].as_ref().is_some_and(|k| k.partial)) {
+            let source = WireError::BadPartial { key_index: i, reason: "a key asked for whole" };
+            return Err(PeerClientError::Malformed { rpc: "resolve", source });
         }
         Ok(decoded)
     }

@@ -11,7 +11,7 @@ use umbp_core::{
     ReadRelease, ResolvedEntry, TierType,
 };
 use umbp_proto::convert::{outcome_to_wire, outcome_to_wire_for, tier_from_wire, tier_to_wire};
-use umbp_proto::resolve::{ResolvedKey, encode_batch_resolve};
+use umbp_proto::resolve::{ResolvedKey, decode_request_ranges, encode_batch_resolve};
 use umbp_proto::v1 as pb;
 use umbp_proto::v1::umbp_peer_server::UmbpPeer;
 
@@ -117,14 +117,19 @@ fn stamped(desc: &BufferDesc, backend_id: u32) -> pb::BufferDesc {
     wire
 }
 
-/// Whether a medium's hit is usable: its pages can hold its value. A medium that says otherwise is
-/// answered as a miss (and logged, and its lease released: no reader will copy), so a reader never
-/// runs past the pages it was given.
+/// Whether a medium's hit is usable: its pages can hold its value (a partial hit's: they lie
+/// inside it, at least one). A medium that says otherwise is answered as a miss (and logged, and
+/// its lease released: no reader will copy), so a reader never runs past the pages it was given.
 fn usable_hit(medium: &Medium, key: &str, entry: &ResolvedEntry, page_size: u64) -> bool {
     if !entry.found {
         return false;
     }
-    let covered = (entry.pages.len() as u64).saturating_mul(page_size) >= entry.size;
+    let covered = if entry.partial {
+        let value_pages = if page_size == 0 { 0 } else { entry.size.div_ceil(page_size) };
+        !entry.pages.is_empty() && entry.first_page.saturating_add(entry.pages.len() as u64) <= value_pages
+    } else {
+        entry.first_page == 0 && (entry.pages.len() as u64).saturating_mul(page_size) >= entry.size
+    };
     if !covered {
         tracing::warn!(
             backend = medium.backend.name(),
@@ -300,8 +305,14 @@ impl Dispatch {
     }
 
     /// Each medium, in order, is asked only for the keys no earlier medium answered (see the module
-    /// docs for why this differs from the reference).
-    fn batch_resolve(&self, keys: Vec<String>, omit_descs: bool) -> pb::BatchResolveKeysResponse {
+    /// docs for why this differs from the reference). With `ranges` (one list per key, from a
+    /// ranged reader), each medium is asked with them and may answer partial hits.
+    fn batch_resolve(
+        &self,
+        keys: Vec<String>,
+        omit_descs: bool,
+        ranges: Vec<Vec<(u64, u64)>>,
+    ) -> pb::BatchResolveKeysResponse {
         let mut answers: Vec<Option<ResolvedKey>> = vec![None; keys.len()];
         // A key some medium holds but cannot serve now: busy unless a later medium serves it.
         let mut busy = vec![false; keys.len()];
@@ -312,7 +323,13 @@ impl Dispatch {
                 break;
             }
             let ask: Vec<String> = remaining.iter().map(|i| keys[*i].clone()).collect();
-            let entries = medium.backend.batch_resolve(&ask, !omit_descs);
+            let entries = if ranges.is_empty() {
+                medium.backend.batch_resolve(&ask, !omit_descs)
+            } else {
+                let asked: Vec<Vec<(u64, u64)>> =
+                    remaining.iter().map(|i| ranges.get(*i).cloned().unwrap_or_default()).collect();
+                medium.backend.batch_resolve_ranges(&ask, &asked, !omit_descs)
+            };
             if entries.len() != ask.len() {
                 tracing::warn!(backend = medium.backend.name(), "batch_resolve broke its contract");
             }
@@ -333,6 +350,8 @@ impl Dispatch {
                             pages: entry.pages,
                             lease: entry.lease,
                             crc32c: entry.crc32c,
+                            partial: entry.partial,
+                            first_page: entry.first_page,
                         });
                     }
                     Some(entry) if entry.busy => {
@@ -471,8 +490,10 @@ impl UmbpPeer for PeerService {
         &self,
         request: Request<pb::BatchResolveKeysRequest>,
     ) -> Result<Response<pb::BatchResolveKeysResponse>, Status> {
-        let pb::BatchResolveKeysRequest { keys, omit_descs } = request.into_inner();
-        self.blocking(move |d| d.batch_resolve(keys, omit_descs))
+        let request = request.into_inner();
+        let ranges = decode_request_ranges(&request);
+        let pb::BatchResolveKeysRequest { keys, omit_descs, .. } = request;
+        self.blocking(move |d| d.batch_resolve(keys, omit_descs, ranges))
             .instrument(phase!(phases::PEER_RESOLVE))
             .await
             .map(Response::new)

@@ -300,7 +300,7 @@ impl PoolClient {
         let mut local_hits = Vec::new();
         if self.medium.is_some() {
             let asked: Vec<(usize, Asked)> = (0..n).map(|i| (i, Asked::First)).collect();
-            let resolved = self.resolve_at(&here, keys, &asked).instrument(phase!(phases::GET_LOCAL)).await;
+            let resolved = self.resolve_at(&here, keys, bufs, &asked).instrument(phase!(phases::GET_LOCAL)).await;
             self.take_answers(&here, &asked, resolved, bufs, &mut st, &mut carried);
             for p in &carried.planned {
                 read_locally[p.index] = true;
@@ -350,7 +350,7 @@ impl PoolClient {
             // Resolve on every holder concurrently, right before the submit.
             let groups: Vec<(Target, Vec<(usize, Asked)>)> = groups.into_iter().collect();
             let resolved =
-                join_all(groups.iter().map(|(target, asked)| self.resolve_at(target, keys, asked)).collect())
+                join_all(groups.iter().map(|(target, asked)| self.resolve_at(target, keys, bufs, asked)).collect())
                     .instrument(phase!(phases::GET_RESOLVE))
                     .await;
             for ((target, asked), resolved) in groups.iter().zip(resolved) {
@@ -491,12 +491,20 @@ impl PoolClient {
         }
     }
 
-    /// Resolves the `asked` keys on `target`.
+    /// Resolves the `asked` keys on `target`, with the byte ranges of those whose destination is
+    /// ranged (the holder may answer them partially: an SSD then reads only the blocks they
+    /// cover); whole-value keys are asked as before.
     ///
     /// A holder that refuses connections (nothing listens at its address: its process is gone)
     /// holds nothing this reader can have: its keys are misses, not errors (it is left out of this
     /// client's routes for a while, so the next reads skip it).
-    async fn resolve_at(&self, target: &Target, keys: &[&str], asked: &[(usize, Asked)]) -> Resolved {
+    async fn resolve_at(
+        &self,
+        target: &Target,
+        keys: &[&str],
+        dests: &[Dest<'_>],
+        asked: &[(usize, Asked)],
+    ) -> Resolved {
         let gone = || asked.iter().map(|_| Answer::Miss).collect();
         let holder = match self.holder(&target.node, &target.peer).await {
             Ok(h) => h,
@@ -507,20 +515,27 @@ impl PoolClient {
             }
         };
         let start = self.clock.now();
-        let answers =
-            match holder.resolve(&self.directory, asked.iter().map(|(i, _)| keys[*i].to_owned()).collect()).await {
-                Ok(a) => Ok(a),
-                // A holder that did not answer is marked by its client; one whose process is gone
-                // holds nothing.
-                Err(e @ PeerClientError::Rpc { .. }) => {
-                    if refuses_connections(&target.peer, self.config.rpc_timeout).await {
-                        Ok(gone())
-                    } else {
-                        Err(unreachable(&target.node, e))
-                    }
+        let ask: Vec<String> = asked.iter().map(|(i, _)| keys[*i].to_owned()).collect();
+        let ranges: Vec<Vec<(u64, u64)>> = asked
+            .iter()
+            .map(|(i, _)| match dests.get(*i) {
+                Some(Dest::Ranges(r)) => r.iter().map(|(buf, offset)| (*offset, buf.len as u64)).collect(),
+                _ => Vec::new(),
+            })
+            .collect();
+        let answers = match holder.resolve(&self.directory, ask, ranges).await {
+            Ok(a) => Ok(a),
+            // A holder that did not answer is marked by its client; one whose process is gone
+            // holds nothing.
+            Err(e @ PeerClientError::Rpc { .. }) => {
+                if refuses_connections(&target.peer, self.config.rpc_timeout).await {
+                    Ok(gone())
+                } else {
+                    Err(unreachable(&target.node, e))
                 }
-                Err(e) => Err(unreachable(&target.node, e)),
-            };
+            }
+            Err(e) => Err(unreachable(&target.node, e)),
+        };
         Resolved { start, holder: Some(Arc::new(holder)), answers }
     }
 
@@ -592,9 +607,21 @@ impl PoolClient {
     fn plan_get(&self, plan: Planned, hit: &Hit, dest: Dest<'_>, st: &mut ChunkState, round: &mut Round) {
         let (i, size) = (plan.index, plan.size);
         let buf = match dest {
+            Dest::Whole(_) if hit.partial_from.is_some() => {
+                // Never asked for (a whole read sends no ranges): its other bytes were never read.
+                let node = plan.holder.node();
+                st.results[i] = Some(Err(KeyError::Failed(format!("a partial hit from {node} for a whole read"))));
+                round.planned.push(Planned { copied: false, ..plan });
+                return;
+            }
             Dest::Whole(buf) => buf,
             Dest::Ranges(ranges) => {
-                let layout = PageLayout { pages: &hit.pages, refs: &hit.refs, page_size: hit.page_size };
+                let layout = PageLayout {
+                    pages: &hit.pages,
+                    refs: &hit.refs,
+                    page_size: hit.page_size,
+                    partial_from: hit.partial_from,
+                };
                 match range_items(ranges, size, layout, i as u64, |b| self.caller_ref(b)) {
                     Ok(items) => {
                         round.transfers.extend(items);
@@ -616,7 +643,7 @@ impl PoolClient {
             return;
         }
         let (dst, dst_base) = self.caller_ref(CallerBuf { ptr: buf.ptr, len: size as usize });
-        let layout = PageLayout { pages: &hit.pages, refs: &hit.refs, page_size: hit.page_size };
+        let layout = PageLayout { pages: &hit.pages, refs: &hit.refs, page_size: hit.page_size, partial_from: None };
         match page_items(&dst, dst_base, size, layout, i as u64, false) {
             Ok(items) => {
                 round.transfers.extend(items);

@@ -58,6 +58,9 @@ pub(super) struct Hit {
     pub(super) backend_id: u32,
     /// The checksum its writer put with the value, to check the copy against.
     pub(super) crc32c: Option<u32>,
+    /// `Some(first)`: a partial hit of a ranged read, its pages holding value pages `first ..`
+    /// with only the asked ranges' bytes (see [`PageLayout`](super::support::PageLayout)).
+    pub(super) partial_from: Option<u64>,
 }
 
 /// A holder's answer for one key.
@@ -206,19 +209,28 @@ impl Holder {
 impl Holder {
     /// Resolves `keys`, each hit under the holder's read lease; one answer per key. A remote
     /// holder's descriptors replace the cached ones in `directory`, and are not asked for when
-    /// they are cached already.
+    /// they are cached already. `ranges[i]`, when there and not empty, are the `(offset, length)`
+    /// byte ranges of key `i` the reader copies: the holder may then answer a partial hit (an SSD
+    /// reads only the blocks they cover). Without ranges every hit is whole.
     pub(super) async fn resolve(
         &self,
         directory: &PeerDirectory,
         keys: Vec<String>,
+        ranges: Vec<Vec<(u64, u64)>>,
     ) -> Result<Vec<Answer>, PeerClientError> {
         let n = keys.len();
+        let ranged = ranges.iter().any(|r| !r.is_empty());
         match self {
             Self::Here(h) => {
                 // A panicked resolve reads nothing here: every key is then routed elsewhere.
                 let (resolved, refs) = medium_call(&h.medium, h.drive_io, move |m| {
                     let refs: Arc<[Option<TransferRef>]> = (0..m.buffer_count()).map(|b| m.buffer_ref(b)).collect();
-                    (m.batch_resolve(&keys, false), Some(refs))
+                    let entries = if ranged {
+                        m.batch_resolve_ranges(&keys, &ranges, false)
+                    } else {
+                        m.batch_resolve(&keys, false)
+                    };
+                    (entries, Some(refs))
                 })
                 .instrument(phase!(phases::GET_RESOLVE_MEDIUM))
                 .await
@@ -235,6 +247,7 @@ impl Holder {
                             lease: r.lease,
                             backend_id: 0,
                             crc32c: r.crc32c,
+                            partial_from: r.partial.then_some(r.first_page),
                         }),
                         _ => Answer::Miss,
                     })
@@ -245,7 +258,7 @@ impl Holder {
             Self::Peer(p) => {
                 let node = p.node();
                 let decoded = p
-                    .resolve(keys, directory.has_remote_buffers(node))
+                    .resolve_ranges(keys, &ranges, directory.has_remote_buffers(node))
                     .instrument(phase!(phases::GET_RESOLVE_RPC))
                     .await?;
                 directory.replace_remote_buffers(node, &decoded.descs);
@@ -269,6 +282,7 @@ impl Holder {
                                 lease: k.lease,
                                 backend_id: k.backend_id,
                                 crc32c: k.crc32c,
+                                partial_from: k.partial.then_some(k.first_page),
                             })
                         }
                         None if busy => Answer::Busy,

@@ -452,7 +452,7 @@ impl PoolClient {
                             st.last_error.insert(*i, KeyError::SlotExpired { node: node.to_owned() });
                             continue;
                         }
-                        let layout = PageLayout { pages: &pages, refs: &refs, page_size };
+                        let layout = PageLayout { pages: &pages, refs: &refs, page_size, partial_from: None };
                         let planned_items = match value {
                             Src::Whole(buf) => {
                                 let (src, base) = self.caller_ref(buf);

@@ -14,9 +14,15 @@
 //! cross the wire, and through a mapping or a local copy only they are copied. The ranges need not
 //! cover the value (a get is a subset, not a tiling); the result is the value's size.
 //!
+//! The resolve carries each key's ranges, so a holder may answer a **partial** hit whose pages
+//! hold only the value pages the ranges span, with only their bytes: an SSD holder then reads only
+//! the 4 KiB blocks from the first asked byte to the last instead of staging the whole value (a
+//! whole cached copy, or a holder that predates ranges, answers whole, which serves as well).
+//! Whole-value gets send no ranges and never take a partial hit.
+//!
 //! What a ranged get does not do: take the single-key keyed exchange (a ranged get is routed), check
 //! the value's end-to-end checksum (it sums the whole value; a part cannot be checked against it),
-//! or re-cache the value locally. An SSD holder stages the whole value, as for any read.
+//! or re-cache the value locally.
 
 use umbp_core::PageLocation;
 
@@ -165,9 +171,20 @@ pub(super) fn range_items(
     tag: u64,
     mut place: impl FnMut(CallerBuf) -> (TransferRef, u64),
 ) -> Result<Vec<TransferItem>, String> {
-    let PageLayout { pages, refs, page_size } = layout;
-    if page_size == 0 || pages.len() as u64 != size.div_ceil(page_size) {
-        return Err(format!("{} pages of {page_size} bytes cannot hold {size} bytes", pages.len()));
+    let PageLayout { pages, refs, page_size, partial_from } = layout;
+    // Whole: every page of the value. Partial: value pages `first_page ..`, inside the value; each
+    // range must then lie in them (checked per range below).
+    let value_pages = if page_size == 0 { 0 } else { size.div_ceil(page_size) };
+    let first_page = partial_from.unwrap_or(0);
+    let fits = match partial_from {
+        None => pages.len() as u64 == value_pages,
+        Some(first) => !pages.is_empty() && first.saturating_add(pages.len() as u64) <= value_pages,
+    };
+    if page_size == 0 || !fits {
+        return Err(format!(
+            "{} pages of {page_size} bytes from page {first_page} cannot hold {size} bytes",
+            pages.len()
+        ));
     }
     let medium_ref = |page: &PageLocation| match refs.get(page.buffer_index as usize) {
         Some(Some(r)) => Ok(r.clone()),
@@ -182,8 +199,10 @@ pub(super) fn range_items(
         let (dst, dst_base) = place(*buf);
         let mut at = *offset;
         while at < end {
-            // `at < end <= size`, so the page index is below `pages.len()` (checked above).
-            let page = &pages[usize::try_from(at / page_size).map_err(|e| e.to_string())?];
+            let page = (at / page_size)
+                .checked_sub(first_page)
+                .and_then(|p| pages.get(usize::try_from(p).ok()?))
+                .ok_or_else(|| format!("byte {at} lies outside the {} pages from page {first_page}", pages.len()))?;
             let in_page = at % page_size;
             let len = (page_size - in_page).min(end - at);
             items.push(TransferItem {
@@ -331,7 +350,7 @@ mod tests {
         let refs = [Some(region)];
         // A value of 10 000 bytes on pages 7, 2 and 5 of 4096 bytes.
         let pages = [PageLocation::new(0, 7), PageLocation::new(0, 2), PageLocation::new(0, 5)];
-        let layout = PageLayout { pages: &pages, refs: &refs, page_size: 4096 };
+        let layout = PageLayout { pages: &pages, refs: &refs, page_size: 4096, partial_from: None };
         let place = |b: CallerBuf| {
             (
                 TransferRef::remote_only(
@@ -355,5 +374,18 @@ mod tests {
         assert!(err.contains("reaches past"), "{err}");
         let err = range_items(&[(buf(1), 0)], 20_000, layout, 5, place).unwrap_err();
         assert!(err.contains("cannot hold"), "{err}");
+        // A partial hit: pages 7 and 2 hold value pages 2 and 3 of a 20 000-byte value.
+        let part = PageLayout { pages: &pages[..2], partial_from: Some(2), ..layout };
+        let items = range_items(&[(buf(8), 3 * 4096 - 4)], 20_000, part, 5, place).expect("items");
+        let got: Vec<(u64, u64, u64)> = items.iter().map(|t| (t.src_offset, t.dst_offset, t.size)).collect();
+        assert_eq!(got, [(7 * 4096 + 4092, 8, 4), (2 * 4096, 12, 4)], "offsets from the part's first page");
+        let err = range_items(&[(buf(4), 100)], 20_000, part, 5, place).unwrap_err();
+        assert!(err.contains("outside"), "a range before the part: {err}");
+        let err = range_items(&[(buf(4), 4 * 4096)], 20_000, part, 5, place).unwrap_err();
+        assert!(err.contains("outside"), "a range after the part: {err}");
+        let past = PageLayout { partial_from: Some(4), ..part };
+        assert!(range_items(&[(buf(1), 4 * 4096)], 20_000, past, 5, place).unwrap_err().contains("cannot hold"));
+        let none = PageLayout { pages: &[], partial_from: Some(0), ..layout };
+        assert!(range_items(&[(buf(1), 0)], 20_000, none, 5, place).unwrap_err().contains("cannot hold"));
     }
 }

@@ -425,12 +425,15 @@ impl Drop for SlotGuard {
 }
 
 /// Where a value's pages are on a medium: the pages in value order, the medium's buffer table
-/// they index, and its page size.
+/// they index, and its page size. `partial_from` is `None` for the whole value's pages; a partial
+/// hit of a ranged read (`Some(first)`) holds value pages `first ..` only, with only its ranges'
+/// bytes in them.
 #[derive(Clone, Copy)]
 pub(super) struct PageLayout<'a> {
     pub(super) pages: &'a [PageLocation],
     pub(super) refs: &'a [Option<TransferRef>],
     pub(super) page_size: u64,
+    pub(super) partial_from: Option<u64>,
 }
 
 /// One transfer item per page between the caller's memory (`user`, from `user_base`) and the
@@ -443,8 +446,8 @@ pub(super) fn page_items(
     tag: u64,
     to_medium: bool,
 ) -> Result<Vec<TransferItem>, String> {
-    let PageLayout { pages, refs, page_size } = layout;
-    if page_size == 0 || pages.len() as u64 != size.div_ceil(page_size) {
+    let PageLayout { pages, refs, page_size, partial_from } = layout;
+    if page_size == 0 || partial_from.is_some() || pages.len() as u64 != size.div_ceil(page_size) {
         return Err(format!("{} pages of {page_size} bytes cannot hold {size} bytes", pages.len()));
     }
     let mut items = Vec::with_capacity(pages.len());
@@ -549,7 +552,7 @@ fn store_locally(medium: &dyn MediumBackend, engine: &CompositeTransferEngine, j
     let buf = CallerBuf::of(&job.bytes);
     // SAFETY: `job.bytes` outlives the transfer below, which completes before this function returns.
     let src = TransferRef::local(unsafe { LocalRegion::new(buf.ptr, size, MemoryLocation::Host) });
-    let layout = PageLayout { pages: &a.pages, refs: &refs, page_size: a.page_size };
+    let layout = PageLayout { pages: &a.pages, refs: &refs, page_size: a.page_size, partial_from: None };
     let ok = match page_items(&src, 0, size, layout, 0, true) {
         Ok(items) => umbp_transfer::transfer(engine, &items).is_ok(),
         Err(_) => false,
