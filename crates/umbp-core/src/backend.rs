@@ -146,10 +146,11 @@ pub trait MediumBackend: MetricSource + Send + Sync + fmt::Debug {
     /// A hit may be **partial** ([`ResolvedEntry::partial`]): its pages hold value pages
     /// `first_page .. first_page + pages.len()`, covering every asked range, and only the asked
     /// ranges' bytes in them are the value's. A staged medium (SSD) answers partially so that it
-    /// reads and stages only the blocks the ranges cover; a
-    /// partial hit is a reader's own copy under its own lease (released by
-    /// [`release_reads`](Self::release_reads) or expiry like any hit) and never a cached whole
-    /// value for later reads. A whole-value hit is always a correct answer too.
+    /// reads and stages only the blocks the ranges cover; a partial hit is a reader's own copy
+    /// under its own lease (released by [`release_reads`](Self::release_reads) or expiry like any
+    /// hit) and never a cached whole value for later reads. Being a copy, no eviction of the key
+    /// can touch it, so its lease need not protect the key from eviction (the SSD's does not). A
+    /// whole-value hit is always a correct answer too.
     ///
     /// The default resolves whole values: right for media whose pages are the value's home
     /// (memory), where serving a part costs nothing more than serving the whole.

@@ -187,7 +187,18 @@ impl SsdBackend {
             }
             inner.update_staging_gauge(&state);
         }
-        inner.revalidate(keys, entries)
+        // Every hit taken here (staged hits before the drive IO, parts after it) is checked again
+        // and renewed; the whole-value keys' resolve did that for its own.
+        let now = config.clock.now();
+        let until = now + config.read_lease_ttl;
+        let mut state = inner.state.lock();
+        for (i, (key, entry)) in keys.iter().zip(entries.iter_mut()).enumerate() {
+            if entry.found && whole_at.binary_search(&i).is_err() {
+                state.revalidate(key, entry, now, until);
+            }
+        }
+        drop(state);
+        entries
     }
 }
 

@@ -151,6 +151,22 @@ fn a_parts_pages_are_freed_when_its_lease_ends_and_a_full_span_is_a_whole_read()
     let keys = ["k".to_owned(), "nope".to_owned()];
     let got = b.batch_resolve_ranges(&keys, &[Vec::new(), vec![(0, 1)]], false);
     assert!(got[0].is_whole() && !got[1].found && !got[1].busy);
+    // A cached copy (a staged hit, taken before the batch's drive IO) beside a part of an uncached
+    // key: both come back leased and right.
+    put(&b, "j", &v);
+    let cached = b.batch_resolve(&["k".to_owned()], false).remove(0);
+    assert!(cached.is_whole());
+    let keys = ["k".to_owned(), "j".to_owned()];
+    let got = b.batch_resolve_ranges(&keys, &[vec![(PAGE, 4)], vec![(6 * PAGE, 4)]], false);
+    assert!(got[0].is_whole() && got[1].partial, "{got:?}");
+    assert_eq!(bytes_of(&b, &got[0], PAGE, 4), v[PAGE as usize..PAGE as usize + 4]);
+    assert_eq!(bytes_of(&b, &got[1], 6 * PAGE, 4), v[6 * PAGE as usize..6 * PAGE as usize + 4]);
+    assert_eq!(b.stats().staging_pages_in_use, 8 + 1, "the cached copy and the part");
+    let mut releases: Vec<ReadRelease> = got.iter().zip(&keys).map(|(e, k)| ReadRelease::new(k, e.lease)).collect();
+    releases.push(ReadRelease::new("k", cached.lease));
+    releases.push(ReadRelease::new("k", whole.lease));
+    b.release_reads(&releases);
+    assert_eq!(b.stats().staging_pages_in_use, 8, "only the cached copy stays");
 }
 
 #[test]
