@@ -51,7 +51,10 @@ pub struct KeyedClientConfig {
     pub connect_timeout: Duration,
     /// Each read or write of a request or reply must progress within this. Default: 30 s.
     pub io_timeout: Duration,
-    /// Idle connections kept per endpoint. Default: 8.
+    /// Idle connections kept per endpoint. Default: the cores available, at least 8 — a batch
+    /// with a holder on this host runs one exchange per core at once, and every connection past
+    /// this many is closed when its exchange ends, to be dialled again by the next batch (the
+    /// holder starting a thread for each).
     pub idle_per_peer: usize,
     /// An idle connection older than this is closed rather than reused (keep it below the
     /// servers' idle timeout, 60 s by default). Default: 30 s.
@@ -77,7 +80,7 @@ impl Default for KeyedClientConfig {
             cluster_token: None,
             connect_timeout: Duration::from_secs(2),
             io_timeout: Duration::from_secs(30),
-            idle_per_peer: 8,
+            idle_per_peer: std::thread::available_parallelism().map_or(8, |n| n.get().max(8)),
             idle_timeout: Duration::from_secs(30),
         }
     }
@@ -702,5 +705,22 @@ unsafe fn read_get_body(
         Status::Busy => Ok(KeyedGet::Busy),
         Status::Unsupported => Ok(KeyedGet::Unsupported),
         other => Err(protocol_error(format!("unexpected GET_KEY status {}", other.as_str()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A same-host batch runs one exchange per core at once; a pool that keeps fewer idle
+    /// connections closes the rest after every batch, and the next batch dials them again (on a
+    /// 16-core host: 8 connects and 8 holder threads per batch, 1 MiB batch gets at 0.51–0.58 of
+    /// memcpy).
+    #[test]
+    fn the_idle_pool_keeps_a_connection_per_core() {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let config = KeyedClientConfig::default();
+        assert!(config.idle_per_peer >= cores, "{} idle for {cores} cores", config.idle_per_peer);
+        assert!(config.idle_per_peer >= 8, "{}", config.idle_per_peer);
     }
 }
