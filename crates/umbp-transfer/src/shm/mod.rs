@@ -43,7 +43,7 @@ use crate::tcp::tokens_equal;
 pub use client::{SharedMapping, ShmClient, ShmClientConfig};
 pub use engine::{SharedMemoryConfig, SharedMemoryEngine};
 pub use identity::HostIdentity;
-pub(crate) use keyed::SharedReads;
+pub(crate) use keyed::{Copier, SharedReads};
 pub use server::{ShmServer, ShmServerConfig};
 
 /// The longest abstract socket name (`sun_path` is 108 bytes, the first one the abstract marker).

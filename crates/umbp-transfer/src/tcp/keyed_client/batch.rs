@@ -10,6 +10,7 @@ use super::{
     ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, KeyedPut, Op, Request, Settle, Status, check_key,
     protocol_error, read_reply, send, write_frame,
 };
+use crate::shm::{Copier, SharedReads, ShmError};
 
 /// How long a holder that failed a GET_KEYS (an older build closes the connection at the op) is
 /// asked no batch.
@@ -192,6 +193,7 @@ impl KeyedClient {
         let mut out = Vec::with_capacity(items.len());
         let mut copied = vec![0u8; items.len()];
         let mut slots = false;
+        let mut copier = BatchCopier::new(&self.shared, endpoint);
         for ((item, answer), flag) in items.iter().zip(answers).zip(copied.iter_mut()) {
             out.push(match answer {
                 BatchAnswer::Mapped(d) => {
@@ -203,7 +205,7 @@ impl KeyedClient {
                             item.value.len()
                         )));
                     }
-                    match self.shared.copy_in(endpoint, &d.ranges, item.value) {
+                    match copier.get().and_then(|c| c.copy_in(&d.ranges, item.value)) {
                         Ok(_) => {
                             *flag = 1;
                             // The holder's verdict follows.
@@ -288,6 +290,7 @@ impl KeyedClient {
             .map_err(|e| protocol_error(format!("bad GET_KEYS reply: {e}")))?;
         let mut mapped = false;
         let mut out = Vec::with_capacity(items.len());
+        let mut copier = BatchCopier::new(&self.shared, endpoint);
         for (item, answer) in items.iter().zip(answers) {
             out.push(match answer {
                 BatchAnswer::Mapped(d) => {
@@ -301,7 +304,7 @@ impl KeyedClient {
                     // SAFETY: the ranges add up to `d.size <= cap` bytes (checked by `decode` and
                     // above), valid for writes at `dst` and ours alone during the call (this
                     // function's contract).
-                    match unsafe { self.shared.copy(endpoint, &d.ranges, item.dst) } {
+                    match copier.get().and_then(|c| unsafe { c.copy(&d.ranges, item.dst) }) {
                         // Judged when this key's copy ended (see `SharedReads`).
                         Ok(size) if sent.elapsed() <= Duration::from_nanos(d.lease_ns) => {
                             match d.crc32c.filter(|_| item.verify) {
@@ -338,5 +341,29 @@ impl KeyedClient {
             write_frame(stream, &Settle::Done.encode())?;
         }
         Ok(out)
+    }
+}
+
+/// A batch's [`Copier`], made at its first mapped answer: one connection check for the batch.
+/// When it cannot be made, every mapped answer of the batch is refused alike.
+struct BatchCopier<'r> {
+    shared: &'r SharedReads,
+    endpoint: &'r str,
+    copier: Option<Result<Copier<'r>, ()>>,
+}
+
+impl<'r> BatchCopier<'r> {
+    fn new(shared: &'r SharedReads, endpoint: &'r str) -> Self {
+        Self { shared, endpoint, copier: None }
+    }
+
+    fn get(&mut self) -> Result<&mut Copier<'r>, ShmError> {
+        let (shared, endpoint) = (self.shared, self.endpoint);
+        let made = self.copier.get_or_insert_with(|| {
+            shared.copier(endpoint).map_err(|error| {
+                tracing::debug!(peer = endpoint, %error, "no shared-memory connection for the batch");
+            })
+        });
+        made.as_mut().map_err(|()| ShmError::Invalid(format!("no shared-memory connection to {endpoint}")))
     }
 }
