@@ -82,9 +82,9 @@ pub use gpu::{GpuCopyConfig, GpuCopyEngine};
 pub use local::{LocalCopyConfig, LocalCopyEngine};
 pub use shm::{SharedMemoryConfig, SharedMemoryEngine};
 pub use tcp::{
-    DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet,
-    KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite, TcpEngine, TcpEngineConfig,
-    TcpStartError,
+    ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig,
+    KeyedError, KeyedGet, KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite, TcpEngine,
+    TcpEngineConfig, TcpStartError,
 };
 
 const _: () = {

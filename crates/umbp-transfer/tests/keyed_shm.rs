@@ -23,7 +23,7 @@ use tcp_support::pattern;
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
-    DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedGet,
+    ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedGet,
     KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
 };
 
@@ -82,6 +82,8 @@ struct Table {
     crcs: Mutex<HashMap<String, u32>>,
     open: Mutex<usize>,
     closed: Mutex<Vec<String>>,
+    /// The batch forms the server called, with their sizes, in order.
+    batches: Mutex<Vec<(&'static str, usize)>>,
 }
 
 impl Table {
@@ -97,6 +99,7 @@ impl Table {
             crcs: Mutex::new(HashMap::new()),
             open: Mutex::new(0),
             closed: Mutex::new(Vec::new()),
+            batches: Mutex::new(Vec::new()),
         })
     }
 
@@ -170,6 +173,28 @@ impl KeyedHandler for Table {
             self.aborted.lock().push(key.to_owned());
         }
         received
+    }
+
+    fn open_reads(&self, keys: &[&str]) -> Vec<KeyedRead> {
+        self.batches.lock().push(("open_reads", keys.len()));
+        keys.iter().map(|key| self.open_read(key)).collect()
+    }
+
+    fn close_reads(&self, reads: &[(&str, KeyedLease)]) {
+        self.batches.lock().push(("close_reads", reads.len()));
+        for (key, lease) in reads {
+            self.close_read(key, *lease);
+        }
+    }
+
+    fn open_writes(&self, writes: &[(&str, u64)], tier: u64) -> Vec<KeyedWrite> {
+        self.batches.lock().push(("open_writes", writes.len()));
+        writes.iter().map(|(key, size)| self.open_write(key, tier, *size)).collect()
+    }
+
+    fn close_writes(&self, slots: &[ClosingSlot<'_>]) -> Vec<bool> {
+        self.batches.lock().push(("close_writes", slots.len()));
+        slots.iter().map(|c| self.close_write(c.key, c.slot, c.received, c.crc32c)).collect()
     }
 }
 
@@ -438,6 +463,11 @@ fn a_same_host_batch_get_copies_every_value_and_ends_every_lease() {
     let copied: u64 = [1u64, 4096, 65_536, 1 << 20, 1_000_003].iter().sum();
     assert_eq!(c.shared_copies(), (5, 0, copied), "every byte came through the mapping, in one exchange");
     assert_eq!(table.settled().len(), 6, "every lease the batch opened was ended (the too-small one at once)");
+    assert_eq!(
+        *table.batches.lock(),
+        [("open_reads", 7), ("close_reads", 1), ("close_reads", 5)],
+        "the handler is asked once per step of the batch, not once per key"
+    );
 }
 
 #[test]
@@ -540,6 +570,11 @@ fn a_same_host_batch_put_commits_every_value_copied_into_its_slot() {
     assert_eq!(c.shared_copies(), (0, 4, total), "every value copied into its slot through the mapping");
     assert_eq!(*table.committed.lock(), vec!["b0", "b1", "b2", "b3"], "committed in one settle");
     assert!(table.aborted.lock().is_empty());
+    assert_eq!(
+        *table.batches.lock(),
+        [("open_writes", 5), ("close_writes", 4)],
+        "the handler allocates and commits once per batch, not once per key"
+    );
     // The committed bytes, with their checksums, read back in one GET_KEYS.
     let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
     let got = get_batch(&c, &ep, &keys, &mut bufs);

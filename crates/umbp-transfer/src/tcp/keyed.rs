@@ -108,7 +108,10 @@ pub enum KeyedWrite {
 ///
 /// Every `open_read` that returns [`KeyedRead::Hit`] is followed by exactly one `close_read` of its
 /// lease, and every `open_write` that returns [`KeyedWrite::Slot`] by exactly one `close_write` of its
-/// slot, whatever happens to the connection.
+/// slot, whatever happens to the connection. The batch forms (`open_reads`, `close_reads`,
+/// `open_writes`, `close_writes`: GET_KEYS and PUT_KEYS) keep the same rule per key; their defaults
+/// call the single forms key by key, and a handler overrides them to ask its media once per batch
+/// (a 64 KiB batch of 64 MiB is 1,024 keys).
 pub trait KeyedHandler: Send + Sync {
     /// Resolves `key` for reading, taking a read lease on a hit.
     fn open_read(&self, key: &str) -> KeyedRead;
@@ -119,6 +122,43 @@ pub trait KeyedHandler: Send + Sync {
     /// Commits the slot when `received` (the whole value arrived in time), with the writer's
     /// CRC-32C of the value when it sent one, else aborts it. Returns whether it was committed.
     fn close_write(&self, key: &str, slot: KeyedSlot, received: bool, crc32c: Option<u32>) -> bool;
+
+    /// [`open_read`](Self::open_read) of every key, one answer per key in order.
+    fn open_reads(&self, keys: &[&str]) -> Vec<KeyedRead> {
+        keys.iter().map(|key| self.open_read(key)).collect()
+    }
+
+    /// [`close_read`](Self::close_read) of every `(key, lease)`.
+    fn close_reads(&self, reads: &[(&str, KeyedLease)]) {
+        for (key, lease) in reads {
+            self.close_read(key, *lease);
+        }
+    }
+
+    /// [`open_write`](Self::open_write) of every `(key, size)` on tier `tier`, one answer per
+    /// write in order.
+    fn open_writes(&self, writes: &[(&str, u64)], tier: u64) -> Vec<KeyedWrite> {
+        writes.iter().map(|(key, size)| self.open_write(key, tier, *size)).collect()
+    }
+
+    /// [`close_write`](Self::close_write) of every slot, one answer (committed or not) per slot in
+    /// order.
+    fn close_writes(&self, slots: &[ClosingSlot<'_>]) -> Vec<bool> {
+        slots.iter().map(|c| self.close_write(c.key, c.slot, c.received, c.crc32c)).collect()
+    }
+}
+
+/// One slot of [`KeyedHandler::close_writes`]: commit it when `received`, else abort it.
+#[derive(Debug, Clone, Copy)]
+pub struct ClosingSlot<'a> {
+    /// The key the slot was opened for.
+    pub key: &'a str,
+    /// The slot.
+    pub slot: KeyedSlot,
+    /// The whole value arrived before the slot's end.
+    pub received: bool,
+    /// The writer's CRC-32C of the value, when it sent one.
+    pub crc32c: Option<u32>,
 }
 
 impl std::fmt::Debug for dyn KeyedHandler {

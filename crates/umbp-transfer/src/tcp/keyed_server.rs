@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::super::batch_wire::{self, BatchAnswer};
-use super::super::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
+use super::super::keyed::{ClosingSlot, KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 use super::super::protocol::{
     CHECKSUM_LEN, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES,
     MAX_SHARED_RANGES, Reply, Request, SETTLE_LEN, Settle, Status, Trailer,
@@ -49,6 +49,80 @@ impl Drop for OpenWrite<'_> {
     fn drop(&mut self) {
         if !self.settled {
             self.handler.close_write(self.key, self.slot, false, None);
+        }
+    }
+}
+
+/// A batch's open read leases, closed together when dropped (the client settled, or the
+/// connection broke).
+struct OpenReads<'h> {
+    handler: &'h dyn KeyedHandler,
+    reads: Vec<(&'h str, KeyedLease)>,
+}
+
+impl Drop for OpenReads<'_> {
+    fn drop(&mut self) {
+        if !self.reads.is_empty() {
+            self.handler.close_reads(&self.reads);
+        }
+    }
+}
+
+/// A batch's open write slots (`None`: a key answered otherwise), aborted together when dropped
+/// unless [`commit`](OpenWrites::commit) settled them.
+struct OpenWrites<'h> {
+    handler: &'h dyn KeyedHandler,
+    /// `(key, slot, the writer's checksum)`.
+    slots: Vec<Option<(&'h str, KeyedSlot, Option<u32>)>>,
+}
+
+impl OpenWrites<'_> {
+    /// Commits each slot whose flag is 1, if the value arrived before the slot's end, and aborts
+    /// the rest, in one call of the handler; a status per key. A flag other than 0 or 1 is a
+    /// malformed settle (every slot is then aborted by the drop).
+    fn commit(mut self, flags: &[u8]) -> Result<Vec<u8>, FrameError> {
+        if let Some(bad) = flags.iter().zip(&self.slots).find(|(f, s)| s.is_some() && **f > 1) {
+            return Err(FrameError::BadStatus(*bad.0));
+        }
+        let now = Instant::now();
+        let slots = std::mem::take(&mut self.slots);
+        let closing: Vec<ClosingSlot<'_>> = slots
+            .iter()
+            .zip(flags)
+            .filter_map(|(s, flag)| {
+                s.map(|(key, slot, crc32c)| ClosingSlot {
+                    key,
+                    slot,
+                    received: *flag == 1 && now <= slot.until,
+                    crc32c,
+                })
+            })
+            .collect();
+        let mut committed = self.handler.close_writes(&closing).into_iter().zip(&closing);
+        let statuses = slots
+            .iter()
+            .map(|s| match s {
+                Some(_) => match committed.next() {
+                    Some((true, c)) if c.received => Status::Ok as u8,
+                    _ => Status::Failed as u8,
+                },
+                None => Status::Failed as u8,
+            })
+            .collect();
+        Ok(statuses)
+    }
+}
+
+impl Drop for OpenWrites<'_> {
+    fn drop(&mut self) {
+        let aborts: Vec<ClosingSlot<'_>> = self
+            .slots
+            .iter()
+            .flatten()
+            .map(|&(key, slot, _)| ClosingSlot { key, slot, received: false, crc32c: None })
+            .collect();
+        if !aborts.is_empty() {
+            self.handler.close_writes(&aborts);
         }
     }
 }
@@ -177,15 +251,20 @@ impl ServerConn<'_> {
         // Before the first resolve: each descriptor states its lease from here, so the client's
         // bound (from before it sent the request) is never later than a lease's end.
         let received = Instant::now();
-        let mut open: Vec<OpenRead<'_>> = Vec::new();
+        let keys: Vec<&str> = entries.iter().map(|e| e.key).collect();
+        let found = handler.open_reads(&keys);
+        // The leases kept until the client settles, and those given up at once (a value the
+        // client cannot take through its mappings).
+        let mut open = OpenReads { handler: handler.as_ref(), reads: Vec::new() };
+        let mut closing = OpenReads { handler: handler.as_ref(), reads: Vec::new() };
         let mut reply = Vec::new();
-        for e in &entries {
-            let answer = match handler.open_read(e.key) {
+        for (e, read) in entries.iter().zip(found) {
+            let answer = match read {
                 KeyedRead::Hit { size, ranges, lease, crc32c } => {
-                    let read = OpenRead { handler: handler.as_ref(), key: e.key, lease };
                     let lease_ns =
                         u64::try_from(lease.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
                     if size > e.cap {
+                        closing.reads.push((e.key, lease));
                         BatchAnswer::TooSmall(size)
                     } else if lease_ns == 0
                         || ranges.is_empty()
@@ -194,9 +273,10 @@ impl ServerConn<'_> {
                     {
                         // Not host memory of this server (device memory, a region going away), or
                         // a lease already over: the routed path serves it.
+                        closing.reads.push((e.key, lease));
                         BatchAnswer::Other(Status::Unsupported)
                     } else {
-                        open.push(read);
+                        open.reads.push((e.key, lease));
                         BatchAnswer::Mapped(Descriptor {
                             size,
                             lease_ns,
@@ -211,9 +291,10 @@ impl ServerConn<'_> {
             };
             batch_wire::encode_answer(&mut reply, &answer);
         }
+        drop(closing);
         self.send_ok_with(r.id, &reply)?;
         bump(&self.shared.metrics.requests[Status::Mapped as usize]);
-        if open.is_empty() {
+        if open.reads.is_empty() {
             return Ok(());
         }
         // The leases stay open until the client settles (or the connection ends: dropping `open`
@@ -231,14 +312,16 @@ impl ServerConn<'_> {
         let entries = batch_wire::decode_put_request(&body, r.offset).map_err(End::Malformed)?;
         let Some(handler) = self.batch_handler(r.id)? else { return Ok(()) };
         let received = Instant::now();
-        // One slot per key that got one (`None`: answered otherwise).
-        let mut open: Vec<Option<OpenWrite<'_>>> = Vec::with_capacity(entries.len());
+        let writes: Vec<(&str, u64)> = entries.iter().map(|e| (e.key, e.size)).collect();
+        let got = handler.open_writes(&writes, r.region);
+        // One slot per key that got one (`None`: answered otherwise); slots refused here are
+        // aborted together before the reply leaves.
+        let mut open = OpenWrites { handler: handler.as_ref(), slots: Vec::with_capacity(entries.len()) };
+        let mut refused = OpenWrites { handler: handler.as_ref(), slots: Vec::new() };
         let mut reply = Vec::new();
-        for e in &entries {
-            let (answer, slot) = match handler.open_write(e.key, r.region, e.size) {
+        for (e, write) in entries.iter().zip(got) {
+            let (answer, slot) = match write {
                 KeyedWrite::Slot { ranges, slot } => {
-                    let write =
-                        OpenWrite { handler: handler.as_ref(), key: e.key, slot, settled: false, crc32c: e.crc32c };
                     let slot_ns =
                         u64::try_from(slot.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
                     if slot_ns == 0
@@ -246,7 +329,7 @@ impl ServerConn<'_> {
                         || ranges.len() > MAX_SHARED_RANGES
                         || self.guard_ranges(&ranges, e.size).is_none()
                     {
-                        // Dropping `write` aborts the slot.
+                        refused.slots.push(Some((e.key, slot, None)));
                         (BatchAnswer::Other(Status::Unsupported), None)
                     } else {
                         let descriptor = Descriptor {
@@ -255,7 +338,7 @@ impl ServerConn<'_> {
                             ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
                             crc32c: None,
                         };
-                        (BatchAnswer::Mapped(descriptor), Some(write))
+                        (BatchAnswer::Mapped(descriptor), Some((e.key, slot, e.crc32c)))
                     }
                 }
                 KeyedWrite::Exists => (BatchAnswer::Other(Status::Exists), None),
@@ -265,10 +348,11 @@ impl ServerConn<'_> {
                 KeyedWrite::Unsupported => (BatchAnswer::Other(Status::Unsupported), None),
             };
             batch_wire::encode_answer(&mut reply, &answer);
-            open.push(slot);
+            open.slots.push(slot);
         }
+        drop(refused);
         self.send_ok_with(r.id, &reply)?;
-        if open.iter().all(Option::is_none) {
+        if open.slots.iter().all(Option::is_none) {
             bump(&self.shared.metrics.requests[Status::Mapped as usize]);
             return Ok(());
         }
@@ -277,21 +361,7 @@ impl ServerConn<'_> {
         self.read_done_settle()?;
         let mut copied = vec![0u8; entries.len()];
         self.reader.read_exact_into(&mut copied)?;
-        let mut statuses = Vec::with_capacity(entries.len());
-        for (slot, flag) in open.into_iter().zip(&copied) {
-            statuses.push(match (slot, flag) {
-                (Some(write), 1) => {
-                    if write.commit() {
-                        Status::Ok
-                    } else {
-                        Status::Failed
-                    }
-                }
-                (Some(_aborted), 0) => Status::Failed,
-                (Some(_), _) => return Err(End::Malformed(FrameError::BadStatus(*flag))),
-                (None, _) => Status::Failed,
-            } as u8);
-        }
+        let statuses = open.commit(&copied).map_err(End::Malformed)?;
         self.send_ok_with(r.id, &statuses)?;
         bump(&self.shared.metrics.requests[Status::Mapped as usize]);
         Ok(())

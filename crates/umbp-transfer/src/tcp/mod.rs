@@ -66,7 +66,7 @@ use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandl
 pub use self::error::TcpStartError;
 /// The constant-time token comparison, shared with the shared-memory handshake.
 pub(crate) use self::io::tokens_equal;
-pub use self::keyed::{KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
+pub use self::keyed::{ClosingSlot, KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 pub use self::keyed_client::{
     KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut,
 };
