@@ -53,6 +53,29 @@ fn a_new_mapping_is_populated_in_the_background() {
     assert!(mapping.is_current());
 }
 
+/// A client that copies one value and exits (`umbp get`) must not pay for populating the whole
+/// mapping: the filling starts only after a delay (200 ms).
+#[test]
+fn a_new_mapping_is_not_populated_at_once() {
+    let (_server, endpoint) = serve("later");
+    let client = ShmClient::new(ShmClientConfig::new("t"));
+    let start = Instant::now();
+    let mapping = client.region(&endpoint, 1).expect("mapped");
+    let addr = mapping.as_ptr().as_ptr() as usize;
+    // Long enough for an immediate populating to have mapped pages, well inside the delay.
+    std::thread::sleep(Duration::from_millis(50));
+    let early = rss_kb(addr);
+    // Judged only when this check ran inside the delay (unless the machine stalled this thread).
+    if start.elapsed() < Duration::from_millis(150) {
+        assert_eq!(early, 0, "nothing populated in the first moments");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rss_kb(addr) < LEN >> 10 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(rss_kb(addr), LEN >> 10, "then every page");
+}
+
 #[test]
 fn with_populate_off_nothing_is_mapped_until_touched() {
     let (_server, endpoint) = serve("off");
