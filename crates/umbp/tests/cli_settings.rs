@@ -343,6 +343,35 @@ fn client_commands_join_without_a_medium_and_share_the_address_and_token_layers(
     assert_eq!(umbp::resolve_max_get_size(&f, &env(&[]), &args).expect("size"), umbp::DEFAULT_MAX_GET_SIZE);
 }
 
+/// The variables of what a node's pool client and a client command's share (the shared-memory
+/// path, checksums, timeouts, reroutes, the bounce buffer) reach the client commands too: `UMBP_SHARED_MEMORY=0
+/// umbp get` once took the shared path anyway.
+#[test]
+fn client_commands_take_the_pool_clients_variables() {
+    let cli = parse(&["get", "k"]);
+    let Command::Get(args) = cli.command else { panic!("get") };
+    let vars = env(&[
+        ("UMBP_SHARED_MEMORY", "false"),
+        ("UMBP_CHECKSUMS", "false"),
+        ("UMBP_RPC_TIMEOUT", "7s"),
+        ("UMBP_MAX_REROUTES", "9"),
+        ("UMBP_BOUNCE", "3MiB"),
+    ]);
+    let c = resolve_client(&FileConfig::default(), &vars, &args.master, None, "c".into()).expect("client");
+    assert!(!c.shared_memory && !c.checksums, "the path and the checksums off");
+    assert_eq!((c.rpc_timeout, c.max_reroutes, c.bounce_bytes), (Duration::from_secs(7), 9, 3 << 20));
+    let defaults = resolve_client(&FileConfig::default(), &env(&[]), &args.master, None, "c".into()).expect("client");
+    assert!(defaults.shared_memory && defaults.checksums);
+    let bad = resolve_client(
+        &FileConfig::default(),
+        &env(&[("UMBP_SHARED_MEMORY", "maybe")]),
+        &args.master,
+        None,
+        "c".into(),
+    );
+    assert!(bad.is_err_and(|e| e.to_string().contains("UMBP_SHARED_MEMORY")), "a bad value is named");
+}
+
 #[test]
 fn unknown_keys_and_bad_values_in_the_file_are_errors_that_name_them() {
     for (text, needle) in [

@@ -167,7 +167,7 @@ pub fn resolve_node(
     flags: &NodeArgs,
     token: Option<&str>,
 ) -> Result<PoolClientConfig, SettingsError> {
-    let scopes = [Scope::Global, Scope::Node, Scope::MasterClient];
+    let scopes = [Scope::Global, Scope::Node, Scope::MasterClient, Scope::PoolClient];
     let s = layer::layer(file, env, &scopes, &flags::node(flags, token))?;
     let n = s.node;
     let node_id = n.node_id.ok_or(SettingsError::Missing {
@@ -235,7 +235,7 @@ pub fn resolve_client(
     token: Option<&str>,
     node_id: String,
 ) -> Result<PoolClientConfig, SettingsError> {
-    let scopes = [Scope::Global, Scope::Client, Scope::MasterClient];
+    let scopes = [Scope::Global, Scope::Client, Scope::MasterClient, Scope::PoolClient];
     let s = layer::layer(file, env, &scopes, &flags::global(master, token))?;
     let mut c = PoolClientConfig::new(node_id, s.master_address);
     c.rpc_timeout = s.node.rpc_timeout;

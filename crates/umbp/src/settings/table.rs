@@ -20,6 +20,10 @@ pub(crate) enum Scope {
     Client,
     /// The master client of `umbp node` and of the client commands (its flags are `umbp node`'s).
     MasterClient,
+    /// What the pool client of `umbp node` and of the client commands both read — timeouts,
+    /// reroutes, the bounce buffer, the shared-memory path, checksums (its flags are `umbp node`'s;
+    /// the client commands take the variables and the file).
+    PoolClient,
 }
 
 /// How a variable's text becomes a value of the tree (the file's syntax).
@@ -68,7 +72,7 @@ const fn row(
 }
 
 use EnvKind::{Bool, Float, Int, List, Millis, Secs, Text};
-use Scope::{Client, Global, Master, MasterClient, Node};
+use Scope::{Client, Global, Master, MasterClient, Node, PoolClient};
 
 /// Every setting of the tree.
 pub(crate) const TABLE: &[Row] = &[
@@ -158,12 +162,12 @@ pub(crate) const TABLE: &[Row] = &[
     row("node.recache", Node, "--recache", &[("UMBP_RECACHE", Text), ("UMBP_CACHE_REMOTE_FETCHES", Text)], &[]),
     row("node.read_lease", Node, "--read-lease", &[("UMBP_DRAM_READ_LEASE_MS", Millis(1))], &[]),
     row("node.pending_ttl", Node, "--pending-ttl", &[("UMBP_PENDING_TTL", Text)], &[]),
-    row("node.rpc_timeout", Node, "--rpc-timeout", &[("UMBP_RPC_TIMEOUT", Text)], &[]),
-    row("node.max_reroutes", Node, "--max-reroutes", &[("UMBP_MAX_REROUTES", Int)], &[]),
-    row("node.bounce", Node, "--bounce", &[("UMBP_BOUNCE", Text)], &[]),
+    row("node.rpc_timeout", PoolClient, "--rpc-timeout", &[("UMBP_RPC_TIMEOUT", Text)], &[]),
+    row("node.max_reroutes", PoolClient, "--max-reroutes", &[("UMBP_MAX_REROUTES", Int)], &[]),
+    row("node.bounce", PoolClient, "--bounce", &[("UMBP_BOUNCE", Text)], &[]),
     row("node.metrics_addr", Node, "--metrics-addr", &[("UMBP_NODE_METRICS_ADDR", Text)], &[]),
-    row("node.shared_memory", Node, "--shared-memory", &[("UMBP_SHARED_MEMORY", Bool)], &[]),
-    row("node.checksums", Node, "--checksums", &[("UMBP_CHECKSUMS", Bool)], &[]),
+    row("node.shared_memory", PoolClient, "--shared-memory", &[("UMBP_SHARED_MEMORY", Bool)], &[]),
+    row("node.checksums", PoolClient, "--checksums", &[("UMBP_CHECKSUMS", Bool)], &[]),
     // [node.dram]: umbp_peer::pool_client::DramConfig.
     row("node.dram.capacity_bytes", Node, "--capacity", &[("UMBP_CAPACITY", Text)], &["node.capacity"]),
     row("node.dram.prefault", Node, "--prefault", &[("UMBP_DRAM_PREFAULT", Bool)], &["node.prefault"]),

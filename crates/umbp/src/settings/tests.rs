@@ -117,7 +117,7 @@ fn each_flags_help_states_its_variables_and_the_components_default() {
     for row in TABLE {
         let cmd = match row.scope {
             Scope::Master => "master",
-            Scope::Node | Scope::Global | Scope::MasterClient => "node",
+            Scope::Node | Scope::Global | Scope::MasterClient | Scope::PoolClient => "node",
             Scope::Client => "get",
         };
         let entry = help_entry(cmd, row.flag);
