@@ -46,14 +46,9 @@ impl std::fmt::Debug for KeyedMedia {
 
 /// The ranges of a value of `size` bytes on `pages` of `page_size` bytes of `backend`'s buffers,
 /// contiguous pages of one buffer merged; `None` when a buffer has no data-server registration or
-/// the pages cannot hold the value.
-fn ranges(backend: &dyn MediumBackend, pages: &[PageLocation], page_size: u64, size: u64) -> Option<Vec<KeyedRange>> {
-    ranges_with(backend, pages, page_size, size, &mut Vec::with_capacity(1))
-}
-
-/// [`ranges`], with the `(buffer index, region id)` pairs already looked up in `regions` (a batch
-/// shares them: most of its values lie in one buffer).
-fn ranges_with(
+/// the pages cannot hold the value. `regions` keeps the `(buffer index, region id)` pairs looked
+/// up so far (a batch shares them: most of its values lie in one buffer).
+fn ranges(
     backend: &dyn MediumBackend,
     pages: &[PageLocation],
     page_size: u64,
@@ -93,96 +88,30 @@ impl KeyedMedia {
             service.media().map(|(id, tier, backend)| Medium { id, tier, backend: Arc::clone(backend) }).collect();
         Self { media, service: service.clone(), read_lease, pending_ttl }
     }
-
-    fn medium(&self, id: u32) -> Option<&Medium> {
-        self.media.iter().find(|m| m.id == id)
-    }
 }
 
 impl KeyedHandler for KeyedMedia {
+    // The single forms are batches of one: one rule for which medium answers, when a read is
+    // busy rather than missing, and what a slot's deadline is.
     fn open_read(&self, key: &str) -> KeyedRead {
-        let keys = [key.to_owned()];
-        let mut busy = false;
-        for medium in &self.media {
-            // The lease runs from before the resolve: conservative.
-            let start = Instant::now();
-            let Some(entry) = medium.backend.batch_resolve(&keys, false).into_iter().next() else { continue };
-            if entry.busy {
-                busy = true;
-                continue;
-            }
-            if !entry.found {
-                continue;
-            }
-            let lease = KeyedLease { id: entry.lease, backend_id: medium.id, until: start + self.read_lease };
-            return match ranges(medium.backend.as_ref(), &entry.pages, entry.page_size, entry.size) {
-                Some(ranges) => KeyedRead::Hit { size: entry.size, ranges, lease, crc32c: entry.crc32c },
-                None => {
-                    // Device memory (no host registration) or a layout the pages cannot hold: the
-                    // routed path serves it (and judges it).
-                    self.close_read(key, lease);
-                    KeyedRead::Unsupported
-                }
-            };
-        }
-        if busy { KeyedRead::Busy } else { KeyedRead::Miss }
+        self.open_reads(&[key]).pop().unwrap_or(KeyedRead::Miss)
     }
 
     fn close_read(&self, key: &str, lease: KeyedLease) {
-        if lease.id == 0 {
-            return;
-        }
-        if let Some(m) = self.medium(lease.backend_id) {
-            m.backend.release_reads(&[ReadRelease::new(key, lease.id)]);
-        }
+        self.close_reads(&[(key, lease)]);
     }
 
     fn open_write(&self, key: &str, tier: u64, size: u64) -> KeyedWrite {
-        let tier = u32::try_from(tier).map_or(TierType::Unknown, TierType::from_wire);
-        let Some(medium) = self.media.iter().find(|m| m.tier == tier) else { return KeyedWrite::Unsupported };
-        if size == 0 {
-            return KeyedWrite::Failed;
-        }
-        let start = Instant::now();
-        let request = [AllocateRequest { key: key.to_owned(), size }];
-        let Some(result) = medium.backend.batch_allocate(&request).into_iter().next() else {
-            return KeyedWrite::Failed;
-        };
-        match result.outcome {
-            AllocateOutcome::Allocated => {}
-            AllocateOutcome::AlreadyExists => return KeyedWrite::Exists,
-            AllocateOutcome::FailedNoSpace => return KeyedWrite::NoSpace,
-            AllocateOutcome::Busy => return KeyedWrite::Busy,
-            _ => return KeyedWrite::Failed,
-        }
-        let ttl =
-            if result.pending_ttl_ms > 0 { Duration::from_millis(result.pending_ttl_ms) } else { self.pending_ttl };
-        let slot = KeyedSlot { id: result.slot_id, backend_id: medium.id, until: slot_deadline(start, ttl) };
-        match ranges(medium.backend.as_ref(), &result.pages, result.page_size, size) {
-            Some(ranges) => KeyedWrite::Slot { ranges, slot },
-            None => {
-                medium.backend.batch_abort(&[result.slot_id]);
-                KeyedWrite::Unsupported
-            }
-        }
+        self.open_writes(&[(key, size)], tier).pop().unwrap_or(KeyedWrite::Failed)
     }
 
     fn close_write(&self, key: &str, slot: KeyedSlot, received: bool, crc32c: Option<u32>) -> bool {
-        let Some(medium) = self.medium(slot.backend_id) else { return false };
-        if !received {
-            medium.backend.batch_abort(&[slot.id]);
-            return false;
-        }
-        let commit = CommitRequest::new(slot.id, key).with_crc32c(crc32c);
-        let committed = medium.backend.batch_commit(&[commit]).first().is_some_and(|r| r.success);
-        if committed {
-            self.service.changed();
-        }
-        committed
+        self.close_writes(&[ClosingSlot { key, slot, received, crc32c }]).first().copied().unwrap_or(false)
     }
 
-    /// Each medium in turn resolves, in one call, the keys no earlier medium holds (as
-    /// `open_read` does key by key).
+    /// Each medium in turn resolves, in one call, the keys no earlier medium holds: a key is read
+    /// from the first medium (ascending tier) that holds it, busy when one that holds it cannot
+    /// serve it now and none after it can, a miss otherwise.
     fn open_reads(&self, keys: &[&str]) -> Vec<KeyedRead> {
         let mut out: Vec<Option<KeyedRead>> = vec![None; keys.len()];
         let mut busy = vec![false; keys.len()];
@@ -207,10 +136,11 @@ impl KeyedHandler for KeyedMedia {
                 }
                 let lease = KeyedLease { id: entry.lease, backend_id: medium.id, until: start + self.read_lease };
                 let backend = medium.backend.as_ref();
-                out[i] = Some(match ranges_with(backend, &entry.pages, entry.page_size, entry.size, &mut regions) {
+                out[i] = Some(match ranges(backend, &entry.pages, entry.page_size, entry.size, &mut regions) {
                     Some(ranges) => KeyedRead::Hit { size: entry.size, ranges, lease, crc32c: entry.crc32c },
                     None => {
-                        // As in `open_read`: the routed path serves it.
+                        // Device memory (no host registration) or a layout the pages cannot
+                        // hold: the routed path serves it (and judges it).
                         if lease.id != 0 {
                             unplaced.push(ReadRelease::new(keys[i], lease.id));
                         }
@@ -269,7 +199,7 @@ impl KeyedHandler for KeyedMedia {
                     let slot =
                         KeyedSlot { id: result.slot_id, backend_id: medium.id, until: slot_deadline(start, ttl) };
                     let backend = medium.backend.as_ref();
-                    match ranges_with(backend, &result.pages, result.page_size, writes[i].1, &mut regions) {
+                    match ranges(backend, &result.pages, result.page_size, writes[i].1, &mut regions) {
                         Some(ranges) => KeyedWrite::Slot { ranges, slot },
                         None => {
                             aborts.push(result.slot_id);
@@ -380,8 +310,9 @@ mod tests {
         assert_eq!(after.batch_commit - before.batch_commit, 1, "one commit for three keys");
         assert_eq!(after.batch_abort - before.batch_abort, 1, "one abort for the late key");
 
-        // A second write of a committed key: as `open_write` answers it.
-        assert_eq!(keyed.open_writes(&[("a", PAGE)], tier), [keyed.open_write("a", tier, PAGE)]);
+        // A second write of a committed key, and the single form (a batch of one).
+        assert_eq!(keyed.open_writes(&[("a", PAGE)], tier), [KeyedWrite::Exists]);
+        assert_eq!(keyed.open_write("a", tier, PAGE), KeyedWrite::Exists);
 
         let before = mock.calls();
         let reads = keyed.open_reads(&keys);
