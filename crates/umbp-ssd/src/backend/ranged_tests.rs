@@ -1,5 +1,6 @@
 //! Tests of ranged resolves: only the covered pages are read, as the reader's own copy.
 
+use super::tests::page_ptr;
 use super::*;
 use umbp_core::{Clock, ManualClock, ReadRelease};
 use umbp_testkit::LocalOnlyRegistrar;
@@ -26,13 +27,6 @@ fn backend_of(dir: &std::path::Path, clock: &Arc<ManualClock>, page: u64, max_pa
     let b = SsdBackend::new(config);
     b.init(Arc::new(LocalOnlyRegistrar::new())).expect("init");
     b
-}
-
-fn page_ptr(b: &SsdBackend, page: &PageLocation) -> *mut u8 {
-    let r = b.buffer_ref(0).expect("arena");
-    let base = r.local_region().expect("local").ptr().as_ptr();
-    // SAFETY: the page index comes from the backend, so the offset lies inside the arena.
-    unsafe { base.add((u64::from(page.page_index) * b.page_size()) as usize) }
 }
 
 fn value() -> Vec<u8> {

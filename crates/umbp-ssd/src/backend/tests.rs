@@ -27,11 +27,12 @@ fn backend(dir: &std::path::Path, clock: &Arc<ManualClock>, staging_pages: u64) 
     b
 }
 
-fn page_ptr(b: &SsdBackend, page: &PageLocation) -> *mut u8 {
+/// Where `page` of the staging arena lies in this process (the ranged tests use it too).
+pub(super) fn page_ptr(b: &SsdBackend, page: &PageLocation) -> *mut u8 {
     let r = b.buffer_ref(0).expect("arena");
     let base = r.local_region().expect("local").ptr().as_ptr();
     // SAFETY: the page index comes from the backend, so the offset lies inside the arena.
-    unsafe { base.add((u64::from(page.page_index) * PAGE) as usize) }
+    unsafe { base.add((u64::from(page.page_index) * b.page_size()) as usize) }
 }
 
 fn put(b: &SsdBackend, key: &str, fill: u8, len: usize) {
