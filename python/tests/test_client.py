@@ -107,6 +107,23 @@ def test_raw_pointers_and_registration(client):
     assert client.get_into_ptr("r0", dst.ctypes.data, half) == half
 
 
+def test_a_gpu_runtime_is_chosen_by_name_and_device_memory_needs_one():
+    with pytest.raises(umbp.ConfigError, match="unknown GPU runtime"):
+        umbp.Client.local(8 << 20, gpu="quantum")
+    src = np.zeros(1 << 16, dtype=np.uint8)
+    with umbp.Client.local(8 << 20) as plain:
+        # No runtime: an address that is not host memory cannot be a device buffer either.
+        with pytest.raises(umbp.InvalidInputError, match="needs a pool started with a gpu runtime"):
+            plain.register_memory(4096, 1 << 20)
+        assert plain.register_memory(src.ctypes.data, src.nbytes) == "host"
+    with umbp.Client.local(8 << 20, gpu="fake") as with_gpu:
+        # The runtime is asked first; host memory is still host memory.
+        assert with_gpu.register_memory(src.ctypes.data, src.nbytes) == "host"
+        with pytest.raises(umbp.InvalidInputError) as e:
+            with_gpu.register_memory(4096, 1 << 20)
+        assert "needs a pool started" not in str(e.value)
+
+
 def test_clear_and_flush(client):
     client.put_batch(["a", "b"], [b"1", b"2"])
     client.flush()

@@ -74,7 +74,10 @@ def test_client_methods():
     assert c.register_memory(p, src.nbytes) is True
     assert c.register_memory(p, src.nbytes) is False  # overlap: refused, not raised
     assert c.deregister_memory(p) is True
-    assert c.register_memory(p, src.nbytes, None, 0) is False  # device memory: not supported
+    # mori's device hint does not decide: the address does (host memory here, so it registers).
+    assert c.register_memory(p, src.nbytes, None, 0) is True
+    assert c.deregister_memory(p) is True
+    assert c.register_memory(4096, 1 << 20) is False  # neither host nor device memory: refused
     # The local pool is a node of its own in-process master: its external blocks are indexed there.
     assert c.report_external_kv_blocks(["h"], mu.UMBPTierType.DRAM) is True
     assert c.revoke_all_external_kv_blocks_at_tier(mu.UMBPTierType.HBM) is True

@@ -147,13 +147,22 @@ class Client:
         object_url: Optional[str] = None,
         object_endpoint: Optional[str] = None,
         medium_options: Optional[Dict[str, Any]] = None,
+        gpu: Optional[str] = None,
+        gpu_device: int = 0,
     ) -> "Client":
         """An embedded pool: a master and one node lending ``capacity_bytes`` of ``medium``, in this process.
 
-        ``prefault`` touches DRAM at start-up (other media ignore it). See the module's docstring
-        for the media and their settings."""
+        ``prefault`` touches DRAM at start-up (other media ignore it). ``gpu`` names a GPU runtime
+        (``"auto"``, ``"cuda"``, ``"cudart"``, ``"hip"``; default none) so that device buffers
+        (a CUDA tensor's ``data_ptr()``) can be registered and moved; host memory is pinned with
+        device ``gpu_device``'s context (the process's own GPU). See the module's docstring for the
+        media and their settings."""
         settings = _medium_settings(ssd_dirs, cxl_path, object_url, object_endpoint, medium_options)
-        return cls(Pool.local(int(capacity_bytes), int(page_size), bool(prefault), str(medium), settings))
+        return cls(
+            Pool.local(
+                int(capacity_bytes), int(page_size), bool(prefault), str(medium), settings, gpu, int(gpu_device)
+            )
+        )
 
     @classmethod
     def connect(
@@ -175,13 +184,16 @@ class Client:
         object_url: Optional[str] = None,
         object_endpoint: Optional[str] = None,
         medium_options: Optional[Dict[str, Any]] = None,
+        gpu: Optional[str] = None,
+        gpu_device: int = 0,
     ) -> "Client":
         """Joins the pool whose master listens at ``master`` (``host:port``) as node ``node_id``.
 
         ``lend_bytes`` of ``medium`` are lent to the pool (default medium: DRAM, or none when
         ``lend_bytes`` is 0: a client-only node); ``node_address`` is the host other nodes reach
         this one at; ports 0 pick free ones; values fetched from other nodes up to
-        ``recache_bytes`` are kept locally too (``None``: never).
+        ``recache_bytes`` are kept locally too (``None``: never); ``gpu`` and ``gpu_device`` as
+        for :meth:`local` (device buffers move only to and from this node's own medium).
         """
         return cls(
             Pool.node(
@@ -198,6 +210,8 @@ class Client:
                 False,
                 None if medium is None else str(medium),
                 _medium_settings(ssd_dirs, cxl_path, object_url, object_endpoint, medium_options),
+                gpu,
+                int(gpu_device),
             )
         )
 
@@ -293,9 +307,11 @@ class Client:
 
     # -- memory, maintenance ---------------------------------------------------------------------
 
-    def register_memory(self, ptr: int, size: int) -> None:
-        """Registers ``size`` bytes at ``ptr`` for zero-copy I/O until :meth:`deregister_memory`."""
-        self._pool.register_memory(int(ptr), int(size))
+    def register_memory(self, ptr: int, size: int) -> str:
+        """Registers ``size`` bytes at ``ptr`` for zero-copy I/O until :meth:`deregister_memory`:
+        host memory, or device memory on a pool started with a ``gpu`` runtime. Answers where it
+        lives: ``"host"`` or ``"gpu:N"``."""
+        return self._pool.register_memory(int(ptr), int(size))
 
     def deregister_memory(self, ptr: int) -> bool:
         """Undoes :meth:`register_memory`; whether ``ptr`` was registered."""

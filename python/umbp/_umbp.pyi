@@ -50,6 +50,8 @@ class Pool:
         prefault: bool = False,
         medium: str = "dram",
         medium_settings: Optional[Dict[str, Any]] = None,
+        gpu: Optional[str] = None,
+        gpu_device: int = 0,
     ) -> "Pool":
         """An embedded master and one node lending ``capacity_bytes`` of ``medium``, in this process."""
     @staticmethod
@@ -67,6 +69,8 @@ class Pool:
         prefault: bool = False,
         medium: Optional[str] = None,
         medium_settings: Optional[Dict[str, Any]] = None,
+        gpu: Optional[str] = None,
+        gpu_device: int = 0,
     ) -> "Pool":
         """Joins the pool whose master is at ``master_address``."""
     @property
@@ -116,7 +120,7 @@ class Pool:
         """The value as bytes, or None on a miss."""
     def exists(self, keys: Sequence[str]) -> List[bool]: ...
     def exists_prefix(self, keys: Sequence[str]) -> int: ...
-    def register_memory(self, ptr: int, size: int) -> None: ...
+    def register_memory(self, ptr: int, size: int) -> str: ...
     def deregister_memory(self, ptr: int) -> bool: ...
     def clear(self) -> None: ...
     def flush(self) -> None: ...

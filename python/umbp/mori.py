@@ -19,7 +19,8 @@ import ctypes
 import enum
 import mmap
 import os
-from typing import Any, List, Optional, Sequence
+import sys
+from typing import Any, List, Optional, Sequence, Tuple
 
 from . import _umbp
 from ._umbp import Error, Pool, UMBPMasterClient
@@ -352,6 +353,28 @@ class UMBPConfig(_Config):
 # -- the client ----------------------------------------------------------------------------------
 
 
+def _gpu_for_process() -> Tuple[Optional[str], int]:
+    """The GPU runtime (and device) a client gets, so that an engine's device buffers register as
+    they are (SGLang's direct linker registers its GPU KV pools by address): ``UMBP_GPU_RUNTIME``
+    when set (``none`` / ``off`` / ``0``: no GPU), else ``auto`` when torch has initialised CUDA in
+    this process (an engine rank has, before it builds its store), pinned on torch's current
+    device; otherwise none, so a process that never used a GPU never probes one."""
+    device = 0
+    ready = False
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            ready = bool(torch.cuda.is_available() and torch.cuda.is_initialized())
+            if ready:
+                device = int(torch.cuda.current_device())
+        except Exception:  # a torch without CUDA, or one that fails to answer: no GPU
+            ready = False
+    name = _env("UMBP_GPU_RUNTIME")
+    if name is not None:
+        return (None if name.strip().lower() in ("none", "off", "0") else name), device
+    return ("auto" if ready else None), device
+
+
 # What a malformed batch raises while the native side converts it: a non-str key, a pointer or
 # size that is not an int or is negative, a list that is not a list. Ragged lists raise
 # InvalidInputError (an Error). Every one of them answers all-False.
@@ -370,11 +393,16 @@ class UMBPClient:
                 "umbp: the standalone-process deployment is not supported; use the local pool "
                 "(no distributed config) or a distributed one (UMBP_MASTER_ADDRESS)"
             )
+        gpu, gpu_device = _gpu_for_process()
         d = cfg.distributed
         if d is None:
             self._mode = UMBPDeploymentMode.Local
             self._pool = Pool.local(
-                int(cfg.dram.capacity_bytes), int(getattr(cfg.dram, "page_size", 64 << 10)), bool(cfg.dram.prefault)
+                int(cfg.dram.capacity_bytes),
+                int(getattr(cfg.dram, "page_size", 64 << 10)),
+                bool(cfg.dram.prefault),
+                gpu=gpu,
+                gpu_device=gpu_device,
             )
             return
         mc = d.master_config
@@ -400,6 +428,8 @@ class UMBPClient:
             int(d.staging_buffer_size),
             recache,
             bool(cfg.dram.prefault),
+            gpu=gpu,
+            gpu_device=gpu_device,
         )
 
     # -- single keys -----------------------------------------------------------------------------
@@ -484,10 +514,11 @@ class UMBPClient:
         return self._mode
 
     def register_memory(self, ptr: int, size: int, loc: Any = None, device: int = -1) -> bool:
-        """Registers host memory for zero-copy I/O; False when it cannot be (device memory, an
-        unmapped range, an overlap), so the caller stays on the staging path."""
-        if device not in (-1, None) or (loc is not None and "GPU" in str(loc).upper()):
-            return False
+        """Registers memory for zero-copy I/O: host memory, or a device buffer when this process
+        has a GPU runtime (see ``_gpu_for_process``; the address itself tells which). False when
+        it cannot be (device memory with no GPU runtime, an unmapped range, an overlap), so the
+        caller stays on the staging path. ``loc`` and ``device`` are mori's hints; the address
+        decides."""
         try:
             self._pool.register_memory(int(ptr), int(size))
             return True

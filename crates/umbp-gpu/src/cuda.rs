@@ -31,6 +31,15 @@ const STREAM_NON_BLOCKING: c_uint = 1;
 /// `CU_MEMCPY_SRC_ACCESS_ORDER_STREAM`: sources are read in stream order, as `cuMemcpyAsync` does.
 const SRC_ACCESS_ORDER_STREAM: c_int = 1;
 
+/// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` (a `CUmemorytype`).
+const POINTER_MEMORY_TYPE: c_int = 2;
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL` (an int).
+const POINTER_DEVICE_ORDINAL: c_int = 9;
+/// `CU_MEMORYTYPE_DEVICE`.
+const MEMORYTYPE_DEVICE: c_uint = 2;
+/// `CUDA_ERROR_INVALID_VALUE`: what the attribute query answers for memory the driver never saw.
+const ERROR_INVALID_VALUE: CuResult = 1;
+
 /// `CUmemLocation`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -80,6 +89,7 @@ struct Api {
     stream_synchronize: unsafe extern "C" fn(CuStream) -> CuResult,
     stream_destroy: unsafe extern "C" fn(CuStream) -> CuResult,
     get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+    pointer_get_attribute: unsafe extern "C" fn(*mut c_void, c_int, CuDevicePtr) -> CuResult,
 }
 
 /// The CUDA driver API.
@@ -128,6 +138,7 @@ impl CudaDriver {
                 stream_synchronize: symbol(&lib, LIBRARY, "cuStreamSynchronize")?,
                 stream_destroy: symbol(&lib, LIBRARY, "cuStreamDestroy_v2")?,
                 get_error_string: symbol(&lib, LIBRARY, "cuGetErrorString")?,
+                pointer_get_attribute: symbol(&lib, LIBRARY, "cuPointerGetAttribute")?,
             }
         };
         // SAFETY: the documented signature of `cuMemcpyBatchAsync_v2` (CUDA 13); older drivers lack
@@ -348,6 +359,29 @@ impl GpuRuntime for CudaDriver {
         // `stream` is consumed, so it is destroyed once. cuStreamDestroy does not wait: queued work
         // completes and the driver releases the stream afterwards.
         self.check("cuStreamDestroy", unsafe { (self.api.stream_destroy)(stream.raw as CuStream) })
+    }
+
+    fn pointer_device(&self, ptr: NonNull<u8>) -> Result<Option<u32>, GpuError> {
+        let addr = ptr.as_ptr() as CuDevicePtr;
+        let mut kind: c_uint = 0;
+        // SAFETY: `kind` is a valid out-pointer of the attribute's type (a `CUmemorytype`); the
+        // query only looks the address up, it never dereferences it.
+        let rc = unsafe { (self.api.pointer_get_attribute)((&raw mut kind).cast(), POINTER_MEMORY_TYPE, addr) };
+        if rc == ERROR_INVALID_VALUE {
+            // Memory the driver never allocated nor registered: host memory.
+            return Ok(None);
+        }
+        self.check("cuPointerGetAttribute", rc)?;
+        if kind != MEMORYTYPE_DEVICE {
+            return Ok(None);
+        }
+        let mut ordinal: c_int = -1;
+        // SAFETY: as above, with an int attribute.
+        let rc = unsafe { (self.api.pointer_get_attribute)((&raw mut ordinal).cast(), POINTER_DEVICE_ORDINAL, addr) };
+        self.check("cuPointerGetAttribute", rc)?;
+        u32::try_from(ordinal)
+            .map(Some)
+            .map_err(|_| GpuError::Invalid(format!("the driver reports device {ordinal} for {ptr:p}")))
     }
 
     fn error_string(&self, code: i32) -> String {

@@ -434,6 +434,11 @@ impl GpuRuntime for FakeRuntime {
         }
         .to_owned()
     }
+
+    fn pointer_device(&self, ptr: NonNull<u8>) -> Result<Option<u32>, GpuError> {
+        // Device memory of any fake (one table for the process, see `DEVICE_MEMORY`).
+        Ok(device_of(ptr.as_ptr() as usize, 1))
+    }
 }
 
 #[cfg(test)]
@@ -458,6 +463,22 @@ mod tests {
         // SAFETY: allocated above, unused now.
         unsafe { fake.free(d) }.expect("free");
         assert_eq!(fake.live_bytes(), 0);
+    }
+
+    #[test]
+    fn pointer_device_tells_device_memory_from_host_memory() {
+        let fake = FakeRuntime::new(2);
+        fake.set_device(1).expect("device 1");
+        let d = fake.malloc(4096).expect("malloc");
+        let inside = NonNull::new(d.as_ptr().wrapping_add(4095)).expect("non-null");
+        assert_eq!(fake.pointer_device(d).expect("query"), Some(1));
+        assert_eq!(fake.pointer_device(inside).expect("query"), Some(1), "an address inside the allocation");
+        let host = [0u8; 64];
+        let h = NonNull::new(host.as_ptr().cast_mut()).expect("non-null");
+        assert_eq!(fake.pointer_device(h).expect("query"), None, "host memory");
+        // SAFETY: allocated above, unused now.
+        unsafe { fake.free(d) }.expect("free");
+        assert_eq!(fake.pointer_device(d).expect("query"), None, "freed memory is no device's");
     }
 
     #[test]

@@ -209,6 +209,16 @@ pub trait GpuRuntime: Send + Sync + fmt::Debug {
 
     /// The runtime's message for an error code.
     fn error_string(&self, code: i32) -> String;
+
+    /// The device whose memory `ptr` points into, or `None` for memory no device of this runtime
+    /// allocated (host memory, pinned or not, and addresses the runtime does not know). How a
+    /// binding tells a caller's device buffer from host memory when it is handed a bare address
+    /// (SGLang registers its GPU KV pools by address alone). Only asks the runtime: never reads
+    /// `ptr`, never makes a device current.
+    ///
+    /// # Errors
+    /// The runtime failed in another way than "not device memory".
+    fn pointer_device(&self, ptr: NonNull<u8>) -> Result<Option<u32>, GpuError>;
 }
 
 /// Switches the calling thread to a device for a scope and restores the previous state on drop: the

@@ -83,7 +83,23 @@ struct Api {
     stream_synchronize: unsafe extern "C" fn(RawStream) -> Err,
     stream_destroy: unsafe extern "C" fn(RawStream) -> Err,
     get_error_string: unsafe extern "C" fn(Err) -> *const c_char,
+    pointer_get_attributes: unsafe extern "C" fn(*mut PointerAttributes, *const c_void) -> Err,
 }
+
+/// `cudaPointerAttributes` (CUDA 11 and later) / `hipPointerAttribute_t` (ROCm 6 and later), whose
+/// leading fields agree: the memory type, then the device. Padded past either struct's size, so a
+/// runtime with more trailing fields never writes beyond it.
+#[repr(C)]
+struct PointerAttributes {
+    kind: c_int,
+    device: c_int,
+    device_pointer: *mut c_void,
+    host_pointer: *mut c_void,
+    _rest: [u64; 8],
+}
+
+/// `cudaMemoryTypeDevice` / `hipMemoryTypeDevice` (ROCm 6 numbering).
+const MEMORY_TYPE_DEVICE: c_int = 2;
 
 /// HIP or the CUDA runtime.
 pub(crate) struct RuntimeApi {
@@ -134,6 +150,7 @@ impl RuntimeApi {
                 stream_synchronize: symbol(&lib, library, sym("StreamSynchronize"))?,
                 stream_destroy: symbol(&lib, library, sym("StreamDestroy"))?,
                 get_error_string: symbol(&lib, library, sym("GetErrorString"))?,
+                pointer_get_attributes: symbol(&lib, library, sym("PointerGetAttributes"))?,
             }
         };
         Ok(Self { id: next_runtime_id(), name, library, api, _lib: lib })
@@ -269,6 +286,30 @@ impl GpuRuntime for RuntimeApi {
         // `stream` is consumed, so it is destroyed once. The runtime does not wait: queued work
         // completes and the stream is released afterwards.
         self.check("StreamDestroy", unsafe { (self.api.stream_destroy)(stream.raw as RawStream) })
+    }
+
+    fn pointer_device(&self, ptr: NonNull<u8>) -> Result<Option<u32>, GpuError> {
+        let mut attrs = PointerAttributes {
+            kind: 0,
+            device: -1,
+            device_pointer: std::ptr::null_mut(),
+            host_pointer: std::ptr::null_mut(),
+            _rest: [0; 8],
+        };
+        // SAFETY: `attrs` is a valid out-pointer at least as large as the runtime's struct; the
+        // query only looks the address up, it never dereferences it.
+        let rc = unsafe { (self.api.pointer_get_attributes)(&mut attrs, ptr.as_ptr().cast_const().cast()) };
+        if rc != 0 {
+            // Older runtimes answer "invalid value" for memory they never saw; newer ones answer
+            // success with an unregistered type. Either way not device memory.
+            return Ok(None);
+        }
+        if attrs.kind != MEMORY_TYPE_DEVICE {
+            return Ok(None);
+        }
+        u32::try_from(attrs.device)
+            .map(Some)
+            .map_err(|_| GpuError::Invalid(format!("the runtime reports device {} for {ptr:p}", attrs.device)))
     }
 
     fn error_string(&self, code: i32) -> String {

@@ -39,10 +39,17 @@ fn exercise(rt: &dyn GpuRuntime) {
     let back_ptr = NonNull::new(back.as_mut_ptr()).expect("non-null");
     let a = rt.malloc(len).expect("malloc a");
     let b = rt.malloc(len).expect("malloc b");
+    // A bare address tells its device (how a binding recognises a caller's device buffer).
+    assert_eq!(rt.pointer_device(a).expect("pointer query"), Some(0), "device memory");
+    // SAFETY: an address inside `b`'s allocation; only looked up, never dereferenced.
+    let inside = unsafe { b.add(len - 1) };
+    assert_eq!(rt.pointer_device(inside).expect("pointer query"), Some(0), "inside device memory");
+    assert_eq!(rt.pointer_device(src_ptr).expect("pointer query"), None, "pageable host memory");
     // SAFETY: every range below lies inside its `len`-byte buffer; host buffers outlive the
     // registration and the stream synchronisation.
     unsafe {
         rt.host_register(back_ptr, len).expect("pin");
+        assert_eq!(rt.pointer_device(back_ptr).expect("pointer query"), None, "pinned host memory");
         rt.memcpy(a, src_ptr, len, CopyKind::HostToDevice).expect("h2d");
         rt.memcpy(b, a, len, CopyKind::DeviceToDevice).expect("d2d");
         let stream = rt.stream_create().expect("stream");

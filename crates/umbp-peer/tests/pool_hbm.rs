@@ -252,6 +252,7 @@ async fn a_non_hbm_node_uses_a_gpu_only_when_asked() {
     let dev = caller.malloc(2 * len).expect("device buffer");
     let gpu = MemoryLocation::Gpu { device: 0 };
     let plain = PoolClient::start(config(&m, "dram-plain", 64 * PAGE)).await.expect("starts");
+    assert_eq!(plain.pointer_device(dev).expect("query"), None, "no GPU runtime: nothing is device memory to it");
     // SAFETY: `dev` lives until the end of the test (deregistered before it is freed).
     let registered = unsafe { plain.register_memory_at(dev, 2 * len as u64, gpu) }.is_ok();
     // SAFETY: the range lies inside `dev`, live for the call; no engine of this node may copy it.
@@ -265,6 +266,10 @@ async fn a_non_hbm_node_uses_a_gpu_only_when_asked() {
     asked.gpu_runtime = Some(RuntimeSelection::Fake { devices: 1 });
     let node = PoolClient::start(asked).await.expect("starts");
     let v = value(7, len);
+    // A bare address tells where it lives (how the Python binding picks the location).
+    assert_eq!(node.pointer_device(dev).expect("query"), Some(0), "the caller's device buffer");
+    let host_ptr = NonNull::new(v.as_ptr().cast_mut()).expect("non-null");
+    assert_eq!(node.pointer_device(host_ptr).expect("query"), None, "host memory");
     let v_ptr = NonNull::new(v.as_ptr().cast_mut()).expect("non-null");
     // SAFETY: `dev` holds `2 * len` device bytes, `v` is `len` host bytes.
     unsafe { caller.memcpy(dev, v_ptr, len, CopyKind::HostToDevice) }.expect("stage");

@@ -10,8 +10,11 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use umbp_core::MemoryLocation;
 use umbp_master::{MasterConfig, MasterHandle};
-use umbp_peer::pool_client::{KeyError, Medium, PoolClient, PoolClientConfig, RawParts, RecachePolicy};
+use umbp_peer::pool_client::{
+    KeyError, Medium, PoolClient, PoolClientConfig, RawParts, RecachePolicy, RuntimeSelection,
+};
 
 use crate::buffer::View;
 use crate::errors::{self, INVALID_INPUT};
@@ -184,9 +187,16 @@ impl Pool {
         Ok(&self.inner)
     }
 
-    /// Checks every `(ptr, len)` outside a registered region is mapped memory: the failing ones get
-    /// an error result, the others `None`.
+    /// Checks every `(ptr, len)` outside a registered region is mapped host memory: the failing
+    /// ones get an error result, the others `None`. Device memory is asked about first (a pool with
+    /// a GPU runtime): CUDA reserves its device addresses in the process's address space, so
+    /// `mincore` alone would pass them and the CPU would fault copying.
     fn check_ranges(&self, ptrs: &[usize], sizes: &[usize]) -> Vec<Option<(u8, String)>> {
+        let client = &self.inner.client;
+        let on_device = |p: usize| {
+            client.has_gpu_runtime()
+                && NonNull::new(p as *mut u8).is_some_and(|ptr| !matches!(client.pointer_device(ptr), Ok(None)))
+        };
         let regions = self.inner.regions.lock();
         ptrs.iter()
             .zip(sizes)
@@ -199,7 +209,11 @@ impl Pool {
                     .range(..=p)
                     .next_back()
                     .is_some_and(|(b, l)| p.checked_add(n).is_some_and(|end| end <= b + l));
-                if inside || range_mapped(p, n) {
+                if inside {
+                    None
+                } else if on_device(p) {
+                    Some((INVALID_INPUT, format!("{n} bytes at {p:#x} are device memory: register_memory it first")))
+                } else if range_mapped(p, n) {
                     None
                 } else {
                     Some((INVALID_INPUT, format!("{n} bytes at {p:#x} are not mapped memory of this process")))
@@ -344,14 +358,26 @@ impl Pool {
     }
 }
 
+/// The GPU runtime a Python `gpu=` argument names (None: none).
+fn gpu_selection(py: Python<'_>, gpu: Option<&str>) -> PyResult<Option<RuntimeSelection>> {
+    match gpu.map(str::trim) {
+        None | Some("" | "none" | "off") => Ok(None),
+        Some(name) => name.parse().map(Some).map_err(|e: String| errors::config_error(py, format!("gpu: {e}"))),
+    }
+}
+
 #[pymethods]
 impl Pool {
     /// Starts a local pool: an embedded master on 127.0.0.1 and one node lending `capacity_bytes` of
     /// `medium` (`dram`, `ssd`, `cxl`, `object`, `hbm`; `medium_settings` holds its settings, as
-    /// `umbp node` reads them) in pages of `page_size` bytes, all in this process.
+    /// `umbp node` reads them) in pages of `page_size` bytes, all in this process. `gpu` names a GPU
+    /// runtime (`auto`, `cuda`, `cudart`, `hip`, `fake[:N]`; default none) whose copy engine moves the
+    /// caller's device buffers (`register_memory` of a device address), pinning host memory with
+    /// device `gpu_device`'s context.
     #[staticmethod]
     #[pyo3(signature = (capacity_bytes, page_size = 64 << 10, prefault = false, medium = "dram".to_owned(),
-        medium_settings = None))]
+        medium_settings = None, gpu = None, gpu_device = 0))]
+    #[expect(clippy::too_many_arguments, reason = "a Python keyword-argument constructor")]
     fn local(
         py: Python<'_>,
         capacity_bytes: u64,
@@ -359,7 +385,10 @@ impl Pool {
         prefault: bool,
         medium: String,
         medium_settings: Option<Bound<'_, PyDict>>,
+        gpu: Option<String>,
+        gpu_device: u32,
     ) -> PyResult<Self> {
+        let gpu = gpu_selection(py, gpu.as_deref())?;
         let request = MediumRequest {
             name: &medium,
             capacity: capacity_bytes,
@@ -386,6 +415,8 @@ impl Pool {
                         PoolClientConfig::new("local", master.local_addr().to_string()).with_medium(medium);
                     config.page_size = page_size;
                     config.recache = RecachePolicy::Off;
+                    config.gpu_runtime = gpu;
+                    config.gpu_device = gpu_device;
                     match PoolClient::start(config).await {
                         Ok(c) => Ok((c, master)),
                         Err(e) => {
@@ -412,11 +443,12 @@ impl Pool {
     /// Joins the pool whose master is at `master_address` as node `node_id`, reachable at
     /// `node_address`, lending `lend_bytes` of `medium` (default: DRAM, or nothing when `lend_bytes`
     /// is 0; `medium_settings` as for `local`). `data_port` / `peer_port` 0 pick free ports;
-    /// `recache_bytes` re-caches remote values up to that size locally (None: never).
+    /// `recache_bytes` re-caches remote values up to that size locally (None: never); `gpu` and
+    /// `gpu_device` as for `local`.
     #[staticmethod]
     #[pyo3(signature = (master_address, node_id, node_address = "127.0.0.1".to_owned(), lend_bytes = 0,
         page_size = 2 << 20, data_host = None, data_port = 0, peer_port = 0, bounce_bytes = 64 << 20,
-        recache_bytes = None, prefault = false, medium = None, medium_settings = None))]
+        recache_bytes = None, prefault = false, medium = None, medium_settings = None, gpu = None, gpu_device = 0))]
     #[expect(clippy::too_many_arguments, reason = "a Python keyword-argument constructor")]
     fn node(
         py: Python<'_>,
@@ -433,6 +465,8 @@ impl Pool {
         prefault: bool,
         medium: Option<String>,
         medium_settings: Option<Bound<'_, PyDict>>,
+        gpu: Option<String>,
+        gpu_device: u32,
     ) -> PyResult<Self> {
         let node_ip = resolve_ip(&node_address)?;
         let data_ip = match &data_host {
@@ -458,6 +492,8 @@ impl Pool {
         config.medium = medium::build(py, &request)?;
         config.bounce_bytes = bounce_bytes;
         config.recache = recache_bytes.map_or(RecachePolicy::Off, RecachePolicy::UpTo);
+        config.gpu_runtime = gpu_selection(py, gpu.as_deref())?;
+        config.gpu_device = gpu_device;
         let rt = runtime()?;
         let client = py.detach(move || rt.block_on(PoolClient::start(config))).map_err(|e| {
             errors::start_error(py, errors::pool_kind(&e), errors::pool_message("joining the pool", &e))
@@ -666,23 +702,44 @@ impl Pool {
     }
 
     /// Registers `size` bytes at `ptr` for zero-copy puts and gets; the caller keeps the memory
-    /// mapped until `deregister_memory(ptr)` or `close`. Unmapped memory or an overlap with a range
-    /// already registered raises `InvalidInputError`.
-    fn register_memory(&self, py: Python<'_>, ptr: usize, size: usize) -> PyResult<()> {
+    /// mapped until `deregister_memory(ptr)` or `close`. Host memory, or — on a pool started with a
+    /// `gpu` runtime — a device buffer, told apart by asking the runtime about `ptr` (so a torch
+    /// CUDA tensor's `data_ptr()` registers as it is). Memory that is neither, or an overlap with a
+    /// range already registered, raises `InvalidInputError`. The returned string says where the
+    /// memory lives: `"host"` or `"gpu:N"`.
+    fn register_memory(&self, py: Python<'_>, ptr: usize, size: usize) -> PyResult<String> {
         self.open()?;
         let inner = Arc::clone(&self.inner);
         // Detached: checking a large host pool page by page takes a while.
         py.detach(move || {
-            if !range_mapped(ptr, size) {
-                return Err((INVALID_INPUT, format!("{size} bytes at {ptr:#x} are not mapped memory of this process")));
-            }
             let p = NonNull::new(ptr as *mut u8).ok_or((INVALID_INPUT, "null pointer".to_owned()))?;
-            // SAFETY: the range is mapped (checked), and the caller promises to keep it so until it
-            // deregisters or closes (this method's documented contract).
-            unsafe { inner.client.register_memory(p, size as u64) }
+            // The runtime first: a fake runtime's "device memory" is mapped host memory too.
+            let location = match inner.client.pointer_device(p) {
+                Ok(Some(device)) => MemoryLocation::Gpu { device },
+                Ok(None) if range_mapped(ptr, size) => MemoryLocation::Host,
+                Ok(None) => {
+                    let hint = if inner.client.has_gpu_runtime() {
+                        ""
+                    } else {
+                        " (a device buffer needs a pool started with a gpu runtime, e.g. gpu=\"auto\")"
+                    };
+                    return Err((
+                        INVALID_INPUT,
+                        format!("{size} bytes at {ptr:#x} are not mapped memory of this process{hint}"),
+                    ));
+                }
+                Err(e) => return Err((errors::pool_kind(&e), format!("registering memory: {e}"))),
+            };
+            // SAFETY: the range is mapped host memory (checked) or device memory the GPU runtime
+            // knows (asked), and the caller promises to keep it so until it deregisters or closes
+            // (this method's documented contract).
+            unsafe { inner.client.register_memory_at(p, size as u64, location) }
                 .map_err(|e| (errors::pool_kind(&e), format!("registering memory: {e}")))?;
             inner.regions.lock().insert(ptr, size);
-            Ok(())
+            Ok(match location {
+                MemoryLocation::Host => "host".to_owned(),
+                MemoryLocation::Gpu { device } => format!("gpu:{device}"),
+            })
         })
         .map_err(|(k, m)| errors::exception(k, m))
     }

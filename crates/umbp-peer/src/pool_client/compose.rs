@@ -44,6 +44,8 @@ pub(super) struct Composed {
     /// holds one connection per holder and one mapping per holder region; the `PoolClient` sweeps
     /// it (see `ShmClient::sweep`).
     pub(super) shm_client: Option<Arc<ShmClient>>,
+    /// The GPU runtime the GPU copy engine runs on (the HBM medium's, or `gpu_runtime`'s).
+    pub(super) gpu_runtime: Option<Arc<dyn GpuRuntime>>,
 }
 
 /// Builds the engines and the medium `config` names.
@@ -112,7 +114,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
         let pin_device = match &config.medium {
             #[cfg(feature = "hbm")]
             Medium::Hbm(hbm) => hbm.device,
-            _ => 0,
+            _ => config.gpu_device,
         };
         let gpu = GpuCopyEngine::new(Arc::clone(runtime), GpuCopyConfig { pin_device, ..GpuCopyConfig::default() })
             .map_err(|e| PoolError::Transfer { context: "GPU copy engine", source: Box::new(e) })?;
@@ -209,7 +211,7 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
     // Every medium is charted by its tier= with no metrics code of its own (when a /metrics
     // endpoint is configured; otherwise nothing would read the counters).
     let medium = if config.metrics_listen.is_some() { medium.map(InstrumentedBackend::wrap) } else { medium };
-    Ok(Composed { engine, tcp, data_endpoint, medium, medium_drive_io, shm_client })
+    Ok(Composed { engine, tcp, data_endpoint, medium, medium_drive_io, shm_client, gpu_runtime })
 }
 
 /// The data endpoint to advertise for a data server listening on `listen`: none (the bound address) for

@@ -253,6 +253,11 @@ pub struct PoolClientConfig {
     /// finds nothing under `UMBP_GPU_RUNTIME=none`). Default: none, so a DRAM, SSD or client-only
     /// node never probes a GPU nor pins its medium and bounce pool with one.
     pub gpu_runtime: Option<RuntimeSelection>,
+    /// The device whose context a node without HBM pins its host memory with (for the GPU copy
+    /// engine of [`gpu_runtime`](Self::gpu_runtime)): the rank's own GPU, so that a process serving
+    /// GPU 3 never creates a context on GPU 0 (on the CUDA driver API, touching a device creates
+    /// one, costing that GPU memory). An HBM node uses its medium's device. Default: 0.
+    pub gpu_device: u32,
     /// Whether a node that lends no medium registers with the master anyway (listed as a client in
     /// the cluster status and `umbp stat`, heartbeating, unregistered at `close`). A node that lends
     /// a medium always registers, and so does one that serves `/metrics`
@@ -306,6 +311,7 @@ impl std::fmt::Debug for PoolClientConfig {
             .field("master", &self.master)
             .field("metrics_listen", &self.metrics_listen)
             .field("gpu_runtime", &self.gpu_runtime)
+            .field("gpu_device", &self.gpu_device)
             .field("register_client", &self.register_client)
             .field("keyed_requests", &self.keyed_requests)
             .field("shared_memory", &self.shared_memory)
@@ -335,6 +341,7 @@ impl PoolClientConfig {
             master: MasterClientConfig::default(),
             metrics_listen: None,
             gpu_runtime: None,
+            gpu_device: 0,
             register_client: false,
             keyed_requests: true,
             shared_memory: true,

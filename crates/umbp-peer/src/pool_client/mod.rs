@@ -234,6 +234,8 @@ pub struct PoolClient {
     hints: Arc<fast::Hints>,
     /// Unmaps dead or deregistered holders' memory (with `shared_memory`).
     shm_sweeper: Option<ShmSweeper>,
+    /// The GPU copy engine's runtime, when the node has one (see [`pointer_device`](Self::pointer_device)).
+    gpu_runtime: Option<Arc<dyn umbp_gpu::GpuRuntime>>,
 }
 
 impl PoolClient {
@@ -254,7 +256,8 @@ impl PoolClient {
         if config.page_size == 0 {
             return Err(PoolError::Config("page_size must be greater than 0".into()));
         }
-        let Composed { engine, tcp, data_endpoint, medium, medium_drive_io, shm_client } = compose(&config)?;
+        let Composed { engine, tcp, data_endpoint, medium, medium_drive_io, shm_client, gpu_runtime } =
+            compose(&config)?;
         let mut registry = BackendRegistry::new();
         if let Some(m) = &medium {
             m.init(Arc::clone(&engine) as Arc<dyn MemoryRegistrar>)?;
@@ -391,6 +394,7 @@ impl PoolClient {
             locations: fast::Locations::default(),
             hints: Arc::default(),
             shm_sweeper,
+            gpu_runtime,
         })
     }
 
@@ -514,6 +518,27 @@ impl PoolClient {
             .map_err(|e| PoolError::Transfer { context: "registering caller memory", source: Box::new(e) })?;
         regions.insert(base, (len, r));
         Ok(())
+    }
+
+    /// The device whose memory `ptr` points into, as this node's GPU runtime tells it: `None` for
+    /// host memory, or when the node has no GPU runtime (no GPU copy engine could move device
+    /// memory anyway). How a binding handed a bare address (SGLang registers its GPU KV pools so)
+    /// picks [`register_memory_at`](Self::register_memory_at)'s location.
+    ///
+    /// # Errors
+    /// The runtime failed to answer ([`PoolError::Transfer`]).
+    pub fn pointer_device(&self, ptr: NonNull<u8>) -> Result<Option<u32>, PoolError> {
+        let Some(runtime) = &self.gpu_runtime else { return Ok(None) };
+        runtime.pointer_device(ptr).map_err(|e| PoolError::Transfer {
+            context: "asking the GPU runtime about an address",
+            source: Box::new(e),
+        })
+    }
+
+    /// Whether the node has a GPU copy engine (an HBM medium, or [`PoolClientConfig::gpu_runtime`]
+    /// found a runtime): device memory can be registered and moved.
+    pub fn has_gpu_runtime(&self) -> bool {
+        self.gpu_runtime.is_some()
     }
 
     /// Undoes [`register_memory`](Self::register_memory); unknown pointers are ignored.
