@@ -212,6 +212,23 @@ class Counting:
         monkeypatch.setattr(client, "batch_get_ranges_into_ptr", counted_get)
 
 
+def counted_linker(s, args, params, monkeypatch):
+    """``(linker, its compat client, Counting)``: the ranged calls are counted from the moment
+    the linker's store builds its client."""
+    made = {}
+    real_init = s.store_mod.UMBPStore.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        made["client"] = self.client
+        made["counter"] = Counting(self.client, monkeypatch)
+
+    with monkeypatch.context() as m:
+        m.setattr(s.store_mod.UMBPStore, "__init__", init)
+        linker = create_linker(s, args, params)
+    return linker, made["client"], made["counter"]
+
+
 def wait_offloads(linker, n: int, timeout: float = 30.0) -> list:
     deadline = time.monotonic() + timeout
     while linker.num_completed_offloads() < n:
@@ -242,20 +259,8 @@ def test_linker_moves_kv_pages_with_ranged_calls(sgl, linker_config, monkeypatch
     s = sgl
     args = publish(s, config)
     kv, alloc, params = make_params(s)
-    ranged = {}
-
-    # Count the ranged calls from the moment the store builds its client.
-    real_init = s.store_mod.UMBPStore.__init__
-
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        ranged["counter"] = Counting(self.client, monkeypatch)
-        ranged["client"] = self.client
-
-    monkeypatch.setattr(s.store_mod.UMBPStore, "__init__", init)
     caplog.set_level(logging.INFO, logger=LINKER_LOG)
-    linker = create_linker(s, args, params)
-    client = ranged["client"]
+    linker, client, counter = counted_linker(s, args, params, monkeypatch)
     try:
         assert isinstance(linker, s.linker_mod.UMBPDirectLinker)
         want_mode = "Distributed" if mode == "distributed" else "Local"
@@ -279,7 +284,6 @@ def test_linker_moves_kv_pages_with_ranged_calls(sgl, linker_config, monkeypatch
         transfer = PoolTransfer(name=PoolName.KV, device_indices=indices(src_pages), keys=list(hashes))
         assert linker.offload([transfer]) is True
         assert wait_offloads(linker, 1) == [True]
-        counter = ranged["counter"]
         assert counter.calls["put"] >= 2  # one per pool (KV and indexer)
         # KV: one range per layer per page; indexer: one per layer per page.
         assert counter.ranges["put"] == 2 * LAYERS * PAGES
@@ -333,4 +337,47 @@ def test_linker_refuses_a_client_without_ranged_io(sgl, monkeypatch):
         with pytest.raises(ValueError, match="Direct UMBP needs ranged multi-buffer I/O"):
             create_linker(s, args, params)
     finally:
+        s.rc.reset_context()
+
+
+def test_another_node_loads_what_one_offloaded(sgl, master, monkeypatch):
+    """Two linkers, each a node of one pool (as two engines): what one offloads, the other finds
+    through the master and loads with ranged gets, byte-exact."""
+    s = sgl
+    monkeypatch.setenv("UMBP_MASTER_ADDRESS", master)
+    monkeypatch.setenv("UMBP_NODE_ADDRESS", "127.0.0.1")
+    args = publish(s, {"dram_capacity_bytes": 64 << 20})
+    PoolName, PoolTransfer = s.hicache.PoolName, s.hicache.PoolTransfer
+    linkers = []
+    try:
+        for node in ("writer", "reader"):
+            monkeypatch.setenv("UMBP_NODE_ID", f"linker-{node}")
+            monkeypatch.setenv("UMBP_PEER_SERVICE_PORT", str(free_port()))
+            kv, _, params = make_params(s)
+            linkers.append((kv, *counted_linker(s, args, params, monkeypatch)))
+        (kv_w, writer, _, _), (kv_r, reader, _, reader_counter) = linkers
+        pages = list(range(1, PAGES + 1))
+        fill_random(kv_w, pages, seed=23)
+        want = page_bytes(kv_w, pages)
+        hashes = [f"cross-page-{i:04d}" for i in range(PAGES)]
+        assert writer.offload([PoolTransfer(name=PoolName.KV, device_indices=indices(pages), keys=list(hashes))])
+        assert wait_offloads(writer, 1) == [True]
+
+        # The reader's pool learns of the writer's objects through the master (bounded wait).
+        lookup = [PoolTransfer(name=PoolName.KV, keys=list(hashes))]
+        deadline = time.monotonic() + 20
+        while reader.lookup("req-x", lookup) != list(range(1, PAGES + 1)):
+            assert time.monotonic() < deadline, "the reader never saw the writer's pages"
+            time.sleep(0.05)
+        zero_pages(kv_r, pages)
+        assert reader.load("req-x", [PoolTransfer(name=PoolName.KV, device_indices=indices(pages), keys=list(hashes))])
+        index = reader.start_layer_wise_loading()
+        assert reader.finish_layer_wise_loading(index) is True
+        assert reader_counter.ranges["get"] == 2 * LAYERS * PAGES
+        for i, (a, b) in enumerate(zip(page_bytes(kv_r, pages), want)):
+            assert np.array_equal(a, b), f"object {i} differs"
+    finally:
+        for _, linker, client, _ in linkers:
+            linker.close()
+            client.close()
         s.rc.reset_context()
