@@ -5,7 +5,8 @@
 #   linker_env.sh download DIR [PYVER]  on a machine with internet: the wheels (no dependencies
 #                                       resolved: the list is complete) for CPython PYVER
 #                                       (default 3.12), manylinux x86_64, plus the sglang wheel
-#   linker_env.sh install DIR           on the test machine: installs them into this python
+#   linker_env.sh install DIR [TARGET]  on the test machine: installs them into this python, or
+#                                       into directory TARGET (then put it first on PYTHONPATH)
 #   linker_env.sh run [pytest args]     runs the test (UMBP_LINKER_DEVICE defaults to cuda here)
 #
 # PYTHON picks the interpreter (default python3); it must already import torch (with its own
@@ -52,9 +53,15 @@ download)
     --abi cp311 --platform manylinux_2_34_x86_64 -d "$dir" sglang==0.5.23
   ;;
 install)
-  dir="${2:?usage: linker_env.sh install DIR}"
+  dir="${2:?usage: linker_env.sh install DIR [TARGET]}"
+  target=()
+  if [ -n "${3:-}" ]; then
+    target=(--target "$3")
+    export PYTHONPATH="$3${PYTHONPATH:+:$PYTHONPATH}"
+  fi
   # --no-deps: torch is already there and must stay the one installed.
-  find "$dir" -name '*.whl' ! -name 'sglang-*' -print0 | xargs -0 "$py" -m pip install --no-index --no-deps
+  find "$dir" -name '*.whl' ! -name 'sglang-*' -print0 |
+    xargs -0 "$py" -m pip install --no-index --no-deps "${target[@]}"
   mkdir -p "$root/target/sglang-cache"
   cp -n "$dir"/sglang-0.5.23-*.whl "$root/target/sglang-cache/" || true
   "$py" -c "import torch, torchvision, transformers, umbp, mori.umbp; print('torch', torch.__version__)"
@@ -66,7 +73,7 @@ run)
     "$py" -m pytest -q python/tests/test_sglang_direct_linker.py "$@"
   ;;
 *)
-  sed -n '2,15p' "$0"
+  sed -n '2,16p' "$0"
   exit 2
   ;;
 esac

@@ -269,9 +269,10 @@ def test_linker_moves_kv_pages_with_ranged_calls(sgl, linker_config, monkeypatch
             f"UMBPDirectLinker topology={want_mode}+None ranged_io=yes" in r.getMessage()
             for r in caplog.records
         ), [r.getMessage() for r in caplog.records]
-        pools = linker.pools
+        assert isinstance(linker.pool_group, s.assembler.DevicePoolGroup)
+        assert isinstance(linker.layer_done_counter, s.ucl.LayerWiseLoadCounter)
         PoolName = s.hicache.PoolName
-        assert set(pools) == {PoolName.KV, PoolName.INDEXER}
+        assert set(linker.pools) == {PoolName.KV, PoolName.INDEXER}
 
         src_pages = list(range(1, PAGES + 1))  # page 0 is SGLang's padding page
         dst_pages = list(range(PAGES + 1, 2 * PAGES + 1))
