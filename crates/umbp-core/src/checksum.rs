@@ -17,16 +17,55 @@ pub fn value_crc32c(value: &[u8]) -> u32 {
 /// The CRC-32C of the value made of `parts` in order (a value assembled from ranges): the same
 /// sum as [`value_crc32c`] of their concatenation.
 pub fn value_crc32c_of_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    let mut digest = ValueCrc32c::new();
     for part in parts {
         digest.update(part);
     }
-    digest.finalize() as u32
+    digest.finish()
+}
+
+/// [`value_crc32c`] summed piece by piece, as the bytes arrive: a reader that copies a value in
+/// blocks sums each block right after copying it, while it is still in cache.
+#[derive(Debug, Clone)]
+pub struct ValueCrc32c(crc_fast::Digest);
+
+impl ValueCrc32c {
+    /// Nothing summed yet.
+    pub fn new() -> Self {
+        Self(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+    }
+
+    /// Adds the next bytes of the value.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The sum of everything added, in order.
+    pub fn finish(&self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
+impl Default for ValueCrc32c {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn summed_in_pieces_is_the_sum_of_the_whole() {
+        let value: Vec<u8> = (0..100_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let mut d = ValueCrc32c::new();
+        for block in value.chunks(4_096 + 7) {
+            d.update(block);
+        }
+        assert_eq!(d.finish(), value_crc32c(&value));
+        assert_eq!(ValueCrc32c::default().finish(), value_crc32c(&[]));
+    }
 
     #[test]
     fn is_the_castagnoli_crc() {

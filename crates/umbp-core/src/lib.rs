@@ -69,7 +69,7 @@ mod types;
 pub mod units;
 
 pub use backend::{AutoFlushHook, MediumBackend};
-pub use checksum::{value_crc32c, value_crc32c_of_parts};
+pub use checksum::{ValueCrc32c, value_crc32c, value_crc32c_of_parts};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{BackendError, ErrorKind, RegistrationError, RegistryError};
 pub use metrics::{MetricKind, MetricSample, MetricSource, names as metric_names};

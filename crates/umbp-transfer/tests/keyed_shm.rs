@@ -643,3 +643,49 @@ fn a_verified_batch_get_reports_a_copy_that_does_not_match_its_checksum() {
     assert_eq!(got, vec![KeyedGet::Hit { size: bad.len() as u64, crc32c: Some(expected) }]);
     assert_eq!(bufs[1].iter().zip(&bad).filter(|(a, b)| a != b).count(), 1, "exactly one byte differs");
 }
+
+/// A batch large enough fans its copies out over the kept copy threads, each value summed block by
+/// block as it lands: every value is byte-exact, and a flipped byte deep inside a value of several
+/// blocks (and of no whole number of them) is still caught.
+#[test]
+fn a_large_verified_batch_fans_out_and_still_catches_a_corrupt_block() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let c = client();
+    let mut values: Vec<Vec<u8>> = (0..8).map(|i| pattern(1 << 20, 40 + i)).collect();
+    values.push(pattern(3 << 20 | 5, 60));
+    let keys: Vec<String> = (0..values.len()).map(|i| format!("big{i}")).collect();
+    let crc = |v: &[u8]| Some(umbp_core::value_crc32c(v));
+    let items: Vec<(&str, &[u8], Option<u32>)> =
+        keys.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice(), crc(v))).collect();
+    assert!(put_batch(&c, srv.endpoint(), &items).iter().all(|p| *p == KeyedPut::Written));
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let got = get_batch_verified(&c, srv.endpoint(), &key_refs, &mut bufs, true);
+    for (i, (g, v)) in got.iter().zip(&values).enumerate() {
+        assert_eq!(*g, KeyedGet::Hit { size: v.len() as u64, crc32c: crc(v) }, "value {i}");
+        assert_eq!(bufs[i], *v, "value {i} byte-exact");
+    }
+    let copy_threads = std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("umbp-shm-copy"))
+        .count();
+    assert!(copy_threads >= 1, "the copies ran on the kept copy threads");
+    // One byte of the last value flips in the holder's memory, in its third 1 MiB.
+    let (_, _, offset, _) = table.slots.lock().2.values().find(|s| s.0 == "big8").cloned().expect("its slot");
+    let at = offset as usize + (5 << 19) + 17;
+    let mut byte = [0u8; 1];
+    // SAFETY: inside the live mapping; nothing reads it concurrently.
+    unsafe { ptr::copy_nonoverlapping(file.base.as_ptr().add(at), byte.as_mut_ptr(), 1) };
+    file.fill(at, &[byte[0] ^ 0x01]);
+    bufs.iter_mut().for_each(|b| b.fill(0));
+    let got = get_batch_verified(&c, srv.endpoint(), &key_refs, &mut bufs, true);
+    let expected = umbp_core::value_crc32c(&values[8]);
+    assert!(matches!(got[8], KeyedGet::Corrupt { expected: e, got: g } if e == expected && g != e), "{:?}", got[8]);
+    for (i, v) in values.iter().enumerate().take(8) {
+        assert_eq!(got[i], KeyedGet::Hit { size: v.len() as u64, crc32c: crc(v) }, "value {i}");
+        assert_eq!(bufs[i], *v, "value {i} byte-exact");
+    }
+}

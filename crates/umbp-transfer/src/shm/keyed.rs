@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::fanout::Piece;
 use super::{SharedMapping, ShmClient, ShmClientConfig, ShmError};
 
 /// How long a holder without a usable shared path is asked for bytes instead.
@@ -187,6 +188,45 @@ impl Copier<'_> {
         self.puts += 1;
         self.bytes += copied;
         Ok(copied)
+    }
+
+    /// The ranges `(region id, offset, len)` of one value, mapped here, for a copy elsewhere (a
+    /// batch's copies fanned out, see `fanout`): the mappings stay valid while the pieces live,
+    /// and each copy checks its region's epoch. `Err`: the value is for TCP.
+    pub(crate) fn pieces(&mut self, ranges: &[(u64, u64, u64)]) -> Result<Vec<Piece>, ShmError> {
+        ranges
+            .iter()
+            .map(|&(region_id, offset, len)| {
+                let mapping = self.mapping(region_id)?;
+                let len = usize::try_from(len).map_err(|_| ShmError::OutOfRange {
+                    offset,
+                    len,
+                    region_len: mapping.len(),
+                })?;
+                Ok(Piece { mapping, offset, len })
+            })
+            .collect()
+    }
+
+    /// A copy of [`pieces`](Self::pieces) failed with `error`: a region that went stale is
+    /// forgotten, so the next answer maps it afresh.
+    pub(crate) fn failed(&mut self, error: &ShmError) {
+        if let ShmError::Stale { region_id, .. } = error {
+            self.reads.client.evict(&self.endpoint, *region_id);
+            self.held.retain(|(id, _)| id != region_id);
+        }
+    }
+
+    /// Counts a value of `bytes` read through [`pieces`](Self::pieces).
+    pub(crate) fn count_get(&mut self, bytes: u64) {
+        self.gets += 1;
+        self.bytes += bytes;
+    }
+
+    /// Counts a value of `bytes` written through [`pieces`](Self::pieces).
+    pub(crate) fn count_put(&mut self, bytes: u64) {
+        self.puts += 1;
+        self.bytes += bytes;
     }
 
     /// Runs `copy(mapping, offset in the region, offset in the value, len)` over the ranges, in

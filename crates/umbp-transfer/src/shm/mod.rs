@@ -29,6 +29,7 @@
 mod client;
 mod engine;
 mod epochs;
+pub(crate) mod fanout;
 mod identity;
 mod keyed;
 mod server;

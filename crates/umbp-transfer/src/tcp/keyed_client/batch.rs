@@ -10,6 +10,7 @@ use super::{
     ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, KeyedPut, Op, Request, Settle, Status, check_key,
     protocol_error, read_reply, send, write_frame,
 };
+use crate::shm::fanout::{self, ValueCopy, ValueWrite};
 use crate::shm::{Copier, SharedReads, ShmError};
 
 /// How long a holder that failed a GET_KEYS (an older build closes the connection at the op) is
@@ -193,8 +194,10 @@ impl KeyedClient {
         let mut out = Vec::with_capacity(items.len());
         let mut copied = vec![0u8; items.len()];
         let mut slots = false;
+        // The values to copy in, and which item each is.
+        let (mut writes, mut written_items): (Vec<ValueWrite<'_>>, Vec<usize>) = (Vec::new(), Vec::new());
         let mut copier = BatchCopier::new(&self.shared, endpoint);
-        for ((item, answer), flag) in items.iter().zip(answers).zip(copied.iter_mut()) {
+        for (i, (item, answer)) in items.iter().zip(answers).enumerate() {
             out.push(match answer {
                 BatchAnswer::Mapped(d) => {
                     slots = true;
@@ -205,10 +208,11 @@ impl KeyedClient {
                             item.value.len()
                         )));
                     }
-                    match copier.get().and_then(|c| c.copy_in(&d.ranges, item.value)) {
-                        Ok(_) => {
-                            *flag = 1;
-                            // The holder's verdict follows.
+                    match copier.get().and_then(|c| c.pieces(&d.ranges)) {
+                        Ok(pieces) => {
+                            writes.push(ValueWrite { pieces, src: item.value });
+                            written_items.push(i);
+                            // The copy's outcome and the holder's verdict follow.
                             KeyedPut::Written
                         }
                         Err(error) => {
@@ -223,6 +227,19 @@ impl KeyedClient {
                 BatchAnswer::Other(Status::Failed) => KeyedPut::Failed,
                 BatchAnswer::Other(_) | BatchAnswer::TooSmall(_) => KeyedPut::Unsupported,
             });
+        }
+        for (i, written) in written_items.into_iter().zip(fanout::write_values(&writes)) {
+            match written {
+                Ok(bytes) => {
+                    copier.count_put(bytes);
+                    copied[i] = 1;
+                }
+                Err(error) => {
+                    tracing::debug!(peer = endpoint, %error, key = items[i].key, "no copy into the mapping");
+                    copier.failed(&error);
+                    out[i] = KeyedPut::Failed;
+                }
+            }
         }
         if !slots {
             return Ok(out);
@@ -289,10 +306,14 @@ impl KeyedClient {
         let answers = batch_wire::decode_reply(&body, items.len())
             .map_err(|e| protocol_error(format!("bad GET_KEYS reply: {e}")))?;
         let mut mapped = false;
-        let mut out = Vec::with_capacity(items.len());
+        let mut out: Vec<Option<KeyedGet>> = vec![None; items.len()];
+        // The values to copy, beside each copy: (item index, its lease, its checksum, whether to
+        // check it).
+        let mut planned: Vec<(usize, u64, Option<u32>, bool)> = Vec::new();
+        let mut copies: Vec<ValueCopy> = Vec::new();
         let mut copier = BatchCopier::new(&self.shared, endpoint);
-        for (item, answer) in items.iter().zip(answers) {
-            out.push(match answer {
+        for (i, (item, answer)) in items.iter().zip(answers).enumerate() {
+            out[i] = match answer {
                 BatchAnswer::Mapped(d) => {
                     mapped = true;
                     if d.size > item.cap as u64 {
@@ -301,42 +322,49 @@ impl KeyedClient {
                             d.size, item.cap
                         )));
                     }
-                    // SAFETY: the ranges add up to `d.size <= cap` bytes (checked by `decode` and
-                    // above), valid for writes at `dst` and ours alone during the call (this
-                    // function's contract).
-                    match copier.get().and_then(|c| unsafe { c.copy(&d.ranges, item.dst) }) {
-                        // Judged when this key's copy ended (see `SharedReads`).
-                        Ok(size) if sent.elapsed() <= Duration::from_nanos(d.lease_ns) => {
-                            match d.crc32c.filter(|_| item.verify) {
-                                Some(expected) => {
-                                    // SAFETY: the copy just wrote `size <= cap` bytes at `dst`,
-                                    // ours alone during the call; only read.
-                                    let copied = unsafe {
-                                        std::slice::from_raw_parts(item.dst.as_ptr().cast_const(), size as usize)
-                                    };
-                                    let got = umbp_core::value_crc32c(copied);
-                                    if got == expected {
-                                        KeyedGet::Hit { size, crc32c: d.crc32c }
-                                    } else {
-                                        KeyedGet::Corrupt { expected, got }
-                                    }
-                                }
-                                None => KeyedGet::Hit { size, crc32c: d.crc32c },
-                            }
+                    match copier.get().and_then(|c| c.pieces(&d.ranges)) {
+                        Ok(pieces) => {
+                            let check = item.verify && d.crc32c.is_some();
+                            planned.push((i, d.lease_ns, d.crc32c, check));
+                            copies.push(ValueCopy { pieces, dst: item.dst, sum: check });
+                            None
                         }
-                        Ok(_) => KeyedGet::Lapsed,
                         Err(error) => {
                             tracing::debug!(peer = endpoint, %error, key = item.key, "no copy from the mapping");
-                            KeyedGet::Unsupported
+                            Some(KeyedGet::Unsupported)
                         }
                     }
                 }
-                BatchAnswer::TooSmall(size) => KeyedGet::TooSmall(size),
-                BatchAnswer::Other(Status::Miss) => KeyedGet::Miss,
-                BatchAnswer::Other(Status::Busy) => KeyedGet::Busy,
-                BatchAnswer::Other(_) => KeyedGet::Unsupported,
+                BatchAnswer::TooSmall(size) => Some(KeyedGet::TooSmall(size)),
+                BatchAnswer::Other(Status::Miss) => Some(KeyedGet::Miss),
+                BatchAnswer::Other(Status::Busy) => Some(KeyedGet::Busy),
+                BatchAnswer::Other(_) => Some(KeyedGet::Unsupported),
+            };
+        }
+        // SAFETY: each value's ranges add up to `d.size <= cap` bytes (checked by `decode` and
+        // above), valid for writes at its `dst`, no two overlapping and ours alone during the call
+        // (this function's contract).
+        let copied = unsafe { fanout::copy_values(&copies) };
+        // Judged when the last copy ended, which is no earlier than any one's (see `SharedReads`).
+        let elapsed = sent.elapsed();
+        for ((i, lease_ns, crc32c, check), copied) in planned.into_iter().zip(copied) {
+            out[i] = Some(match copied {
+                fanout::Copied::Done { size, crc32c: got } if elapsed <= Duration::from_nanos(lease_ns) => {
+                    copier.count_get(size);
+                    match (crc32c.filter(|_| check), got) {
+                        (Some(expected), Some(got)) if got != expected => KeyedGet::Corrupt { expected, got },
+                        _ => KeyedGet::Hit { size, crc32c },
+                    }
+                }
+                fanout::Copied::Done { .. } => KeyedGet::Lapsed,
+                fanout::Copied::Failed(error) => {
+                    tracing::debug!(peer = endpoint, %error, key = items[i].key, "no copy from the mapping");
+                    copier.failed(&error);
+                    KeyedGet::Unsupported
+                }
             });
         }
+        let out = out.into_iter().map(|a| a.unwrap_or(KeyedGet::Unsupported)).collect();
         if mapped {
             write_frame(stream, &Settle::Done.encode())?;
         }
@@ -365,5 +393,26 @@ impl<'r> BatchCopier<'r> {
             })
         });
         made.as_mut().map_err(|()| ShmError::Invalid(format!("no shared-memory connection to {endpoint}")))
+    }
+
+    /// [`Copier::count_get`], on the batch's copier (made at the value's `pieces`).
+    fn count_get(&mut self, bytes: u64) {
+        if let Some(Ok(copier)) = &mut self.copier {
+            copier.count_get(bytes);
+        }
+    }
+
+    /// [`Copier::count_put`], likewise.
+    fn count_put(&mut self, bytes: u64) {
+        if let Some(Ok(copier)) = &mut self.copier {
+            copier.count_put(bytes);
+        }
+    }
+
+    /// [`Copier::failed`], likewise.
+    fn failed(&mut self, error: &ShmError) {
+        if let Some(Ok(copier)) = &mut self.copier {
+            copier.failed(error);
+        }
     }
 }
