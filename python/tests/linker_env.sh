@@ -27,7 +27,10 @@ imported=(
   pyyaml==6.0.4 pyzmq==27.3.0 regex==2026.12.2 requests==2.34.2 safetensors==0.8.0
   sentencepiece==0.2.1 starlette==1.10.0 tokenizers==0.23.2 torchvision==0.26.0 tqdm==4.70.1
   transformers==5.19.0
+  nvidia-ml-py==13.610.43  # [pynvml]: imported only where torch sees CUDA
 )
+# sgl_kernel (sglang-kernel 0.4.10) is also imported where torch sees CUDA, but that wheel is
+# built for torch 2.14.1 and 373 MB: the harness stubs it when it cannot be imported.
 # ... and what those need at import or install.
 dependencies=(
   annotated-doc==0.0.7 annotated-types==0.8.0 anyio==4.16.0 asttokens==3.0.2

@@ -1,7 +1,9 @@
 """Runs SGLang's unmodified ``UMBPDirectLinker`` here, on real torch: extracts the whole ``sglang``
 tree of the pinned wheel (the linker's import chain reaches ~540 of its modules: the KV pools,
 the runtime context, the server arguments) and imports it without running ``sglang/__init__.py``
-(the engine's entry point). Unlike ``sglang_harness`` nothing of SGLang or torch is stubbed.
+(the engine's entry point). Unlike ``sglang_harness`` nothing of SGLang or torch is stubbed;
+the one third-party package stubbed, and only when it cannot be imported, is in
+:data:`UNIMPORTABLE`.
 
 The two harnesses cannot share ``sys.modules`` (the other stubs ``torch`` and parts of
 ``sglang.srt``), so :func:`isolated_sglang` swaps the ``sglang`` modules in and back out.
@@ -10,6 +12,9 @@ The two harnesses cannot share ``sys.modules`` (the other stubs ``torch`` and pa
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import sys
@@ -39,6 +44,69 @@ def fetch_full_sglang() -> Path:
     return FULL
 
 
+# Packages SGLang's import chain reaches that cannot be imported beside the torch under test,
+# with why. Each is stubbed only when importing it fails; its stub's attributes raise if called.
+UNIMPORTABLE = {
+    # sglang-kernel 0.4.10, the wheel's pin: CUDA ops built for (and pinned to) torch 2.14.1, 373
+    # MB. Imported only where torch sees CUDA, by quantization modules the KV pool module imports
+    # (``from sgl_kernel import int8_scaled_mm``); nothing on the linker's path calls it.
+    "sgl_kernel",
+}
+
+
+class _Unavailable:
+    """Any attribute of a stubbed package: raises when called."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *_a, **_k):
+        raise RuntimeError(f"{self._name} is a stub: the package cannot be imported here")
+
+    def __getattr__(self, attr: str) -> "_Unavailable":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{self._name}.{attr}")
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves ``roots`` and their submodules to stub packages."""
+
+    def __init__(self, roots):
+        self.roots = set(roots)
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = types.ModuleType(spec.name)
+        m.__path__ = []
+
+        def attr(a, n=spec.name):
+            if a.startswith("__"):
+                raise AttributeError(a)
+            return _Unavailable(f"{n}.{a}")
+
+        m.__getattr__ = attr
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
+def _unimportable() -> list:
+    """The packages of :data:`UNIMPORTABLE` that fail to import here."""
+    out = []
+    for name in sorted(UNIMPORTABLE):
+        try:
+            importlib.import_module(name)
+        except (ImportError, OSError):
+            out.append(name)
+    return out
+
+
 def _is_sglang(name: str) -> bool:
     return name == "sglang" or name.startswith("sglang.")
 
@@ -55,14 +123,19 @@ def isolated_sglang(sglang_dir: Path):
         del sys.modules["torch"]  # the other harness's annotation-only stub
     import torch  # noqa: F401  (real torch before any SGLang module binds it)
 
+    stubbed = _unimportable()
+    finder = _StubFinder(stubbed)
+    sys.meta_path.insert(0, finder)
     pkg = types.ModuleType("sglang")
     pkg.__path__ = [str(sglang_dir / "sglang")]
     pkg.__file__ = str(sglang_dir / "sglang" / "__init__.py")
+    pkg._umbp_stubbed = stubbed
     sys.modules["sglang"] = pkg
     try:
         yield pkg
     finally:
-        for k in [k for k in sys.modules if _is_sglang(k)]:
+        sys.meta_path.remove(finder)
+        for k in [k for k in sys.modules if _is_sglang(k) or k.split(".")[0] in finder.roots]:
             del sys.modules[k]
         sys.modules.update(saved)
 
