@@ -193,7 +193,8 @@ class Client:
         ``lend_bytes`` is 0: a client-only node); ``node_address`` is the host other nodes reach
         this one at; ports 0 pick free ones; values fetched from other nodes up to
         ``recache_bytes`` are kept locally too (``None``: never); ``gpu`` and ``gpu_device`` as
-        for :meth:`local` (device buffers move only to and from this node's own medium).
+        for :meth:`local` (a device buffer reads from and writes to other nodes through the
+        ``staging_bytes`` pool, which must hold the largest such value).
         """
         return cls(
             Pool.node(

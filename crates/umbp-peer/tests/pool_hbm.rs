@@ -318,3 +318,63 @@ async fn a_missing_device_or_runtime_is_refused_at_start() {
     }
     m.shutdown().await;
 }
+
+/// A value held by another node reaches the caller's device buffer, and a device buffer's value
+/// reaches another node — whole and in ranges, over TCP and through shared memory: the network
+/// lands in the bounce pool and the GPU engine copies it on (what an engine that loads KV into
+/// its GPU pool from another node's pages needs; SGLang's direct linker does exactly that).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_buffers_read_and_write_values_held_by_another_node() {
+    let m = master().await;
+    let holder = PoolClient::start(config(&m, "holder", 64 * PAGE)).await.expect("holder");
+    let caller = FakeRuntime::new(1);
+    caller.set_device(0).expect("device 0");
+    let len = 3 * PAGE as usize + 5;
+    let dev = caller.malloc(4 * len).expect("device buffer");
+    let at = |off: usize| NonNull::new(dev.as_ptr().wrapping_add(off)).expect("non-null");
+    let read_back = |off: usize, n: usize| {
+        let mut host = vec![0u8; n];
+        let p = NonNull::new(host.as_mut_ptr()).expect("non-null");
+        // SAFETY: `dev` holds `4 * len` device bytes, `off + n` of them asked; `host` is `n` bytes.
+        unsafe { caller.memcpy(p, at(off), n, CopyKind::DeviceToHost) }.expect("read back");
+        host
+    };
+    for (n, shared) in [false, true].into_iter().enumerate() {
+        let mut c =
+            umbp_peer::pool_client::PoolClientConfig::new(format!("gpu-reader-{n}"), m.local_addr().to_string());
+        c.gpu_runtime = Some(RuntimeSelection::Fake { devices: 1 });
+        c.shared_memory = shared;
+        let reader = PoolClient::start(c).await.expect("reader");
+        // SAFETY: `dev` lives until the end of the test (deregistered before it is freed).
+        unsafe { reader.register_memory_at(dev, 4 * len as u64, MemoryLocation::Gpu { device: 0 }) }.expect("register");
+        let (key, v) = (format!("held-{n}"), value(40 + n, len));
+        holder.put(&key, &v).await.expect("put at the holder");
+        indexed(&reader, &[key.as_str()]).await;
+        // SAFETY: every range lies inside the registered device buffer, live for the calls.
+        unsafe {
+            assert_eq!(reader.batch_get_raw(&[key.as_str()], &[(at(0), len)]).await, vec![Ok(len as u64)], "{n}");
+            let parts = vec![(at(len), 100, 7u64), (at(len + 100), PAGE as usize, PAGE + 3)];
+            assert_eq!(reader.batch_get_ranges_raw(&[key.as_str()], &[parts]).await, vec![Ok(len as u64)], "{n}");
+        }
+        assert_eq!(read_back(0, len), v, "a remote value in device memory, whole ({n})");
+        assert_eq!(read_back(len, 100), v[7..107], "a range of it ({n})");
+        assert_eq!(read_back(len + 100, PAGE as usize), v[PAGE as usize + 3..2 * PAGE as usize + 3], "({n})");
+        // And the other way: a device buffer's value put to the holder.
+        let (key2, v2) = (format!("from-device-{n}"), value(50 + n, len));
+        let v2_ptr = NonNull::new(v2.as_ptr().cast_mut()).expect("non-null");
+        // SAFETY: `2 * len + len` bytes of `dev`; `v2` is `len` host bytes.
+        unsafe { caller.memcpy(at(2 * len), v2_ptr, len, CopyKind::HostToDevice) }.expect("stage");
+        // SAFETY: the range lies inside the registered device buffer, live for the call.
+        let put = unsafe { reader.batch_put_raw(&[(key2.as_str(), at(2 * len), len)]).await };
+        assert_eq!(put, vec![Ok(())], "{n}");
+        let mut back = vec![0u8; len];
+        assert_eq!(holder.get(&key2, &mut back).await, Ok(len as u64), "{n}");
+        assert_eq!(back, v2, "a device buffer's value at the holder ({n})");
+        reader.deregister_memory(dev);
+        reader.close().await;
+    }
+    // SAFETY: deregistered, no copy in flight.
+    unsafe { caller.free(dev) }.expect("free");
+    holder.close().await;
+    m.shutdown().await;
+}

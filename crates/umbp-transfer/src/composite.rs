@@ -226,9 +226,24 @@ impl CompositeTransferEngine {
     /// Re-targets an item no engine takes as given through the bounce pool, if possible: returns the
     /// engine, the item with the caller side replaced by the pool (at offset 0), the copy to make and
     /// whether the pool is the item's source (a push).
+    ///
+    /// The caller side is host memory (copied to or from the pool with a memcpy) or device memory
+    /// an engine moves to and from the pool (a GPU buffer read from, or written to, a peer over
+    /// TCP: the network lands in the pool and the GPU engine copies it on; see `run_staged`).
     fn stage(&self, item: &TransferItem) -> Option<(usize, TransferItem, BounceCopy, bool)> {
         let bounce = self.bounce.as_ref()?;
+        let local = |r: &TransferRef| r.local_region().is_some();
         let host = |r: &TransferRef| r.local_region().is_some_and(|l| l.location().is_host());
+        // Host memory, or memory an engine moves between it and the pool (in that direction).
+        let reachable = |user: &TransferRef, into_pool: bool| {
+            host(user)
+                || (local(user)
+                    && if into_pool {
+                        self.select(user, &bounce.r).is_some()
+                    } else {
+                        self.select(&bounce.r, user).is_some()
+                    })
+        };
         if item.size > bounce.len as u64 {
             return None;
         }
@@ -239,14 +254,14 @@ impl CompositeTransferEngine {
             len: item.size,
             tag: item.tag,
         };
-        if host(&item.src)
+        if reachable(&item.src, true)
             && in_range(&item.src, item.src_offset, item.size)
             && let Some(e) = self.select(&bounce.r, &item.dst)
         {
             let staged = TransferItem { src: bounce.r.clone(), src_offset: 0, ..item.clone() };
             return Some((e, staged, copy(&item.src, item.src_offset), true));
         }
-        if host(&item.dst)
+        if reachable(&item.dst, false)
             && in_range(&item.dst, item.dst_offset, item.size)
             && let Some(e) = self.select(&item.src, &bounce.r)
         {
@@ -320,10 +335,16 @@ impl CompositeTransferEngine {
         let pool_start = bounce.base.as_ptr() as usize;
         let pool_end = pool_start + bounce.len;
         for c in &staging.copies {
-            let user =
-                c.user.local_region().filter(|l| l.location().is_host()).ok_or("a staged copy has no host memory")?;
+            let user = c.user.local_region().ok_or("a staged copy has no local memory")?;
             if !in_range(&c.user, c.user_offset, c.len) || c.user.size() > user.len() {
                 return Err("a staged copy reaches outside the caller's buffer");
+            }
+            if !user.location().is_host() {
+                // Device memory is copied by an engine, never by the CPU, and is not the pool.
+                if containing(&ranges, c.bounce_offset, c.len).is_none() {
+                    return Err("a staged copy's pool range is not part of the plan");
+                }
+                continue;
             }
             let (Ok(user_off), Ok(len)) = (usize::try_from(c.user_offset), usize::try_from(c.len)) else {
                 return Err("a staged copy does not fit this address space");
@@ -380,13 +401,20 @@ impl CompositeTransferEngine {
                     plans.push(p);
                 }
             }
+            let mut device_in = Vec::new();
             for plan in &plans {
                 if let Some(s) = plan.staging.as_ref().filter(|s| s.pool_is_src) {
                     for c in &s.copies {
-                        copy_user_bounce(bounce, c, true);
+                        if is_device(c) {
+                            device_in.push(device_item(bounce, c, true));
+                        } else {
+                            copy_user_bounce(bounce, c, true);
+                        }
                     }
                 }
             }
+            // A copy into the pool that failed leaves garbage there: its tag fails with it.
+            failures.extend(self.copy_device(device_in));
             let mut by_engine: Vec<(usize, Vec<TransferPlan>)> = Vec::new();
             for p in plans {
                 let e = p.engine.unwrap_or(usize::MAX);
@@ -401,14 +429,63 @@ impl CompositeTransferEngine {
                 let mut handle = self.submit_group(engine, plans);
                 let round_failures = handle.wait();
                 let failed = crate::engine::failed_tags(&round_failures);
+                let mut device_out = Vec::new();
                 for c in pulls.iter().flat_map(|s| &s.copies) {
-                    if failed.binary_search(&c.tag).is_err() {
+                    if failed.binary_search(&c.tag).is_ok() {
+                        continue;
+                    }
+                    if is_device(c) {
+                        device_out.push(device_item(bounce, c, false));
+                    } else {
                         copy_user_bounce(bounce, c, false);
                     }
                 }
                 failures.extend(round_failures);
+                failures.extend(self.copy_device(device_out));
             }
         }
+    }
+
+    /// Runs staged copies between the pool and device memory on the engines that move them (the
+    /// GPU engine), waits, and answers their failures (an item no engine takes fails by its tag).
+    fn copy_device(&self, items: Vec<TransferItem>) -> Vec<TransferFailure> {
+        let mut failures = Vec::new();
+        let mut by_engine: Vec<(usize, Vec<TransferItem>)> = Vec::new();
+        for item in items {
+            match self.select(&item.src, &item.dst) {
+                Some(e) => match by_engine.iter_mut().find(|(k, _)| *k == e) {
+                    Some((_, v)) => v.push(item),
+                    None => by_engine.push((e, vec![item])),
+                },
+                None => failures.push(TransferFailure::new(
+                    vec![item.tag],
+                    FailureKind::Rejected,
+                    "no engine copies between the bounce pool and this device memory",
+                    "CompositeTransferEngine",
+                )),
+            }
+        }
+        for (engine, items) in by_engine {
+            let set = self.engines[engine].plan(&items);
+            if !set.rejected_tags.is_empty() {
+                failures.push(TransferFailure::new(
+                    set.rejected_tags,
+                    FailureKind::Rejected,
+                    "a staged device copy was refused",
+                    self.engines[engine].name(),
+                ));
+            }
+            let plans = set
+                .plans
+                .into_iter()
+                .map(|mut p| {
+                    p.engine = Some(engine);
+                    p
+                })
+                .collect();
+            failures.extend(self.submit_group(engine, plans).wait());
+        }
+        failures
     }
 
     /// Submits the plans of an engine whose failures fall back
@@ -538,6 +615,18 @@ fn colliding_owners(mut ranges: Vec<(u64, u64, usize)>, owners: usize) -> Vec<bo
 /// Copies one staged item between the caller's memory and the pool (`into_bounce`: caller → pool).
 /// The copy was checked by `validate_staged`; the checks here only keep the pointer arithmetic in
 /// bounds should that ever change.
+/// Whether a staged copy's caller side is device memory (copied by an engine, not the CPU).
+fn is_device(c: &BounceCopy) -> bool {
+    c.user.local_region().is_some_and(|l| !l.location().is_host())
+}
+
+/// The transfer item of a staged copy between the pool and device memory.
+fn device_item(bounce: &Bounce, c: &BounceCopy, into_bounce: bool) -> TransferItem {
+    let (pool, user) = ((bounce.r.clone(), c.bounce_offset), (c.user.clone(), c.user_offset));
+    let ((src, src_offset), (dst, dst_offset)) = if into_bounce { (user, pool) } else { (pool, user) };
+    TransferItem { src, src_offset, dst, dst_offset, size: c.len, tag: c.tag }
+}
+
 fn copy_user_bounce(bounce: &Bounce, c: &BounceCopy, into_bounce: bool) {
     let Some(user) = c.user.local_region() else { return };
     let in_user = in_range(&c.user, c.user_offset, c.len) && c.user.size() <= user.len();

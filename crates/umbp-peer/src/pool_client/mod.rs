@@ -481,8 +481,9 @@ impl PoolClient {
     /// [`batch_put_raw`](Self::batch_put_raw) and [`batch_get_raw`](Self::batch_get_raw), which take
     /// pointers and lengths: a Rust slice (`&[u8]` / `&mut [u8]`) over device memory is undefined
     /// behaviour, so never build one. The client never dereferences a device range itself, only the
-    /// engine that registered it copies. A value on another node cannot reach a GPU buffer (no engine
-    /// chains the network into device memory): such keys fail with a transfer error.
+    /// engine that registered it copies. A value on another node reaches a GPU buffer (and a GPU
+    /// buffer's value another node) through the bounce pool: the network lands in it and the GPU
+    /// engine copies on, so [`PoolClientConfig::bounce_bytes`] must hold the largest such value.
     ///
     /// # Safety
     /// As [`register_memory`](Self::register_memory), and `location` is where the memory really lives
