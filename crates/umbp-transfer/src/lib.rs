@@ -80,7 +80,6 @@ pub use engine::{
 pub use fd_limit::raise_open_file_limit;
 pub use gpu::{GpuCopyConfig, GpuCopyEngine};
 pub use local::{LocalCopyConfig, LocalCopyEngine};
-pub use shm::fanout::sum_values;
 pub use shm::{SharedMemoryConfig, SharedMemoryEngine};
 pub use tcp::{
     ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig,

@@ -223,12 +223,6 @@ impl Copier<'_> {
         self.bytes += bytes;
     }
 
-    /// Counts a value of `bytes` written through [`pieces`](Self::pieces).
-    pub(crate) fn count_put(&mut self, bytes: u64) {
-        self.puts += 1;
-        self.bytes += bytes;
-    }
-
     /// Runs `copy(mapping, offset in the region, offset in the value, len)` over the ranges, in
     /// order; returns the bytes covered. Each copy checks its region's epoch (`read_at`,
     /// `write_at`), so a mapping kept here that went stale is never read.

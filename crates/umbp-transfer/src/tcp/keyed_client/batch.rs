@@ -10,7 +10,7 @@ use super::{
     ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, KeyedPut, Op, Request, Settle, Status, check_key,
     protocol_error, read_reply, send, write_frame,
 };
-use crate::shm::fanout::{self, ValueCopy, ValueWrite};
+use crate::shm::fanout::{self, ValueCopy};
 use crate::shm::{Copier, SharedReads, ShmError};
 
 /// How long a holder that failed a GET_KEYS (an older build closes the connection at the op) is
@@ -194,10 +194,8 @@ impl KeyedClient {
         let mut out = Vec::with_capacity(items.len());
         let mut copied = vec![0u8; items.len()];
         let mut slots = false;
-        // The values to copy in, and which item each is.
-        let (mut writes, mut written_items): (Vec<ValueWrite<'_>>, Vec<usize>) = (Vec::new(), Vec::new());
         let mut copier = BatchCopier::new(&self.shared, endpoint);
-        for (i, (item, answer)) in items.iter().zip(answers).enumerate() {
+        for ((item, answer), flag) in items.iter().zip(answers).zip(copied.iter_mut()) {
             out.push(match answer {
                 BatchAnswer::Mapped(d) => {
                     slots = true;
@@ -208,11 +206,10 @@ impl KeyedClient {
                             item.value.len()
                         )));
                     }
-                    match copier.get().and_then(|c| c.pieces(&d.ranges)) {
-                        Ok(pieces) => {
-                            writes.push(ValueWrite { pieces, src: item.value });
-                            written_items.push(i);
-                            // The copy's outcome and the holder's verdict follow.
+                    match copier.get().and_then(|c| c.copy_in(&d.ranges, item.value)) {
+                        Ok(_) => {
+                            *flag = 1;
+                            // The holder's verdict follows.
                             KeyedPut::Written
                         }
                         Err(error) => {
@@ -227,19 +224,6 @@ impl KeyedClient {
                 BatchAnswer::Other(Status::Failed) => KeyedPut::Failed,
                 BatchAnswer::Other(_) | BatchAnswer::TooSmall(_) => KeyedPut::Unsupported,
             });
-        }
-        for (i, written) in written_items.into_iter().zip(fanout::write_values(&writes)) {
-            match written {
-                Ok(bytes) => {
-                    copier.count_put(bytes);
-                    copied[i] = 1;
-                }
-                Err(error) => {
-                    tracing::debug!(peer = endpoint, %error, key = items[i].key, "no copy into the mapping");
-                    copier.failed(&error);
-                    out[i] = KeyedPut::Failed;
-                }
-            }
         }
         if !slots {
             return Ok(out);
@@ -399,13 +383,6 @@ impl<'r> BatchCopier<'r> {
     fn count_get(&mut self, bytes: u64) {
         if let Some(Ok(copier)) = &mut self.copier {
             copier.count_get(bytes);
-        }
-    }
-
-    /// [`Copier::count_put`], likewise.
-    fn count_put(&mut self, bytes: u64) {
-        if let Some(Ok(copier)) = &mut self.copier {
-            copier.count_put(bytes);
         }
     }
 
