@@ -454,20 +454,7 @@ impl MediumBackend for InstrumentedBackend {
     }
 
     fn batch_resolve(&self, keys: &[String], include_descs: bool) -> Vec<ResolvedEntry> {
-        self.measure(
-            Op::Resolve,
-            keys.len(),
-            || self.inner.batch_resolve(keys, include_descs),
-            |results, t| {
-                for r in results {
-                    match (r.found, r.busy) {
-                        (true, _) => t.add(Status::Ok, r.size),
-                        (false, true) => t.add(Status::NoSpace, 0),
-                        (false, false) => t.add(Status::Miss, 0),
-                    }
-                }
-            },
-        )
+        self.measure(Op::Resolve, keys.len(), || self.inner.batch_resolve(keys, include_descs), tally_resolves)
     }
 
     fn batch_resolve_ranges(
@@ -481,15 +468,7 @@ impl MediumBackend for InstrumentedBackend {
             Op::Resolve,
             keys.len(),
             || self.inner.batch_resolve_ranges(keys, ranges, include_descs),
-            |results, t| {
-                for r in results {
-                    match (r.found, r.busy) {
-                        (true, _) => t.add(Status::Ok, r.size),
-                        (false, true) => t.add(Status::NoSpace, 0),
-                        (false, false) => t.add(Status::Miss, 0),
-                    }
-                }
-            },
+            tally_resolves,
         )
     }
 
@@ -538,5 +517,16 @@ impl MediumBackend for InstrumentedBackend {
 
     fn buffer_ref(&self, index: usize) -> Option<TransferRef> {
         self.inner.buffer_ref(index)
+    }
+}
+
+/// How a resolve's answers are counted: a hit with its bytes, a busy key as no space, a miss.
+fn tally_resolves(results: &Vec<ResolvedEntry>, t: &mut Tally) {
+    for r in results {
+        match (r.found, r.busy) {
+            (true, _) => t.add(Status::Ok, r.size),
+            (false, true) => t.add(Status::NoSpace, 0),
+            (false, false) => t.add(Status::Miss, 0),
+        }
     }
 }

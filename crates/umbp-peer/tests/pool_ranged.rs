@@ -7,23 +7,16 @@ use umbp_core::{ReadRelease, value_crc32c};
 use umbp_peer::pool_client::{KeyError, PoolClient, PoolClientConfig, PutOutcome, PutParts};
 
 mod pool_support;
+mod ranged_support;
 
 use pool_support::{PAGE, config, indexed, master, value};
+use ranged_support::read_parts;
 
 fn light(master: &umbp_master::MasterHandle, id: &str, shared_memory: bool) -> PoolClientConfig {
     let mut c = PoolClientConfig::new(id, master.local_addr().to_string());
     c.bounce_bytes = 1 << 20;
     c.shared_memory = shared_memory;
     c
-}
-
-/// Reads `parts` (`(offset, len)`) of `key` through `client`; the value's size and the parts.
-async fn read_parts(client: &PoolClient, key: &str, parts: &[(u64, usize)]) -> (Result<u64, KeyError>, Vec<Vec<u8>>) {
-    let mut bufs: Vec<Vec<u8>> = parts.iter().map(|(_, len)| vec![0xEE; *len]).collect();
-    let mut lists = vec![bufs.iter_mut().zip(parts).map(|(b, (off, _))| (b.as_mut_slice(), *off)).collect::<Vec<_>>()];
-    let r = client.batch_get_ranges(&[key], &mut lists).await.remove(0);
-    drop(lists);
-    (r, bufs)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use umbp_core::metric_names;
 use umbp_master::MasterHandle;
-use umbp_peer::pool_client::{KeyError, Medium, PoolClient, PoolClientConfig, SsdConfig};
+use umbp_peer::pool_client::{Medium, PoolClient, PoolClientConfig, SsdConfig};
 
 mod pool_support;
+mod ranged_support;
 
 use pool_support::{PAGE, config, indexed, master, value};
+use ranged_support::read_parts;
 
 /// Pages of the test value (the node keeps up to this many per value).
 const VALUE_PAGES: u64 = 64;
@@ -54,15 +56,6 @@ fn drive_read_bytes(node: &PoolClient) -> u64 {
 
 fn staging_in_use(node: &PoolClient) -> u64 {
     sample(node, metric_names::MEDIUM_STATE, "state", "staging_pages_in_use")
-}
-
-/// Reads `parts` (`(offset, len)`) of `key`; the result and the parts.
-async fn read_parts(client: &PoolClient, key: &str, parts: &[(u64, usize)]) -> (Result<u64, KeyError>, Vec<Vec<u8>>) {
-    let mut bufs: Vec<Vec<u8>> = parts.iter().map(|(_, len)| vec![0xEE; *len]).collect();
-    let mut lists = vec![bufs.iter_mut().zip(parts).map(|(b, (off, _))| (b.as_mut_slice(), *off)).collect::<Vec<_>>()];
-    let r = client.batch_get_ranges(&[key], &mut lists).await.remove(0);
-    drop(lists);
-    (r, bufs)
 }
 
 /// Waits (at most 10 s) until the node holds no staging page (the releases are sent in the

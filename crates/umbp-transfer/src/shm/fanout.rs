@@ -26,7 +26,7 @@ use super::{SharedMapping, ShmError};
 
 /// Copy work below this runs on the calling thread: handing it to the pool costs more than it
 /// saves.
-pub(crate) const FAN_OUT_BYTES: u64 = 2 << 20;
+const FAN_OUT_BYTES: u64 = 2 << 20;
 
 /// The block a value is copied and summed in: summed while it is still in L2.
 const BLOCK: usize = 256 << 10;
