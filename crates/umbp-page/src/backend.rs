@@ -23,7 +23,7 @@ use parking_lot::{Mutex, RwLock};
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, Clock, CommitRequest,
     CommitResult, EventOutbox, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryRegistrar, MetricSample,
-    MetricSource, PageLocation, ReadLeases, ReadRelease, ResolvedEntry, SystemClock, TierCapacity, TierType,
+    MetricSource, PageLocation, ReadLease, ReadLeases, ReadRelease, ResolvedEntry, SystemClock, TierCapacity, TierType,
     TransferRef, metric_names,
 };
 
@@ -206,8 +206,9 @@ struct Pin {
 struct Deferred {
     pages: Vec<PageLocation>,
     release_at: Instant,
-    /// The read lease (key, id) whose last release frees the pages before `release_at`.
-    lease: Option<(String, u64)>,
+    /// The dropped key and the read lease taken out of the table with it: its last release frees
+    /// the pages before `release_at`.
+    lease: Option<(String, ReadLease)>,
 }
 
 /// The pages of a key dropped by `clear_local` while a copier held its pin: they stay reserved until
@@ -735,29 +736,24 @@ impl MediumBackend for PageBackend {
             tracing::error!(tier = %self.inner.config.tier, pins = state.pins.len(), "clear_local with copy pins held; their pages stay reserved until released");
         }
         let owned = std::mem::take(&mut state.owned);
-        // Leases stay in the table: a reader still copying out of a dropped key's pages ends its
-        // lease by releasing it, which frees the deferred pages at once.
+        // A dropped key's lease leaves the table with it: it guards the old pages (deferred below),
+        // never a value committed under the same key after the clear, which its readers never saw.
         let mut pins = std::mem::take(&mut state.pins);
         for (key, o) in owned {
-            let live = state.leases.get(&key, now);
-            let lease = live.map(|l| l.until);
+            let live = state.leases.remove(&key).filter(|l| l.until > now);
             if let Some(pin) = pins.remove(&key) {
                 let orphan = OrphanedPin {
                     pages: o.pages,
-                    not_before: lease.unwrap_or(now),
+                    not_before: live.map_or(now, |l| l.until),
                     acquired_at: pin.acquired_at,
                     warned: pin.warned,
                 };
                 state.orphaned_pins.insert(pin.token, orphan);
                 continue;
             }
-            match lease {
+            match live {
                 // A reader may still be copying out of these pages: free them when its lease ends.
-                Some(until) => state.deferred.push(Deferred {
-                    pages: o.pages,
-                    release_at: until,
-                    lease: live.map(|l| (key, l.id)),
-                }),
+                Some(l) => state.deferred.push(Deferred { pages: o.pages, release_at: l.until, lease: Some((key, l)) }),
                 None => state.free(&o.pages),
             }
         }
@@ -921,20 +917,23 @@ impl MediumBackend for PageBackend {
         let now = self.inner.config.clock.now();
         let mut state = self.inner.state.lock();
         for r in reads {
-            if !state.leases.release(&r.key, r.lease, now) {
+            // A reader of a key a clear dropped: its lease went to the deferred free, and the last
+            // such reader gives the pages back now.
+            let dropped = state
+                .deferred
+                .iter()
+                .position(|d| d.lease.as_ref().is_some_and(|(k, l)| l.id == r.lease && l.until > now && *k == r.key));
+            let Some(i) = dropped else {
+                state.leases.release(&r.key, r.lease, now);
                 continue;
-            }
-            // The last reader of a key a clear dropped: its deferred pages go back now.
-            let mut due = Vec::new();
-            state.deferred.retain_mut(|d| {
-                let hit = d.lease.as_ref().is_some_and(|(k, id)| *id == r.lease && *k == r.key);
-                if hit {
-                    due.push(std::mem::take(&mut d.pages));
-                }
-                !hit
+            };
+            let last = state.deferred[i].lease.as_mut().is_some_and(|(_, l)| {
+                l.readers = l.readers.saturating_sub(1);
+                l.readers == 0
             });
-            for pages in due {
-                state.free(&pages);
+            if last {
+                let d = state.deferred.swap_remove(i);
+                state.free(&d.pages);
             }
         }
     }

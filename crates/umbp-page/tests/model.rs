@@ -372,3 +372,26 @@ proptest! {
         run(&ops)?;
     }
 }
+
+/// The case CI found: a lease taken before a clear used to stay in the table and block evicting the
+/// value committed under the same key after the clear.
+#[test]
+fn a_lease_from_before_a_clear_does_not_block_the_new_value() {
+    use Op::*;
+    let ops = [
+        Allocate { reqs: vec![(0, 1), (0, 1025)] },
+        Advance { ms: 100 },
+        Commit { reqs: vec![(0, 0)] },
+        Allocate { reqs: vec![(0, 2049), (0, 1)] },
+        Commit { reqs: vec![(2, 0)] },
+        Resolve { key: 0 },
+        Clear,
+        Ack,
+        Allocate { reqs: vec![(0, 1)] },
+        Commit { reqs: vec![(4, 0)] },
+        Evict { key: 0 },
+    ];
+    if let Err(e) = run(&ops) {
+        panic!("{e}");
+    }
+}

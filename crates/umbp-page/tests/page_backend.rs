@@ -8,8 +8,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, BackendError, CommitRequest, KvEvent, KvEventKind, LocalRegion,
-    ManualClock, MediumBackend, MemoryLocation, MemoryRegistrar, PageLocation, RegistrationError, TierType,
-    TransferRef,
+    ManualClock, MediumBackend, MemoryLocation, MemoryRegistrar, PageLocation, ReadRelease, RegistrationError,
+    TierType, TransferRef,
 };
 use umbp_page::{
     HostMemoryOptions, HostPageMemorySource, PageBackend, PageBackendConfig, PageMemorySource, RawBuffer, SourceError,
@@ -785,4 +785,26 @@ fn reaped_pending_slots_are_published_as_medium_events() {
     f.backend.reaper_tick();
     assert_eq!(reaped(&f.backend, metric_names::MEDIUM_EVENTS_TOTAL), Some(1));
     assert_eq!(reaped(&f.backend, metric_names::MEDIUM_BYTES_TOTAL), Some(2 * PAGE));
+}
+
+/// A lease taken before a clear guards the dropped value's pages only: the same key committed
+/// after the clear can be evicted at once, and the old reader's release still frees the old pages.
+#[test]
+fn a_cleared_keys_lease_does_not_guard_its_recommitted_value() {
+    let f = fixture();
+    put(&f.backend, "k", 2 * PAGE);
+    let old = f.backend.batch_resolve(&["k".to_owned()], false).remove(0);
+    assert!(old.found);
+    f.backend.clear_local();
+    f.backend.clear_full_sync_acked();
+    put(&f.backend, "k", PAGE);
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 3);
+    // A reader of the new value joins a lease of its own, not the old one.
+    let new = f.backend.batch_resolve(&["k".to_owned()], false).remove(0);
+    assert_ne!(new.lease, old.lease);
+    f.backend.release_reads(&[ReadRelease::new("k", new.lease)]);
+    assert_eq!(f.backend.evict(&["k".to_owned()])[0].bytes_freed, PAGE, "the old lease must not block");
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES - 2, "the old value's pages wait for its reader");
+    f.backend.release_reads(&[ReadRelease::new("k", old.lease)]);
+    assert_eq!(available_pages(&f.backend), TOTAL_PAGES);
 }

@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use umbp_core::{
     AllocateOutcome, AllocateRequest, AllocateResult, AutoFlushHook, BackendError, BufferDesc, Clock, CommitRequest,
     CommitResult, EvictResult, KvEvent, LocalRegion, MediumBackend, MemoryLocation, MemoryRegistrar, MetricSample,
-    MetricSource, PageLocation, ReadLeases, ReadRelease, ResolvedEntry, SystemClock, TierCapacity, TierType,
+    MetricSource, PageLocation, ReadLease, ReadLeases, ReadRelease, ResolvedEntry, SystemClock, TierCapacity, TierType,
     TransferRef,
 };
 
@@ -134,7 +134,7 @@ struct State {
     leases: ReadLeases,
     /// Pages of keys dropped by a clear while a reader still held a lease on them, the lease's end
     /// and the lease (key, id) whose last release frees them sooner.
-    deferred: Vec<(Vec<u32>, Instant, (String, u64))>,
+    deferred: Vec<(Vec<u32>, Instant, (String, ReadLease))>,
     /// Hits still to be answered busy instead (see [`MockBackend::answer_busy`]).
     busy_hits: u64,
     /// Allocations still to be answered busy instead (see [`MockBackend::answer_allocate_busy`]).
@@ -550,11 +550,12 @@ impl MediumBackend for MockBackend {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         state.generation += 1;
-        // Leases stay: a reader still copying out of a dropped key's pages releases its lease.
+        // A dropped key's lease leaves with it: it guards the old pages, never a value committed
+        // under the same key after the clear.
         for (key, owned) in std::mem::take(&mut state.owned) {
-            match state.leases.get(&key, now) {
+            match state.leases.remove(&key).filter(|l| l.until > now) {
                 // A reader may still be copying out of these pages: free them when its lease ends.
-                Some(l) => state.deferred.push((owned.pages, l.until, (key, l.id))),
+                Some(l) => state.deferred.push((owned.pages, l.until, (key, l))),
                 None => state.free.extend(owned.pages),
             }
         }
@@ -651,14 +652,17 @@ impl MediumBackend for MockBackend {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         for r in reads {
-            if !state.leases.release(&r.key, r.lease, now) {
+            // A reader of a key a clear dropped: the last one gives the deferred pages back.
+            let dropped =
+                state.deferred.iter().position(|(_, _, (k, l))| l.id == r.lease && l.until > now && *k == r.key);
+            let Some(i) = dropped else {
+                state.leases.release(&r.key, r.lease, now);
                 continue;
-            }
-            let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut state.deferred)
-                .into_iter()
-                .partition(|(_, _, (k, id))| *id == r.lease && *k == r.key);
-            state.deferred = keep;
-            for (pages, _, _) in due {
+            };
+            let lease = &mut state.deferred[i].2.1;
+            lease.readers = lease.readers.saturating_sub(1);
+            if lease.readers == 0 {
+                let (pages, _, _) = state.deferred.swap_remove(i);
                 state.free.extend(pages);
             }
         }
