@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 
 use crate::shm::wire as shm;
-use crate::tcp::batch_wire::{self, BatchAnswer, BatchEntry, PutEntry};
+use crate::tcp::batch_wire::{self, BatchAnswer, BatchEntry, PutChecksum, PutEntry};
 use crate::tcp::protocol::{
     self, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, HELLO_LEN, HELLO_REPLY_LEN, HelloStatus, MAX_REQUEST_BYTES,
     MAX_SHARED_RANGES, MAX_TOKEN_LEN, Op, REPLY_LEN, REQUEST_LEN, Reply, Request, SETTLE_LEN, Settle, Status,
@@ -167,8 +167,9 @@ pub fn frame_seeds() -> Vec<Vec<u8>> {
     let region = shm::RegionReply { slot: 3, offset: 4096, len: 1 << 20, epoch: 9 };
     let batch = batch_wire::encode_request(&[BatchEntry { key: "a", cap: 64 }, BatchEntry { key: "bc", cap: 1 << 20 }]);
     let put_batch = batch_wire::encode_put_request(&[
-        PutEntry { key: "a", size: 64, crc32c: Some(0x0bad_cafe) },
-        PutEntry { key: "bc", size: 1 << 20, crc32c: None },
+        PutEntry { key: "a", size: 64, checksum: PutChecksum::Given(0x0bad_cafe) },
+        PutEntry { key: "bc", size: 1 << 20, checksum: PutChecksum::None },
+        PutEntry { key: "d", size: 9, checksum: PutChecksum::WhileCopying },
     ]);
     let mut answers = Vec::new();
     for a in [
@@ -398,7 +399,11 @@ pub fn server_seeds() -> Vec<Vec<u8>> {
     out.push([&hello[..], &req(Op::GetKeys, FLAG_SHARED, 9, 0, 2, batch.len() as u64), &batch, &settle].concat());
     out.push(protocol::encode_hello(b"wrong").unwrap_or_default());
     // PUT_KEYS of one key: its slot answered, the copy skipped (flag 0, so the slot is aborted).
-    let put = batch_wire::encode_put_request(&[PutEntry { key: "n", size: 32, crc32c: None }]);
+    let put = batch_wire::encode_put_request(&[PutEntry { key: "n", size: 32, checksum: PutChecksum::None }]);
     out.push([&hello[..], &req(Op::PutKeys, FLAG_SHARED, 10, 1, 1, put.len() as u64), &put, &settle, &[0u8]].concat());
+    // PUT_KEYS of one key summed while copied: the copy flagged done, its CRC-32C after the flags.
+    let put = batch_wire::encode_put_request(&[PutEntry { key: "s", size: 32, checksum: PutChecksum::WhileCopying }]);
+    let late = [&[1u8][..], &0x1234_5678u32.to_le_bytes()].concat();
+    out.push([&hello[..], &req(Op::PutKeys, FLAG_SHARED, 11, 1, 1, put.len() as u64), &put, &settle, &late].concat());
     out
 }

@@ -83,8 +83,8 @@ pub use local::{LocalCopyConfig, LocalCopyEngine};
 pub use shm::{SharedMemoryConfig, SharedMemoryEngine};
 pub use tcp::{
     ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig,
-    KeyedError, KeyedGet, KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite, TcpEngine,
-    TcpEngineConfig, TcpStartError,
+    KeyedError, KeyedGet, KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
+    PutChecksum, TcpEngine, TcpEngineConfig, TcpStartError,
 };
 
 const _: () = {

@@ -24,7 +24,7 @@ use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
     ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedGet,
-    KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
+    KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite, PutChecksum,
 };
 
 const LEN: usize = 16 << 20;
@@ -541,8 +541,9 @@ fn a_batch_refuses_bad_keys_and_too_many_keys() {
 
 /// One PUT_KEYS of `(key, value, crc)` to tier 1.
 fn put_batch(c: &KeyedClient, endpoint: &str, items: &[(&str, &[u8], Option<u32>)]) -> Vec<KeyedPut> {
+    let given = |crc: Option<u32>| crc.map_or(PutChecksum::None, PutChecksum::Given);
     let batch: Vec<KeyedBatchPut<'_>> =
-        items.iter().map(|(key, value, crc32c)| KeyedBatchPut { key, value, crc32c: *crc32c }).collect();
+        items.iter().map(|(key, value, crc32c)| KeyedBatchPut { key, value, checksum: given(*crc32c) }).collect();
     c.put_shared_batch(endpoint, 1, &batch).expect("an answer")
 }
 
@@ -585,6 +586,50 @@ fn a_same_host_batch_put_commits_every_value_copied_into_its_slot() {
     assert_eq!(table.settled().len(), 4);
 }
 
+/// A value summed while it is copied in is stored with the same CRC-32C as one summed first:
+/// values of one block, of several blocks and across ranges, mixed in one batch with a key summed
+/// by the caller and one without a sum (whose settle still carries the sums after the flags).
+#[test]
+fn a_batch_put_summed_while_copying_stores_each_values_checksum() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let ep = srv.endpoint().to_owned();
+    let values: Vec<Vec<u8>> = [1usize, 65_536, (1 << 20) + 7, 3 << 20]
+        .iter()
+        .enumerate()
+        .map(|(i, len)| pattern(*len, 40 + i as u64))
+        .collect();
+    let keys = ["w0", "w1", "w2", "w3"];
+    let checksums = [
+        PutChecksum::WhileCopying,
+        PutChecksum::None,
+        PutChecksum::WhileCopying,
+        PutChecksum::Given(umbp_core::value_crc32c(&values[3])),
+    ];
+    let batch: Vec<KeyedBatchPut<'_>> = keys
+        .iter()
+        .zip(&values)
+        .zip(checksums)
+        .map(|((key, value), checksum)| KeyedBatchPut { key, value, checksum })
+        .collect();
+    let c = client();
+    assert_eq!(c.put_shared_batch(&ep, 1, &batch).expect("an answer"), vec![KeyedPut::Written; 4]);
+    assert_eq!(*table.committed.lock(), keys, "committed in one settle");
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let got = get_batch_verified(&c, &ep, &keys, &mut bufs, true);
+    let want = [
+        Some(umbp_core::value_crc32c(&values[0])),
+        None,
+        Some(umbp_core::value_crc32c(&values[2])),
+        Some(umbp_core::value_crc32c(&values[3])),
+    ];
+    for (((g, v), buf), crc) in got.iter().zip(&values).zip(&bufs).zip(want) {
+        assert_eq!(*g, KeyedGet::Hit { size: v.len() as u64, crc32c: crc }, "the stored sum is the value's");
+        assert_eq!(buf, v, "byte-exact");
+    }
+}
+
 #[test]
 fn a_batch_put_settled_after_its_slots_ended_commits_none() {
     let file = SealedFile::new();
@@ -611,7 +656,7 @@ fn a_batch_put_to_a_holder_without_the_shared_path_allocates_nothing() {
     let v = pattern(4096, 3);
     assert_eq!(put_batch(&c, srv.endpoint(), &[("k", &v, None)]), vec![KeyedPut::Unsupported]);
     assert!(table.committed.lock().is_empty() && table.aborted.lock().is_empty(), "never asked");
-    let empty = [KeyedBatchPut { key: "e", value: &[], crc32c: None }];
+    let empty = [KeyedBatchPut { key: "e", value: &[], checksum: PutChecksum::None }];
     assert!(c.put_shared_batch(srv.endpoint(), 1, &empty).is_err(), "an empty value is refused");
 }
 

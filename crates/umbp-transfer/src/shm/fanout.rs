@@ -29,7 +29,7 @@ use super::{SharedMapping, ShmError};
 const FAN_OUT_BYTES: u64 = 2 << 20;
 
 /// The block a value is copied and summed in: summed while it is still in L2.
-const BLOCK: usize = 256 << 10;
+pub(crate) const BLOCK: usize = 256 << 10;
 
 /// The kept pool; `None` when it could not be started (everything then copies on the caller).
 fn pool() -> Option<&'static rayon::ThreadPool> {

@@ -12,12 +12,17 @@
 //! then (or until the connection ends).
 //!
 //! PUT_KEYS, the batched keyed write, has the same shape: per key, the value's size (u64), a
-//! checksum flag byte, three zero bytes, the CRC-32C (u32) and the key's length (u32), then the key;
-//! `region` is the tier. Its first reply answers each key with a `MAPPED` descriptor of the slot
-//! the holder allocated (or `EXISTS`, `NO_SPACE`, `BUSY`, `FAILED`, `UNSUPPORTED`); when any slot
-//! was allocated the client copies the values into them and sends a `Done` settle frame followed
-//! by one byte per key (1: copied, commit it; 0: abort it), and the holder answers with a second
-//! reply of one status byte per key (`OK`: committed; `FAILED`: aborted or too late).
+//! checksum flag byte (0: none; 1: the CRC-32C that follows; 2: summed while copied, sent with the
+//! settle), three zero bytes, the CRC-32C (u32, 0 unless the flag is 1) and the key's length (u32),
+//! then the key; `region` is the tier. Its first reply answers each key with a `MAPPED` descriptor
+//! of the slot the holder allocated (or `EXISTS`, `NO_SPACE`, `BUSY`, `FAILED`, `UNSUPPORTED`);
+//! when any slot was allocated the client copies the values into them and sends a `Done` settle
+//! frame followed by one byte per key (1: copied, commit it; 0: abort it) and, when any key's flag
+//! was 2, one CRC-32C (u32) per key (0 for the others); the holder answers with a second reply of
+//! one status byte per key (`OK`: committed; `FAILED`: aborted or too late). Flag 2 lets a client
+//! read each value once, summing each block right after it copied it in, instead of reading it a
+//! second time for the sum before the request (a holder older than flag 2 refuses the request and
+//! closes the connection: the client then writes those keys the routed way).
 //!
 //! Every length is bounded before anything is allocated: a decoder error means a broken peer, and
 //! the connection is closed.
@@ -95,13 +100,39 @@ pub(crate) fn decode_request(body: &[u8], count: u64) -> Result<Vec<BatchEntry<'
     Ok(entries)
 }
 
+/// The checksum a batched same-host put stores with a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutChecksum {
+    /// None: the value is stored without one, and its readers cannot check it.
+    None,
+    /// This CRC-32C of the value, summed by the caller.
+    Given(u32),
+    /// Summed while the value is copied in, each block right after it was copied (the value is
+    /// read once, not twice), and sent to the holder with the settle.
+    WhileCopying,
+}
+
+impl PutChecksum {
+    /// The flag byte and the CRC-32C field of a request entry.
+    fn wire(self) -> (u8, u32) {
+        match self {
+            Self::None => (0, 0),
+            Self::Given(crc) => (1, crc),
+            Self::WhileCopying => (2, 0),
+        }
+    }
+}
+
 /// One key of a PUT_KEYS request: the key, its value's size and checksum.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PutEntry<'a> {
     pub(crate) key: &'a str,
     pub(crate) size: u64,
-    pub(crate) crc32c: Option<u32>,
+    pub(crate) checksum: PutChecksum,
 }
+
+/// Bytes of one key's CRC-32C in a PUT_KEYS settle (see the module docs).
+pub(crate) const SETTLE_CRC_LEN: usize = 4;
 
 /// The PUT_KEYS request body for `entries` (bounds as [`encode_request`]).
 pub(crate) fn encode_put_request(entries: &[PutEntry<'_>]) -> Vec<u8> {
@@ -109,8 +140,9 @@ pub(crate) fn encode_put_request(entries: &[PutEntry<'_>]) -> Vec<u8> {
     let mut out = Vec::with_capacity(len);
     for e in entries {
         out.extend_from_slice(&e.size.to_le_bytes());
-        out.extend_from_slice(&[u8::from(e.crc32c.is_some()), 0, 0, 0]);
-        out.extend_from_slice(&e.crc32c.unwrap_or(0).to_le_bytes());
+        let (flag, crc) = e.checksum.wire();
+        out.extend_from_slice(&[flag, 0, 0, 0]);
+        out.extend_from_slice(&crc.to_le_bytes());
         out.extend_from_slice(&u32::try_from(e.key.len()).unwrap_or(u32::MAX).to_le_bytes());
         out.extend_from_slice(e.key.as_bytes());
     }
@@ -118,7 +150,7 @@ pub(crate) fn encode_put_request(entries: &[PutEntry<'_>]) -> Vec<u8> {
 }
 
 /// Parses a PUT_KEYS request body of `count` keys (rules as [`decode_request`]; a value is 1 byte
-/// or more, the checksum flag 0 or 1).
+/// or more, the checksum flag 0, 1 or 2).
 pub(crate) fn decode_put_request(body: &[u8], count: u64) -> Result<Vec<PutEntry<'_>>, FrameError> {
     let count =
         usize::try_from(count).ok().filter(|c| (1..=MAX_BATCH_KEYS).contains(c)).ok_or(FrameError::TooLong(count))?;
@@ -128,9 +160,10 @@ pub(crate) fn decode_put_request(body: &[u8], count: u64) -> Result<Vec<PutEntry
         let head = body.get(at..at + PUT_ENTRY_HEAD_LEN).ok_or(FrameError::TooLong(body.len() as u64))?;
         let size = u64::from_le_bytes(head[0..8].try_into().map_err(|_| FrameError::TooLong(0))?);
         let crc = u32::from_le_bytes(head[12..16].try_into().map_err(|_| FrameError::TooLong(0))?);
-        let crc32c = match head[8] {
-            0 => None,
-            1 => Some(crc),
+        let checksum = match head[8] {
+            0 => PutChecksum::None,
+            1 => PutChecksum::Given(crc),
+            2 => PutChecksum::WhileCopying,
             v => return Err(FrameError::BadStatus(v)),
         };
         let key_len = u32::from_le_bytes(head[16..20].try_into().map_err(|_| FrameError::TooLong(0))?) as usize;
@@ -141,7 +174,7 @@ pub(crate) fn decode_put_request(body: &[u8], count: u64) -> Result<Vec<PutEntry
         let key = body.get(at..at + key_len).ok_or(FrameError::TooLong(body.len() as u64))?;
         let key = std::str::from_utf8(key).map_err(|_| FrameError::BadStatus(0))?;
         at += key_len;
-        entries.push(PutEntry { key, size, crc32c });
+        entries.push(PutEntry { key, size, checksum });
     }
     if at != body.len() {
         return Err(FrameError::TooLong(body.len() as u64));
@@ -269,17 +302,18 @@ mod tests {
     #[test]
     fn a_put_request_round_trips_and_refuses_what_is_no_value() {
         let entries = vec![
-            PutEntry { key: "a", size: 1, crc32c: Some(0xdead_beef) },
-            PutEntry { key: "bcd", size: 1 << 20, crc32c: None },
+            PutEntry { key: "a", size: 1, checksum: PutChecksum::Given(0xdead_beef) },
+            PutEntry { key: "bcd", size: 1 << 20, checksum: PutChecksum::None },
+            PutEntry { key: "e", size: 7, checksum: PutChecksum::WhileCopying },
         ];
         let body = encode_put_request(&entries);
-        assert_eq!(decode_put_request(&body, 2).unwrap(), entries);
-        assert!(decode_put_request(&body, 1).is_err(), "bytes left over");
-        assert!(decode_put_request(&body, 3).is_err(), "a key missing");
-        let mut empty = encode_put_request(&[PutEntry { key: "k", size: 0, crc32c: None }]);
+        assert_eq!(decode_put_request(&body, 3).unwrap(), entries);
+        assert!(decode_put_request(&body, 2).is_err(), "bytes left over");
+        assert!(decode_put_request(&body, 4).is_err(), "a key missing");
+        let mut empty = encode_put_request(&[PutEntry { key: "k", size: 0, checksum: PutChecksum::None }]);
         assert!(decode_put_request(&empty, 1).is_err(), "an empty value");
         empty[0] = 1;
-        empty[8] = 2;
-        assert!(decode_put_request(&empty, 1).is_err(), "a checksum flag that is neither 0 nor 1");
+        empty[8] = 3;
+        assert!(decode_put_request(&empty, 1).is_err(), "a checksum flag that is not 0, 1 or 2");
     }
 }

@@ -5,7 +5,7 @@ use std::io::IoSlice;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::super::batch_wire::{self, BatchAnswer};
+use super::super::batch_wire::{self, BatchAnswer, PutChecksum};
 use super::super::keyed::{ClosingSlot, KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 use super::super::protocol::{
     CHECKSUM_LEN, Descriptor, FLAG_CHECKSUM, FLAG_SHARED, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES,
@@ -338,7 +338,12 @@ impl ServerConn<'_> {
                             ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
                             crc32c: None,
                         };
-                        (BatchAnswer::Mapped(descriptor), Some((e.key, slot, e.crc32c)))
+                        let crc32c = match e.checksum {
+                            PutChecksum::Given(crc) => Some(crc),
+                            // Set from the settle, below.
+                            PutChecksum::None | PutChecksum::WhileCopying => None,
+                        };
+                        (BatchAnswer::Mapped(descriptor), Some((e.key, slot, crc32c)))
                     }
                 }
                 KeyedWrite::Exists => (BatchAnswer::Other(Status::Exists), None),
@@ -361,6 +366,18 @@ impl ServerConn<'_> {
         self.read_done_settle()?;
         let mut copied = vec![0u8; entries.len()];
         self.reader.read_exact_into(&mut copied)?;
+        if entries.iter().any(|e| e.checksum == PutChecksum::WhileCopying) {
+            let mut sums = vec![0u8; entries.len() * batch_wire::SETTLE_CRC_LEN];
+            self.reader.read_exact_into(&mut sums)?;
+            let sums = sums.chunks_exact(batch_wire::SETTLE_CRC_LEN);
+            for ((e, slot), sum) in entries.iter().zip(open.slots.iter_mut()).zip(sums) {
+                if let (PutChecksum::WhileCopying, Some((_, _, crc32c))) = (e.checksum, slot) {
+                    let mut le = [0u8; batch_wire::SETTLE_CRC_LEN];
+                    le.copy_from_slice(sum);
+                    *crc32c = Some(u32::from_le_bytes(le));
+                }
+            }
+        }
         let statuses = open.commit(&copied).map_err(End::Malformed)?;
         self.send_ok_with(r.id, &statuses)?;
         bump(&self.shared.metrics.requests[Status::Mapped as usize]);

@@ -62,6 +62,7 @@ use std::time::{Duration, Instant};
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSample, MetricSource, RegistrationError, TransferRef};
 use umbp_gpu::GpuRuntime;
 
+pub use self::batch_wire::PutChecksum;
 use self::client::{Batch, ClientShared, PeerPool, Peers, PlanMeta, Req, TcpHandle};
 pub use self::error::TcpStartError;
 /// The constant-time token comparison, shared with the shared-memory handshake.

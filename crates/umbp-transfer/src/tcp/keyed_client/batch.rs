@@ -5,13 +5,14 @@
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-use super::super::batch_wire::{self, BatchAnswer, BatchEntry, PutEntry};
+use super::super::batch_wire::{self, BatchAnswer, BatchEntry, PutChecksum, PutEntry};
 use super::{
     ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, KeyedPut, Op, Request, Settle, Status, check_key,
     protocol_error, read_reply, send, write_frame,
 };
 use crate::shm::fanout::{self, ValueCopy};
 use crate::shm::{Copier, SharedReads, ShmError};
+use umbp_core::ValueCrc32c;
 
 /// How long a holder that failed a GET_KEYS (an older build closes the connection at the op) is
 /// asked no batch.
@@ -39,8 +40,8 @@ pub struct KeyedBatchPut<'a> {
     pub key: &'a str,
     /// The value (1 byte or more).
     pub value: &'a [u8],
-    /// Its CRC-32C, stored with it.
-    pub crc32c: Option<u32>,
+    /// The checksum stored with it.
+    pub checksum: PutChecksum,
 }
 
 impl KeyedClient {
@@ -144,7 +145,7 @@ impl KeyedClient {
             return Ok(vec![KeyedPut::Unsupported; items.len()]);
         }
         let entries: Vec<PutEntry<'_>> =
-            items.iter().map(|i| PutEntry { key: i.key, size: i.value.len() as u64, crc32c: i.crc32c }).collect();
+            items.iter().map(|i| PutEntry { key: i.key, size: i.value.len() as u64, checksum: i.checksum }).collect();
         let body = batch_wire::encode_put_request(&entries);
         let answer = self.exchange(endpoint, false, |stream, id| {
             let head = Request {
@@ -193,9 +194,12 @@ impl KeyedClient {
             .map_err(|e| protocol_error(format!("bad PUT_KEYS reply: {e}")))?;
         let mut out = Vec::with_capacity(items.len());
         let mut copied = vec![0u8; items.len()];
+        // Summed while copied: one CRC-32C per key after the flags (see `batch_wire`).
+        let late = items.iter().any(|i| i.checksum == PutChecksum::WhileCopying);
+        let mut sums = vec![0u8; if late { items.len() * batch_wire::SETTLE_CRC_LEN } else { 0 }];
         let mut slots = false;
         let mut copier = BatchCopier::new(&self.shared, endpoint);
-        for ((item, answer), flag) in items.iter().zip(answers).zip(copied.iter_mut()) {
+        for (i, ((item, answer), flag)) in items.iter().zip(answers).zip(copied.iter_mut()).enumerate() {
             out.push(match answer {
                 BatchAnswer::Mapped(d) => {
                     slots = true;
@@ -206,9 +210,14 @@ impl KeyedClient {
                             item.value.len()
                         )));
                     }
-                    match copier.get().and_then(|c| c.copy_in(&d.ranges, item.value)) {
+                    let mut sum = (item.checksum == PutChecksum::WhileCopying).then(ValueCrc32c::new);
+                    match copier.get().and_then(|c| c.copy_in_summed(&d.ranges, item.value, sum.as_mut())) {
                         Ok(_) => {
                             *flag = 1;
+                            if let Some(sum) = sum {
+                                let at = i * batch_wire::SETTLE_CRC_LEN;
+                                sums[at..at + batch_wire::SETTLE_CRC_LEN].copy_from_slice(&sum.finish().to_le_bytes());
+                            }
                             // The holder's verdict follows.
                             KeyedPut::Written
                         }
@@ -230,7 +239,11 @@ impl KeyedClient {
         }
         super::super::io::write_all_vectored(
             stream,
-            &mut [std::io::IoSlice::new(&Settle::Done.encode()), std::io::IoSlice::new(&copied)],
+            &mut [
+                std::io::IoSlice::new(&Settle::Done.encode()),
+                std::io::IoSlice::new(&copied),
+                std::io::IoSlice::new(&sums),
+            ],
         )
         .map_err(mid)?;
         let verdict = read_reply(stream, id).map_err(|e| match e {
