@@ -110,13 +110,14 @@
 //!   size, `MISS`, `BUSY` or `UNSUPPORTED`. If any key was `MAPPED`, the client copies those from
 //!   its mappings and sends one `Done` settle frame, which closes every lease the reply opened. A
 //!   batch is never served as bytes: what the client cannot map it reads the routed way.
-//! - **PUT_KEYS** (op 6): `region_id` the tier; per key the value's size, its checksum and the key.
-//!   Reply `OK` answering every key: a `MAPPED` descriptor of the slot allocated for it (`lease_ns`
-//!   to the slot's end), `EXISTS`, `NO_SPACE`, `BUSY`, `FAILED` or `UNSUPPORTED`. If any slot was
-//!   allocated, the client copies the values into their slots and sends a `Done` settle frame
-//!   followed by one byte per key (1: copied, commit it; 0: abort it); the server commits each
-//!   copied slot if the settle arrived before the slot's end and answers a second `OK` reply whose
-//!   payload is one status byte per key (`OK` committed, `FAILED` not).
+//! - **PUT_KEYS** (op 6): `region_id` the tier; per key the value's size, its checksum (none, given,
+//!   or summed while copied) and the key. Reply `OK` answering every key: a `MAPPED` descriptor of
+//!   the slot allocated for it (`lease_ns` to the slot's end), `EXISTS`, `NO_SPACE`, `BUSY`,
+//!   `FAILED` or `UNSUPPORTED`. If any slot was allocated, the client copies the values into their
+//!   slots and sends a `Done` settle frame followed by one byte per key (1: copied, commit it; 0:
+//!   abort it) and, when any key's checksum is summed while copied, one CRC-32C per key; the server
+//!   commits each copied slot if the settle arrived before the slot's end and answers a second
+//!   `OK` reply whose payload is one status byte per key (`OK` committed, `FAILED` not).
 //!
 //! A server older than these ops closes the connection at the unknown op; the client then asks
 //! that holder no batch for 30 s.
