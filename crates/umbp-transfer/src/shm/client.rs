@@ -14,7 +14,7 @@ use rustix::mm::{Advice, MapFlags, ProtFlags};
 
 use super::epochs::{EpochTable, check_backing};
 use super::wire::{self, Status};
-use super::{Refusal, ShmError, socket_name};
+use super::{Refusal, ShmError, socket_name, stream};
 
 /// Settings of a [`ShmClient`].
 #[derive(Debug, Clone)]
@@ -441,13 +441,14 @@ impl SharedMapping {
         self.check_current()
     }
 
-    /// Copies `src` to `offset` of the region; [`ShmError::Stale`] when the region was not current
-    /// before or after the copy (the write must then be treated as failed).
+    /// Copies `src` to `offset` of the region, with stores that stream past the cache (the holder
+    /// does not read a value it stores; `stream`); [`ShmError::Stale`] when the region was not
+    /// current before or after the copy (the write must then be treated as failed).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), ShmError> {
         let dst = self.range(offset, src.len())?;
         self.check_current()?;
         // SAFETY: as in `read_at`, the other way round; the mapping is read-write.
-        unsafe { ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        unsafe { stream::copy(dst, src.as_ptr(), src.len()) };
         self.check_current()
     }
 
