@@ -24,7 +24,8 @@
 //! - **No re-cache**: a value read from a holder on this host is already in this host's memory.
 //!
 //! **Puts** from a client that lends no medium do the same: one route call per [`ROUTE_KEYS`] keys
-//! (the master's placement and cross-node dedup are kept), then one PUT_KEYS per same-host holder
+//! (the master's placement and cross-node dedup are kept; the first chunk's keys in a call of
+//! their own, so their copies start while the master routes the rest), then one PUT_KEYS per same-host holder
 //! chunk (`KeyedClient::put_shared_batch`): the holder allocates every slot, the client copies the
 //! values in through its mappings, the holder commits what arrived before each slot's end. A key
 //! written so is remembered as located there (a later get of it skips the master). Every other key
@@ -93,10 +94,14 @@ pub(super) type Prerouted = Vec<Option<RouteGetHit>>;
 
 /// The master's placements for keys a same-host put left to the routed path (by batch index):
 /// `(node, peer address, tier)`.
-pub(super) type PutRoutes = Vec<Option<(String, String, TierType)>>;
+pub(super) type PutRoutes = Vec<Option<PutRoute>>;
 
 /// A put holder: its node, data endpoint, peer address and tier.
 type PutHolder = (String, String, String, TierType);
+/// A placement for the routed path: `(node, peer address, tier)` (see [`PutRoutes`]).
+type PutRoute = (String, String, TierType);
+/// What a put group settled for one key: its index, its result, its placement for the routed path.
+type GroupPut = (usize, Option<Result<PutOutcome, KeyError>>, Option<PutRoute>);
 
 /// A holder: its node and its data endpoint.
 type HolderId = (Arc<str>, Arc<str>);
@@ -281,6 +286,10 @@ impl PoolClient {
     /// Writes what it can of a batch's distinct keys (`unique`) to holders on this host (see the
     /// module docs), setting `results[i]` for each key it settled; the keys it leaves `None` take
     /// the routed path, with the placements it asked the master for (see [`PutRoutes`]).
+    ///
+    /// The first chunk's keys are routed on their own and written while the master routes the
+    /// rest: the route call of a whole 64 MiB batch took 0.6–1.2 ms (64 keys) to 1.5–2.0 ms (1,024
+    /// keys) on the 2-core VM, 15–25 % of the batch, during which nothing was copied.
     pub(super) async fn put_same_host(
         &self,
         items: &[(&str, Src<'_>)],
@@ -299,19 +308,50 @@ impl PoolClient {
         if candidates.is_empty() {
             return routes;
         }
+        let total: u64 = candidates.iter().map(|i| items[*i].1.size()).sum();
+        let spread = Spread::per_core(total);
+        let mut bytes = 0u64;
+        let first = candidates
+            .iter()
+            .position(|i| {
+                bytes += items[*i].1.size();
+                bytes >= spread.chunk_bytes
+            })
+            .map_or(candidates.len(), |at| at + 1);
+        let (head, rest) = candidates.split_at(first);
+        let (head, rest) = tokio::join!(self.put_group(items, head, &spread), self.put_group(items, rest, &spread));
+        for (i, result, route) in head.into_iter().chain(rest) {
+            if result.is_some() {
+                results[i] = result;
+            }
+            routes[i] = route;
+        }
+        routes
+    }
+
+    /// Routes `keys` (batch indexes) in calls of [`ROUTE_KEYS`] and writes those placed on a holder
+    /// on this host with one PUT_KEYS per chunk; per key: its index, its result if settled here,
+    /// and the placement the routed path is to use (`None`: routed afresh).
+    async fn put_group(&self, items: &[(&str, Src<'_>)], keys: &[usize], spread: &Spread) -> Vec<GroupPut> {
+        let mut out: BTreeMap<usize, (Option<Result<PutOutcome, KeyError>>, Option<PutRoute>)> = BTreeMap::new();
+        if keys.is_empty() {
+            return Vec::new();
+        }
         let unreachable = self.recently_unreachable();
         let mut by_holder: BTreeMap<PutHolder, Vec<usize>> = BTreeMap::new();
-        for part in candidates.chunks(ROUTE_KEYS) {
-            let keys: Vec<String> = part.iter().map(|i| items[*i].0.to_owned()).collect();
+        for part in keys.chunks(ROUTE_KEYS) {
+            let names: Vec<String> = part.iter().map(|i| items[*i].0.to_owned()).collect();
             let sizes: Vec<u64> = part.iter().map(|i| items[*i].1.size()).collect();
             let routed =
-                self.master.batch_route_put(&keys, &sizes, &unreachable).instrument(phase!(phases::PUT_ROUTE)).await;
-            let Ok(decisions) = routed else { return routes };
+                self.master.batch_route_put(&names, &sizes, &unreachable).instrument(phase!(phases::PUT_ROUTE)).await;
+            let Ok(decisions) = routed else { break };
             for (i, decision) in part.iter().zip(decisions) {
                 match decision {
-                    RoutePutDecision::AlreadyExists => results[*i] = Some(Ok(PutOutcome::AlreadyPresent)),
+                    RoutePutDecision::AlreadyExists => {
+                        out.insert(*i, (Some(Ok(PutOutcome::AlreadyPresent)), None));
+                    }
                     RoutePutDecision::Routed { node_id, tier, peer_address, data_endpoint } => {
-                        routes[*i] = Some((node_id.clone(), peer_address.clone(), tier));
+                        out.insert(*i, (None, Some((node_id.clone(), peer_address.clone(), tier))));
                         if !data_endpoint.is_empty() && node_id != self.config.node_id {
                             by_holder.entry((node_id, data_endpoint, peer_address, tier)).or_default().push(*i);
                         }
@@ -321,8 +361,6 @@ impl PoolClient {
                 }
             }
         }
-        let total: u64 = by_holder.values().flatten().map(|i| items[*i].1.size()).sum();
-        let spread = Spread::per_core(total);
         let mut chunks: Vec<(PutHolder, Vec<usize>)> = Vec::new();
         for (holder, indexes) in by_holder {
             let mut chunk = Vec::new();
@@ -338,9 +376,6 @@ impl PoolClient {
             if !chunk.is_empty() {
                 chunks.push((holder, chunk));
             }
-        }
-        if chunks.is_empty() {
-            return routes;
         }
         let order: Vec<Vec<usize>> = (0..chunks.len()).map(|c| vec![c]).collect();
         let chunks = &chunks;
@@ -394,7 +429,7 @@ impl PoolClient {
                         self.sweep_shared_memory();
                     }
                     for i in indexes {
-                        routes[*i] = None;
+                        out.insert(*i, (None, None));
                     }
                     continue;
                 }
@@ -402,21 +437,27 @@ impl PoolClient {
             };
             let mut written = 0u64;
             for (i, answer) in indexes.iter().zip(answers) {
-                match answer {
+                let settled = match answer {
                     KeyedPut::Written => {
-                        results[*i] = Some(Ok(PutOutcome::Written));
                         self.locations.insert(items[*i].0, node, endpoint, now);
                         written += 1;
+                        Some(Ok(PutOutcome::Written))
                     }
-                    KeyedPut::Exists => results[*i] = Some(Ok(PutOutcome::AlreadyPresent)),
+                    KeyedPut::Exists => Some(Ok(PutOutcome::AlreadyPresent)),
                     // The routed path asks the same node (it waits for a busy one).
-                    KeyedPut::Busy | KeyedPut::Unsupported => {}
+                    KeyedPut::Busy | KeyedPut::Unsupported => None,
                     // Routed afresh.
-                    KeyedPut::NoSpace | KeyedPut::Failed => routes[*i] = None,
+                    KeyedPut::NoSpace | KeyedPut::Failed => {
+                        out.insert(*i, (None, None));
+                        None
+                    }
+                };
+                if let (Some(result), Some(entry)) = (settled, out.get_mut(i)) {
+                    entry.0 = Some(result);
                 }
             }
             StatCounters::add(&self.stats.keyed_puts, written);
         }
-        routes
+        out.into_iter().map(|(i, (result, route))| (i, result, route)).collect()
     }
 }
