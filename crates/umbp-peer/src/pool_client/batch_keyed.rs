@@ -100,7 +100,9 @@ pub(super) type PutRoutes = Vec<Option<PutRoute>>;
 type PutHolder = (String, String, String, TierType);
 /// A placement for the routed path: `(node, peer address, tier)` (see [`PutRoutes`]).
 type PutRoute = (String, String, TierType);
-/// What a put group settled for one key: its index, its result, its placement for the routed path.
+/// What a put group settled for one key: its result, its placement for the routed path.
+type PutSettled = (Option<Result<PutOutcome, KeyError>>, Option<PutRoute>);
+/// [`PutSettled`] with the key's batch index.
 type GroupPut = (usize, Option<Result<PutOutcome, KeyError>>, Option<PutRoute>);
 
 /// A holder: its node and its data endpoint.
@@ -333,7 +335,7 @@ impl PoolClient {
     /// on this host with one PUT_KEYS per chunk; per key: its index, its result if settled here,
     /// and the placement the routed path is to use (`None`: routed afresh).
     async fn put_group(&self, items: &[(&str, Src<'_>)], keys: &[usize], spread: &Spread) -> Vec<GroupPut> {
-        let mut out: BTreeMap<usize, (Option<Result<PutOutcome, KeyError>>, Option<PutRoute>)> = BTreeMap::new();
+        let mut out: BTreeMap<usize, PutSettled> = BTreeMap::new();
         if keys.is_empty() {
             return Vec::new();
         }
