@@ -35,13 +35,7 @@ def _clean_umbp_env(monkeypatch):
 @pytest.fixture(scope="session")
 def sglang():
     """``(umbp_store, hicache_storage)``: SGLang's modules, unmodified, over our ``mori.umbp``."""
-    try:
-        d = sglang_harness.fetch_sglang()
-    except sglang_harness.Unavailable as e:
-        if os.environ.get("UMBP_REQUIRE_SGLANG"):
-            raise
-        pytest.skip(str(e))
-    return sglang_harness.import_store(d)
+    return sglang_harness.import_store(sglang_harness.fetch_or_skip())
 
 
 def umbp_command() -> list:

@@ -32,6 +32,19 @@ class Unavailable(Exception):
     """The wheel cannot be had (offline and not cached)."""
 
 
+def fetch_or_skip(fetch=None) -> Path:
+    """``fetch()`` (default: :func:`fetch_sglang`), or a pytest skip saying why the wheel cannot be
+    had here; with ``UMBP_REQUIRE_SGLANG`` set, the failure instead."""
+    import pytest
+
+    try:
+        return (fetch or fetch_sglang)()
+    except Unavailable as e:
+        if os.environ.get("UMBP_REQUIRE_SGLANG"):
+            raise
+        pytest.skip(str(e))
+
+
 def fetch_sglang() -> Path:
     """The directory holding the extracted ``sglang`` files, downloading the wheel on first use."""
     dest = CACHE / f"sglang-{SGLANG_VERSION}"

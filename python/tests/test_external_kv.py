@@ -163,14 +163,7 @@ def test_engines_report_through_their_heartbeat_and_a_scheduler_routes(master):
 @pytest.fixture(scope="module")
 def kv_events():
     """SGLang's ``umbp_store`` (its ``KVEventsSubscriber``) and ``kv_events`` modules, unmodified."""
-    import os
-
-    try:
-        d = sglang_harness.fetch_sglang()
-    except sglang_harness.Unavailable as e:
-        if os.environ.get("UMBP_REQUIRE_SGLANG"):
-            raise
-        pytest.skip(str(e))
+    d = sglang_harness.fetch_or_skip()
     store, _ = sglang_harness.import_store(d)
     return store, sglang_harness.import_kv_events(d)
 
