@@ -15,8 +15,9 @@
 //!   child, over as many connections as the data plane pools ([`CONNECTIONS`]);
 //! - **same host**: the same child read and written by a client with the shared-memory path on (issue
 //!   17), in the same rounds as the remote rows: each figure beside the memcpy baseline (as the local
-//!   rows') and beside the TCP path's figure of the same round, the bench failing if the TCP engine
-//!   moved any of these bytes;
+//!   rows'; a get also beside memcpy from a source in memory, where a put leaves a holder's bytes:
+//!   see [`bench_memcpy`](crate::bench_memcpy)) and beside the TCP path's figure of the same round,
+//!   the bench failing if the TCP engine moved any of these bytes;
 //! - the p50 / p99 latency of a single 64 KiB remote get and of a single 64 KiB remote put, each on
 //!   both client paths in the same run ([`measure_latency`]: the default keyed path, one exchange
 //!   with the holder's data server, and the routed path of a client with `keyed_requests = false`,
@@ -41,6 +42,7 @@ use crate::bench_breakdown::{BatchPhases, Recorder, Samples, batch_phases_table,
 pub(crate) use crate::bench_latency::latency_blocks;
 use crate::bench_latency::{LATENCY_KEY, measure_large_latency, measure_latency};
 pub use crate::bench_latency::{Latencies, Latency};
+pub use crate::bench_memcpy::{memcpy_from_memory_gbps, memcpy_threads, quiet_memcpy_gbps};
 use crate::cli::BenchArgs;
 use crate::progress::Progress;
 use crate::units::human_size;
@@ -75,6 +77,10 @@ pub(crate) const WARM_UP: usize = 10;
 /// The memcpy baseline's name in the table.
 const MEMCPY: &str = "memcpy";
 
+/// The baseline name of the same-host get rows measured against memcpy from a source in memory
+/// ([`memcpy_from_memory_gbps`]).
+const MEMCPY_FROM_MEMORY: &str = "memcpy, source in memory";
+
 /// The baseline name of the same-host rows measured against the pool's own TCP path.
 const POOL_TCP: &str = "pool over TCP";
 
@@ -93,17 +99,6 @@ const READY_PREFIX: &str = "bench-child ready raw=";
 
 /// How far apart (max / min − 1) two same-kind baselines of one run may be before the bench warns.
 pub const BASELINE_TOLERANCE: f64 = 0.20;
-
-/// How long a baseline waits for the work of the cell before it (index shipping, lease releases, the
-/// master's indexing) to drain. Measured: without it the first local 64 KiB baselines read 2–4×
-/// lower than the same copy a moment later.
-const SETTLE: Duration = Duration::from_millis(150);
-
-/// Threads of the memcpy baseline: what the pool's local copy engine may copy on
-/// (`LocalCopyConfig::default().threads`, the machine's available parallelism).
-pub fn memcpy_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-}
 
 /// The header of the markdown table.
 pub const TABLE_HEADER: &str = "| path | op | value | PoolClient GB/s | baseline GB/s | baseline | ratio |";
@@ -859,42 +854,6 @@ fn spread(samples: &[f64]) -> (f64, f64) {
     samples.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)))
 }
 
-/// One baseline sample on a quiet process: waits [`SETTLE`] for the cell's background work to drain,
-/// copies once untimed (faults in and warms both sides), then returns the best of three timed copies
-/// (a copy the scheduler interrupted is not the machine's best). Second: the old, unsettled sample
-/// (one thread, timed at once, before the settle), kept to show the disturbance.
-pub async fn quiet_memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> (f64, f64) {
-    let unsettled = memcpy_gbps(out, data, bytes, 1);
-    tokio::time::sleep(SETTLE).await;
-    let threads = memcpy_threads();
-    memcpy_gbps(out, data, bytes, threads);
-    let best = (0..3).map(|_| memcpy_gbps(out, data, bytes, threads)).fold(0.0, f64::max);
-    (best, unsettled)
-}
-
-/// The baseline: one `memcpy` per value from `data` into `out`, the values split evenly over `threads`
-/// threads as the local copy engine splits a large batch, GB/s.
-fn memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize, threads: usize) -> f64 {
-    fn copy(out: &mut [Vec<u8>], data: &[Vec<u8>]) {
-        for (d, s) in out.iter_mut().zip(data) {
-            d.copy_from_slice(std::hint::black_box(s));
-        }
-    }
-    let per = out.len().div_ceil(threads.max(1)).max(1);
-    let t = Instant::now();
-    if threads <= 1 || out.len() <= 1 {
-        copy(out, data);
-    } else {
-        std::thread::scope(|s| {
-            for (o, d) in out.chunks_mut(per).zip(data.chunks(per)) {
-                s.spawn(move || copy(o, d));
-            }
-        });
-    }
-    std::hint::black_box(&*out);
-    gbps(bytes, t)
-}
-
 /// The two clients of the child's rows: the TCP path and the shared-memory path.
 struct Clients<'a> {
     tcp: &'a PoolClient,
@@ -1002,8 +961,11 @@ async fn measure_remote(
         let bytes = n * value;
         let mut data: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let mut out: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
+        // The source of the memory-resident baseline, streamed from `data` before each copy.
+        let mut staged: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut shm_put, mut shm_get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut from_memory = Vec::new();
         let mut progress =
             Progress::new(format!("umbp bench: remote {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
@@ -1044,6 +1006,7 @@ async fn measure_remote(
             let (after, hasty) = quiet_memcpy_gbps(&mut out, &data, bytes).await;
             copy.push(before.max(after));
             unsettled.push(hasty);
+            from_memory.push(memcpy_from_memory_gbps(&mut out, &data, &mut staged, bytes));
             tokio::time::sleep(Duration::from_millis(600)).await;
             let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             let _ = clients.shm.remove(&key_refs).await;
@@ -1053,6 +1016,7 @@ async fn measure_remote(
         batch_phases.extend(BatchPhases::cells("remote (TCP)", value as u64, &tcp_spans));
         batch_phases.extend(BatchPhases::cells("same host (shm)", value as u64, &shm_spans));
         let (copy_range, copy, unsettled) = (spread(&copy), median(copy), median(unsettled));
+        let (from_memory_range, from_memory) = (spread(&from_memory), median(from_memory));
         for (op, tcp, raw, shm) in [("put", put, raw_w, shm_put), ("get", get, raw_r, shm_get)] {
             let row = |path, pool_gbps, baseline_gbps, baseline: &str, baseline_range, unsettled| BenchRow {
                 path,
@@ -1075,6 +1039,9 @@ async fn measure_remote(
                 None,
             ));
             rows.push(row(BenchPath::SameHost, shm, copy, MEMCPY, copy_range, Some(unsettled)));
+            if op == "get" {
+                rows.push(row(BenchPath::SameHost, shm, from_memory, MEMCPY_FROM_MEMORY, from_memory_range, None));
+            }
             rows.push(row(BenchPath::SameHost, shm, tcp, POOL_TCP, tcp_range, None));
         }
     }

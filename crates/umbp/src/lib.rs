@@ -74,6 +74,9 @@ pub mod bench_cli;
 pub mod bench_latency;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
+pub mod bench_memcpy;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_metadata;
 #[cfg(feature = "cli")]
 #[doc(hidden)]

@@ -36,6 +36,18 @@ pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
+/// [`copy`] between two slices: the copy a same-host put writes a holder's slot with, so the bytes
+/// land where a put leaves them — in memory, not in this core's caches (on x86-64; an ordinary
+/// copy elsewhere). `umbp bench` writes its memory-resident baseline's source with it.
+///
+/// # Panics
+/// If the two slices differ in length (as [`slice::copy_from_slice`]).
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming between slices of different lengths");
+    // SAFETY: two slices of `src.len()` bytes, one borrowed mutably, so they cannot overlap.
+    unsafe { copy(dst.as_mut_ptr(), src.as_ptr(), src.len()) }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
@@ -162,6 +174,17 @@ mod tests {
                     assert!(dst[dst_off + len..].iter().all(|b| *b == 0xAA), "nothing past the end");
                 }
             }
+        }
+    }
+
+    /// The slice form copies exactly, short and streamed lengths alike.
+    #[test]
+    fn the_slice_form_copies_exactly() {
+        for len in [0, 5, STREAM_MIN, STREAM_MIN * 3 + 7] {
+            let src: Vec<u8> = (0..len).map(|i| (i * 11 + 5) as u8).collect();
+            let mut dst = vec![0u8; len];
+            copy_streaming(&mut dst, &src);
+            assert_eq!(dst, src, "len {len}");
         }
     }
 
