@@ -335,6 +335,27 @@ pub trait TransferEngine: MemoryRegistrar + MetricSource {
     /// Registered memory is additionally protected by its registration: deregistering it waits for
     /// the batches using it.
     fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure>;
+
+    /// Moves `items` as [`transfer`] does, and sums what lands: for each tag, the CRC-32C of its
+    /// items' bytes in destination order, each block summed right after it is written, while it
+    /// is still in the cache (a get's end-to-end check without a second pass over the copy). A
+    /// tag's items must tile one destination range. `None`: this engine does not sum as it copies
+    /// (the default), or not these items, and **nothing moved**: the caller transfers and sums the
+    /// landed bytes itself. Blocks until the copies are done, as [`transfer`] does.
+    fn transfer_summed(&self, items: &[TransferItem]) -> Option<SummedTransfer> {
+        let _ = items;
+        None
+    }
+}
+
+/// What [`TransferEngine::transfer_summed`] did: the CRC-32C of each tag whose bytes all landed,
+/// and the failures (their tags' bytes are not to be used).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SummedTransfer {
+    /// Tag → the CRC-32C of its bytes as they landed.
+    pub sums: std::collections::HashMap<u64, u32>,
+    /// The tags that failed, and why.
+    pub failures: Vec<TransferFailure>,
 }
 
 /// Plans, submits and waits: for callers with nothing to overlap. `Ok` when every item moved;

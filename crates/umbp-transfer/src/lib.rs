@@ -74,8 +74,8 @@ mod warn;
 pub use composite::{CompositeConfig, CompositeTransferEngine};
 pub use directory::{MAX_BUFFERS_PER_BACKEND, PeerDirectory};
 pub use engine::{
-    BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, TransferDirection, TransferEngine,
-    TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
+    BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, SummedTransfer, TransferDirection,
+    TransferEngine, TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
 };
 pub use fd_limit::raise_open_file_limit;
 pub use gpu::{GpuCopyConfig, GpuCopyEngine};

@@ -9,10 +9,11 @@ use crossbeam_channel::Sender;
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSource, RegistrationError, TransferRef};
 
 use crate::engine::{
-    CompletedHandle, FailureKind, PlanSet, TransferDirection, TransferEngine, TransferFailure, TransferHandle,
-    TransferItem, TransferPlan,
+    CompletedHandle, FailureKind, PlanSet, SummedTransfer, TransferDirection, TransferEngine, TransferFailure,
+    TransferHandle, TransferItem, TransferPlan,
 };
 use crate::planning::{SideKey, plan_in_range, plan_pairs};
+use crate::shm::fanout::{Copied, Piece, Source, ValueCopy, copy_values_spread};
 
 /// Settings of a [`LocalCopyEngine`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -345,6 +346,98 @@ impl TransferEngine for LocalCopyEngine {
         }
         Ok(Box::new(CompletedHandle::new(failures)))
     }
+
+    /// Copies each tag's items block by block and sums each block right after it lands (the
+    /// same-host get's copy, `shm::fanout`, over local sources): on the calling thread, or for a
+    /// batch past [`parallel_threshold`](LocalCopyConfig::parallel_threshold) spread value by value
+    /// over the kept pool of one thread per core that same-host gets copy on (`threads` > 1 only;
+    /// a value is never split, its blocks are summed in order). `None`, before anything moved, for items it
+    /// would not copy exactly as `submit` would: a side that is not local host memory, a range
+    /// outside its buffer, a tag whose items do not tile one destination range, or overlapping
+    /// ranges (which `submit` copies in order on one thread).
+    fn transfer_summed(&self, items: &[TransferItem]) -> Option<SummedTransfer> {
+        let values = summed_values(items)?;
+        let mut jobs = Vec::new();
+        for (_, v) in &values {
+            let mut at = 0usize;
+            for p in &v.pieces {
+                let Source::Local(src) = p.source else { return None };
+                // SAFETY: `at + len` is at most the value's size, inside its checked destination.
+                jobs.push(Job { src, dst: unsafe { v.dst.add(at) }, len: p.len });
+                at += p.len;
+            }
+        }
+        if any_overlap(&jobs) {
+            return None;
+        }
+        let total: u64 = jobs.iter().map(|j| j.len as u64).sum();
+        let fan_out = self.config.threads > 1 && total >= self.config.parallel_threshold;
+        let (tags, copies): (Vec<u64>, Vec<ValueCopy>) = values.into_iter().unzip();
+        // SAFETY: every range was checked inside its registered host region (`summed_values`),
+        // valid under `LocalRegion`'s invariant and not otherwise used until `transfer` returns (the
+        // engine's contract); no destination overlaps another range (checked above).
+        let copied = unsafe { copy_values_spread(&copies, fan_out) };
+        let mut out = SummedTransfer::default();
+        for (tag, copied) in tags.into_iter().zip(copied) {
+            match copied {
+                Copied::Done { crc32c: Some(sum), .. } => drop(out.sums.insert(tag, sum)),
+                Copied::Done { crc32c: None, .. } => {}
+                Copied::Failed(e) => {
+                    out.failures.push(TransferFailure::new(vec![tag], FailureKind::Local, e.to_string(), self.name()));
+                }
+            }
+        }
+        Some(out)
+    }
+}
+
+/// Each tag's value for [`LocalCopyEngine::transfer_summed`], in the order tags first appear: its
+/// pieces (sources, in destination order) and its destination. `None` for items that are not
+/// local host memory inside their buffers, or a tag whose items do not tile one destination range.
+fn summed_values(items: &[TransferItem]) -> Option<Vec<(u64, ValueCopy)>> {
+    let mut order: Vec<u64> = Vec::new();
+    let mut by_tag: std::collections::HashMap<u64, Vec<&TransferItem>> = std::collections::HashMap::new();
+    for item in items {
+        by_tag
+            .entry(item.tag)
+            .or_insert_with(|| {
+                order.push(item.tag);
+                Vec::new()
+            })
+            .push(item);
+    }
+    let mut out = Vec::with_capacity(order.len());
+    for tag in order {
+        let mut mine = by_tag.remove(&tag)?;
+        mine.sort_by_key(|i| i.dst_offset);
+        let first = *mine.first()?;
+        let dst_region = local_host(&first.dst)?;
+        let mut pieces = Vec::with_capacity(mine.len());
+        let mut end = first.dst_offset;
+        for item in mine {
+            let src = local_host(&item.src)?;
+            let dst = local_host(&item.dst)?;
+            let fits = |r: &TransferRef, region: &LocalRegion, offset: u64| {
+                offset.checked_add(item.size).is_some_and(|e| e <= r.size()) && r.size() <= region.len()
+            };
+            if dst.ptr() != dst_region.ptr()
+                || item.dst_offset != end
+                || !fits(&item.src, src, item.src_offset)
+                || !fits(&item.dst, dst, item.dst_offset)
+            {
+                return None;
+            }
+            end += item.size;
+            let (offset, len) = (usize::try_from(item.src_offset).ok()?, usize::try_from(item.size).ok()?);
+            // SAFETY: `offset + len <= src.len()` (checked above): inside the region.
+            pieces.push(Piece { source: Source::Local(unsafe { src.ptr().add(offset) }), offset: 0, len });
+        }
+        let at = usize::try_from(first.dst_offset).ok()?;
+        // SAFETY: `at` plus the pieces' total is at most the destination's length (checked above).
+        let dst = unsafe { dst_region.ptr().add(at) };
+        out.push((tag, ValueCopy { pieces, dst, sum: true }));
+    }
+    Some(out)
 }
 
 #[cfg(test)]

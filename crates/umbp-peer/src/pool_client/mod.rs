@@ -634,6 +634,44 @@ impl PoolClient {
         out
     }
 
+    /// [`run_transfers`](Self::run_transfers) through an engine that sums what lands: each tag's
+    /// CRC-32C beside the failures. An engine that does not sum these items moved nothing: they
+    /// are then run as usual, with no sums.
+    async fn run_transfers_summed(
+        &self,
+        items: Vec<TransferItem>,
+    ) -> (HashMap<u64, (FailureKind, String)>, HashMap<u64, u32>) {
+        if items.is_empty() {
+            return (HashMap::new(), HashMap::new());
+        }
+        let tags: Vec<u64> = items.iter().map(|t| t.tag).collect();
+        let engine = Arc::clone(&self.engine);
+        // As `run_transfers`: the copies block, and a dropped call waits for them (`Offloaded`).
+        let summed = offload(move || {
+            let summed = engine.transfer_summed(&items);
+            (summed, items)
+        })
+        .await;
+        match summed {
+            Some((Some(summed), _)) => {
+                let mut failed = HashMap::new();
+                for f in summed.failures {
+                    tracing::debug!(kind = ?f.kind, endpoint = %f.endpoint, message = %f.message, "transfer failure");
+                    for t in f.tags {
+                        failed.entry(t).or_insert((f.kind, format!("{} via {}", f.message, f.endpoint)));
+                    }
+                }
+                (failed, summed.sums)
+            }
+            Some((None, items)) => (self.run_transfers(items).await, HashMap::new()),
+            // The copy panicked (it cannot): whether any byte landed is unknown, so every key fails.
+            None => {
+                let why = (FailureKind::Local, "the transfer panicked via pool".to_owned());
+                (tags.into_iter().map(|t| (t, why.clone())).collect(), HashMap::new())
+            }
+        }
+    }
+
     /// Whether the pool holds `key`.
     pub async fn exists(&self, key: &str) -> Result<bool, KeyError> {
         self.batch_exists(&[key]).await.map(|v| v.first().copied().unwrap_or(false))

@@ -14,6 +14,9 @@
 //!
 //! The pool (`umbp-shm-copy-N`, one thread per core) is started at the first batch large enough
 //! to use it and kept for the process; smaller batches copy on the calling thread.
+//!
+//! The in-process copy engine's summed copies (`LocalCopyEngine::transfer_summed`, a node reading
+//! its own medium) use the same loop over local sources ([`Source::Local`]).
 
 use std::num::NonZeroUsize;
 use std::ptr::NonNull;
@@ -46,9 +49,18 @@ fn pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-/// A range of a holder's region, mapped here: `len` bytes at `offset`.
+/// Where a [`Piece`]'s bytes are.
+pub(crate) enum Source {
+    /// A holder's region mapped here: read with its epoch checked before and after.
+    Mapping(Arc<SharedMapping>),
+    /// Host memory of this process (the local copy engine's checked range), valid for reads of the
+    /// piece for the call; it may overlap nothing another value of the call writes.
+    Local(NonNull<u8>),
+}
+
+/// `len` bytes at `offset` of a [`Source`].
 pub(crate) struct Piece {
-    pub(crate) mapping: Arc<SharedMapping>,
+    pub(crate) source: Source,
     pub(crate) offset: u64,
     pub(crate) len: usize,
 }
@@ -62,8 +74,9 @@ pub(crate) struct ValueCopy {
 }
 
 // SAFETY: `dst` is caller memory that `copy_values`' contract makes valid and exclusive to this
-// value's copy for the call; the pieces are shared mappings (themselves `Send + Sync`). Each
-// `ValueCopy` is copied by exactly one thread.
+// value's copy for the call; the pieces are shared mappings (themselves `Send + Sync`) or local
+// memory the same contract keeps valid and unwritten for the call. Each `ValueCopy` is copied by
+// exactly one thread.
 unsafe impl Send for ValueCopy {}
 // SAFETY: as above: a shared `&ValueCopy` only hands its one copying thread the pointer.
 unsafe impl Sync for ValueCopy {}
@@ -89,13 +102,24 @@ pub(crate) enum Copied {
 ///
 /// # Safety
 /// Each `dst` is valid for writes of its pieces' total length, no two overlap, and nobody else
-/// reads or writes them until this returns.
+/// reads or writes them until this returns; each [`Source::Local`] piece is valid for reads of
+/// `offset + len` bytes, written by nobody until this returns, and overlaps no `dst`.
 pub(crate) unsafe fn copy_values(values: &[ValueCopy]) -> Vec<Copied> {
+    let total: u64 = values.iter().map(ValueCopy::bytes).sum();
+    // SAFETY: this function's contract.
+    unsafe { copy_values_spread(values, total >= FAN_OUT_BYTES) }
+}
+
+/// [`copy_values`], fanned out over the pool only if `fan_out` (and there is more than one
+/// value), else on the calling thread.
+///
+/// # Safety
+/// As [`copy_values`].
+pub(crate) unsafe fn copy_values_spread(values: &[ValueCopy], fan_out: bool) -> Vec<Copied> {
     // SAFETY: this function's contract, per value.
     let run = |v: &ValueCopy| unsafe { copy_value(v) };
-    let total: u64 = values.iter().map(ValueCopy::bytes).sum();
     match pool() {
-        Some(pool) if values.len() > 1 && total >= FAN_OUT_BYTES => {
+        Some(pool) if values.len() > 1 && fan_out => {
             pool.install(|| values.par_iter().with_max_len(1).map(run).collect())
         }
         _ => values.iter().map(run).collect(),
@@ -116,8 +140,23 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
             // SAFETY: `at + done + n` is at most the pieces' total, for which `dst` is valid and
             // ours alone (this function's contract).
             let block = unsafe { std::slice::from_raw_parts_mut(v.dst.as_ptr().add(at + done), n) };
-            if let Err(e) = piece.mapping.read_at(piece.offset + done as u64, block) {
-                return Copied::Failed(e);
+            match &piece.source {
+                Source::Mapping(mapping) => {
+                    if let Err(e) = mapping.read_at(piece.offset + done as u64, block) {
+                        return Copied::Failed(e);
+                    }
+                }
+                Source::Local(src) => {
+                    // SAFETY: `offset + done + n <= offset + len`, inside the checked local range
+                    // (`copy_values`' contract), which does not overlap `dst`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            src.as_ptr().add(piece.offset as usize + done),
+                            block.as_mut_ptr(),
+                            n,
+                        )
+                    };
+                }
             }
             if let Some(sum) = &mut sum {
                 sum.update(block);

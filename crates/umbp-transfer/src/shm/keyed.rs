@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use umbp_core::ValueCrc32c;
 
-use super::fanout::{BLOCK, Piece};
+use super::fanout::{BLOCK, Piece, Source};
 use super::{SharedMapping, ShmClient, ShmClientConfig, ShmError};
 
 /// How long a holder without a usable shared path is asked for bytes instead.
@@ -222,7 +222,7 @@ impl Copier<'_> {
                     len,
                     region_len: mapping.len(),
                 })?;
-                Ok(Piece { mapping, offset, len })
+                Ok(Piece { source: Source::Mapping(mapping), offset, len })
             })
             .collect()
     }

@@ -36,9 +36,9 @@ pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
-/// [`copy`] between two slices: the copy a same-host put writes a holder's slot with, so the bytes
-/// land where a put leaves them — in memory, not in this core's caches (on x86-64; an ordinary
-/// copy elsewhere). `umbp bench` writes its memory-resident baseline's source with it.
+/// The streaming copy between two slices: the copy a same-host put writes a holder's slot with,
+/// so the bytes land where a put leaves them — in memory, not in this core's caches (on x86-64;
+/// an ordinary copy elsewhere). `umbp bench` writes its memory-resident baseline's source with it.
 ///
 /// # Panics
 /// If the two slices differ in length (as [`slice::copy_from_slice`]).

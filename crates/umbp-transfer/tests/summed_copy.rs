@@ -1,0 +1,115 @@
+//! `TransferEngine::transfer_summed` on the in-process copy: each tag's bytes land exactly and
+//! its CRC-32C is the sum of what landed; anything `submit` would copy differently (a range outside
+//! its buffer, a tag not tiling one destination range, overlapping ranges) is declined before a
+//! byte moves; the composite engine charges what it carried.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use umbp_core::{LocalRegion, MemoryLocation, TransferRef, value_crc32c};
+use umbp_transfer::{CompositeConfig, CompositeTransferEngine, LocalCopyEngine, TransferEngine, TransferItem};
+
+const PAGE: usize = 64 << 10;
+
+struct Buf(Vec<u8>);
+
+impl Buf {
+    fn pattern(len: usize, seed: u8) -> Self {
+        Self((0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed ^ (i >> 16) as u8)).collect())
+    }
+
+    fn r(&mut self) -> TransferRef {
+        let ptr = NonNull::new(self.0.as_mut_ptr()).expect("non-null");
+        // SAFETY: the Vec is never resized and outlives every transfer in the test.
+        TransferRef::local(unsafe { LocalRegion::new(ptr, self.0.len() as u64, MemoryLocation::Host) })
+    }
+}
+
+fn item(src: &TransferRef, so: usize, dst: &TransferRef, d: usize, size: usize, tag: u64) -> TransferItem {
+    TransferItem {
+        src: src.clone(),
+        src_offset: so as u64,
+        dst: dst.clone(),
+        dst_offset: d as u64,
+        size: size as u64,
+        tag,
+    }
+}
+
+/// A value's expected landing: where its destination starts, and its source parts `(offset, len)`.
+type Expected = (usize, Vec<(usize, usize)>);
+
+/// A "medium" of pages and values scattered over them: value `t` is the pages `pages[t]` (in value
+/// order), the last cut to `tail` bytes; the destinations are consecutive. Items are listed out of
+/// destination order, as a caller may.
+fn layout(medium: &TransferRef, dst: &TransferRef) -> (Vec<TransferItem>, Vec<Expected>) {
+    let values: Vec<(Vec<usize>, usize)> = (0..40)
+        .map(|t| {
+            let pages = vec![(t * 7 + 3) % 120, (t * 11 + 5) % 120 + 120, (t * 13 + 1) % 60 + 240];
+            (pages, if t % 3 == 0 { PAGE } else { 1 + t * 997 % PAGE })
+        })
+        .collect();
+    let (mut items, mut expected) = (Vec::new(), Vec::new());
+    let mut at = 0;
+    for (t, (pages, tail)) in values.iter().enumerate() {
+        let start = at;
+        let mut parts = Vec::new();
+        for (p, page) in pages.iter().enumerate() {
+            let len = if p + 1 == pages.len() { *tail } else { PAGE };
+            parts.push((page * PAGE, len));
+            items.push(item(medium, page * PAGE, dst, at, len, t as u64));
+            at += len;
+        }
+        expected.push((start, parts));
+    }
+    items.reverse();
+    (items, expected)
+}
+
+#[test]
+fn every_tag_lands_exactly_with_the_sum_of_its_bytes() {
+    let engine = LocalCopyEngine::default();
+    let (mut medium, mut out) = (Buf::pattern(300 * PAGE, 7), Buf(vec![0; 300 * PAGE]));
+    let (m, d) = (medium.r(), out.r());
+    let (items, expected) = layout(&m, &d);
+    let summed = engine.transfer_summed(&items).expect("local host items are summed");
+    assert!(summed.failures.is_empty(), "{:?}", summed.failures);
+    assert_eq!(summed.sums.len(), expected.len());
+    for (t, (start, parts)) in expected.iter().enumerate() {
+        let want: Vec<u8> = parts.iter().flat_map(|(at, len)| medium.0[*at..at + len].iter().copied()).collect();
+        assert_eq!(&out.0[*start..start + want.len()], want.as_slice(), "value {t}'s bytes");
+        assert_eq!(summed.sums.get(&(t as u64)), Some(&value_crc32c(&want)), "value {t}'s sum");
+    }
+}
+
+#[test]
+fn what_submit_would_copy_otherwise_is_declined_before_a_byte_moves() {
+    let engine = LocalCopyEngine::default();
+    let (mut medium, mut out) = (Buf::pattern(8 * PAGE, 3), Buf(vec![0; 8 * PAGE]));
+    let (m, d) = (medium.r(), out.r());
+    let cases = [
+        ("a gap in the destination", vec![item(&m, 0, &d, 0, PAGE, 1), item(&m, PAGE, &d, PAGE + 1, PAGE, 1)]),
+        ("a source range past its buffer", vec![item(&m, 7 * PAGE + 1, &d, 0, PAGE, 1)]),
+        ("a destination range past its buffer", vec![item(&m, 0, &d, 7 * PAGE + 1, PAGE, 1)]),
+        ("two tags writing one range", vec![item(&m, 0, &d, 0, PAGE, 1), item(&m, PAGE, &d, PAGE / 2, PAGE, 2)]),
+        ("a copy onto its own source", vec![item(&m, 0, &m, PAGE / 2, PAGE, 1)]),
+    ];
+    for (what, items) in cases {
+        assert_eq!(engine.transfer_summed(&items), None, "{what}");
+        assert!(out.0.iter().all(|b| *b == 0), "{what}: nothing moved");
+    }
+}
+
+#[test]
+fn the_composite_sums_through_the_in_process_copy_and_charges_it() {
+    let composite =
+        CompositeTransferEngine::new(vec![Arc::new(LocalCopyEngine::default())], CompositeConfig { bounce_bytes: 0 })
+            .expect("composite");
+    let (mut medium, mut out) = (Buf::pattern(300 * PAGE, 9), Buf(vec![0; 300 * PAGE]));
+    let (m, d) = (medium.r(), out.r());
+    let (items, expected) = layout(&m, &d);
+    let total: u64 = items.iter().map(|i| i.size).sum();
+    let summed = composite.transfer_summed(&items).expect("summed");
+    assert_eq!(summed.sums.len(), expected.len());
+    assert_eq!(composite.moved_bytes("LocalCopyEngine"), total);
+}
