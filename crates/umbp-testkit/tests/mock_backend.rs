@@ -392,7 +392,13 @@ impl MediumBackend for Flawed {
     fn snapshot_owned_keys_for_full_sync(&self) -> Vec<KvEvent> {
         if self.flaw == Flaw::TwoStepFullSync {
             let snapshot = self.inner.snapshot_owned_keys();
-            std::thread::yield_now();
+            // The window stays open until a writer changed the owned keys (at most 20 ms): a
+            // yield alone left it empty through a whole run on a loaded 2-core machine (CI,
+            // 2026-12-05), and the check then saw no flaw.
+            let until = std::time::Instant::now() + std::time::Duration::from_millis(20);
+            while self.inner.owned_key_count() == snapshot.len() && std::time::Instant::now() < until {
+                std::thread::yield_now();
+            }
             self.inner.drain_pending_events();
             return snapshot;
         }
