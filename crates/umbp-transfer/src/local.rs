@@ -349,12 +349,12 @@ impl TransferEngine for LocalCopyEngine {
 
     /// Copies each tag's items block by block and sums each block right after it lands (the
     /// same-host get's copy, `shm::fanout`, over local sources): on the calling thread, or for a
-    /// batch past [`parallel_threshold`](LocalCopyConfig::parallel_threshold) spread value by value
-    /// over the kept pool of one thread per core that same-host gets copy on (`threads` > 1 only;
-    /// a value is never split, its blocks are summed in order). `None`, before anything moved, for items it
-    /// would not copy exactly as `submit` would: a side that is not local host memory, a range
-    /// outside its buffer, a tag whose items do not tile one destination range, or overlapping
-    /// ranges (which `submit` copies in order on one thread).
+    /// batch past [`parallel_threshold`](LocalCopyConfig::parallel_threshold) spread value by
+    /// value over the kept pool of one thread per core that same-host gets copy on (`threads` > 1
+    /// only; a value is never split, its blocks are summed in order). `None`, before anything
+    /// moved, for items it would not copy exactly as `submit` would: a side that is not local host
+    /// memory, a range outside its buffer, a tag whose items do not tile one destination range, or
+    /// overlapping ranges (which `submit` copies in order on one thread).
     fn transfer_summed(&self, items: &[TransferItem]) -> Option<SummedTransfer> {
         let values = summed_values(items)?;
         let mut jobs = Vec::new();
@@ -373,7 +373,7 @@ impl TransferEngine for LocalCopyEngine {
         let total: u64 = jobs.iter().map(|j| j.len as u64).sum();
         let fan_out = self.config.threads > 1 && total >= self.config.parallel_threshold;
         let (tags, copies): (Vec<u64>, Vec<ValueCopy>) = values.into_iter().unzip();
-        // SAFETY: every range was checked inside its registered host region (`summed_values`),
+        // SAFETY: every range was checked inside its host region (`summed_values`),
         // valid under `LocalRegion`'s invariant and not otherwise used until `transfer` returns (the
         // engine's contract); no destination overlaps another range (checked above).
         let copied = unsafe { copy_values_spread(&copies, fan_out) };

@@ -363,7 +363,7 @@ impl PoolClient {
                 self.take_answers(target, asked, resolved, bufs, &mut st, &mut round);
             }
             busy.round(round.planned.iter().any(|p| p.copied));
-            // This node's own values to check are summed as they are copied (see `Summed`).
+            // This node's own values to check are summed as they are copied (see `Summable`).
             let summable: Summable = round
                 .planned
                 .iter()
