@@ -612,26 +612,17 @@ impl PoolClient {
     /// Plans, submits and waits for `items`; returns the failed tags with the failure's kind and
     /// message.
     async fn run_transfers(&self, items: Vec<TransferItem>) -> HashMap<u64, (FailureKind, String)> {
-        let mut out = HashMap::new();
         if items.is_empty() {
-            return out;
+            return HashMap::new();
         }
         let tags: Vec<u64> = items.iter().map(|t| t.tag).collect();
         let engine = Arc::clone(&self.engine);
         // Copies and the TCP engine's wait block: run them on the blocking pool so this task can
         // prepare the next chunk meanwhile. A dropped call waits for them (see `Offloaded`).
-        let result = offload(move || umbp_transfer::transfer(engine.as_ref(), &items)).await.unwrap_or_else(|| {
-            Err(vec![umbp_transfer::TransferFailure::new(tags, FailureKind::Local, "the transfer panicked", "pool")])
-        });
-        if let Err(failures) = result {
-            for f in failures {
-                tracing::debug!(kind = ?f.kind, endpoint = %f.endpoint, message = %f.message, "transfer failure");
-                for t in f.tags {
-                    out.entry(t).or_insert((f.kind, format!("{} via {}", f.message, f.endpoint)));
-                }
-            }
-        }
-        out
+        let result = offload(move || umbp_transfer::transfer(engine.as_ref(), &items))
+            .await
+            .unwrap_or_else(|| Err(vec![panicked(tags)]));
+        failed_by_tag(result.err().unwrap_or_default())
     }
 
     /// [`run_transfers`](Self::run_transfers) through an engine that sums what lands: each tag's
@@ -653,22 +644,10 @@ impl PoolClient {
         })
         .await;
         match summed {
-            Some((Some(summed), _)) => {
-                let mut failed = HashMap::new();
-                for f in summed.failures {
-                    tracing::debug!(kind = ?f.kind, endpoint = %f.endpoint, message = %f.message, "transfer failure");
-                    for t in f.tags {
-                        failed.entry(t).or_insert((f.kind, format!("{} via {}", f.message, f.endpoint)));
-                    }
-                }
-                (failed, summed.sums)
-            }
+            Some((Some(summed), _)) => (failed_by_tag(summed.failures), summed.sums),
             Some((None, items)) => (self.run_transfers(items).await, HashMap::new()),
             // The copy panicked (it cannot): whether any byte landed is unknown, so every key fails.
-            None => {
-                let why = (FailureKind::Local, "the transfer panicked via pool".to_owned());
-                (tags.into_iter().map(|t| (t, why.clone())).collect(), HashMap::new())
-            }
+            None => (failed_by_tag(vec![panicked(tags)]), HashMap::new()),
         }
     }
 
@@ -795,4 +774,21 @@ impl PoolClient {
             self.engine.deregister(&r);
         }
     }
+}
+
+/// A transfer that panicked (it cannot): every tag failed, as nothing says which bytes landed.
+fn panicked(tags: Vec<u64>) -> umbp_transfer::TransferFailure {
+    umbp_transfer::TransferFailure::new(tags, FailureKind::Local, "the transfer panicked", "pool")
+}
+
+/// Each failed tag with its failure's kind and message (the first failure naming it), logged.
+fn failed_by_tag(failures: Vec<umbp_transfer::TransferFailure>) -> HashMap<u64, (FailureKind, String)> {
+    let mut out = HashMap::new();
+    for f in failures {
+        tracing::debug!(kind = ?f.kind, endpoint = %f.endpoint, message = %f.message, "transfer failure");
+        for t in f.tags {
+            out.entry(t).or_insert((f.kind, format!("{} via {}", f.message, f.endpoint)));
+        }
+    }
+    out
 }
