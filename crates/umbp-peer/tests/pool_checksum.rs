@@ -53,7 +53,7 @@ async fn every_put_path_stores_the_values_checksum_and_off_stores_none() {
     // Single puts are keyed (a large one through the shared mapping, a small one as bytes); a light
     // client's batch to a holder on this host is one PUT_KEYS, summed on its chunk's thread; a
     // batch without the shared path is routed (allocate, transfer, commit); a holder's own put
-    // goes to its medium.
+    // goes to its medium, and its own batch is summed as it is copied into its pages.
     writer.put("keyed", &values[0]).await.expect("keyed put");
     let big = value(9, 256 << 10);
     writer.put("keyed-shared", &big).await.expect("keyed put through the mapping");
@@ -65,6 +65,8 @@ async fn every_put_path_stores_the_values_checksum_and_off_stores_none() {
     assert_eq!(r, vec![Ok(()), Ok(())]);
     assert_eq!(tcp.stats().keyed_puts, 1, "without the shared path the batch was routed");
     holder.put("local", &values[4]).await.expect("local put");
+    let r = holder.batch_put(&[("local-a", &values[2]), ("local-b", &big), ("local-c", &values[5])]).await;
+    assert_eq!(r, vec![Ok(()), Ok(()), Ok(())]);
     plain.put("unchecked", &values[5]).await.expect("put without a checksum");
     for (key, v) in [
         ("keyed", &values[0]),
@@ -75,6 +77,9 @@ async fn every_put_path_stores_the_values_checksum_and_off_stores_none() {
         ("routed-tcp", &values[1]),
         ("routed-tcp-2", &values[0]),
         ("local", &values[4]),
+        ("local-a", &values[2]),
+        ("local-b", &big),
+        ("local-c", &values[5]),
     ] {
         assert_eq!(stored_crc(&holder, key), Some(value_crc32c(v)), "{key}: the writer's checksum is stored");
     }

@@ -14,8 +14,8 @@ use umbp_core::{
 };
 
 use crate::engine::{
-    BounceCopy, FailureKind, PlanSet, Staging, SummedTransfer, TransferDirection, TransferEngine, TransferFailure,
-    TransferHandle, TransferItem, TransferPlan,
+    BounceCopy, FailureKind, PlanSet, Staging, SumOf, SummedTransfer, TransferDirection, TransferEngine,
+    TransferFailure, TransferHandle, TransferItem, TransferPlan,
 };
 use crate::planning::in_range;
 use crate::shm::ShmServer;
@@ -964,13 +964,13 @@ impl TransferEngine for CompositeTransferEngine {
     /// The engine every item selects, summing as it copies (the in-process copy does), charged to
     /// that engine's stats; `None` when the items select different engines, none, or one that
     /// does not sum.
-    fn transfer_summed(&self, items: &[TransferItem]) -> Option<SummedTransfer> {
+    fn transfer_summed(&self, items: &[TransferItem], sum_of: SumOf) -> Option<SummedTransfer> {
         let engine = self.select(&items.first()?.src, &items.first()?.dst)?;
         if !items.iter().all(|i| self.select(&i.src, &i.dst) == Some(engine)) {
             return None;
         }
         let started = Instant::now();
-        let out = self.engines[engine].transfer_summed(items)?;
+        let out = self.engines[engine].transfer_summed(items, sum_of)?;
         let failed: std::collections::HashSet<u64> = out.failures.iter().flat_map(|f| f.tags.iter().copied()).collect();
         let bytes: u64 = items.iter().filter(|i| !failed.contains(&i.tag)).map(|i| i.size).sum();
         let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);

@@ -336,16 +336,29 @@ pub trait TransferEngine: MemoryRegistrar + MetricSource {
     /// the batches using it.
     fn submit(&self, plans: Vec<TransferPlan>) -> Result<Box<dyn TransferHandle>, TransferFailure>;
 
-    /// Moves `items` as [`transfer`] does, and sums what lands: for each tag, the CRC-32C of its
-    /// items' bytes in destination order, each block summed right after it is written, while it
-    /// is still in the cache (a get's end-to-end check without a second pass over the copy). A
-    /// tag's items must tile one destination range. `None`: this engine does not sum as it copies
-    /// (the default), or not these items, and **nothing moved**: the caller transfers and sums the
-    /// landed bytes itself. Blocks until the copies are done, as [`transfer`] does.
-    fn transfer_summed(&self, items: &[TransferItem]) -> Option<SummedTransfer> {
-        let _ = items;
+    /// Moves `items` as [`transfer`] does, and sums each tag's value as it copies, each block
+    /// right after its copy, while it is still in the cache (an end-to-end checksum without a
+    /// second pass over the bytes). `sum_of` tells which side (see [`SumOf`]); a tag's items must
+    /// tile one range of that side, and the sum is of that range in order. `None`: this engine does
+    /// not sum as it copies (the default), or not these items, and **nothing moved**: the caller
+    /// transfers and sums itself. Blocks until the copies are done, as [`transfer`] does.
+    fn transfer_summed(&self, items: &[TransferItem], sum_of: SumOf) -> Option<SummedTransfer> {
+        let _ = (items, sum_of);
         None
     }
+}
+
+/// Which side of a [`TransferEngine::transfer_summed`] copy each tag's sum covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SumOf {
+    /// The bytes as they landed, in destination order (a read into a caller's buffer: the sum
+    /// checks the copy against the writer's). Each tag's items tile one destination range.
+    Destination,
+    /// The bytes the copy read, in source order (a write from a caller's buffer: the sum is of
+    /// the caller's value, which a later reader checks its copy against — a copy gone wrong here
+    /// is then caught, as it would not be by a sum of what landed). Each tag's items tile one
+    /// source range.
+    Source,
 }
 
 /// What [`TransferEngine::transfer_summed`] did: the CRC-32C of each tag whose bytes all landed,

@@ -74,7 +74,7 @@ mod warn;
 pub use composite::{CompositeConfig, CompositeTransferEngine};
 pub use directory::{MAX_BUFFERS_PER_BACKEND, PeerDirectory};
 pub use engine::{
-    BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, SummedTransfer, TransferDirection,
+    BounceCopy, CompletedHandle, FailureKind, PlanSet, Segment, Staging, SumOf, SummedTransfer, TransferDirection,
     TransferEngine, TransferFailure, TransferHandle, TransferItem, TransferPlan, failed_tags, transfer,
 };
 pub use fd_limit::raise_open_file_limit;

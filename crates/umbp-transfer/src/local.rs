@@ -9,11 +9,11 @@ use crossbeam_channel::Sender;
 use umbp_core::{LocalRegion, MemoryRegistrar, MetricSource, RegistrationError, TransferRef};
 
 use crate::engine::{
-    CompletedHandle, FailureKind, PlanSet, SummedTransfer, TransferDirection, TransferEngine, TransferFailure,
+    CompletedHandle, FailureKind, PlanSet, SumOf, SummedTransfer, TransferDirection, TransferEngine, TransferFailure,
     TransferHandle, TransferItem, TransferPlan,
 };
 use crate::planning::{SideKey, plan_in_range, plan_pairs};
-use crate::shm::fanout::{Copied, Piece, Source, ValueCopy, copy_values_spread};
+use crate::shm::fanout::{Copied, Dst, Piece, Source, ValueCopy, copy_values_spread};
 
 /// Settings of a [`LocalCopyEngine`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -347,23 +347,23 @@ impl TransferEngine for LocalCopyEngine {
         Ok(Box::new(CompletedHandle::new(failures)))
     }
 
-    /// Copies each tag's items block by block and sums each block right after it lands (the
-    /// same-host get's copy, `shm::fanout`, over local sources): on the calling thread, or for a
-    /// batch past [`parallel_threshold`](LocalCopyConfig::parallel_threshold) spread value by
+    /// Copies each tag's items block by block and sums each block right after its copy (the
+    /// same-host get's copy, `shm::fanout`, over local sources): the landed bytes for
+    /// [`SumOf::Destination`], the bytes read for [`SumOf::Source`]. On the calling thread, or for
+    /// a batch past [`parallel_threshold`](LocalCopyConfig::parallel_threshold) spread value by
     /// value over the kept pool of one thread per core that same-host gets copy on (`threads` > 1
     /// only; a value is never split, its blocks are summed in order). `None`, before anything
     /// moved, for items it would not copy exactly as `submit` would: a side that is not local host
-    /// memory, a range outside its buffer, a tag whose items do not tile one destination range, or
-    /// overlapping ranges (which `submit` copies in order on one thread).
-    fn transfer_summed(&self, items: &[TransferItem]) -> Option<SummedTransfer> {
-        let values = summed_values(items)?;
+    /// memory, a range outside its buffer, a tag whose items do not tile one range of the summed
+    /// side, or overlapping ranges (which `submit` copies in order on one thread).
+    fn transfer_summed(&self, items: &[TransferItem], sum_of: SumOf) -> Option<SummedTransfer> {
+        let values = summed_values(items, sum_of)?;
         let mut jobs = Vec::new();
         for (_, v) in &values {
             let mut at = 0usize;
-            for p in &v.pieces {
+            for (k, p) in v.pieces.iter().enumerate() {
                 let Source::Local(src) = p.source else { return None };
-                // SAFETY: `at + len` is at most the value's size, inside its checked destination.
-                jobs.push(Job { src, dst: unsafe { v.dst.add(at) }, len: p.len });
+                jobs.push(Job { src, dst: v.piece_dst(k, at)?, len: p.len });
                 at += p.len;
             }
         }
@@ -391,10 +391,12 @@ impl TransferEngine for LocalCopyEngine {
     }
 }
 
-/// Each tag's value for [`LocalCopyEngine::transfer_summed`], in the order tags first appear: its
-/// pieces (sources, in destination order) and its destination. `None` for items that are not
-/// local host memory inside their buffers, or a tag whose items do not tile one destination range.
-fn summed_values(items: &[TransferItem]) -> Option<Vec<(u64, ValueCopy)>> {
+/// Each tag's value for [`LocalCopyEngine::transfer_summed`], in the order tags first appear, as
+/// one copy in the summed side's order: its pieces gathered into one destination range
+/// ([`SumOf::Destination`]), or scattered from one source range ([`SumOf::Source`]). `None` for
+/// items that are not local host memory inside their buffers, or a tag whose items do not tile
+/// one range of the summed side.
+fn summed_values(items: &[TransferItem], sum_of: SumOf) -> Option<Vec<(u64, ValueCopy)>> {
     let mut order: Vec<u64> = Vec::new();
     let mut by_tag: std::collections::HashMap<u64, Vec<&TransferItem>> = std::collections::HashMap::new();
     for item in items {
@@ -409,19 +411,25 @@ fn summed_values(items: &[TransferItem]) -> Option<Vec<(u64, ValueCopy)>> {
     let mut out = Vec::with_capacity(order.len());
     for tag in order {
         let mut mine = by_tag.remove(&tag)?;
-        mine.sort_by_key(|i| i.dst_offset);
+        // The summed side's offset of an item, and that side's reference.
+        let (at_of, side): (fn(&TransferItem) -> u64, fn(&TransferItem) -> &TransferRef) = match sum_of {
+            SumOf::Destination => (|i| i.dst_offset, |i| &i.dst),
+            SumOf::Source => (|i| i.src_offset, |i| &i.src),
+        };
+        mine.sort_by_key(|i| at_of(i));
         let first = *mine.first()?;
-        let dst_region = local_host(&first.dst)?;
+        let tiled = local_host(side(first))?;
         let mut pieces = Vec::with_capacity(mine.len());
-        let mut end = first.dst_offset;
+        let mut dsts = Vec::with_capacity(mine.len());
+        let mut end = at_of(first);
         for item in mine {
             let src = local_host(&item.src)?;
             let dst = local_host(&item.dst)?;
             let fits = |r: &TransferRef, region: &LocalRegion, offset: u64| {
                 offset.checked_add(item.size).is_some_and(|e| e <= r.size()) && r.size() <= region.len()
             };
-            if dst.ptr() != dst_region.ptr()
-                || item.dst_offset != end
+            if local_host(side(item))?.ptr() != tiled.ptr()
+                || at_of(item) != end
                 || !fits(&item.src, src, item.src_offset)
                 || !fits(&item.dst, dst, item.dst_offset)
             {
@@ -431,10 +439,14 @@ fn summed_values(items: &[TransferItem]) -> Option<Vec<(u64, ValueCopy)>> {
             let (offset, len) = (usize::try_from(item.src_offset).ok()?, usize::try_from(item.size).ok()?);
             // SAFETY: `offset + len <= src.len()` (checked above): inside the region.
             pieces.push(Piece { source: Source::Local(unsafe { src.ptr().add(offset) }), offset: 0, len });
+            let dst_at = usize::try_from(item.dst_offset).ok()?;
+            // SAFETY: `dst_at + len <= dst.len()` (checked above): inside the region.
+            dsts.push(unsafe { dst.ptr().add(dst_at) });
         }
-        let at = usize::try_from(first.dst_offset).ok()?;
-        // SAFETY: `at` plus the pieces' total is at most the destination's length (checked above).
-        let dst = unsafe { dst_region.ptr().add(at) };
+        let dst = match sum_of {
+            SumOf::Destination => Dst::Range(*dsts.first()?),
+            SumOf::Source => Dst::Each(dsts),
+        };
         out.push((tag, ValueCopy { pieces, dst, sum: true }));
     }
     Some(out)

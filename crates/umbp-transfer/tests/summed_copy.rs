@@ -1,13 +1,17 @@
-//! `TransferEngine::transfer_summed` on the in-process copy: each tag's bytes land exactly and
-//! its CRC-32C is the sum of what landed; anything `submit` would copy differently (a range outside
-//! its buffer, a tag not tiling one destination range, overlapping ranges) is declined before a
+//! `TransferEngine::transfer_summed` on the in-process copy: each tag's bytes land exactly, and
+//! its CRC-32C is the sum of its value — gathered into one destination range (a read, summing what
+//! landed) or scattered from one source range into pages (a write, summing what it read), on one
+//! thread or spread over several; anything `submit` would copy differently (a range outside its
+//! buffer, a tag not tiling one range of the summed side, overlapping ranges) is declined before a
 //! byte moves; the composite engine charges what it carried.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use umbp_core::{LocalRegion, MemoryLocation, TransferRef, value_crc32c};
-use umbp_transfer::{CompositeConfig, CompositeTransferEngine, LocalCopyEngine, TransferEngine, TransferItem};
+use umbp_transfer::{
+    CompositeConfig, CompositeTransferEngine, LocalCopyConfig, LocalCopyEngine, SumOf, TransferEngine, TransferItem,
+};
 
 const PAGE: usize = 64 << 10;
 
@@ -72,13 +76,45 @@ fn every_tag_lands_exactly_with_the_sum_of_its_bytes() {
     let (mut medium, mut out) = (Buf::pattern(300 * PAGE, 7), Buf(vec![0; 300 * PAGE]));
     let (m, d) = (medium.r(), out.r());
     let (items, expected) = layout(&m, &d);
-    let summed = engine.transfer_summed(&items).expect("local host items are summed");
+    let summed = engine.transfer_summed(&items, SumOf::Destination).expect("local host items are summed");
     assert!(summed.failures.is_empty(), "{:?}", summed.failures);
     assert_eq!(summed.sums.len(), expected.len());
     for (t, (start, parts)) in expected.iter().enumerate() {
         let want: Vec<u8> = parts.iter().flat_map(|(at, len)| medium.0[*at..at + len].iter().copied()).collect();
         assert_eq!(&out.0[*start..start + want.len()], want.as_slice(), "value {t}'s bytes");
         assert_eq!(summed.sums.get(&(t as u64)), Some(&value_crc32c(&want)), "value {t}'s sum");
+    }
+}
+
+/// The same layout the other way: each value is one range of the caller's buffer, written into
+/// scattered pages (a put), on one thread and spread over four.
+#[test]
+fn a_write_into_pages_lands_exactly_with_the_sum_of_its_source() {
+    let spread = LocalCopyConfig { threads: 4, parallel_threshold: 0, ..LocalCopyConfig::default() };
+    for engine in [LocalCopyEngine::default(), LocalCopyEngine::new(spread)] {
+        let (mut values, mut medium) = (Buf::pattern(300 * PAGE, 5), Buf(vec![0; 300 * PAGE]));
+        let (v, m) = (values.r(), medium.r());
+        let (reads, expected) = layout(&m, &v);
+        // Each read item turned round: from the value's range into its page.
+        let items: Vec<TransferItem> = reads
+            .iter()
+            .map(|i| item(&v, i.dst_offset as usize, &m, i.src_offset as usize, i.size as usize, i.tag))
+            .collect();
+        let summed = engine.transfer_summed(&items, SumOf::Source).expect("local host items are summed");
+        assert!(summed.failures.is_empty(), "{:?}", summed.failures);
+        assert_eq!(summed.sums.len(), expected.len());
+        for (t, (start, parts)) in expected.iter().enumerate() {
+            let size: usize = parts.iter().map(|(_, len)| len).sum();
+            let value = &values.0[*start..start + size];
+            let mut at = 0;
+            for (page_at, len) in parts {
+                assert_eq!(&medium.0[*page_at..page_at + len], &value[at..at + len], "value {t}'s page at {page_at}");
+                at += len;
+            }
+            assert_eq!(summed.sums.get(&(t as u64)), Some(&value_crc32c(value)), "value {t}'s sum");
+        }
+        // Scattered destinations are not one range: summing what landed is declined.
+        assert_eq!(engine.transfer_summed(&items, SumOf::Destination), None);
     }
 }
 
@@ -95,8 +131,19 @@ fn what_submit_would_copy_otherwise_is_declined_before_a_byte_moves() {
         ("a copy onto its own source", vec![item(&m, 0, &m, PAGE / 2, PAGE, 1)]),
     ];
     for (what, items) in cases {
-        assert_eq!(engine.transfer_summed(&items), None, "{what}");
+        assert_eq!(engine.transfer_summed(&items, SumOf::Destination), None, "{what}");
         assert!(out.0.iter().all(|b| *b == 0), "{what}: nothing moved");
+    }
+    let (mut values, mut pages) = (Buf::pattern(8 * PAGE, 4), Buf(vec![0; 8 * PAGE]));
+    let (v, p) = (values.r(), pages.r());
+    let cases = [
+        ("a gap in the source", vec![item(&v, 0, &p, 0, PAGE, 1), item(&v, PAGE + 1, &p, 2 * PAGE, PAGE, 1)]),
+        ("a destination range past its buffer", vec![item(&v, 0, &p, 7 * PAGE + 1, PAGE, 1)]),
+        ("two tags writing one page", vec![item(&v, 0, &p, 0, PAGE, 1), item(&v, PAGE, &p, PAGE / 2, PAGE, 2)]),
+    ];
+    for (what, items) in cases {
+        assert_eq!(engine.transfer_summed(&items, SumOf::Source), None, "{what}");
+        assert!(pages.0.iter().all(|b| *b == 0), "{what}: nothing moved");
     }
 }
 
@@ -109,7 +156,7 @@ fn the_composite_sums_through_the_in_process_copy_and_charges_it() {
     let (m, d) = (medium.r(), out.r());
     let (items, expected) = layout(&m, &d);
     let total: u64 = items.iter().map(|i| i.size).sum();
-    let summed = composite.transfer_summed(&items).expect("summed");
+    let summed = composite.transfer_summed(&items, SumOf::Destination).expect("summed");
     assert_eq!(summed.sums.len(), expected.len());
     assert_eq!(composite.moved_bytes("LocalCopyEngine"), total);
 }

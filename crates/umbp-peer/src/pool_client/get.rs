@@ -465,7 +465,7 @@ impl PoolClient {
         let runs = by_holder.into_iter().map(|(node, items)| async move {
             let (summed, rest): (Vec<TransferItem>, Vec<TransferItem>) =
                 items.into_iter().partition(|t| summable.contains(&t.tag));
-            let (mut failed, sums) = self.run_transfers_summed(summed).await;
+            let (mut failed, sums) = self.run_transfers_summed(summed, SumOf::Destination).await;
             failed.extend(self.run_transfers(rest).await);
             (node.to_owned(), failed, self.clock.now(), sums)
         });

@@ -54,7 +54,8 @@ use umbp_core::{
 use umbp_metrics::{MetricsConfig, MetricsExporter, MetricsServer};
 use umbp_transfer::shm::ShmClient;
 use umbp_transfer::{
-    CompositeTransferEngine, FailureKind, KeyedClient, KeyedClientConfig, PeerDirectory, TransferEngine, TransferItem,
+    CompositeTransferEngine, FailureKind, KeyedClient, KeyedClientConfig, PeerDirectory, SumOf, TransferEngine,
+    TransferItem,
 };
 
 use crate::master_client::{MasterClient, MasterClientConfig, NodeRegistration};
@@ -625,12 +626,14 @@ impl PoolClient {
         failed_by_tag(result.err().unwrap_or_default())
     }
 
-    /// [`run_transfers`](Self::run_transfers) through an engine that sums what lands: each tag's
-    /// CRC-32C beside the failures. An engine that does not sum these items moved nothing: they
-    /// are then run as usual, with no sums.
+    /// [`run_transfers`](Self::run_transfers) through an engine that sums each value as it copies
+    /// (`sum_of`: what lands, for a read; what it reads, for a write): each tag's CRC-32C beside the
+    /// failures. An engine that does not sum these items moved nothing: they are then run as
+    /// usual, with no sums.
     async fn run_transfers_summed(
         &self,
         items: Vec<TransferItem>,
+        sum_of: SumOf,
     ) -> (HashMap<u64, (FailureKind, String)>, HashMap<u64, u32>) {
         if items.is_empty() {
             return (HashMap::new(), HashMap::new());
@@ -639,7 +642,7 @@ impl PoolClient {
         let engine = Arc::clone(&self.engine);
         // As `run_transfers`: the copies block, and a dropped call waits for them (`Offloaded`).
         let summed = offload(move || {
-            let summed = engine.transfer_summed(&items);
+            let summed = engine.transfer_summed(&items, sum_of);
             (summed, items)
         })
         .await;

@@ -23,7 +23,7 @@
 //! has passed, and never commits one whose copy ended after it: the peer may already have reaped the
 //! slot and given its pages to another key.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
 
@@ -482,13 +482,46 @@ impl PoolClient {
             }
         }
         // 2. One submit for every group (the local copies complete in submit), then wait; the
-        // values' checksums are summed meanwhile (off the async worker for a large round).
-        let values: Vec<Src<'_>> = planned.iter().map(|(_, i, _, _)| items[*i].1).collect();
-        let (failed, sums) = tokio::join!(
-            self.run_transfers(transfers).instrument(phase!(phases::PUT_TRANSFER)),
-            self.value_checksums(&values)
-        );
-        let crc32c: HashMap<usize, Option<u32>> = planned.iter().map(|(_, i, _, _)| *i).zip(sums).collect();
+        // values' checksums are summed meanwhile (off the async worker for a large round). A whole
+        // value written into this node's own medium is summed as it is copied instead, each block
+        // right after its copy read it (one pass over the value, not two).
+        let summable: HashSet<u64> = planned
+            .iter()
+            .filter(|(g, ..)| self.config.checksums && holders[*g].as_ref().is_some_and(Holder::is_here))
+            .filter(|(_, i, ..)| matches!(items[*i].1, Src::Whole(b) if !self.in_device_registration(b)))
+            .map(|(_, i, ..)| *i as u64)
+            .collect();
+        let (summed, rest): (Vec<TransferItem>, Vec<TransferItem>) =
+            transfers.into_iter().partition(|t| summable.contains(&t.tag));
+        let values: Vec<(usize, Src<'_>)> = planned
+            .iter()
+            .filter(|(_, i, ..)| !summable.contains(&(*i as u64)))
+            .map(|(_, i, _, _)| (*i, items[*i].1))
+            .collect();
+        let moved = async {
+            let (mut failed, sums) = self.run_transfers_summed(summed, SumOf::Source).await;
+            failed.extend(self.run_transfers(rest).await);
+            (failed, sums)
+        };
+        let srcs: Vec<Src<'_>> = values.iter().map(|(_, v)| *v).collect();
+        let ((failed, copied_sums), sums) =
+            tokio::join!(moved.instrument(phase!(phases::PUT_TRANSFER)), self.value_checksums(&srcs));
+        let mut crc32c: HashMap<usize, Option<u32>> = values.iter().map(|(i, _)| *i).zip(sums).collect();
+        for i in &summable {
+            crc32c.insert(*i as usize, copied_sums.get(i).copied());
+        }
+        // An engine that declined to sum copied as usual: those values are summed now.
+        let unsummed: Vec<usize> = summable
+            .iter()
+            .map(|i| *i as usize)
+            .filter(|i| crc32c.get(i) == Some(&None) && !failed.contains_key(&(*i as u64)))
+            .collect();
+        if !unsummed.is_empty() {
+            let srcs: Vec<Src<'_>> = unsummed.iter().map(|i| items[*i].1).collect();
+            for (i, sum) in unsummed.iter().zip(self.value_checksums(&srcs).await) {
+                crc32c.insert(*i, sum);
+            }
+        }
         let ended = self.clock.now();
         let mut commits: BTreeMap<usize, Vec<(usize, u64)>> = BTreeMap::new();
         for (g, i, slot_id, deadline) in planned {

@@ -65,11 +65,22 @@ pub(crate) struct Piece {
     pub(crate) len: usize,
 }
 
+/// Where a [`ValueCopy`]'s pieces go, and so which side is summed.
+pub(crate) enum Dst {
+    /// One range the pieces fill in order (a read into a caller's buffer). The sum is of the
+    /// landed bytes: it checks the copy against the writer's sum.
+    Range(NonNull<u8>),
+    /// Each piece's own destination, one per piece, in order (a write from a caller's buffer into
+    /// a medium's pages). The sum is of the [`Source::Local`] bytes read for the copy — the
+    /// caller's value, for a later reader to check its copy against.
+    Each(Vec<NonNull<u8>>),
+}
+
 /// One value's copy: its pieces, in value order, into `dst`.
 pub(crate) struct ValueCopy {
     pub(crate) pieces: Vec<Piece>,
-    pub(crate) dst: NonNull<u8>,
-    /// Sum the copied bytes (the value has a checksum to check them against).
+    pub(crate) dst: Dst,
+    /// Sum the value (see [`Dst`] for which side).
     pub(crate) sum: bool,
 }
 
@@ -84,6 +95,15 @@ unsafe impl Sync for ValueCopy {}
 impl ValueCopy {
     fn bytes(&self) -> u64 {
         self.pieces.iter().map(|p| p.len as u64).sum()
+    }
+
+    /// Where piece `k`, which starts `at` bytes into the value, is written.
+    pub(crate) fn piece_dst(&self, k: usize, at: usize) -> Option<NonNull<u8>> {
+        match &self.dst {
+            // Wrapping: computing the address is safe; `copy_values`' contract makes it valid.
+            Dst::Range(dst) => NonNull::new(dst.as_ptr().wrapping_add(at)),
+            Dst::Each(dsts) => dsts.get(k).copied(),
+        }
     }
 }
 
@@ -101,7 +121,8 @@ pub(crate) enum Copied {
 /// One answer per value, in order.
 ///
 /// # Safety
-/// Each `dst` is valid for writes of its pieces' total length, no two overlap, and nobody else
+/// Each destination (a [`Dst::Range`] for its pieces' total length, each [`Dst::Each`] pointer
+/// for its piece's length) is valid for writes, no two overlap, and nobody else
 /// reads or writes them until this returns; each [`Source::Local`] piece is valid for reads of
 /// `offset + len` bytes, written by nobody until this returns, and overlaps no `dst`.
 pub(crate) unsafe fn copy_values(values: &[ValueCopy]) -> Vec<Copied> {
@@ -133,13 +154,16 @@ pub(crate) unsafe fn copy_values_spread(values: &[ValueCopy], fan_out: bool) -> 
 unsafe fn copy_value(v: &ValueCopy) -> Copied {
     let mut sum = v.sum.then(ValueCrc32c::new);
     let mut at = 0usize;
-    for piece in &v.pieces {
+    for (k, piece) in v.pieces.iter().enumerate() {
+        let Some(dst) = v.piece_dst(k, at) else {
+            return Copied::Failed(ShmError::Invalid(format!("no destination for piece {k}")));
+        };
         let mut done = 0usize;
         while done < piece.len {
             let n = (piece.len - done).min(BLOCK);
-            // SAFETY: `at + done + n` is at most the pieces' total, for which `dst` is valid and
-            // ours alone (this function's contract).
-            let block = unsafe { std::slice::from_raw_parts_mut(v.dst.as_ptr().add(at + done), n) };
+            // SAFETY: `done + n` is at most the piece's length, for which its destination is valid
+            // and ours alone (this function's contract).
+            let block = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr().add(done), n) };
             match &piece.source {
                 Source::Mapping(mapping) => {
                     if let Err(e) = mapping.read_at(piece.offset + done as u64, block) {
@@ -159,7 +183,13 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
                 }
             }
             if let Some(sum) = &mut sum {
-                sum.update(block);
+                match (&v.dst, &piece.source) {
+                    // SAFETY: as the copy above: inside the checked local range, read only.
+                    (Dst::Each(_), Source::Local(src)) => sum.update(unsafe {
+                        std::slice::from_raw_parts(src.as_ptr().add(piece.offset as usize + done), n)
+                    }),
+                    _ => sum.update(block),
+                }
             }
             done += n;
         }

@@ -10,7 +10,7 @@ use super::{
     ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, KeyedPut, Op, Request, Settle, Status, check_key,
     protocol_error, read_reply, send, write_frame,
 };
-use crate::shm::fanout::{self, ValueCopy};
+use crate::shm::fanout::{self, Dst, ValueCopy};
 use crate::shm::{Copier, SharedReads, ShmError};
 use umbp_core::ValueCrc32c;
 
@@ -323,7 +323,7 @@ impl KeyedClient {
                         Ok(pieces) => {
                             let check = item.verify && d.crc32c.is_some();
                             planned.push((i, d.lease_ns, d.crc32c, check));
-                            copies.push(ValueCopy { pieces, dst: item.dst, sum: check });
+                            copies.push(ValueCopy { pieces, dst: Dst::Range(item.dst), sum: check });
                             None
                         }
                         Err(error) => {
