@@ -72,7 +72,8 @@ pub(crate) enum Dst {
     Range(NonNull<u8>),
     /// Each piece's own destination, one per piece, in order (a write from a caller's buffer into
     /// a medium's pages). The sum is of the [`Source::Local`] bytes read for the copy — the
-    /// caller's value, for a later reader to check its copy against.
+    /// caller's value, for a later reader to check its copy against. (A [`Source::Mapping`] piece,
+    /// which no write has, would be summed as it landed.)
     Each(Vec<NonNull<u8>>),
 }
 
