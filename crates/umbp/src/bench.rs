@@ -15,8 +15,9 @@
 //!   child, over as many connections as the data plane pools ([`CONNECTIONS`]);
 //! - **same host**: the same child read and written by a client with the shared-memory path on (issue
 //!   17), in the same rounds as the remote rows: each figure beside the memcpy baseline (as the local
-//!   rows'; a get also beside memcpy from a source in memory, where a put leaves a holder's bytes:
-//!   see [`bench_memcpy`](crate::bench_memcpy)) and beside the TCP path's figure of the same round,
+//!   rows'; a get also beside memcpy from a source in memory, where a put leaves a holder's bytes,
+//!   and a put beside its own streamed copy: see [`bench_memcpy`](crate::bench_memcpy)) and beside
+//!   the TCP path's figure of the same round,
 //!   the bench failing if the TCP engine moved any of these bytes;
 //! - the p50 / p99 latency of a single 64 KiB remote get and of a single 64 KiB remote put, each on
 //!   both client paths in the same run ([`measure_latency`]: the default keyed path, one exchange
@@ -42,7 +43,7 @@ use crate::bench_breakdown::{BatchPhases, Recorder, Samples, batch_phases_table,
 pub(crate) use crate::bench_latency::latency_blocks;
 use crate::bench_latency::{LATENCY_KEY, measure_large_latency, measure_latency};
 pub use crate::bench_latency::{Latencies, Latency};
-pub use crate::bench_memcpy::{memcpy_from_memory_gbps, memcpy_threads, quiet_memcpy_gbps};
+pub use crate::bench_memcpy::{memcpy_from_memory_gbps, memcpy_threads, quiet_memcpy_gbps, streamed_copy_gbps};
 use crate::cli::BenchArgs;
 use crate::progress::Progress;
 use crate::units::human_size;
@@ -80,6 +81,10 @@ const MEMCPY: &str = "memcpy";
 /// The baseline name of the same-host get rows measured against memcpy from a source in memory
 /// ([`memcpy_from_memory_gbps`]).
 const MEMCPY_FROM_MEMORY: &str = "memcpy, source in memory";
+
+/// The baseline name of the same-host put rows measured against the put's own copy, with
+/// streaming stores ([`streamed_copy_gbps`]).
+const STREAMED_COPY: &str = "copy with streaming stores";
 
 /// The baseline name of the same-host rows measured against the pool's own TCP path.
 const POOL_TCP: &str = "pool over TCP";
@@ -965,7 +970,7 @@ async fn measure_remote(
         let mut staged: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut shm_put, mut shm_get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut from_memory = Vec::new();
+        let (mut from_memory, mut streamed) = (Vec::new(), Vec::new());
         let mut progress =
             Progress::new(format!("umbp bench: remote {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
@@ -1007,6 +1012,7 @@ async fn measure_remote(
             copy.push(before.max(after));
             unsettled.push(hasty);
             from_memory.push(memcpy_from_memory_gbps(&mut out, &data, &mut staged, bytes));
+            streamed.push(streamed_copy_gbps(&mut out, &data, bytes));
             tokio::time::sleep(Duration::from_millis(600)).await;
             let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
             let _ = clients.shm.remove(&key_refs).await;
@@ -1017,6 +1023,7 @@ async fn measure_remote(
         batch_phases.extend(BatchPhases::cells("same host (shm)", value as u64, &shm_spans));
         let (copy_range, copy, unsettled) = (spread(&copy), median(copy), median(unsettled));
         let (from_memory_range, from_memory) = (spread(&from_memory), median(from_memory));
+        let (streamed_range, streamed) = (spread(&streamed), median(streamed));
         for (op, tcp, raw, shm) in [("put", put, raw_w, shm_put), ("get", get, raw_r, shm_get)] {
             let row = |path, pool_gbps, baseline_gbps, baseline: &str, baseline_range, unsettled| BenchRow {
                 path,
@@ -1041,6 +1048,8 @@ async fn measure_remote(
             rows.push(row(BenchPath::SameHost, shm, copy, MEMCPY, copy_range, Some(unsettled)));
             if op == "get" {
                 rows.push(row(BenchPath::SameHost, shm, from_memory, MEMCPY_FROM_MEMORY, from_memory_range, None));
+            } else {
+                rows.push(row(BenchPath::SameHost, shm, streamed, STREAMED_COPY, streamed_range, None));
             }
             rows.push(row(BenchPath::SameHost, shm, tcp, POOL_TCP, tcp_range, None));
         }
