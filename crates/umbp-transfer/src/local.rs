@@ -411,20 +411,27 @@ fn summed_values(items: &[TransferItem], sum_of: SumOf) -> Option<Vec<(u64, Valu
     let mut out = Vec::with_capacity(order.len());
     for tag in order {
         let mut mine = by_tag.remove(&tag)?;
-        let at_of = |i: &TransferItem| summed_side(i, sum_of).0;
+        // The summed side's offset of an item: the items must tile one range of that side.
+        let at_of = |i: &TransferItem| match sum_of {
+            SumOf::Destination => i.dst_offset,
+            SumOf::Source => i.src_offset,
+        };
         mine.sort_by_key(|i| at_of(i));
-        let first = *mine.first()?;
-        let tiled = local_host(summed_side(first, sum_of).1)?.ptr();
+        let mut end = at_of(mine.first()?);
+        let mut tiled = None;
         let mut pieces = Vec::with_capacity(mine.len());
         let mut dsts = Vec::with_capacity(mine.len());
-        let mut end = at_of(first);
         for item in mine {
             let src = local_host(&item.src)?;
             let dst = local_host(&item.dst)?;
             let fits = |r: &TransferRef, region: &LocalRegion, offset: u64| {
                 offset.checked_add(item.size).is_some_and(|e| e <= r.size()) && r.size() <= region.len()
             };
-            if local_host(summed_side(item, sum_of).1)?.ptr() != tiled
+            let side = match sum_of {
+                SumOf::Destination => dst.ptr(),
+                SumOf::Source => src.ptr(),
+            };
+            if *tiled.get_or_insert(side) != side
                 || at_of(item) != end
                 || !fits(&item.src, src, item.src_offset)
                 || !fits(&item.dst, dst, item.dst_offset)
@@ -446,14 +453,6 @@ fn summed_values(items: &[TransferItem], sum_of: SumOf) -> Option<Vec<(u64, Valu
         out.push((tag, ValueCopy { pieces, dst, sum: true }));
     }
     Some(out)
-}
-
-/// The side of `item` that `sum_of` sums: the item's offset there, and that side's reference.
-fn summed_side(item: &TransferItem, sum_of: SumOf) -> (u64, &TransferRef) {
-    match sum_of {
-        SumOf::Destination => (item.dst_offset, &item.dst),
-        SumOf::Source => (item.src_offset, &item.src),
-    }
 }
 
 #[cfg(test)]
