@@ -647,6 +647,42 @@ fn a_batch_put_settled_after_its_slots_ended_commits_none() {
     assert_eq!(*table.aborted.lock(), vec!["a", "b"]);
 }
 
+/// A confirmed batch put copies every value, asks `confirm` once (after the copies), commits what
+/// it confirms and aborts the rest, which are answered withdrawn and never readable.
+#[test]
+fn a_confirmed_batch_put_commits_only_what_it_confirms() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, _) = holder(&file, &table, true);
+    let ep = srv.endpoint().to_owned();
+    let values: Vec<Vec<u8>> = (0..4).map(|i| pattern(70_000 + i, 60 + i as u64)).collect();
+    let keys = ["c0", "c1", "c2", "c3"];
+    let batch: Vec<KeyedBatchPut<'_>> = keys
+        .iter()
+        .zip(&values)
+        .map(|(key, value)| KeyedBatchPut { key, value, checksum: PutChecksum::WhileCopying })
+        .collect();
+    let c = client();
+    let mut asked = 0;
+    // A short answer: the missing flag (c3) is not confirmed either.
+    let got = c.put_shared_batch_confirmed(&ep, 1, &batch, &mut || {
+        asked += 1;
+        vec![true, false, true]
+    });
+    assert_eq!(
+        got.expect("an answer"),
+        vec![KeyedPut::Written, KeyedPut::Withdrawn, KeyedPut::Written, KeyedPut::Withdrawn]
+    );
+    assert_eq!(asked, 1, "asked once");
+    assert_eq!(*table.committed.lock(), vec!["c0", "c2"]);
+    assert_eq!(*table.aborted.lock(), vec!["c1", "c3"]);
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let got = get_batch(&c, &ep, &keys, &mut bufs);
+    assert!(matches!(got[0], KeyedGet::Hit { .. }) && matches!(got[2], KeyedGet::Hit { .. }));
+    assert_eq!((got[1], got[3]), (KeyedGet::Miss, KeyedGet::Miss), "withdrawn keys were never stored");
+    assert_eq!((&bufs[0], &bufs[2]), (&values[0], &values[2]));
+}
+
 #[test]
 fn a_batch_put_to_a_holder_without_the_shared_path_allocates_nothing() {
     let file = SealedFile::new();

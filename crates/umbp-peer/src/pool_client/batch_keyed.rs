@@ -23,28 +23,21 @@
 //!   on to the routed path, which keeps all of its rules. A too-small buffer is that key's error.
 //! - **No re-cache**: a value read from a holder on this host is already in this host's memory.
 //!
-//! **Puts** from a client that lends no medium do the same: one route call per [`ROUTE_KEYS`] keys
-//! (the master's placement and cross-node dedup are kept; the first chunk's keys in a call of
-//! their own, so their copies start while the master routes the rest), then one PUT_KEYS per same-host holder
-//! chunk (`KeyedClient::put_shared_batch`): the holder allocates every slot, the client copies the
-//! values in through its mappings, the holder commits what arrived before each slot's end. A key
-//! written so is remembered as located there (a later get of it skips the master). Every other key
-//! — routed to another host, refused, failed — takes the routed path; a routed-elsewhere or busy
-//! key keeps its route there (no second route call), a refused one is routed afresh.
+//! **Puts** to holders on this host take the same kind of exchange: see `same_host_put.rs`.
 
 use std::collections::BTreeMap;
 
 use tracing::Instrument;
-use umbp_transfer::{KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedGet, KeyedPut, PutChecksum};
+use umbp_transfer::{KeyedBatchItem, KeyedClient, KeyedGet};
 
 use super::phases::{self, phase};
-use super::ranged::{Dest, Src};
+use super::ranged::Dest;
 use super::support::{PIPELINE_CHUNK_BYTES, PIPELINE_DEPTH, StatCounters, offload, pipelined_with};
 use super::*;
-use crate::master_client::{RouteGetHit, RoutePutDecision};
+use crate::master_client::RouteGetHit;
 
 /// Keys per route call for the keys a light client has no location for.
-const ROUTE_KEYS: usize = 4096;
+pub(super) const ROUTE_KEYS: usize = 4096;
 /// The smallest chunk a same-host batch is cut into (see [`Spread`]).
 const MIN_CHUNK_BYTES: u64 = 1 << 20;
 /// The largest chunk of a same-host batch (see [`Spread`]).
@@ -56,9 +49,9 @@ const CHUNK_BYTES: u64 = 32 << 20;
 /// one's exchange overlaps the other's copies. (Before, a batch was cut into one chunk per core,
 /// each copied on its own thread: on the 16-core host each of 16 chunks of 4 MiB waited ~0.1–0.3
 /// ms for a thread and ~0.1–0.5 ms for its exchange, beside ~1.3 ms of copying.)
-struct Spread {
-    chunk_bytes: u64,
-    depth: usize,
+pub(super) struct Spread {
+    pub(super) chunk_bytes: u64,
+    pub(super) depth: usize,
 }
 
 impl Spread {
@@ -71,7 +64,7 @@ impl Spread {
     /// its own thread. Fanning a put's chunk out instead was slower on the 16-core host (1 MiB
     /// values at 14–19 GB/s against 19–21): the holder allocates a chunk's slots in its exchange,
     /// and sixteen chunks in flight overlap those exchanges with each other's copies.
-    fn per_core(total_bytes: u64) -> Self {
+    pub(super) fn per_core(total_bytes: u64) -> Self {
         // Asked once per process: on Linux it reads the cgroup's CPU quota from files.
         static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
         let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
@@ -91,19 +84,6 @@ struct Planned {
 /// The master's routes for keys routed here and left to the routed path (by batch index), which
 /// then uses them instead of routing those keys again.
 pub(super) type Prerouted = Vec<Option<RouteGetHit>>;
-
-/// The master's placements for keys a same-host put left to the routed path (by batch index):
-/// `(node, peer address, tier)`.
-pub(super) type PutRoutes = Vec<Option<PutRoute>>;
-
-/// A put holder: its node, data endpoint, peer address and tier.
-type PutHolder = (String, String, String, TierType);
-/// A placement for the routed path: `(node, peer address, tier)` (see [`PutRoutes`]).
-type PutRoute = (String, String, TierType);
-/// What a put group settled for one key: its result, its placement for the routed path.
-type PutSettled = (Option<Result<PutOutcome, KeyError>>, Option<PutRoute>);
-/// [`PutSettled`] with the key's batch index.
-type GroupPut = (usize, Option<Result<PutOutcome, KeyError>>, Option<PutRoute>);
 
 /// A holder: its node and its data endpoint.
 type HolderId = (Arc<str>, Arc<str>);
@@ -283,183 +263,5 @@ impl PoolClient {
                 prerouted[*i] = Some(hit);
             }
         }
-    }
-
-    /// Writes what it can of a batch's distinct keys (`unique`) to holders on this host (see the
-    /// module docs), setting `results[i]` for each key it settled; the keys it leaves `None` take
-    /// the routed path, with the placements it asked the master for (see [`PutRoutes`]).
-    ///
-    /// The first chunk's keys are routed on their own and written while the master routes the
-    /// rest: the route call of a whole 64 MiB batch took 0.6–1.2 ms (64 keys) to 1.5–2.0 ms (1,024
-    /// keys) on the 2-core VM, 15–25 % of the batch, during which nothing was copied.
-    pub(super) async fn put_same_host(
-        &self,
-        items: &[(&str, Src<'_>)],
-        unique: &[usize],
-        results: &mut [Option<Result<PutOutcome, KeyError>>],
-    ) -> PutRoutes {
-        let mut routes: PutRoutes = vec![None; items.len()];
-        if !self.config.keyed_requests || !self.config.shared_memory || self.medium.is_some() {
-            return routes;
-        }
-        let candidates: Vec<usize> = unique
-            .iter()
-            .copied()
-            .filter(|i| matches!(items[*i].1, Src::Whole(b) if b.len > 0 && !self.in_device_registration(b)))
-            .collect();
-        if candidates.is_empty() {
-            return routes;
-        }
-        let total: u64 = candidates.iter().map(|i| items[*i].1.size()).sum();
-        let spread = Spread::per_core(total);
-        let mut bytes = 0u64;
-        let first = candidates
-            .iter()
-            .position(|i| {
-                bytes += items[*i].1.size();
-                bytes >= spread.chunk_bytes
-            })
-            .map_or(candidates.len(), |at| at + 1);
-        let (head, rest) = candidates.split_at(first);
-        let (head, rest) = tokio::join!(self.put_group(items, head, &spread), self.put_group(items, rest, &spread));
-        for (i, result, route) in head.into_iter().chain(rest) {
-            if result.is_some() {
-                results[i] = result;
-            }
-            routes[i] = route;
-        }
-        routes
-    }
-
-    /// Routes `keys` (batch indexes) in calls of [`ROUTE_KEYS`] and writes those placed on a holder
-    /// on this host with one PUT_KEYS per chunk; per key: its index, its result if settled here,
-    /// and the placement the routed path is to use (`None`: routed afresh).
-    async fn put_group(&self, items: &[(&str, Src<'_>)], keys: &[usize], spread: &Spread) -> Vec<GroupPut> {
-        let mut out: BTreeMap<usize, PutSettled> = BTreeMap::new();
-        if keys.is_empty() {
-            return Vec::new();
-        }
-        let unreachable = self.recently_unreachable();
-        let mut by_holder: BTreeMap<PutHolder, Vec<usize>> = BTreeMap::new();
-        for part in keys.chunks(ROUTE_KEYS) {
-            let names: Vec<String> = part.iter().map(|i| items[*i].0.to_owned()).collect();
-            let sizes: Vec<u64> = part.iter().map(|i| items[*i].1.size()).collect();
-            let routed =
-                self.master.batch_route_put(&names, &sizes, &unreachable).instrument(phase!(phases::PUT_ROUTE)).await;
-            let Ok(decisions) = routed else { break };
-            for (i, decision) in part.iter().zip(decisions) {
-                match decision {
-                    RoutePutDecision::AlreadyExists => {
-                        out.insert(*i, (Some(Ok(PutOutcome::AlreadyPresent)), None));
-                    }
-                    RoutePutDecision::Routed { node_id, tier, peer_address, data_endpoint } => {
-                        out.insert(*i, (None, Some((node_id.clone(), peer_address.clone(), tier))));
-                        if !data_endpoint.is_empty() && node_id != self.config.node_id {
-                            by_holder.entry((node_id, data_endpoint, peer_address, tier)).or_default().push(*i);
-                        }
-                    }
-                    // No room: the routed path makes room.
-                    RoutePutDecision::Unavailable => {}
-                }
-            }
-        }
-        let mut chunks: Vec<(PutHolder, Vec<usize>)> = Vec::new();
-        for (holder, indexes) in by_holder {
-            let mut chunk = Vec::new();
-            let mut bytes = 0u64;
-            for i in indexes {
-                bytes += items[i].1.size();
-                chunk.push(i);
-                if bytes >= spread.chunk_bytes || chunk.len() == KeyedClient::MAX_BATCH_KEYS {
-                    chunks.push((holder.clone(), std::mem::take(&mut chunk)));
-                    bytes = 0;
-                }
-            }
-            if !chunk.is_empty() {
-                chunks.push((holder, chunk));
-            }
-        }
-        let order: Vec<Vec<usize>> = (0..chunks.len()).map(|c| vec![c]).collect();
-        let chunks = &chunks;
-        let answers = pipelined_with(spread.depth, &order, |c| async move {
-            let ((node, endpoint, _, tier), indexes) = &chunks[c[0]];
-            let values: Vec<(String, CallerBuf)> = indexes
-                .iter()
-                .filter_map(|i| match items[*i].1 {
-                    Src::Whole(b) => Some((items[*i].0.to_owned(), b)),
-                    Src::Ranges { .. } => None,
-                })
-                .collect();
-            let keyed = Arc::clone(&self.keyed);
-            let at = endpoint.clone();
-            let wire_tier = u64::from(tier.wire());
-            // Each chunk sums its own values on its own thread (the chunks run at once, one per
-            // core) as it copies them in: each block is summed right after its copy, while it is
-            // still in L2, so a value is read once (summing it first, then copying it, read it
-            // twice: checksums on/off 0.61–0.72 for these puts on the 2-core VM).
-            let checksum = if self.config.checksums { PutChecksum::WhileCopying } else { PutChecksum::None };
-            let got = offload(move || {
-                let batch: Vec<KeyedBatchPut<'_>> = values
-                    .iter()
-                    .map(|(key, buf)| {
-                        // SAFETY: a caller buffer of this call (a slice it borrows, or a raw range
-                        // its contract keeps valid and unwritten until the call returns), host
-                        // memory (checked above); only read, and the offloaded work is waited for
-                        // even if the call is dropped (`Offloaded`).
-                        let value = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().cast_const(), buf.len) };
-                        KeyedBatchPut { key, value, checksum }
-                    })
-                    .collect();
-                keyed.put_shared_batch(&at, wire_tier, &batch)
-            })
-            .await;
-            (node, endpoint, got)
-        })
-        .instrument(phase!(phases::PUT_KEYED))
-        .await;
-        let now = self.clock.now();
-        for ((_, indexes), (node, endpoint, got)) in chunks.iter().zip(answers) {
-            let answers = match got {
-                Some(Ok(answers)) if answers.len() == indexes.len() => answers,
-                Some(Err(e)) => {
-                    // Whether the holder committed any of them is unknown: the routed path finds
-                    // out (a committed key is answered as present).
-                    tracing::debug!(node = %node, error = %e, "batched same-host put failed; taking the routed path");
-                    if e.is_unreachable() {
-                        self.locations.forget_node(node);
-                        self.keyed.forget(endpoint);
-                        self.sweep_shared_memory();
-                    }
-                    for i in indexes {
-                        out.insert(*i, (None, None));
-                    }
-                    continue;
-                }
-                _ => continue,
-            };
-            let mut written = 0u64;
-            for (i, answer) in indexes.iter().zip(answers) {
-                let settled = match answer {
-                    KeyedPut::Written => {
-                        self.locations.insert(items[*i].0, node, endpoint, now);
-                        written += 1;
-                        Some(Ok(PutOutcome::Written))
-                    }
-                    KeyedPut::Exists => Some(Ok(PutOutcome::AlreadyPresent)),
-                    // The routed path asks the same node (it waits for a busy one).
-                    KeyedPut::Busy | KeyedPut::Unsupported => None,
-                    // Routed afresh.
-                    KeyedPut::NoSpace | KeyedPut::Failed => {
-                        out.insert(*i, (None, None));
-                        None
-                    }
-                };
-                if let (Some(result), Some(entry)) = (settled, out.get_mut(i)) {
-                    entry.0 = Some(result);
-                }
-            }
-            StatCounters::add(&self.stats.keyed_puts, written);
-        }
-        out.into_iter().map(|(i, (result, route))| (i, result, route)).collect()
     }
 }

@@ -36,6 +36,7 @@ mod metrics;
 pub mod phases;
 mod put;
 mod ranged;
+mod same_host_put;
 pub use ranged::{PutParts, RawParts};
 mod support;
 
@@ -105,8 +106,15 @@ pub struct PoolClientStats {
     /// Keys read in a keyed exchange with their holder (no routed resolve): single-key gets, and
     /// batch gets from holders on this host (one exchange per holder chunk).
     pub keyed_gets: u64,
-    /// Single-key puts written in one keyed exchange with the holder (no allocate or commit RPC).
+    /// Puts written in one keyed exchange with the holder (no allocate or commit RPC): single-key
+    /// puts, and batch puts to holders on this host (one exchange per holder chunk).
     pub keyed_puts: u64,
+    /// Keys of batch puts written on a holder on this host from copies made while the master was
+    /// still routing them (a light client whose batches go to one holder here).
+    pub puts_copied_ahead: u64,
+    /// Keys copied ahead of their route and then not kept: the master placed them elsewhere or
+    /// found them present (their slots were aborted; the keys were settled as it said).
+    pub puts_withdrawn: u64,
     /// Reads whose bytes did not match the checksum they were put with: discarded, never returned
     /// (the key was read from another holder or reported a miss).
     pub checksum_failures: u64,
@@ -231,6 +239,9 @@ pub struct PoolClient {
     keyed: Arc<KeyedClient>,
     /// Where keys were last read or written (see `fast.rs`).
     locations: fast::Locations,
+    /// The holder on this host a light client's batch puts copy into ahead of their route (see
+    /// `same_host_put.rs`).
+    sole_put_holder: same_host_put::SoleHolder,
     /// Keys read without a route call, told to the master in batches (see `fast.rs`).
     hints: Arc<fast::Hints>,
     /// Unmaps dead or deregistered holders' memory (with `shared_memory`).
@@ -393,6 +404,7 @@ impl PoolClient {
             clock,
             keyed,
             locations: fast::Locations::default(),
+            sole_put_holder: same_host_put::SoleHolder::default(),
             hints: Arc::default(),
             shm_sweeper,
             gpu_runtime,

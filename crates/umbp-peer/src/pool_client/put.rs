@@ -29,10 +29,10 @@ use umbp_core::{AllocateOutcome, AllocateRequest, CommitRequest, PageLocation};
 
 use tracing::Instrument;
 
-use super::batch_keyed::PutRoutes;
 use super::holder::{Allocation, Holder};
 use super::phases::{self, phase};
 use super::ranged::{Src, range_put_items};
+use super::same_host_put::PutRoutes;
 use super::support::{
     BatchProgress, BusyWait, PageLayout, SlotGuard, chunk_by_bytes, join_all, pipelined, route_by_exclude_set,
 };

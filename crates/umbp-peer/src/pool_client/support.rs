@@ -363,6 +363,8 @@ pub(super) struct StatCounters {
     pub(super) recache_stored: AtomicU64,
     pub(super) keyed_gets: AtomicU64,
     pub(super) keyed_puts: AtomicU64,
+    pub(super) puts_copied_ahead: AtomicU64,
+    pub(super) puts_withdrawn: AtomicU64,
     pub(super) checksum_failures: AtomicU64,
 }
 
@@ -382,6 +384,8 @@ impl StatCounters {
             recache_stored: get(&self.recache_stored),
             keyed_gets: get(&self.keyed_gets),
             keyed_puts: get(&self.keyed_puts),
+            puts_copied_ahead: get(&self.puts_copied_ahead),
+            puts_withdrawn: get(&self.puts_withdrawn),
             checksum_failures: get(&self.checksum_failures),
         }
     }

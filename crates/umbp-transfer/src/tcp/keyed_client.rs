@@ -133,6 +133,9 @@ pub enum KeyedPut {
     Failed,
     /// The holder serves no keyed writes here: take the routed path.
     Unsupported,
+    /// Copied, then not committed because the writer's `confirm` withheld it
+    /// ([`KeyedClient::put_shared_batch_confirmed`]): the holder aborted its slot.
+    Withdrawn,
 }
 
 /// Why a keyed request got no answer.

@@ -128,6 +128,27 @@ impl KeyedClient {
         tier: u64,
         items: &[KeyedBatchPut<'_>],
     ) -> Result<Vec<KeyedPut>, KeyedError> {
+        self.put_shared_batch_confirmed(endpoint, tier, items, &mut || vec![true; items.len()])
+    }
+
+    /// [`put_shared_batch`](Self::put_shared_batch) that commits only what `confirm` allows: once
+    /// every value is copied in, and before the holder is told which to commit, `confirm` is asked
+    /// (one flag per item, in order; a missing flag is `false`). A key it does not confirm has its
+    /// slot aborted and is answered [`KeyedPut::Withdrawn`].
+    ///
+    /// This is how a writer copies while it still waits for a decision made elsewhere (the
+    /// master's placement): `confirm` may block, though for less than the slot's life — a value
+    /// confirmed after its slot's end is answered `Failed`. It is not asked when no key got a slot.
+    ///
+    /// # Errors
+    /// As [`put_shared_batch`](Self::put_shared_batch).
+    pub fn put_shared_batch_confirmed(
+        &self,
+        endpoint: &str,
+        tier: u64,
+        items: &[KeyedBatchPut<'_>],
+        confirm: &mut dyn FnMut() -> Vec<bool>,
+    ) -> Result<Vec<KeyedPut>, KeyedError> {
         if items.is_empty() {
             return Ok(Vec::new());
         }
@@ -157,7 +178,7 @@ impl KeyedClient {
                 length: body.len() as u64,
             };
             send(stream, &head.encode(), &[&body])?;
-            self.finish_put_batch(stream, endpoint, id, items)
+            self.finish_put_batch(stream, endpoint, id, items, &mut *confirm)
         });
         answer.inspect_err(|e| {
             tracing::debug!(peer = endpoint, error = %e, "PUT_KEYS failed; no batches to this holder for a while");
@@ -176,6 +197,7 @@ impl KeyedClient {
         endpoint: &str,
         id: u64,
         items: &[KeyedBatchPut<'_>],
+        confirm: &mut dyn FnMut() -> Vec<bool>,
     ) -> Result<Vec<KeyedPut>, ExchangeError> {
         use std::io::Read as _;
         let mid = |source| ExchangeError::Io { source, before_reply: false };
@@ -236,6 +258,14 @@ impl KeyedClient {
         }
         if !slots {
             return Ok(out);
+        }
+        let confirmed = confirm();
+        for (i, (flag, put)) in copied.iter_mut().zip(out.iter_mut()).enumerate() {
+            if *flag == 1 && !confirmed.get(i).copied().unwrap_or(false) {
+                // Copied but not to be kept: the holder aborts the slot.
+                *flag = 0;
+                *put = KeyedPut::Withdrawn;
+            }
         }
         super::super::io::write_all_vectored(
             stream,

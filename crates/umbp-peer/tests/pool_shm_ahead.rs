@@ -1,0 +1,132 @@
+//! Batch puts copied into a same-host holder while the master routes them (`same_host_put.rs`):
+//!
+//! - a light client whose batches went wholly to one holder on this host copies its next batch
+//!   ahead of the route, and every key is written byte-exact through the shared path;
+//! - keys the master says are present elsewhere are withdrawn from that holder (never committed
+//!   there: a get returns the first writer's bytes), and keys it places on another holder are
+//!   written there; either ends the streak, so the next batch is routed before it is copied;
+//! - keys the holder already has are answered present and the streak goes on.
+
+mod pool_support;
+
+use umbp_master::routing::Affinity;
+use umbp_master::{MasterConfig, MasterHandle};
+use umbp_peer::pool_client::{PoolClient, PoolClientConfig, PutOutcome};
+
+use pool_support::{PAGE, config, indexed, master, value};
+
+const TCP: &str = "TcpEngine";
+
+/// `n` keys `prefix-i` and values of 16 pages and a bit, seeded by `seed`.
+fn batch(prefix: &str, n: usize, seed: usize) -> (Vec<String>, Vec<Vec<u8>>) {
+    let keys = (0..n).map(|i| format!("{prefix}-{i}")).collect();
+    let values = (0..n).map(|i| value(seed + i, 16 * PAGE as usize + 5 * i + 1)).collect();
+    (keys, values)
+}
+
+async fn put(client: &PoolClient, keys: &[String], values: &[Vec<u8>]) -> Vec<PutOutcome> {
+    let items: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+    let got = client.batch_put_outcomes(&items).await;
+    keys.iter().zip(got).map(|(k, r)| r.unwrap_or_else(|e| panic!("put {k}: {e}"))).collect()
+}
+
+async fn read_back(client: &PoolClient, keys: &[String], values: &[Vec<u8>]) {
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+    let got = client.batch_get(&refs, &mut slices).await;
+    for ((k, r), (buf, v)) in keys.iter().zip(got).zip(bufs.iter().zip(values)) {
+        assert_eq!(r, Ok(v.len() as u64), "{k}");
+        assert!(buf == v, "{k} byte-exact");
+    }
+}
+
+fn light(m: &MasterHandle) -> PoolClientConfig {
+    PoolClientConfig::new("light", m.local_addr().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_to_one_holder_here_are_copied_while_the_master_routes() {
+    let m = master().await;
+    let a = PoolClient::start(config(&m, "a", 16 << 20)).await.expect("node a");
+    let light = PoolClient::start(light(&m)).await.expect("client");
+
+    // The first batch is routed first: nothing is known of where this client's keys go.
+    let (k1, v1) = batch("first", 8, 1);
+    assert!(put(&light, &k1, &v1).await.iter().all(|o| *o == PutOutcome::Written));
+    let s = light.stats();
+    assert_eq!((s.keyed_puts, s.puts_copied_ahead, s.puts_withdrawn), (8, 0, 0));
+
+    // Every key went to `a`: the next batch is copied there while the master routes it.
+    let (k2, v2) = batch("second", 8, 100);
+    assert!(put(&light, &k2, &v2).await.iter().all(|o| *o == PutOutcome::Written));
+    let s = light.stats();
+    assert_eq!((s.keyed_puts, s.puts_copied_ahead, s.puts_withdrawn), (16, 8, 0));
+
+    // Keys `a` holds already are answered present (with their first bytes kept) and end nothing.
+    indexed(&light, &k2).await;
+    let (mut k3, mut v3) = batch("third", 4, 200);
+    k3.extend_from_slice(&k2[..4]);
+    v3.extend((0..4).map(|i| value(999 + i, v2[i].len())));
+    let outcomes = put(&light, &k3, &v3).await;
+    assert_eq!(outcomes[..4], [PutOutcome::Written; 4]);
+    assert_eq!(outcomes[4..], [PutOutcome::AlreadyPresent; 4]);
+    assert_eq!(light.stats().puts_copied_ahead, 12);
+    let (k4, v4) = batch("fourth", 8, 300);
+    put(&light, &k4, &v4).await;
+    assert_eq!(light.stats().puts_copied_ahead, 20, "still copied ahead");
+
+    for (k, v) in [(&k1, &v1), (&k2, &v2), (&k3[..4].to_vec(), &v3[..4].to_vec()), (&k4, &v4)] {
+        read_back(&light, k, v).await;
+    }
+    assert_eq!(light.transferred_bytes(TCP), 0, "the TCP engine moved no bytes");
+    light.close().await;
+    a.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keys_placed_elsewhere_are_withdrawn_and_end_the_streak() {
+    // `local` affinity: a node's own puts stay on it, so `b` can hold keys `a` has never seen.
+    let m = umbp_master::start(MasterConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        route_put_affinity: Affinity::Local,
+        ..MasterConfig::default()
+    })
+    .await
+    .expect("master");
+    let a = PoolClient::start(config(&m, "a", 16 << 20)).await.expect("node a");
+    let light = PoolClient::start(light(&m)).await.expect("client");
+    let (k1, v1) = batch("first", 8, 1);
+    put(&light, &k1, &v1).await;
+
+    // A second holder, holding keys of its own.
+    let b = PoolClient::start(config(&m, "b", 16 << 20)).await.expect("node b");
+    let (held, held_values) = batch("held", 4, 50);
+    put(&b, &held, &held_values).await;
+    indexed(&light, &held).await;
+
+    // The light client writes those keys (other bytes) and new ones, copied into `a` ahead of the
+    // route. The held keys are withdrawn from `a`: the first writer's bytes stay the value.
+    let (mut keys, mut values) = batch("mixed", 16, 500);
+    keys.extend_from_slice(&held);
+    values.extend((0..4).map(|i| value(777 + i, held_values[i].len())));
+    let outcomes = put(&light, &keys, &values).await;
+    assert_eq!(outcomes[16..], [PutOutcome::AlreadyPresent; 4]);
+    let s = light.stats();
+    assert!(s.puts_withdrawn >= 4, "the held keys were copied into `a` and withdrawn: {s:?}");
+    assert_eq!(s.puts_copied_ahead + s.puts_withdrawn, 20, "every key was copied ahead: {s:?}");
+    read_back(&light, &held, &held_values).await;
+    read_back(&light, &keys[..16], &values[..16]).await;
+
+    // With two holders to place them on, some of the 16 new keys went to `b` (withdrawn from `a`,
+    // then written there): the streak ended, and the next batch is routed before it is copied.
+    assert!(s.puts_withdrawn > 4, "some new keys were placed on b: {s:?}");
+    let (k3, v3) = batch("after", 8, 900);
+    put(&light, &k3, &v3).await;
+    assert_eq!(light.stats().puts_copied_ahead, s.puts_copied_ahead, "routed first");
+    read_back(&light, &k3, &v3).await;
+    assert_eq!(light.transferred_bytes(TCP), 0, "the TCP engine moved no bytes");
+    for c in [&light, &a, &b] {
+        c.close().await;
+    }
+}
