@@ -170,7 +170,10 @@ impl PoolClient {
         }
         let total: u64 = candidates.iter().map(|i| items[*i].1.size()).sum();
         let spread = Spread::per_core(total);
-        let (settled, streak) = match self.sole_put_holder.get() {
+        // Copies ahead block their threads until the route returns: only where they run on the
+        // blocking pool, never inline in the task that drives the route (no runtime).
+        let ahead = self.sole_put_holder.get().filter(|_| tokio::runtime::Handle::try_current().is_ok());
+        let (settled, streak) = match ahead {
             Some(holder) => self.put_ahead(items, &candidates, &spread, holder).await,
             None => {
                 let mut bytes = 0u64;
