@@ -184,9 +184,7 @@ impl PoolClient {
                 Some(Err(e)) => {
                     tracing::debug!(node = %node, error = %e, "batched same-host get failed; taking the routed path");
                     if e.is_unreachable() {
-                        self.locations.forget_node(node);
-                        self.keyed.forget(endpoint);
-                        self.sweep_shared_memory();
+                        self.forget_holder(node, endpoint);
                     }
                     continue;
                 }

@@ -115,6 +115,14 @@ pub(super) struct Hints {
 }
 
 impl PoolClient {
+    /// A holder's exchange failed as if it went away: its keys' locations, its idle connections
+    /// and (soon) its mappings are dropped, so the next call asks the master.
+    pub(super) fn forget_holder(&self, node: &str, endpoint: &str) {
+        self.locations.forget_node(node);
+        self.keyed.forget(endpoint);
+        self.sweep_shared_memory();
+    }
+
     /// A single-key get over one keyed exchange; `None`: take the routed path.
     pub(super) async fn get_fast(&self, key: &str, buf: CallerBuf) -> Option<Result<u64, KeyError>> {
         if !self.config.keyed_requests || key.is_empty() || self.in_device_registration(buf) {
@@ -195,9 +203,7 @@ impl PoolClient {
             }
             Err(e) => {
                 tracing::debug!(key, node = %node, error = %e, "keyed get failed; taking the routed path");
-                self.locations.forget_node(&node);
-                self.keyed.forget(&endpoint);
-                self.sweep_shared_memory();
+                self.forget_holder(&node, &endpoint);
                 None
             }
         }
@@ -258,9 +264,7 @@ impl PoolClient {
             }
             Err(e) => {
                 tracing::debug!(key, node = %node, error = %e, "keyed put failed; taking the routed path");
-                self.locations.forget_node(&node);
-                self.keyed.forget(&endpoint);
-                self.sweep_shared_memory();
+                self.forget_holder(&node, &endpoint);
                 None
             }
         }

@@ -379,9 +379,7 @@ impl PoolClient {
                     // out (a committed key is answered as present).
                     tracing::debug!(node = %node, error = %e, "batched same-host put failed; taking the routed path");
                     if e.is_unreachable() {
-                        self.locations.forget_node(node);
-                        self.keyed.forget(endpoint);
-                        self.sweep_shared_memory();
+                        self.forget_holder(node, endpoint);
                     }
                     for i in indexes.iter().filter(|i| placed(**i)) {
                         out.insert(*i, (None, None));
