@@ -260,7 +260,8 @@ impl PoolClient {
                 let decisions = self.route_group(items, keys).await;
                 let mut confirmed = vec![false; items.len()];
                 for (i, d) in decisions.iter().flatten() {
-                    confirmed[*i] = matches!(d, RoutePutDecision::Routed { node_id, .. } if *node_id == holder.0);
+                    confirmed[*i] = matches!(d, RoutePutDecision::Routed { node_id, tier, .. }
+                        if *node_id == holder.0 && *tier == holder.3);
                 }
                 opener.0.open(confirmed);
                 decisions
@@ -278,7 +279,9 @@ impl PoolClient {
                     out.insert(i, (Some(Ok(PutOutcome::AlreadyPresent)), None));
                 }
                 RoutePutDecision::Routed { node_id, tier, peer_address, .. } => {
-                    placed_here[i] = node_id == holder.0;
+                    // The slot was allocated on the holder's tier: a key placed on another tier of
+                    // the same node is written there by the routed path.
+                    placed_here[i] = node_id == holder.0 && tier == holder.3;
                     elsewhere |= !placed_here[i];
                     out.insert(i, (None, Some((node_id, peer_address, tier))));
                 }
