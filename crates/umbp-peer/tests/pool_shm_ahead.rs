@@ -5,7 +5,9 @@
 //! - keys the master says are present elsewhere are withdrawn from that holder (never committed
 //!   there: a get returns the first writer's bytes), and keys it places on another holder are
 //!   written there; either ends the streak, so the next batch is routed before it is copied;
-//! - keys the holder already has are answered present and the streak goes on.
+//! - keys the holder already has are answered present and the streak goes on;
+//! - a batch copied ahead whose route never comes (the master is gone) commits nothing: every
+//!   copy is withdrawn and the holder's pages come back.
 
 mod pool_support;
 
@@ -38,6 +40,23 @@ async fn read_back(client: &PoolClient, keys: &[String], values: &[Vec<u8>]) {
     for ((k, r), (buf, v)) in keys.iter().zip(got).zip(bufs.iter().zip(values)) {
         assert_eq!(r, Ok(v.len() as u64), "{k}");
         assert!(buf == v, "{k} byte-exact");
+    }
+}
+
+/// Waits (at most 5 s) until `node`'s medium holds pages for its keys and nothing else: the
+/// slots of withdrawn keys were aborted, not leaked. Every value of `batch` takes 17 pages.
+async fn pages_held_only_by_keys(node: &PoolClient) {
+    let medium = node.medium().expect("a node lends a medium");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let capacity = medium.capacity();
+        let used = capacity.total_bytes - capacity.available_bytes;
+        let keys = medium.owned_key_count() as u64;
+        if used == keys * 17 * PAGE {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{used} bytes in use for {keys} keys");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
 
@@ -117,6 +136,9 @@ async fn keys_placed_elsewhere_are_withdrawn_and_end_the_streak() {
     assert_eq!(s.puts_copied_ahead + s.puts_withdrawn, 20, "every key was copied ahead: {s:?}");
     read_back(&light, &held, &held_values).await;
     read_back(&light, &keys[..16], &values[..16]).await;
+    let medium = a.medium().expect("a lends a medium");
+    assert!(medium.batch_contains(&held).iter().all(|c| !c), "a withdrawn key is not stored on a");
+    pages_held_only_by_keys(&a).await;
 
     // With two holders to place them on, some of the 16 new keys went to `b` (withdrawn from `a`,
     // then written there): the streak ended, and the next batch is routed before it is copied.
@@ -129,4 +151,31 @@ async fn keys_placed_elsewhere_are_withdrawn_and_end_the_streak() {
     for c in [&light, &a, &b] {
         c.close().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_whose_route_fails_commits_nothing_it_copied_ahead() {
+    let m = master().await;
+    let a = PoolClient::start(config(&m, "a", 16 << 20)).await.expect("node a");
+    let light = PoolClient::start(light(&m)).await.expect("client");
+    let (k1, v1) = batch("first", 8, 1);
+    put(&light, &k1, &v1).await;
+    indexed(&light, &k1).await;
+    pages_held_only_by_keys(&a).await;
+
+    // The master goes away: the next batch is copied into `a`, and its route fails.
+    m.shutdown().await;
+    let (k2, v2) = batch("orphan", 8, 100);
+    let items: Vec<(&str, &[u8])> = k2.iter().map(String::as_str).zip(v2.iter().map(Vec::as_slice)).collect();
+    let got = light.batch_put(&items).await;
+    assert!(got.iter().all(Result::is_err), "no route, no write: {got:?}");
+    let s = light.stats();
+    assert_eq!(s.puts_copied_ahead, 0, "{s:?}");
+    assert_eq!(s.puts_withdrawn, 8, "every key was copied into `a` and withdrawn: {s:?}");
+    let medium = a.medium().expect("a lends a medium");
+    assert!(medium.batch_contains(&k2).iter().all(|c| !c), "nothing committed without its route");
+    assert_eq!(medium.owned_key_count(), 8);
+    pages_held_only_by_keys(&a).await;
+    light.close().await;
+    a.close().await;
 }

@@ -269,11 +269,10 @@ impl PoolClient {
         };
         let (decisions, answers) = tokio::join!(route, self.put_chunks(items, &chunks, spread, Some(&gate)));
         let mut out: BTreeMap<usize, PutSettled> = BTreeMap::new();
-        // The route failed: every copy was withdrawn, and every key is routed afresh.
-        let Some(decisions) = decisions else { return (out, Streak::Broken) };
-        let mut elsewhere = false;
+        // A failed route withdrew every copy: each key is routed afresh (and counted withdrawn).
+        let mut elsewhere = decisions.is_none();
         let mut placed_here = vec![false; items.len()];
-        for (i, decision) in decisions {
+        for (i, decision) in decisions.into_iter().flatten() {
             match decision {
                 RoutePutDecision::AlreadyExists => {
                     out.insert(i, (Some(Ok(PutOutcome::AlreadyPresent)), None));
