@@ -5,7 +5,8 @@
 //! - keys the master says are present elsewhere are withdrawn from that holder (never committed
 //!   there: a get returns the first writer's bytes), and keys it places on another holder are
 //!   written there; either ends the streak, so the next batch is routed before it is copied;
-//! - keys the holder already has are answered present and the streak goes on;
+//! - keys the holder already has are answered present and the streak goes on; keys present only
+//!   elsewhere, copied for nothing, end it;
 //! - a batch copied ahead whose route never comes (the master is gone) commits nothing: every
 //!   copy is withdrawn and the holder's pages come back.
 
@@ -178,4 +179,38 @@ async fn a_batch_whose_route_fails_commits_nothing_it_copied_ahead() {
     pages_held_only_by_keys(&a).await;
     light.close().await;
     a.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn re_putting_keys_held_elsewhere_ends_the_streak() {
+    let m = umbp_master::start(MasterConfig {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        route_put_affinity: Affinity::Local,
+        ..MasterConfig::default()
+    })
+    .await
+    .expect("master");
+    let a = PoolClient::start(config(&m, "a", 16 << 20)).await.expect("node a");
+    let light = PoolClient::start(light(&m)).await.expect("client");
+    let (k1, v1) = batch("first", 8, 1);
+    put(&light, &k1, &v1).await;
+    let b = PoolClient::start(config(&m, "b", 16 << 20)).await.expect("node b");
+    let (held, held_values) = batch("held", 4, 50);
+    put(&b, &held, &held_values).await;
+    indexed(&light, &held).await;
+
+    // Only keys `b` holds: all present, all copied into `a` for nothing.
+    let outcomes = put(&light, &held, &held_values).await;
+    assert_eq!(outcomes, [PutOutcome::AlreadyPresent; 4]);
+    let s = light.stats();
+    assert_eq!((s.puts_copied_ahead, s.puts_withdrawn), (0, 4), "{s:?}");
+    // So the next batch is routed before it is copied.
+    let (k2, v2) = batch("next", 8, 100);
+    put(&light, &k2, &v2).await;
+    assert_eq!(light.stats().puts_withdrawn, 4, "nothing copied ahead");
+    assert_eq!(light.stats().puts_copied_ahead, 0);
+    read_back(&light, &k2, &v2).await;
+    for c in [&light, &a, &b] {
+        c.close().await;
+    }
 }

@@ -18,8 +18,9 @@
 //!   keys the master placed on that holder (`KeyedClient::put_shared_batch_confirmed`); the rest
 //!   are withdrawn (their slots aborted) and settled as the master said — already present, or left
 //!   to the routed path with their route. So the master still decides every placement and dedup;
-//!   only the copy starts early. Any key not written there ends the streak: the next batch routes
-//!   first.
+//!   only the copy starts early. Any key neither written nor found there (placed elsewhere,
+//!   present elsewhere and so copied for nothing, refused) ends the streak: the next batch routes
+//!   first, so a stream of re-puts of keys held elsewhere is not copied key by key.
 //! - Otherwise the first chunk's keys are routed in a call of their own, so their copies start
 //!   while the master routes the rest.
 //!
@@ -430,6 +431,11 @@ impl PoolClient {
             if ahead.is_some() {
                 StatCounters::add(&self.stats.puts_copied_ahead, written);
                 StatCounters::add(&self.stats.puts_withdrawn, withdrawn);
+                // Copied for nothing (present elsewhere, say): route first until a batch again
+                // goes wholly to one holder, so re-puts of present keys are not all copied.
+                if withdrawn > 0 {
+                    streak = Streak::Broken;
+                }
             }
             if kept > 0 {
                 streak = streak.and(Streak::One(holder.clone(), kept));
