@@ -104,9 +104,19 @@ async fn batches_to_one_holder_here_are_copied_while_the_master_routes() {
     a.close().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn keys_placed_elsewhere_are_withdrawn_and_end_the_streak() {
-    // `local` affinity: a node's own puts stay on it, so `b` can hold keys `a` has never seen.
+/// A light client with a streak on holder `a` (its first batch went wholly there), then a second
+/// holder `b` holding keys of its own (`held`), indexed. The master has `local` affinity: a
+/// node's own puts stay on it, so `b` holds keys `a` has never seen.
+struct TwoHolders {
+    _m: MasterHandle,
+    a: PoolClient,
+    b: PoolClient,
+    light: PoolClient,
+    held: Vec<String>,
+    held_values: Vec<Vec<u8>>,
+}
+
+async fn two_holders() -> TwoHolders {
     let m = umbp_master::start(MasterConfig {
         listen: "127.0.0.1:0".parse().expect("addr"),
         route_put_affinity: Affinity::Local,
@@ -118,12 +128,16 @@ async fn keys_placed_elsewhere_are_withdrawn_and_end_the_streak() {
     let light = PoolClient::start(light(&m)).await.expect("client");
     let (k1, v1) = batch("first", 8, 1);
     put(&light, &k1, &v1).await;
-
-    // A second holder, holding keys of its own.
     let b = PoolClient::start(config(&m, "b", 16 << 20)).await.expect("node b");
     let (held, held_values) = batch("held", 4, 50);
     put(&b, &held, &held_values).await;
     indexed(&light, &held).await;
+    TwoHolders { _m: m, a, b, light, held, held_values }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keys_placed_elsewhere_are_withdrawn_and_end_the_streak() {
+    let TwoHolders { _m, a, b, light, held, held_values } = two_holders().await;
 
     // The light client writes those keys (other bytes) and new ones, copied into `a` ahead of the
     // route. The held keys are withdrawn from `a`: the first writer's bytes stay the value.
@@ -183,21 +197,7 @@ async fn a_batch_whose_route_fails_commits_nothing_it_copied_ahead() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn re_putting_keys_held_elsewhere_ends_the_streak() {
-    let m = umbp_master::start(MasterConfig {
-        listen: "127.0.0.1:0".parse().expect("addr"),
-        route_put_affinity: Affinity::Local,
-        ..MasterConfig::default()
-    })
-    .await
-    .expect("master");
-    let a = PoolClient::start(config(&m, "a", 16 << 20)).await.expect("node a");
-    let light = PoolClient::start(light(&m)).await.expect("client");
-    let (k1, v1) = batch("first", 8, 1);
-    put(&light, &k1, &v1).await;
-    let b = PoolClient::start(config(&m, "b", 16 << 20)).await.expect("node b");
-    let (held, held_values) = batch("held", 4, 50);
-    put(&b, &held, &held_values).await;
-    indexed(&light, &held).await;
+    let TwoHolders { _m, a, b, light, held, held_values } = two_holders().await;
 
     // Only keys `b` holds: all present, all copied into `a` for nothing.
     let outcomes = put(&light, &held, &held_values).await;
