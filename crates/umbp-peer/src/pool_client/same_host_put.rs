@@ -259,29 +259,28 @@ impl PoolClient {
             let holder = &holder;
             async move {
                 let decisions = self.route_group(items, keys).await;
-                let mut confirmed = vec![false; items.len()];
+                // Placed on the holder and on the tier its slots were allocated in (a key placed
+                // elsewhere, another tier included, is written there by the routed path).
+                let mut placed_here = vec![false; items.len()];
                 for (i, d) in decisions.iter().flatten() {
-                    confirmed[*i] = matches!(d, RoutePutDecision::Routed { node_id, tier, .. }
+                    placed_here[*i] = matches!(d, RoutePutDecision::Routed { node_id, tier, .. }
                         if *node_id == holder.0 && *tier == holder.3);
                 }
-                opener.0.open(confirmed);
-                decisions
+                opener.0.open(placed_here.clone());
+                (decisions, placed_here)
             }
         };
-        let (decisions, answers) = tokio::join!(route, self.put_chunks(items, &chunks, spread, Some(&gate)));
+        let ((decisions, placed_here), answers) =
+            tokio::join!(route, self.put_chunks(items, &chunks, spread, Some(&gate)));
         let mut out: BTreeMap<usize, PutSettled> = BTreeMap::new();
         // A failed route withdrew every copy: each key is routed afresh (and counted withdrawn).
         let mut elsewhere = decisions.is_none();
-        let mut placed_here = vec![false; items.len()];
         for (i, decision) in decisions.into_iter().flatten() {
             match decision {
                 RoutePutDecision::AlreadyExists => {
                     out.insert(i, (Some(Ok(PutOutcome::AlreadyPresent)), None));
                 }
                 RoutePutDecision::Routed { node_id, tier, peer_address, .. } => {
-                    // The slot was allocated on the holder's tier: a key placed on another tier of
-                    // the same node is written there by the routed path.
-                    placed_here[i] = node_id == holder.0 && tier == holder.3;
                     elsewhere |= !placed_here[i];
                     out.insert(i, (None, Some((node_id, peer_address, tier))));
                 }
