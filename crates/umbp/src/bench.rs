@@ -40,6 +40,7 @@ use umbp_master::routing::Affinity;
 use umbp_peer::pool_client::{DramConfig, Medium, PoolClient, PoolClientConfig, RecachePolicy};
 
 use crate::bench_breakdown::{BatchPhases, Recorder, Samples, batch_phases_table, recorded};
+use crate::bench_keyed::SameHostKeys;
 pub(crate) use crate::bench_latency::latency_blocks;
 use crate::bench_latency::{LATENCY_KEY, measure_large_latency, measure_latency};
 pub use crate::bench_latency::{Latencies, Latency};
@@ -273,6 +274,8 @@ pub struct BenchReport {
     pub cli_get: Option<crate::bench_cli::CliGet>,
     /// Where the time of the remote and same-host batches went, phase by phase (`--breakdown` only).
     pub batch_phases: Vec<BatchPhases>,
+    /// Which path the same-host batches' keys took, per value size.
+    pub same_host_keys: Vec<SameHostKeys>,
 }
 
 fn value_label(bytes: u64) -> String {
@@ -306,7 +309,7 @@ impl BenchReport {
             "{{\"rounds\":{},\"batch_bytes\":{},\"rows\":[{}],\"latency\":{},\"latency_routed\":{},\"put_latency\":{},\
              \"put_latency_routed\":{},\"latency_1m_shm\":{},\"latency_1m_tcp\":{},\"put_latency_1m_shm\":{},\
              \"put_latency_1m_tcp\":{},\"memcpy_threads\":{},\"baseline_warnings\":[{}],\"breakdown\":{},\"breakdown_routed\":{},\
-             \"cli_get\":{},\"batch_phases\":[{}]}}",
+             \"cli_get\":{},\"batch_phases\":[{}],\"same_host_keys\":[{}]}}",
             self.rounds,
             self.batch_bytes,
             rows.join(","),
@@ -323,7 +326,8 @@ impl BenchReport {
             self.breakdown.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
             self.breakdown_routed.as_ref().map_or_else(|| "null".to_owned(), |b| b.to_json()),
             self.cli_get.as_ref().map_or_else(|| "null".to_owned(), crate::bench_cli::CliGet::to_json),
-            self.batch_phases.iter().map(BatchPhases::to_json).collect::<Vec<_>>().join(",")
+            self.batch_phases.iter().map(BatchPhases::to_json).collect::<Vec<_>>().join(","),
+            self.same_host_keys.iter().map(SameHostKeys::to_json).collect::<Vec<_>>().join(",")
         )
     }
 }
@@ -433,6 +437,9 @@ impl fmt::Display for BenchReport {
         }
         for b in [&self.breakdown_routed, &self.breakdown].into_iter().flatten() {
             write!(f, "\n\n{b}")?;
+        }
+        for k in &self.same_host_keys {
+            write!(f, "\n{k}")?;
         }
         if !self.batch_phases.is_empty() {
             write!(f, "\n\n{}", batch_phases_table(&self.batch_phases))?;
@@ -730,10 +737,11 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
             return Err(e);
         }
     };
-    let mut batch_phases = Vec::new();
+    let (mut batch_phases, mut same_host_keys) = (Vec::new(), Vec::new());
     let result = async {
         let clients = Clients { tcp: &tcp, shm: &client };
-        measure_remote(&clients, &raw_addr, rounds, batch, &mut rows, &mut batch_phases).await?;
+        let found = (&mut rows, &mut batch_phases, &mut same_host_keys);
+        measure_remote(&clients, &raw_addr, rounds, batch, found).await?;
         let mut latency = measure_latency(&client, &routed, options.latency_calls).await?;
         measure_large_latency(&client, &tcp, large_latency_calls(options.latency_calls), &mut latency).await?;
         // The key the latency probe stored, got by `umbp get` processes (light clients).
@@ -767,6 +775,7 @@ async fn measure(options: &BenchOptions, master: &str) -> Result<BenchReport, Be
         breakdown_routed,
         cli_get: Some(cli_get),
         batch_phases,
+        same_host_keys,
     })
 }
 
@@ -955,8 +964,7 @@ async fn measure_remote(
     raw_addr: &str,
     rounds: usize,
     batch: usize,
-    rows: &mut Vec<BenchRow>,
-    batch_phases: &mut Vec<BatchPhases>,
+    (rows, batch_phases, same_host_keys): (&mut Vec<BenchRow>, &mut Vec<BatchPhases>, &mut Vec<SameHostKeys>),
 ) -> Result<(), BenchError> {
     // Under `--breakdown`, the batches' phase spans are recorded too.
     let recorder = Recorder::current();
@@ -971,6 +979,7 @@ async fn measure_remote(
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut shm_put, mut shm_get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut from_memory, mut streamed) = (Vec::new(), Vec::new());
+        let mut keyed = SameHostKeys::new(value as u64);
         let mut progress =
             Progress::new(format!("umbp bench: remote {} values, rounds", human_size(value as u64)), rounds);
         for round in 0..rounds {
@@ -994,8 +1003,10 @@ async fn measure_remote(
             unsettled.push(hasty);
             let over_tcp = clients.shm.transferred_bytes(TCP_ENGINE);
             let through_shm = clients.shm.transferred_bytes(SHM_ENGINE);
+            let stats = clients.shm.stats();
             let round_trip = put_get_round(clients.shm, &keys, &data, &mut out, "same-host");
             let (p, g) = recorded(recorder.as_deref(), &mut shm_spans, round_trip).await?;
+            keyed.add(n as u64, &stats, &clients.shm.stats());
             let (over_tcp, through_shm) = (
                 clients.shm.transferred_bytes(TCP_ENGINE) - over_tcp,
                 clients.shm.transferred_bytes(SHM_ENGINE) - through_shm,
@@ -1021,6 +1032,7 @@ async fn measure_remote(
         progress.finish();
         batch_phases.extend(BatchPhases::cells("remote (TCP)", value as u64, &tcp_spans));
         batch_phases.extend(BatchPhases::cells("same host (shm)", value as u64, &shm_spans));
+        same_host_keys.push(keyed);
         let (copy_range, copy, unsettled) = (spread(&copy), median(copy), median(unsettled));
         let (from_memory_range, from_memory) = (spread(&from_memory), median(from_memory));
         let (streamed_range, streamed) = (spread(&streamed), median(streamed));

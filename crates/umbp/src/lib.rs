@@ -71,6 +71,9 @@ pub mod bench_checksum;
 pub mod bench_cli;
 #[cfg(feature = "cli")]
 #[doc(hidden)]
+pub mod bench_keyed;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod bench_latency;
 #[cfg(feature = "cli")]
 #[doc(hidden)]

@@ -97,6 +97,13 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
         );
         assert_eq!(line.matches(" µs, p99 ").count(), 2, "{line}");
     }
+    // Which path the same-host keys took: with one round of 4 MiB batches, every key keyed.
+    for line in [
+        "same-host 64 KiB batches, 64 keys: 64 put in a keyed exchange (",
+        "same-host 1 MiB batches, 4 keys: 4 put in a keyed exchange (",
+    ] {
+        assert!(out.contains(line), "{line}:\n{out}");
+    }
     assert!(
         out.contains("`umbp get` of a 64 KiB value as a process, 30 runs: p50 ")
             && out.contains("(`umbp --version`: p50 "),
@@ -137,6 +144,11 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
     }
     assert!(json.contains("\"breakdown\":null,\"breakdown_routed\":null,"), "no --breakdown: {json}");
     assert!(json.contains("\"batch_phases\":[]"), "no --breakdown, no batch phases: {json}");
+    for value in [65_536, 1_048_576] {
+        let keys = (4 << 20) / value;
+        let prefix = format!("{{\"value_bytes\":{value},\"keys\":{keys},\"keyed_puts\":{keys},\"copied_ahead\":");
+        assert!(json.contains(&prefix), "{prefix}: {json}");
+    }
     assert!(
         json.contains("\"cli_get\":{\"value_bytes\":65536,\"get\":{\"runs\":30,\"p50_ms\":")
             && json.contains("\"version\":{\"runs\":30,\"p50_ms\":"),
