@@ -9,7 +9,7 @@
 //! from its own mappings and ends every lease with one settle frame, all on one connection.
 //! A get's chunks are large, two in flight, and each chunk's copies fan out over every core
 //! (`umbp_transfer`'s kept copy pool): the exchange is paid once per chunk while all cores copy.
-//! A put's chunks are one per core, each copied on its own thread ([`Spread`]).
+//! A put's chunks are cut and fanned out alike ([`Spread`]).
 //!
 //! - **Where the keys are**: the client's location cache (as the single-key path); a client that
 //!   lends no medium asks the master once for the keys it has no location for (one route call per
@@ -32,7 +32,7 @@ use umbp_transfer::{KeyedBatchItem, KeyedClient, KeyedGet};
 
 use super::phases::{self, phase};
 use super::ranged::Dest;
-use super::support::{PIPELINE_CHUNK_BYTES, PIPELINE_DEPTH, StatCounters, offload, pipelined_with};
+use super::support::{StatCounters, offload, pipelined_with};
 use super::*;
 use crate::master_client::RouteGetHit;
 
@@ -43,9 +43,9 @@ const MIN_CHUNK_BYTES: u64 = 1 << 20;
 /// The largest chunk of a same-host batch (see [`Spread`]).
 const CHUNK_BYTES: u64 = 32 << 20;
 
-/// How a same-host batch is cut and run. A get's chunk is one exchange with its holder, and its
-/// copies fan out over every core inside it (`umbp_transfer`'s kept copy pool), so chunks are
-/// large — half the batch, at most [`CHUNK_BYTES`] — and two are in flight:
+/// How a same-host batch is cut and run. A chunk is one exchange with its holder (GET_KEYS or
+/// PUT_KEYS), and its copies fan out over every core inside it (`umbp_transfer`'s kept copy
+/// pool), so chunks are large — half the batch, at most [`CHUNK_BYTES`] — and two are in flight:
 /// one's exchange overlaps the other's copies. (Before, a batch was cut into one chunk per core,
 /// each copied on its own thread: on the 16-core host each of 16 chunks of 4 MiB waited ~0.1–0.3
 /// ms for a thread and ~0.1–0.5 ms for its exchange, beside ~1.3 ms of copying.)
@@ -55,23 +55,9 @@ pub(super) struct Spread {
 }
 
 impl Spread {
-    /// A get's (see above).
-    fn fanned(total_bytes: u64) -> Self {
+    /// For a batch of `total_bytes` (see above).
+    pub(super) fn fanned(total_bytes: u64) -> Self {
         Self { chunk_bytes: (total_bytes / 2).clamp(MIN_CHUNK_BYTES, CHUNK_BYTES), depth: 2 }
-    }
-
-    /// A put's: one chunk per core (1–8 MiB), at least six in flight, each summed and copied on
-    /// its own thread. Fanning a put's chunk out instead was slower on the 16-core host (1 MiB
-    /// values at 14–19 GB/s against 19–21): the holder allocates a chunk's slots in its exchange,
-    /// and sixteen chunks in flight overlap those exchanges with each other's copies. Cut as a
-    /// get's (two chunks, writes on the copy pool) it collapsed to 13–14 GB/s against 29 on one
-    /// 16-core host while gaining 1.15× on another (`docs/benchmarks.md`, 2026-12-06).
-    pub(super) fn per_core(total_bytes: u64) -> Self {
-        // Asked once per process: on Linux it reads the cgroup's CPU quota from files.
-        static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get));
-        let chunk_bytes = (total_bytes / cores as u64).clamp(MIN_CHUNK_BYTES, PIPELINE_CHUNK_BYTES);
-        Self { chunk_bytes, depth: cores.max(PIPELINE_DEPTH) }
     }
 }
 

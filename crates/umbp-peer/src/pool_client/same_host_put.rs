@@ -7,7 +7,8 @@
 //! slot's end. A key written so is remembered as located there (a later get of it skips the
 //! master). Every other key — routed to another host, refused, failed — takes the routed path; a
 //! routed-elsewhere or busy key keeps its route there (no second route call), a refused one is
-//! routed afresh. A put's chunks are one per core, each copied on its own thread ([`Spread`]).
+//! routed afresh. A put's chunks are a get's: two large ones in flight, each one exchange whose
+//! writes fan out over every core ([`Spread`]).
 //!
 //! **Copying while the master routes.** The route call is the one step before which nothing can
 //! be copied: 0.6–1.2 ms for a 64 MiB batch of 64 keys on the 2-core VM, 15–25 % of the batch.
@@ -170,7 +171,7 @@ impl PoolClient {
             return routes;
         }
         let total: u64 = candidates.iter().map(|i| items[*i].1.size()).sum();
-        let spread = Spread::per_core(total);
+        let spread = Spread::fanned(total);
         // Copies ahead block their threads until the route returns: only where they run on the
         // blocking pool, never inline in the task that drives the route (no runtime).
         let ahead = self.sole_put_holder.get().filter(|_| tokio::runtime::Handle::try_current().is_ok());
@@ -306,8 +307,9 @@ impl PoolClient {
         Some(decisions)
     }
 
-    /// One PUT_KEYS per chunk, [`Spread::depth`] in flight, each copied (and summed) on its own
-    /// thread; with `gate`, each chunk commits only the keys the gate confirms.
+    /// One PUT_KEYS per chunk, [`Spread::depth`] in flight, each chunk's values copied (and
+    /// summed) over the kept copy pool; with `gate`, each chunk commits only the keys the gate
+    /// confirms.
     async fn put_chunks<'c>(
         &self,
         items: &[(&str, Src<'_>)],
@@ -330,9 +332,8 @@ impl PoolClient {
             let wire_tier = u64::from(tier.wire());
             let gate = gate.map(Arc::clone);
             let indexes = indexes.clone();
-            // Each chunk sums its own values on its own thread (the chunks run at once, one per
-            // core) as it copies them in: each block is summed right after its copy, while it is
-            // still in L2, so a value is read once (summing it first, then copying it, read it
+            // Each value is summed as it is copied in: each block right after its copy, while it
+            // is still in L2, so a value is read once (summing it first, then copying it, read it
             // twice: checksums on/off 0.61–0.72 for these puts on the 2-core VM).
             let checksum = if self.config.checksums { PutChecksum::WhileCopying } else { PutChecksum::None };
             let got = offload(move || {

@@ -7,12 +7,11 @@
 //! right after each block lands, while it is still in L2 (summing a whole 1 MiB value after its
 //! copy read it back from L3: ~20 % of the copy's time on the 16-core host).
 //!
-//! A batch put is not fanned out: on the 16-core host, one PUT_KEYS per large chunk with its
-//! sums and copies on the pool put 1 MiB values at 14–19 GB/s against 19–21 for one chunk per core
-//! copying on its own thread (the holder allocates a chunk's slots one exchange at a time, which
-//! sixteen chunks in flight overlap). Tried again with streaming stores and sums while copying
-//! (two 32 MiB chunks, their writes on the pool): 1.15× on one 16-core host, but 13–14 GB/s
-//! against 29 on another, in every run (`docs/benchmarks.md`).
+//! A batch put's writes fan out the same way ([`write_values`]): one PUT_KEYS answers every slot
+//! of a chunk, then each value is written (streaming stores, `SharedMapping::write_at`) and summed
+//! block by block on a pool thread, so a chunk's exchange is paid once while every core copies.
+//! (Before puts streamed and summed while copying, a fanned put ran 14–19 GB/s on the 16-core host
+//! against 19–21 for one chunk per core; see `docs/benchmarks.md` for the comparison since.)
 //!
 //! The pool (`umbp-shm-copy-N`, one thread per core) is started at the first batch large enough
 //! to use it and kept for the process; smaller batches copy on the calling thread.
@@ -148,6 +147,56 @@ pub(crate) unsafe fn copy_values_spread(values: &[ValueCopy], fan_out: bool) -> 
         }
         _ => values.iter().map(run).collect(),
     }
+}
+
+/// `len` bytes at `offset` of a holder's region mapped here: where part of a put's value goes.
+pub(crate) struct Target {
+    pub(crate) mapping: Arc<SharedMapping>,
+    pub(crate) offset: u64,
+    pub(crate) len: usize,
+}
+
+/// One value's write into a holder's slot: `src`, cut in order over `targets`.
+pub(crate) struct ValueWrite<'a> {
+    pub(crate) src: &'a [u8],
+    pub(crate) targets: Vec<Target>,
+    /// Sum `src` while it is written (each block right after its copy, still in L2).
+    pub(crate) sum: bool,
+}
+
+/// Writes every value into its targets, on the pool when the batch holds enough bytes and more
+/// than one value. One answer per value, in order: its sum when asked for (`Ok(None)` when not),
+/// or why it could not be written (a region gone stale, targets that do not cover the value): the
+/// slot must then not be committed.
+pub(crate) fn write_values(values: &[ValueWrite<'_>]) -> Vec<Result<Option<u32>, ShmError>> {
+    let total: u64 = values.iter().map(|v| v.src.len() as u64).sum();
+    match pool() {
+        Some(pool) if values.len() > 1 && total >= FAN_OUT_BYTES => {
+            pool.install(|| values.par_iter().with_max_len(1).map(write_value).collect())
+        }
+        _ => values.iter().map(write_value).collect(),
+    }
+}
+
+/// Writes one value block by block, summing each block after its copy when asked.
+fn write_value(v: &ValueWrite<'_>) -> Result<Option<u32>, ShmError> {
+    let covered = v.targets.iter().try_fold(0usize, |t, part| t.checked_add(part.len));
+    if covered != Some(v.src.len()) {
+        return Err(ShmError::Invalid(format!("slot ranges for a value of {} bytes", v.src.len())));
+    }
+    let mut sum = v.sum.then(ValueCrc32c::new);
+    let mut at = 0usize;
+    for part in &v.targets {
+        let src = &v.src[at..at + part.len];
+        for (k, block) in src.chunks(BLOCK).enumerate() {
+            part.mapping.write_at(part.offset + (k * BLOCK) as u64, block)?;
+            if let Some(sum) = &mut sum {
+                sum.update(block);
+            }
+        }
+        at += part.len;
+    }
+    Ok(sum.map(|s| s.finish()))
 }
 
 /// Copies one value block by block, summing each block after it lands when asked.

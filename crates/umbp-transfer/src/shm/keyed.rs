@@ -34,9 +34,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use umbp_core::ValueCrc32c;
 
-use super::fanout::{BLOCK, Piece, Source};
+use super::fanout::{Piece, Source, Target};
 use super::{SharedMapping, ShmClient, ShmClientConfig, ShmError};
 
 /// How long a holder without a usable shared path is asked for bytes instead.
@@ -178,31 +177,13 @@ impl Copier<'_> {
     /// Copies `src` into the ranges `(region id, offset, len)`, in order (a keyed put's slot).
     /// `Err`: the slot must not be committed as written.
     pub(crate) fn copy_in(&mut self, ranges: &[(u64, u64, u64)], src: &[u8]) -> Result<u64, ShmError> {
-        self.copy_in_summed(ranges, src, None)
-    }
-
-    /// [`copy_in`](Self::copy_in), and when `sum` is given, each block of `src` is added to it
-    /// right after it was copied, while it is still in L2 (one read of the value, not two).
-    pub(crate) fn copy_in_summed(
-        &mut self,
-        ranges: &[(u64, u64, u64)],
-        src: &[u8],
-        mut sum: Option<&mut ValueCrc32c>,
-    ) -> Result<u64, ShmError> {
         let total = ranges.iter().try_fold(0u64, |t, r| t.checked_add(r.2));
         if total != Some(src.len() as u64) {
             return Err(ShmError::Invalid(format!("slot ranges for a value of {} bytes", src.len())));
         }
         let copied = self.each_range(ranges, |mapping, offset, at, len| {
             let part = src.get(at..at + len).ok_or_else(|| ShmError::Invalid("a range past the value".into()))?;
-            let Some(sum) = sum.as_deref_mut() else { return mapping.write_at(offset, part) };
-            let mut done = 0usize;
-            for block in part.chunks(BLOCK) {
-                mapping.write_at(offset + done as u64, block)?;
-                sum.update(block);
-                done += block.len();
-            }
-            Ok(())
+            mapping.write_at(offset, part)
         })?;
         self.puts += 1;
         self.bytes += copied;
@@ -227,6 +208,19 @@ impl Copier<'_> {
             .collect()
     }
 
+    /// The ranges `(region id, offset, len)` of a put's slot, mapped here, for a write elsewhere
+    /// (a batch's writes fanned out, see `fanout::write_values`), which checks each region's
+    /// epoch. `Err`: the slot is not written.
+    pub(crate) fn targets(&mut self, ranges: &[(u64, u64, u64)]) -> Result<Vec<Target>, ShmError> {
+        self.pieces(ranges)?
+            .into_iter()
+            .map(|p| match p.source {
+                Source::Mapping(mapping) => Ok(Target { mapping, offset: p.offset, len: p.len }),
+                Source::Local(_) => Err(ShmError::Invalid("a local piece for a slot".into())),
+            })
+            .collect()
+    }
+
     /// A copy of [`pieces`](Self::pieces) failed with `error`: a region that went stale is
     /// forgotten, so the next answer maps it afresh.
     pub(crate) fn failed(&mut self, error: &ShmError) {
@@ -239,6 +233,12 @@ impl Copier<'_> {
     /// Counts a value of `bytes` read through [`pieces`](Self::pieces).
     pub(crate) fn count_get(&mut self, bytes: u64) {
         self.gets += 1;
+        self.bytes += bytes;
+    }
+
+    /// Counts a value of `bytes` written through [`targets`](Self::targets).
+    pub(crate) fn count_put(&mut self, bytes: u64) {
+        self.puts += 1;
         self.bytes += bytes;
     }
 

@@ -12,7 +12,6 @@ use super::{
 };
 use crate::shm::fanout::{self, Dst, ValueCopy};
 use crate::shm::{Copier, SharedReads, ShmError};
-use umbp_core::ValueCrc32c;
 
 /// How long a holder that failed a GET_KEYS (an older build closes the connection at the op) is
 /// asked no batch.
@@ -214,14 +213,15 @@ impl KeyedClient {
         stream.read_exact(&mut body).map_err(mid)?;
         let answers = batch_wire::decode_reply(&body, items.len())
             .map_err(|e| protocol_error(format!("bad PUT_KEYS reply: {e}")))?;
+        // Plan every slot's write, then fan the writes out (`fanout::write_values`): the chunk's
+        // exchange is paid once while every core copies.
         let mut out = Vec::with_capacity(items.len());
-        let mut copied = vec![0u8; items.len()];
-        // Summed while copied: one CRC-32C per key after the flags (see `batch_wire`).
-        let late = items.iter().any(|i| i.checksum == PutChecksum::WhileCopying);
-        let mut sums = vec![0u8; if late { items.len() * batch_wire::SETTLE_CRC_LEN } else { 0 }];
+        let mut indexes: Vec<usize> = Vec::new();
+        let mut writes: Vec<fanout::ValueWrite<'_>> = Vec::new();
+        // A slot is open for every mapped answer, written or not: the settle frame ends it.
         let mut slots = false;
         let mut copier = BatchCopier::new(&self.shared, endpoint);
-        for (i, ((item, answer), flag)) in items.iter().zip(answers).zip(copied.iter_mut()).enumerate() {
+        for (i, (item, answer)) in items.iter().zip(answers).enumerate() {
             out.push(match answer {
                 BatchAnswer::Mapped(d) => {
                     slots = true;
@@ -232,19 +232,16 @@ impl KeyedClient {
                             item.value.len()
                         )));
                     }
-                    let mut sum = (item.checksum == PutChecksum::WhileCopying).then(ValueCrc32c::new);
-                    match copier.get().and_then(|c| c.copy_in_summed(&d.ranges, item.value, sum.as_mut())) {
-                        Ok(_) => {
-                            *flag = 1;
-                            if let Some(sum) = sum {
-                                let at = i * batch_wire::SETTLE_CRC_LEN;
-                                sums[at..at + batch_wire::SETTLE_CRC_LEN].copy_from_slice(&sum.finish().to_le_bytes());
-                            }
-                            // The holder's verdict follows.
+                    match copier.get().and_then(|c| c.targets(&d.ranges)) {
+                        Ok(targets) => {
+                            let sum = item.checksum == PutChecksum::WhileCopying;
+                            indexes.push(i);
+                            writes.push(fanout::ValueWrite { src: item.value, targets, sum });
+                            // Unless its write fails; the holder's verdict follows.
                             KeyedPut::Written
                         }
                         Err(error) => {
-                            tracing::debug!(peer = endpoint, %error, key = item.key, "no copy into the mapping");
+                            tracing::debug!(peer = endpoint, %error, key = item.key, "no mapping for the slot");
                             KeyedPut::Failed
                         }
                     }
@@ -255,6 +252,27 @@ impl KeyedClient {
                 BatchAnswer::Other(Status::Failed) => KeyedPut::Failed,
                 BatchAnswer::Other(_) | BatchAnswer::TooSmall(_) => KeyedPut::Unsupported,
             });
+        }
+        let mut copied = vec![0u8; items.len()];
+        // Summed while copied: one CRC-32C per key after the flags (see `batch_wire`).
+        let late = items.iter().any(|i| i.checksum == PutChecksum::WhileCopying);
+        let mut sums = vec![0u8; if late { items.len() * batch_wire::SETTLE_CRC_LEN } else { 0 }];
+        for ((i, write), result) in indexes.into_iter().zip(&writes).zip(fanout::write_values(&writes)) {
+            match result {
+                Ok(sum) => {
+                    copied[i] = 1;
+                    copier.count_put(write.src.len() as u64);
+                    if let Some(sum) = sum {
+                        let at = i * batch_wire::SETTLE_CRC_LEN;
+                        sums[at..at + batch_wire::SETTLE_CRC_LEN].copy_from_slice(&sum.to_le_bytes());
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(peer = endpoint, %error, key = items[i].key, "no copy into the mapping");
+                    copier.failed(&error);
+                    out[i] = KeyedPut::Failed;
+                }
+            }
         }
         if !slots {
             return Ok(out);
@@ -426,6 +444,13 @@ impl<'r> BatchCopier<'r> {
     fn count_get(&mut self, bytes: u64) {
         if let Some(Ok(copier)) = &mut self.copier {
             copier.count_get(bytes);
+        }
+    }
+
+    /// [`Copier::count_put`], likewise (made at the value's `targets`).
+    fn count_put(&mut self, bytes: u64) {
+        if let Some(Ok(copier)) = &mut self.copier {
+            copier.count_put(bytes);
         }
     }
 
