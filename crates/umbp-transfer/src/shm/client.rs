@@ -472,6 +472,21 @@ impl SharedMapping {
     }
 }
 
+#[cfg(test)]
+impl SharedMapping {
+    /// A mapping of `file`'s first `len` bytes as region 1, current while slot `slot` of `table`
+    /// holds `epoch`: a holder's region without a holder, for the copy loops' unit tests.
+    pub(crate) fn for_tests(
+        file: &OwnedFd,
+        len: u64,
+        table: Arc<EpochTable>,
+        slot: u32,
+        epoch: u64,
+    ) -> io::Result<Self> {
+        Self::map("test", 1, file, 0, len, epoch, slot, table)
+    }
+}
+
 impl Drop for SharedMapping {
     fn drop(&mut self) {
         // SAFETY: our own mapping of `map_len` bytes, unmapped once; no reference into it outlives

@@ -249,3 +249,93 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
     }
     Copied::Done { size: at as u64, crc32c: sum.map(|s| s.finish()) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::epochs::EpochTable;
+    use super::*;
+
+    const REGION: usize = 8 << 20;
+
+    /// A region of [`REGION`] bytes in a memory file, mapped as a same-host writer maps a holder's,
+    /// current at epoch 1 of its table's slot 0.
+    fn region() -> (Arc<SharedMapping>, Arc<EpochTable>) {
+        let fd = rustix::fs::memfd_create("fanout-test", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd");
+        rustix::fs::ftruncate(&fd, REGION as u64).expect("size");
+        let (table, _fd) = EpochTable::create(2).expect("table");
+        let table = Arc::new(table);
+        table.store(0, 1);
+        let mapping = SharedMapping::for_tests(&fd, REGION as u64, Arc::clone(&table), 0, 1).expect("mapped");
+        (Arc::new(mapping), table)
+    }
+
+    fn value(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    }
+
+    fn target(mapping: &Arc<SharedMapping>, offset: u64, len: usize) -> Target {
+        Target { mapping: Arc::clone(mapping), offset, len }
+    }
+
+    /// Enough bytes to take the pool: every value lands where its targets say, in order across
+    /// targets; each sum is of the value; a value its targets do not cover fails alone.
+    #[test]
+    fn fanned_writes_land_in_their_targets_and_fail_value_by_value() {
+        let (mapping, _table) = region();
+        let values: Vec<Vec<u8>> = (0..4).map(|i| value((1 << 20) + 3 * i, i as u8)).collect();
+        let mut writes: Vec<ValueWrite<'_>> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let at = (i as u64) * (2 << 20);
+                // The second value in two ranges, the second range first in the region.
+                let targets = if i == 1 {
+                    let half = v.len() / 2;
+                    vec![target(&mapping, at + (1 << 20), half), target(&mapping, at, v.len() - half)]
+                } else {
+                    vec![target(&mapping, at, v.len())]
+                };
+                ValueWrite { src: v, targets, sum: i % 2 == 0 }
+            })
+            .collect();
+        let short = value(4096, 9);
+        writes.push(ValueWrite { src: &short, targets: vec![target(&mapping, 7 << 20, 4095)], sum: true });
+        let written = write_values(&writes);
+        assert_eq!(written.len(), 5);
+        for (i, v) in values.iter().enumerate() {
+            let expected = (i % 2 == 0).then(|| {
+                let mut sum = ValueCrc32c::new();
+                sum.update(v);
+                sum.finish()
+            });
+            assert_eq!(written[i].as_ref().ok(), Some(&expected), "value {i}");
+            let mut landed = vec![0u8; v.len()];
+            let at = (i as u64) * (2 << 20);
+            if i == 1 {
+                let half = v.len() / 2;
+                mapping.read_at(at + (1 << 20), &mut landed[..half]).expect("read");
+                mapping.read_at(at, &mut landed[half..]).expect("read");
+            } else {
+                mapping.read_at(at, &mut landed).expect("read");
+            }
+            assert!(landed == *v, "value {i} landed byte-exact");
+        }
+        assert!(matches!(written[4], Err(ShmError::Invalid(_))), "{:?}", written[4]);
+    }
+
+    /// A region deregistered (its epoch moved on) before the writes: every value fails as stale.
+    #[test]
+    fn writes_into_a_stale_region_fail() {
+        let (mapping, table) = region();
+        table.store(0, 2);
+        let values: Vec<Vec<u8>> = (0..3).map(|i| value(1 << 20, i)).collect();
+        let writes: Vec<ValueWrite<'_>> = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| ValueWrite { src: v, targets: vec![target(&mapping, (i as u64) << 20, v.len())], sum: false })
+            .collect();
+        for w in write_values(&writes) {
+            assert!(matches!(w, Err(ShmError::Stale { region_id: 1, .. })), "{w:?}");
+        }
+    }
+}
