@@ -140,7 +140,12 @@ pub(crate) unsafe fn copy_values(values: &[ValueCopy]) -> Vec<Copied> {
 /// As [`copy_values`].
 pub(crate) unsafe fn copy_values_spread(values: &[ValueCopy], fan_out: bool) -> Vec<Copied> {
     // SAFETY: this function's contract, per value.
-    let run = |v: &ValueCopy| unsafe { copy_value(v) };
+    each_value(values, fan_out, |v| unsafe { copy_value(v) })
+}
+
+/// `run` over every value, one value per pool thread when `fan_out` (and there is more than one
+/// value and a pool), else on the calling thread; the answers in order.
+fn each_value<T: Sync, R: Send>(values: &[T], fan_out: bool, run: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
     match pool() {
         Some(pool) if values.len() > 1 && fan_out => {
             pool.install(|| values.par_iter().with_max_len(1).map(run).collect())
@@ -170,12 +175,7 @@ pub(crate) struct ValueWrite<'a> {
 /// slot must then not be committed.
 pub(crate) fn write_values(values: &[ValueWrite<'_>]) -> Vec<Result<Option<u32>, ShmError>> {
     let total: u64 = values.iter().map(|v| v.src.len() as u64).sum();
-    match pool() {
-        Some(pool) if values.len() > 1 && total >= FAN_OUT_BYTES => {
-            pool.install(|| values.par_iter().with_max_len(1).map(write_value).collect())
-        }
-        _ => values.iter().map(write_value).collect(),
-    }
+    each_value(values, total >= FAN_OUT_BYTES, write_value)
 }
 
 /// Writes one value block by block, summing each block after its copy when asked.

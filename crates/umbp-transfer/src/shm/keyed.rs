@@ -194,6 +194,17 @@ impl Copier<'_> {
     /// batch's copies fanned out, see `fanout`): the mappings stay valid while the pieces live,
     /// and each copy checks its region's epoch. `Err`: the value is for TCP.
     pub(crate) fn pieces(&mut self, ranges: &[(u64, u64, u64)]) -> Result<Vec<Piece>, ShmError> {
+        let targets = self.targets(ranges)?;
+        Ok(targets
+            .into_iter()
+            .map(|t| Piece { source: Source::Mapping(t.mapping), offset: t.offset, len: t.len })
+            .collect())
+    }
+
+    /// The ranges `(region id, offset, len)` mapped here (a put's slot, for a write elsewhere: a
+    /// batch's writes fanned out, see `fanout::write_values`); each write checks its region's
+    /// epoch. `Err`: the ranges are not to be copied through the mappings.
+    pub(crate) fn targets(&mut self, ranges: &[(u64, u64, u64)]) -> Result<Vec<Target>, ShmError> {
         ranges
             .iter()
             .map(|&(region_id, offset, len)| {
@@ -203,20 +214,7 @@ impl Copier<'_> {
                     len,
                     region_len: mapping.len(),
                 })?;
-                Ok(Piece { source: Source::Mapping(mapping), offset, len })
-            })
-            .collect()
-    }
-
-    /// The ranges `(region id, offset, len)` of a put's slot, mapped here, for a write elsewhere
-    /// (a batch's writes fanned out, see `fanout::write_values`), which checks each region's
-    /// epoch. `Err`: the slot is not written.
-    pub(crate) fn targets(&mut self, ranges: &[(u64, u64, u64)]) -> Result<Vec<Target>, ShmError> {
-        self.pieces(ranges)?
-            .into_iter()
-            .map(|p| match p.source {
-                Source::Mapping(mapping) => Ok(Target { mapping, offset: p.offset, len: p.len }),
-                Source::Local(_) => Err(ShmError::Invalid("a local piece for a slot".into())),
+                Ok(Target { mapping, offset, len })
             })
             .collect()
     }
