@@ -209,16 +209,16 @@ impl PoolClient {
         let now = self.clock.now();
         let mut hinted = Vec::new();
         let mut read = 0u64;
-        for (p, node, endpoint, size) in hits {
+        for (p, _, _, size) in &hits {
             let key = keys[p.index];
-            results[p.index] = Some(Ok(size));
+            results[p.index] = Some(Ok(*size));
             prerouted[p.index] = None;
             read += 1;
-            self.locations.insert(key, &node, &endpoint, now);
             if p.cached {
                 hinted.push(key.to_owned());
             }
         }
+        self.locations.insert_many(hits.iter().map(|(p, node, endpoint, _)| (keys[p.index], node, endpoint)), now);
         StatCounters::add(&self.stats.keyed_gets, read);
         self.hint_all(hinted);
         prerouted

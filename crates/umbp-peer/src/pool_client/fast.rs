@@ -85,16 +85,42 @@ impl Locations {
 
     pub(super) fn insert(&self, key: &str, node: &str, endpoint: &str, now: Instant) {
         let mut map = self.map.lock();
-        if map.len() >= LOCATION_CAP && !map.contains_key(key) {
+        let fresh = || Location { node: node.into(), endpoint: endpoint.into(), until: now + LOCATION_TTL };
+        match map.get_mut(key) {
+            Some(l) if *l.node == *node && *l.endpoint == *endpoint => l.until = now + LOCATION_TTL,
+            Some(l) => *l = fresh(),
+            None => Self::add(&mut map, key, fresh(), now),
+        }
+    }
+
+    /// [`insert`](Self::insert) of every `(key, node, endpoint)` under one lock, sharing the
+    /// holders' names: a batch's hits or writes, recorded after its copies, on the path a caller
+    /// waits on. A key already cached is refreshed in place; a new one allocates its key only.
+    pub(super) fn insert_many<'a>(
+        &self,
+        entries: impl IntoIterator<Item = (&'a str, &'a Arc<str>, &'a Arc<str>)>,
+        now: Instant,
+    ) {
+        let mut map = self.map.lock();
+        for (key, node, endpoint) in entries {
+            let fresh =
+                || Location { node: Arc::clone(node), endpoint: Arc::clone(endpoint), until: now + LOCATION_TTL };
+            match map.get_mut(key) {
+                Some(l) => *l = fresh(),
+                None => Self::add(&mut map, key, fresh(), now),
+            }
+        }
+    }
+
+    /// Adds a key not cached yet, making room first when the cache is full.
+    fn add(map: &mut HashMap<String, Location>, key: &str, location: Location, now: Instant) {
+        if map.len() >= LOCATION_CAP {
             map.retain(|_, l| l.until > now);
             if map.len() >= LOCATION_CAP {
                 map.clear();
             }
         }
-        map.insert(
-            key.to_owned(),
-            Location { node: node.into(), endpoint: endpoint.into(), until: now + LOCATION_TTL },
-        );
+        map.insert(key.to_owned(), location);
     }
 
     pub(super) fn forget(&self, key: &str) {
@@ -308,5 +334,50 @@ impl PoolClient {
                 tracing::debug!(error = %e, keys = keys.len(), "access hints did not reach the master");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(node: &str, endpoint: &str) -> (Arc<str>, Arc<str>) {
+        (node.into(), endpoint.into())
+    }
+
+    #[test]
+    fn a_batch_of_locations_is_recorded_refreshed_and_moved() {
+        let cache = Locations::default();
+        let t0 = Instant::now();
+        let (a, a_at) = names("node-a", "127.0.0.1:1");
+        let (b, b_at) = names("node-b", "127.0.0.1:2");
+        cache.insert("k1", "node-a", "127.0.0.1:1", t0);
+        cache.insert_many([("k1", &a, &a_at), ("k2", &a, &a_at)], t0 + Duration::from_secs(20));
+        // k1 was refreshed in place: live past its first insert's TTL.
+        let later = t0 + LOCATION_TTL + Duration::from_secs(5);
+        let got = cache.get_many(&["k1", "k2", "k3"], later);
+        assert_eq!(got.iter().map(Option::is_some).collect::<Vec<_>>(), [true, true, false]);
+        let (node, endpoint) = got[1].clone().expect("k2 cached");
+        assert!(Arc::ptr_eq(&node, &a) && Arc::ptr_eq(&endpoint, &a_at), "the batch's names are shared, not copied");
+        // A key written elsewhere moves.
+        cache.insert_many([("k2", &b, &b_at)], later);
+        let (node, endpoint) = cache.get("k2", later).expect("k2 cached");
+        assert_eq!((&*node, &*endpoint), ("node-b", "127.0.0.1:2"));
+        // Past the TTL of the last record, nothing is trusted.
+        assert!(cache.get_many(&["k1", "k2"], later + LOCATION_TTL).iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn a_full_cache_drops_its_expired_locations_for_a_batch() {
+        let cache = Locations::default();
+        let t0 = Instant::now();
+        let (a, a_at) = names("node-a", "127.0.0.1:1");
+        let old: Vec<String> = (0..LOCATION_CAP).map(|i| format!("old-{i}")).collect();
+        cache.insert_many(old.iter().map(|k| (k.as_str(), &a, &a_at)), t0);
+        assert_eq!(cache.map.lock().len(), LOCATION_CAP);
+        let later = t0 + LOCATION_TTL + Duration::from_secs(1);
+        cache.insert_many([("new", &a, &a_at)], later);
+        assert_eq!(cache.map.lock().len(), 1, "only the new key is left");
+        assert!(cache.get("new", later).is_some());
     }
 }

@@ -271,8 +271,10 @@ impl PoolClient {
                 (decisions, placed_here)
             }
         };
-        let ((decisions, placed_here), answers) =
-            tokio::join!(route, self.put_chunks(items, &chunks, spread, Some(&gate)));
+        // The chunks first: their exchanges are on their threads before this task spends its time
+        // on the route call's request.
+        let (answers, (decisions, placed_here)) =
+            tokio::join!(self.put_chunks(items, &chunks, spread, Some(&gate)), route);
         let mut out: BTreeMap<usize, PutSettled> = BTreeMap::new();
         // A failed route withdrew every copy: each key is routed afresh (and counted withdrawn).
         let mut elsewhere = decisions.is_none();
@@ -397,6 +399,7 @@ impl PoolClient {
             };
             let (mut written, mut withdrawn) = (0u64, 0u64);
             let mut kept = 0usize;
+            let mut located: Vec<&str> = Vec::with_capacity(indexes.len());
             for (i, answer) in indexes.iter().zip(answers) {
                 if !placed(*i) {
                     withdrawn += u64::from(answer == KeyedPut::Withdrawn);
@@ -404,7 +407,7 @@ impl PoolClient {
                 }
                 let settled = match answer {
                     KeyedPut::Written => {
-                        self.locations.insert(items[*i].0, node, endpoint, now);
+                        located.push(items[*i].0);
                         written += 1;
                         Some(Ok(PutOutcome::Written))
                     }
@@ -427,6 +430,8 @@ impl PoolClient {
                     entry.0 = Some(result);
                 }
             }
+            let (node, endpoint): (Arc<str>, Arc<str>) = (node.as_str().into(), endpoint.as_str().into());
+            self.locations.insert_many(located.into_iter().map(|key| (key, &node, &endpoint)), now);
             StatCounters::add(&self.stats.keyed_puts, written);
             if ahead.is_some() {
                 StatCounters::add(&self.stats.puts_copied_ahead, written);
