@@ -66,6 +66,7 @@ mod fd_limit;
 pub mod fuzzing;
 mod gpu;
 mod local;
+pub mod phases;
 mod planning;
 pub mod shm;
 mod tcp;

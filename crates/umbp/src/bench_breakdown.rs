@@ -675,6 +675,70 @@ mod tests {
         assert!(keyed.get.phase(phases::GET_KEYED).is_some() && keyed.get.phase(phases::GET_RESOLVE).is_none());
         assert!(keyed.to_json().starts_with("{\"path\":\"keyed\""));
     }
+
+    /// A light client's batch put and get with a holder on this host (one process): each chunk's
+    /// keyed exchange records its steps — the holder's answer, the copies, the end of the exchange —
+    /// and the batch cells show them.
+    #[test]
+    fn a_same_host_batch_records_the_steps_of_each_chunk() {
+        let (put, get) = run_recording(|| async {
+            let master = umbp_master::start(MasterConfig {
+                listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                ..MasterConfig::default()
+            })
+            .await
+            .expect("master");
+            let addr = master.local_addr().to_string();
+            let dram = Medium::Dram(DramConfig { capacity_bytes: 16 << 20, ..DramConfig::default() });
+            let holder = PoolClient::start(config("holder", &addr, dram)).await.expect("holder");
+            let client = PoolClient::start(config("light", &addr, Medium::None)).await.expect("light client");
+            let recorder = Recorder::current().expect("the recording runtime has a recorder");
+            // 4 MiB: two chunks of 2 MiB (`Spread`), each one exchange.
+            let keys: Vec<String> = (0..8).map(|i| format!("batch-{i}")).collect();
+            let values: Vec<Vec<u8>> = (0..8u8).map(|i| vec![i; 512 << 10]).collect();
+            let items: Vec<(&str, &[u8])> =
+                keys.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+            recorder.start();
+            let written = client.batch_put(&items).await;
+            let put = recorder.stop();
+            assert!(written.iter().all(Result::is_ok), "{written:?}");
+            holder.flush();
+            crate::bench::until_indexed(&client, &keys).await.expect("indexed");
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+            let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+            recorder.start();
+            let read = client.batch_get(&refs, &mut slices).await;
+            let get = recorder.stop();
+            assert!(read.iter().all(Result::is_ok) && bufs == values, "byte-exact: {read:?}");
+            assert_eq!(
+                (client.stats().keyed_puts, client.stats().keyed_gets),
+                (8, 8),
+                "every key through a keyed exchange"
+            );
+            client.close().await;
+            holder.close().await;
+            master.shutdown().await;
+            (put, get)
+        })
+        .expect("recording runtime");
+        let put_steps =
+            [phases::PUT_KEYED_REPLY, phases::PUT_KEYED_COPY, phases::PUT_KEYED_ROUTE_WAIT, phases::PUT_KEYED_COMMIT];
+        let get_steps = [phases::GET_KEYED_REPLY, phases::GET_KEYED_COPY, phases::GET_KEYED_SETTLE];
+        assert_recorded("same-host batch put", &put, &[&[phases::PUT, phases::PUT_KEYED][..], &put_steps].concat());
+        assert_recorded("same-host batch get", &get, &[&[phases::GET, phases::GET_KEYED][..], &get_steps].concat());
+        let mut both = put;
+        both.absorb(get);
+        let cells = BatchPhases::cells("same host (shm)", 512 << 10, &both);
+        let get = cells.iter().find(|c| c.cell.contains(" get ")).expect("a get cell");
+        for name in get_steps {
+            let p = get.phases.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no {name}: {get:?}"));
+            assert!((p.spans_per_batch - 2.0).abs() < 1e-9, "one {name} per chunk: {p:?}");
+        }
+        let put = cells.iter().find(|c| c.cell.contains(" put ")).expect("a put cell");
+        assert!(put_steps.iter().all(|n| put.phases.iter().any(|p| p.name == *n)), "{put:?}");
+        assert!(batch_phases_table(&cells).contains("| ↳ umbp.get.keyed.copy | 2.0 |"));
+    }
 }
 
 /// Runs `fut` with `recorder` (the phase layer's, under `--breakdown`; `None` otherwise) armed, and

@@ -16,7 +16,7 @@
 //! the holder's process, not the caller's.
 
 /// The target of every phase span.
-pub const TARGET: &str = "umbp::phase";
+pub const TARGET: &str = umbp_transfer::phases::TARGET;
 
 /// A whole `get` / `batch_get` call.
 pub const GET: &str = "umbp.get";
@@ -38,6 +38,9 @@ pub const GET_RELEASE: &str = "umbp.get.release";
 /// A keyed get: one exchange with the holder's data server that resolves, sends and releases
 /// (`fast.rs`), on the calling thread.
 pub const GET_KEYED: &str = "umbp.get.keyed";
+/// Inside a batch's keyed exchanges with holders on this host (one span per chunk, each on its
+/// exchange's thread): the request and the holder's answer, the copies, the settle frame.
+pub use umbp_transfer::phases::{GET_KEYED_COPY, GET_KEYED_REPLY, GET_KEYED_SETTLE};
 
 /// A whole `put` / `batch_put` call.
 pub const PUT: &str = "umbp.put";
@@ -59,6 +62,10 @@ pub const PUT_ABORT: &str = "umbp.put.abort";
 /// A keyed put: one exchange with the holder's data server that allocates, receives and commits
 /// (`fast.rs`), on the calling thread.
 pub const PUT_KEYED: &str = "umbp.put.keyed";
+/// Inside a batch's keyed exchanges with holders on this host (one span per chunk): the request
+/// and the holder's allocation, the writes, the wait for the master's placement when copied while
+/// routed, the settle frame and the holder's commit.
+pub use umbp_transfer::phases::{PUT_KEYED_COMMIT, PUT_KEYED_COPY, PUT_KEYED_REPLY, PUT_KEYED_ROUTE_WAIT};
 
 /// The peer service's `BatchResolveKeys` handler (in the holder's process).
 pub const PEER_RESOLVE: &str = "umbp.peer.resolve";
@@ -67,13 +74,38 @@ pub const PEER_ALLOCATE: &str = "umbp.peer.allocate";
 /// The peer service's `BatchCommitSlots` handler (in the holder's process).
 pub const PEER_COMMIT: &str = "umbp.peer.commit";
 
-/// The phases of a single-key get, in the order they run.
-pub const GET_PHASES: [&str; 8] =
-    [GET_LOCAL, GET_ROUTE, GET_KEYED, GET_RESOLVE, GET_RESOLVE_RPC, GET_RESOLVE_MEDIUM, GET_TRANSFER, GET_RELEASE];
+/// The phases of a get, in the order they run (a single-key get records some; a batch, per chunk,
+/// others).
+pub const GET_PHASES: [&str; 11] = [
+    GET_LOCAL,
+    GET_ROUTE,
+    GET_KEYED,
+    GET_KEYED_REPLY,
+    GET_KEYED_COPY,
+    GET_KEYED_SETTLE,
+    GET_RESOLVE,
+    GET_RESOLVE_RPC,
+    GET_RESOLVE_MEDIUM,
+    GET_TRANSFER,
+    GET_RELEASE,
+];
 
-/// The phases of a single-key put, in the order they run.
-pub const PUT_PHASES: [&str; 8] =
-    [PUT_ROUTE, PUT_KEYED, PUT_ALLOCATE, PUT_ALLOCATE_RPC, PUT_TRANSFER, PUT_COMMIT, PUT_COMMIT_RPC, PUT_ABORT];
+/// The phases of a put, in the order they run (a single-key put records some; a batch, per chunk,
+/// others).
+pub const PUT_PHASES: [&str; 12] = [
+    PUT_ROUTE,
+    PUT_KEYED,
+    PUT_KEYED_REPLY,
+    PUT_KEYED_COPY,
+    PUT_KEYED_ROUTE_WAIT,
+    PUT_KEYED_COMMIT,
+    PUT_ALLOCATE,
+    PUT_ALLOCATE_RPC,
+    PUT_TRANSFER,
+    PUT_COMMIT,
+    PUT_COMMIT_RPC,
+    PUT_ABORT,
+];
 
 /// A TRACE span named `$name` (one of the constants above) with target [`TARGET`], for
 /// `.instrument(..)` or `.in_scope(..)`.

@@ -10,6 +10,7 @@ use super::{
     ExchangeError, FLAG_SHARED, KeyedClient, KeyedError, KeyedGet, KeyedPut, Op, Request, Settle, Status, check_key,
     protocol_error, read_reply, send, write_frame,
 };
+use crate::phases;
 use crate::shm::fanout::{self, Dst, ValueCopy};
 use crate::shm::{Copier, SharedReads, ShmError};
 
@@ -97,8 +98,9 @@ impl KeyedClient {
         let answer = self.exchange(endpoint, true, |stream, id| unsafe {
             // Before the request leaves: every lease's bound is measured from here.
             let sent = Instant::now();
+            let reply = tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_REPLY).entered();
             send(stream, &request(id).encode(), &[&body])?;
-            self.read_batch_reply(stream, endpoint, id, items, sent)
+            self.read_batch_reply(stream, endpoint, id, items, sent, reply)
         });
         answer.inspect_err(|e| {
             tracing::debug!(peer = endpoint, error = %e, "GET_KEYS failed; no batches to this holder for a while");
@@ -168,6 +170,7 @@ impl KeyedClient {
             items.iter().map(|i| PutEntry { key: i.key, size: i.value.len() as u64, checksum: i.checksum }).collect();
         let body = batch_wire::encode_put_request(&entries);
         let answer = self.exchange(endpoint, false, |stream, id| {
+            let reply = tracing::trace_span!(target: phases::TARGET, phases::PUT_KEYED_REPLY).entered();
             let head = Request {
                 op: Op::PutKeys,
                 flags: FLAG_SHARED,
@@ -177,7 +180,7 @@ impl KeyedClient {
                 length: body.len() as u64,
             };
             send(stream, &head.encode(), &[&body])?;
-            self.finish_put_batch(stream, endpoint, id, items, &mut *confirm)
+            self.finish_put_batch(stream, endpoint, id, items, &mut *confirm, reply)
         });
         answer.inspect_err(|e| {
             tracing::debug!(peer = endpoint, error = %e, "PUT_KEYS failed; no batches to this holder for a while");
@@ -197,6 +200,7 @@ impl KeyedClient {
         id: u64,
         items: &[KeyedBatchPut<'_>],
         confirm: &mut dyn FnMut() -> Vec<bool>,
+        reply_span: tracing::span::EnteredSpan,
     ) -> Result<Vec<KeyedPut>, ExchangeError> {
         use std::io::Read as _;
         let mid = |source| ExchangeError::Io { source, before_reply: false };
@@ -257,7 +261,10 @@ impl KeyedClient {
         // Summed while copied: one CRC-32C per key after the flags (see `batch_wire`).
         let late = items.iter().any(|i| i.checksum == PutChecksum::WhileCopying);
         let mut sums = vec![0u8; if late { items.len() * batch_wire::SETTLE_CRC_LEN } else { 0 }];
-        for ((i, write), result) in indexes.into_iter().zip(&writes).zip(fanout::write_values(&writes)) {
+        drop(reply_span);
+        let written = tracing::trace_span!(target: phases::TARGET, phases::PUT_KEYED_COPY)
+            .in_scope(|| fanout::write_values(&writes));
+        for ((i, write), result) in indexes.into_iter().zip(&writes).zip(written) {
             match result {
                 Ok(sum) => {
                     copied[i] = 1;
@@ -277,7 +284,8 @@ impl KeyedClient {
         if !slots {
             return Ok(out);
         }
-        let confirmed = confirm();
+        let confirmed = tracing::trace_span!(target: phases::TARGET, phases::PUT_KEYED_ROUTE_WAIT).in_scope(confirm);
+        let _commit = tracing::trace_span!(target: phases::TARGET, phases::PUT_KEYED_COMMIT).entered();
         for (i, (flag, put)) in copied.iter_mut().zip(out.iter_mut()).enumerate() {
             if *flag == 1 && !confirmed.get(i).copied().unwrap_or(false) {
                 // Copied but not to be kept: the holder aborts the slot.
@@ -335,6 +343,7 @@ impl KeyedClient {
         id: u64,
         items: &[KeyedBatchItem<'_>],
         sent: Instant,
+        reply_span: tracing::span::EnteredSpan,
     ) -> Result<Vec<KeyedGet>, ExchangeError> {
         use std::io::Read as _;
         let reply = read_reply(stream, id)?;
@@ -386,10 +395,12 @@ impl KeyedClient {
                 BatchAnswer::Other(_) => Some(KeyedGet::Unsupported),
             };
         }
+        drop(reply_span);
         // SAFETY: each value's ranges add up to `d.size <= cap` bytes (checked by `decode` and
         // above), valid for writes at its `dst`, no two overlapping and ours alone during the call
         // (this function's contract).
-        let copied = unsafe { fanout::copy_values(&copies) };
+        let copied = tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_COPY)
+            .in_scope(|| unsafe { fanout::copy_values(&copies) });
         // Judged when the last copy ended, which is no earlier than any one's (see `SharedReads`).
         let elapsed = sent.elapsed();
         for ((i, lease_ns, crc32c, check), copied) in planned.into_iter().zip(copied) {
@@ -411,7 +422,8 @@ impl KeyedClient {
         }
         let out = out.into_iter().map(|a| a.unwrap_or(KeyedGet::Unsupported)).collect();
         if mapped {
-            write_frame(stream, &Settle::Done.encode())?;
+            tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_SETTLE)
+                .in_scope(|| write_frame(stream, &Settle::Done.encode()))?;
         }
         Ok(out)
     }
