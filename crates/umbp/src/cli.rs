@@ -759,7 +759,9 @@ pub struct BenchArgs {
     pub json: bool,
     /// pool suite: also time each phase of single 64 KiB remote puts and gets (route, the keyed
     /// exchange or allocate/resolve, transfer, commit/release) with the pool's tracing spans,
-    /// --latency-calls of each [default: off]
+    /// --latency-calls of each, and the phases of every remote and same-host batch cell (a
+    /// same-host chunk's steps: the holder's answer, the copies, the settle or commit)
+    /// [default: off]
     #[arg(long)]
     pub breakdown: bool,
 }
