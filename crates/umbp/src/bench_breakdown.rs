@@ -576,6 +576,21 @@ mod tests {
         c
     }
 
+    /// A master on loopback and a node lending `capacity_bytes` of DRAM: the master, its address,
+    /// the holder.
+    async fn master_and_holder(capacity_bytes: u64) -> (umbp_master::MasterHandle, String, PoolClient) {
+        let master = umbp_master::start(MasterConfig {
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            ..MasterConfig::default()
+        })
+        .await
+        .expect("master");
+        let addr = master.local_addr().to_string();
+        let dram = Medium::Dram(DramConfig { capacity_bytes, ..DramConfig::default() });
+        let holder = PoolClient::start(config("holder", &addr, dram)).await.expect("holder");
+        (master, addr, holder)
+    }
+
     /// What one test run recorded.
     struct Recorded {
         /// A routed remote put and get (the client's keyed requests off).
@@ -600,15 +615,7 @@ mod tests {
     #[test]
     fn the_layer_records_every_phase_of_a_get_and_a_put() {
         let r = run_recording(|| async {
-            let master = umbp_master::start(MasterConfig {
-                listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-                ..MasterConfig::default()
-            })
-            .await
-            .expect("master");
-            let addr = master.local_addr().to_string();
-            let dram = Medium::Dram(DramConfig { capacity_bytes: 8 << 20, ..DramConfig::default() });
-            let holder = PoolClient::start(config("holder", &addr, dram)).await.expect("holder");
+            let (master, addr, holder) = master_and_holder(8 << 20).await;
             let mut routed = config("routed", &addr, Medium::None);
             routed.keyed_requests = false;
             let routed = PoolClient::start(routed).await.expect("routed client");
@@ -682,15 +689,7 @@ mod tests {
     #[test]
     fn a_same_host_batch_records_the_steps_of_each_chunk() {
         let (put, get) = run_recording(|| async {
-            let master = umbp_master::start(MasterConfig {
-                listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-                ..MasterConfig::default()
-            })
-            .await
-            .expect("master");
-            let addr = master.local_addr().to_string();
-            let dram = Medium::Dram(DramConfig { capacity_bytes: 16 << 20, ..DramConfig::default() });
-            let holder = PoolClient::start(config("holder", &addr, dram)).await.expect("holder");
+            let (master, addr, holder) = master_and_holder(16 << 20).await;
             let client = PoolClient::start(config("light", &addr, Medium::None)).await.expect("light client");
             let recorder = Recorder::current().expect("the recording runtime has a recorder");
             // 4 MiB: two chunks of 2 MiB (`Spread`), each one exchange.

@@ -430,8 +430,10 @@ impl PoolClient {
                     entry.0 = Some(result);
                 }
             }
-            let (node, endpoint): (Arc<str>, Arc<str>) = (node.as_str().into(), endpoint.as_str().into());
-            self.locations.insert_many(located.into_iter().map(|key| (key, &node, &endpoint)), now);
+            if !located.is_empty() {
+                let (node, endpoint): (Arc<str>, Arc<str>) = (node.as_str().into(), endpoint.as_str().into());
+                self.locations.insert_many(located.into_iter().map(|key| (key, &node, &endpoint)), now);
+            }
             StatCounters::add(&self.stats.keyed_puts, written);
             if ahead.is_some() {
                 StatCounters::add(&self.stats.puts_copied_ahead, written);
