@@ -470,6 +470,48 @@ fn a_same_host_batch_get_copies_every_value_and_ends_every_lease() {
     );
 }
 
+/// `get_shared_batch_then` hands the answers over before it sends the settle frame: while the
+/// caller holds them (long enough for a settle already sent to be served), the holder still has
+/// every lease open; the settle that follows ends them.
+#[test]
+fn a_batch_get_answers_before_it_settles() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, region) = holder(&file, &table, true);
+    let values: Vec<Vec<u8>> = (0..2).map(|i| pattern(70_000, i + 3)).collect();
+    for (i, value) in values.iter().enumerate() {
+        file.fill(i << 20, value);
+        table.insert(&format!("k{i}"), region, (i as u64) << 20, value.len() as u64);
+    }
+    let mut bufs = vec![vec![0u8; 70_000]; 2];
+    let items: Vec<KeyedBatchItem<'_>> = ["k0", "k1"]
+        .iter()
+        .zip(bufs.iter_mut())
+        .map(|(key, buf)| KeyedBatchItem {
+            key,
+            dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
+            cap: buf.len(),
+            verify: false,
+        })
+        .collect();
+    let c = client();
+    let mut seen = None;
+    // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
+    unsafe {
+        c.get_shared_batch_then(srv.endpoint(), &items, |answers| {
+            std::thread::sleep(Duration::from_millis(100));
+            seen = Some((answers, *table.open.lock()));
+        })
+    }
+    .expect("answered and settled");
+    let (answers, open) = seen.expect("the answers were handed over");
+    let hit = KeyedGet::Hit { size: 70_000, crc32c: None };
+    assert_eq!(answers, vec![hit, hit]);
+    assert_eq!(open, 2, "both leases were still open while the caller held the answers");
+    assert_eq!(table.settled().len(), 2, "the settle after the answers ended them");
+    assert_eq!(bufs, values, "byte-exact");
+}
+
 #[test]
 fn a_batch_whose_leases_end_before_the_copy_is_lapsed_never_a_hit() {
     let file = SealedFile::new();

@@ -32,7 +32,7 @@ use umbp_transfer::{KeyedBatchItem, KeyedClient, KeyedGet};
 
 use super::phases::{self, phase};
 use super::ranged::Dest;
-use super::support::{StatCounters, offload, pipelined_with};
+use super::support::{StatCounters, offload_early, pipelined_with};
 use super::*;
 use crate::master_client::RouteGetHit;
 
@@ -95,7 +95,8 @@ impl PoolClient {
         let now = self.clock.now();
         let mut by_holder = ByHolder::new();
         let mut unplaced: Vec<(usize, CallerBuf)> = Vec::new();
-        let located = self.locations.get_many(keys, now);
+        // Found locations are refreshed now: the batch's end does not revisit its keys.
+        let located = self.locations.get_many_refreshed(keys, now);
         for (i, location) in located.into_iter().enumerate() {
             let Some(buf) = targets.get(i).and_then(Dest::whole) else { continue };
             if results[i].is_some() || self.in_device_registration(buf) {
@@ -139,7 +140,7 @@ impl PoolClient {
         }
         let order: Vec<Vec<usize>> = (0..chunks.len()).map(|c| vec![c]).collect();
         let chunks = &chunks;
-        let answers = pipelined_with(spread.depth, &order, |c| async move {
+        let exchanges = pipelined_with(spread.depth, &order, |c| async move {
             let ((node, endpoint), planned) = &chunks[c[0]];
             let items: Vec<(String, CallerBuf)> = planned.iter().map(|p| (keys[p.index].to_owned(), p.buf)).collect();
             // Each copy is checked block by block as it lands, while its bytes are in the cache
@@ -148,23 +149,47 @@ impl PoolClient {
             let keyed = Arc::clone(&self.keyed);
             let at = endpoint.to_string();
             let sent = self.clock.now();
-            let got = offload(move || {
+            // The answers come back before the settle frame that ends the holder's leases is sent
+            // (`get_shared_batch_then`): this call does not wait for that send.
+            let got = offload_early(move |early| {
                 let batch: Vec<KeyedBatchItem<'_>> =
                     items.iter().map(|(key, buf)| KeyedBatchItem { key, dst: buf.ptr, cap: buf.len, verify }).collect();
+                let mut early = Some(early);
                 // SAFETY: each destination is a caller buffer of this call (a slice it borrows
                 // exclusively, or a raw range its contract keeps valid and unshared), host memory
                 // (device registrations were left out above), no two overlapping (the batch
-                // calls' contract); the offloaded work is waited for even if this call is dropped
-                // (`Offloaded`).
-                unsafe { keyed.get_shared_batch(&at, &batch) }
+                // calls' contract); the offloaded work is waited for, even if this call is
+                // dropped, until the answers are sent, after which no destination is touched
+                // (`offload_early`, `get_shared_batch_then`).
+                let settled = unsafe {
+                    keyed.get_shared_batch_then(&at, &batch, |answers| {
+                        if let Some(early) = early.take() {
+                            early.send(Ok(answers));
+                        }
+                    })
+                };
+                // Answered already, a failed settle only leaves the leases to run out.
+                if let (Err(e), Some(early)) = (settled, early) {
+                    early.send(Err(e));
+                }
             })
             .await;
             // The client's own bound, as on the routed path: from before the request left.
             let late = self.clock.now() > sent + self.config.read_lease;
             (node, endpoint, got, late)
         })
-        .instrument(phase!(phases::GET_KEYED))
-        .await;
+        .instrument(phase!(phases::GET_KEYED));
+        // The access hints of cached keys are written while the exchanges are out (polled after
+        // them, so they do not delay the first request); only the hits' are sent.
+        let hint_keys = async {
+            chunks
+                .iter()
+                .flat_map(|(_, planned)| planned)
+                .filter(|p| p.cached)
+                .map(|p| (p.index, keys[p.index].to_owned()))
+                .collect::<Vec<(usize, String)>>()
+        };
+        let (answers, hint_keys) = tokio::join!(exchanges, hint_keys);
         let mut hits = Vec::new();
         for ((_, planned), (node, endpoint, got, late)) in chunks.iter().zip(answers) {
             let answers = match got {
@@ -206,21 +231,20 @@ impl PoolClient {
                 }
             }
         }
-        let now = self.clock.now();
-        let mut hinted = Vec::new();
-        let mut read = 0u64;
         for (p, _, _, size) in &hits {
-            let key = keys[p.index];
             results[p.index] = Some(Ok(*size));
             prerouted[p.index] = None;
-            read += 1;
-            if p.cached {
-                hinted.push(key.to_owned());
-            }
         }
-        self.locations.insert_many(hits.iter().map(|(p, node, endpoint, _)| (keys[p.index], node, endpoint)), now);
-        StatCounters::add(&self.stats.keyed_gets, read);
-        self.hint_all(hinted);
+        // Cached locations were refreshed at the lookup; the routed keys' are new.
+        let routed = hits.iter().filter(|(p, ..)| !p.cached);
+        self.locations
+            .insert_many(routed.map(|(p, node, endpoint, _)| (keys[p.index], node, endpoint)), self.clock.now());
+        StatCounters::add(&self.stats.keyed_gets, hits.len() as u64);
+        let mut hit = vec![false; keys.len()];
+        for (p, ..) in &hits {
+            hit[p.index] = true;
+        }
+        self.hint_all(hint_keys.into_iter().filter(|(i, _)| hit[*i]).map(|(_, key)| key));
         prerouted
     }
 

@@ -72,10 +72,19 @@ impl Locations {
         Self::live(&self.map.lock(), key, now)
     }
 
-    /// [`get`](Self::get) of every key, under one lock (a batch's lookups).
-    pub(super) fn get_many(&self, keys: &[&str], now: Instant) -> Vec<Option<(Arc<str>, Arc<str>)>> {
-        let map = self.map.lock();
-        keys.iter().map(|key| Self::live(&map, key, now)).collect()
+    /// [`get`](Self::get) of every key under one lock, each live location refreshed as it is
+    /// found (a batch about to read the keys there). Refreshed before the read rather than after
+    /// it, the batch's end takes no second pass over its keys; a key that then misses there is
+    /// forgotten, so a refresh never outlives a wrong location.
+    pub(super) fn get_many_refreshed(&self, keys: &[&str], now: Instant) -> Vec<Option<(Arc<str>, Arc<str>)>> {
+        let mut map = self.map.lock();
+        keys.iter()
+            .map(|key| {
+                let l = map.get_mut(*key).filter(|l| l.until > now)?;
+                l.until = now + LOCATION_TTL;
+                Some((Arc::clone(&l.node), Arc::clone(&l.endpoint)))
+            })
+            .collect()
     }
 
     fn live(map: &HashMap<String, Location>, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
@@ -355,7 +364,7 @@ mod tests {
         cache.insert_many([("k1", &a, &a_at), ("k2", &a, &a_at)], t0 + Duration::from_secs(20));
         // k1 was refreshed in place: live past its first insert's TTL.
         let later = t0 + LOCATION_TTL + Duration::from_secs(5);
-        let got = cache.get_many(&["k1", "k2", "k3"], later);
+        let got = cache.get_many_refreshed(&["k1", "k2", "k3"], later);
         assert_eq!(got.iter().map(Option::is_some).collect::<Vec<_>>(), [true, true, false]);
         let (node, endpoint) = got[1].clone().expect("k2 cached");
         assert!(Arc::ptr_eq(&node, &a) && Arc::ptr_eq(&endpoint, &a_at), "the batch's names are shared, not copied");
@@ -364,7 +373,24 @@ mod tests {
         let (node, endpoint) = cache.get("k2", later).expect("k2 cached");
         assert_eq!((&*node, &*endpoint), ("node-b", "127.0.0.1:2"));
         // Past the TTL of the last record, nothing is trusted.
-        assert!(cache.get_many(&["k1", "k2"], later + LOCATION_TTL).iter().all(Option::is_none));
+        assert!(cache.get_many_refreshed(&["k1", "k2"], later + LOCATION_TTL).iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn a_batch_lookup_refreshes_what_it_finds() {
+        let cache = Locations::default();
+        let t0 = Instant::now();
+        cache.insert("k1", "node-a", "127.0.0.1:1", t0);
+        cache.insert("k2", "node-a", "127.0.0.1:1", t0);
+        let looked = t0 + LOCATION_TTL / 2;
+        assert!(cache.get_many_refreshed(&["k1"], looked)[0].is_some());
+        // Past the first TTL: k1 lives on from its lookup, k2 (not looked up) has expired.
+        let later = t0 + LOCATION_TTL + Duration::from_secs(1);
+        assert!(cache.get("k1", later).is_some(), "refreshed by the lookup");
+        assert!(cache.get("k2", later).is_none(), "not looked up: expired");
+        // An expired location is not revived by a lookup.
+        assert!(cache.get_many_refreshed(&["k2"], later)[0].is_none());
+        assert!(cache.get("k2", later).is_none());
     }
 
     #[test]

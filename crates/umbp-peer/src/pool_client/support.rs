@@ -133,6 +133,38 @@ pub(super) fn offload<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static)
     Offloaded { rx, done }
 }
 
+/// [`offload`] for work whose answer is ready before its end: `f` hands the answer over with
+/// [`Early::send`], which also marks the work done (so a dropped [`Offloaded`] waits no longer),
+/// and may then finish what the caller need not wait for (a frame that ends a holder's leases) —
+/// touching nothing the awaiting call borrows. Work that ends without sending resolves to `None`.
+pub(super) fn offload_early<R: Send + 'static>(f: impl FnOnce(Early<R>) + Send + 'static) -> Offloaded<R> {
+    let done = Arc::new(WorkDone::default());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let early = Early { tx, _mark: MarkDone(Arc::clone(&done)) };
+    let work = move || f(early);
+    match Handle::try_current() {
+        Ok(h) => drop(h.spawn_blocking(work)),
+        Err(_) => work(),
+    }
+    Offloaded { rx, done }
+}
+
+/// The answer of [`offload_early`]'s work, sent once.
+pub(super) struct Early<R> {
+    tx: tokio::sync::oneshot::Sender<R>,
+    _mark: MarkDone,
+}
+
+impl<R> Early<R> {
+    /// Marks the work done, then hands `answer` to the awaiting call (in that order, so the woken
+    /// call never waits on the mark). The caller of `send` has stopped touching borrowed memory.
+    pub(super) fn send(self, answer: R) {
+        let Self { tx, _mark: mark } = self;
+        drop(mark);
+        let _ = tx.send(answer);
+    }
+}
+
 impl<R> Future for Offloaded<R> {
     type Output = Option<R>;
 
@@ -642,6 +674,27 @@ mod tests {
         assert!(finished.load(Ordering::SeqCst), "the drop returned while the work still ran");
         assert_eq!(offload(|| 5).await, Some(5));
         assert_eq!(offload(|| -> u8 { panic!("boom") }).await, None, "a panic is None, not a hang");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_early_answer_frees_the_caller_while_the_work_goes_on() {
+        // The work answers, then waits (up to 10 s) for the caller to have dropped its future: a
+        // drop that still waited for the work would hold the caller until the wait gave up.
+        let (freed_tx, freed_rx) = std::sync::mpsc::channel::<()>();
+        let (ended_tx, ended_rx) = std::sync::mpsc::channel::<bool>();
+        let job = offload_early(move |early: Early<u32>| {
+            early.send(7);
+            let freed = freed_rx.recv_timeout(Duration::from_secs(10)).is_ok();
+            let _ = ended_tx.send(freed);
+        });
+        assert_eq!(job.await, Some(7));
+        freed_tx.send(()).expect("the work waits");
+        let freed = tokio::task::spawn_blocking(move || ended_rx.recv_timeout(Duration::from_secs(20)))
+            .await
+            .expect("joined")
+            .expect("the work ended");
+        assert!(freed, "the caller was held until the work ended");
+        assert_eq!(offload_early(|_: Early<u8>| {}).await, None, "work that never answers is None");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -61,15 +61,50 @@ impl KeyedClient {
     /// writes them until this returns.
     ///
     /// # Errors
-    /// A bad key, or [`KeyedError`]'s connection failures; the destinations' bytes are then
-    /// unspecified, and the holder is asked no batch for a while.
+    /// A bad key, or [`KeyedError`]'s connection failures before the answers; the destinations'
+    /// bytes are then unspecified, and the holder is asked no batch for a while. (A settle frame
+    /// that cannot be sent after the copies only ends the leases later: the answers stand.)
     pub unsafe fn get_shared_batch(
         &self,
         endpoint: &str,
         items: &[KeyedBatchItem<'_>],
     ) -> Result<Vec<KeyedGet>, KeyedError> {
+        let mut answers = None;
+        // SAFETY: this function's contract.
+        let sent = unsafe { self.get_shared_batch_then(endpoint, items, |a| answers = Some(a)) };
+        match (answers, sent) {
+            (Some(answers), _) => Ok(answers),
+            (None, Err(e)) => Err(e),
+            (None, Ok(())) => Err(KeyedError::Protocol {
+                endpoint: endpoint.to_owned(),
+                message: "a GET_KEYS exchange ended without answers".into(),
+            }),
+        }
+    }
+
+    /// [`get_shared_batch`](Self::get_shared_batch) that hands the answers to `answered` as soon as
+    /// the copies are judged, **before** the settle frame that ends the holder's leases goes out:
+    /// the caller's wait does not include that send (tens of microseconds on loopback, where the
+    /// kernel runs the holder's side of it inside this thread's `send`). Once `answered` is called
+    /// nothing here touches a destination again. `Ok(())` when the answers were handed over and
+    /// the leases settled; `Err` when the exchange failed before the answers (`answered` is then
+    /// not called) or the settle frame could not be sent after them (the holder's leases then run
+    /// out by themselves, and it is asked no batch for a while).
+    ///
+    /// # Safety
+    /// As [`get_shared_batch`](Self::get_shared_batch), until `answered` is called.
+    ///
+    /// # Errors
+    /// As above.
+    pub unsafe fn get_shared_batch_then(
+        &self,
+        endpoint: &str,
+        items: &[KeyedBatchItem<'_>],
+        answered: impl FnOnce(Vec<KeyedGet>),
+    ) -> Result<(), KeyedError> {
         if items.is_empty() {
-            return Ok(Vec::new());
+            answered(Vec::new());
+            return Ok(());
         }
         if items.len() > Self::MAX_BATCH_KEYS {
             return Err(KeyedError::Protocol {
@@ -80,10 +115,11 @@ impl KeyedClient {
         for item in items {
             check_key(item.key)?;
         }
-        let unsupported = || vec![KeyedGet::Unsupported; items.len()];
         if self.batchless(endpoint) || !self.shared.usable(endpoint) {
-            return Ok(unsupported());
+            answered(vec![KeyedGet::Unsupported; items.len()]);
+            return Ok(());
         }
+        let mut answered = Some(answered);
         let entries: Vec<BatchEntry<'_>> = items.iter().map(|i| BatchEntry { key: i.key, cap: i.cap as u64 }).collect();
         let body = batch_wire::encode_request(&entries);
         let request = |id| Request {
@@ -100,7 +136,16 @@ impl KeyedClient {
             let sent = Instant::now();
             let reply = tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_REPLY).entered();
             send(stream, &request(id).encode(), &[&body])?;
-            self.read_batch_reply(stream, endpoint, id, items, sent, reply)
+            let (answers, settle) = self.read_batch_reply(stream, endpoint, id, items, sent, reply)?;
+            // Taken once: the exchange is run again only for a failure before the reply.
+            if let Some(answered) = answered.take() {
+                answered(answers);
+            }
+            if settle {
+                tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_SETTLE)
+                    .in_scope(|| write_frame(stream, &Settle::Done.encode()))?;
+            }
+            Ok(())
         });
         answer.inspect_err(|e| {
             tracing::debug!(peer = endpoint, error = %e, "GET_KEYS failed; no batches to this holder for a while");
@@ -332,7 +377,8 @@ impl KeyedClient {
         }
     }
 
-    /// Reads a GET_KEYS reply, copies every `MAPPED` value from the mappings and settles.
+    /// Reads a GET_KEYS reply and copies every `MAPPED` value from the mappings: the answers, and
+    /// whether leases are open (a settle frame is then owed).
     ///
     /// # Safety
     /// As [`get_shared_batch`](Self::get_shared_batch).
@@ -344,12 +390,12 @@ impl KeyedClient {
         items: &[KeyedBatchItem<'_>],
         sent: Instant,
         reply_span: tracing::span::EnteredSpan,
-    ) -> Result<Vec<KeyedGet>, ExchangeError> {
+    ) -> Result<(Vec<KeyedGet>, bool), ExchangeError> {
         use std::io::Read as _;
         let reply = read_reply(stream, id)?;
         match reply.status {
             Status::Ok => {}
-            Status::Unsupported if reply.length == 0 => return Ok(vec![KeyedGet::Unsupported; items.len()]),
+            Status::Unsupported if reply.length == 0 => return Ok((vec![KeyedGet::Unsupported; items.len()], false)),
             other => return Err(protocol_error(format!("unexpected GET_KEYS status {}", other.as_str()))),
         }
         if reply.length > batch_wire::max_reply_body() {
@@ -421,11 +467,7 @@ impl KeyedClient {
             });
         }
         let out = out.into_iter().map(|a| a.unwrap_or(KeyedGet::Unsupported)).collect();
-        if mapped {
-            tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_SETTLE)
-                .in_scope(|| write_frame(stream, &Settle::Done.encode()))?;
-        }
-        Ok(out)
+        Ok((out, mapped))
     }
 }
 
