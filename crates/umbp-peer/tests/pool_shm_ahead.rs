@@ -9,6 +9,8 @@
 //!   elsewhere, copied for nothing, end it;
 //! - a batch copied ahead whose route never comes (the master is gone) commits nothing: every
 //!   copy is withdrawn and the holder's pages come back.
+//! - a batch put leaves its keys located: with the master gone after it, the client still reads
+//!   them from their holder.
 
 mod pool_support;
 
@@ -213,4 +215,35 @@ async fn re_putting_keys_held_elsewhere_ends_the_streak() {
     for c in [&light, &a, &b] {
         c.close().await;
     }
+}
+
+/// A same-host batch put leaves its keys' locations with the client (recorded after its answer
+/// is sent, off the caller's path): with the master gone right after the put, the same client
+/// still reads every key from the holder, without a route call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_put_leaves_its_keys_located() {
+    let m = master().await;
+    let a = PoolClient::start(config(&m, "a", 16 << 20)).await.expect("node a");
+    let light = PoolClient::start(light(&m)).await.expect("client");
+    let (keys, values) = batch("located", 8, 1);
+    assert_eq!(put(&light, &keys, &values).await, [PutOutcome::Written; 8]);
+    assert_eq!(light.stats().keyed_puts, 8, "written through the shared path");
+    m.shutdown().await;
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
+    // The locations land just after the put's answer: a few tries, bounded.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+        let got = light.batch_get(&refs, &mut slices).await;
+        if got.iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no route, and no location: {got:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(bufs, values, "byte-exact from the located holder");
+    assert_eq!(light.stats().keyed_gets, 8, "every key read in a keyed exchange");
+    light.close().await;
+    a.close().await;
 }

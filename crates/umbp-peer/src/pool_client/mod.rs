@@ -238,7 +238,7 @@ pub struct PoolClient {
     /// Keyed gets and puts: one exchange with a holder's data server (see `fast.rs`).
     keyed: Arc<KeyedClient>,
     /// Where keys were last read or written (see `fast.rs`).
-    locations: fast::Locations,
+    locations: Arc<fast::Locations>,
     /// The holder on this host a light client's batch puts copy into ahead of their route (see
     /// `same_host_put.rs`).
     sole_put_holder: same_host_put::SoleHolder,
@@ -403,7 +403,7 @@ impl PoolClient {
             releases: support::Releases::default(),
             clock,
             keyed,
-            locations: fast::Locations::default(),
+            locations: Arc::default(),
             sole_put_holder: same_host_put::SoleHolder::default(),
             hints: Arc::default(),
             shm_sweeper,

@@ -38,7 +38,7 @@ use umbp_transfer::{KeyedBatchPut, KeyedClient, KeyedError, KeyedPut, PutChecksu
 use super::batch_keyed::{ROUTE_KEYS, Spread};
 use super::phases::{self, phase};
 use super::ranged::Src;
-use super::support::{StatCounters, offload, pipelined_with};
+use super::support::{StatCounters, offload_early, pipelined_with};
 use super::*;
 use crate::master_client::RoutePutDecision;
 
@@ -239,7 +239,7 @@ impl PoolClient {
         }
         let chunks = holder_chunks(items, by_holder, spread);
         let answers = self.put_chunks(items, &chunks, spread, None).await;
-        let streak = self.settle_chunks(items, &chunks, answers, &mut out, None);
+        let streak = self.settle_chunks(&chunks, answers, &mut out, None);
         (out, if elsewhere { Streak::Broken } else { streak })
     }
 
@@ -290,7 +290,7 @@ impl PoolClient {
                 RoutePutDecision::Unavailable => elsewhere = true,
             }
         }
-        let streak = self.settle_chunks(items, &chunks, answers, &mut out, Some(&placed_here));
+        let streak = self.settle_chunks(&chunks, answers, &mut out, Some(&placed_here));
         (out, if elsewhere { Streak::Broken } else { streak })
     }
 
@@ -338,22 +338,37 @@ impl PoolClient {
             // is still in L2, so a value is read once (summing it first, then copying it, read it
             // twice: checksums on/off 0.61–0.72 for these puts on the 2-core VM).
             let checksum = if self.config.checksums { PutChecksum::WhileCopying } else { PutChecksum::None };
-            let got = offload(move || {
+            let (locations, clock) = (Arc::clone(&self.locations), Arc::clone(&self.clock));
+            let held_by: (Arc<str>, Arc<str>) = (node.as_str().into(), endpoint.as_str().into());
+            let got = offload_early(move |early| {
                 let batch: Vec<KeyedBatchPut<'_>> = values
                     .iter()
                     .map(|(key, buf)| {
                         // SAFETY: a caller buffer of this call (a slice it borrows, or a raw range
                         // its contract keeps valid and unwritten until the call returns), host
-                        // memory (checked above); only read, and the offloaded work is waited for
-                        // even if the call is dropped (`Offloaded`).
+                        // memory (checked above); only read, and the offloaded work is waited for,
+                        // even if the call is dropped, until its answer is sent (`offload_early`);
+                        // `batch` is gone by then.
                         let value = unsafe { std::slice::from_raw_parts(buf.ptr.as_ptr().cast_const(), buf.len) };
                         KeyedBatchPut { key, value, checksum }
                     })
                     .collect();
-                match gate {
+                let got = match gate {
                     Some(gate) => keyed.put_shared_batch_confirmed(&at, wire_tier, &batch, &mut || gate.wait(&indexes)),
                     None => keyed.put_shared_batch(&at, wire_tier, &batch),
-                }
+                };
+                drop(batch);
+                // Written means kept there (committed, and placed there when copied ahead). Their
+                // locations are recorded after the answer is sent: the batch's end, which the
+                // caller waits for, takes no pass over its keys (a get racing this finds no
+                // location and routes, as before the put).
+                let kept: Vec<usize> = match &got {
+                    Ok(answers) => (0..answers.len()).filter(|&j| answers[j] == KeyedPut::Written).collect(),
+                    Err(_) => Vec::new(),
+                };
+                early.send(got);
+                let (node, endpoint) = &held_by;
+                locations.insert_many(kept.into_iter().map(|j| (values[j].0.as_str(), node, endpoint)), clock.now());
             })
             .await;
             (node, endpoint, got)
@@ -367,14 +382,12 @@ impl PoolClient {
     /// master placed on the holder (by batch index) are settled: the rest were withdrawn.
     fn settle_chunks(
         &self,
-        items: &[(&str, Src<'_>)],
         chunks: &HolderChunks,
         answers: Vec<ChunkAnswer<'_>>,
         out: &mut BTreeMap<usize, PutSettled>,
         ahead: Option<&[bool]>,
     ) -> Streak {
         let placed = |i: usize| ahead.is_none_or(|placed| placed.get(i).copied().unwrap_or(false));
-        let now = self.clock.now();
         let mut streak = Streak::Silent;
         for ((holder, indexes), (node, endpoint, got)) in chunks.iter().zip(answers) {
             let answers = match got {
@@ -399,15 +412,14 @@ impl PoolClient {
             };
             let (mut written, mut withdrawn) = (0u64, 0u64);
             let mut kept = 0usize;
-            let mut located: Vec<&str> = Vec::with_capacity(indexes.len());
             for (i, answer) in indexes.iter().zip(answers) {
                 if !placed(*i) {
                     withdrawn += u64::from(answer == KeyedPut::Withdrawn);
                     continue;
                 }
                 let settled = match answer {
+                    // Its location was recorded by the chunk's work (`put_chunks`).
                     KeyedPut::Written => {
-                        located.push(items[*i].0);
                         written += 1;
                         Some(Ok(PutOutcome::Written))
                     }
@@ -429,10 +441,6 @@ impl PoolClient {
                 if let (Some(result), Some(entry)) = (settled, out.get_mut(i)) {
                     entry.0 = Some(result);
                 }
-            }
-            if !located.is_empty() {
-                let (node, endpoint): (Arc<str>, Arc<str>) = (node.as_str().into(), endpoint.as_str().into());
-                self.locations.insert_many(located.into_iter().map(|key| (key, &node, &endpoint)), now);
             }
             StatCounters::add(&self.stats.keyed_puts, written);
             if ahead.is_some() {
