@@ -512,6 +512,36 @@ fn a_batch_get_answers_before_it_settles() {
     assert_eq!(bufs, values, "byte-exact");
 }
 
+/// The holder checks every range a batch's answer names before it offers it: a value said to lie
+/// in a region it has not registered, or past the end of its region, is never offered as mapped
+/// (its lease is closed before the reply leaves) and is left to the routed path, while the batch's
+/// good values are copied.
+#[test]
+fn a_batch_answer_outside_a_shared_region_is_left_to_the_routed_path() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, region) = holder(&file, &table, true);
+    let value = pattern(50_000, 5);
+    file.fill(4096, &value);
+    table.insert("good", region, 4096, value.len() as u64);
+    table.insert("unknown-region", region + 1000, 4096, 50_000);
+    // Both halves start inside the region; the second ends past it.
+    table.insert("past-the-end", region, LEN as u64 - 30_000, 50_000);
+    table.insert("again", region, 4096, value.len() as u64);
+    let keys = ["unknown-region", "good", "past-the-end", "again"];
+    let mut bufs = vec![vec![0u8; 50_000]; keys.len()];
+    let got = get_batch(&client(), srv.endpoint(), &keys, &mut bufs);
+    let hit = KeyedGet::Hit { size: 50_000, crc32c: None };
+    assert_eq!(got, vec![KeyedGet::Unsupported, hit, KeyedGet::Unsupported, hit]);
+    assert!(bufs[1] == value && bufs[3] == value, "the good values byte-exact");
+    assert_eq!(table.settled().len(), 4, "every lease ended");
+    assert_eq!(
+        *table.batches.lock(),
+        [("open_reads", 4), ("close_reads", 2), ("close_reads", 2)],
+        "the two bad answers' leases closed by the holder before its reply, the good ones by the settle"
+    );
+}
+
 #[test]
 fn a_batch_whose_leases_end_before_the_copy_is_lapsed_never_a_hit() {
     let file = SealedFile::new();

@@ -132,6 +132,35 @@ impl ServerConn<'_> {
         self.shared.keyed.read().clone()
     }
 
+    /// Whether every range of a batch's answer is a live host range of this server and the lengths
+    /// add up to `size` ([`guard_ranges`](Self::guard_ranges)'s test, without keeping the guards).
+    /// `held` keeps one guard per region the batch has checked so far, for the batch's loop: a
+    /// batch's values mostly lie in one region, and acquiring a guard takes and gives back the
+    /// region's shared count, so per key — with a batch's two connections on two threads — that
+    /// cache line bounced between cores (20–35 µs for 32 keys on the 16-core host).
+    fn ranges_ok(&self, held: &mut Vec<(u64, RegionGuard)>, ranges: &[KeyedRange], size: u64) -> bool {
+        let mut total = 0u64;
+        for r in ranges {
+            let at = match held.iter().position(|(id, _)| *id == r.region_id) {
+                Some(at) => at,
+                None => {
+                    let Some(guard) = self.shared.regions.acquire_remote(r.region_id) else { return false };
+                    if !guard.region().location().is_host() {
+                        return false;
+                    }
+                    held.push((r.region_id, guard));
+                    held.len() - 1
+                }
+            };
+            if held[at].1.range(r.offset, r.len).is_err() {
+                return false;
+            }
+            let Some(sum) = total.checked_add(r.len) else { return false };
+            total = sum;
+        }
+        total == size
+    }
+
     /// Guards every range of a handler's answer and turns it into host memory: `None` when one is
     /// not a live host range of this server or the lengths do not add up to `size` (a handler bug,
     /// or a region deregistered meanwhile).
@@ -258,6 +287,8 @@ impl ServerConn<'_> {
         let mut open = OpenReads { handler: handler.as_ref(), reads: Vec::new() };
         let mut closing = OpenReads { handler: handler.as_ref(), reads: Vec::new() };
         let mut reply = Vec::new();
+        // The regions checked so far, one guard each, until the reply is encoded (`ranges_ok`).
+        let mut held = Vec::with_capacity(1);
         for (e, read) in entries.iter().zip(found) {
             let answer = match read {
                 KeyedRead::Hit { size, ranges, lease, crc32c } => {
@@ -269,7 +300,7 @@ impl ServerConn<'_> {
                     } else if lease_ns == 0
                         || ranges.is_empty()
                         || ranges.len() > MAX_SHARED_RANGES
-                        || self.guard_ranges(&ranges, size).is_none()
+                        || !self.ranges_ok(&mut held, &ranges, size)
                     {
                         // Not host memory of this server (device memory, a region going away), or
                         // a lease already over: the routed path serves it.
@@ -291,7 +322,7 @@ impl ServerConn<'_> {
             };
             batch_wire::encode_answer(&mut reply, &answer);
         }
-        drop(closing);
+        drop((closing, held));
         self.send_ok_with(r.id, &reply)?;
         bump(&self.shared.metrics.requests[Status::Mapped as usize]);
         if open.reads.is_empty() {
@@ -319,6 +350,8 @@ impl ServerConn<'_> {
         let mut open = OpenWrites { handler: handler.as_ref(), slots: Vec::with_capacity(entries.len()) };
         let mut refused = OpenWrites { handler: handler.as_ref(), slots: Vec::new() };
         let mut reply = Vec::new();
+        // The regions checked so far, one guard each, until the reply is encoded (`ranges_ok`).
+        let mut held = Vec::with_capacity(1);
         for (e, write) in entries.iter().zip(got) {
             let (answer, slot) = match write {
                 KeyedWrite::Slot { ranges, slot } => {
@@ -327,7 +360,7 @@ impl ServerConn<'_> {
                     if slot_ns == 0
                         || ranges.is_empty()
                         || ranges.len() > MAX_SHARED_RANGES
-                        || self.guard_ranges(&ranges, e.size).is_none()
+                        || !self.ranges_ok(&mut held, &ranges, e.size)
                     {
                         refused.slots.push(Some((e.key, slot, None)));
                         (BatchAnswer::Other(Status::Unsupported), None)
@@ -355,7 +388,7 @@ impl ServerConn<'_> {
             batch_wire::encode_answer(&mut reply, &answer);
             open.slots.push(slot);
         }
-        drop(refused);
+        drop((refused, held));
         self.send_ok_with(r.id, &reply)?;
         if open.slots.iter().all(Option::is_none) {
             bump(&self.shared.metrics.requests[Status::Mapped as usize]);
