@@ -62,8 +62,9 @@ pub(super) fn blocking<R>(f: impl FnOnce() -> R) -> R {
 /// that awaits it can drive other futures meanwhile (the next chunk's route and allocate).
 ///
 /// The work may touch memory the awaiting call borrows (a caller's buffer behind a `LocalRegion`),
-/// so dropping an `Offloaded` before the work ends **waits for the work**: a cancelled batch never
-/// returns while a copy still runs on its buffers. Resolves to `None` if the work panicked.
+/// so dropping an `Offloaded` before the work ends **waits for the work** (work started by
+/// [`offload_early`]: until it sends its answer): a cancelled batch never returns while a copy
+/// still runs on its buffers. Resolves to `None` if the work panicked.
 pub(super) struct Offloaded<R> {
     rx: tokio::sync::oneshot::Receiver<R>,
     done: Arc<WorkDone>,
