@@ -33,7 +33,6 @@
 //! location costs one exchange, never wrong bytes: the holder resolves the key itself, and values
 //! are write-once, so any holder's bytes for a key are that key's value.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::Instrument;
@@ -61,10 +60,11 @@ struct Location {
     until: Instant,
 }
 
-/// The client's location cache (see the module docs).
+/// The client's location cache (see the module docs). foldhash (randomly seeded) rather than
+/// SipHash: a batch looks up every key on the path its caller waits on.
 #[derive(Debug, Default)]
 pub(super) struct Locations {
-    map: Mutex<HashMap<String, Location>>,
+    map: Mutex<foldhash::HashMap<String, Location>>,
 }
 
 impl Locations {
@@ -87,7 +87,7 @@ impl Locations {
             .collect()
     }
 
-    fn live(map: &HashMap<String, Location>, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
+    fn live(map: &foldhash::HashMap<String, Location>, key: &str, now: Instant) -> Option<(Arc<str>, Arc<str>)> {
         let l = map.get(key).filter(|l| l.until > now)?;
         Some((Arc::clone(&l.node), Arc::clone(&l.endpoint)))
     }
@@ -122,7 +122,7 @@ impl Locations {
     }
 
     /// Adds a key not cached yet, making room first when the cache is full.
-    fn add(map: &mut HashMap<String, Location>, key: &str, location: Location, now: Instant) {
+    fn add(map: &mut foldhash::HashMap<String, Location>, key: &str, location: Location, now: Instant) {
         if map.len() >= LOCATION_CAP {
             map.retain(|_, l| l.until > now);
             if map.len() >= LOCATION_CAP {

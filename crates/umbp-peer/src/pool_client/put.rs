@@ -203,7 +203,10 @@ impl PoolClient {
         let n = items.len();
         let mut results: Vec<Option<Result<PutOutcome, KeyError>>> = vec![None; n];
         let mut repeat_of: Vec<Option<usize>> = vec![None; n];
-        let mut first_of: HashMap<&str, usize> = HashMap::new();
+        // foldhash (randomly seeded): a batch's keys are hashed once here, on the path the caller
+        // waits on; SipHash cost ~0.15 µs a key (1,024 keys of a 64 KiB batch on the VM).
+        let mut first_of: foldhash::HashMap<&str, usize> =
+            foldhash::HashMap::with_capacity_and_hasher(items.len(), foldhash::fast::RandomState::default());
         for (i, (key, value)) in items.iter().enumerate() {
             if key.is_empty() {
                 results[i] = Some(Err(KeyError::EmptyKey));
