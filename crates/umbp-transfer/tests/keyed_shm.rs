@@ -413,8 +413,14 @@ fn get_batch_verified(
     bufs: &mut [Vec<u8>],
     verify: bool,
 ) -> Vec<KeyedGet> {
-    let items: Vec<KeyedBatchItem<'_>> = keys
-        .iter()
+    let items = batch_items(keys, bufs, verify);
+    // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
+    unsafe { c.get_shared_batch(endpoint, &items) }.expect("an answer")
+}
+
+/// One batch item per key, into `bufs` (borrowed mutably for as long as the items live).
+fn batch_items<'a>(keys: &[&'a str], bufs: &'a mut [Vec<u8>], verify: bool) -> Vec<KeyedBatchItem<'a>> {
+    keys.iter()
         .zip(bufs.iter_mut())
         .map(|(key, buf)| KeyedBatchItem {
             key,
@@ -422,9 +428,7 @@ fn get_batch_verified(
             cap: buf.len(),
             verify,
         })
-        .collect();
-    // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
-    unsafe { c.get_shared_batch(endpoint, &items) }.expect("an answer")
+        .collect()
 }
 
 #[test]
@@ -484,16 +488,7 @@ fn a_batch_get_answers_before_it_settles() {
         table.insert(&format!("k{i}"), region, (i as u64) << 20, value.len() as u64);
     }
     let mut bufs = vec![vec![0u8; 70_000]; 2];
-    let items: Vec<KeyedBatchItem<'_>> = ["k0", "k1"]
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(key, buf)| KeyedBatchItem {
-            key,
-            dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
-            cap: buf.len(),
-            verify: false,
-        })
-        .collect();
+    let items = batch_items(&["k0", "k1"], &mut bufs, false);
     let c = client();
     let mut seen = None;
     // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
