@@ -52,6 +52,9 @@ type PutHolder = (String, String, String, TierType);
 type PutRoute = (String, String, TierType);
 /// What a put settled for one key: its result, its placement for the routed path.
 type PutSettled = (Option<Result<PutOutcome, KeyError>>, Option<PutRoute>);
+/// What a put settled, by batch index (`None`: a key it did not take). Dense rather than a map:
+/// a batch of 1,024 keys settles every one of them on the path its caller waits on.
+type Settled = Vec<Option<PutSettled>>;
 /// Each chunk: its holder and its keys (batch indexes).
 type HolderChunks = Vec<(PutHolder, Vec<usize>)>;
 /// A chunk's exchange: the holder's node and endpoint and its answers (`None`: the work panicked).
@@ -189,11 +192,12 @@ impl PoolClient {
                 let (head, rest) = candidates.split_at(first);
                 let ((head, a), (rest, b)) =
                     tokio::join!(self.put_group(items, head, &spread), self.put_group(items, rest, &spread));
-                (head.into_iter().chain(rest).collect(), a.and(b))
+                // The groups' keys are disjoint.
+                (head.into_iter().zip(rest).map(|(h, r)| h.or(r)).collect(), a.and(b))
             }
         };
         self.sole_put_holder.record(streak);
-        for (i, (result, route)) in settled {
+        for (i, (result, route)) in settled.into_iter().enumerate().filter_map(|(i, s)| Some((i, s?))) {
             if result.is_some() {
                 results[i] = result;
             }
@@ -205,13 +209,8 @@ impl PoolClient {
     /// Routes `keys` (batch indexes) in calls of [`ROUTE_KEYS`] and writes those placed on a holder
     /// on this host with one PUT_KEYS per chunk; per key: its result if settled here, and the
     /// placement the routed path is to use (`None`: routed afresh).
-    async fn put_group(
-        &self,
-        items: &[(&str, Src<'_>)],
-        keys: &[usize],
-        spread: &Spread,
-    ) -> (BTreeMap<usize, PutSettled>, Streak) {
-        let mut out: BTreeMap<usize, PutSettled> = BTreeMap::new();
+    async fn put_group(&self, items: &[(&str, Src<'_>)], keys: &[usize], spread: &Spread) -> (Settled, Streak) {
+        let mut out: Settled = vec![None; items.len()];
         if keys.is_empty() {
             return (out, Streak::Silent);
         }
@@ -223,10 +222,10 @@ impl PoolClient {
         for (i, decision) in decisions {
             match decision {
                 RoutePutDecision::AlreadyExists => {
-                    out.insert(i, (Some(Ok(PutOutcome::AlreadyPresent)), None));
+                    out[i] = Some((Some(Ok(PutOutcome::AlreadyPresent)), None));
                 }
                 RoutePutDecision::Routed { node_id, tier, peer_address, data_endpoint } => {
-                    out.insert(i, (None, Some((node_id.clone(), peer_address.clone(), tier))));
+                    out[i] = Some((None, Some((node_id.clone(), peer_address.clone(), tier))));
                     if !data_endpoint.is_empty() && node_id != self.config.node_id {
                         by_holder.entry((node_id, data_endpoint, peer_address, tier)).or_default().push(i);
                     } else {
@@ -251,7 +250,7 @@ impl PoolClient {
         keys: &[usize],
         spread: &Spread,
         holder: PutHolder,
-    ) -> (BTreeMap<usize, PutSettled>, Streak) {
+    ) -> (Settled, Streak) {
         let gate = Arc::new(RouteGate::default());
         let chunks = holder_chunks(items, BTreeMap::from([(holder.clone(), keys.to_vec())]), spread);
         let route = {
@@ -275,17 +274,17 @@ impl PoolClient {
         // on the route call's request.
         let (answers, (decisions, placed_here)) =
             tokio::join!(self.put_chunks(items, &chunks, spread, Some(&gate)), route);
-        let mut out: BTreeMap<usize, PutSettled> = BTreeMap::new();
+        let mut out: Settled = vec![None; items.len()];
         // A failed route withdrew every copy: each key is routed afresh (and counted withdrawn).
         let mut elsewhere = decisions.is_none();
         for (i, decision) in decisions.into_iter().flatten() {
             match decision {
                 RoutePutDecision::AlreadyExists => {
-                    out.insert(i, (Some(Ok(PutOutcome::AlreadyPresent)), None));
+                    out[i] = Some((Some(Ok(PutOutcome::AlreadyPresent)), None));
                 }
                 RoutePutDecision::Routed { node_id, tier, peer_address, .. } => {
                     elsewhere |= !placed_here[i];
-                    out.insert(i, (None, Some((node_id, peer_address, tier))));
+                    out[i] = Some((None, Some((node_id, peer_address, tier))));
                 }
                 RoutePutDecision::Unavailable => elsewhere = true,
             }
@@ -384,7 +383,7 @@ impl PoolClient {
         &self,
         chunks: &HolderChunks,
         answers: Vec<ChunkAnswer<'_>>,
-        out: &mut BTreeMap<usize, PutSettled>,
+        out: &mut Settled,
         ahead: Option<&[bool]>,
     ) -> Streak {
         let placed = |i: usize| ahead.is_none_or(|placed| placed.get(i).copied().unwrap_or(false));
@@ -400,7 +399,7 @@ impl PoolClient {
                         self.forget_holder(node, endpoint);
                     }
                     for i in indexes.iter().filter(|i| placed(**i)) {
-                        out.insert(*i, (None, None));
+                        out[*i] = Some((None, None));
                     }
                     streak = Streak::Broken;
                     continue;
@@ -429,7 +428,7 @@ impl PoolClient {
                     // Routed afresh (a withdrawn key was confirmed here: it cannot be, but is
                     // then not stored).
                     KeyedPut::NoSpace | KeyedPut::Failed | KeyedPut::Withdrawn => {
-                        out.insert(*i, (None, None));
+                        out[*i] = Some((None, None));
                         None
                     }
                 };
@@ -438,7 +437,7 @@ impl PoolClient {
                 } else {
                     streak = Streak::Broken;
                 }
-                if let (Some(result), Some(entry)) = (settled, out.get_mut(i)) {
+                if let (Some(result), Some(Some(entry))) = (settled, out.get_mut(*i)) {
                     entry.0 = Some(result);
                 }
             }
