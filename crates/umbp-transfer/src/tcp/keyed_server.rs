@@ -127,6 +127,16 @@ impl Drop for OpenWrites<'_> {
     }
 }
 
+/// `r` inside `guard`'s region, as host memory of this server: `None` for a region in device
+/// memory or a range past its end. The one test [`ServerConn::guard_ranges`] and
+/// [`ServerConn::ranges_ok`] apply to every range.
+fn host_range(guard: &RegionGuard, r: &KeyedRange) -> Option<(*mut u8, usize)> {
+    if !guard.region().location().is_host() {
+        return None;
+    }
+    guard.range(r.offset, r.len).ok()
+}
+
 impl ServerConn<'_> {
     fn keyed_handler(&self) -> Option<Arc<dyn KeyedHandler>> {
         self.shared.keyed.read().clone()
@@ -145,17 +155,11 @@ impl ServerConn<'_> {
                 Some(at) => at,
                 None => {
                     let Some(guard) = self.shared.regions.acquire_remote(r.region_id) else { return false };
-                    if !guard.region().location().is_host() {
-                        return false;
-                    }
                     held.push((r.region_id, guard));
                     held.len() - 1
                 }
             };
-            if held[at].1.range(r.offset, r.len).is_err() {
-                return false;
-            }
-            let Some(sum) = total.checked_add(r.len) else { return false };
+            let Some(sum) = host_range(&held[at].1, r).and_then(|_| total.checked_add(r.len)) else { return false };
             total = sum;
         }
         total == size
@@ -169,10 +173,7 @@ impl ServerConn<'_> {
         let mut total = 0u64;
         for r in ranges {
             let guard = self.shared.regions.acquire_remote(r.region_id)?;
-            if !guard.region().location().is_host() {
-                return None;
-            }
-            let (ptr, len) = guard.range(r.offset, r.len).ok()?;
+            let (ptr, len) = host_range(&guard, r)?;
             total = total.checked_add(r.len)?;
             out.push((guard, ptr, len));
         }
