@@ -16,7 +16,9 @@ pub const TARGET: &str = "umbp::phase";
 pub const GET_KEYED_REPLY: &str = "umbp.get.keyed.reply";
 /// A batch get chunk's copies, fanned out over the copy pool, each checked as it lands.
 pub const GET_KEYED_COPY: &str = "umbp.get.keyed.copy";
-/// A batch get chunk's settle frame (ending every lease).
+/// A batch get chunk's settle frame (ending every lease). Sent after the chunk's answers went back
+/// to the caller, so it may close after the batch has returned (a breakdown stopped at the
+/// batch's end then misses it).
 pub const GET_KEYED_SETTLE: &str = "umbp.get.keyed.settle";
 
 /// A batch put chunk: its request sent, the holder's answer read (the holder allocates every

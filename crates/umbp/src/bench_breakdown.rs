@@ -71,6 +71,11 @@ impl Recorder {
         Samples(taken)
     }
 
+    /// How many spans named `name` closed since [`start`](Self::start) (while armed).
+    pub fn closed(&self, name: &str) -> usize {
+        self.samples.lock().map_or(0, |s| s.get(name).map_or(0, Vec::len))
+    }
+
     fn record(&self, name: &'static str, wall: Duration, busy: Duration) {
         if !self.armed.load(Ordering::Relaxed) {
             return;
@@ -708,6 +713,11 @@ mod tests {
             let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
             recorder.start();
             let read = client.batch_get(&refs, &mut slices).await;
+            // A chunk's settle frame goes out after its answers came back: wait (bounded) for both.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while recorder.closed(phases::GET_KEYED_SETTLE) < 2 && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
             let get = recorder.stop();
             assert!(read.iter().all(Result::is_ok) && bufs == values, "byte-exact: {read:?}");
             assert_eq!(
