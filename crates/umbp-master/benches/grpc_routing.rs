@@ -1,5 +1,6 @@
-//! Routing over gRPC on loopback (issue 4, deliverable 5): `BatchRoutePut` and `BatchRouteGet` keys
-//! per second at batches of 1, 32 and 128 from concurrent clients, beside a same-run baseline: the
+//! Routing over gRPC on loopback (issue 4, deliverable 5): `BatchRoutePut` of new keys (each one
+//! checked routed) and `BatchRouteGet` of indexed ones, keys per second at batches of 1, 32, 128
+//! and 1,024 from concurrent clients, beside a same-run baseline: the
 //! bare gRPC round trip of the same batch shape through `BatchLookup` with the same keys (the
 //! transport and codec floor; the store's existence check is tens of nanoseconds per key).
 //!
@@ -16,6 +17,9 @@ use umbp_proto::v1::umbp_master_client::UmbpMasterClient;
 const NODES: usize = 16;
 const KEYS: usize = 100_000;
 const CLIENTS: usize = 4;
+/// A put's value size: small enough that the routes of a whole run (reserved against the nodes'
+/// capacity until their next heartbeat, which this bench never sends) never fill the pool.
+const VALUE: u64 = 4096;
 
 fn env_or(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -34,12 +38,14 @@ async fn one_call(c: &mut UmbpMasterClient<Channel>, op: Op, keys: Vec<String>) 
         Op::Put => {
             let r = v1::BatchRoutePutRequest {
                 node_id: "bench".into(),
-                block_sizes: vec![2 << 20; n],
+                block_sizes: vec![VALUE; n],
                 keys,
                 exclude_nodes: vec![],
+                columnar: true,
             };
             let reply = c.batch_route_put(r).await.expect("route put");
-            assert_eq!(reply.get_ref().entries.len(), n);
+            let routed = reply.get_ref().outcome.iter().filter(|&&o| o == v1::RoutePutOutcome::RoutePutRouted as i32);
+            assert_eq!(routed.count(), n, "every new key is routed");
         }
         Op::Get => {
             let r = v1::BatchRouteGetRequest { node_id: "bench".into(), keys, exclude_nodes: vec![] };
@@ -63,7 +69,12 @@ async fn rate(client: &UmbpMasterClient<Channel>, op: Op, batch: usize, budget: 
             let mut done = 0u64;
             let mut i = t * 7919;
             while start.elapsed() < budget {
-                let keys: Vec<String> = (0..batch).map(|j| format!("key-{:08}", (i + j) % KEYS)).collect();
+                // A put routes new keys, as long as the indexed ones (an indexed key is answered
+                // "already exists", not routed).
+                let keys: Vec<String> = match op {
+                    Op::Put => (0..batch).map(|j| format!("key-{:08}", KEYS * (1 + t) + (i + j) % KEYS)).collect(),
+                    Op::Get | Op::Lookup => (0..batch).map(|j| format!("key-{:08}", (i + j) % KEYS)).collect(),
+                };
                 i += batch;
                 one_call(&mut c, op, keys).await;
                 done += batch as u64;
@@ -98,13 +109,14 @@ fn main() {
             .expect("connect");
         let mut client = UmbpMasterClient::new(channel);
         // 16 nodes with room, each holding 1/16 of the keys (so gets hit).
+        let capacity = v1::TierCapacity { tier: v1::TierType::TierDram as i32, total_bytes: 1 << 40, available_bytes: 1 << 40, page_size: 0 };
         for n in 0..NODES {
             let node_id = format!("node-{n:02}");
             client
                 .register_client(v1::RegisterClientRequest {
                     node_id: node_id.clone(),
                     node_address: "127.0.0.1".into(),
-                    tier_capacities: vec![v1::TierCapacity { tier: v1::TierType::TierDram as i32, total_bytes: 1 << 40, available_bytes: 1 << 40, page_size: 0 }],
+                    tier_capacities: vec![capacity.clone()],
                     peer_address: format!("127.0.0.1:{}", 20000 + n),
                     data_endpoint: String::new(),
                     tags: vec![],
@@ -117,7 +129,16 @@ fn main() {
                 .map(|k| v1::KvEvent { kind: 0, key: format!("key-{k:08}"), tier: v1::TierType::TierDram as i32, size: 2 << 20 })
                 .collect();
             client
-                .heartbeat(v1::HeartbeatRequest { node_id, is_full_sync: true, bundles: vec![v1::EventBundle { seq: 0, events }], full_sync_final: true, ..Default::default() })
+                .heartbeat(v1::HeartbeatRequest {
+                    node_id,
+                    is_full_sync: true,
+                    bundles: vec![v1::EventBundle { seq: 0, events }],
+                    full_sync_final: true,
+                    // A heartbeat's capacities replace the node's: one without them leaves it no
+                    // medium, and every put unroutable.
+                    tier_capacities: vec![capacity.clone()],
+                    ..Default::default()
+                })
                 .await
                 .expect("full sync");
         }
@@ -126,7 +147,7 @@ fn main() {
         println!("| rpc | batch | keys/s | baseline keys/s (BatchLookup, same batch) | ratio |");
         println!("|---|---|---|---|---|");
         for (op, name) in [(Op::Put, "BatchRoutePut"), (Op::Get, "BatchRouteGet")] {
-            for batch in [1usize, 32, 128] {
+            for batch in [1usize, 32, 128, 1024] {
                 let (mut ours, mut base) = (Vec::new(), Vec::new());
                 for _ in 0..rounds {
                     ours.push(rate(&client, op, batch, budget).await);

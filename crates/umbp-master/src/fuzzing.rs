@@ -81,6 +81,21 @@ pub fn requests(data: &[u8]) -> usize {
     })
 }
 
+/// A columnar route-put reply: no entries, three columns of one value per key, a routed key
+/// refers to a listed node with an id, any other key to none.
+fn route_put_columns(p: &pb::BatchRoutePutResponse, keys: usize) {
+    assert!(p.entries.is_empty(), "a columnar reply has no entries");
+    assert_eq!((p.outcome.len(), p.node_ref.len(), p.tier.len()), (keys, keys, keys), "columns");
+    for (&outcome, &node_ref) in p.outcome.iter().zip(&p.node_ref) {
+        if outcome == pb::RoutePutOutcome::RoutePutRouted as i32 {
+            let node = p.nodes.get((node_ref as usize).wrapping_sub(1)).expect("a routed key's node is listed");
+            assert!(!node.node_id.is_empty(), "a routed put names its node");
+        } else {
+            assert_eq!(node_ref, 0, "a key not routed refers to no node");
+        }
+    }
+}
+
 /// Sends one request; whether the master accepted it.
 async fn send(c: &mut UmbpMasterClient<Channel>, which: u8, bytes: &[u8]) -> bool {
     match which % 8 {
@@ -97,14 +112,18 @@ async fn send(c: &mut UmbpMasterClient<Channel>, which: u8, bytes: &[u8]) -> boo
         }
         2 => {
             let Ok(r) = pb::BatchRoutePutRequest::decode(bytes) else { return false };
-            let keys = r.keys.len();
+            let (keys, columnar) = (r.keys.len(), r.columnar);
             match c.batch_route_put(r).await {
                 Ok(reply) => {
-                    let entries = reply.into_inner().entries;
-                    assert_eq!(entries.len(), keys, "one route-put entry per key");
-                    for e in &entries {
-                        if e.outcome == pb::RoutePutOutcome::RoutePutRouted as i32 {
-                            assert!(!e.node_id.is_empty(), "a routed put names its node");
+                    let p = reply.into_inner();
+                    if columnar {
+                        route_put_columns(&p, keys);
+                    } else {
+                        assert_eq!(p.entries.len(), keys, "one route-put entry per key");
+                        for e in &p.entries {
+                            if e.outcome == pb::RoutePutOutcome::RoutePutRouted as i32 {
+                                assert!(!e.node_id.is_empty(), "a routed put names its node");
+                            }
                         }
                     }
                     true
@@ -239,6 +258,18 @@ pub fn seeds() -> Vec<Vec<u8>> {
                 keys: keys(&["x", "b", "x"]),
                 block_sizes: vec![10, 20, 10],
                 exclude_nodes: vec![],
+                columnar: false,
+            }
+            .encode_to_vec(),
+        ),
+        (
+            2,
+            pb::BatchRoutePutRequest {
+                node_id: "n1".into(),
+                keys: keys(&["y", "c", "y", "z"]),
+                block_sizes: vec![10, 20, 10, 0],
+                exclude_nodes: vec![],
+                columnar: true,
             }
             .encode_to_vec(),
         ),

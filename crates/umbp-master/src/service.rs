@@ -1,7 +1,9 @@
 //! The `UMBPMaster` gRPC service: glue between the wire, the metadata store and the routing
 //! strategies. Every handler is short: validate, call the store, call a strategy, encode.
 
-use std::collections::HashMap;
+// foldhash (randomly seeded): a route hashes every key of its batch, and node names per key, on
+// the path a writer waits on; SipHash was a sixth of a 1,024-key route.
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -338,24 +340,7 @@ impl MasterService {
                 PutDecision::AlreadyExists | PutDecision::Unavailable => 0,
             })
             .collect();
-        let entries = decisions
-            .into_iter()
-            .map(|d| match d {
-                PutDecision::Routed(p) => v1::RoutePutEntry {
-                    outcome: v1::RoutePutOutcome::RoutePutRouted as i32,
-                    node_id: p.node_id.to_string(),
-                    tier: tier_to_wire(p.tier),
-                    peer_address: p.peer_address.to_string(),
-                    data_endpoint: endpoints.get(&p.node_id).map(|e| e.to_string()).unwrap_or_default(),
-                },
-                PutDecision::AlreadyExists => v1::RoutePutEntry {
-                    outcome: v1::RoutePutOutcome::RoutePutAlreadyExists as i32,
-                    ..Default::default()
-                },
-                PutDecision::Unavailable => v1::RoutePutEntry::default(),
-            })
-            .collect();
-        Ok(RoutedPuts { entries, charges })
+        Ok(RoutedPuts { decisions, endpoints, charges })
     }
 
     /// [`route_put_batch`](Self::route_put_batch), making room when keys found none: evicts least
@@ -367,12 +352,12 @@ impl MasterService {
         keys: &[String],
         sizes: &[u64],
         exclude: &[String],
-    ) -> Result<Vec<v1::RoutePutEntry>, Status> {
+    ) -> Result<RoutedPuts, Status> {
         self.stats.route_put_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
         let routed = self.route_put_batch(requester, keys, sizes, exclude)?;
-        if unplaced(&routed.entries, keys, sizes).0 == 0 {
+        if unplaced(&routed.decisions, keys, sizes).0 == 0 {
             self.reserve(&routed)?;
-            return Ok(routed.entries);
+            return Ok(routed);
         }
         self.make_room_and_route(requester, keys, sizes, exclude).await
     }
@@ -385,18 +370,18 @@ impl MasterService {
         keys: &[String],
         sizes: &[u64],
         exclude: &[String],
-    ) -> Result<Vec<v1::RoutePutEntry>, Status> {
+    ) -> Result<RoutedPuts, Status> {
         // Bounded, well inside a client's route deadline: waiting for the evictor (a background round
         // against a slow peer may hold it) and the eviction itself share ON_DEMAND_BUDGET.
         let deadline = tokio::time::Instant::now() + ON_DEMAND_BUDGET;
         let Ok(mut evictor) = tokio::time::timeout_at(deadline, self.evictor.lock()).await else {
             let routed = self.route_put_batch(requester, keys, sizes, exclude)?;
             self.reserve(&routed)?;
-            return Ok(routed.entries);
+            return Ok(routed);
         };
         // Another put may have made room while this one waited for the evictor.
         let routed = self.route_put_batch(requester, keys, sizes, exclude)?;
-        let (needed, largest) = unplaced(&routed.entries, keys, sizes);
+        let (needed, largest) = unplaced(&routed.decisions, keys, sizes);
         let routed = if needed == 0 {
             routed
         } else {
@@ -410,7 +395,7 @@ impl MasterService {
         };
         // Reserved before the next waiter routes, so it does not place the same room.
         self.reserve(&routed)?;
-        Ok(routed.entries)
+        Ok(routed)
     }
 
     /// Debits the routed keys' pages from the nodes' recorded capacity (projected capacity across
@@ -418,10 +403,10 @@ impl MasterService {
     /// sent to the same free bytes, and all but the first would be refused by the peer. The node's
     /// next heartbeat replaces the figure with its real one.
     fn reserve(&self, routed: &RoutedPuts) -> Result<(), Status> {
-        let mut debits: HashMap<(String, i32), u64> = HashMap::new();
-        for (entry, &charge) in routed.entries.iter().zip(&routed.charges) {
-            if entry.outcome == v1::RoutePutOutcome::RoutePutRouted as i32 {
-                *debits.entry((entry.node_id.clone(), entry.tier)).or_insert(0) += charge;
+        let mut debits: HashMap<(&Arc<str>, TierType), u64> = HashMap::new();
+        for (decision, &charge) in routed.decisions.iter().zip(&routed.charges) {
+            if let PutDecision::Routed(p) = decision {
+                *debits.entry((&p.node_id, p.tier)).or_insert(0) += charge;
             }
         }
         if debits.is_empty() {
@@ -432,10 +417,10 @@ impl MasterService {
         // than a hand-off to the blocking pool on the hot path.
         let mut pressed: Vec<Arc<str>> = Vec::new();
         for ((node, tier), bytes) in debits {
-            let left = self.store.debit_capacity(&node, tier_from_wire(tier), bytes).map_err(store_status)?;
+            let left = self.store.debit_capacity(node, tier, bytes).map_err(store_status)?;
             let over = left.is_some_and(|c| at_or_above(c.total_bytes, c.available_bytes, high));
-            if over && !pressed.iter().any(|p| **p == *node) {
-                pressed.push(Arc::from(node));
+            if over && !pressed.iter().any(|p| p == node) {
+                pressed.push(Arc::clone(node));
             }
         }
         if !pressed.is_empty() {
@@ -623,6 +608,7 @@ impl UmbpMaster for MasterService {
         let entry = self
             .route_put_making_room(&r.node_id, &[r.key], &[r.block_size], &r.exclude_nodes)
             .await?
+            .entries()
             .pop()
             .unwrap_or_default();
         Ok(Response::new(v1::RoutePutResponse {
@@ -657,8 +643,8 @@ impl UmbpMaster for MasterService {
         request: Request<v1::BatchRoutePutRequest>,
     ) -> Result<Response<v1::BatchRoutePutResponse>, Status> {
         let r = request.into_inner();
-        let entries = self.route_put_making_room(&r.node_id, &r.keys, &r.block_sizes, &r.exclude_nodes).await?;
-        Ok(Response::new(v1::BatchRoutePutResponse { entries }))
+        let routed = self.route_put_making_room(&r.node_id, &r.keys, &r.block_sizes, &r.exclude_nodes).await?;
+        Ok(Response::new(if r.columnar { routed.columns() } else { routed.entries_reply() }))
     }
 
     async fn batch_route_get(
@@ -730,21 +716,87 @@ fn at_or_above(total: u64, available: u64, high: f64) -> bool {
     total > 0 && (total.saturating_sub(available) as f64) >= high * total as f64
 }
 
-/// A put route's answer, with what each routed key takes of its medium (its page-rounded size; 0
-/// for a key not routed) for [`MasterService::reserve`].
+/// A put route's answer: each key's decision, the routed nodes' data endpoints, and what each
+/// routed key takes of its medium (its page-rounded size; 0 for a key not routed) for
+/// [`MasterService::reserve`]. Put on the wire once, in the form the caller asked for.
 struct RoutedPuts {
-    entries: Vec<v1::RoutePutEntry>,
+    decisions: Vec<PutDecision>,
+    endpoints: DataEndpoints,
     charges: Vec<u64>,
+}
+
+impl RoutedPuts {
+    /// One entry per key, every routed entry naming its node in full (a caller without
+    /// `columnar`, and the single-key `RoutePut`).
+    fn entries(self) -> Vec<v1::RoutePutEntry> {
+        let endpoints = self.endpoints;
+        self.decisions
+            .into_iter()
+            .map(|d| match d {
+                PutDecision::Routed(p) => v1::RoutePutEntry {
+                    outcome: v1::RoutePutOutcome::RoutePutRouted as i32,
+                    node_id: p.node_id.to_string(),
+                    tier: tier_to_wire(p.tier),
+                    peer_address: p.peer_address.to_string(),
+                    data_endpoint: endpoints.get(&p.node_id).map(|e| e.to_string()).unwrap_or_default(),
+                },
+                PutDecision::AlreadyExists => v1::RoutePutEntry {
+                    outcome: v1::RoutePutOutcome::RoutePutAlreadyExists as i32,
+                    ..Default::default()
+                },
+                PutDecision::Unavailable => v1::RoutePutEntry::default(),
+            })
+            .collect()
+    }
+
+    fn entries_reply(self) -> v1::BatchRoutePutResponse {
+        v1::BatchRoutePutResponse { entries: self.entries(), ..Default::default() }
+    }
+
+    /// The columnar reply: each routed node named once. Encoding and decoding 1,024 entries that
+    /// repeat three strings each cost more than the master's placement itself.
+    fn columns(self) -> v1::BatchRoutePutResponse {
+        let n = self.decisions.len();
+        let mut reply = v1::BatchRoutePutResponse {
+            node_ref: Vec::with_capacity(n),
+            tier: Vec::with_capacity(n),
+            outcome: Vec::with_capacity(n),
+            ..Default::default()
+        };
+        let mut index: HashMap<Arc<str>, u32> = HashMap::new();
+        for d in self.decisions {
+            let (outcome, node_ref, tier) = match d {
+                PutDecision::Routed(p) => {
+                    let next = index.len() as u32 + 1;
+                    let node_ref = *index.entry(Arc::clone(&p.node_id)).or_insert_with(|| {
+                        reply.nodes.push(v1::NodeInfo {
+                            node_id: p.node_id.to_string(),
+                            peer_address: p.peer_address.to_string(),
+                            data_endpoint: self.endpoints.get(&p.node_id).map(|e| e.to_string()).unwrap_or_default(),
+                        });
+                        next
+                    });
+                    (v1::RoutePutOutcome::RoutePutRouted, node_ref, tier_to_wire(p.tier))
+                }
+                PutDecision::AlreadyExists => (v1::RoutePutOutcome::RoutePutAlreadyExists, 0, 0),
+                PutDecision::Unavailable => (v1::RoutePutOutcome::RoutePutUnavailable, 0, 0),
+            };
+            reply.outcome.push(outcome as i32);
+            reply.node_ref.push(node_ref);
+            reply.tier.push(tier);
+        }
+        reply
+    }
 }
 
 /// Bytes the unplaced keys of a put route need in all, and the largest of them (a repeated key counts
 /// once: its repeats are answered like it).
-fn unplaced(entries: &[v1::RoutePutEntry], keys: &[String], sizes: &[u64]) -> (u64, u64) {
+fn unplaced(decisions: &[PutDecision], keys: &[String], sizes: &[u64]) -> (u64, u64) {
     let mut needed = 0u64;
     let mut largest = 0u64;
-    let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
-    for ((entry, &size), key) in entries.iter().zip(sizes).zip(keys) {
-        if entry.outcome == v1::RoutePutOutcome::RoutePutUnavailable as i32 && size > 0 && seen.insert(key) {
+    let mut seen: HashSet<&str> = HashSet::new();
+    for ((decision, &size), key) in decisions.iter().zip(sizes).zip(keys) {
+        if *decision == PutDecision::Unavailable && size > 0 && seen.insert(key) {
             needed = needed.saturating_add(size);
             largest = largest.max(size);
         }

@@ -326,6 +326,7 @@ async fn route_put(c: &mut UmbpMasterClient<Channel>, key: &str, size: u64) -> v
             keys: vec![key.into()],
             block_sizes: vec![size],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect("route put")

@@ -93,6 +93,7 @@ async fn register_heartbeat_route_and_lookup() {
             keys: vec!["a".into(), "new".into()],
             block_sizes: vec![10, 4096],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect("route put")
@@ -145,12 +146,60 @@ async fn route_replies_carry_the_registered_data_endpoint() {
             keys: vec!["new".into()],
             block_sizes: vec![4096],
             exclude_nodes: vec!["n2".into()],
+            columnar: false,
         })
         .await
         .expect("route put")
         .into_inner();
     assert_eq!(put.entries[0].outcome, v1::RoutePutOutcome::RoutePutRouted as i32);
     assert_eq!((put.entries[0].node_id.as_str(), put.entries[0].data_endpoint.as_str()), ("n1", "127.0.0.1:9101"));
+    // The columnar reply a client asks for: each routed node listed once, with its addresses.
+    let keys: Vec<String> = ["c1", "a", "c2", "c3", "c4", "c1"].map(String::from).to_vec();
+    let put = c
+        .batch_route_put(v1::BatchRoutePutRequest {
+            node_id: "writer".into(),
+            block_sizes: vec![4096; keys.len()],
+            keys,
+            exclude_nodes: vec![],
+            columnar: true,
+        })
+        .await
+        .expect("columnar route put")
+        .into_inner();
+    assert!(put.entries.is_empty(), "no entries beside the columns");
+    let (routed, exists) =
+        (v1::RoutePutOutcome::RoutePutRouted as i32, v1::RoutePutOutcome::RoutePutAlreadyExists as i32);
+    assert_eq!(
+        put.outcome,
+        vec![routed, exists, routed, routed, routed, exists],
+        "dedup against the index and the batch"
+    );
+    assert_eq!((put.node_ref[1], put.node_ref[5]), (0, 0), "a key not routed names no node");
+    assert_eq!(
+        put.tier,
+        vec![
+            v1::TierType::TierDram as i32,
+            0,
+            v1::TierType::TierDram as i32,
+            v1::TierType::TierDram as i32,
+            v1::TierType::TierDram as i32,
+            0
+        ]
+    );
+    let mut listed: Vec<_> =
+        put.nodes.iter().map(|n| (n.node_id.as_str(), n.peer_address.as_str(), n.data_endpoint.as_str())).collect();
+    listed.sort_unstable();
+    listed.dedup();
+    assert_eq!(listed.len(), put.nodes.len(), "each node listed once");
+    for i in [0, 2, 3, 4] {
+        let node = &put.nodes[put.node_ref[i] as usize - 1];
+        let expected = match node.node_id.as_str() {
+            "n1" => ("127.0.0.1:7001", "127.0.0.1:9101"),
+            "n2" => ("127.0.0.1:7002", ""),
+            other => panic!("key {i} routed to unknown node {other}"),
+        };
+        assert_eq!((node.peer_address.as_str(), node.data_endpoint.as_str()), expected, "key {i}");
+    }
     let put = c
         .route_put(v1::RoutePutRequest {
             key: "other".into(),
@@ -307,6 +356,7 @@ async fn a_silent_node_expires_and_disappears_from_routes() {
             keys: vec!["b".into()],
             block_sizes: vec![1],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect("route put")
@@ -328,6 +378,7 @@ async fn malformed_requests_are_invalid_arguments() {
             keys: vec!["a".into()],
             block_sizes: vec![],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect_err("length mismatch");
@@ -419,6 +470,7 @@ async fn a_key_repeated_in_one_put_batch_is_routed_once() {
             keys: vec!["a".into(), "a".into(), "b".into(), "huge".into(), "huge".into()],
             block_sizes: vec![600, 600, 400, 5000, 5000],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect("route put")

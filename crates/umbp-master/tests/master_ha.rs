@@ -168,6 +168,7 @@ async fn two_masters_over_three_redis_shards_share_one_index_spread_over_them() 
             keys: keys.clone(),
             block_sizes: vec![4096; keys.len()],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect("route put")

@@ -73,6 +73,7 @@ async fn a_master_on_redis_serves_puts_and_gets_and_shares_its_index() {
             keys: keys.clone(),
             block_sizes: vec![4096; keys.len()],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect("route put")
@@ -106,6 +107,7 @@ async fn a_master_on_redis_serves_puts_and_gets_and_shares_its_index() {
             keys: keys[..4].to_vec(),
             block_sizes: vec![4096; 4],
             exclude_nodes: vec![],
+            columnar: false,
         })
         .await
         .expect("route put again")

@@ -36,11 +36,15 @@ pub fn route_replies(data: &[u8]) {
         }
         1 => {
             let Ok(reply) = pb::BatchRoutePutResponse::decode(bytes) else { return };
-            let Ok(decisions) = wire::decode_route_put(keys, reply) else { return };
+            let Ok(decisions) = wire::decode_route_put(keys, reply.clone()) else { return };
             assert_eq!(decisions.len(), keys, "one route-put answer per key");
-            for d in decisions {
+            for (i, d) in decisions.into_iter().enumerate() {
                 if let crate::master_client::RoutePutDecision::Routed { node_id, .. } = d {
                     assert!(!node_id.is_empty(), "a routed put names its node");
+                    if reply.entries.is_empty() {
+                        let node = &reply.nodes[reply.node_ref[i] as usize - 1];
+                        assert_eq!(node_id, node.node_id, "key {i}: its own node");
+                    }
                 }
             }
         }
@@ -80,11 +84,26 @@ pub fn route_seeds() -> Vec<Vec<u8>> {
             entry(pb::RoutePutOutcome::RoutePutAlreadyExists, ""),
             entry(pb::RoutePutOutcome::RoutePutUnavailable, ""),
         ],
+        ..Default::default()
+    };
+    let columns = pb::BatchRoutePutResponse {
+        nodes: vec![node("a"), node("b")],
+        node_ref: vec![2, 0, 1],
+        tier: vec![dram; 3],
+        outcome: [
+            pb::RoutePutOutcome::RoutePutRouted,
+            pb::RoutePutOutcome::RoutePutAlreadyExists,
+            pb::RoutePutOutcome::RoutePutRouted,
+        ]
+        .map(|o| o as i32)
+        .to_vec(),
+        ..Default::default()
     };
     let lookup = pb::BatchLookupResponse { found: vec![true, false] };
     vec![
         [&[4u8, 0][..], &get.encode_to_vec()].concat(),
         [&[3u8, 1][..], &put.encode_to_vec()].concat(),
+        [&[3u8, 1][..], &columns.encode_to_vec()].concat(),
         [&[2u8, 2][..], &lookup.encode_to_vec()].concat(),
     ]
 }

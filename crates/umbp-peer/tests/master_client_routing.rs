@@ -143,6 +143,8 @@ async fn route_put_and_lookup_replies_are_validated() {
             pb::RoutePutEntry { outcome: pb::RoutePutOutcome::RoutePutAlreadyExists as i32, ..Default::default() },
             pb::RoutePutEntry::default(),
         ],
+        // An older master: it answers entries whatever the request asks.
+        ..Default::default()
     };
     let decisions = client.batch_route_put(&keys("p", 3), &[10, 20, 30], &[]).await.expect("valid");
     assert_eq!(

@@ -157,3 +157,23 @@ fn the_route_reply_data_endpoint_field_numbers_are_pinned() {
     let old = v1::NodeInfo::decode([0x0a, 1, b'n'].as_slice()).expect("decodes");
     assert!(old.node_id == "n" && old.data_endpoint.is_empty());
 }
+
+#[test]
+fn the_columnar_route_put_field_numbers_are_pinned() {
+    // BatchRoutePutRequest.columnar = 5: tag 0x28. An older master skips it and answers entries.
+    let request = v1::BatchRoutePutRequest { columnar: true, ..Default::default() };
+    assert_eq!(request.encode_to_vec(), vec![0x28, 1]);
+    // BatchRoutePutResponse: nodes = 2 (0x12), then packed node_ref = 3 (0x1a), tier = 4 (0x22),
+    // outcome = 5 (0x2a).
+    let reply = v1::BatchRoutePutResponse {
+        nodes: vec![v1::NodeInfo { node_id: "n".into(), ..Default::default() }],
+        node_ref: vec![1],
+        tier: vec![2],
+        outcome: vec![1],
+        ..Default::default()
+    };
+    assert_eq!(reply.encode_to_vec(), vec![0x12, 3, 0x0a, 1, b'n', 0x1a, 1, 1, 0x22, 1, 2, 0x2a, 1, 1]);
+    // An older client's request (no field 5) asks for entries.
+    let old = v1::BatchRoutePutRequest::decode([0x0a, 1, b'w'].as_slice()).expect("decodes");
+    assert!(old.node_id == "w" && !old.columnar);
+}

@@ -524,6 +524,7 @@ async fn measure(o: &MetadataBenchOptions, store: &str, addr: &str) -> Result<Me
             keys,
             block_sizes: vec![VALUE_SIZE; batch],
             exclude_nodes: Vec::new(),
+            columnar: true,
         })
     })
     .await?;
@@ -587,9 +588,9 @@ where
                             let reply = client.batch_route_put(req).await.map_err(grpc("batch route-put"))?;
                             let routed = reply
                                 .get_ref()
-                                .entries
+                                .outcome
                                 .iter()
-                                .filter(|e| e.outcome == v1::RoutePutOutcome::RoutePutRouted as i32)
+                                .filter(|&&o| o == v1::RoutePutOutcome::RoutePutRouted as i32)
                                 .count();
                             if routed != n {
                                 return Err(BenchError::Failed(format!("route-put: {routed} of {n} keys routed")));

@@ -598,6 +598,7 @@ impl MasterClient {
             keys: keys.to_vec(),
             block_sizes: sizes.to_vec(),
             exclude_nodes: exclude.to_vec(),
+            columnar: true,
         };
         let reply = self
             .inner

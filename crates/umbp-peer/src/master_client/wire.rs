@@ -73,15 +73,51 @@ pub(crate) fn split_into_chunks(
     chunks
 }
 
-/// Decodes a `BatchRoutePut` reply for `keys` keys. Every entry must be present; a `ROUTED` entry
-/// must name a node. Unknown outcome numbers (a newer master) read as `Unavailable`: never write on a
-/// decision the client does not understand.
+/// Decodes a `BatchRoutePut` reply for `keys` keys: the columnar form this client asks for, or an
+/// older master's one entry per key (a reply with entries). Every key must be answered; a `ROUTED`
+/// key must name a node (columnar: refer to a listed node with an id). Unknown outcome numbers (a
+/// newer master) read as `Unavailable`: never write on a decision the client does not understand.
 pub(crate) fn decode_route_put(keys: usize, reply: pb::BatchRoutePutResponse) -> Result<Vec<RoutePutDecision>, String> {
-    if reply.entries.len() != keys {
-        return Err(format!("{} entries for {keys} keys", reply.entries.len()));
+    if !reply.entries.is_empty() || keys == 0 {
+        return decode_route_put_entries(keys, reply.entries);
     }
-    reply
-        .entries
+    for (name, len) in
+        [("outcome", reply.outcome.len()), ("node_ref", reply.node_ref.len()), ("tier", reply.tier.len())]
+    {
+        if len != keys {
+            return Err(format!("{name} has {len} entries for {keys} keys"));
+        }
+    }
+    let mut out = Vec::with_capacity(keys);
+    for (i, (&outcome, &node_ref)) in reply.outcome.iter().zip(&reply.node_ref).enumerate() {
+        out.push(match pb::RoutePutOutcome::try_from(outcome) {
+            Ok(pb::RoutePutOutcome::RoutePutRouted) => {
+                let node = (node_ref as usize).checked_sub(1).and_then(|n| reply.nodes.get(n)).ok_or_else(|| {
+                    format!("key {i} is ROUTED to node {node_ref} but the reply lists {} nodes", reply.nodes.len())
+                })?;
+                if node.node_id.is_empty() {
+                    return Err(format!("node {node_ref} (key {i} is ROUTED to it) has no node id"));
+                }
+                RoutePutDecision::Routed {
+                    node_id: node.node_id.clone(),
+                    tier: tier_from_wire(reply.tier[i]),
+                    peer_address: node.peer_address.clone(),
+                    data_endpoint: node.data_endpoint.clone(),
+                }
+            }
+            Ok(pb::RoutePutOutcome::RoutePutAlreadyExists) => RoutePutDecision::AlreadyExists,
+            Ok(pb::RoutePutOutcome::RoutePutUnavailable) | Err(_) => RoutePutDecision::Unavailable,
+        });
+    }
+    Ok(out)
+}
+
+/// An older master's `BatchRoutePut` reply: one entry per key.
+fn decode_route_put_entries(keys: usize, entries: Vec<pb::RoutePutEntry>) -> Result<Vec<RoutePutDecision>, String> {
+    if entries.len() != keys {
+        return Err(format!("{} entries for {keys} keys", entries.len()));
+    }
+    entries
         .into_iter()
         .enumerate()
         .map(|(i, e)| match pb::RoutePutOutcome::try_from(e.outcome) {
@@ -271,7 +307,10 @@ mod tests {
         let unknown = pb::RoutePutEntry { outcome: 42, ..Default::default() };
         let ok = decode_route_put(
             4,
-            pb::BatchRoutePutResponse { entries: vec![routed("a"), exists, pb::RoutePutEntry::default(), unknown] },
+            pb::BatchRoutePutResponse {
+                entries: vec![routed("a"), exists, pb::RoutePutEntry::default(), unknown],
+                ..Default::default()
+            },
         )
         .expect("valid");
         assert_eq!(
@@ -288,8 +327,63 @@ mod tests {
                 RoutePutDecision::Unavailable,
             ]
         );
-        assert!(decode_route_put(2, pb::BatchRoutePutResponse { entries: vec![routed("a")] }).is_err());
-        assert!(decode_route_put(1, pb::BatchRoutePutResponse { entries: vec![routed("")] }).is_err());
+        let entries = |e: Vec<pb::RoutePutEntry>| pb::BatchRoutePutResponse { entries: e, ..Default::default() };
+        assert!(decode_route_put(2, entries(vec![routed("a")])).is_err());
+        assert!(decode_route_put(1, entries(vec![routed("")])).is_err());
+    }
+
+    #[test]
+    fn columnar_route_put_decoding_shares_nodes_and_validates_refs() {
+        let node = |id: &str| pb::NodeInfo {
+            node_id: id.into(),
+            peer_address: format!("p-{id}"),
+            data_endpoint: format!("d-{id}"),
+        };
+        let (routed, exists, none) = (
+            pb::RoutePutOutcome::RoutePutRouted as i32,
+            pb::RoutePutOutcome::RoutePutAlreadyExists as i32,
+            pb::RoutePutOutcome::RoutePutUnavailable as i32,
+        );
+        let dram = tier_to_wire(TierType::Dram);
+        let reply = |nodes: Vec<pb::NodeInfo>, outcome: Vec<i32>, node_ref: Vec<u32>| pb::BatchRoutePutResponse {
+            tier: vec![dram; outcome.len()],
+            nodes,
+            outcome,
+            node_ref,
+            ..Default::default()
+        };
+        let to = |id: &str| RoutePutDecision::Routed {
+            node_id: id.into(),
+            tier: TierType::Dram,
+            peer_address: format!("p-{id}"),
+            data_endpoint: format!("d-{id}"),
+        };
+        let ok = decode_route_put(
+            5,
+            reply(vec![node("a"), node("b")], vec![routed, exists, routed, none, 42], vec![2, 0, 1, 0, 0]),
+        )
+        .expect("valid");
+        assert_eq!(
+            ok,
+            vec![
+                to("b"),
+                RoutePutDecision::AlreadyExists,
+                to("a"),
+                RoutePutDecision::Unavailable,
+                RoutePutDecision::Unavailable
+            ]
+        );
+        // A column of the wrong length, a routed key referring to no listed node or to one without
+        // an id: the reply is refused whole.
+        assert!(decode_route_put(2, reply(vec![node("a")], vec![routed], vec![1])).is_err());
+        let mut short = reply(vec![node("a")], vec![routed, routed], vec![1, 1]);
+        short.tier.pop();
+        assert!(decode_route_put(2, short).is_err());
+        assert!(decode_route_put(1, reply(vec![node("a")], vec![routed], vec![0])).is_err());
+        assert!(decode_route_put(1, reply(vec![node("a")], vec![routed], vec![2])).is_err());
+        assert!(decode_route_put(1, reply(vec![node("")], vec![routed], vec![1])).is_err());
+        // An empty reply for keys is refused, not read as "nothing routed".
+        assert!(decode_route_put(1, pb::BatchRoutePutResponse::default()).is_err());
     }
 
     #[test]
