@@ -1,8 +1,8 @@
 //! Routing over gRPC on loopback (issue 4, deliverable 5): `BatchRoutePut` of new keys (each one
 //! checked routed) and `BatchRouteGet` of indexed ones, keys per second at batches of 1, 32, 128
-//! and 1,024 from concurrent clients, beside a same-run baseline: the
-//! bare gRPC round trip of the same batch shape through `BatchLookup` with the same keys (the
-//! transport and codec floor; the store's existence check is tens of nanoseconds per key).
+//! and 1,024 from concurrent clients, beside a same-run baseline: the bare gRPC round trip of the
+//! same batch shape through `BatchLookup` of indexed keys as long (the transport and codec floor;
+//! the store's existence check is tens of nanoseconds per key).
 //!
 //! Run: `cargo bench -p umbp-master --bench grpc_routing`. `UMBP_BENCH_ROUNDS` (default 5) rounds of
 //! `UMBP_BENCH_MILLIS` (default 500) per cell; medians. Target: ≥ 200 k keys/s at batch 128.
