@@ -116,7 +116,7 @@ fn main() {
                 .register_client(v1::RegisterClientRequest {
                     node_id: node_id.clone(),
                     node_address: "127.0.0.1".into(),
-                    tier_capacities: vec![capacity.clone()],
+                    tier_capacities: vec![capacity],
                     peer_address: format!("127.0.0.1:{}", 20000 + n),
                     data_endpoint: String::new(),
                     tags: vec![],
@@ -136,7 +136,7 @@ fn main() {
                     full_sync_final: true,
                     // A heartbeat's capacities replace the node's: one without them leaves it no
                     // medium, and every put unroutable.
-                    tier_capacities: vec![capacity.clone()],
+                    tier_capacities: vec![capacity],
                     ..Default::default()
                 })
                 .await
