@@ -147,6 +147,8 @@ async fn route_put_and_lookup_replies_are_validated() {
         ..Default::default()
     };
     let decisions = client.batch_route_put(&keys("p", 3), &[10, 20, 30], &[]).await.expect("valid");
+    let asked = master.fake.last_route_put.lock().take().expect("the master was asked");
+    assert!(asked.columnar, "the client asks for the columnar reply (and reads an older master's entries)");
     assert_eq!(
         decisions,
         [

@@ -290,6 +290,7 @@ pub(crate) struct Fake {
     pub(crate) lookup_reply: Mutex<pb::BatchLookupResponse>,
     pub(crate) cluster_reply: Mutex<pb::GetClusterStatusResponse>,
     pub(crate) last_route_get: Mutex<Option<pb::BatchRouteGetRequest>>,
+    pub(crate) last_route_put: Mutex<Option<pb::BatchRoutePutRequest>>,
 }
 
 impl Fake {
@@ -423,6 +424,7 @@ impl UmbpMaster for FakeService {
     ) -> Result<Response<pb::BatchRoutePutResponse>, Status> {
         self.record_token(&request);
         self.maybe_hang().await;
+        *self.last_route_put.lock() = Some(request.get_ref().clone());
         Ok(Response::new(self.route_put_reply.lock().clone()))
     }
 
@@ -514,6 +516,7 @@ impl FakeMaster {
             lookup_reply: Mutex::new(pb::BatchLookupResponse::default()),
             cluster_reply: Mutex::new(pb::GetClusterStatusResponse::default()),
             last_route_get: Mutex::new(None),
+            last_route_put: Mutex::new(None),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
