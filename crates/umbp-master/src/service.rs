@@ -470,24 +470,18 @@ impl MasterService {
             tier: Vec::with_capacity(keys.len()),
             size: Vec::with_capacity(keys.len()),
         };
-        let mut node_index: HashMap<Arc<str>, u32> = HashMap::new();
+        let mut nodes = NodeRefs::default();
         for locations in &per_key {
             let alive: Vec<_> = locations.iter().filter(|l| view.contains_key(&l.node_id)).collect();
             let picked = self.get.select(requester, &alive, &mut rng).and_then(|i| alive.get(i).copied());
             match picked {
                 Some(loc) => {
-                    let next = node_index.len() as u32 + 1;
-                    let index = *node_index.entry(loc.node_id.clone()).or_insert_with(|| {
+                    let index = nodes.refer(&loc.node_id, || {
                         let (peer_address, data_endpoint) = view
                             .get(&loc.node_id)
                             .map(|p| (p.peer_address.to_string(), p.data_endpoint.to_string()))
                             .unwrap_or_default();
-                        reply.nodes.push(v1::NodeInfo {
-                            node_id: loc.node_id.to_string(),
-                            peer_address,
-                            data_endpoint,
-                        });
-                        next
+                        v1::NodeInfo { node_id: loc.node_id.to_string(), peer_address, data_endpoint }
                     });
                     reply.node_ref.push(index);
                     reply.tier.push(tier_to_wire(loc.tier));
@@ -500,6 +494,7 @@ impl MasterService {
                 }
             }
         }
+        reply.nodes = nodes.nodes;
         self.stats.route_get_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
         Ok(reply)
     }
@@ -763,18 +758,14 @@ impl RoutedPuts {
             outcome: Vec::with_capacity(n),
             ..Default::default()
         };
-        let mut index: HashMap<Arc<str>, u32> = HashMap::new();
+        let mut nodes = NodeRefs::default();
         for d in self.decisions {
             let (outcome, node_ref, tier) = match d {
                 PutDecision::Routed(p) => {
-                    let next = index.len() as u32 + 1;
-                    let node_ref = *index.entry(Arc::clone(&p.node_id)).or_insert_with(|| {
-                        reply.nodes.push(v1::NodeInfo {
-                            node_id: p.node_id.to_string(),
-                            peer_address: p.peer_address.to_string(),
-                            data_endpoint: self.endpoints.get(&p.node_id).map(|e| e.to_string()).unwrap_or_default(),
-                        });
-                        next
+                    let node_ref = nodes.refer(&p.node_id, || v1::NodeInfo {
+                        node_id: p.node_id.to_string(),
+                        peer_address: p.peer_address.to_string(),
+                        data_endpoint: self.endpoints.get(&p.node_id).map(|e| e.to_string()).unwrap_or_default(),
                     });
                     (v1::RoutePutOutcome::RoutePutRouted, node_ref, tier_to_wire(p.tier))
                 }
@@ -785,7 +776,28 @@ impl RoutedPuts {
             reply.node_ref.push(node_ref);
             reply.tier.push(tier);
         }
+        reply.nodes = nodes.nodes;
         reply
+    }
+}
+
+/// A columnar reply's node list: each node once, referred to by its 1-based place.
+#[derive(Default)]
+struct NodeRefs {
+    refs: HashMap<Arc<str>, u32>,
+    nodes: Vec<v1::NodeInfo>,
+}
+
+impl NodeRefs {
+    /// `node`'s reference, listing it (`info`) the first time.
+    fn refer(&mut self, node: &Arc<str>, info: impl FnOnce() -> v1::NodeInfo) -> u32 {
+        if let Some(&r) = self.refs.get(node) {
+            return r;
+        }
+        self.nodes.push(info());
+        let r = self.nodes.len() as u32;
+        self.refs.insert(Arc::clone(node), r);
+        r
     }
 }
 

@@ -81,23 +81,15 @@ pub(crate) fn decode_route_put(keys: usize, reply: pb::BatchRoutePutResponse) ->
     if !reply.entries.is_empty() || keys == 0 {
         return decode_route_put_entries(keys, reply.entries);
     }
-    for (name, len) in
-        [("outcome", reply.outcome.len()), ("node_ref", reply.node_ref.len()), ("tier", reply.tier.len())]
-    {
-        if len != keys {
-            return Err(format!("{name} has {len} entries for {keys} keys"));
-        }
-    }
+    columns_fit(
+        keys,
+        &[("outcome", reply.outcome.len()), ("node_ref", reply.node_ref.len()), ("tier", reply.tier.len())],
+    )?;
     let mut out = Vec::with_capacity(keys);
     for (i, (&outcome, &node_ref)) in reply.outcome.iter().zip(&reply.node_ref).enumerate() {
         out.push(match pb::RoutePutOutcome::try_from(outcome) {
             Ok(pb::RoutePutOutcome::RoutePutRouted) => {
-                let node = (node_ref as usize).checked_sub(1).and_then(|n| reply.nodes.get(n)).ok_or_else(|| {
-                    format!("key {i} is ROUTED to node {node_ref} but the reply lists {} nodes", reply.nodes.len())
-                })?;
-                if node.node_id.is_empty() {
-                    return Err(format!("node {node_ref} (key {i} is ROUTED to it) has no node id"));
-                }
+                let node = referenced_node(&reply.nodes, node_ref, i)?;
                 RoutePutDecision::Routed {
                     node_id: node.node_id.clone(),
                     tier: tier_from_wire(reply.tier[i]),
@@ -146,23 +138,14 @@ pub(crate) fn decode_route_get(
     keys: usize,
     reply: pb::BatchRouteGetResponse,
 ) -> Result<Vec<Option<RouteGetHit>>, String> {
-    for (name, len) in [("node_ref", reply.node_ref.len()), ("tier", reply.tier.len()), ("size", reply.size.len())] {
-        if len != keys {
-            return Err(format!("{name} has {len} entries for {keys} keys"));
-        }
-    }
+    columns_fit(keys, &[("node_ref", reply.node_ref.len()), ("tier", reply.tier.len()), ("size", reply.size.len())])?;
     let mut hits = Vec::with_capacity(keys);
     for (i, &node_ref) in reply.node_ref.iter().enumerate() {
         if node_ref == 0 {
             hits.push(None);
             continue;
         }
-        let node = usize::try_from(node_ref - 1).ok().and_then(|n| reply.nodes.get(n)).ok_or_else(|| {
-            format!("key {i} refers to node {node_ref} but the reply lists {} nodes", reply.nodes.len())
-        })?;
-        if node.node_id.is_empty() {
-            return Err(format!("node {node_ref} (referenced by key {i}) has no node id"));
-        }
+        let node = referenced_node(&reply.nodes, node_ref, i)?;
         hits.push(Some(RouteGetHit {
             node_id: node.node_id.clone(),
             peer_address: node.peer_address.clone(),
@@ -172,6 +155,27 @@ pub(crate) fn decode_route_get(
         }));
     }
     Ok(hits)
+}
+
+/// A columnar reply's columns, by name and length: each must have one value per key.
+fn columns_fit(keys: usize, columns: &[(&str, usize)]) -> Result<(), String> {
+    match columns.iter().find(|(_, len)| *len != keys) {
+        Some((name, len)) => Err(format!("{name} has {len} entries for {keys} keys")),
+        None => Ok(()),
+    }
+}
+
+/// The node key `key`'s 1-based `node_ref` names in a columnar reply's `nodes`: it must be listed
+/// and have an id.
+fn referenced_node(nodes: &[pb::NodeInfo], node_ref: u32, key: usize) -> Result<&pb::NodeInfo, String> {
+    let node = (node_ref as usize)
+        .checked_sub(1)
+        .and_then(|n| nodes.get(n))
+        .ok_or_else(|| format!("key {key} refers to node {node_ref} but the reply lists {} nodes", nodes.len()))?;
+    if node.node_id.is_empty() {
+        return Err(format!("node {node_ref} (referenced by key {key}) has no node id"));
+    }
+    Ok(node)
 }
 
 /// Decodes a `BatchLookup` reply for `keys` keys.
