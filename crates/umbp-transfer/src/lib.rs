@@ -85,7 +85,7 @@ pub use shm::{SharedMemoryConfig, SharedMemoryEngine, copy_streaming};
 pub use tcp::{
     ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig,
     KeyedError, KeyedGet, KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
-    PutChecksum, TcpEngine, TcpEngineConfig, TcpStartError,
+    PutChecksum, SentGetBatch, TcpEngine, TcpEngineConfig, TcpStartError,
 };
 
 const _: () = {

@@ -23,8 +23,9 @@ use tcp_support::pattern;
 use umbp_core::{LocalRegion, MemoryLocation, MemoryRegistrar};
 use umbp_transfer::shm::{ShmServer, ShmServerConfig};
 use umbp_transfer::{
-    ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedGet,
-    KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite, PutChecksum,
+    ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig,
+    KeyedError, KeyedGet, KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,
+    PutChecksum,
 };
 
 const LEN: usize = 16 << 20;
@@ -505,6 +506,75 @@ fn a_batch_get_answers_before_it_settles() {
     assert_eq!(open, 2, "both leases were still open while the caller held the answers");
     assert_eq!(table.settled().len(), 2, "the settle after the answers ended them");
     assert_eq!(bufs, values, "byte-exact");
+}
+
+/// A batch request sent from one thread (`send_get_shared_batch`) is answered on another
+/// (`finish_get_shared_batch_then`): the holder leases every key before the finishing thread reads
+/// a byte, the copies are byte-exact, the settle ends the leases. Without an idle connection
+/// nothing is sent; items other than those sent are refused before a byte is copied; a request
+/// dropped unfinished ends its leases.
+#[test]
+fn a_batch_request_sent_here_is_finished_on_another_thread() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, region) = holder(&file, &table, true);
+    let values: Vec<Vec<u8>> = (0..3).map(|i| pattern(60_000, i + 7)).collect();
+    for (i, value) in values.iter().enumerate() {
+        file.fill(i << 20, value);
+        table.insert(&format!("k{i}"), region, (i as u64) << 20, value.len() as u64);
+    }
+    let keys = ["k0", "k1", "k2"];
+    let request: Vec<(&str, usize)> = keys.iter().map(|k| (*k, 60_000)).collect();
+    let hit = KeyedGet::Hit { size: 60_000, crc32c: None };
+    let c = client();
+    assert!(c.send_get_shared_batch(srv.endpoint(), &request).is_none(), "no idle connection: nothing sent");
+    // One exchange leaves its connection idle.
+    assert_eq!(get_batch(&c, srv.endpoint(), &["k0"], &mut [vec![0u8; 60_000]]), vec![hit]);
+    table.settled();
+    let open_until = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while *table.open.lock() != n && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        *table.open.lock()
+    };
+
+    let sent = c.send_get_shared_batch(srv.endpoint(), &request).expect("sent on the idle connection");
+    assert_eq!(open_until(3), 3, "the holder leased every key before the client read a byte");
+    let mut bufs = vec![vec![0u8; 60_000]; 3];
+    let answers = std::thread::scope(|s| {
+        s.spawn(|| {
+            let items = batch_items(&keys, &mut bufs, false);
+            let mut answers = None;
+            // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never
+            // overlap.
+            unsafe { c.finish_get_shared_batch_then(sent, &items, |a| answers = Some(a)) }.expect("finished");
+            answers.expect("answered")
+        })
+        .join()
+        .expect("the finishing thread")
+    });
+    assert_eq!(answers, vec![hit; 3]);
+    assert_eq!(bufs, values, "byte-exact");
+    assert_eq!(table.settled().len(), 4, "the settle ended the batch's leases");
+
+    // Other items than were sent: refused, nothing copied.
+    let sent = c.send_get_shared_batch(srv.endpoint(), &request).expect("sent again");
+    let mut other = vec![vec![0u8; 60_000]; 3];
+    let items = batch_items(&["k0", "k2", "k1"], &mut other, false);
+    // SAFETY: as above.
+    let refused = unsafe { c.finish_get_shared_batch_then(sent, &items, |_| panic!("never answered")) };
+    assert!(matches!(refused, Err(KeyedError::Protocol { .. })), "{refused:?}");
+    assert!(other.iter().all(|b| b.iter().all(|&x| x == 0)), "no byte copied");
+    assert_eq!(open_until(0), 0, "the dropped connection ended the leases");
+
+    // Dropped unfinished: its connection closes, and the holder ends the leases.
+    assert_eq!(get_batch(&c, srv.endpoint(), &["k1"], &mut [vec![0u8; 60_000]]), vec![hit]);
+    assert_eq!(open_until(0), 0);
+    let sent = c.send_get_shared_batch(srv.endpoint(), &request).expect("sent on the idle connection");
+    assert_eq!(open_until(3), 3);
+    drop(sent);
+    assert_eq!(open_until(0), 0, "a request dropped unfinished ends its leases");
 }
 
 /// The holder checks every range a batch's answer names before it offers it: a value said to lie

@@ -149,24 +149,33 @@ impl PoolClient {
             let keyed = Arc::clone(&self.keyed);
             let at = endpoint.to_string();
             let sent = self.clock.now();
+            // The request leaves from this task, before the copying is handed to a blocking
+            // thread: the holder resolves while the hand-off runs (`send_get_shared_batch`;
+            // without an idle connection, the blocking thread sends it).
+            let request: Vec<(&str, usize)> = items.iter().map(|(key, buf)| (key.as_str(), buf.len)).collect();
+            let request = keyed.send_get_shared_batch(&at, &request);
             // The answers come back before the settle frame that ends the holder's leases is sent
             // (`get_shared_batch_then`): this call does not wait for that send.
             let got = offload_early(move |early| {
                 let batch: Vec<KeyedBatchItem<'_>> =
                     items.iter().map(|(key, buf)| KeyedBatchItem { key, dst: buf.ptr, cap: buf.len, verify }).collect();
                 let mut early = Some(early);
+                let answered = |answers| {
+                    if let Some(early) = early.take() {
+                        early.send(Ok(answers));
+                    }
+                };
                 // SAFETY: each destination is a caller buffer of this call (a slice it borrows
                 // exclusively, or a raw range its contract keeps valid and unshared), host memory
                 // (device registrations were left out above), no two overlapping (the batch
                 // calls' contract); the offloaded work is waited for, even if this call is
                 // dropped, until the answers are sent, after which no destination is touched
-                // (`offload_early`, `get_shared_batch_then`).
+                // (`offload_early`, `get_shared_batch_then`). `batch` is the batch `request` sent.
                 let settled = unsafe {
-                    keyed.get_shared_batch_then(&at, &batch, |answers| {
-                        if let Some(early) = early.take() {
-                            early.send(Ok(answers));
-                        }
-                    })
+                    match request {
+                        Some(request) => keyed.finish_get_shared_batch_then(request, &batch, answered),
+                        None => keyed.get_shared_batch_then(&at, &batch, answered),
+                    }
                 };
                 // Answered already, a failed settle only leaves the leases to run out.
                 if let (Err(e), Some(early)) = (settled, early) {

@@ -34,7 +34,7 @@ use crate::engine::FailureKind;
 use crate::shm::SharedReads;
 
 mod batch;
-pub use self::batch::{KeyedBatchItem, KeyedBatchPut};
+pub use self::batch::{KeyedBatchItem, KeyedBatchPut, SentGetBatch};
 
 /// The smallest value [`KeyedClient::put_shared`] copies through a mapping. Measured with a holder
 /// in another process on a 2-core VM (`tests/keyed_shm_latency.rs`, p50): 64 KiB 12.6 µs over TCP

@@ -69,7 +69,7 @@ pub use self::error::TcpStartError;
 pub(crate) use self::io::tokens_equal;
 pub use self::keyed::{ClosingSlot, KeyedHandler, KeyedLease, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite};
 pub use self::keyed_client::{
-    KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut,
+    KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig, KeyedError, KeyedGet, KeyedPut, SentGetBatch,
 };
 use self::protocol::{MAX_REQUEST_BYTES, Op};
 use self::regions::LocalSide;
