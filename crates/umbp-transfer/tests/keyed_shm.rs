@@ -508,6 +508,52 @@ fn a_batch_get_answers_before_it_settles() {
     assert_eq!(bufs, values, "byte-exact");
 }
 
+/// A batch large enough to fan its copies out is answered from the copy pool's thread that ran
+/// them (the caller's thread is not woken first), byte-exact; a small batch copies and answers on
+/// the calling thread. Either way the copies are counted before the answers are out.
+#[test]
+fn a_fanned_batch_get_is_answered_from_the_copy_pool() {
+    let file = SealedFile::new();
+    let table = Table::new(Duration::from_secs(10), Duration::ZERO);
+    let (srv, _shm, region) = holder(&file, &table, true);
+    let len = 1 << 20;
+    let values: Vec<Vec<u8>> = (0..4).map(|i| pattern(len, i + 11)).collect();
+    for (i, value) in values.iter().enumerate() {
+        file.fill(i * len, value);
+        table.insert(&format!("f{i}"), region, (i * len) as u64, len as u64);
+    }
+    let c = client();
+    let answered_on = |keys: &[&str], bufs: &mut [Vec<u8>]| {
+        let items = batch_items(keys, bufs, true);
+        let mut seen = None;
+        // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never
+        // overlap.
+        unsafe {
+            c.get_shared_batch_then(srv.endpoint(), &items, |answers| {
+                seen = Some((answers, std::thread::current().name().map(str::to_owned), c.shared_copies()));
+            })
+        }
+        .expect("answered and settled");
+        seen.expect("the answers were handed over")
+    };
+    let caller = std::thread::current().name().map(str::to_owned);
+
+    let mut bufs = vec![vec![0u8; len]; 4];
+    let (answers, thread, (gets, _, bytes)) = answered_on(&["f0", "f1", "f2", "f3"], &mut bufs);
+    assert_eq!((gets, bytes), (4, 4 * len as u64), "the copies were counted before the answers were out");
+    assert!(answers.iter().all(|a| matches!(a, KeyedGet::Hit { size, .. } if *size == len as u64)), "{answers:?}");
+    assert!(bufs == values, "byte-exact");
+    let thread = thread.unwrap_or_default();
+    assert!(thread.starts_with("umbp-shm-copy-"), "answered on {thread:?}, not a copy pool thread");
+
+    let mut small = vec![vec![0u8; len]];
+    let (answers, thread, (gets, _, bytes)) = answered_on(&["f1"], &mut small);
+    assert_eq!((gets, bytes), (5, 5 * len as u64));
+    assert!(matches!(answers[..], [KeyedGet::Hit { .. }]), "{answers:?}");
+    assert_eq!(thread, caller, "one value copies and answers on the calling thread");
+    assert!(small[0] == values[1], "byte-exact");
+}
+
 /// A batch request sent from one thread (`send_get_shared_batch`) is answered on another
 /// (`finish_get_shared_batch_then`): the holder leases every key before the finishing thread reads
 /// a byte, the copies are byte-exact, the settle ends the leases. Without an idle connection

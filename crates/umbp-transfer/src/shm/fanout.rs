@@ -86,7 +86,7 @@ pub(crate) struct ValueCopy {
     pub(crate) sum: bool,
 }
 
-// SAFETY: `dst` is caller memory that `copy_values`' contract makes valid and exclusive to this
+// SAFETY: `dst` is caller memory that `copy_values_then`' contract makes valid and exclusive to this
 // value's copy for the call; the pieces are shared mappings (themselves `Send + Sync`) or local
 // memory the same contract keeps valid and unwritten for the call. Each `ValueCopy` is copied by
 // exactly one thread.
@@ -102,7 +102,7 @@ impl ValueCopy {
     /// Where piece `k`, which starts `at` bytes into the value, is written.
     pub(crate) fn piece_dst(&self, k: usize, at: usize) -> Option<NonNull<u8>> {
         match &self.dst {
-            // Wrapping: computing the address is safe; `copy_values`' contract makes it valid.
+            // Wrapping: computing the address is safe; `copy_values_then`' contract makes it valid.
             Dst::Range(dst) => NonNull::new(dst.as_ptr().wrapping_add(at)),
             Dst::Each(dsts) => dsts.get(k).copied(),
         }
@@ -119,25 +119,28 @@ pub(crate) enum Copied {
     Failed(ShmError),
 }
 
-/// Copies every value, on the pool when the batch holds enough bytes and more than one value.
-/// One answer per value, in order.
+/// Copies every value, on the pool when the batch holds enough bytes and more than one value, then
+/// runs `then` over the answers (one per value, in order) **on the pool thread that ran the
+/// copies** when they fanned out (else on the calling thread), and returns its result. A caller that hands the answers
+/// on from `then` (to a task awaiting them) does not wait for the calling thread to be woken
+/// first: that wake-up (tens of microseconds on a virtualised host) leaves the path it waits on.
 ///
 /// # Safety
 /// Each destination (a [`Dst::Range`] for its pieces' total length, each [`Dst::Each`] pointer
 /// for its piece's length) is valid for writes, no two overlap, and nobody else
 /// reads or writes them until this returns; each [`Source::Local`] piece is valid for reads of
 /// `offset + len` bytes, written by nobody until this returns, and overlaps no `dst`.
-pub(crate) unsafe fn copy_values(values: &[ValueCopy]) -> Vec<Copied> {
+pub(crate) unsafe fn copy_values_then<R: Send>(values: &[ValueCopy], then: impl FnOnce(Vec<Copied>) -> R + Send) -> R {
     let total: u64 = values.iter().map(ValueCopy::bytes).sum();
-    // SAFETY: this function's contract.
-    unsafe { copy_values_spread(values, total >= FAN_OUT_BYTES) }
+    // SAFETY: this function's contract, per value.
+    each_value_then(values, total >= FAN_OUT_BYTES, |v| unsafe { copy_value(v) }, then)
 }
 
-/// [`copy_values`], fanned out over the pool only if `fan_out` (and there is more than one
+/// The copies of [`copy_values_then`], fanned out over the pool only if `fan_out` (and there is more than one
 /// value), else on the calling thread.
 ///
 /// # Safety
-/// As [`copy_values`].
+/// As [`copy_values_then`].
 pub(crate) unsafe fn copy_values_spread(values: &[ValueCopy], fan_out: bool) -> Vec<Copied> {
     // SAFETY: this function's contract, per value.
     each_value(values, fan_out, |v| unsafe { copy_value(v) })
@@ -146,11 +149,22 @@ pub(crate) unsafe fn copy_values_spread(values: &[ValueCopy], fan_out: bool) -> 
 /// `run` over every value, one value per pool thread when `fan_out` (and there is more than one
 /// value and a pool), else on the calling thread; the answers in order.
 fn each_value<T: Sync, R: Send>(values: &[T], fan_out: bool, run: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
+    each_value_then(values, fan_out, run, |answers| answers)
+}
+
+/// [`each_value`], then `then` over the answers on the thread that collected them (a pool thread
+/// when the values fanned out).
+fn each_value_then<T: Sync, R: Send, U: Send>(
+    values: &[T],
+    fan_out: bool,
+    run: impl Fn(&T) -> R + Sync + Send,
+    then: impl FnOnce(Vec<R>) -> U + Send,
+) -> U {
     match pool() {
         Some(pool) if values.len() > 1 && fan_out => {
-            pool.install(|| values.par_iter().with_max_len(1).map(run).collect())
+            pool.install(|| then(values.par_iter().with_max_len(1).map(run).collect()))
         }
-        _ => values.iter().map(run).collect(),
+        _ => then(values.iter().map(run).collect()),
     }
 }
 
@@ -202,7 +216,7 @@ fn write_value(v: &ValueWrite<'_>) -> Result<Option<u32>, ShmError> {
 /// Copies one value block by block, summing each block after it lands when asked.
 ///
 /// # Safety
-/// As [`copy_values`], for this value.
+/// As [`copy_values_then`], for this value.
 unsafe fn copy_value(v: &ValueCopy) -> Copied {
     let mut sum = v.sum.then(ValueCrc32c::new);
     let mut at = 0usize;
@@ -224,7 +238,7 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
                 }
                 Source::Local(src) => {
                     // SAFETY: `offset + done + n <= offset + len`, inside the checked local range
-                    // (`copy_values`' contract), which does not overlap `dst`.
+                    // (`copy_values_then`' contract), which does not overlap `dst`.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             src.as_ptr().add(piece.offset as usize + done),

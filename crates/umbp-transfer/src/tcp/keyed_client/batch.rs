@@ -129,7 +129,7 @@ impl KeyedClient {
         &self,
         endpoint: &str,
         items: &[KeyedBatchItem<'_>],
-        answered: impl FnOnce(Vec<KeyedGet>),
+        answered: impl FnOnce(Vec<KeyedGet>) + Send,
     ) -> Result<(), KeyedError> {
         if items.is_empty() {
             answered(Vec::new());
@@ -208,7 +208,7 @@ impl KeyedClient {
         &self,
         sent: SentGetBatch,
         items: &[KeyedBatchItem<'_>],
-        answered: impl FnOnce(Vec<KeyedGet>),
+        answered: impl FnOnce(Vec<KeyedGet>) + Send,
     ) -> Result<(), KeyedError> {
         let SentGetBatch { endpoint, mut stream, id, sent, body } = sent;
         // Compared while the holder resolves: it costs the caller nothing it would not wait anyway.
@@ -247,7 +247,7 @@ impl KeyedClient {
     ///
     /// # Safety
     /// As [`get_shared_batch`](Self::get_shared_batch).
-    #[allow(clippy::too_many_arguments)]
+    #[expect(clippy::too_many_arguments)]
     unsafe fn answer_and_settle(
         &self,
         stream: &mut std::net::TcpStream,
@@ -256,13 +256,10 @@ impl KeyedClient {
         items: &[KeyedBatchItem<'_>],
         sent: Instant,
         reply: tracing::span::EnteredSpan,
-        answered: &mut Option<impl FnOnce(Vec<KeyedGet>)>,
+        answered: &mut Option<impl FnOnce(Vec<KeyedGet>) + Send>,
     ) -> Result<(), ExchangeError> {
         // SAFETY: this function's contract.
-        let (answers, settle) = unsafe { self.read_batch_reply(stream, endpoint, id, items, sent, reply)? };
-        if let Some(answered) = answered.take() {
-            answered(answers);
-        }
+        let settle = unsafe { self.read_batch_reply(stream, endpoint, id, items, sent, reply, answered)? };
         if settle {
             tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_SETTLE)
                 .in_scope(|| write_frame(stream, &Settle::Done.encode()))?;
@@ -500,11 +497,14 @@ impl KeyedClient {
         }
     }
 
-    /// Reads a GET_KEYS reply and copies every `MAPPED` value from the mappings: the answers, and
-    /// whether leases are open (a settle frame is then owed).
+    /// Reads a GET_KEYS reply, copies every `MAPPED` value from the mappings and hands the answers
+    /// to `answered` (taken once); whether leases are open (a settle frame is then owed). When the
+    /// copies fan out, the answers are judged and handed over on the pool thread that ran them
+    /// (`fanout::copy_values_then`): the caller's wait does not include this thread's wake-up.
     ///
     /// # Safety
     /// As [`get_shared_batch`](Self::get_shared_batch).
+    #[expect(clippy::too_many_arguments)]
     unsafe fn read_batch_reply(
         &self,
         stream: &mut std::net::TcpStream,
@@ -513,12 +513,18 @@ impl KeyedClient {
         items: &[KeyedBatchItem<'_>],
         sent: Instant,
         reply_span: tracing::span::EnteredSpan,
-    ) -> Result<(Vec<KeyedGet>, bool), ExchangeError> {
+        answered: &mut Option<impl FnOnce(Vec<KeyedGet>) + Send>,
+    ) -> Result<bool, ExchangeError> {
         use std::io::Read as _;
         let reply = read_reply(stream, id)?;
         match reply.status {
             Status::Ok => {}
-            Status::Unsupported if reply.length == 0 => return Ok((vec![KeyedGet::Unsupported; items.len()], false)),
+            Status::Unsupported if reply.length == 0 => {
+                if let Some(answered) = answered.take() {
+                    answered(vec![KeyedGet::Unsupported; items.len()]);
+                }
+                return Ok(false);
+            }
             other => return Err(protocol_error(format!("unexpected GET_KEYS status {}", other.as_str()))),
         }
         if reply.length > batch_wire::max_reply_body() {
@@ -565,32 +571,43 @@ impl KeyedClient {
             };
         }
         drop(reply_span);
+        // The items' keys, for the log line of a failed copy (the items, holding raw destinations,
+        // do not go to the pool thread).
+        let keys: Vec<&str> = items.iter().map(|i| i.key).collect();
+        let judge = move |copied: Vec<fanout::Copied>| {
+            // Judged when the last copy ended, which is no earlier than any one's (see
+            // `SharedReads`).
+            let elapsed = sent.elapsed();
+            for ((i, lease_ns, crc32c, check), copied) in planned.into_iter().zip(copied) {
+                out[i] = Some(match copied {
+                    fanout::Copied::Done { size, crc32c: got } if elapsed <= Duration::from_nanos(lease_ns) => {
+                        copier.count_get(size);
+                        match (crc32c.filter(|_| check), got) {
+                            (Some(expected), Some(got)) if got != expected => KeyedGet::Corrupt { expected, got },
+                            _ => KeyedGet::Hit { size, crc32c },
+                        }
+                    }
+                    fanout::Copied::Done { .. } => KeyedGet::Lapsed,
+                    fanout::Copied::Failed(error) => {
+                        tracing::debug!(peer = endpoint, %error, key = keys[i], "no copy from the mapping");
+                        copier.failed(&error);
+                        KeyedGet::Unsupported
+                    }
+                });
+            }
+            // The batch's copies are counted (`shared_copies`) before its answers are out: a
+            // caller that reads the counts once answered sees them.
+            drop(copier);
+            if let Some(answered) = answered.take() {
+                answered(out.into_iter().map(|a| a.unwrap_or(KeyedGet::Unsupported)).collect());
+            }
+        };
         // SAFETY: each value's ranges add up to `d.size <= cap` bytes (checked by `decode` and
         // above), valid for writes at its `dst`, no two overlapping and ours alone during the call
-        // (this function's contract).
-        let copied = tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_COPY)
-            .in_scope(|| unsafe { fanout::copy_values(&copies) });
-        // Judged when the last copy ended, which is no earlier than any one's (see `SharedReads`).
-        let elapsed = sent.elapsed();
-        for ((i, lease_ns, crc32c, check), copied) in planned.into_iter().zip(copied) {
-            out[i] = Some(match copied {
-                fanout::Copied::Done { size, crc32c: got } if elapsed <= Duration::from_nanos(lease_ns) => {
-                    copier.count_get(size);
-                    match (crc32c.filter(|_| check), got) {
-                        (Some(expected), Some(got)) if got != expected => KeyedGet::Corrupt { expected, got },
-                        _ => KeyedGet::Hit { size, crc32c },
-                    }
-                }
-                fanout::Copied::Done { .. } => KeyedGet::Lapsed,
-                fanout::Copied::Failed(error) => {
-                    tracing::debug!(peer = endpoint, %error, key = items[i].key, "no copy from the mapping");
-                    copier.failed(&error);
-                    KeyedGet::Unsupported
-                }
-            });
-        }
-        let out = out.into_iter().map(|a| a.unwrap_or(KeyedGet::Unsupported)).collect();
-        Ok((out, mapped))
+        // (this function's contract); the destinations are not touched once `judge` has run.
+        tracing::trace_span!(target: phases::TARGET, phases::GET_KEYED_COPY)
+            .in_scope(|| unsafe { fanout::copy_values_then(&copies, judge) });
+        Ok(mapped)
     }
 }
 
