@@ -121,9 +121,10 @@ pub(crate) enum Copied {
 
 /// Copies every value, on the pool when the batch holds enough bytes and more than one value, then
 /// runs `then` over the answers (one per value, in order) **on the pool thread that ran the
-/// copies** when they fanned out (else on the calling thread), and returns its result. A caller that hands the answers
-/// on from `then` (to a task awaiting them) does not wait for the calling thread to be woken
-/// first: that wake-up (tens of microseconds on a virtualised host) leaves the path it waits on.
+/// copies** when they fanned out (else on the calling thread), and returns its result. A caller
+/// that hands the answers on from `then` (to a task awaiting them) does not wait for the calling
+/// thread to be woken first: that wake-up (tens of microseconds on a virtualised host) leaves the
+/// path it waits on.
 ///
 /// # Safety
 /// Each destination (a [`Dst::Range`] for its pieces' total length, each [`Dst::Each`] pointer
@@ -136,8 +137,8 @@ pub(crate) unsafe fn copy_values_then<R: Send>(values: &[ValueCopy], then: impl 
     each_value_then(values, total >= FAN_OUT_BYTES, |v| unsafe { copy_value(v) }, then)
 }
 
-/// The copies of [`copy_values_then`], fanned out over the pool only if `fan_out` (and there is more than one
-/// value), else on the calling thread.
+/// The copies of [`copy_values_then`], fanned out over the pool only if `fan_out` (and there is
+/// more than one value), else on the calling thread.
 ///
 /// # Safety
 /// As [`copy_values_then`].

@@ -167,10 +167,10 @@ impl KeyedClient {
     /// and copies, on another thread. A caller that hands the copying to a blocking thread sends
     /// first: the holder resolves while the hand-off (25–55 µs on a 16-core host, at times 200)
     /// runs. `None` — nothing was sent; use
-    /// [`get_shared_batch_then`](Self::get_shared_batch_then) — for an empty or oversized batch, a
-    /// bad key, a holder asked no batches or without a shared path here, a request over
-    /// [`PRESEND_MAX_BYTES`](Self::PRESEND_MAX_BYTES), no idle connection (a new one's handshake would wait on the holder),
-    /// or a failed write. Blocks for nothing but one write to a connected, idle socket.
+    /// [`get_shared_batch_then`](Self::get_shared_batch_then) — for an empty or oversized batch,
+    /// a bad key, a holder asked no batches or without a shared path here, a request over
+    /// [`PRESEND_MAX_BYTES`](Self::PRESEND_MAX_BYTES), no idle connection (a new one's handshake
+    /// would wait on the holder), or a failed write. Blocks for nothing but one write to a connected, idle socket.
     pub fn send_get_shared_batch(&self, endpoint: &str, keys: &[(&str, usize)]) -> Option<SentGetBatch> {
         if keys.is_empty() || keys.len() > Self::MAX_BATCH_KEYS || keys.iter().any(|(key, _)| check_key(key).is_err()) {
             return None;
