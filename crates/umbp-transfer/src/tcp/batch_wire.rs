@@ -27,7 +27,9 @@
 //! Every length is bounded before anything is allocated: a decoder error means a broken peer, and
 //! the connection is closed.
 
-use super::protocol::{Descriptor, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES, Status};
+use super::protocol::{
+    Descriptor, FrameError, MAX_KEY_LEN, MAX_REQUEST_BYTES, Status, descriptor_len, encode_descriptor,
+};
 
 /// The most keys one GET_KEYS may name.
 pub(crate) const MAX_BATCH_KEYS: usize = 1024;
@@ -196,14 +198,38 @@ pub(crate) enum BatchAnswer {
 
 /// Appends one answer to a reply body.
 pub(crate) fn encode_answer(out: &mut Vec<u8>, answer: &BatchAnswer) {
-    let (status, entry) = match answer {
-        BatchAnswer::Mapped(d) => (Status::Mapped, d.encode()),
-        BatchAnswer::TooSmall(size) => (Status::TooSmall, size.to_le_bytes().to_vec()),
-        BatchAnswer::Other(s) => (*s, Vec::new()),
-    };
+    match answer {
+        BatchAnswer::Mapped(d) => encode_mapped(out, d.size, d.lease_ns, d.crc32c, d.ranges.iter().copied()),
+        BatchAnswer::TooSmall(size) => {
+            answer_head(out, Status::TooSmall, 8);
+            out.extend_from_slice(&size.to_le_bytes());
+        }
+        BatchAnswer::Other(s) => answer_head(out, *s, 0),
+    }
+}
+
+/// Appends a `MAPPED` answer of these descriptor fields (see [`encode_descriptor`]) without
+/// building a [`Descriptor`]: the same bytes as [`encode_answer`] of one.
+pub(crate) fn encode_mapped(
+    out: &mut Vec<u8>,
+    size: u64,
+    lease_ns: u64,
+    crc32c: Option<u32>,
+    ranges: impl ExactSizeIterator<Item = (u64, u64, u64)>,
+) {
+    answer_head(out, Status::Mapped, descriptor_len(ranges.len()));
+    encode_descriptor(out, size, lease_ns, crc32c, ranges);
+}
+
+/// An answer's status and the length of its entry.
+fn answer_head(out: &mut Vec<u8>, status: Status, entry_len: usize) {
     out.extend_from_slice(&[status as u8, 0, 0, 0]);
-    out.extend_from_slice(&u32::try_from(entry.len()).unwrap_or(u32::MAX).to_le_bytes());
-    out.extend_from_slice(&entry);
+    out.extend_from_slice(&u32::try_from(entry_len).unwrap_or(u32::MAX).to_le_bytes());
+}
+
+/// A guess at a reply body's bytes for `count` answers (one range each), to allocate it once.
+pub(crate) const fn reply_capacity(count: usize) -> usize {
+    count * (ANSWER_HEAD_LEN + descriptor_len(1))
 }
 
 /// Parses a reply body that answers `count` keys, exactly.
@@ -283,6 +309,37 @@ mod tests {
         assert_eq!(decode_reply(&body, answers.len()).unwrap(), answers);
         assert!(decode_reply(&body, answers.len() - 1).is_err(), "bytes left over");
         assert!(decode_reply(&body, answers.len() + 1).is_err(), "an answer missing");
+    }
+
+    /// A `MAPPED` answer written straight from a holder's ranges is byte for byte the answer of
+    /// the same descriptor, in the layout every client reads (pinned here by hand).
+    #[test]
+    fn a_mapped_answer_from_ranges_keeps_the_wire_layout() {
+        let ranges = [(3u64, 4096u64, 1000u64), (4, 0, 24)];
+        let mut direct = Vec::new();
+        encode_mapped(&mut direct, 1024, 77, Some(0xDEAD_BEEF), ranges.iter().copied());
+        let d = Descriptor { size: 1024, lease_ns: 77, ranges: ranges.to_vec(), crc32c: Some(0xDEAD_BEEF) };
+        let mut built = Vec::new();
+        encode_answer(&mut built, &BatchAnswer::Mapped(d.clone()));
+        assert_eq!(direct, built);
+        let mut expected = vec![Status::Mapped as u8, 0, 0, 0];
+        expected.extend_from_slice(&(32u32 + 2 * 24).to_le_bytes());
+        expected.extend_from_slice(&1024u64.to_le_bytes());
+        expected.extend_from_slice(&77u64.to_le_bytes());
+        expected.extend_from_slice(&2u32.to_le_bytes());
+        expected.extend_from_slice(&[1, 0, 0, 0]);
+        expected.extend_from_slice(&0xDEAD_BEEFu32.to_le_bytes());
+        expected.extend_from_slice(&[0; 4]);
+        for (region, offset, len) in ranges {
+            for v in [region, offset, len] {
+                expected.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        assert_eq!(direct, expected);
+        assert_eq!(decode_reply(&direct, 1).unwrap(), vec![BatchAnswer::Mapped(d)]);
+        let mut too_small = Vec::new();
+        encode_answer(&mut too_small, &BatchAnswer::TooSmall(5));
+        assert_eq!(too_small, [&[Status::TooSmall as u8, 0, 0, 0, 8, 0, 0, 0][..], &5u64.to_le_bytes()].concat());
     }
 
     #[test]

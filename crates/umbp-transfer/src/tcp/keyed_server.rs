@@ -287,11 +287,11 @@ impl ServerConn<'_> {
         // client cannot take through its mappings).
         let mut open = OpenReads { handler: handler.as_ref(), reads: Vec::new() };
         let mut closing = OpenReads { handler: handler.as_ref(), reads: Vec::new() };
-        let mut reply = Vec::new();
+        let mut reply = Vec::with_capacity(batch_wire::reply_capacity(entries.len()));
         // The regions checked so far, one guard each, until the reply is encoded (`ranges_ok`).
         let mut held = Vec::with_capacity(1);
         for (e, read) in entries.iter().zip(found) {
-            let answer = match read {
+            let refused = match read {
                 KeyedRead::Hit { size, ranges, lease, crc32c } => {
                     let lease_ns =
                         u64::try_from(lease.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
@@ -309,19 +309,17 @@ impl ServerConn<'_> {
                         BatchAnswer::Other(Status::Unsupported)
                     } else {
                         open.reads.push((e.key, lease));
-                        BatchAnswer::Mapped(Descriptor {
-                            size,
-                            lease_ns,
-                            ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
-                            crc32c,
-                        })
+                        // Encoded from the ranges as they are: no descriptor built per key.
+                        let ranges = ranges.iter().map(|r| (r.region_id, r.offset, r.len));
+                        batch_wire::encode_mapped(&mut reply, size, lease_ns, crc32c, ranges);
+                        continue;
                     }
                 }
                 KeyedRead::Miss => BatchAnswer::Other(Status::Miss),
                 KeyedRead::Busy => BatchAnswer::Other(Status::Busy),
                 _ => BatchAnswer::Other(Status::Unsupported),
             };
-            batch_wire::encode_answer(&mut reply, &answer);
+            batch_wire::encode_answer(&mut reply, &refused);
         }
         drop((closing, held));
         self.send_ok_with(r.id, &reply)?;
@@ -350,11 +348,11 @@ impl ServerConn<'_> {
         // aborted together before the reply leaves.
         let mut open = OpenWrites { handler: handler.as_ref(), slots: Vec::with_capacity(entries.len()) };
         let mut refused = OpenWrites { handler: handler.as_ref(), slots: Vec::new() };
-        let mut reply = Vec::new();
+        let mut reply = Vec::with_capacity(batch_wire::reply_capacity(entries.len()));
         // The regions checked so far, one guard each, until the reply is encoded (`ranges_ok`).
         let mut held = Vec::with_capacity(1);
         for (e, write) in entries.iter().zip(got) {
-            let (answer, slot) = match write {
+            let (refusal, slot) = match write {
                 KeyedWrite::Slot { ranges, slot } => {
                     let slot_ns =
                         u64::try_from(slot.until.saturating_duration_since(received).as_nanos()).unwrap_or(u64::MAX);
@@ -364,29 +362,28 @@ impl ServerConn<'_> {
                         || !self.ranges_ok(&mut held, &ranges, e.size)
                     {
                         refused.slots.push(Some((e.key, slot, None)));
-                        (BatchAnswer::Other(Status::Unsupported), None)
+                        (Some(Status::Unsupported), None)
                     } else {
-                        let descriptor = Descriptor {
-                            size: e.size,
-                            lease_ns: slot_ns,
-                            ranges: ranges.iter().map(|r| (r.region_id, r.offset, r.len)).collect(),
-                            crc32c: None,
-                        };
+                        // Encoded from the slot's ranges as they are: no descriptor built per key.
+                        let pieces = ranges.iter().map(|r| (r.region_id, r.offset, r.len));
+                        batch_wire::encode_mapped(&mut reply, e.size, slot_ns, None, pieces);
                         let crc32c = match e.checksum {
                             PutChecksum::Given(crc) => Some(crc),
                             // Set from the settle, below.
                             PutChecksum::None | PutChecksum::WhileCopying => None,
                         };
-                        (BatchAnswer::Mapped(descriptor), Some((e.key, slot, crc32c)))
+                        (None, Some((e.key, slot, crc32c)))
                     }
                 }
-                KeyedWrite::Exists => (BatchAnswer::Other(Status::Exists), None),
-                KeyedWrite::NoSpace => (BatchAnswer::Other(Status::NoSpace), None),
-                KeyedWrite::Busy => (BatchAnswer::Other(Status::Busy), None),
-                KeyedWrite::Failed => (BatchAnswer::Other(Status::Failed), None),
-                KeyedWrite::Unsupported => (BatchAnswer::Other(Status::Unsupported), None),
+                KeyedWrite::Exists => (Some(Status::Exists), None),
+                KeyedWrite::NoSpace => (Some(Status::NoSpace), None),
+                KeyedWrite::Busy => (Some(Status::Busy), None),
+                KeyedWrite::Failed => (Some(Status::Failed), None),
+                KeyedWrite::Unsupported => (Some(Status::Unsupported), None),
             };
-            batch_wire::encode_answer(&mut reply, &answer);
+            if let Some(status) = refusal {
+                batch_wire::encode_answer(&mut reply, &BatchAnswer::Other(status));
+            }
             open.slots.push(slot);
         }
         drop((refused, held));

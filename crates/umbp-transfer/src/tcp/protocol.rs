@@ -598,27 +598,46 @@ pub(crate) struct Descriptor {
     pub(crate) crc32c: Option<u32>,
 }
 
+/// Bytes of a descriptor over `ranges` ranges.
+pub(crate) const fn descriptor_len(ranges: usize) -> usize {
+    DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * ranges
+}
+
+/// Appends the bytes of a [`Descriptor`] of these fields to `out` without building one (a holder
+/// answers every key of a batch so: no ranges vector per key). `ranges` are (region id, offset,
+/// len), in value order, 1 to [`MAX_SHARED_RANGES`] of them.
+pub(crate) fn encode_descriptor(
+    out: &mut Vec<u8>,
+    size: u64,
+    lease_ns: u64,
+    crc32c: Option<u32>,
+    ranges: impl ExactSizeIterator<Item = (u64, u64, u64)>,
+) {
+    out.reserve(descriptor_len(ranges.len()));
+    out.extend_from_slice(&size.to_le_bytes());
+    out.extend_from_slice(&lease_ns.to_le_bytes());
+    out.extend_from_slice(&u32::try_from(ranges.len()).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(&[u8::from(crc32c.is_some()), 0, 0, 0]);
+    out.extend_from_slice(&crc32c.unwrap_or(0).to_le_bytes());
+    out.extend_from_slice(&[0u8; 4]);
+    for (region, offset, len) in ranges {
+        out.extend_from_slice(&region.to_le_bytes());
+        out.extend_from_slice(&offset.to_le_bytes());
+        out.extend_from_slice(&len.to_le_bytes());
+    }
+}
+
 impl Descriptor {
     /// The descriptor's bytes (`ranges` must hold 1 to [`MAX_SHARED_RANGES`] entries).
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * self.ranges.len());
-        out.extend_from_slice(&self.size.to_le_bytes());
-        out.extend_from_slice(&self.lease_ns.to_le_bytes());
-        out.extend_from_slice(&u32::try_from(self.ranges.len()).unwrap_or(u32::MAX).to_le_bytes());
-        out.extend_from_slice(&[u8::from(self.crc32c.is_some()), 0, 0, 0]);
-        out.extend_from_slice(&self.crc32c.unwrap_or(0).to_le_bytes());
-        out.extend_from_slice(&[0u8; 4]);
-        for (region, offset, len) in &self.ranges {
-            out.extend_from_slice(&region.to_le_bytes());
-            out.extend_from_slice(&offset.to_le_bytes());
-            out.extend_from_slice(&len.to_le_bytes());
-        }
+        let mut out = Vec::with_capacity(descriptor_len(self.ranges.len()));
+        encode_descriptor(&mut out, self.size, self.lease_ns, self.crc32c, self.ranges.iter().copied());
         out
     }
 
     /// The longest descriptor a client accepts.
     pub(crate) const fn max_len() -> usize {
-        DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * MAX_SHARED_RANGES
+        descriptor_len(MAX_SHARED_RANGES)
     }
 
     /// Parses a descriptor: the count must match the length, the ranges must add up to the size
@@ -635,7 +654,7 @@ impl Descriptor {
             1 => Some(u32_at(b, 24)),
             v => return Err(FrameError::BadStatus(v)),
         };
-        if count == 0 || b.len() != DESCRIPTOR_HEAD_LEN + DESCRIPTOR_RANGE_LEN * count {
+        if count == 0 || b.len() != descriptor_len(count) {
             return Err(FrameError::TooLong(b.len() as u64));
         }
         let mut total = 0u64;
