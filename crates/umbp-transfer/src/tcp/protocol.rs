@@ -630,7 +630,8 @@ pub(crate) fn encode_descriptor(
 impl Descriptor {
     /// The descriptor's bytes (`ranges` must hold 1 to [`MAX_SHARED_RANGES`] entries).
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(descriptor_len(self.ranges.len()));
+        // `encode_descriptor` reserves the descriptor's bytes.
+        let mut out = Vec::new();
         encode_descriptor(&mut out, self.size, self.lease_ns, self.crc32c, self.ranges.iter().copied());
         out
     }
