@@ -697,7 +697,8 @@ mod tests {
             let (master, addr, holder) = master_and_holder(16 << 20).await;
             let client = PoolClient::start(config("light", &addr, Medium::None)).await.expect("light client");
             let recorder = Recorder::current().expect("the recording runtime has a recorder");
-            // 4 MiB: two chunks of 2 MiB (`Spread`), each one exchange.
+            // 4 MiB: a put in two chunks of 2 MiB, a get in three of 1, 2 and 1 MiB (`Spread`),
+            // each one exchange.
             let keys: Vec<String> = (0..8).map(|i| format!("batch-{i}")).collect();
             let values: Vec<Vec<u8>> = (0..8u8).map(|i| vec![i; 512 << 10]).collect();
             let items: Vec<(&str, &[u8])> =
@@ -715,7 +716,7 @@ mod tests {
             let read = client.batch_get(&refs, &mut slices).await;
             // A chunk's settle frame goes out after its answers came back: wait (bounded) for both.
             let deadline = Instant::now() + Duration::from_secs(5);
-            while recorder.closed(phases::GET_KEYED_SETTLE) < 2 && Instant::now() < deadline {
+            while recorder.closed(phases::GET_KEYED_SETTLE) < 3 && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             let get = recorder.stop();
@@ -742,11 +743,11 @@ mod tests {
         let get = cells.iter().find(|c| c.cell.contains(" get ")).expect("a get cell");
         for name in get_steps {
             let p = get.phases.iter().find(|p| p.name == name).unwrap_or_else(|| panic!("no {name}: {get:?}"));
-            assert!((p.spans_per_batch - 2.0).abs() < 1e-9, "one {name} per chunk: {p:?}");
+            assert!((p.spans_per_batch - 3.0).abs() < 1e-9, "one {name} per chunk: {p:?}");
         }
         let put = cells.iter().find(|c| c.cell.contains(" put ")).expect("a put cell");
         assert!(put_steps.iter().all(|n| put.phases.iter().any(|p| p.name == *n)), "{put:?}");
-        assert!(batch_phases_table(&cells).contains("| ↳ umbp.get.keyed.copy | 2.0 |"));
+        assert!(batch_phases_table(&cells).contains("| ↳ umbp.get.keyed.copy | 3.0 |"));
     }
 }
 

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use parking_lot::Condvar;
 use tracing::Instrument;
-use umbp_transfer::{KeyedBatchPut, KeyedClient, KeyedError, KeyedPut, PutChecksum};
+use umbp_transfer::{KeyedBatchPut, KeyedError, KeyedPut, PutChecksum};
 
 use super::batch_keyed::{ROUTE_KEYS, Spread};
 use super::phases::{self, phase};
@@ -466,23 +466,7 @@ fn holder_chunks(
     by_holder: BTreeMap<PutHolder, Vec<usize>>,
     spread: &Spread,
 ) -> HolderChunks {
-    let mut chunks = Vec::new();
-    for (holder, indexes) in by_holder {
-        let mut chunk = Vec::new();
-        let mut bytes = 0u64;
-        for i in indexes {
-            bytes += items[i].1.size();
-            chunk.push(i);
-            if bytes >= spread.chunk_bytes || chunk.len() == KeyedClient::MAX_BATCH_KEYS {
-                chunks.push((holder.clone(), std::mem::take(&mut chunk)));
-                bytes = 0;
-            }
-        }
-        if !chunk.is_empty() {
-            chunks.push((holder, chunk));
-        }
-    }
-    chunks
+    spread.cut(by_holder, |i| items[*i].1.size())
 }
 
 #[cfg(test)]
