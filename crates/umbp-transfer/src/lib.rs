@@ -81,7 +81,7 @@ pub use engine::{
 pub use fd_limit::raise_open_file_limit;
 pub use gpu::{GpuCopyConfig, GpuCopyEngine};
 pub use local::{LocalCopyConfig, LocalCopyEngine};
-pub use shm::{SharedMemoryConfig, SharedMemoryEngine, copy_streaming};
+pub use shm::{SharedMemoryConfig, SharedMemoryEngine, copy_streaming, stream_threshold};
 pub use tcp::{
     ClosingSlot, DataServer, DataServerConfig, KeyedBatchItem, KeyedBatchPut, KeyedClient, KeyedClientConfig,
     KeyedError, KeyedGet, KeyedHandler, KeyedLease, KeyedPut, KeyedRange, KeyedRead, KeyedSlot, KeyedWrite,

@@ -450,7 +450,7 @@ fn summed_values(items: &[TransferItem], sum_of: SumOf) -> Option<Vec<(u64, Valu
             SumOf::Destination => Dst::Range(*dsts.first()?),
             SumOf::Source => Dst::Each(dsts),
         };
-        out.push((tag, ValueCopy { pieces, dst, sum: true }));
+        out.push((tag, ValueCopy { pieces, dst, sum: true, streamed: false }));
     }
     Some(out)
 }

@@ -406,6 +406,21 @@ fn get_batch(c: &KeyedClient, endpoint: &str, keys: &[&str], bufs: &mut [Vec<u8>
     get_batch_verified(c, endpoint, keys, bufs, false)
 }
 
+/// One GET_KEYS of `keys` into `bufs`, checked when `verify`, written with streaming stores when
+/// `stream`.
+fn get_batch_streamed(
+    c: &KeyedClient,
+    endpoint: &str,
+    keys: &[&str],
+    bufs: &mut [Vec<u8>],
+    (verify, stream): (bool, bool),
+) -> Vec<KeyedGet> {
+    let items: Vec<KeyedBatchItem<'_>> =
+        batch_items(keys, bufs, verify).into_iter().map(|item| KeyedBatchItem { stream, ..item }).collect();
+    // SAFETY: every buffer is borrowed mutably for the whole call; distinct vectors never overlap.
+    unsafe { c.get_shared_batch(endpoint, &items) }.expect("an answer")
+}
+
 /// One GET_KEYS of `keys` into `bufs`, each copy checked against its checksum when `verify`.
 fn get_batch_verified(
     c: &KeyedClient,
@@ -428,6 +443,7 @@ fn batch_items<'a>(keys: &[&'a str], bufs: &'a mut [Vec<u8>], verify: bool) -> V
             dst: NonNull::new(buf.as_mut_ptr()).expect("non-null"),
             cap: buf.len(),
             verify,
+            stream: false,
         })
         .collect()
 }
@@ -705,8 +721,13 @@ fn a_batch_refuses_bad_keys_and_too_many_keys() {
     let (srv, _shm, _) = holder(&file, &table, true);
     let c = client();
     let mut bufs = [vec![0u8; 8]];
-    let items =
-        [KeyedBatchItem { key: "", dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"), cap: 8, verify: false }];
+    let items = [KeyedBatchItem {
+        key: "",
+        dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"),
+        cap: 8,
+        verify: false,
+        stream: false,
+    }];
     // SAFETY: the buffer outlives the call.
     assert!(unsafe { c.get_shared_batch(srv.endpoint(), &items) }.is_err(), "an empty key");
     let many: Vec<KeyedBatchItem<'_>> = (0..=KeyedClient::MAX_BATCH_KEYS)
@@ -715,6 +736,7 @@ fn a_batch_refuses_bad_keys_and_too_many_keys() {
             dst: NonNull::new(bufs[0].as_mut_ptr()).expect("non-null"),
             cap: 0,
             verify: false,
+            stream: false,
         })
         .collect();
     // SAFETY: as above (nothing is written: the call is refused before it is sent).
@@ -909,10 +931,17 @@ fn a_verified_batch_get_reports_a_copy_that_does_not_match_its_checksum() {
 }
 
 /// A batch large enough fans its copies out over the kept copy threads, each value summed block by
-/// block as it lands: every value is byte-exact, and a flipped byte deep inside a value of several
-/// blocks (and of no whole number of them) is still caught.
+/// block as it lands (or, streamed, as the copy reads it): every value is byte-exact, and a
+/// flipped byte deep inside a value of several blocks (and of no whole number of them) is still
+/// caught.
 #[test]
 fn a_large_verified_batch_fans_out_and_still_catches_a_corrupt_block() {
+    for stream in [false, true] {
+        large_verified_batch(stream);
+    }
+}
+
+fn large_verified_batch(stream: bool) {
     let file = SealedFile::new();
     let table = Table::new(Duration::from_secs(10), Duration::ZERO);
     let (srv, _shm, _) = holder(&file, &table, true);
@@ -926,7 +955,7 @@ fn a_large_verified_batch_fans_out_and_still_catches_a_corrupt_block() {
     assert!(put_batch(&c, srv.endpoint(), &items).iter().all(|p| *p == KeyedPut::Written));
     let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     let mut bufs: Vec<Vec<u8>> = values.iter().map(|v| vec![0u8; v.len()]).collect();
-    let got = get_batch_verified(&c, srv.endpoint(), &key_refs, &mut bufs, true);
+    let got = get_batch_streamed(&c, srv.endpoint(), &key_refs, &mut bufs, (true, stream));
     for (i, (g, v)) in got.iter().zip(&values).enumerate() {
         assert_eq!(*g, KeyedGet::Hit { size: v.len() as u64, crc32c: crc(v) }, "value {i}");
         assert_eq!(bufs[i], *v, "value {i} byte-exact");
@@ -945,7 +974,7 @@ fn a_large_verified_batch_fans_out_and_still_catches_a_corrupt_block() {
     unsafe { ptr::copy_nonoverlapping(file.base.as_ptr().add(at), byte.as_mut_ptr(), 1) };
     file.fill(at, &[byte[0] ^ 0x01]);
     bufs.iter_mut().for_each(|b| b.fill(0));
-    let got = get_batch_verified(&c, srv.endpoint(), &key_refs, &mut bufs, true);
+    let got = get_batch_streamed(&c, srv.endpoint(), &key_refs, &mut bufs, (true, stream));
     let expected = umbp_core::value_crc32c(&values[8]);
     assert!(matches!(got[8], KeyedGet::Corrupt { expected: e, got: g } if e == expected && g != e), "{:?}", got[8]);
     for (i, v) in values.iter().enumerate().take(8) {

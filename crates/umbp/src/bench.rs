@@ -16,7 +16,8 @@
 //! - **same host**: the same child read and written by a client with the shared-memory path on (issue
 //!   17), in the same rounds as the remote rows: each figure beside the memcpy baseline (as the local
 //!   rows'; a get also beside memcpy from a source in memory, where a put leaves a holder's bytes,
-//!   and a put beside its own streamed copy: see [`bench_memcpy`](crate::bench_memcpy)) and beside
+//!   and beside the same copy with streaming stores, a large batch get's own copy; a put beside its
+//!   own streamed copy: see [`bench_memcpy`](crate::bench_memcpy)) and beside
 //!   the TCP path's figure of the same round,
 //!   the bench failing if the TCP engine moved any of these bytes;
 //! - the p50 / p99 latency of a single 64 KiB remote get and of a single 64 KiB remote put, each on
@@ -44,7 +45,9 @@ use crate::bench_keyed::SameHostKeys;
 pub(crate) use crate::bench_latency::latency_blocks;
 use crate::bench_latency::{LATENCY_KEY, measure_large_latency, measure_latency};
 pub use crate::bench_latency::{Latencies, Latency};
-pub use crate::bench_memcpy::{memcpy_from_memory_gbps, memcpy_threads, quiet_memcpy_gbps, streamed_copy_gbps};
+pub use crate::bench_memcpy::{
+    memcpy_from_memory_gbps, memcpy_threads, quiet_memcpy_gbps, streamed_copy_gbps, streamed_from_memory_gbps,
+};
 use crate::cli::BenchArgs;
 use crate::progress::Progress;
 use crate::units::human_size;
@@ -82,6 +85,10 @@ const MEMCPY: &str = "memcpy";
 /// The baseline name of the same-host get rows measured against memcpy from a source in memory
 /// ([`memcpy_from_memory_gbps`]).
 const MEMCPY_FROM_MEMORY: &str = "memcpy, source in memory";
+
+/// The baseline name of the same-host get rows measured against the get's own copy of a large
+/// batch, streaming stores from a source in memory ([`streamed_from_memory_gbps`]).
+const STREAMED_FROM_MEMORY: &str = "copy with streaming stores, source in memory";
 
 /// The baseline name of the same-host put rows measured against the put's own copy, with
 /// streaming stores ([`streamed_copy_gbps`]).
@@ -978,7 +985,7 @@ async fn measure_remote(
         let mut staged: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; value]).collect();
         let (mut put, mut get, mut raw_w, mut raw_r) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut shm_put, mut shm_get, mut copy, mut unsettled) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut from_memory, mut streamed) = (Vec::new(), Vec::new());
+        let (mut from_memory, mut streamed, mut streamed_from_memory) = (Vec::new(), Vec::new(), Vec::new());
         let mut keyed = SameHostKeys::new(value as u64);
         let mut progress =
             Progress::new(format!("umbp bench: remote {} values, rounds", human_size(value as u64)), rounds);
@@ -1023,6 +1030,7 @@ async fn measure_remote(
             copy.push(before.max(after));
             unsettled.push(hasty);
             from_memory.push(memcpy_from_memory_gbps(&mut out, &data, &mut staged, bytes));
+            streamed_from_memory.push(streamed_from_memory_gbps(&mut out, &data, &mut staged, bytes));
             streamed.push(streamed_copy_gbps(&mut out, &data, bytes));
             tokio::time::sleep(Duration::from_millis(600)).await;
             let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -1036,6 +1044,8 @@ async fn measure_remote(
         let (copy_range, copy, unsettled) = (spread(&copy), median(copy), median(unsettled));
         let (from_memory_range, from_memory) = (spread(&from_memory), median(from_memory));
         let (streamed_range, streamed) = (spread(&streamed), median(streamed));
+        let (streamed_from_memory_range, streamed_from_memory) =
+            (spread(&streamed_from_memory), median(streamed_from_memory));
         for (op, tcp, raw, shm) in [("put", put, raw_w, shm_put), ("get", get, raw_r, shm_get)] {
             let row = |path, pool_gbps, baseline_gbps, baseline: &str, baseline_range, unsettled| BenchRow {
                 path,
@@ -1060,6 +1070,14 @@ async fn measure_remote(
             rows.push(row(BenchPath::SameHost, shm, copy, MEMCPY, copy_range, Some(unsettled)));
             if op == "get" {
                 rows.push(row(BenchPath::SameHost, shm, from_memory, MEMCPY_FROM_MEMORY, from_memory_range, None));
+                rows.push(row(
+                    BenchPath::SameHost,
+                    shm,
+                    streamed_from_memory,
+                    STREAMED_FROM_MEMORY,
+                    streamed_from_memory_range,
+                    None,
+                ));
             } else {
                 rows.push(row(BenchPath::SameHost, shm, streamed, STREAMED_COPY, streamed_range, None));
             }

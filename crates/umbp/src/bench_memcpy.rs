@@ -11,6 +11,11 @@
 //!   get cannot copy faster than this; measured on the 2-core VM it is 0.55–0.65 of the in-cache
 //!   copy (docs/benchmarks.md).
 //!
+//! - **Streamed, source in memory** ([`streamed_from_memory_gbps`], the same-host get rows): the
+//!   copy above with streaming stores, as a same-host batch get larger than a quarter of the
+//!   last-level cache copies (`fanout` in `umbp-transfer`): the get's own copy at its best, beside
+//!   the memcpy the target is read against.
+//!
 //! - **Streamed** ([`streamed_copy_gbps`], the same-host put rows): the same bytes copied from the
 //!   same (cached) source with the streaming stores a same-host put writes a holder's slot with
 //!   (`umbp_transfer::copy_streaming`) — the put's own copy at its best. Streaming stores skip the
@@ -67,6 +72,22 @@ pub fn memcpy_from_memory_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], staged: &m
         .fold(0.0, f64::max)
 }
 
+/// One source-in-memory baseline sample of the streamed copy: as [`memcpy_from_memory_gbps`], with
+/// the copy into `out` made with streaming stores (`umbp_transfer::copy_streaming`) — the copy a
+/// same-host batch get larger than a quarter of the last-level cache makes — the best of
+/// [`TRIES`].
+pub fn streamed_from_memory_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], staged: &mut [Vec<u8>], bytes: usize) -> f64 {
+    let threads = memcpy_threads();
+    (0..TRIES)
+        .map(|_| {
+            for (s, d) in staged.iter_mut().zip(data) {
+                umbp_transfer::copy_streaming(s, d);
+            }
+            copy_gbps(out, staged, bytes, threads, umbp_transfer::copy_streaming)
+        })
+        .fold(0.0, f64::max)
+}
+
 /// One streamed-copy baseline sample: `data` copied into `out` with streaming stores on
 /// [`memcpy_threads`] threads, [`TRIES`] times timed after one untimed copy; the best. Call it on a
 /// quiet process (right after [`quiet_memcpy_gbps`]: `data` is in the cache, as a put's source).
@@ -118,6 +139,9 @@ mod tests {
         assert!(rate > 0.0);
         assert_eq!(out, data);
         assert_eq!(staged, data);
+        let mut again = vec![vec![0u8; 40 << 10]; 4];
+        assert!(streamed_from_memory_gbps(&mut again, &data, &mut staged, 4 * (40 << 10)) > 0.0);
+        assert_eq!(again, data);
     }
 
     /// The streamed baseline copies `data` into `out`, byte for byte, values of any alignment.

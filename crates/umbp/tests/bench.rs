@@ -51,9 +51,9 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
         .collect();
     assert_eq!(
         rows.len(),
-        22,
-        "put and get of 64 KiB and 1 MiB, local, remote and same-host (three times each), and routed local \
-         puts:\n{out}"
+        24,
+        "put and get of 64 KiB and 1 MiB, local, remote and same-host (three times each, gets four), and \
+         routed local puts:\n{out}"
     );
     assert_eq!(rows.iter().filter(|r| r.contains("| put (routed) |")).count(), 2, "{out}");
     let same_host = rows.iter().filter(|r| r.starts_with("| same host (2 processes, shared memory) |"));
@@ -67,6 +67,11 @@ fn a_small_bench_prints_every_row_beside_its_baseline() {
     let streamed: Vec<&&str> = rows.iter().filter(|r| r.contains("| copy with streaming stores |")).collect();
     assert_eq!(streamed.len(), 2, "{out}");
     assert!(streamed.iter().all(|r| r.starts_with("| same host") && r.contains("| put |")), "{out}");
+    // And gets beside theirs: streaming stores from a source in memory.
+    let streamed: Vec<&&str> =
+        rows.iter().filter(|r| r.contains("| copy with streaming stores, source in memory |")).collect();
+    assert_eq!(streamed.len(), 2, "{out}");
+    assert!(streamed.iter().all(|r| r.starts_with("| same host") && r.contains("| get |")), "{out}");
     for row in &rows {
         let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
         assert_eq!(cells.len(), 7, "{row}");
@@ -118,16 +123,17 @@ fn the_bench_json_names_the_baseline_threads_and_its_warnings() {
     assert_eq!(code, Some(0), "stdout:\n{out}\nstderr:\n{err}");
     let json = out.trim();
     // The fields of before stay; the new ones are added.
-    assert_eq!(json.matches("\"baseline_gbps\":").count(), 22, "{json}");
-    assert_eq!(json.matches("\"baseline_min_gbps\":").count(), 22, "{json}");
-    assert_eq!(json.matches("\"baseline_max_gbps\":").count(), 22, "{json}");
+    assert_eq!(json.matches("\"baseline_gbps\":").count(), 24, "{json}");
+    assert_eq!(json.matches("\"baseline_min_gbps\":").count(), 24, "{json}");
+    assert_eq!(json.matches("\"baseline_max_gbps\":").count(), 24, "{json}");
     assert_eq!(
         json.matches("\"baseline_unsettled_gbps\":null").count(),
-        12,
+        14,
         "only in-cache memcpy rows have one: {json}"
     );
-    assert_eq!(json.matches("\"path\":\"same-host\"").count(), 12, "{json}");
+    assert_eq!(json.matches("\"path\":\"same-host\"").count(), 14, "{json}");
     assert_eq!(json.matches("\"baseline\":\"copy with streaming stores\"").count(), 2, "{json}");
+    assert_eq!(json.matches("\"baseline\":\"copy with streaming stores, source in memory\"").count(), 2, "{json}");
     assert_eq!(json.matches("\"baseline\":\"memcpy, source in memory\"").count(), 2, "{json}");
     assert!(json.contains(&format!("\"memcpy_threads\":{}", memcpy_threads())), "{json}");
     assert!(json.contains("\"baseline_warnings\":["), "{json}");

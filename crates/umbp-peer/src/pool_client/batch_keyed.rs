@@ -175,6 +175,8 @@ impl PoolClient {
         // `Spread`).
         let total: u64 = by_holder.values().flatten().map(|p| p.buf.len as u64).sum();
         let spread = Spread::ramped(total);
+        // A batch too large for the cache to keep is written past it (`KeyedBatchItem::stream`).
+        let stream = total >= umbp_transfer::stream_threshold();
         let chunks = spread.cut(by_holder, |p: &Planned| p.buf.len as u64);
         let order: Vec<Vec<usize>> = (0..chunks.len()).map(|c| vec![c]).collect();
         let chunks = &chunks;
@@ -195,8 +197,10 @@ impl PoolClient {
             // The answers come back before the settle frame that ends the holder's leases is sent
             // (`get_shared_batch_then`): this call does not wait for that send.
             let got = offload_early(move |early| {
-                let batch: Vec<KeyedBatchItem<'_>> =
-                    items.iter().map(|(key, buf)| KeyedBatchItem { key, dst: buf.ptr, cap: buf.len, verify }).collect();
+                let batch: Vec<KeyedBatchItem<'_>> = items
+                    .iter()
+                    .map(|(key, buf)| KeyedBatchItem { key, dst: buf.ptr, cap: buf.len, verify, stream })
+                    .collect();
                 let mut early = Some(early);
                 let answered = |answers| {
                     if let Some(early) = early.take() {

@@ -441,6 +441,29 @@ impl SharedMapping {
         self.check_current()
     }
 
+    /// As [`read_at`](Self::read_at), with stores that stream past the cache (`stream`): for a
+    /// batch larger than the cache keeps, whose destination lines ordinary stores would each first
+    /// read from memory. `seen` runs over the region's bytes just copied, while the copy's loads
+    /// have left them in this core's cache, and before the epoch is checked again: bytes of a
+    /// region the holder deregistered meanwhile fail as stale, summed or not.
+    pub(crate) fn read_streamed_at(
+        &self,
+        offset: u64,
+        dst: &mut [u8],
+        seen: impl FnOnce(&[u8]),
+    ) -> Result<(), ShmError> {
+        let src = self.range(offset, dst.len())?;
+        self.check_current()?;
+        // SAFETY: as in `read_at`.
+        unsafe { stream::copy(dst.as_mut_ptr(), src, dst.len()) };
+        // SAFETY: inside the live mapping (`range`). The holder's read lease keeps these bytes
+        // unwritten while a reader holds it; a holder that broke that would make the sum disagree
+        // with the writer's (a reported corruption), and the epoch check below catches a region
+        // reused meanwhile.
+        seen(unsafe { std::slice::from_raw_parts(src, dst.len()) });
+        self.check_current()
+    }
+
     /// Copies `src` to `offset` of the region, with stores that stream past the cache (the holder
     /// does not read a value it stores; `stream`); [`ShmError::Stale`] when the region was not
     /// current before or after the copy (the write must then be treated as failed).

@@ -5,7 +5,9 @@
 //! memcpy would, instead of one thread per chunk: the chunk's exchange is paid once while every
 //! core copies. Each value is copied in blocks, and a value to check is summed block by block
 //! right after each block lands, while it is still in L2 (summing a whole 1 MiB value after its
-//! copy read it back from L3: ~20 % of the copy's time on the 16-core host).
+//! copy read it back from L3: ~20 % of the copy's time on the 16-core host). A batch too large for
+//! the cache ([`ValueCopy::streamed`]) is copied with streaming stores and summed from the
+//! holder's bytes instead, which the copy's loads left in the cache.
 //!
 //! A batch put's writes fan out the same way ([`write_values`]): one PUT_KEYS answers every slot
 //! of a chunk, then each value is written (streaming stores, `SharedMapping::write_at`) and summed
@@ -86,6 +88,10 @@ pub(crate) struct ValueCopy {
     pub(crate) dst: Dst,
     /// Sum the value (see [`Dst`] for which side).
     pub(crate) sum: bool,
+    /// Read mapped pieces with streaming stores ([`SharedMapping::read_streamed_at`]): the
+    /// destination is left in memory, not in the cache, so the sum is of the holder's bytes as
+    /// the copy read them (still in this core's cache), not of the landed ones.
+    pub(crate) streamed: bool,
 }
 
 // SAFETY: `dst` is caller memory that `copy_values_then`' contract makes valid and exclusive to this
@@ -265,7 +271,8 @@ fn write_value(v: &ValueWrite<'_>) -> Result<Option<u32>, ShmError> {
     Ok(sum.map(|s| s.finish()))
 }
 
-/// Copies one value block by block, summing each block after it lands when asked.
+/// Copies one value block by block, summing each block after it lands when asked; a streamed
+/// value's mapped pieces as [`ValueCopy::streamed`] says.
 ///
 /// # Safety
 /// As [`copy_values_then`], for this value.
@@ -283,6 +290,18 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
             // and ours alone (this function's contract).
             let block = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr().add(done), n) };
             match &piece.source {
+                Source::Mapping(mapping) if v.streamed => {
+                    let summed = |seen: &[u8]| {
+                        if let Some(sum) = &mut sum {
+                            sum.update(seen);
+                        }
+                    };
+                    if let Err(e) = mapping.read_streamed_at(piece.offset + done as u64, block, summed) {
+                        return Copied::Failed(e);
+                    }
+                    done += n;
+                    continue;
+                }
                 Source::Mapping(mapping) => {
                     if let Err(e) = mapping.read_at(piece.offset + done as u64, block) {
                         return Copied::Failed(e);
@@ -387,6 +406,66 @@ mod tests {
             assert!(landed == *v, "value {i} landed byte-exact");
         }
         assert!(matches!(written[4], Err(ShmError::Invalid(_))), "{:?}", written[4]);
+    }
+
+    /// A streamed read sums the holder's bytes as the copy read them, not the landed ones (out of
+    /// the cache after streaming stores): `seen` is handed the mapping's own range. A region gone
+    /// stale fails, summed or not.
+    #[test]
+    fn a_streamed_read_sums_the_holders_bytes_and_fails_when_stale() {
+        let (mapping, table) = region();
+        let value = value((1 << 20) + 77, 5);
+        mapping.write_at(4096, &value).expect("written");
+        let mut dst = vec![0u8; value.len()];
+        let mut seen_at = None;
+        let read = mapping.read_streamed_at(4096, &mut dst, |seen| seen_at = Some((seen.as_ptr(), seen.to_vec())));
+        assert!(read.is_ok(), "{read:?}");
+        assert!(dst == value, "landed byte-exact");
+        let (at, seen) = seen_at.expect("seen");
+        assert_eq!(at, mapping.as_ptr().as_ptr().wrapping_add(4096).cast_const(), "the holder's bytes");
+        assert!(seen == value);
+        table.store(0, 2);
+        let read = mapping.read_streamed_at(4096, &mut dst, |_| {});
+        assert!(matches!(read, Err(ShmError::Stale { region_id: 1, .. })), "{read:?}");
+    }
+
+    /// Streamed and plain copies of the same mapped values, fanned out, land the same bytes with
+    /// the same sums (the writer's), values of several blocks and of no whole number of them.
+    #[test]
+    fn streamed_and_plain_copies_land_the_same_bytes_and_sums() {
+        let (mapping, _table) = region();
+        let values: Vec<Vec<u8>> = (0..3).map(|i| value((2 << 20) + 1000 * i + 3, 20 + i as u8)).collect();
+        for (i, v) in values.iter().enumerate() {
+            mapping.write_at((i as u64) * (5 << 19), v).expect("written");
+        }
+        for streamed in [false, true] {
+            let mut dsts: Vec<Vec<u8>> = values.iter().map(|v| vec![0xEE; v.len()]).collect();
+            let copies: Vec<ValueCopy> = dsts
+                .iter_mut()
+                .enumerate()
+                .map(|(i, d)| ValueCopy {
+                    pieces: vec![Piece {
+                        source: Source::Mapping(Arc::clone(&mapping)),
+                        offset: (i as u64) * (5 << 19),
+                        len: d.len(),
+                    }],
+                    dst: Dst::Range(NonNull::new(d.as_mut_ptr()).expect("non-null")),
+                    sum: true,
+                    streamed,
+                })
+                .collect();
+            // SAFETY: each destination is its own vector, alive and unread until this returns.
+            let copied = unsafe { copy_values_then(&copies, |copied| copied) };
+            for (i, (c, v)) in copied.iter().zip(&values).enumerate() {
+                let expected = umbp_core::value_crc32c(v);
+                assert!(
+                    matches!(c, Copied::Done { size, crc32c: Some(s) } if *size == v.len() as u64 && *s == expected),
+                    "value {i}, streamed {streamed}: {c:?}"
+                );
+            }
+            drop(copies);
+            assert!(dsts == values, "streamed {streamed}: byte-exact");
+        }
     }
 
     /// A region deregistered (its epoch moved on) before the writes: every value fails as stale.

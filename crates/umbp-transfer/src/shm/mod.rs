@@ -47,7 +47,7 @@ pub use engine::{SharedMemoryConfig, SharedMemoryEngine};
 pub use identity::HostIdentity;
 pub(crate) use keyed::{Copier, SharedReads};
 pub use server::{ShmServer, ShmServerConfig};
-pub use stream::copy_streaming;
+pub use stream::{copy_streaming, stream_threshold};
 
 /// The longest abstract socket name (`sun_path` is 108 bytes, the first one the abstract marker).
 const MAX_SOCKET_NAME: usize = 107;

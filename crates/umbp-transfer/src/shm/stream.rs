@@ -1,4 +1,5 @@
-//! A copy whose stores stream past the cache (non-temporal stores), for same-host puts.
+//! A copy whose stores stream past the cache (non-temporal stores), for same-host puts and large
+//! same-host batch gets.
 //!
 //! A put writes into the holder's slots: memory this process never reads again and the holder
 //! does not read until a reader asks. Ordinary stores first read every destination line into the
@@ -8,9 +9,17 @@
 //! (`docs/benchmarks.md`, "Puts that stream past the cache"). The price: a value read right after
 //! its put is no longer in the cache (the bench's gets of just-put values read 0.88–0.92×).
 //!
-//! Gets do not stream: a reader sums the bytes that landed in its buffer while they are in L2,
-//! which a streamed copy would have sent past the cache; streaming the gets as well was not
-//! faster (1 MiB batch gets 0.78× in runs that streamed both).
+//! A batch get streams from [`stream_threshold`] bytes (a quarter of the last-level cache): a
+//! destination that large does not stay in the cache anyway, and ordinary stores would first read
+//! each of its lines from memory. Its values are then summed from the holder's bytes as the copy
+//! read them, not the landed ones. Measured on the 2-core VM (32 MiB L3, 64 MiB batches, five
+//! alternated pairs): batch gets of 1 MiB values 14.3 against 11.3 GB/s, of 64 KiB values 11.5
+//! against 10.0 (`docs/benchmarks.md`, "Large batch gets stream past the cache"). (An earlier
+//! trial on a VM whose 300 MiB L3 held a 64 MiB batch found no gain: below the threshold, as
+//! this rule now says.) Smaller batches keep ordinary stores, so a caller that reads its values
+//! right away finds them in the cache.
+
+use std::sync::OnceLock;
 
 /// Copies shorter than this use an ordinary copy: the stream's fence and its unaligned ends cost
 /// more than the read-for-ownership they save, and a small value is likely read again soon.
@@ -34,6 +43,46 @@ pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
     }
     // SAFETY: this function's contract.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+}
+
+/// The bytes from which a batch get's copies stream their stores past the cache (a
+/// [`KeyedBatchItem`](crate::KeyedBatchItem)'s `stream`): a quarter of the last-level cache, the
+/// size from which glibc's `memcpy` streams one copy (`x86_non_temporal_threshold`, a quarter of
+/// L3 since glibc 2.38). A destination that large would not stay in the cache anyway, and ordinary
+/// stores first read each of its lines from memory. Read once from sysfs.
+pub fn stream_threshold() -> u64 {
+    static THRESHOLD: OnceLock<u64> = OnceLock::new();
+    *THRESHOLD.get_or_init(|| last_level_cache_bytes() / 4)
+}
+
+/// The last-level cache's size as sysfs gives it for CPU 0 (the highest cache level listed), or
+/// [`ASSUMED_LLC`] where sysfs does not say.
+fn last_level_cache_bytes() -> u64 {
+    let mut best: Option<(u32, u64)> = None;
+    for index in 0..8 {
+        let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{index}");
+        let read = |name: &str| std::fs::read_to_string(format!("{dir}/{name}")).ok();
+        let (Some(level), Some(size)) = (read("level"), read("size")) else { continue };
+        let (Ok(level), Some(size)) = (level.trim().parse::<u32>(), cache_size(size.trim())) else { continue };
+        if best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, size));
+        }
+    }
+    best.map_or(ASSUMED_LLC, |(_, size)| size)
+}
+
+/// The last-level cache assumed where sysfs does not tell it.
+const ASSUMED_LLC: u64 = 32 << 20;
+
+/// A sysfs cache size: a count with an optional `K`, `M` or `G` suffix (`32768K`).
+fn cache_size(text: &str) -> Option<u64> {
+    let (digits, shift) = match text.as_bytes().last()? {
+        b'K' => (&text[..text.len() - 1], 10),
+        b'M' => (&text[..text.len() - 1], 20),
+        b'G' => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
 }
 
 /// The streaming copy between two slices: the copy a same-host put writes a holder's slot with,
@@ -175,6 +224,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Sysfs cache sizes read as bytes; anything else is not a size.
+    #[test]
+    fn cache_sizes_read_with_their_suffix() {
+        assert_eq!(cache_size("32768K"), Some(32 << 20));
+        assert_eq!(cache_size("2M"), Some(2 << 20));
+        assert_eq!(cache_size("1G"), Some(1 << 30));
+        assert_eq!(cache_size("4096"), Some(4096));
+        for bad in ["", "K", "12Q", "-1K", "1.5M"] {
+            assert_eq!(cache_size(bad), None, "{bad:?}");
+        }
+    }
+
+    /// A batch streams from a quarter of the largest cache level sysfs lists (or of the assumed
+    /// one), which is at least as large as its first level's.
+    #[test]
+    fn batches_stream_from_a_quarter_of_the_last_level_cache() {
+        let llc = last_level_cache_bytes();
+        assert_eq!(stream_threshold(), llc / 4);
+        let first = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index0/size")
+            .ok()
+            .and_then(|s| cache_size(s.trim()));
+        assert!(llc >= first.unwrap_or(0).max(1 << 20), "the last level: {llc} bytes");
     }
 
     /// The slice form copies exactly, short and streamed lengths alike.

@@ -32,6 +32,10 @@ pub struct KeyedBatchItem<'a> {
     /// while its bytes are still in the cache (a value put without one is not checked): a mismatch
     /// is [`KeyedGet::Corrupt`].
     pub verify: bool,
+    /// Write the destination with stores that stream past the cache: for a batch of at least
+    /// [`stream_threshold`](crate::stream_threshold) bytes, too large for the cache to keep (a
+    /// checked value is then summed from the holder's bytes as the copy read them).
+    pub stream: bool,
 }
 
 /// A GET_KEYS request [`KeyedClient::send_get_shared_batch`] sent, its answer still to be read by
@@ -555,7 +559,12 @@ impl KeyedClient {
                         Ok(pieces) => {
                             let check = item.verify && d.crc32c.is_some();
                             planned.push((i, d.lease_ns, d.crc32c, check));
-                            copies.push(ValueCopy { pieces, dst: Dst::Range(item.dst), sum: check });
+                            copies.push(ValueCopy {
+                                pieces,
+                                dst: Dst::Range(item.dst),
+                                sum: check,
+                                streamed: item.stream,
+                            });
                             None
                         }
                         Err(error) => {
