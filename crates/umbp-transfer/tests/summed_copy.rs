@@ -118,6 +118,41 @@ fn a_write_into_pages_lands_exactly_with_the_sum_of_its_source() {
     }
 }
 
+/// A transfer of at least the stream threshold streams its stores past the cache and sums the
+/// bytes it read: a read into one range and a write into scattered pages both land exactly, each
+/// value with its own sum, on one thread and spread over four.
+#[test]
+fn a_transfer_past_the_stream_threshold_lands_exactly_with_its_sums() {
+    const VALUE: usize = (1 << 20) + 3;
+    let n = usize::try_from(umbp_transfer::stream_threshold() / VALUE as u64).expect("fits") + 2;
+    let spread = LocalCopyConfig { threads: 4, parallel_threshold: 0, ..LocalCopyConfig::default() };
+    for engine in [LocalCopyEngine::default(), LocalCopyEngine::new(spread)] {
+        let (mut medium, mut out) = (Buf::pattern(n * VALUE, 11), Buf(vec![0; n * VALUE]));
+        let (m, d) = (medium.r(), out.r());
+        // Value t from the medium's t-th range into the destination's (n - 1 - t)-th.
+        let reads: Vec<TransferItem> =
+            (0..n).map(|t| item(&m, t * VALUE, &d, (n - 1 - t) * VALUE, VALUE, t as u64)).collect();
+        let summed = engine.transfer_summed(&reads, SumOf::Destination).expect("local host items are summed");
+        assert!(summed.failures.is_empty(), "{:?}", summed.failures);
+        for t in 0..n {
+            let value = &medium.0[t * VALUE..(t + 1) * VALUE];
+            assert!(out.0[(n - 1 - t) * VALUE..(n - t) * VALUE] == *value, "value {t} landed");
+            assert_eq!(summed.sums.get(&(t as u64)), Some(&value_crc32c(value)), "value {t}'s sum");
+        }
+        // And back, into the medium cleared, summing what it read.
+        medium.0.fill(0);
+        let writes: Vec<TransferItem> =
+            (0..n).map(|t| item(&d, (n - 1 - t) * VALUE, &m, t * VALUE, VALUE, t as u64)).collect();
+        let summed = engine.transfer_summed(&writes, SumOf::Source).expect("local host items are summed");
+        assert!(summed.failures.is_empty(), "{:?}", summed.failures);
+        for t in 0..n {
+            let value = &out.0[(n - 1 - t) * VALUE..(n - t) * VALUE];
+            assert!(medium.0[t * VALUE..(t + 1) * VALUE] == *value, "value {t} written back");
+            assert_eq!(summed.sums.get(&(t as u64)), Some(&value_crc32c(value)), "value {t}'s sum");
+        }
+    }
+}
+
 #[test]
 fn what_submit_would_copy_otherwise_is_declined_before_a_byte_moves() {
     let engine = LocalCopyEngine::default();

@@ -283,6 +283,7 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
         let Some(dst) = v.piece_dst(k, at) else {
             return Copied::Failed(ShmError::Invalid(format!("no destination for piece {k}")));
         };
+        let sums_source = v.streamed || matches!(v.dst, Dst::Each(_));
         let mut done = 0usize;
         while done < piece.len {
             let n = (piece.len - done).min(BLOCK);
@@ -311,18 +312,21 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
                     // SAFETY: `offset + done + n <= offset + len`, inside the checked local range
                     // (`copy_values_then`' contract), which does not overlap `dst`.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.as_ptr().add(piece.offset as usize + done),
-                            block.as_mut_ptr(),
-                            n,
-                        )
+                        let from = src.as_ptr().add(piece.offset as usize + done);
+                        if v.streamed {
+                            super::stream::copy(block.as_mut_ptr(), from, n);
+                        } else {
+                            std::ptr::copy_nonoverlapping(from, block.as_mut_ptr(), n);
+                        }
                     };
                 }
             }
             if let Some(sum) = &mut sum {
-                match (&v.dst, &piece.source) {
-                    // SAFETY: as the copy above: inside the checked local range, read only.
-                    (Dst::Each(_), Source::Local(src)) => sum.update(unsafe {
+                match &piece.source {
+                    // The bytes read, when they were written to a medium or the landed ones
+                    // streamed past the cache. SAFETY: as the copy above: inside the checked local
+                    // range, read only.
+                    Source::Local(src) if sums_source => sum.update(unsafe {
                         std::slice::from_raw_parts(src.as_ptr().add(piece.offset as usize + done), n)
                     }),
                     _ => sum.update(block),

@@ -33,7 +33,7 @@ pub(crate) mod fanout;
 mod identity;
 mod keyed;
 mod server;
-mod stream;
+pub(crate) mod stream;
 pub(crate) mod wire;
 
 use std::io;

@@ -1,5 +1,5 @@
 //! A copy whose stores stream past the cache (non-temporal stores), for same-host puts and large
-//! same-host batch gets.
+//! same-host batch gets (and large in-process copies, `local.rs`).
 //!
 //! A put writes into the holder's slots: memory this process never reads again and the holder
 //! does not read until a reader asks. Ordinary stores first read every destination line into the
