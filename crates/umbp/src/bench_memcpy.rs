@@ -61,15 +61,7 @@ pub async fn quiet_memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usi
 /// [`memcpy_threads`] threads, timed; the best copy. Call it on a quiet process (right after
 /// [`quiet_memcpy_gbps`]).
 pub fn memcpy_from_memory_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], staged: &mut [Vec<u8>], bytes: usize) -> f64 {
-    let threads = memcpy_threads();
-    (0..TRIES)
-        .map(|_| {
-            for (s, d) in staged.iter_mut().zip(data) {
-                umbp_transfer::copy_streaming(s, d);
-            }
-            memcpy_gbps(out, staged, bytes, threads)
-        })
-        .fold(0.0, f64::max)
+    from_memory_gbps(out, data, staged, bytes, <[u8]>::copy_from_slice)
 }
 
 /// One source-in-memory baseline sample of the streamed copy: as [`memcpy_from_memory_gbps`], with
@@ -77,13 +69,25 @@ pub fn memcpy_from_memory_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], staged: &m
 /// same-host batch get larger than a quarter of the last-level cache makes — the best of
 /// [`TRIES`].
 pub fn streamed_from_memory_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], staged: &mut [Vec<u8>], bytes: usize) -> f64 {
+    from_memory_gbps(out, data, staged, bytes, umbp_transfer::copy_streaming)
+}
+
+/// [`TRIES`] times: `data` streamed into `staged`, then `staged` copied into `out` with `each` on
+/// [`memcpy_threads`] threads, timed; the best copy, GB/s.
+fn from_memory_gbps(
+    out: &mut [Vec<u8>],
+    data: &[Vec<u8>],
+    staged: &mut [Vec<u8>],
+    bytes: usize,
+    each: fn(&mut [u8], &[u8]),
+) -> f64 {
     let threads = memcpy_threads();
     (0..TRIES)
         .map(|_| {
             for (s, d) in staged.iter_mut().zip(data) {
                 umbp_transfer::copy_streaming(s, d);
             }
-            copy_gbps(out, staged, bytes, threads, umbp_transfer::copy_streaming)
+            copy_gbps(out, staged, bytes, threads, each)
         })
         .fold(0.0, f64::max)
 }
