@@ -45,8 +45,9 @@ pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
 }
 
-/// The bytes from which a batch get's copies stream their stores past the cache (a
-/// [`KeyedBatchItem`](crate::KeyedBatchItem)'s `stream`): a quarter of the last-level cache, the
+/// The bytes from which a batch's copies stream their stores past the cache (a same-host get's,
+/// through a [`KeyedBatchItem`](crate::KeyedBatchItem)'s `stream`, and the in-process copy's
+/// transfers, [`LocalCopyEngine`](crate::LocalCopyEngine)): a quarter of the last-level cache, the
 /// size from which glibc's `memcpy` streams one copy (`x86_non_temporal_threshold`, a quarter of
 /// L3 since glibc 2.38). A destination that large would not stay in the cache anyway, and ordinary
 /// stores first read each of its lines from memory. Read once from sysfs.
