@@ -290,47 +290,49 @@ unsafe fn copy_value(v: &ValueCopy) -> Copied {
             // SAFETY: `done + n` is at most the piece's length, for which its destination is valid
             // and ours alone (this function's contract).
             let block = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr().add(done), n) };
-            match &piece.source {
+            // Whether the arm summed the block already: the bytes read, when the copy streamed
+            // past the cache or wrote a medium; else the landed block is summed below.
+            let summed = match &piece.source {
                 Source::Mapping(mapping) if v.streamed => {
-                    let summed = |seen: &[u8]| {
+                    let seen = |seen: &[u8]| {
                         if let Some(sum) = &mut sum {
                             sum.update(seen);
                         }
                     };
-                    if let Err(e) = mapping.read_streamed_at(piece.offset + done as u64, block, summed) {
+                    if let Err(e) = mapping.read_streamed_at(piece.offset + done as u64, block, seen) {
                         return Copied::Failed(e);
                     }
-                    done += n;
-                    continue;
+                    true
                 }
                 Source::Mapping(mapping) => {
                     if let Err(e) = mapping.read_at(piece.offset + done as u64, block) {
                         return Copied::Failed(e);
                     }
+                    false
                 }
                 Source::Local(src) => {
                     // SAFETY: `offset + done + n <= offset + len`, inside the checked local range
-                    // (`copy_values_then`' contract), which does not overlap `dst`.
-                    unsafe {
-                        let from = src.as_ptr().add(piece.offset as usize + done);
-                        if v.streamed {
-                            super::stream::copy(block.as_mut_ptr(), from, n);
-                        } else {
-                            std::ptr::copy_nonoverlapping(from, block.as_mut_ptr(), n);
+                    // (`copy_values_then`' contract), which does not overlap `dst`; read only.
+                    let from = unsafe { std::slice::from_raw_parts(src.as_ptr().add(piece.offset as usize + done), n) };
+                    if v.streamed {
+                        // SAFETY: as above.
+                        unsafe { super::stream::copy(block.as_mut_ptr(), from.as_ptr(), n) };
+                    } else {
+                        block.copy_from_slice(from);
+                    }
+                    match &mut sum {
+                        Some(sum) if sums_source => {
+                            sum.update(from);
+                            true
                         }
-                    };
+                        _ => false,
+                    }
                 }
-            }
-            if let Some(sum) = &mut sum {
-                match &piece.source {
-                    // The bytes read, when they were written to a medium or the landed ones
-                    // streamed past the cache. SAFETY: as the copy above: inside the checked local
-                    // range, read only.
-                    Source::Local(src) if sums_source => sum.update(unsafe {
-                        std::slice::from_raw_parts(src.as_ptr().add(piece.offset as usize + done), n)
-                    }),
-                    _ => sum.update(block),
-                }
+            };
+            if let Some(sum) = &mut sum
+                && !summed
+            {
+                sum.update(block);
             }
             done += n;
         }
