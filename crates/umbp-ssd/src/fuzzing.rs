@@ -47,7 +47,7 @@ pub fn record(data: &[u8]) {
     }
 }
 
-/// Record blocks for [`record`], made by the encoder: a value, a value with the writer's
+/// Record blocks for `record`, made by the encoder: a value, a value with the writer's
 /// checksum, a tombstone, a key that takes two header blocks.
 pub fn record_seeds() -> Vec<Vec<u8>> {
     let one = |key: &str, value: &[u8], seq: u64, flags: u16| {

@@ -47,7 +47,7 @@ impl Default for LocalCopyConfig {
 /// adjacent on both sides, and for large batches a copy spread over several threads so one call can
 /// use every core. Copies finish inside `submit`.
 ///
-/// The threads are the engine's own, started at its first large submit and kept ([`CopyPool`]), so
+/// The threads are the engine's own, started at its first large submit and kept (`CopyPool`), so
 /// concurrent submits (a batch's pipelined chunks) share `threads` copy threads instead of each
 /// spawning and joining its own set (six chunks in flight started 42 threads on 16 cores). Measured
 /// on the 16-core H200 host, the batch rows of `umbp bench` read the same either way

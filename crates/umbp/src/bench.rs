@@ -21,7 +21,7 @@
 //!   the TCP path's figure of the same round,
 //!   the bench failing if the TCP engine moved any of these bytes;
 //! - the p50 / p99 latency of a single 64 KiB remote get and of a single 64 KiB remote put, each on
-//!   both client paths in the same run ([`measure_latency`]: the default keyed path, one exchange
+//!   both client paths in the same run (`measure_latency`: the default keyed path, one exchange
 //!   with the holder's data server, and the routed path of a client with `keyed_requests = false`,
 //!   in alternating blocks), and of `umbp get` of the value as a process beside `umbp --version`
 //!   ([`bench_cli`](crate::bench_cli)).

@@ -442,7 +442,7 @@ impl fmt::Display for Breakdown {
 /// written; then `calls` single gets of those keys by the client that put them. Each kind runs in
 /// [`LATENCY_BLOCKS`](crate::bench::LATENCY_BLOCKS) blocks alternating the paths, each block recorded
 /// by the phase layer of this thread's dispatcher (the bench must run under
-/// [`on_recording_runtime`]), after [`WARM_UP`] unrecorded calls per path. The keys are removed
+/// [`on_recording_runtime`]), after `WARM_UP` unrecorded calls per path. The keys are removed
 /// afterwards. Returns (keyed, routed).
 pub async fn measure(
     keyed: &PoolClient,

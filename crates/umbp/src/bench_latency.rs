@@ -1,6 +1,6 @@
 //! The single-call probes of `umbp bench`: the p50 / p99 latency of single 64 KiB remote gets and
 //! puts on both client paths (keyed and routed) and of single 1 MiB same-host gets and puts through
-//! shared memory beside TCP, each pair measured in alternating blocks ([`probe_pair`]).
+//! shared memory beside TCP, each pair measured in alternating blocks (`probe_pair`).
 
 use std::fmt;
 use std::time::Instant;

@@ -43,9 +43,9 @@ pub fn memcpy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
-/// One in-cache baseline sample on a quiet process: waits [`SETTLE`] for the cell's background work
+/// One in-cache baseline sample on a quiet process: waits `SETTLE` for the cell's background work
 /// to drain, copies once untimed (faults in and warms both sides), then returns the best of
-/// [`TRIES`] timed copies. Second: the old, unsettled sample (one thread, timed at once, before the
+/// `TRIES` timed copies. Second: the old, unsettled sample (one thread, timed at once, before the
 /// settle), kept to show the disturbance.
 pub async fn quiet_memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> (f64, f64) {
     let unsettled = memcpy_gbps(out, data, bytes, 1);
@@ -56,7 +56,7 @@ pub async fn quiet_memcpy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usi
     (best, unsettled)
 }
 
-/// One source-in-memory baseline sample: [`TRIES`] times, `data` is streamed into `staged` (which
+/// One source-in-memory baseline sample: `TRIES` times, `data` is streamed into `staged` (which
 /// leaves `staged` in memory, out of the caches) and `staged` is copied into `out` on
 /// [`memcpy_threads`] threads, timed; the best copy. Call it on a quiet process (right after
 /// [`quiet_memcpy_gbps`]).
@@ -67,7 +67,7 @@ pub fn memcpy_from_memory_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], staged: &m
 /// One source-in-memory baseline sample of the streamed copy: as [`memcpy_from_memory_gbps`], with
 /// the copy into `out` made with streaming stores (`umbp_transfer::copy_streaming`) — the copy a
 /// same-host batch get larger than a quarter of the last-level cache makes — the best of
-/// [`TRIES`].
+/// `TRIES`.
 pub fn streamed_from_memory_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], staged: &mut [Vec<u8>], bytes: usize) -> f64 {
     from_memory_gbps(out, data, staged, bytes, umbp_transfer::copy_streaming)
 }
@@ -93,7 +93,7 @@ fn from_memory_gbps(
 }
 
 /// One streamed-copy baseline sample: `data` copied into `out` with streaming stores on
-/// [`memcpy_threads`] threads, [`TRIES`] times timed after one untimed copy; the best. Call it on a
+/// [`memcpy_threads`] threads, `TRIES` times timed after one untimed copy; the best. Call it on a
 /// quiet process (right after [`quiet_memcpy_gbps`]: `data` is in the cache, as a put's source).
 pub fn streamed_copy_gbps(out: &mut [Vec<u8>], data: &[Vec<u8>], bytes: usize) -> f64 {
     let threads = memcpy_threads();

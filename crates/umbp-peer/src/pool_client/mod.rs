@@ -127,7 +127,7 @@ const METRICS_IDLE: Duration = Duration::from_secs(30);
 /// Capacity of the re-cache queue; new jobs are dropped when it is full.
 const RECACHE_QUEUE: usize = 1024;
 /// How often the shared-memory mappings of dead or deregistered holders' regions are dropped
-/// (see [`ShmSweeper`]).
+/// (see `ShmSweeper`).
 pub const SHM_SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// The background task that unmaps same-host holders' memory once it is no longer theirs to share.

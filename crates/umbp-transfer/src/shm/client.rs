@@ -23,7 +23,7 @@ pub struct ShmClientConfig {
     pub token: Vec<u8>,
     /// The timeout of each socket call. Default: 5 s.
     pub io_timeout: Duration,
-    /// Fill each new mapping's page tables on a background thread ([`populate_in_background`]), so
+    /// Fill each new mapping's page tables on a background thread (`populate_in_background`), so
     /// copies do not fault page by page. Default: on.
     pub populate: bool,
 }
