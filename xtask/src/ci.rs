@@ -18,6 +18,9 @@ pub enum Step {
     Fmt,
     /// `cargo clippy --workspace --all-targets -- -D warnings`.
     Clippy,
+    /// `cargo doc --workspace --no-deps` with `RUSTDOCFLAGS=-D warnings`: a broken or private
+    /// intra-doc link fails here rather than rotting in the published docs.
+    Doc,
     /// The layering check ([`crate::layering`]).
     Layering,
     /// Commit subjects since the rule was adopted are `area: summary`, at most 72 characters
@@ -39,9 +42,10 @@ pub enum Step {
 
 impl Step {
     /// Every step, in order.
-    pub const ALL: [Step; 9] = [
+    pub const ALL: [Step; 10] = [
         Step::Fmt,
         Step::Clippy,
+        Step::Doc,
         Step::Layering,
         Step::History,
         Step::Deny,
@@ -56,6 +60,7 @@ impl Step {
         match self {
             Step::Fmt => "fmt",
             Step::Clippy => "clippy",
+            Step::Doc => "doc",
             Step::Layering => "layering",
             Step::History => "history",
             Step::Deny => "deny",
@@ -71,6 +76,7 @@ impl Step {
         match self {
             Step::Fmt => "formatting (cargo fmt --all -- --check)",
             Step::Clippy => "lints (cargo clippy --workspace --all-targets -- -D warnings)",
+            Step::Doc => "docs build without warnings (RUSTDOCFLAGS=-D warnings cargo doc --workspace --no-deps)",
             Step::Layering => "no backend crate depends on transfer/peer/master/proto, tonic or tokio",
             Step::History => "commit subjects are `area: summary`, at most 72 characters (git log)",
             Step::Deny => "dependency bans, licenses and sources (cargo deny check bans licenses sources)",
@@ -167,6 +173,12 @@ fn run_step(step: Step, root: &Path) -> anyhow::Result<StepResult> {
     match step {
         Step::Fmt => run_cargo(root, &["fmt", "--all", "--", "--check"])?,
         Step::Clippy => run_cargo(root, &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?,
+        Step::Doc => {
+            // Appended to what the caller set, so a local `RUSTDOCFLAGS` still applies.
+            let mut flags = std::env::var("RUSTDOCFLAGS").unwrap_or_default();
+            flags.push_str(" -D warnings");
+            run_cargo_env(root, &["doc", "--workspace", "--no-deps"], &[("RUSTDOCFLAGS", flags.trim().to_owned())])?
+        }
         Step::Layering => {
             let outcome = layering::check_workspace(Some(&root.join("Cargo.toml")))?;
             println!("{outcome}");

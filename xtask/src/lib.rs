@@ -1,8 +1,8 @@
 //! Developer tasks for umbp-rs, run as `cargo xtask <task>` (the alias lives in `.cargo/config.toml`).
 //!
-//! - `cargo xtask ci` — the one test command: fmt, clippy `-D warnings`, the layering check, the
-//!   commit-subject rule ([`history`]), cargo-deny, the tests, the Python suite, bench compilation and
-//!   packaging, in that order, stopping at the first failure.
+//! - `cargo xtask ci` — the one test command: fmt, clippy `-D warnings`, rustdoc `-D warnings`, the
+//!   layering check, the commit-subject rule ([`history`]), cargo-deny, the tests, the Python suite,
+//!   bench compilation and packaging, in that order, stopping at the first failure.
 //! - `cargo xtask layering` — only the layering check ([`layering`]).
 //! - `cargo xtask bench [ARGS]` — `cargo bench --workspace --bench '*' [ARGS]`: every bench target.
 //! - `cargo xtask bench-python [ARGS]` — `python/bench/run.sh [ARGS]`: the Python package beside the
