@@ -10,8 +10,9 @@ use umbp_transfer::shm::{ShmClient, ShmClientConfig, ShmServer, ShmServerConfig}
 
 const LEN: u64 = 64 << 20;
 
-/// The resident size (kB) of the mapping of this process that contains `addr`, from /proc/self/smaps.
-fn rss_kb(addr: usize) -> u64 {
+/// The value of `field` (`"Rss:"`, `"VmFlags:"`) of the mapping of this process that contains
+/// `addr`, from /proc/self/smaps.
+fn smaps_field(addr: usize, field: &str) -> String {
     let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
     let mut inside = false;
     for line in smaps.lines() {
@@ -22,11 +23,16 @@ fn rss_kb(addr: usize) -> u64 {
             inside = lo <= addr && addr < hi;
             continue;
         }
-        if inside && let Some(kb) = line.strip_prefix("Rss:") {
-            return kb.trim().trim_end_matches("kB").trim().parse().expect("Rss kB");
+        if inside && let Some(value) = line.strip_prefix(field) {
+            return value.trim().to_owned();
         }
     }
-    panic!("no mapping holds {addr:#x}");
+    panic!("no mapping holds {addr:#x} with a {field} line");
+}
+
+/// The resident size (kB) of the mapping that contains `addr`.
+fn rss_kb(addr: usize) -> u64 {
+    smaps_field(addr, "Rss:").trim_end_matches("kB").trim().parse().expect("Rss kB")
 }
 
 fn serve(test: &str) -> (ShmServer, String) {
@@ -37,6 +43,18 @@ fn serve(test: &str) -> (ShmServer, String) {
     let server = ShmServer::start(ShmServerConfig::new(endpoint.clone(), "t")).expect("server");
     server.register(1, fd.as_fd(), 0, LEN).expect("region");
     (server, endpoint)
+}
+
+/// A reader's mapping asks for transparent huge pages (`MADV_HUGEPAGE`, shown as `hg` among the
+/// mapping's flags) like the holder's own, so a host with shmem THP on `advise` maps the holder's
+/// 2 MiB pages whole on the reader's side too.
+#[test]
+fn a_new_mapping_is_advised_huge_pages() {
+    let (_server, endpoint) = serve("huge");
+    let client = ShmClient::new(ShmClientConfig { populate: false, ..ShmClientConfig::new("t") });
+    let mapping = client.region(&endpoint, 1).expect("mapped");
+    let flags = smaps_field(mapping.as_ptr().as_ptr() as usize, "VmFlags:");
+    assert!(flags.split_whitespace().any(|f| f == "hg"), "VmFlags: {flags}");
 }
 
 #[test]

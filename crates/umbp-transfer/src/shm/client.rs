@@ -388,6 +388,15 @@ impl SharedMapping {
             )
         }?;
         let map_base = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        // The holder advises its own mapping the same way. Where the host lets shared memory have
+        // huge pages only when asked (`shmem_enabled` = `advise`), a reader's mapping without the
+        // advice maps the holder's 2 MiB pages with 4 KiB entries: 512 times the TLB misses and
+        // page-table entries of a PMD mapping for the same bytes. Elsewhere the advice changes
+        // nothing; a refusal (a kernel without THP) leaves 4 KiB pages, which work.
+        // SAFETY: the range is the mapping just made; advice changes no byte of it.
+        if let Err(e) = unsafe { rustix::mm::madvise(ptr, map_len, Advice::LinuxHugepage) } {
+            tracing::debug!(peer, region = region_id, error = %e, "madvise(MADV_HUGEPAGE) of a shared mapping failed");
+        }
         Ok(Self { peer: peer.to_owned(), region_id, map_base, map_len, delta: delta as usize, len, epoch, slot, table })
     }
 
