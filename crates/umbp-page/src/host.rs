@@ -104,6 +104,8 @@ struct State {
     warned_hugetlb_fallback: bool,
     /// A failed NUMA bind has been logged.
     warned_numa_bind: bool,
+    /// That shareable buffers get no transparent huge pages on this host has been logged.
+    noted_shmem_thp: bool,
 }
 
 /// How a buffer is populated: `madvise(MADV_POPULATE_WRITE)` outside tests.
@@ -152,6 +154,13 @@ impl HostPageMemorySource {
     #[cfg(test)]
     pub(crate) fn warned_hugetlb_fallback(&self) -> bool {
         self.state.lock().warned_hugetlb_fallback
+    }
+
+    /// Whether the shmem THP mode has been looked at (once, for the first shareable buffer advised
+    /// huge pages).
+    #[cfg(test)]
+    pub(crate) fn noted_shmem_thp(&self) -> bool {
+        self.state.lock().noted_shmem_thp
     }
 
     /// Whether the failed-bind warning has been emitted.
@@ -221,6 +230,10 @@ impl HostPageMemorySource {
                     source,
                 })?;
                 if self.options.use_hugepages || self.options.transparent_hugepages {
+                    if file.is_some() && !state.noted_shmem_thp {
+                        state.noted_shmem_thp = true;
+                        note_shmem_thp();
+                    }
                     // Best effort: THP may be disabled ("never"), which is not an error for us.
                     // SAFETY: `buffer` is a live mapping of exactly `len()` bytes owned by this call.
                     let advised =
@@ -490,6 +503,25 @@ fn touch_pages(buffer: &RawBuffer, stride: u64) {
         // SAFETY: `offset < len`, inside our live read-write mapping; nobody else has the buffer yet,
         // and writing zero keeps the contents of fresh anonymous memory unchanged.
         unsafe { base.add(offset).write_volatile(0) };
+    }
+}
+
+/// Tells the operator, once per source, when a shareable buffer's huge-page advice will count for
+/// nothing: the host keeps shared memory on 4 KiB pages (`shmem_enabled` `never` or `deny`), so the
+/// medium and every same-host reader's mapping of it take 4 KiB page faults and ~2 MiB of page
+/// tables per GiB mapped, per process. On the 2-core VM, same-host batch copies read ~1.05 of
+/// memcpy from memory under `advise` against 0.84–0.92 under `never` (separate runs;
+/// docs/benchmarks.md, "Shared memory with huge pages").
+fn note_shmem_thp() {
+    if let Some(mode) = crate::shared::shmem_thp_mode()
+        && crate::shared::shmem_thp_refused(&mode)
+    {
+        tracing::info!(
+            source = NAME,
+            shmem_enabled = %mode,
+            "shared memory gets 4 KiB pages on this host; for 2 MiB pages on the same-host path, \
+             set /sys/kernel/mm/transparent_hugepage/shmem_enabled to advise (as root)"
+        );
     }
 }
 

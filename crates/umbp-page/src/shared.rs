@@ -56,6 +56,26 @@ pub(crate) fn map_memfd(len: u64, hugepage_size: Option<u64>) -> io::Result<(Raw
     Ok((buffer, fd))
 }
 
+/// Where the host says whether shared memory (a `memfd` among it) may get transparent huge pages.
+const SHMEM_THP: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+/// The host's shmem THP mode (`always`, `within_size`, `advise`, `never`, `deny`, `force`), or
+/// `None` where the file is missing (a kernel without THP) or unreadable.
+pub(crate) fn shmem_thp_mode() -> Option<String> {
+    selected_mode(&std::fs::read_to_string(SHMEM_THP).ok()?).map(str::to_owned)
+}
+
+/// The bracketed choice of a sysfs mode list: `advise` in `always within_size [advise] never`.
+fn selected_mode(list: &str) -> Option<&str> {
+    list.split_whitespace().find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))
+}
+
+/// Whether a shareable buffer advised `MADV_HUGEPAGE` still gets only 4 KiB pages on a host whose
+/// shmem THP mode is `mode`: the advice counts for shared memory only under `advise` and above.
+pub(crate) fn shmem_thp_refused(mode: &str) -> bool {
+    matches!(mode, "never" | "deny")
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::fd::AsRawFd;
@@ -82,6 +102,19 @@ mod tests {
     fn unmap_raw(ptr: *mut u8, len: usize) {
         // SAFETY: a mapping made by `map_again` of `len` bytes, unmapped once.
         unsafe { rustix::mm::munmap(ptr.cast(), len) }.expect("munmap");
+    }
+
+    #[test]
+    fn the_shmem_thp_mode_is_the_bracketed_word() {
+        assert_eq!(selected_mode("always within_size advise [never] deny force\n"), Some("never"));
+        assert_eq!(selected_mode("[advise] never"), Some("advise"));
+        assert_eq!(selected_mode("always never"), None);
+        assert!(shmem_thp_refused("never") && shmem_thp_refused("deny"));
+        assert!(!shmem_thp_refused("advise") && !shmem_thp_refused("within_size") && !shmem_thp_refused("force"));
+        // This host's own file parses, where it exists.
+        if std::path::Path::new(SHMEM_THP).exists() {
+            assert!(shmem_thp_mode().is_some(), "{SHMEM_THP} read but no mode found");
+        }
     }
 
     #[test]
@@ -161,6 +194,23 @@ mod tests {
         let rc = unsafe { libc::mincore(l.base().as_ptr().cast(), l.len() as usize, residency.as_mut_ptr()) };
         assert_eq!(rc, 0);
         assert!(residency.iter().all(|r| r & 1 == 0), "nothing faulted in without prefault");
+    }
+
+    #[test]
+    fn the_shmem_thp_mode_is_looked_at_for_advised_shareable_memory_only() {
+        let s = shareable(HostMemoryOptions::default());
+        s.allocate(&[4096]).expect("allocate");
+        assert!(s.noted_shmem_thp(), "a shareable buffer advised huge pages checks the host's mode");
+        let private = HostPageMemorySource::new(HostMemoryOptions::default());
+        private.allocate(&[4096]).expect("allocate");
+        assert!(!private.noted_shmem_thp(), "private memory's advice does not depend on shmem THP");
+        let unadvised = shareable(HostMemoryOptions {
+            transparent_hugepages: false,
+            use_hugepages: false,
+            ..HostMemoryOptions::default()
+        });
+        unadvised.allocate(&[4096]).expect("allocate");
+        assert!(!unadvised.noted_shmem_thp(), "no advice, nothing to say about it");
     }
 
     #[test]

@@ -542,8 +542,9 @@ pub struct NodeArgs {
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
     /// Same-host peers (of this user, with the cluster token) read and write a dram node's memory
-    /// through shared mappings instead of TCP, and this node theirs [env: UMBP_SHARED_MEMORY]
-    /// [default: true]
+    /// through shared mappings instead of TCP, and this node theirs. Huge pages for that memory need
+    /// the host's /sys/kernel/mm/transparent_hugepage/shmem_enabled at advise (often never; the
+    /// node logs it) [env: UMBP_SHARED_MEMORY] [default: true]
     #[arg(long, value_name = "BOOL")]
     pub shared_memory: Option<bool>,
     /// Put a CRC-32C with every value and check every read against it: a value whose bytes changed
