@@ -63,6 +63,7 @@ CONFIGURATION
     bounce = \"64MiB\"                    # staging for caller memory that is not registered
     metrics_addr = \"127.0.0.1:9092\"   # serve Prometheus /metrics here (default: none)
     shared_memory = true                # same-host peers copy through mappings of the memory
+    shared_memory_group = \"umbp\"        # also admit that group's processes (default: this user only)
     checksums = true                    # a CRC-32C with every value, checked on every read
 
     [node.dram]
@@ -541,12 +542,18 @@ pub struct NodeArgs {
     /// free one [env: UMBP_NODE_METRICS_ADDR] [default: none, no endpoint]
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
-    /// Same-host peers (of this user, with the cluster token) read and write a dram node's memory
-    /// through shared mappings instead of TCP, and this node theirs. Huge pages for that memory need
-    /// the host's /sys/kernel/mm/transparent_hugepage/shmem_enabled at advise (often never; the
-    /// node logs it) [env: UMBP_SHARED_MEMORY] [default: true]
+    /// Same-host peers (of this user or --shared-memory-group, with the cluster token) read and
+    /// write a dram node's memory through shared mappings instead of TCP, and this node theirs.
+    /// Huge pages for that memory need the host's /sys/kernel/mm/transparent_hugepage/shmem_enabled
+    /// at advise (often never; the node logs it) [env: UMBP_SHARED_MEMORY] [default: true]
     #[arg(long, value_name = "BOOL")]
     pub shared_memory: Option<bool>,
+    /// Also admit same-host processes whose effective group is GROUP (a name or a gid) to this
+    /// node's memory through the shared path: they may then read and write every value in it, as
+    /// this node's own user can. They still need the cluster token. For ranks run as different
+    /// users of one group [env: UMBP_SHARED_MEMORY_GROUP] [default: none, this user only]
+    #[arg(long, value_name = "GROUP")]
+    pub shared_memory_group: Option<String>,
     /// Put a CRC-32C with every value and check every read against it: a value whose bytes changed
     /// in a holder's memory, on its drive or on the wire is discarded (a miss, counted in
     /// umbp_client_checksum_failures_total), never returned [env: UMBP_CHECKSUMS] [default: true]

@@ -3,7 +3,8 @@
 //! The holder's shared-memory server checks the connecting process's credentials (`SO_PEERCRED`)
 //! before anything else and refuses it; the get still returns the value, over TCP. The same get
 //! as root is served through the mapping and refused nothing — the control that makes the refusal
-//! line the other user's.
+//! line the other user's. A holder started with `--shared-memory-group` of nobody's group admits
+//! nobody's get, which then copies through the mapping (the holder answers it `mapped`).
 //!
 //! (A client with a wrong cluster token never gets that far through a node: the master refuses it
 //! first. The server's own token check is covered by `umbp-transfer`'s `shm_engine.rs`.)
@@ -11,6 +12,8 @@
 //! Needs root to run a process as another user. Without it the test prints why and passes, unless
 //! `UMBP_REQUIRE_ROOT=1` (set by `cargo xtask ci` where it runs as root) makes that a failure.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,6 +26,9 @@ use cli_support::{Proc, TempDir, UMBP, command, field, value};
 
 const REFUSAL: &str = "shm peer refused: another user";
 
+/// `nobody`'s uid and gid (`setpriv --reuid --regid`), and the group a holder admits in the second test.
+const NOBODY: &str = "65534";
+
 /// Runs `prefix… umbp ARGS` to completion (at most 30 s); (exit code, stdout, stderr).
 fn run(mut cmd: Command) -> (Option<i32>, Vec<u8>, String) {
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).current_dir("/");
@@ -33,16 +39,31 @@ fn run(mut cmd: Command) -> (Option<i32>, Vec<u8>, String) {
     (out.status.code(), out.stdout, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_get_by_another_user_is_refused_the_mapping_and_served_over_tcp() {
+/// Whether this process may run another as `nobody`; prints why not (or fails under
+/// `UMBP_REQUIRE_ROOT=1`).
+fn may_switch_user() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        assert!(std::env::var("UMBP_REQUIRE_ROOT").map_or(true, |v| v != "1"), "UMBP_REQUIRE_ROOT=1 but not root");
-        eprintln!("SKIPPED: running a process as another user needs root");
-        return;
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
     }
-    let dir = TempDir::new("shm-refused");
-    // A copy of the binary every user may run, whatever the checkout's permissions.
+    assert!(std::env::var("UMBP_REQUIRE_ROOT").map_or(true, |v| v != "1"), "UMBP_REQUIRE_ROOT=1 but not root");
+    eprintln!("SKIPPED: running a process as another user needs root");
+    false
+}
+
+/// A master, one root holder node (`extra` flags added, its metrics served) holding `key`, and a
+/// copy of the binary every user may run.
+struct Cluster {
+    dir: TempDir,
+    master: Proc,
+    node: Proc,
+    address: String,
+    metrics: String,
+    exe: std::path::PathBuf,
+}
+
+async fn cluster(name: &str, extra: &[&str], key: &str, expected: &[u8]) -> Cluster {
+    let dir = TempDir::new(name);
     std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755)).expect("chmod dir");
     let exe = dir.0.join("umbp");
     std::fs::copy(UMBP, &exe).expect("copy umbp");
@@ -51,7 +72,7 @@ async fn a_get_by_another_user_is_refused_the_mapping_and_served_over_tcp() {
     let (master, line) = Proc::try_start(&dir.0, "master", &["master", "--listen", "127.0.0.1:0"], &[], "master")
         .unwrap_or_else(|e| panic!("{e}"));
     let address = field(&line, "listen").to_owned();
-    let node_args = [
+    let mut node_args = vec![
         "node",
         "--master",
         &address,
@@ -65,40 +86,96 @@ async fn a_get_by_another_user_is_refused_the_mapping_and_served_over_tcp() {
         "64KiB",
         "--prefault",
         "false",
+        "--metrics-addr",
+        "127.0.0.1:0",
     ];
-    let (mut node, _) = Proc::try_start(&dir.0, "h1", &node_args, &[], "node h1").unwrap_or_else(|e| panic!("{e}"));
+    node_args.extend(extra);
+    let (node, ready) = Proc::try_start(&dir.0, "h1", &node_args, &[], "node h1").unwrap_or_else(|e| panic!("{e}"));
+    let metrics = field(&ready, "metrics").to_owned();
     let client = PoolClient::start(PoolClientConfig::new("refused-writer", address.clone())).await.expect("client");
-    let key = "refused-1";
-    let expected = value(key, 256 << 10);
-    client.put(key, &expected).await.expect("put");
+    client.put(key, expected).await.expect("put");
     client.close().await;
+    Cluster { dir, master, node, address, metrics, exe }
+}
 
-    // The control: the same user's get is not refused.
-    let (code, out, err) = run(command(&["get", "--master", &address, key], &[]));
-    assert_eq!(code, Some(0), "root get: {err}");
-    assert!(out == expected, "root get: other bytes");
-    let log = std::fs::read_to_string(&node.log).unwrap_or_default();
-    assert!(!log.contains(REFUSAL), "a same-user get was refused:\n{log}");
-
-    // `nobody`: refused the mapping, served over TCP.
+/// `umbp get KEY` as `nobody` (uid and gid 65534, no other groups).
+fn get_as_nobody(c: &Cluster, key: &str) -> (Option<i32>, Vec<u8>, String) {
     let mut cmd = Command::new("setpriv");
-    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"]).arg(&exe);
-    cmd.args(["get", "--master", &address, key]).env("RUST_LOG", "info").env("NO_COLOR", "1").env("HOME", "/");
+    cmd.args([&format!("--reuid={NOBODY}"), &format!("--regid={NOBODY}"), "--clear-groups"]).arg(&c.exe);
+    cmd.args(["get", "--master", &c.address, key]).env("RUST_LOG", "info").env("NO_COLOR", "1").env("HOME", "/");
     for (var, _) in std::env::vars().filter(|(v, _)| v.starts_with("UMBP_")) {
         cmd.env_remove(var);
     }
-    let (code, out, err) = run(cmd);
+    run(cmd)
+}
+
+/// How many keyed requests the holder answered `mapped` (the bytes left through its mapping):
+/// `umbp_transfer_tcp_server_requests_total{status="mapped"}` at its `/metrics`.
+fn mapped_answers(metrics: &str) -> u64 {
+    let mut s = TcpStream::connect(metrics).expect("connect to /metrics");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {metrics}\r\nConnection: close\r\n\r\n").expect("send");
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).expect("read");
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    reply
+        .lines()
+        .filter(|l| l.starts_with("umbp_transfer_tcp_server_requests_total{") && l.contains("status=\"mapped\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_by_another_user_is_refused_the_mapping_and_served_over_tcp() {
+    if !may_switch_user() {
+        return;
+    }
+    let key = "refused-1";
+    let expected = value(key, 256 << 10);
+    let mut c = cluster("shm-refused", &[], key, &expected).await;
+
+    // The control: the same user's get is not refused, and is answered through the mapping.
+    let (code, out, err) = run(command(&["get", "--master", &c.address, key], &[]));
+    assert_eq!(code, Some(0), "root get: {err}");
+    assert!(out == expected, "root get: other bytes");
+    let log = std::fs::read_to_string(&c.node.log).unwrap_or_default();
+    assert!(!log.contains(REFUSAL), "a same-user get was refused:\n{log}");
+    let mapped = mapped_answers(&c.metrics);
+    assert!(mapped >= 1, "root's get was not answered through the mapping");
+
+    // `nobody`: refused the mapping, served over TCP.
+    let (code, out, err) = get_as_nobody(&c, key);
     assert_eq!(code, Some(0), "nobody's get: {err}");
     assert!(out == expected, "nobody's get returned other bytes");
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let log = std::fs::read_to_string(&node.log).unwrap_or_default();
+        let log = std::fs::read_to_string(&c.node.log).unwrap_or_default();
         if log.lines().any(|l| l.contains(REFUSAL) && l.contains("uid=65534")) {
             break;
         }
         assert!(Instant::now() < deadline, "the holder never refused nobody's mapping:\n{log}");
         std::thread::sleep(Duration::from_millis(50));
     }
-    node.kill9();
-    drop(master);
+    assert_eq!(mapped_answers(&c.metrics), mapped, "nobody's get was answered through the mapping");
+    c.node.kill9();
+    drop((c.master, c.dir));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_by_the_admitted_group_goes_through_the_mapping() {
+    if !may_switch_user() {
+        return;
+    }
+    let key = "grouped-1";
+    let expected = value(key, 256 << 10);
+    let mut c = cluster("shm-group", &["--shared-memory-group", NOBODY], key, &expected).await;
+
+    let (code, out, err) = get_as_nobody(&c, key);
+    assert_eq!(code, Some(0), "nobody's get: {err}");
+    assert!(out == expected, "nobody's get returned other bytes");
+    let log = std::fs::read_to_string(&c.node.log).unwrap_or_default();
+    assert!(!log.contains(REFUSAL), "the admitted group's get was refused:\n{log}");
+    assert!(mapped_answers(&c.metrics) >= 1, "nobody's get was not answered through the mapping");
+    c.node.kill9();
+    drop((c.master, c.dir));
 }

@@ -139,7 +139,9 @@ pub(super) fn compose(config: &PoolClientConfig) -> Result<Composed, PoolError> 
     // A node that lends a medium serves its shareable regions to same-host peers; one that cannot
     // (the socket name taken, say) still serves them over TCP.
     if config.shared_memory && !matches!(config.medium, Medium::None) && !data_endpoint.is_empty() {
-        match ShmServer::start(ShmServerConfig::new(data_endpoint.clone(), token)) {
+        let mut shm = ShmServerConfig::new(data_endpoint.clone(), token);
+        shm.allowed_gid = config.shared_memory_group;
+        match ShmServer::start(shm) {
             Ok(server) => composite = composite.with_shm_server(Arc::new(server)),
             Err(e) => tracing::warn!(data = %data_endpoint, error = %e, "no shared-memory server; peers use TCP"),
         }

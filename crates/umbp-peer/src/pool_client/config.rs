@@ -280,6 +280,12 @@ pub struct PoolClientConfig {
     /// (falling back to TCP for any pair the path cannot take). Off: no memory file, no socket,
     /// every byte over TCP. Default: true.
     pub shared_memory: bool,
+    /// Besides processes of this node's own user, the shared-memory server admits same-host peers
+    /// whose **effective group** is this gid (`SO_PEERCRED`; supplementary groups do not count),
+    /// for ranks that run as different users of one group. They still need the cluster token.
+    /// Such a peer maps this node's memory as the owner does: it may read and write every value
+    /// in it. Only a node that lends a medium runs the server. Default: `None` (same user only).
+    pub shared_memory_group: Option<u32>,
     /// Whether values carry an **end-to-end checksum**: a put computes the value's CRC-32C
     /// (hardware-assisted) and the holder stores it with the value; a get checks the bytes it
     /// copied against it, and bytes that do not match (a flipped bit in a holder's memory, on its
@@ -315,6 +321,7 @@ impl std::fmt::Debug for PoolClientConfig {
             .field("register_client", &self.register_client)
             .field("keyed_requests", &self.keyed_requests)
             .field("shared_memory", &self.shared_memory)
+            .field("shared_memory_group", &self.shared_memory_group)
             .field("checksums", &self.checksums)
             .finish()
     }
@@ -345,6 +352,7 @@ impl PoolClientConfig {
             register_client: false,
             keyed_requests: true,
             shared_memory: true,
+            shared_memory_group: None,
             checksums: true,
         }
     }

@@ -30,6 +30,7 @@ mod client;
 mod engine;
 mod epochs;
 pub(crate) mod fanout;
+mod group;
 mod identity;
 mod keyed;
 mod server;
@@ -44,6 +45,7 @@ use crate::tcp::tokens_equal;
 
 pub use client::{SharedMapping, ShmClient, ShmClientConfig};
 pub use engine::{SharedMemoryConfig, SharedMemoryEngine};
+pub use group::group_id;
 pub use identity::HostIdentity;
 pub(crate) use keyed::{Copier, SharedReads};
 pub use server::{ShmServer, ShmServerConfig};

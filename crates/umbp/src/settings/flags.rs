@@ -97,6 +97,7 @@ pub(crate) fn node(a: &NodeArgs, token: Option<&str>) -> Vec<FlagValue> {
     f.size("--bounce", a.bounce);
     f.text("--metrics-addr", a.metrics_addr);
     f.bool("--shared-memory", a.shared_memory);
+    f.text("--shared-memory-group", a.shared_memory_group.as_deref());
     f.bool("--checksums", a.checksums);
     f.size("--capacity", a.capacity);
     f.bool("--prefault", a.prefault);

@@ -15,6 +15,7 @@
 //! where it came from (the file's key, the variable or the flag), never a silent default.
 
 mod flags;
+mod group;
 mod layer;
 mod table;
 #[cfg(test)]
@@ -29,6 +30,7 @@ use umbp_peer::pool_client::{Medium, PoolClientConfig, RecachePolicy};
 
 pub use layer::FileConfig;
 use table::Scope;
+use tree::GroupSetting;
 pub use tree::{ClientSettings, DEFAULT_MASTER_ADDRESS, DEFAULT_MAX_GET_SIZE, NodeSettings, Settings};
 
 use crate::cli::{GetArgs, MasterAddress, MasterArgs, MediumKind, NodeArgs};
@@ -197,6 +199,10 @@ pub fn resolve_node(
             reason: format!("it sizes a dram node's memory; {instead}"),
         });
     }
+    let shared_memory_group = match &n.shared_memory_group {
+        Some(group) => Some(shared_memory_group(group, flags, n.shared_memory, n.medium)?),
+        None => None,
+    };
     let mut c = PoolClientConfig::new(node_id, s.master_address);
     c.page_size = n.page_size;
     c.node_address = n.listen.to_string();
@@ -210,6 +216,7 @@ pub fn resolve_node(
     c.bounce_bytes = n.bounce;
     c.metrics_listen = n.metrics_addr;
     c.shared_memory = n.shared_memory;
+    c.shared_memory_group = shared_memory_group;
     c.checksums = n.checksums;
     c.medium = match n.medium {
         MediumKind::Dram => Medium::Dram(n.dram),
@@ -224,6 +231,29 @@ pub fn resolve_node(
     c.master.cluster_token.clone_from(&c.cluster_token);
     check_node(&c)?;
     Ok(c)
+}
+
+/// The gid of `node.shared_memory_group`. The flag is refused where it could admit no one (the
+/// path off, or no medium to share), as `--capacity` is; a file shared by many nodes may set it for
+/// all of them.
+fn shared_memory_group(
+    group: &GroupSetting,
+    flags: &NodeArgs,
+    shared_memory: bool,
+    medium: MediumKind,
+) -> Result<u32, SettingsError> {
+    let invalid = |reason: String| SettingsError::Invalid { setting: "--shared-memory-group", reason };
+    if flags.shared_memory_group.is_some() {
+        if !shared_memory {
+            return Err(invalid(
+                "it admits a group to the shared-memory path, which --shared-memory false turns off".into(),
+            ));
+        }
+        if medium == MediumKind::None {
+            return Err(invalid("a node with medium none lends no memory for the group to map".into()));
+        }
+    }
+    group::gid(group).map_err(invalid)
 }
 
 /// The settings of a client command (`put`, `get`, `exists`, `rm`, `stat`): a node with no medium

@@ -167,6 +167,7 @@ pub(crate) const TABLE: &[Row] = &[
     row("node.bounce", PoolClient, "--bounce", &[("UMBP_BOUNCE", Text)], &[]),
     row("node.metrics_addr", Node, "--metrics-addr", &[("UMBP_NODE_METRICS_ADDR", Text)], &[]),
     row("node.shared_memory", PoolClient, "--shared-memory", &[("UMBP_SHARED_MEMORY", Bool)], &[]),
+    row("node.shared_memory_group", Node, "--shared-memory-group", &[("UMBP_SHARED_MEMORY_GROUP", Text)], &[]),
     row("node.checksums", PoolClient, "--checksums", &[("UMBP_CHECKSUMS", Bool)], &[]),
     // [node.dram]: umbp_peer::pool_client::DramConfig.
     row("node.dram.capacity_bytes", Node, "--capacity", &[("UMBP_CAPACITY", Text)], &["node.capacity"]),

@@ -28,6 +28,7 @@ fn default_tree_with_every_key() -> Vec<(String, Value)> {
     let mut s = Settings { cluster_token: Some("t".into()), ..Settings::default() };
     s.node.node_id = Some("n".into());
     s.node.metrics_addr = Some(SocketAddr::from(([127, 0, 0, 1], 1)));
+    s.node.shared_memory_group = Some(GroupSetting::Name("umbp".into()));
     s.node.dram.numa_node = Some(0);
     s.node.cxl.path = Some("/dev/dax0.0".into());
     s.node.object.url = Some("s3://bucket/prefix".into());
@@ -254,6 +255,41 @@ fn checksums_are_on_by_default_and_off_by_flag_variable_or_file() {
     let file = FileConfig::parse("[node]\nchecksums = false\n", Path::new("t")).expect("a file");
     let c = resolve_node(&file, &none, &node_args(&["--node-id", "n"]), None).expect("file");
     assert!(!c.checksums, "[node] checksums = false");
+}
+
+#[test]
+fn a_shared_memory_group_is_a_gid_or_a_name_from_flag_variable_or_file() {
+    let none = env(&[]);
+    let id = node_args(&["--node-id", "n"]);
+    let plain = resolve_node(&FileConfig::default(), &none, &id, None).expect("defaults");
+    assert_eq!(plain.shared_memory_group, None, "this user only by default");
+    let by_flag = node_args(&["--node-id", "n", "--shared-memory-group", "4242"]);
+    let c = resolve_node(&FileConfig::default(), &none, &by_flag, None).expect("a gid");
+    assert_eq!(c.shared_memory_group, Some(4242));
+    // `root` is group 0 on every Linux host: a name is looked up.
+    let by_env = env(&[("UMBP_SHARED_MEMORY_GROUP", "root")]);
+    assert_eq!(resolve_node(&FileConfig::default(), &by_env, &id, None).expect("env").shared_memory_group, Some(0));
+    let file = FileConfig::parse("[node]\nshared_memory_group = 77\n", Path::new("t")).expect("a file");
+    assert_eq!(resolve_node(&file, &none, &id, None).expect("file").shared_memory_group, Some(77));
+
+    // A group the host does not know, by any layer, is an error naming it.
+    let unknown = env(&[("UMBP_SHARED_MEMORY_GROUP", "umbp-no-such-group-4f2a")]);
+    let err = resolve_node(&FileConfig::default(), &unknown, &id, None).expect_err("unknown group");
+    assert!(matches!(err, SettingsError::Invalid { setting: "--shared-memory-group", .. }), "{err}");
+    assert!(err.to_string().contains("umbp-no-such-group-4f2a"), "{err}");
+    let negative = FileConfig::parse("[node]\nshared_memory_group = -1\n", Path::new("t")).expect_err("gid -1");
+    assert!(negative.to_string().contains("node.shared_memory_group: gid -1 is out of range"), "{negative}");
+
+    // The flag where it could admit no one is refused; the same key in a file many nodes share is not.
+    let off = node_args(&["--node-id", "n", "--shared-memory", "false", "--shared-memory-group", "1"]);
+    let err = resolve_node(&FileConfig::default(), &none, &off, None).expect_err("the path off");
+    assert!(err.to_string().contains("--shared-memory false"), "{err}");
+    let lends_nothing = node_args(&["--node-id", "n", "--medium", "none", "--shared-memory-group", "1"]);
+    let err = resolve_node(&FileConfig::default(), &none, &lends_nothing, None).expect_err("medium none");
+    assert!(err.to_string().contains("medium none"), "{err}");
+    let shared =
+        FileConfig::parse("[node]\nmedium = \"none\"\nshared_memory_group = 1\n", Path::new("t")).expect("file");
+    assert_eq!(resolve_node(&shared, &none, &id, None).expect("a shared file").shared_memory_group, Some(1));
 }
 
 #[test]

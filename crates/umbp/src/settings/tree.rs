@@ -113,6 +113,8 @@ pub struct NodeSettings {
     pub metrics_addr: Option<SocketAddr>,
     /// The same-host shared-memory path.
     pub shared_memory: bool,
+    /// A group whose processes the shared-memory server also admits (a name or a gid).
+    pub shared_memory_group: Option<GroupSetting>,
     /// End-to-end value checksums (computed at put, checked at get).
     pub checksums: bool,
     /// `[node.dram]`.
@@ -148,6 +150,7 @@ impl Default for NodeSettings {
             bounce: p.bounce_bytes,
             metrics_addr: p.metrics_listen,
             shared_memory: p.shared_memory,
+            shared_memory_group: p.shared_memory_group.map(GroupSetting::Id),
             checksums: p.checksums,
             dram: DramConfig::default(),
             hbm: HbmConfig::default(),
@@ -206,5 +209,61 @@ mod recache {
 
     pub(super) fn serialize<S: Serializer>(v: &RecachePolicy, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&format_recache(*v))
+    }
+}
+
+/// A Unix group as a setting names it: a gid (`1000`, or `"1000"` from a flag or a variable) or a
+/// name (`"umbp"`), looked up when the node starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GroupSetting {
+    /// A numeric gid.
+    Id(u32),
+    /// A group name, for the host's group database.
+    Name(String),
+}
+
+impl GroupSetting {
+    /// A gid when `text` is all digits, else a name; an empty one is refused.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Err("a group is a name or a gid, not empty".into());
+        }
+        if text.bytes().all(|b| b.is_ascii_digit()) {
+            return text.parse().map(Self::Id).map_err(|_| format!("gid {text} is out of range"));
+        }
+        Ok(Self::Name(text.to_owned()))
+    }
+}
+
+impl<'de> Deserialize<'de> for GroupSetting {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{self, Visitor};
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = GroupSetting;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a group name (\"umbp\") or a gid (1000)")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<GroupSetting, E> {
+                u32::try_from(v).map(GroupSetting::Id).map_err(|_| E::custom(format!("gid {v} is out of range")))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<GroupSetting, E> {
+                u32::try_from(v).map(GroupSetting::Id).map_err(|_| E::custom(format!("gid {v} is out of range")))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<GroupSetting, E> {
+                GroupSetting::parse(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for GroupSetting {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Id(gid) => s.serialize_u32(*gid),
+            Self::Name(name) => s.serialize_str(name),
+        }
     }
 }
