@@ -175,6 +175,8 @@ async fn a_get_by_the_admitted_group_goes_through_the_mapping() {
     assert!(out == expected, "nobody's get returned other bytes");
     let log = std::fs::read_to_string(&c.node.log).unwrap_or_default();
     assert!(!log.contains(REFUSAL), "the admitted group's get was refused:\n{log}");
+    let said = log.lines().any(|l| l.contains("shm server admits this group's processes") && l.contains("gid=65534"));
+    assert!(said, "the holder never said whom it admits:\n{log}");
     assert!(mapped_answers(&c.metrics) >= 1, "nobody's get was not answered through the mapping");
     c.node.kill9();
     drop((c.master, c.dir));

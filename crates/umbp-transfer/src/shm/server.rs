@@ -120,6 +120,11 @@ impl ShmServer {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
         });
+        if let Some(gid) = shared.config.allowed_gid {
+            // A widening of who may read and write this node's memory: said once, where an operator looks.
+            tracing::info!(endpoint = %shared.config.endpoint, uid = shared.uid, gid,
+                "shm server admits this group's processes besides this user's");
+        }
         let thread_shared = Arc::clone(&shared);
         let acceptor = std::thread::Builder::new()
             .name("umbp-shm-accept".into())
