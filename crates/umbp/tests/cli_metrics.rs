@@ -2,8 +2,8 @@
 //! flag), and real processes whose `/metrics` is fetched over HTTP, as `curl` would.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -11,6 +11,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use umbp::{Cli, FileConfig, resolve_master, resolve_node};
+
+mod metrics_support;
+
+use metrics_support::scrape;
 
 const UMBP: &str = env!("CARGO_BIN_EXE_umbp");
 
@@ -109,16 +113,6 @@ impl Drop for Proc {
     }
 }
 
-fn curl(addr: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: curl/8\r\n\r\n").expect("send");
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).expect("read");
-    assert!(reply.starts_with("HTTP/1.1 200 OK"), "{reply}");
-    reply
-}
-
 #[test]
 fn curl_of_running_master_and_node_processes_shows_their_series() {
     let master = Proc::start(&["master", "--listen", "127.0.0.1:0", "--metrics-addr", "127.0.0.1:0"]);
@@ -143,8 +137,8 @@ fn curl_of_running_master_and_node_processes_shows_their_series() {
     // its state gauges at once.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let master_text = curl(&m["metrics"]);
-        let node_text = curl(&n["metrics"]);
+        let master_text = scrape(&m["metrics"]);
+        let node_text = scrape(&n["metrics"]);
         let master_ok = master_text.contains("umbp_master_nodes{status=\"alive\"} 1")
             && master_text.contains("umbp_master_capacity_total_bytes{node=\"proc-n1\",tier=\"DRAM\"} 8388608");
         let node_ok = node_text.lines().any(|l| {

@@ -22,6 +22,10 @@ mod cli_support;
 
 use cli_support::{Proc, TempDir, command, field, value};
 
+mod metrics_support;
+
+use metrics_support::scrape;
+
 fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
     let map: HashMap<String, String> = pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
     move |var| map.get(var).cloned()
@@ -220,16 +224,4 @@ fn a_value_put_by_one_process_is_read_byte_exact_by_another_from_an_object_node(
         l.starts_with("umbp_backend_ops_total{") && l.contains("tier=\"SSD\"") && l.contains("op=\"resolve\"")
     });
     assert!(resolves.is_some(), "no resolve series under tier=\"SSD\":\n{text}");
-}
-
-/// The body of `GET /metrics` at `addr`.
-fn scrape(addr: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = TcpStream::connect(addr).expect("connect to /metrics");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("send");
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).expect("read");
-    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
-    reply
 }

@@ -12,8 +12,6 @@
 //! Needs root to run a process as another user. Without it the test prints why and passes, unless
 //! `UMBP_REQUIRE_ROOT=1` (set by `cargo xtask ci` where it runs as root) makes that a failure.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,6 +21,10 @@ use umbp_peer::pool_client::{PoolClient, PoolClientConfig};
 mod cli_support;
 
 use cli_support::{Proc, TempDir, UMBP, command, field, value};
+
+mod metrics_support;
+
+use metrics_support::scrape;
 
 const REFUSAL: &str = "shm peer refused: another user";
 
@@ -112,13 +114,7 @@ fn get_as_nobody(c: &Cluster, key: &str) -> (Option<i32>, Vec<u8>, String) {
 /// How many keyed requests the holder answered `mapped` (the bytes left through its mapping):
 /// `umbp_transfer_tcp_server_requests_total{status="mapped"}` at its `/metrics`.
 fn mapped_answers(metrics: &str) -> u64 {
-    let mut s = TcpStream::connect(metrics).expect("connect to /metrics");
-    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {metrics}\r\nConnection: close\r\n\r\n").expect("send");
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).expect("read");
-    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
-    reply
+    scrape(metrics)
         .lines()
         .filter(|l| l.starts_with("umbp_transfer_tcp_server_requests_total{") && l.contains("status=\"mapped\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
